@@ -1,0 +1,64 @@
+# gradaccum: `make demo` and `make test` each do every set-up step on a fresh machine.
+PYTHON  ?= python3
+PIP     := $(PYTHON) -m pip
+BUILD   := build
+PREFIX  := $(CURDIR)/$(BUILD)/install
+JOBS    ?= 2
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+GEN     := $(if $(shell command -v ninja),-G Ninja,)
+CMAKE_FLAGS := $(GEN) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
+
+# ccache's compiler links first: the extension and the CMake builds both hit the cache.
+export PATH     := /usr/lib/ccache:$(PATH)
+export MAX_JOBS := $(JOBS)
+
+.PHONY: all deps build install-python build-cpp test test-cpp test-python demo bench bench-gpu clean
+
+all: build
+
+# torch is pinned to the CPU 2.13.0 build on disk; nothing may pull another.
+deps: $(BUILD)/.deps
+$(BUILD)/.deps:
+	$(PIP) install -q torch==2.13.0 pytest numpy scikit-learn tqdm matplotlib
+	@if ! dpkg -s catch2 ccache >/dev/null 2>&1; then \
+	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q catch2 ccache; fi
+	@mkdir -p $(BUILD) && touch $@
+
+build: install-python build-cpp
+
+install-python: deps
+	$(PIP) install -q --no-build-isolation --no-deps .
+
+# The library, the Catch2 tests, the installed package, and the projects that
+# use it as a user would: the consumer test, the C++ example and benchmark.
+build-cpp: deps
+	cmake -S . -B $(BUILD)/cmake $(CMAKE_FLAGS) -DCMAKE_INSTALL_PREFIX=$(PREFIX)
+	cmake --build $(BUILD)/cmake -j $(JOBS)
+	cmake --install $(BUILD)/cmake > /dev/null
+	cmake -S tests/consumer -B $(BUILD)/consumer $(CMAKE_FLAGS) -DCMAKE_PREFIX_PATH=$(PREFIX)
+	cmake --build $(BUILD)/consumer -j $(JOBS)
+	cmake -S examples/cpp -B $(BUILD)/examples $(CMAKE_FLAGS) -DCMAKE_PREFIX_PATH=$(PREFIX)
+	cmake --build $(BUILD)/examples -j $(JOBS)
+	cmake -S benchmarks/cpp -B $(BUILD)/bench $(CMAKE_FLAGS) -DCMAKE_PREFIX_PATH=$(PREFIX)
+	cmake --build $(BUILD)/bench -j $(JOBS)
+
+test: build test-cpp test-python
+
+test-cpp:
+	OMP_NUM_THREADS=1 $(BUILD)/cmake/tests/cpp/gradaccum_tests
+	cd $(BUILD)/consumer && ctest --output-on-failure
+
+test-python:
+	OMP_NUM_THREADS=1 GRADACCUM_BUILD=$(CURDIR)/$(BUILD) $(PYTHON) -m pytest tests/python -q -rs
+
+demo: build
+	OMP_NUM_THREADS=2 $(PYTHON) examples/python/digits_demo.py --out $(BUILD)/demo
+
+bench: build
+	$(PYTHON) benchmarks/bench.py --cpp-bench $(BUILD)/bench/bench_window
+
+bench-gpu:
+	$(PYTHON) benchmarks/bench_gpu.py
+
+clean:
+	rm -rf $(BUILD) python/gradaccum/*.so *.egg-info

@@ -1,0 +1,174 @@
+#pragma once
+
+#include <gradaccum/options.h>
+#include <gradaccum/reducer.h>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace gradaccum {
+
+/// What an Accumulator trains: the trainable parameters (deduplicated, in
+/// registration order), their names for error messages, and the buffers that
+/// a data-parallel Accumulator broadcasts from rank 0.
+struct ModelParameters {
+  /// A `torch::nn::Module`, as `model.ptr()` or the holder itself.
+  template <typename M, typename = std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>>>
+  /* implicit */ ModelParameters(const std::shared_ptr<M>& module)
+      : ModelParameters(std::static_pointer_cast<torch::nn::Module>(module), 0) {}
+  template <typename M>
+  /* implicit */ ModelParameters(const torch::nn::ModuleHolder<M>& module)
+      : ModelParameters(module.ptr()) {}
+  /// Bare parameters (names are "parameter i").
+  /* implicit */ ModelParameters(std::vector<at::Tensor> parameters);
+  /// What the Python binding passes.
+  ModelParameters(
+      std::vector<at::Tensor> parameters,
+      std::vector<std::string> names,
+      std::vector<at::Tensor> buffers);
+
+  std::vector<at::Tensor> parameters;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> buffers;
+
+ private:
+  ModelParameters(const std::shared_ptr<torch::nn::Module>& module, int /*tag*/);
+};
+
+/// Counters since construction (or the last load_state_dict).
+struct AccumulatorStats {
+  int64_t micro_steps = 0; ///< backward() calls
+  int64_t optimizer_steps = 0; ///< real optimizer steps
+  int64_t skipped_steps = 0; ///< windows dropped for non-finite gradients
+  int64_t windows = 0; ///< windows closed (stepped or skipped)
+  std::optional<double> last_grad_norm; ///< total norm at the last boundary, if computed
+  ReducerStats reducer; ///< all zero without a process group
+};
+
+/// Everything exact resumption needs, the gradients of a half-done window included.
+struct AccumulatorState {
+  int64_t steps = 0;
+  int64_t micro_step = 0;
+  bool window_ready = false;
+  double window_weight = 0; ///< micro-steps (mean, sum) or items (items) so far
+  int64_t micro_steps = 0;
+  int64_t optimizer_steps = 0;
+  int64_t skipped_steps = 0;
+  int64_t windows = 0;
+  std::vector<at::Tensor> grads; ///< one per parameter; undefined for None
+};
+
+/// Gradient accumulation over windows of `steps` micro-batches, optionally data
+/// parallel over a c10d ProcessGroup.
+///
+/// Example:
+/// ```
+/// gradaccum::Accumulator acc(model.ptr(), optimizer, gradaccum::AccumulatorOptions(8));
+/// for (auto& batch : loader) {
+///   acc.backward(loss_fn(model->forward(batch.data), batch.target));
+///   acc.step(); // steps the optimizer once every 8 micro-batches
+/// }
+/// acc.flush(); // the partial last window
+/// ```
+///
+/// Gradients accumulate unscaled within a window; the window's last backward
+/// divides them once by the window's weight (micro-steps for "mean", items for
+/// "items", summed over ranks), fused into the reduction when data parallel.
+class Accumulator {
+ public:
+  using StepFunction = std::function<void()>;
+
+  /// `optimizer` (and `scheduler`, stepped only after a real optimizer step)
+  /// must outlive the Accumulator.
+  Accumulator(
+      ModelParameters model,
+      torch::optim::Optimizer& optimizer,
+      AccumulatorOptions options,
+      torch::optim::LRScheduler* scheduler = nullptr);
+  /// No optimizer: backward() leaves the window's gradient in `.grad`; step()
+  /// and flush() are errors.
+  Accumulator(ModelParameters model, AccumulatorOptions options);
+  /// Any optimizer, as callbacks (the Python binding's form).
+  Accumulator(
+      ModelParameters model,
+      AccumulatorOptions options,
+      StepFunction optimizer_step,
+      StepFunction scheduler_step = nullptr);
+
+  Accumulator(const Accumulator&) = delete;
+  Accumulator& operator=(const Accumulator&) = delete;
+
+  /// Runs backward on one micro-batch's loss and counts the micro-step. With
+  /// reduction "items", `num_items` is required: the items the (summed) loss
+  /// covers. The window's last call synchronises and scales the gradients.
+  void backward(const at::Tensor& loss, std::optional<double> num_items = std::nullopt);
+  /// At a closed window: clip, check, step the optimizer (and scheduler), clear
+  /// the gradients; returns whether the optimizer stepped. Elsewhere a no-op
+  /// returning false.
+  bool step();
+  /// Closes a partial window (end of data) with its own micro-step count and
+  /// steps. Data parallel: every rank must call it (a collective).
+  bool flush();
+  /// Drops the current window: clears gradients and counters of the window.
+  void zero_grad();
+
+  /// True when the next backward() closes the window.
+  bool sync_gradients() const;
+  /// Position in the current window, 0..steps-1.
+  int64_t micro_step() const {
+    return micro_step_;
+  }
+  /// True between the window's last backward() and step().
+  bool window_ready() const {
+    return window_ready_;
+  }
+  /// DDP-style manual control of the reducer (no-op without a process group).
+  NoSync no_sync();
+  /// The reducer's expect-hooks flag (true without a process group).
+  bool expect_hooks() const;
+  void set_expect_hooks(bool expect);
+
+  AccumulatorStats stats() const;
+  AccumulatorState state_dict() const;
+  void load_state_dict(const AccumulatorState& state);
+
+  const AccumulatorOptions& options() const {
+    return options_;
+  }
+  const std::vector<at::Tensor>& parameters() const {
+    return params_;
+  }
+  /// Null without a process group.
+  Reducer* reducer() {
+    return reducer_.get();
+  }
+
+ private:
+  void scale_local_gradients();
+  bool finish_window();
+  void clear_gradients();
+  std::vector<at::Tensor> defined_grads() const;
+
+  AccumulatorOptions options_;
+  std::vector<at::Tensor> params_;
+  StepFunction optimizer_step_;
+  StepFunction scheduler_step_;
+  std::unique_ptr<Reducer> reducer_;
+
+  int64_t micro_step_ = 0;
+  bool window_ready_ = false;
+  double window_weight_ = 0;
+  AccumulatorStats stats_;
+};
+
+} // namespace gradaccum

@@ -1,0 +1,12 @@
+#pragma once
+
+/// gradaccum: gradient accumulation with once-per-window, overlapped
+/// data-parallel reduction for LibTorch.
+
+#include <gradaccum/accumulator.h>
+#include <gradaccum/bucket.h>
+#include <gradaccum/options.h>
+#include <gradaccum/process_group.h>
+#include <gradaccum/reducer.h>
+#include <gradaccum/split.h>
+#include <gradaccum/version.h>

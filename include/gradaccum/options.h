@@ -1,0 +1,89 @@
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace gradaccum {
+
+/// What a window's gradient equals.
+enum class Reduction {
+  /// The gradient of the mean of the window's micro-batch losses (over all ranks).
+  Mean,
+  /// The gradient of the sum of the window's micro-batch losses (over all ranks).
+  Sum,
+  /// The gradient of (sum of the summed losses) / (sum of `num_items`), over all
+  /// micro-batches of all ranks: the exact per-item mean for uneven micro-batches.
+  Items,
+};
+
+/// What to do when the window's gradient holds a NaN or an infinity.
+enum class NonFinite {
+  /// Skip the optimizer step, clear the gradients, count it in `stats()`.
+  Skip,
+  /// Throw, leaving the gradients in place for inspection.
+  Raise,
+  /// Step anyway (no check, no host synchronisation).
+  Ignore,
+};
+
+/// Parses "mean" / "sum" / "items"; throws a ValueError-style error otherwise.
+Reduction reduction_from_string(const std::string& name);
+std::string to_string(Reduction reduction);
+/// Parses "skip" / "raise" / "ignore".
+NonFinite nonfinite_from_string(const std::string& name);
+std::string to_string(NonFinite mode);
+
+/// How the reducer groups gradients and where they live.
+struct ReducerOptions {
+  /// Cap of every bucket but the first, in MiB.
+  /// Example: `ReducerOptions().bucket_cap_mb(10)`.
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Cap of the first bucket (the last layers, ready first), in MiB: small, so
+  /// the first all-reduce starts early in backward.
+  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  /// Make each `.grad` a view into its bucket: no second copy of the gradients.
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// Broadcast rank 0's buffers (batch-norm statistics…) at each window's end.
+  TORCH_ARG(bool, broadcast_buffers) = false;
+  /// Check at construction that every rank has the same parameters.
+  TORCH_ARG(bool, check_parameters) = true;
+
+
+ public:
+  /// Throws if a field is out of range.
+  void validate() const;
+};
+
+/// Options of an `Accumulator`.
+///
+/// Example:
+/// ```
+/// auto options = gradaccum::AccumulatorOptions(8)
+///                    .reduction(gradaccum::Reduction::Items)
+///                    .max_grad_norm(1.0)
+///                    .process_group(pg);
+/// ```
+struct AccumulatorOptions {
+  /* implicit */ AccumulatorOptions(int64_t steps) : steps_(steps) {}
+
+  /// Micro-steps per window (K); the optimizer steps once per window.
+  TORCH_ARG(int64_t, steps);
+  TORCH_ARG(Reduction, reduction) = Reduction::Mean;
+  /// Clip the window's gradient to this total 2-norm, once, at the boundary.
+  TORCH_ARG(std::optional<double>, max_grad_norm) = std::nullopt;
+  TORCH_ARG(NonFinite, nonfinite) = NonFinite::Skip;
+  /// Data-parallel group; null means single process (no reducer).
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);
+  TORCH_ARG(ReducerOptions, reducer) = {};
+
+
+ public:
+  /// Throws if a field is out of range.
+  void validate() const;
+};
+
+} // namespace gradaccum

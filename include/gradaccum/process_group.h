@@ -1,0 +1,50 @@
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+
+namespace gradaccum {
+
+/// How `init_process_group_from_env` and `new_process_group` build a group.
+struct ProcessGroupOptions {
+  /// "gloo", "nccl", or "" for NCCL when CUDA is available (and gradaccum was
+  /// built with NCCL), Gloo otherwise.
+  TORCH_ARG(std::string, backend) = "";
+  /// Collective and rendezvous timeout.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
+};
+
+/// torchrun's variables, checked.
+struct LaunchEnvironment {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr;
+  int master_port = 0;
+  /// torchrun's agent already serves the store on MASTER_PORT.
+  bool agent_store = false;
+
+  /// Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (and
+  /// TORCHELASTIC_USE_AGENT_STORE); throws naming a missing or malformed one.
+  static LaunchEnvironment from_env();
+};
+
+/// Creates the TCPStore and a Gloo or NCCL group from torchrun's variables.
+c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
+    ProcessGroupOptions options = {});
+
+/// A Gloo or NCCL group over an existing store (tests use a HashStore).
+c10::intrusive_ptr<c10d::ProcessGroup> new_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int world_size,
+    ProcessGroupOptions options = {});
+
+/// Whether this build can create NCCL groups.
+bool nccl_available();
+
+} // namespace gradaccum

@@ -1,0 +1,195 @@
+"""gradaccum.Accumulator: the Python face of the C++ Accumulator."""
+import contextlib
+import numbers
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Union
+
+import torch
+
+from gradaccum import _C
+
+_REDUCTIONS = ("mean", "sum", "items")
+_NONFINITE = ("skip", "raise", "ignore")
+
+
+def _parameters(model: Any):
+    """(parameters, names, buffers) of a module or of an iterable of parameters."""
+    if isinstance(model, torch.nn.Module):
+        named = list(model.named_parameters())
+        return [p for _, p in named], [n for n, _ in named], list(model.buffers())
+    if isinstance(model, torch.Tensor):
+        raise TypeError(
+            "model must be a torch.nn.Module or an iterable of parameters, got a single "
+            "Tensor (wrap it in a list)"
+        )
+    try:
+        params = list(model)
+    except TypeError:
+        raise TypeError(
+            "model must be a torch.nn.Module or an iterable of parameters, got "
+            f"{type(model).__name__}"
+        ) from None
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"model must be a torch.nn.Module or an iterable of parameters; item {i} "
+                f"is a {type(p).__name__}"
+            )
+    return params, [f"parameter {i}" for i in range(len(params))], []
+
+
+def _default_group():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+class Accumulator:
+    """Gradient accumulation over windows of ``steps`` micro-batches.
+
+    Args:
+        model: a ``torch.nn.Module`` or an iterable of parameters.
+        optimizer: any ``torch.optim.Optimizer`` (or object with ``step()``);
+            ``None`` makes ``step()``/``flush()`` errors, while ``backward()``
+            still leaves each window's gradient in ``.grad``.
+        steps: micro-batches per window (K); the optimizer steps once per window.
+        reduction: what the window's gradient is the gradient of: ``"mean"`` of
+            the micro-batch losses, their ``"sum"``, or ``"items"``: the summed
+            losses over the summed ``num_items`` (exact per-item mean).
+        max_grad_norm: clip the window's gradient to this total 2-norm, once.
+        nonfinite: at the boundary, a NaN/inf gradient is ``"skip"``-ped (no
+            step, gradients cleared, counted), ``"raise"``-d, or ``"ignore"``-d.
+        scheduler: an LR scheduler stepped only after a real optimizer step.
+        process_group: data-parallel group; defaults to the default group when
+            ``torch.distributed`` is initialized. Gradients are then all-reduced
+            once per window, in buckets overlapped with backward.
+        bucket_cap_mb / first_bucket_cap_mb: bucket sizes (as torch DDP).
+        gradient_as_bucket_view: ``.grad`` tensors are views of the buckets.
+        broadcast_buffers: broadcast rank 0's buffers at each window's end.
+        check_parameters: at construction, check all ranks have the same
+            parameters (a collective) and fail naming the first mismatch.
+    """
+
+    def __init__(
+        self,
+        model: Union[torch.nn.Module, Iterable[torch.Tensor]],
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        steps: int = 1,
+        reduction: str = "mean",
+        max_grad_norm: Optional[float] = None,
+        nonfinite: str = "skip",
+        *,
+        scheduler: Optional[Any] = None,
+        process_group: Optional[Any] = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        gradient_as_bucket_view: bool = False,
+        broadcast_buffers: bool = False,
+        check_parameters: bool = True,
+    ) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
+            raise TypeError(f"steps must be a positive int, got {steps!r}")
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"Invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
+        if max_grad_norm is not None and not isinstance(max_grad_norm, numbers.Real):
+            raise TypeError(f"max_grad_norm must be a number or None, got {max_grad_norm!r}")
+        if optimizer is not None and not callable(getattr(optimizer, "step", None)):
+            raise TypeError(f"optimizer must have a step() method, got {type(optimizer).__name__}")
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
+        params, names, buffers = _parameters(model)
+        if process_group is None:
+            process_group = _default_group()
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.process_group = process_group
+        self._c = _C.Accumulator(
+            params, names, buffers, int(steps), reduction,
+            None if max_grad_norm is None else float(max_grad_norm), nonfinite,
+            process_group, float(bucket_cap_mb), float(first_bucket_cap_mb),
+            bool(gradient_as_bucket_view), bool(broadcast_buffers), bool(check_parameters),
+            optimizer.step if optimizer is not None else None,
+            scheduler.step if scheduler is not None else None,
+        )
+        self.steps = int(steps)
+        self.reduction = reduction
+
+    def backward(self, loss: torch.Tensor, num_items: Union[None, int, float, torch.Tensor] = None) -> None:
+        """Backward on one micro-batch's loss; the window's last call synchronises.
+
+        With ``reduction="items"``, ``loss`` is summed over items and
+        ``num_items`` (a number or a one-element tensor) counts them.
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward(): loss must be a torch.Tensor, got {type(loss).__name__}")
+        if isinstance(num_items, torch.Tensor):
+            if num_items.numel() != 1:
+                raise ValueError(f"backward(): num_items must be a number, got a tensor of shape {tuple(num_items.shape)}")
+            num_items = num_items.item()
+        self._c.backward(loss, None if num_items is None else float(num_items))
+
+    def step(self) -> bool:
+        """At a closed window: clip, check, step the optimizer (and scheduler),
+        clear the gradients. Returns whether the optimizer stepped."""
+        return self._c.step()
+
+    def flush(self) -> bool:
+        """Closes a partial window (end of data) and steps. Collective when data
+        parallel: every rank calls it."""
+        return self._c.flush()
+
+    def zero_grad(self) -> None:
+        """Drops the current window's gradients and position."""
+        self._c.zero_grad()
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True when the next ``backward()`` closes the window."""
+        return self._c.sync_gradients
+
+    @property
+    def micro_step(self) -> int:
+        """Position in the current window, ``0..steps-1``."""
+        return self._c.micro_step
+
+    @property
+    def window_ready(self) -> bool:
+        """True between a window's last ``backward()`` and ``step()``."""
+        return self._c.window_ready
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally with no collective (torch
+        DDP's ``no_sync``); only the backward needs to be inside."""
+        previous = self._c.expect_hooks
+        self._c.expect_hooks = False
+        try:
+            yield
+        finally:
+            self._c.expect_hooks = previous
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters: micro_steps, optimizer_steps, skipped_steps, windows, and the
+        reducer's buckets, collectives, bytes_reduced (in all and last window)."""
+        return self._c.stats()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Position, counters and the half-done window's gradients."""
+        return self._c.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
+        self._c.load_state_dict(state_dict)
+
+    @property
+    def bucket_indices(self):
+        """Parameter indices of each bucket, in launch order."""
+        return self._c.bucket_indices
+
+    def __repr__(self) -> str:
+        return (f"Accumulator(steps={self.steps}, reduction={self.reduction!r}, "
+                f"micro_step={self.micro_step}, data_parallel={self.process_group is not None})")

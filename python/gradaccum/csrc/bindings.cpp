@@ -1,0 +1,163 @@
+// Translates types between Python and gradaccum's C++ API, nothing else:
+// the logic lives in src/, the Pythonic sugar in python/gradaccum/*.py.
+#include <gradaccum/gradaccum.h>
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+namespace py = pybind11;
+
+namespace gradaccum::python {
+namespace {
+
+template <typename T>
+T required(const py::dict& d, const char* key) {
+  if (!d.contains(key)) {
+    throw py::value_error(std::string("load_state_dict: the state dict has no key '") + key + "'");
+  }
+  try {
+    return d[key].cast<T>();
+  } catch (const py::cast_error&) {
+    throw py::value_error(std::string("load_state_dict: key '") + key + "' has the wrong type ("
+        + py::str(py::type::of(d[key])).cast<std::string>() + ")");
+  }
+}
+
+py::dict stats_to_dict(const AccumulatorStats& s) {
+  py::dict d;
+  d["micro_steps"] = s.micro_steps;
+  d["optimizer_steps"] = s.optimizer_steps;
+  d["skipped_steps"] = s.skipped_steps;
+  d["windows"] = s.windows;
+  d["last_grad_norm"] = s.last_grad_norm ? py::cast(*s.last_grad_norm) : py::none();
+  d["buckets"] = s.reducer.buckets;
+  d["reductions"] = s.reducer.windows;
+  d["collectives"] = s.reducer.collectives;
+  d["bytes_reduced"] = s.reducer.bytes_reduced;
+  d["last_window_collectives"] = s.reducer.last_window_collectives;
+  d["last_window_bytes"] = s.reducer.last_window_bytes;
+  d["buffer_broadcasts"] = s.reducer.broadcasts;
+  return d;
+}
+
+py::dict state_to_dict(const AccumulatorState& s) {
+  py::dict d;
+  d["steps"] = s.steps;
+  d["micro_step"] = s.micro_step;
+  d["window_ready"] = s.window_ready;
+  d["window_weight"] = s.window_weight;
+  d["micro_steps"] = s.micro_steps;
+  d["optimizer_steps"] = s.optimizer_steps;
+  d["skipped_steps"] = s.skipped_steps;
+  d["windows"] = s.windows;
+  py::list grads;
+  for (const auto& g : s.grads) {
+    grads.append(g.defined() ? py::cast(g) : py::none());
+  }
+  d["grads"] = grads;
+  return d;
+}
+
+AccumulatorState state_from_dict(const py::dict& d) {
+  AccumulatorState s;
+  s.steps = required<int64_t>(d, "steps");
+  s.micro_step = required<int64_t>(d, "micro_step");
+  s.window_ready = required<bool>(d, "window_ready");
+  s.window_weight = required<double>(d, "window_weight");
+  s.micro_steps = required<int64_t>(d, "micro_steps");
+  s.optimizer_steps = required<int64_t>(d, "optimizer_steps");
+  s.skipped_steps = required<int64_t>(d, "skipped_steps");
+  s.windows = required<int64_t>(d, "windows");
+  for (const auto& g : required<py::list>(d, "grads")) {
+    if (g.is_none()) {
+      s.grads.emplace_back();
+    } else if (THPVariable_Check(g.ptr())) {
+      s.grads.push_back(g.cast<at::Tensor>());
+    } else {
+      throw py::value_error("load_state_dict: 'grads' must hold tensors or None");
+    }
+  }
+  return s;
+}
+
+std::unique_ptr<Accumulator> make_accumulator(
+    std::vector<at::Tensor> params,
+    std::vector<std::string> names,
+    std::vector<at::Tensor> buffers,
+    int64_t steps,
+    const std::string& reduction,
+    std::optional<double> max_grad_norm,
+    const std::string& nonfinite,
+    const py::object& process_group,
+    double bucket_cap_mb,
+    double first_bucket_cap_mb,
+    bool gradient_as_bucket_view,
+    bool broadcast_buffers,
+    bool check_parameters,
+    Accumulator::StepFunction optimizer_step,
+    Accumulator::StepFunction scheduler_step) {
+  auto options = AccumulatorOptions(steps)
+                     .reduction(reduction_from_string(reduction))
+                     .max_grad_norm(max_grad_norm)
+                     .nonfinite(nonfinite_from_string(nonfinite))
+                     .reducer(ReducerOptions()
+                                  .bucket_cap_mb(bucket_cap_mb)
+                                  .first_bucket_cap_mb(first_bucket_cap_mb)
+                                  .gradient_as_bucket_view(gradient_as_bucket_view)
+                                  .broadcast_buffers(broadcast_buffers)
+                                  .check_parameters(check_parameters));
+  if (!process_group.is_none()) {
+    options.process_group(process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
+  }
+  py::gil_scoped_release no_gil; // the reducer's setup runs collectives
+  return std::make_unique<Accumulator>(
+      ModelParameters(std::move(params), std::move(names), std::move(buffers)),
+      std::move(options), std::move(optimizer_step), std::move(scheduler_step));
+}
+
+void init_accumulator(py::module_& m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  py::class_<Accumulator>(m, "Accumulator")
+      .def(py::init(&make_accumulator),
+           py::arg("params"), py::arg("names"), py::arg("buffers"), py::arg("steps"),
+           py::arg("reduction"), py::arg("max_grad_norm"), py::arg("nonfinite"),
+           py::arg("process_group"), py::arg("bucket_cap_mb"), py::arg("first_bucket_cap_mb"),
+           py::arg("gradient_as_bucket_view"), py::arg("broadcast_buffers"),
+           py::arg("check_parameters"), py::arg("optimizer_step"), py::arg("scheduler_step"),
+           "See gradaccum.Accumulator.")
+      .def("backward", &Accumulator::backward, py::arg("loss"), py::arg("num_items") = py::none(),
+           release(), "Backward on one micro-batch's loss; counts the micro-step.")
+      .def("step", &Accumulator::step, release(), "Optimizer step at a closed window.")
+      .def("flush", &Accumulator::flush, release(), "Close a partial window and step.")
+      .def("zero_grad", &Accumulator::zero_grad, "Drop the current window.")
+      .def_property_readonly("sync_gradients", &Accumulator::sync_gradients)
+      .def_property_readonly("micro_step", &Accumulator::micro_step)
+      .def_property_readonly("window_ready", &Accumulator::window_ready)
+      .def_property("expect_hooks", &Accumulator::expect_hooks, &Accumulator::set_expect_hooks)
+      .def("stats", [](const Accumulator& a) { return stats_to_dict(a.stats()); })
+      .def("state_dict", [](const Accumulator& a) { return state_to_dict(a.state_dict()); })
+      .def("load_state_dict", [](Accumulator& a, const py::dict& d) { a.load_state_dict(state_from_dict(d)); },
+           py::arg("state_dict"))
+      .def_property_readonly("bucket_indices", [](Accumulator& a) {
+        std::vector<std::vector<size_t>> out;
+        if (a.reducer()) {
+          for (const auto& bucket : a.reducer()->buckets()) {
+            out.push_back(bucket.params);
+          }
+        }
+        return out;
+      }, "Parameter indices of each bucket, in launch order ([] without a process group).");
+}
+
+} // namespace
+} // namespace gradaccum::python
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "gradaccum's C++ core (use the gradaccum package, not this module)";
+  gradaccum::python::init_accumulator(m);
+  m.def("split", py::overload_cast<const std::vector<at::Tensor>&, int64_t>(&gradaccum::split),
+        py::arg("tensors"), py::arg("steps"), "Split tensors of one batch alike along dim 0.");
+  m.def("nccl_available", &gradaccum::nccl_available);
+  m.attr("__version__") = GRADACCUM_VERSION;
+}

@@ -1,0 +1,85 @@
+#include <gradaccum/bucket.h>
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <tuple>
+
+namespace gradaccum {
+
+std::vector<std::vector<size_t>> assign_buckets(
+    const std::vector<at::Tensor>& params,
+    int64_t first_cap_bytes,
+    int64_t cap_bytes) {
+  struct Open {
+    std::vector<size_t> indices;
+    int64_t bytes = 0;
+    bool first = true;
+  };
+  using Key = std::tuple<at::ScalarType, at::DeviceType, c10::DeviceIndex>;
+  std::map<Key, Open> open;
+  std::vector<std::vector<size_t>> closed;
+
+  for (size_t i = params.size(); i-- > 0;) {
+    const auto& p = params[i];
+    auto& bucket = open[Key(p.scalar_type(), p.device().type(), p.device().index())];
+    bucket.indices.push_back(i);
+    bucket.bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    if (bucket.bytes >= (bucket.first ? first_cap_bytes : cap_bytes)) {
+      closed.push_back(std::move(bucket.indices));
+      bucket.indices.clear();
+      bucket.bytes = 0;
+      bucket.first = false;
+    }
+  }
+  for (auto& entry : open) {
+    if (!entry.second.indices.empty()) {
+      closed.push_back(std::move(entry.second.indices));
+    }
+  }
+  // Launch order: by the first (last-registered) parameter, i.e. by when
+  // backward should complete the bucket. The same on every rank.
+  std::stable_sort(closed.begin(), closed.end(), [](const auto& a, const auto& b) {
+    return a.front() > b.front();
+  });
+  return closed;
+}
+
+Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices)
+    : params(std::move(indices)) {
+  TORCH_INTERNAL_ASSERT(!params.empty());
+  const auto& first = all[params.front()];
+  int64_t numel = 0;
+  for (size_t index : params) {
+    numel += all[index].numel();
+  }
+  const auto n = static_cast<int64_t>(params.size());
+  const auto dtype = first.scalar_type();
+  meta_in_buffer = dtype == at::kFloat || dtype == at::kDouble;
+  const auto options = first.options().requires_grad(false);
+  if (meta_in_buffer) {
+    buffer = at::zeros({numel + 1 + n}, options);
+    meta = buffer.narrow(0, numel, 1 + n);
+  } else {
+    buffer = at::zeros({numel}, options);
+    meta = at::zeros({1 + n}, options.dtype(at::kFloat));
+  }
+  gradients = buffer.narrow(0, 0, numel);
+  int64_t offset = 0;
+  views.reserve(params.size());
+  for (size_t index : params) {
+    const auto& p = all[index];
+    views.push_back(gradients.narrow(0, offset, p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+}
+
+int64_t Bucket::bytes() const {
+  int64_t total = buffer.numel() * static_cast<int64_t>(buffer.element_size());
+  if (!meta_in_buffer) {
+    total += meta.numel() * static_cast<int64_t>(meta.element_size());
+  }
+  return total;
+}
+
+} // namespace gradaccum

@@ -1,0 +1,59 @@
+#include <gradaccum/options.h>
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace gradaccum {
+
+Reduction reduction_from_string(const std::string& name) {
+  if (name == "mean") return Reduction::Mean;
+  if (name == "sum") return Reduction::Sum;
+  if (name == "items") return Reduction::Items;
+  TORCH_CHECK_VALUE(false,
+      "Invalid reduction: '", name, "' (expected 'mean', 'sum' or 'items')");
+}
+
+std::string to_string(Reduction reduction) {
+  switch (reduction) {
+    case Reduction::Mean: return "mean";
+    case Reduction::Sum: return "sum";
+    case Reduction::Items: return "items";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown Reduction");
+}
+
+NonFinite nonfinite_from_string(const std::string& name) {
+  if (name == "skip") return NonFinite::Skip;
+  if (name == "raise") return NonFinite::Raise;
+  if (name == "ignore") return NonFinite::Ignore;
+  TORCH_CHECK_VALUE(false,
+      "Invalid nonfinite: '", name, "' (expected 'skip', 'raise' or 'ignore')");
+}
+
+std::string to_string(NonFinite mode) {
+  switch (mode) {
+    case NonFinite::Skip: return "skip";
+    case NonFinite::Raise: return "raise";
+    case NonFinite::Ignore: return "ignore";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown NonFinite");
+}
+
+void ReducerOptions::validate() const {
+  TORCH_CHECK_VALUE(std::isfinite(bucket_cap_mb_) && bucket_cap_mb_ > 0,
+      "Invalid bucket_cap_mb: ", bucket_cap_mb_, " (must be > 0)");
+  TORCH_CHECK_VALUE(std::isfinite(first_bucket_cap_mb_) && first_bucket_cap_mb_ > 0,
+      "Invalid first_bucket_cap_mb: ", first_bucket_cap_mb_, " (must be > 0)");
+}
+
+void AccumulatorOptions::validate() const {
+  TORCH_CHECK_VALUE(steps_ > 0, "Invalid steps: ", steps_, " (must be a positive integer)");
+  if (max_grad_norm_) {
+    TORCH_CHECK_VALUE(std::isfinite(*max_grad_norm_) && *max_grad_norm_ >= 0,
+        "Invalid max_grad_norm: ", *max_grad_norm_, " (must be a finite number >= 0)");
+  }
+  reducer_.validate();
+}
+
+} // namespace gradaccum

@@ -1,0 +1,2 @@
+#pragma once
+// Forward declarations for ProcessGroupGloo.hpp; see src/shim/README.md.
