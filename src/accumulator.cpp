@@ -314,6 +314,9 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
       " but this Accumulator has steps=", options_.steps());
   TORCH_CHECK_VALUE(state.micro_step >= 0 && state.micro_step < options_.steps(),
       "load_state_dict: micro_step=", state.micro_step, " is outside [0, ", options_.steps(), ")");
+  TORCH_CHECK_VALUE(!state.window_ready || state.micro_step == 0,
+      "load_state_dict: window_ready=true with micro_step=", state.micro_step,
+      " (a closed window has micro_step 0)");
   TORCH_CHECK_VALUE(std::isfinite(state.window_weight) && state.window_weight >= 0,
       "load_state_dict: window_weight=", state.window_weight, " must be >= 0");
   TORCH_CHECK_VALUE(state.micro_steps >= 0 && state.optimizer_steps >= 0 &&

@@ -111,8 +111,9 @@ class Accumulator:
             None if max_grad_norm is None else float(max_grad_norm), nonfinite,
             process_group, float(bucket_cap_mb), float(first_bucket_cap_mb),
             bool(gradient_as_bucket_view), bool(broadcast_buffers), bool(check_parameters),
-            optimizer.step if optimizer is not None else None,
-            scheduler.step if scheduler is not None else None,
+            # Looked up at each call: an LR scheduler created later wraps optimizer.step.
+            (lambda: optimizer.step()) if optimizer is not None else None,
+            (lambda: scheduler.step()) if scheduler is not None else None,
         )
         self.steps = int(steps)
         self.reduction = reduction

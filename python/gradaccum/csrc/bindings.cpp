@@ -17,6 +17,11 @@ T required(const py::dict& d, const char* key) {
     throw py::value_error(std::string("load_state_dict: the state dict has no key '") + key + "'");
   }
   try {
+    if constexpr (std::is_same_v<T, py::list>) {
+      if (!py::isinstance<py::list>(d[key])) {
+        throw py::cast_error();
+      }
+    }
     return d[key].cast<T>();
   } catch (const py::cast_error&) {
     throw py::value_error(std::string("load_state_dict: key '") + key + "' has the wrong type ("

@@ -1,0 +1,278 @@
+#include "test_util.h"
+
+#include <catch2/catch.hpp>
+
+using namespace gradaccum;
+using gradaccum::test::max_rel_diff;
+using gradaccum::test::mlp;
+
+namespace {
+
+struct Data {
+  torch::Tensor x, y;
+};
+
+Data data(int64_t rows, torch::Dtype dtype) {
+  torch::manual_seed(7);
+  return {torch::randn({rows, 6}, dtype), torch::randn({rows, 3}, dtype)};
+}
+
+std::vector<at::Tensor> snapshot(const torch::nn::Sequential& m) {
+  std::vector<at::Tensor> out;
+  for (auto& p : m->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+template <typename Opt, typename OptOptions>
+void check_equivalence(Reduction reduction, torch::Dtype dtype, double tol, OptOptions opt_options,
+                       std::optional<double> clip = std::nullopt) {
+  const int64_t K = 4, windows = 5, rows = 24;
+  auto d = data(rows * windows, dtype);
+
+  auto ref = mlp(dtype);
+  Opt ref_opt(ref->parameters(), opt_options);
+  for (int64_t w = 0; w < windows; ++w) {
+    auto x = d.x.narrow(0, w * rows, rows), y = d.y.narrow(0, w * rows, rows);
+    ref_opt.zero_grad();
+    auto per_row = (ref->forward(x) - y).pow(2).sum(1);
+    // What the window's gradient is the gradient of: mean of equal micro-batch
+    // means = big-batch mean; sum of micro-batch means; summed items / items.
+    auto loss = reduction == Reduction::Mean ? per_row.mean()
+        : reduction == Reduction::Sum ? per_row.mean() * K
+        : per_row.sum() / rows;
+    loss.backward();
+    if (clip) torch::nn::utils::clip_grad_norm_(ref->parameters(), *clip);
+    ref_opt.step();
+  }
+
+  auto model = mlp(dtype);
+  Opt opt(model->parameters(), opt_options);
+  Accumulator acc(model.ptr(), opt, AccumulatorOptions(K).reduction(reduction).max_grad_norm(clip));
+  int64_t steps = 0;
+  for (int64_t w = 0; w < windows; ++w) {
+    auto parts = gradaccum::split(std::vector<at::Tensor>{d.x.narrow(0, w * rows, rows), d.y.narrow(0, w * rows, rows)}, K);
+    for (auto& mb : parts) {
+      auto per_row = (model->forward(mb[0]) - mb[1]).pow(2).sum(1);
+      if (reduction == Reduction::Items) {
+        acc.backward(per_row.sum(), static_cast<double>(mb[0].size(0)));
+      } else {
+        acc.backward(per_row.mean());
+      }
+      steps += acc.step();
+    }
+  }
+  CHECK(steps == windows);
+  CHECK(max_rel_diff(snapshot(model), snapshot(ref)) <= tol);
+}
+
+} // namespace
+
+TEST_CASE("K micro-batches equal one K-times batch", "[accumulator][equivalence]") {
+  for (auto reduction : {Reduction::Mean, Reduction::Sum, Reduction::Items}) {
+    DYNAMIC_SECTION("reduction " << to_string(reduction)) {
+      check_equivalence<torch::optim::SGD>(reduction, torch::kFloat64, 1e-10,
+          torch::optim::SGDOptions(0.05).momentum(0.9));
+      check_equivalence<torch::optim::Adam>(reduction, torch::kFloat64, 1e-10,
+          torch::optim::AdamOptions(1e-2));
+      check_equivalence<torch::optim::Adam>(reduction, torch::kFloat32, 1e-5,
+          torch::optim::AdamOptions(1e-2));
+    }
+  }
+}
+
+TEST_CASE("clipping happens once, on the window's gradient", "[accumulator][clip]") {
+  check_equivalence<torch::optim::SGD>(Reduction::Mean, torch::kFloat64, 1e-10,
+      torch::optim::SGDOptions(0.1).momentum(0.9), /*clip=*/0.05);
+}
+
+TEST_CASE("flush closes a partial window with its own count", "[accumulator][flush]") {
+  auto d = data(10, torch::kFloat64);
+  auto ref = mlp();
+  torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+  for (auto [start, len] : {std::pair<int64_t, int64_t>{0, 8}, {8, 2}}) {
+    ref_opt.zero_grad();
+    (ref->forward(d.x.narrow(0, start, len)) - d.y.narrow(0, start, len)).pow(2).mean().backward();
+    ref_opt.step();
+  }
+  auto model = mlp();
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  Accumulator acc(model, opt, AccumulatorOptions(4));
+  int stepped = 0;
+  for (auto& mb : gradaccum::split(std::vector<at::Tensor>{d.x, d.y}, 5)) { // five micro-batches of 2
+    acc.backward((model->forward(mb[0]) - mb[1]).pow(2).mean());
+    stepped += acc.step();
+  }
+  CHECK(stepped == 1);
+  CHECK(acc.micro_step() == 1);
+  CHECK(acc.flush());
+  CHECK_FALSE(acc.flush()); // nothing left
+  CHECK(max_rel_diff(snapshot(model), snapshot(ref)) <= 1e-10);
+}
+
+namespace {
+struct CountingScheduler : torch::optim::LRScheduler {
+  explicit CountingScheduler(torch::optim::Optimizer& o) : torch::optim::LRScheduler(o) {}
+  std::vector<double> get_lrs() override {
+    ++calls;
+    return get_current_lrs();
+  }
+  int calls = 0;
+};
+} // namespace
+
+TEST_CASE("the scheduler steps once per optimizer step", "[accumulator][scheduler]") {
+  auto model = mlp();
+  torch::optim::SGD opt(model->parameters(), 1.0);
+  CountingScheduler scheduler(opt);
+  Accumulator acc(model, opt, AccumulatorOptions(3), &scheduler);
+  auto d = data(9, torch::kFloat64);
+  for (int i = 0; i < 9; ++i) {
+    acc.backward(model->forward(d.x.narrow(0, i, 1)).sum());
+    acc.step();
+    CHECK(scheduler.calls == (i + 1) / 3);
+  }
+  CHECK(acc.stats().optimizer_steps == 3);
+}
+
+TEST_CASE("window bookkeeping", "[accumulator]") {
+  auto model = mlp();
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  Accumulator acc(model, opt, 3);
+  auto x = torch::randn({2, 6}, torch::kFloat64);
+  CHECK(acc.micro_step() == 0);
+  CHECK_FALSE(acc.sync_gradients());
+  acc.backward(model->forward(x).sum());
+  CHECK_FALSE(acc.step());
+  acc.backward(model->forward(x).sum());
+  CHECK(acc.sync_gradients());
+  acc.backward(model->forward(x).sum());
+  CHECK(acc.window_ready());
+  CHECK_THROWS_WITH(acc.backward(model->forward(x).sum()), Catch::Contains("call step()"));
+  CHECK(acc.step());
+  CHECK_FALSE(acc.window_ready());
+  for (auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());
+  auto s = acc.stats();
+  CHECK(s.micro_steps == 3);
+  CHECK(s.optimizer_steps == 1);
+  CHECK(s.reducer.collectives == 0);
+}
+
+TEST_CASE("non-finite windows are skipped, raised or ignored", "[accumulator][nonfinite]") {
+  auto x = torch::randn({2, 6}, torch::kFloat64);
+  for (auto mode : {NonFinite::Skip, NonFinite::Raise, NonFinite::Ignore}) {
+    DYNAMIC_SECTION("mode " << to_string(mode)) {
+      auto model = mlp();
+      torch::optim::SGD opt(model->parameters(), 0.1);
+      Accumulator acc(model, opt, AccumulatorOptions(2).nonfinite(mode));
+      auto before = snapshot(model);
+      acc.backward(model->forward(x).sum());
+      acc.backward(model->forward(x).sum() * std::numeric_limits<double>::infinity());
+      if (mode == NonFinite::Skip) {
+        CHECK_FALSE(acc.step());
+        CHECK(acc.stats().skipped_steps == 1);
+        CHECK(max_rel_diff(snapshot(model), before) == 0);
+        for (auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());
+      } else if (mode == NonFinite::Raise) {
+        CHECK_THROWS_WITH(acc.step(), Catch::Contains("not finite"));
+      } else {
+        CHECK(acc.step());
+        CHECK(torch::isnan(model->parameters()[0]).any().item<bool>());
+      }
+    }
+  }
+}
+
+TEST_CASE("a mid-window state round trip resumes identically", "[accumulator][state]") {
+  auto d = data(8, torch::kFloat64);
+  auto run = [&](bool resume) {
+    auto model = mlp();
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    Accumulator acc(model, opt, 4);
+    auto parts = gradaccum::split(std::vector<at::Tensor>{d.x, d.y}, 8);
+    for (int i = 0; i < 6; ++i) {
+      acc.backward((model->forward(parts[i][0]) - parts[i][1]).pow(2).mean());
+      acc.step();
+    }
+    if (resume) {
+      auto state = acc.state_dict();
+      auto fresh = mlp(torch::kFloat64, 99);
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < fresh->parameters().size(); ++i) fresh->parameters()[i].copy_(model->parameters()[i]);
+      torch::optim::SGD fresh_opt(fresh->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      // carry the momentum buffers
+      for (size_t i = 0; i < fresh->parameters().size(); ++i) {
+        auto& src = static_cast<torch::optim::SGDParamState&>(*opt.state().at(model->parameters()[i].unsafeGetTensorImpl()));
+        auto st = std::make_unique<torch::optim::SGDParamState>();
+        st->momentum_buffer(src.momentum_buffer().clone());
+        fresh_opt.state()[fresh->parameters()[i].unsafeGetTensorImpl()] = std::move(st);
+      }
+      Accumulator fresh_acc(fresh, fresh_opt, 4);
+      fresh_acc.load_state_dict(state);
+      CHECK(fresh_acc.micro_step() == 2);
+      torch::GradMode::set_enabled(true);
+      for (int i = 6; i < 8; ++i) {
+        fresh_acc.backward((fresh->forward(parts[i][0]) - parts[i][1]).pow(2).mean());
+        fresh_acc.step();
+      }
+      return snapshot(fresh);
+    }
+    for (int i = 6; i < 8; ++i) {
+      acc.backward((model->forward(parts[i][0]) - parts[i][1]).pow(2).mean());
+      acc.step();
+    }
+    return snapshot(model);
+  };
+  CHECK(max_rel_diff(run(true), run(false)) == 0);
+}
+
+TEST_CASE("bad input is rejected and leaves accumulated gradients alone", "[accumulator][errors]") {
+  auto model = mlp();
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  auto x = torch::randn({2, 6}, torch::kFloat64);
+  Accumulator acc(model, opt, AccumulatorOptions(4).reduction(Reduction::Items));
+  acc.backward(model->forward(x).sum(), 2.0);
+  auto grads = std::vector<at::Tensor>();
+  for (auto& p : model->parameters()) grads.push_back(p.grad().clone());
+
+  CHECK_THROWS_WITH(acc.backward(model->forward(x).sum()), Catch::Contains("num_items is required"));
+  CHECK_THROWS_WITH(acc.backward(model->forward(x).sum(), 0.0), Catch::Contains("num_items must be a positive"));
+  CHECK_THROWS_WITH(acc.backward(model->forward(x).sum(), -1.0), Catch::Contains("num_items must be a positive"));
+  CHECK_THROWS_WITH(acc.backward(model->forward(x), 1.0), Catch::Contains("loss must be a scalar"));
+  CHECK_THROWS_WITH(acc.backward(torch::ones({}), 1.0), Catch::Contains("does not require grad"));
+  CHECK_THROWS_WITH(acc.backward(at::Tensor(), 1.0), Catch::Contains("undefined"));
+  for (size_t i = 0; i < grads.size(); ++i) CHECK(torch::equal(model->parameters()[i].grad(), grads[i]));
+  CHECK(acc.micro_step() == 1);
+
+  Accumulator mean(mlp(), AccumulatorOptions(2));
+  CHECK_THROWS_WITH(mean.step(), Catch::Contains("no optimizer"));
+  CHECK_THROWS_WITH(mean.flush(), Catch::Contains("no optimizer"));
+
+  auto frozen = mlp();
+  for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  CHECK_THROWS_WITH(Accumulator(frozen, AccumulatorOptions(2)), Catch::Contains("no trainable parameters"));
+  CHECK_THROWS_WITH(Accumulator(mlp(), AccumulatorOptions(0)), Catch::Contains("Invalid steps"));
+
+  auto state = acc.state_dict();
+  state.steps = 3;
+  CHECK_THROWS_WITH(acc.load_state_dict(state), Catch::Contains("steps=3"));
+  state = acc.state_dict();
+  state.grads.pop_back();
+  CHECK_THROWS_WITH(acc.load_state_dict(state), Catch::Contains("gradients but the model has"));
+  state = acc.state_dict();
+  state.micro_step = 9;
+  CHECK_THROWS_WITH(acc.load_state_dict(state), Catch::Contains("micro_step=9"));
+}
+
+TEST_CASE("without an optimizer the window's gradient is left in .grad", "[accumulator]") {
+  auto model = mlp();
+  auto ref = mlp();
+  auto x = torch::randn({4, 6}, torch::kFloat64);
+  ref->forward(x).pow(2).mean().backward();
+  Accumulator acc(model, AccumulatorOptions(2));
+  for (auto& mb : gradaccum::split(x, 2)) acc.backward(model->forward(mb).pow(2).mean());
+  CHECK(acc.window_ready());
+  std::vector<at::Tensor> g, rg;
+  for (auto& p : model->parameters()) g.push_back(p.grad());
+  for (auto& p : ref->parameters()) rg.push_back(p.grad());
+  CHECK(max_rel_diff(g, rg) <= 1e-12);
+}

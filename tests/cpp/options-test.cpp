@@ -1,0 +1,38 @@
+#include <gradaccum/options.h>
+
+#include <catch2/catch.hpp>
+
+using namespace gradaccum;
+
+TEST_CASE("options chain and keep their defaults", "[options]") {
+  auto o = AccumulatorOptions(8).reduction(Reduction::Items).max_grad_norm(1.0);
+  CHECK(o.steps() == 8);
+  CHECK(o.reduction() == Reduction::Items);
+  CHECK(o.nonfinite() == NonFinite::Skip);
+  CHECK(*o.max_grad_norm() == 1.0);
+  CHECK(o.reducer().bucket_cap_mb() == 25.0);
+  CHECK(o.reducer().first_bucket_cap_mb() == 1.0);
+  CHECK_FALSE(o.reducer().gradient_as_bucket_view());
+  CHECK_NOTHROW(o.validate());
+}
+
+TEST_CASE("invalid options name the field and value", "[options][errors]") {
+  CHECK_THROWS_WITH(AccumulatorOptions(0).validate(), Catch::Contains("Invalid steps: 0"));
+  CHECK_THROWS_WITH(AccumulatorOptions(-3).validate(), Catch::Contains("Invalid steps: -3"));
+  CHECK_THROWS_WITH(AccumulatorOptions(2).max_grad_norm(-1.0).validate(),
+      Catch::Contains("Invalid max_grad_norm: -1"));
+  CHECK_THROWS_WITH(AccumulatorOptions(2).reducer(ReducerOptions().bucket_cap_mb(0)).validate(),
+      Catch::Contains("Invalid bucket_cap_mb"));
+  CHECK_THROWS_AS(AccumulatorOptions(0).validate(), c10::ValueError);
+}
+
+TEST_CASE("names parse both ways", "[options]") {
+  for (auto r : {Reduction::Mean, Reduction::Sum, Reduction::Items}) {
+    CHECK(reduction_from_string(to_string(r)) == r);
+  }
+  for (auto n : {NonFinite::Skip, NonFinite::Raise, NonFinite::Ignore}) {
+    CHECK(nonfinite_from_string(to_string(n)) == n);
+  }
+  CHECK_THROWS_WITH(reduction_from_string("avg"), Catch::Contains("Invalid reduction: 'avg'"));
+  CHECK_THROWS_WITH(nonfinite_from_string("nan"), Catch::Contains("Invalid nonfinite: 'nan'"));
+}

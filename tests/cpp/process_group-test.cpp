@@ -1,0 +1,76 @@
+#include "test_util.h"
+
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+
+using namespace gradaccum;
+
+namespace {
+struct EnvGuard {
+  explicit EnvGuard(std::vector<std::pair<std::string, std::string>> vars) {
+    for (auto& [k, v] : vars) {
+      const char* old = std::getenv(k.c_str());
+      saved.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
+      if (v.empty()) unsetenv(k.c_str()); else setenv(k.c_str(), v.c_str(), 1);
+    }
+  }
+  ~EnvGuard() {
+    for (auto& [k, v] : saved) {
+      if (v) setenv(k.c_str(), v->c_str(), 1); else unsetenv(k.c_str());
+    }
+  }
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+};
+} // namespace
+
+TEST_CASE("torchrun's variables are read and checked", "[process_group]") {
+  {
+    EnvGuard env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
+                  {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
+    auto e = LaunchEnvironment::from_env();
+    CHECK(e.rank == 1);
+    CHECK(e.world_size == 2);
+    CHECK(e.master_port == 29500);
+    CHECK(e.agent_store);
+  }
+  {
+    EnvGuard env({{"RANK", ""}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+    CHECK_THROWS_WITH(LaunchEnvironment::from_env(), Catch::Contains("RANK is not set"));
+  }
+  {
+    EnvGuard env({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+    CHECK_THROWS_WITH(LaunchEnvironment::from_env(), Catch::Contains("RANK=2 is not below WORLD_SIZE=2"));
+  }
+  {
+    EnvGuard env({{"RANK", "0"}, {"WORLD_SIZE", "two"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+    CHECK_THROWS_WITH(LaunchEnvironment::from_env(), Catch::Contains("WORLD_SIZE='two'"));
+  }
+}
+
+TEST_CASE("a Gloo group built from C++ all-reduces", "[process_group]") {
+  std::vector<double> sums(3);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      auto group = new_process_group(store, r, 3, ProcessGroupOptions().backend("gloo"));
+      std::vector<at::Tensor> t{torch::full({5}, double(r + 1), torch::kFloat64)};
+      group->allreduce(t)->wait();
+      sums[r] = t[0][4].item<double>();
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(sums == std::vector<double>{6, 6, 6});
+}
+
+TEST_CASE("bad group arguments are rejected", "[process_group][errors]") {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  CHECK_THROWS_WITH(new_process_group(store, 2, 2), Catch::Contains("out of range"));
+  CHECK_THROWS_WITH(new_process_group(store, 0, 1, ProcessGroupOptions().backend("mpi")),
+      Catch::Contains("Invalid backend: 'mpi'"));
+  if (!nccl_available()) {
+    CHECK_THROWS_WITH(new_process_group(store, 0, 1, ProcessGroupOptions().backend("nccl")),
+        Catch::Contains("built without NCCL"));
+  }
+}

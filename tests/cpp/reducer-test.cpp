@@ -1,0 +1,177 @@
+// Real multi-rank tests: one thread per rank, each with its own Gloo group over
+// loopback (a HashStore rendezvous), checked against one process on the whole
+// global batch and against an independent count of the collectives.
+#include "test_util.h"
+
+#include <catch2/catch.hpp>
+
+using namespace gradaccum;
+using gradaccum::test::CountingGroup;
+using gradaccum::test::max_rel_diff;
+using gradaccum::test::run_ranks;
+
+namespace {
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    std::lock_guard<std::mutex> lock(gradaccum::test::init_mutex());
+    torch::manual_seed(3);
+    trunk = register_module("trunk", torch::nn::Linear(6, 16));
+    head = register_module("head", torch::nn::Linear(16, 3));
+    side = register_module("side", torch::nn::Linear(16, 2));
+    idle = register_module("idle", torch::nn::Linear(16, 2));
+    to(torch::kFloat64);
+  }
+  // `use_side` varies by rank and micro-step; `idle` is never used.
+  torch::Tensor loss(const torch::Tensor& x, const torch::Tensor& y, bool use_side) {
+    auto z = torch::tanh(trunk->forward(x));
+    auto l = (head->forward(z) - y).pow(2).sum(1).mean();
+    return use_side ? l + side->forward(z).pow(2).mean() : l;
+  }
+  torch::nn::Linear trunk{nullptr}, head{nullptr}, side{nullptr}, idle{nullptr};
+};
+TORCH_MODULE(Net);
+
+std::vector<at::Tensor> params_of(Net& n) {
+  std::vector<at::Tensor> out;
+  for (auto& p : n->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+constexpr int64_t kRows = 4; // rows per micro-batch
+
+bool uses_side(int rank, int micro) {
+  return rank == 0 || micro == 1; // rank 0 always, the others in one micro-step
+}
+
+// One process, the global batch: the mean over all ranks' micro-batch losses.
+std::vector<at::Tensor> reference(int world, int64_t K, int windows, const torch::Tensor& x, const torch::Tensor& y) {
+  Net net;
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int w = 0; w < windows; ++w) {
+    opt.zero_grad();
+    torch::Tensor total;
+    for (int r = 0; r < world; ++r) {
+      for (int k = 0; k < K; ++k) {
+        const int64_t start = ((w * world + r) * K + k) * kRows;
+        auto l = net->loss(x.narrow(0, start, kRows), y.narrow(0, start, kRows), uses_side(r, k));
+        total = total.defined() ? total + l : l;
+      }
+    }
+    (total / double(world * K)).backward();
+    opt.step();
+  }
+  CHECK_FALSE(net->idle->weight.grad().defined());
+  return params_of(net);
+}
+
+} // namespace
+
+TEST_CASE("W ranks x K micro-batches equal one process on the global batch", "[reducer][distributed]") {
+  for (int world : {2, 4}) {
+    const int64_t K = 3;
+    const int windows = 3;
+    torch::manual_seed(11);
+    auto x = torch::randn({world * K * windows * kRows, 6}, torch::kFloat64);
+    auto y = torch::randn({world * K * windows * kRows, 3}, torch::kFloat64);
+    auto expected = reference(world, K, windows, x, y);
+    for (bool as_view : {false, true}) {
+      DYNAMIC_SECTION("world " << world << (as_view ? " bucket views" : " copies")) {
+        std::vector<std::vector<at::Tensor>> results(world);
+        std::vector<std::vector<int>> counts(world);
+        run_ranks(world, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+          Net net;
+          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+          auto options = AccumulatorOptions(K).process_group(group).reducer(
+              ReducerOptions().bucket_cap_mb(0.0005).first_bucket_cap_mb(0.0002).gradient_as_bucket_view(as_view));
+          Accumulator acc(net, opt, options);
+          for (int w = 0; w < windows; ++w) {
+            for (int k = 0; k < K; ++k) {
+              const int64_t start = ((w * world + rank) * K + k) * kRows;
+              const int before = group->allreduces;
+              acc.backward(net->loss(x.narrow(0, start, kRows), y.narrow(0, start, kRows), uses_side(rank, k)));
+              counts[rank].push_back(group->allreduces - before);
+              acc.step();
+            }
+          }
+          const auto stats = acc.stats();
+          CHECK(stats.reducer.buckets > 1);
+          CHECK(stats.reducer.last_window_collectives == stats.reducer.buckets);
+          CHECK(stats.reducer.collectives == windows * stats.reducer.buckets);
+          // the idle layer got no gradient anywhere: None, as in one process
+          if (!as_view) CHECK_FALSE(net->idle->weight.grad().defined());
+          results[rank] = params_of(net);
+          counts[rank].push_back(static_cast<int>(stats.reducer.buckets));
+        });
+        for (int r = 0; r < world; ++r) {
+          CHECK(max_rel_diff(results[r], expected) <= 1e-10);
+          const int buckets = counts[r].back();
+          for (int i = 0; i + 1 < static_cast<int>(counts[r].size()); ++i) {
+            // no collective on micro-steps 1..K-1, one per bucket on the K-th
+            CHECK(counts[r][i] == ((i % K == K - 1) ? buckets : 0));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("no_sync gives DDP-style manual control", "[reducer][distributed]") {
+  std::vector<at::Tensor> local(2), synced(2);
+  std::vector<int> inside(2);
+  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    auto net = gradaccum::test::mlp();
+    auto params = net->parameters();
+    Reducer reducer(params, group);
+    auto x = torch::full({2, 6}, double(rank + 1), torch::kFloat64);
+    {
+      NoSync guard(&reducer);
+      net->forward(x).sum().backward();
+    }
+    inside[rank] = group->allreduces;
+    local[rank] = params[0].grad().clone();
+    net->forward(x).sum().backward(); // outside no_sync: synchronises, as DDP
+    CHECK(group->allreduces == static_cast<int>(reducer.buckets().size()));
+    CHECK(reducer.stats().windows == 1);
+    synced[rank] = params[0].grad().clone();
+  });
+  CHECK(inside == std::vector<int>{0, 0});
+  CHECK_FALSE(torch::allclose(local[0], local[1]));
+  // each rank accumulated 2 g(rank); DDP's mean over ranks is g(0) + g(1)
+  for (int r = 0; r < 2; ++r) {
+    CHECK(torch::allclose(synced[r], local[0] + local[1], 1e-12, 1e-12));
+  }
+}
+
+TEST_CASE("models that differ across ranks fail fast on every rank", "[reducer][distributed][errors]") {
+  std::vector<std::string> messages(2);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto group = new_process_group(store, r, 2, ProcessGroupOptions().backend("gloo").timeout(std::chrono::seconds(30)));
+      torch::nn::Linear lin(4, r == 0 ? 5 : 6);
+      try {
+        Accumulator acc(lin, AccumulatorOptions(2).process_group(group));
+      } catch (const c10::Error& e) {
+        messages[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& m : messages) {
+    CHECK_THAT(m, Catch::Contains("differs across ranks") && Catch::Contains("weight") &&
+                      Catch::Contains("[6, 4] on rank 1") && Catch::Contains("[5, 4] on rank 0"));
+  }
+}
+
+TEST_CASE("construction broadcasts rank 0's parameters", "[reducer][distributed]") {
+  std::vector<at::Tensor> weights(2);
+  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    auto net = gradaccum::test::mlp(torch::kFloat64, /*seed=*/100 + rank);
+    Accumulator acc(net, AccumulatorOptions(2).process_group(group));
+    weights[rank] = net->parameters()[0].detach().clone();
+  });
+  CHECK(torch::equal(weights[0], weights[1]));
+  CHECK(torch::equal(weights[0], gradaccum::test::mlp(torch::kFloat64, 100)->parameters()[0]));
+}

@@ -1,0 +1,95 @@
+#pragma once
+// Shared by the Catch2 tests: reference models, comparisons, a real
+// multi-rank harness (Gloo groups over a HashStore, one thread per rank) and a
+// ProcessGroup that counts the collectives it forwards.
+#include <gradaccum/gradaccum.h>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace gradaccum::test {
+
+/// Rank threads share torch's global generator: seed-and-build under a lock so
+/// each model gets the weights its seed promises.
+inline std::mutex& init_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+inline torch::nn::Sequential mlp(torch::Dtype dtype = torch::kFloat64, uint64_t seed = 1) {
+  std::lock_guard<std::mutex> lock(init_mutex());
+  torch::manual_seed(seed);
+  torch::nn::Sequential net(torch::nn::Linear(6, 16), torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  net->to(dtype);
+  return net;
+}
+
+inline double max_rel_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double scale = std::max(1.0, b[i].abs().max().item<double>());
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+/// Forwards to a real group and counts what passes through: an independent
+/// witness of the reducer's collectives.
+class CountingGroup : public c10d::ProcessGroup {
+ public:
+  explicit CountingGroup(c10::intrusive_ptr<c10d::ProcessGroup> inner)
+      : c10d::ProcessGroup(inner->getRank(), inner->getSize()), inner_(std::move(inner)) {}
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override {
+    ++allreduces;
+    return inner_->allreduce(tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
+    ++broadcasts;
+    return inner_->broadcast(tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
+      const c10d::AllgatherOptions& opts) override {
+    return inner_->allgather(out, in, opts);
+  }
+  const std::string getBackendName() const override {
+    return inner_->getBackendName();
+  }
+  std::atomic<int> allreduces{0};
+  std::atomic<int> broadcasts{0};
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> inner_;
+};
+
+/// Runs body(rank, group) on `world` threads, each with its own real Gloo group.
+/// Rethrows the first rank's exception after all threads end.
+inline void run_ranks(int world, const std::function<void(int, c10::intrusive_ptr<CountingGroup>)>& body) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::exception_ptr> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto group = gradaccum::new_process_group(
+            store, r, world, gradaccum::ProcessGroupOptions().backend("gloo").timeout(std::chrono::seconds(60)));
+        body(r, c10::make_intrusive<CountingGroup>(group));
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+} // namespace gradaccum::test

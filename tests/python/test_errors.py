@@ -1,0 +1,449 @@
+"""Every error of the Python API: its type, a message naming the argument, and
+that a rejected call changes nothing."""
+import collections
+
+import pytest
+import torch
+
+import gradaccum
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).double()
+
+
+def make_data(rows=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, 4, generator=g, dtype=torch.float64),
+            torch.randn(rows, 2, generator=g, dtype=torch.float64))
+
+
+def loss_of(model, x, y):
+    return (model(x) - y).pow(2).mean()
+
+
+def snapshot_grads(model):
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def assert_grads_equal(model, expected):
+    for p, e in zip(model.parameters(), expected):
+        if e is None:
+            assert p.grad is None
+        else:
+            assert p.grad is not None and torch.equal(p.grad, e)
+
+
+# Constructor ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [2.0, "2", True, None, [2]])
+def test_steps_wrong_type(steps):
+    with pytest.raises(TypeError, match="steps"):
+        gradaccum.Accumulator(make_model(), steps=steps)
+
+
+@pytest.mark.parametrize("steps", [0, -1, -10])
+def test_steps_not_positive(steps):
+    with pytest.raises(ValueError, match="steps"):
+        gradaccum.Accumulator(make_model(), steps=steps)
+
+
+@pytest.mark.parametrize("reduction", ["avg", "MEAN", "", "none"])
+def test_unknown_reduction(reduction):
+    with pytest.raises(ValueError, match="reduction"):
+        gradaccum.Accumulator(make_model(), steps=2, reduction=reduction)
+
+
+@pytest.mark.parametrize("nonfinite", ["warn", "Skip", ""])
+def test_unknown_nonfinite(nonfinite):
+    with pytest.raises(ValueError, match="nonfinite"):
+        gradaccum.Accumulator(make_model(), steps=2, nonfinite=nonfinite)
+
+
+@pytest.mark.parametrize("value", [-1.0, -1e-9, float("nan"), float("inf")])
+def test_max_grad_norm_bad_value(value):
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        gradaccum.Accumulator(make_model(), steps=2, max_grad_norm=value)
+
+
+@pytest.mark.parametrize("value", ["1.0", [1.0]])
+def test_max_grad_norm_wrong_type(value):
+    with pytest.raises(TypeError, match="max_grad_norm"):
+        gradaccum.Accumulator(make_model(), steps=2, max_grad_norm=value)
+
+
+@pytest.mark.parametrize("model", [5, None, 1.5], ids=["int", "None", "float"])
+def test_model_not_module_or_iterable(model):
+    with pytest.raises(TypeError, match="model"):
+        gradaccum.Accumulator(model, steps=2)
+
+
+def test_model_single_tensor():
+    with pytest.raises(TypeError, match="model"):
+        gradaccum.Accumulator(torch.zeros(3, requires_grad=True), steps=2)
+
+
+def test_model_iterable_with_non_tensor():
+    model = make_model()
+    with pytest.raises(TypeError, match="model.*item 1"):
+        gradaccum.Accumulator([model[0].weight, "bias"], steps=2)
+
+
+def test_optimizer_without_step():
+    with pytest.raises(TypeError, match="optimizer"):
+        gradaccum.Accumulator(make_model(), object(), steps=2)
+
+
+def test_scheduler_without_step():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="scheduler"):
+        gradaccum.Accumulator(model, opt, steps=2, scheduler=object())
+
+
+def test_no_trainable_parameters():
+    model = make_model().requires_grad_(False)
+    with pytest.raises(ValueError, match="trainable"):
+        gradaccum.Accumulator(model, steps=2)
+    with pytest.raises(ValueError, match="trainable"):
+        gradaccum.Accumulator([], steps=2)
+    with pytest.raises(ValueError, match="trainable"):
+        gradaccum.Accumulator([torch.zeros(3)], steps=2)
+
+
+def test_non_leaf_parameter():
+    w = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match="leaf"):
+        gradaccum.Accumulator([w * 2], steps=2)
+
+
+# step() / flush() without an optimizer ---------------------------------------------
+
+
+def test_step_and_flush_without_optimizer():
+    model = make_model()
+    acc = gradaccum.Accumulator(model, steps=2)
+    with pytest.raises(RuntimeError, match="optimizer"):
+        acc.step()
+    with pytest.raises(RuntimeError, match="optimizer"):
+        acc.flush()
+    x, y = make_data()
+    acc.backward(loss_of(model, x, y))
+    with pytest.raises(RuntimeError, match="optimizer"):
+        acc.flush()
+    assert acc.micro_step == 1  # the failed flush() did not close the window
+
+
+# backward() ------------------------------------------------------------------------
+
+
+def bad_backward_calls():
+    """(id, reduction, call(acc, model, x, y), exception, match)."""
+    return [
+        ("loss_not_tensor", "mean", lambda a, m, x, y: a.backward(loss_of(m, x, y).item()),
+         TypeError, "loss"),
+        ("loss_not_scalar", "mean", lambda a, m, x, y: a.backward((m(x) - y).pow(2)),
+         ValueError, "loss.*scalar"),
+        ("loss_empty", "mean", lambda a, m, x, y: a.backward(m(x)[:0, 0]),
+         ValueError, "loss.*scalar"),
+        ("loss_no_grad", "mean", lambda a, m, x, y: a.backward(loss_of(m, x, y).detach()),
+         ValueError, "loss.*require grad"),
+        ("num_items_in_mean", "mean", lambda a, m, x, y: a.backward(loss_of(m, x, y), num_items=8),
+         ValueError, "num_items"),
+        ("num_items_in_sum", "sum", lambda a, m, x, y: a.backward(loss_of(m, x, y), num_items=8),
+         ValueError, "num_items"),
+        ("num_items_missing", "items", lambda a, m, x, y: a.backward(loss_of(m, x, y)),
+         ValueError, "num_items"),
+        ("num_items_zero", "items", lambda a, m, x, y: a.backward(loss_of(m, x, y), num_items=0),
+         ValueError, "num_items"),
+        ("num_items_negative", "items",
+         lambda a, m, x, y: a.backward(loss_of(m, x, y), num_items=-3), ValueError, "num_items"),
+        ("num_items_nan", "items",
+         lambda a, m, x, y: a.backward(loss_of(m, x, y), num_items=float("nan")),
+         ValueError, "num_items"),
+        ("num_items_inf", "items",
+         lambda a, m, x, y: a.backward(loss_of(m, x, y), num_items=float("inf")),
+         ValueError, "num_items"),
+        ("num_items_zero_tensor", "items",
+         lambda a, m, x, y: a.backward(loss_of(m, x, y), num_items=torch.tensor(0)),
+         ValueError, "num_items"),
+        ("num_items_tensor_not_one_element", "items",
+         lambda a, m, x, y: a.backward(loss_of(m, x, y), num_items=torch.tensor([4, 4])),
+         ValueError, "num_items"),
+    ]
+
+
+@pytest.mark.parametrize("reduction,call,exc,match",
+                         [c[1:] for c in bad_backward_calls()],
+                         ids=[c[0] for c in bad_backward_calls()])
+def test_rejected_backward_changes_nothing(reduction, call, exc, match):
+    K = 3
+    x, y = make_data(9)
+    micro = gradaccum.split((x, y), K)
+    kwargs = (lambda xb: {"num_items": xb.shape[0] * 2}) if reduction == "items" else (lambda xb: {})
+    model = make_model()
+    acc = gradaccum.Accumulator(model, steps=K, reduction=reduction)
+    acc.backward(loss_of(model, *micro[0]) * (micro[0][0].shape[0] * 2 if reduction == "items" else 1),
+                 **kwargs(micro[0][0]))
+    grads = snapshot_grads(model)
+    assert all(g is not None for g in grads)
+    state = acc.state_dict()
+
+    with pytest.raises(exc, match=match):
+        call(acc, model, *micro[1])
+
+    assert_grads_equal(model, grads)
+    assert acc.micro_step == 1
+    assert not acc.window_ready
+    after = acc.state_dict()
+    for key in ("micro_step", "window_ready", "window_weight", "micro_steps"):
+        assert after[key] == state[key]
+
+    # The window then completes exactly as if the bad call never happened.
+    for xb, yb in micro[1:]:
+        scale = xb.shape[0] * 2 if reduction == "items" else 1
+        acc.backward(loss_of(model, xb, yb) * scale, **kwargs(xb))
+    assert acc.window_ready
+    ref = make_model()
+    if reduction == "sum":
+        sum(loss_of(ref, xb, yb) for xb, yb in micro).backward()
+    else:  # mean of equal micro-batches, or items: both the big batch's mean
+        loss_of(ref, x, y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_failed_autograd_backward_changes_nothing():
+    """loss.backward() itself raising (graph already freed) must not count the
+    micro-step or its weight."""
+    K = 2
+    x, y = make_data(8)
+    micro = gradaccum.split((x, y), K)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, steps=K)
+    loss = loss_of(model, *micro[0])
+    acc.backward(loss)
+    grads = snapshot_grads(model)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        acc.backward(loss)
+    assert_grads_equal(model, grads)
+    assert acc.micro_step == 1
+    assert acc.state_dict()["window_weight"] == 1.0
+    assert acc.stats()["micro_steps"] == 1
+    acc.backward(loss_of(model, *micro[1]))
+    ref = make_model()
+    loss_of(ref, x, y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_backward_after_closed_window():
+    K = 2
+    x, y = make_data(8)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=K)
+    micro = gradaccum.split((x, y), 4)
+    acc.backward(loss_of(model, *micro[0]))
+    acc.backward(loss_of(model, *micro[1]))
+    grads = snapshot_grads(model)
+    with pytest.raises(RuntimeError, match=r"step\(\)"):
+        acc.backward(loss_of(model, *micro[2]))
+    assert_grads_equal(model, grads)
+    assert acc.window_ready
+    assert acc.stats()["micro_steps"] == 2
+    assert acc.step() is True
+    acc.backward(loss_of(model, *micro[2]))  # fine after step()
+    assert acc.micro_step == 1
+
+
+# load_state_dict -------------------------------------------------------------------
+
+STATE_KEYS = ["steps", "micro_step", "window_ready", "window_weight", "micro_steps",
+              "optimizer_steps", "skipped_steps", "windows", "grads"]
+
+
+@pytest.fixture
+def mid_window():
+    """An Accumulator (K=4) one micro-step into a window, with its state dict."""
+    model = make_model()
+    acc = gradaccum.Accumulator(model, steps=4)
+    x, y = make_data()
+    acc.backward(loss_of(model, x, y))
+    return model, acc, acc.state_dict()
+
+
+def check_untouched(model, acc, grads):
+    assert_grads_equal(model, grads)
+    assert acc.micro_step == 1
+    assert not acc.window_ready
+    assert acc.state_dict()["window_weight"] == 1.0
+
+
+def test_state_dict_keys(mid_window):
+    _, _, state = mid_window
+    assert sorted(state) == sorted(STATE_KEYS)
+
+
+@pytest.mark.parametrize("key", STATE_KEYS)
+def test_load_state_dict_missing_key(mid_window, key):
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    bad = dict(state)
+    del bad[key]
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        acc.load_state_dict(bad)
+    check_untouched(model, acc, grads)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("steps", "4"), ("steps", 4.0), ("micro_step", "1"), ("micro_step", None),
+    ("window_ready", "yes"), ("window_weight", "1.0"), ("window_weight", None),
+    ("micro_steps", 1.5), ("optimizer_steps", "0"), ("skipped_steps", None), ("windows", []),
+    ("grads", 5), ("grads", None),
+])
+def test_load_state_dict_wrong_type(mid_window, key, value):
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        acc.load_state_dict({**state, key: value})
+    check_untouched(model, acc, grads)
+
+
+def test_load_state_dict_grads_hold_non_tensor(mid_window):
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    with pytest.raises(ValueError, match="grads"):
+        acc.load_state_dict({**state, "grads": [1.0] * len(state["grads"])})
+    check_untouched(model, acc, grads)
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_load_state_dict_wrong_number_of_grads(mid_window, delta):
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    g = list(state["grads"])
+    g = g[:-1] if delta < 0 else g + [None]
+    with pytest.raises(ValueError, match="gradients"):
+        acc.load_state_dict({**state, "grads": g})
+    check_untouched(model, acc, grads)
+
+
+@pytest.mark.parametrize("how", ["swapped", "transposed", "dtype"])
+def test_load_state_dict_wrong_grad_shape_or_dtype(mid_window, how):
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    g = list(state["grads"])
+    if how == "swapped":
+        g[0], g[1] = g[1], g[0]
+    elif how == "transposed":
+        g[0] = g[0].t().contiguous()
+    else:
+        g[0] = g[0].float()
+    with pytest.raises(ValueError, match="gradient 0"):
+        acc.load_state_dict({**state, "grads": g})
+    check_untouched(model, acc, grads)
+
+
+@pytest.mark.parametrize("micro_step", [-1, 4, 100])
+def test_load_state_dict_micro_step_out_of_range(mid_window, micro_step):
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    with pytest.raises(ValueError, match="micro_step"):
+        acc.load_state_dict({**state, "micro_step": micro_step})
+    check_untouched(model, acc, grads)
+
+
+@pytest.mark.parametrize("steps", [1, 3, 8])
+def test_load_state_dict_steps_mismatch(mid_window, steps):
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    with pytest.raises(ValueError, match="steps"):
+        acc.load_state_dict({**state, "steps": steps})
+    check_untouched(model, acc, grads)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("window_weight", -1.0), ("window_weight", float("nan")), ("window_weight", float("inf")),
+    ("micro_steps", -1), ("optimizer_steps", -1), ("skipped_steps", -2), ("windows", -1),
+])
+def test_load_state_dict_negative_values(mid_window, key, value):
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    with pytest.raises(ValueError, match=key if key == "window_weight" else "counters"):
+        acc.load_state_dict({**state, key: value})
+    check_untouched(model, acc, grads)
+
+
+@pytest.mark.parametrize("value", [[1, 2], None, "state"])
+def test_load_state_dict_not_a_dict(mid_window, value):
+    model, acc, _ = mid_window
+    grads = snapshot_grads(model)
+    with pytest.raises(TypeError, match="dict"):
+        acc.load_state_dict(value)
+    check_untouched(model, acc, grads)
+
+
+# split -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [0, -1])
+def test_split_steps_not_positive(steps):
+    with pytest.raises(ValueError, match="steps"):
+        gradaccum.split(torch.randn(4, 2), steps)
+
+
+@pytest.mark.parametrize("steps", [2.0, "2", True, None])
+def test_split_steps_wrong_type(steps):
+    with pytest.raises(TypeError, match="steps"):
+        gradaccum.split(torch.randn(4, 2), steps)
+
+
+@pytest.mark.parametrize("rows,steps", [(3, 4), (1, 2), (0, 1)])
+def test_split_more_steps_than_rows(rows, steps):
+    with pytest.raises(ValueError, match=f"{rows} rows into {steps}"):
+        gradaccum.split(torch.randn(rows, 2), steps)
+
+
+@pytest.mark.parametrize("batch", [
+    (torch.randn(4), torch.randn(5)),
+    {"a": torch.randn(4, 2), "b": torch.randn(3, 2)},
+    [torch.randn(6), (torch.randn(6), torch.randn(7))],
+], ids=["tuple", "dict", "nested"])
+def test_split_different_batch_sizes(batch):
+    with pytest.raises(ValueError, match="different batch sizes"):
+        gradaccum.split(batch, 2)
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+@pytest.mark.parametrize("batch", [
+    (torch.randn(4), 3),
+    "abcd",
+    None,
+    [torch.randn(4), {"x": 1.0}],
+    Pair(torch.randn(4), [1, 2, 3, 4]),
+], ids=["int_leaf", "str", "None", "float_in_dict", "list_of_ints"])
+def test_split_unsupported_leaf(batch):
+    with pytest.raises(TypeError, match="cannot split a"):
+        gradaccum.split(batch, 2)
+
+
+def test_split_numpy_unsupported():
+    import numpy as np
+
+    with pytest.raises(TypeError, match="ndarray"):
+        gradaccum.split(np.zeros((4, 2)), 2)
+
+
+def test_split_scalar_tensor():
+    with pytest.raises(ValueError, match="scalar"):
+        gradaccum.split(torch.tensor(1.0), 1)
+
+
+@pytest.mark.parametrize("batch", [(), [], {}], ids=["tuple", "list", "dict"])
+def test_split_no_tensor(batch):
+    with pytest.raises(ValueError, match="no tensor"):
+        gradaccum.split(batch, 1)

@@ -1,0 +1,141 @@
+"""gradaccum.split: one batch into micro-batches along dim 0."""
+import collections
+
+import pytest
+import torch
+
+import gradaccum
+
+Batch = collections.namedtuple("Batch", ["x", "y"])
+
+SHAPES = [(10, 3), (12, 4), (9, 4), (5, 5), (7, 1), (1, 1), (100, 7)]
+
+
+def expected_sizes(rows, steps):
+    return [rows // steps + (1 if k < rows % steps else 0) for k in range(steps)]
+
+
+@pytest.mark.parametrize("rows,steps", SHAPES)
+def test_tensor_sizes_and_contents(rows, steps):
+    x = torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2)
+    parts = gradaccum.split(x, steps)
+    assert isinstance(parts, list)
+    assert len(parts) == steps
+    sizes = [p.shape[0] for p in parts]
+    assert sizes == expected_sizes(rows, steps)
+    assert max(sizes) - min(sizes) <= 1
+    # The first rows % steps parts get the extra row, as torch.tensor_split.
+    reference = torch.tensor_split(x, steps)
+    for part, ref in zip(parts, reference):
+        assert part.shape[1:] == x.shape[1:]
+        assert torch.equal(part, ref)
+    assert torch.equal(torch.cat(parts), x)
+
+
+def test_documented_example():
+    x, y = torch.randn(10, 3), torch.randn(10)
+    assert [tuple(m[0].shape) for m in gradaccum.split((x, y), 3)] == [(4, 3), (3, 3), (3, 3)]
+
+
+def test_parts_are_views():
+    x = torch.zeros(9, 4)
+    parts = gradaccum.split(x, 3)
+    for part in parts:
+        assert part.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    parts[1].fill_(7.0)
+    assert torch.equal(x[3:6], torch.full((3, 4), 7.0))
+    assert torch.equal(x[:3], torch.zeros(3, 4))
+    assert torch.equal(x[6:], torch.zeros(3, 4))
+
+
+def test_split_along_dim0_only_and_noncontiguous():
+    base = torch.arange(4 * 7 * 3, dtype=torch.float64).reshape(4, 7, 3)
+    x = base.transpose(0, 1)  # (7, 4, 3), not contiguous
+    assert not x.is_contiguous()
+    parts = gradaccum.split(x, 3)
+    assert [p.shape for p in parts] == [torch.Size([3, 4, 3]), torch.Size([2, 4, 3]),
+                                        torch.Size([2, 4, 3])]
+    assert torch.equal(torch.cat(parts), x)
+
+
+def test_gradient_flows_through_parts():
+    x = torch.randn(7, 2, requires_grad=True)
+    parts = gradaccum.split(x, 3)
+    sum(((k + 1) * p).sum() for k, p in enumerate(parts)).backward()
+    expected = torch.tensor([1.0] * 3 + [2.0] * 2 + [3.0] * 2)[:, None].expand(7, 2)
+    assert torch.equal(x.grad, expected)
+
+
+@pytest.mark.parametrize("rows,steps", [(10, 3), (8, 8), (5, 2)])
+def test_tuple_and_list_stay_aligned(rows, steps):
+    x = torch.arange(rows)
+    y = torch.arange(rows) * 10
+    z = torch.randn(rows, 2, 2)
+    for container in (tuple, list):
+        parts = gradaccum.split(container([x, y, z]), steps)
+        assert len(parts) == steps
+        start = 0
+        for part, size in zip(parts, expected_sizes(rows, steps)):
+            assert type(part) is container
+            assert len(part) == 3
+            assert torch.equal(part[0], x[start:start + size])
+            assert torch.equal(part[1], part[0] * 10)
+            assert torch.equal(part[2], z[start:start + size])
+            start += size
+
+
+def test_dict():
+    batch = {"input": torch.arange(10), "label": torch.arange(10) + 100}
+    parts = gradaccum.split(batch, 4)
+    assert [list(p) for p in parts] == [["input", "label"]] * 4
+    assert [p["input"].tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    for p in parts:
+        assert torch.equal(p["label"], p["input"] + 100)
+
+
+def test_namedtuple():
+    batch = Batch(torch.arange(6), torch.arange(6) * 2)
+    parts = gradaccum.split(batch, 4)
+    assert [len(p.x) for p in parts] == [2, 2, 1, 1]
+    for p in parts:
+        assert type(p) is Batch
+        assert torch.equal(p.y, p.x * 2)
+
+
+def test_nested():
+    rows = 11
+    batch = {
+        "a": (torch.arange(rows), [torch.arange(rows) + 1, {"deep": torch.arange(rows) + 2}]),
+        "b": Batch(torch.arange(rows) + 3, torch.zeros(rows, 5)),
+    }
+    parts = gradaccum.split(batch, 3)
+    assert len(parts) == 3
+    start = 0
+    for part, size in zip(parts, expected_sizes(rows, 3)):
+        rows_ = torch.arange(start, start + size)
+        assert set(part) == {"a", "b"}
+        assert isinstance(part["a"], tuple) and isinstance(part["a"][1], list)
+        assert isinstance(part["a"][1][1], dict)
+        assert type(part["b"]) is Batch
+        assert torch.equal(part["a"][0], rows_)
+        assert torch.equal(part["a"][1][0], rows_ + 1)
+        assert torch.equal(part["a"][1][1]["deep"], rows_ + 2)
+        assert torch.equal(part["b"].x, rows_ + 3)
+        assert part["b"].y.shape == (size, 5)
+        start += size
+    assert start == rows
+
+
+def test_mixed_dtypes_and_devices_kept():
+    batch = (torch.arange(6, dtype=torch.int64), torch.ones(6, dtype=torch.bool),
+             torch.randn(6, dtype=torch.float16))
+    for part in gradaccum.split(batch, 2):
+        assert [t.dtype for t in part] == [torch.int64, torch.bool, torch.float16]
+        assert all(t.device == torch.device("cpu") for t in part)
+
+
+def test_steps_one_returns_whole_batch_view():
+    x = torch.randn(5, 3)
+    (part,) = gradaccum.split(x, 1)
+    assert torch.equal(part, x)
+    assert part.data_ptr() == x.data_ptr()
