@@ -197,8 +197,13 @@ bool Accumulator::flush() {
     return finish_window();
   }
   if (reducer_) {
-    // Always a collective, so that ranks whose data ran out earlier (nothing
-    // accumulated here) still pair with the others.
+    if (micro_step_ == 0 && reducer_->last_reduction_closed_partial_windows()) {
+      // This rank's last window was reduced together with the other ranks'
+      // partial windows (their flush) and has been stepped: nothing is left.
+      return false;
+    }
+    // Otherwise a collective even with nothing accumulated here, so that ranks
+    // whose data ran out at a window's end still pair with the others.
     reducer_->set_window_weight(window_weight_);
     if (reducer_->synchronize() == 0) {
       zero_grad();

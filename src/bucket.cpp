@@ -58,11 +58,11 @@ Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices)
   meta_in_buffer = dtype == at::kFloat || dtype == at::kDouble;
   const auto options = first.options().requires_grad(false);
   if (meta_in_buffer) {
-    buffer = at::zeros({numel + 1 + n}, options);
-    meta = buffer.narrow(0, numel, 1 + n);
+    buffer = at::zeros({numel + kMetaHeader + n}, options);
+    meta = buffer.narrow(0, numel, kMetaHeader + n);
   } else {
     buffer = at::zeros({numel}, options);
-    meta = at::zeros({1 + n}, options.dtype(at::kFloat));
+    meta = at::zeros({kMetaHeader + n}, options.dtype(at::kFloat));
   }
   gradients = buffer.narrow(0, 0, numel);
   int64_t offset = 0;

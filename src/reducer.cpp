@@ -276,6 +276,7 @@ void Reducer::launch_ready_buckets() {
 void Reducer::launch_bucket(Bucket& bucket) {
   bucket.meta.fill_(1);
   bucket.weight().fill_(window_weight_);
+  bucket.flushing().fill_(flushing_ ? 1 : 0);
   auto flags = bucket.flags();
   for (const auto slot : bucket.missing) {
     flags.narrow(0, static_cast<int64_t>(slot), 1).fill_(0);
@@ -302,7 +303,19 @@ double Reducer::synchronize() {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!sync_in_flight_, "Reducer::synchronize() called during a synchronising backward");
   begin_reduction();
-  return finish_reduction(/*read_weight=*/true);
+  flushing_ = true;
+  try {
+    const double weight = finish_reduction(/*read_weight=*/true);
+    flushing_ = false;
+    return weight;
+  } catch (...) {
+    flushing_ = false;
+    throw;
+  }
+}
+
+bool Reducer::last_reduction_closed_partial_windows() const {
+  return stats_.windows > 0 && buckets_.front().flushing().item<double>() > 0;
 }
 
 double Reducer::finish_reduction(bool read_weight) {

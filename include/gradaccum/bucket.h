@@ -23,9 +23,10 @@ std::vector<std::vector<size_t>> assign_buckets(
 ///
 /// The buffer is `[gradients | meta]` when the dtype holds counts exactly enough
 /// (float32, float64); otherwise `meta` is a float32 tensor of its own and the
-/// bucket costs a second collective. `meta` is `[window weight, one has-gradient
-/// flag per parameter]`: summed over ranks it gives the window's divisor (items or
-/// micro-steps, all ranks) and tells which parameters got no gradient anywhere,
+/// bucket costs a second collective. `meta` is `[window weight, flushing, one
+/// has-gradient flag per parameter]`: summed over ranks it gives the window's
+/// divisor (items or micro-steps, all ranks), whether some rank was closing a
+/// partial window with flush(), and which parameters got no gradient anywhere,
 /// with no collective of its own.
 struct Bucket {
   /// Builds the buffer and the per-parameter views for `params[indices]`.
@@ -35,7 +36,7 @@ struct Bucket {
   std::vector<at::Tensor> views; ///< one per parameter, shaped like it
   at::Tensor buffer; ///< what the collective reduces
   at::Tensor gradients; ///< buffer's gradient part
-  at::Tensor meta; ///< [weight, flags…]
+  at::Tensor meta; ///< [weight, flushing, flags…]
   bool meta_in_buffer = false;
 
   // State of the synchronising backward in flight.
@@ -45,11 +46,15 @@ struct Bucket {
 
   /// Bytes one launch hands to the collectives.
   int64_t bytes() const;
+  static constexpr int64_t kMetaHeader = 2;
   at::Tensor weight() const {
     return meta.narrow(0, 0, 1);
   }
+  at::Tensor flushing() const {
+    return meta.narrow(0, 1, 1);
+  }
   at::Tensor flags() const {
-    return meta.narrow(0, 1, static_cast<int64_t>(params.size()));
+    return meta.narrow(0, kMetaHeader, static_cast<int64_t>(params.size()));
   }
 };
 

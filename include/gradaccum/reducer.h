@@ -75,6 +75,11 @@ class Reducer {
   /// window). Returns the window weight summed over ranks.
   double synchronize();
 
+  /// Whether some rank's synchronize() took part in the last reduction: then
+  /// every rank's last window was already reduced with the partial windows,
+  /// and a flush() on a rank with nothing accumulated must not reduce again.
+  bool last_reduction_closed_partial_windows() const;
+
   /// Makes `.grad` zero (bucket views stay views) or undefined (copy mode).
   void zero_grad();
 
@@ -130,6 +135,7 @@ class Reducer {
   // CUDA backward runs hooks on device threads.
   std::mutex mutex_;
   bool sync_in_flight_ = false;
+  bool flushing_ = false; ///< the reduction in flight comes from synchronize()
   std::vector<char> ready_;
   size_t next_launch_ = 0;
 

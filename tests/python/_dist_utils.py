@@ -1,0 +1,560 @@
+"""Multi-process helpers for test_distributed.py.
+
+`run_job(name, world_size, out_dir, **kwargs)` spawns `world_size` processes,
+joins them into a Gloo process group on loopback (a free TCP port) and runs the
+job `JOBS[name](rank, world_size, **kwargs)` on every rank. Each rank saves the
+dict its job returns with torch.save; the parent gets the list of them, one per
+rank, and makes the assertions. A hang fails: collectives time out
+(`pg_timeout`) and the parent kills whatever is still running after `timeout`.
+
+The jobs live here, in an importable module, because spawned processes unpickle
+them by name. The data, the models and the one-process references are here too,
+so that the parent and the workers build exactly the same ones.
+"""
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+DEFAULT_PG_TIMEOUT = 60  # seconds a collective may wait before it fails
+
+
+# --------------------------------------------------------------------------- #
+# Spawning
+# --------------------------------------------------------------------------- #
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, name, out_dir, pg_timeout, kwargs):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=pg_timeout),
+    )
+    try:
+        result = JOBS[name](rank, world_size, **kwargs)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_job(name, world_size, out_dir, *, timeout=150, pg_timeout=DEFAULT_PG_TIMEOUT, **kwargs):
+    """Runs JOBS[name] on `world_size` ranks; returns their results by rank."""
+    assert name in JOBS, name
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned processes
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    out_dir = str(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    ctx = mp.start_processes(
+        _entry,
+        args=(world_size, free_port(), name, out_dir, pg_timeout, kwargs),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            alive = [p.pid for p in ctx.processes if p.is_alive()]
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(5)
+            raise TimeoutError(f"job {name!r} on {world_size} ranks still running after {timeout} s "
+                               f"(processes {alive} killed): a hang")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True)
+            for r in range(world_size)]
+
+
+JOBS = {}
+
+
+def job(fn):
+    JOBS[fn.__name__] = fn
+    return fn
+
+
+# --------------------------------------------------------------------------- #
+# Models, data, losses
+# --------------------------------------------------------------------------- #
+
+D_IN, D_HID, D_OUT, TOKENS = 5, 12, 3, 6
+
+
+def mlp(seed, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(D_IN, D_HID), nn.Tanh(),
+        nn.Linear(D_HID, D_HID), nn.Tanh(),
+        nn.Linear(D_HID, D_OUT),
+    ).to(dtype)
+
+
+def make_optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "plain_sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    raise ValueError(name)
+
+
+def make_windows(seed, counts, micro_batch, dtype=torch.float64):
+    """Synthetic token data: windows[w][r] is the list of rank r's micro-batches
+    in window w; `counts[w][r]` says how many (K for a full window).
+
+    A micro-batch is (x [B, T, D_IN], y [B, T, D_OUT], mask [B, T]); every
+    sample has a random number (1..T) of valid tokens, so item counts differ
+    between micro-batches and ranks.
+    """
+    g = torch.Generator().manual_seed(seed)
+    windows = []
+    for per_rank in counts:
+        window = []
+        for n in per_rank:
+            micro = []
+            for _ in range(n):
+                x = torch.randn(micro_batch, TOKENS, D_IN, generator=g, dtype=dtype)
+                y = torch.randn(micro_batch, TOKENS, D_OUT, generator=g, dtype=dtype)
+                lengths = torch.randint(1, TOKENS + 1, (micro_batch,), generator=g)
+                mask = torch.arange(TOKENS)[None, :] < lengths[:, None]
+                micro.append((x, y, mask))
+            window.append(micro)
+        windows.append(window)
+    return windows
+
+
+def full_counts(n_windows, world_size, steps):
+    return [[steps] * world_size for _ in range(n_windows)]
+
+
+def micro_loss(model, batch, reduction):
+    """(loss, num_items) of one micro-batch, as a data-parallel rank computes it."""
+    x, y, mask = batch
+    err = (model(x) - y).pow(2)
+    if reduction == "mean":
+        return err.mean(), None
+    if reduction == "sum":
+        return err.sum(), None
+    per_token = err.sum(-1)
+    return (per_token * mask).sum(), int(mask.sum())
+
+
+def global_batch_loss(model, window, reduction):
+    """The loss of the whole global batch (every rank's micro-batches of the
+    window, concatenated), computed by one process in one forward."""
+    parts = [b for micro in window for b in micro]
+    x = torch.cat([b[0] for b in parts])
+    y = torch.cat([b[1] for b in parts])
+    mask = torch.cat([b[2] for b in parts])
+    err = (model(x) - y).pow(2)
+    if reduction == "mean":
+        return err.mean()  # equal micro-batches: the mean of the micro-batch means
+    if reduction == "sum":
+        return err.sum()
+    return (err.sum(-1) * mask).sum() / mask.sum()
+
+
+def grads(model):
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def reference_run(model, optimizer, windows, reduction):
+    """One process, one backward on each window's global batch, one step."""
+    window_grads = []
+    for window in windows:
+        global_batch_loss(model, window, reduction).backward()
+        window_grads.append(grads(model))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"grads": window_grads, "params": params(model)}
+
+
+# --------------------------------------------------------------------------- #
+# Jobs (run on every rank; return plain data for the parent to check)
+# --------------------------------------------------------------------------- #
+
+def _accumulate(rank, model, acc, windows, reduction, flush_last=False):
+    """Feeds this rank's micro-batches; records each window's reduced gradient."""
+    window_grads, stepped = [], []
+    for w, window in enumerate(windows):
+        for batch in window[rank]:
+            loss, n = micro_loss(model, batch, reduction)
+            acc.backward(loss, num_items=n)
+            if acc.window_ready:
+                window_grads.append(grads(model))
+            stepped.append(("step", acc.step()))
+        if flush_last and w == len(windows) - 1:
+            stepped.append(("flush", acc.flush()))
+    return window_grads, stepped
+
+
+@job
+def equivalence(rank, world_size, *, configs, seed, n_windows, steps, micro_batch):
+    import gradaccum
+
+    windows = make_windows(seed, full_counts(n_windows, world_size, steps), micro_batch)
+    out = {}
+    for opt_name, reduction, as_view in configs:
+        model = mlp(seed)
+        opt = make_optimizer(opt_name, model.parameters())
+        acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction,
+                                    bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005,
+                                    gradient_as_bucket_view=as_view)
+        window_grads, _ = _accumulate(rank, model, acc, windows, reduction)
+        out[f"{opt_name}/{reduction}/{as_view}"] = {
+            "grads": window_grads, "params": params(model), "stats": acc.stats(),
+            "buckets": len(acc.bucket_indices),
+        }
+    return out
+
+
+def _ddp_batches(seed, rank, n_windows, steps, micro_batch):
+    g = torch.Generator().manual_seed(seed + 1000 * rank)
+    return [[(torch.randn(micro_batch, TOKENS, D_IN, generator=g),
+              torch.randn(micro_batch, TOKENS, D_OUT, generator=g))
+             for _ in range(steps)] for _ in range(n_windows)]
+
+
+def _bucket_view_report(model, acc):
+    """Per bucket: the storages and sizes of its parameters' .grad."""
+    ps = list(model.parameters())
+    report = []
+    for bucket in acc.bucket_indices:
+        gs = [ps[i].grad for i in bucket]
+        report.append({
+            "defined": [g is not None for g in gs],
+            "storage": [g.untyped_storage().data_ptr() if g is not None else -1 for g in gs],
+            "nbytes": [g.untyped_storage().nbytes() if g is not None else -1 for g in gs],
+            "numel": sum(ps[i].numel() for i in bucket),
+            "n": len(bucket),
+            "itemsize": ps[bucket[0]].element_size(),
+        })
+    return report
+
+
+@job
+def ddp(rank, world_size, *, seed, n_windows, steps, micro_batch):
+    """torch DDP + no_sync vs gradaccum (Accumulator.backward, and manual
+    no_sync + loss.backward()), float32, copy and bucket-view modes."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import gradaccum
+
+    batches = _ddp_batches(seed, rank, n_windows, steps, micro_batch)
+    mse = nn.functional.mse_loss
+    out = {}
+
+    for as_view in (False, True):
+        model = mlp(seed, torch.float32)
+        ddp_model = DDP(model, gradient_as_bucket_view=as_view)
+        opt = make_optimizer("sgd", ddp_model.parameters())
+        trace = []
+        for window in batches:
+            for k, (x, y) in enumerate(window):
+                if k < steps - 1:
+                    with ddp_model.no_sync():
+                        (mse(ddp_model(x), y) / steps).backward()
+                else:
+                    (mse(ddp_model(x), y) / steps).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            trace.append(params(model))
+        out[f"torch_ddp/{as_view}"] = trace
+
+    for as_view in (False, True):
+        # gradaccum.Accumulator.backward / step
+        model = mlp(seed, torch.float32)
+        opt = make_optimizer("sgd", model.parameters())
+        acc = gradaccum.Accumulator(model, opt, steps=steps, reduction="mean",
+                                    bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005,
+                                    gradient_as_bucket_view=as_view)
+        trace, views = [], []
+        for w, window in enumerate(batches):
+            for k, (x, y) in enumerate(window):
+                acc.backward(mse(model(x), y))
+                if w == 0 and k == 0:
+                    views.append(("micro_step_1", _bucket_view_report(model, acc)))
+                if acc.window_ready:
+                    views.append((f"window_{w}_reduced", _bucket_view_report(model, acc)))
+                acc.step()
+            trace.append(params(model))
+        views.append(("after_step", _bucket_view_report(model, acc)))
+        out[f"gradaccum/{as_view}"] = trace
+        out[f"views/{as_view}"] = views
+        out[f"buckets/{as_view}"] = [list(b) for b in acc.bucket_indices]
+
+        # Manual, DDP-style: acc.no_sync() + loss.backward() + optimizer.step()
+        model = mlp(seed, torch.float32)
+        opt = make_optimizer("sgd", model.parameters())
+        acc = gradaccum.Accumulator(model, None, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005,
+                                    gradient_as_bucket_view=as_view)
+        trace = []
+        for window in batches:
+            for k, (x, y) in enumerate(window):
+                if k < steps - 1:
+                    with acc.no_sync():
+                        (mse(model(x), y) / steps).backward()
+                else:
+                    (mse(model(x), y) / steps).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            trace.append(params(model))
+        out[f"manual/{as_view}"] = trace
+        out[f"manual_stats/{as_view}"] = acc.stats()
+    dist.barrier()
+    return out
+
+
+def _count_allreduces(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "gloo:all_reduce")
+
+
+@job
+def collectives(rank, world_size, *, seed, step_counts, n_windows):
+    """All-reduces per micro-step, counted by torch.profiler, and stats()."""
+    import gradaccum
+
+    out = {}
+    g = torch.Generator().manual_seed(seed + rank)
+    for steps in step_counts:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                              nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+        opt = make_optimizer("sgd", model.parameters())
+        acc = gradaccum.Accumulator(model, opt, steps=steps, bucket_cap_mb=0.01,
+                                    first_bucket_cap_mb=0.01)
+        record = {"buckets_init": acc.stats()["buckets"],
+                  "bucket_indices": [list(b) for b in acc.bucket_indices],
+                  "windows": []}
+        ps = list(model.parameters())
+        record["bucket_sizes"] = [[ps[i].numel() for i in b] for b in acc.bucket_indices]
+        for _ in range(n_windows):
+            before = acc.stats()
+            counts = []
+            for _ in range(steps):
+                x = torch.randn(4, 16, generator=g)
+                counts.append(_count_allreduces(lambda: acc.backward(model(x).pow(2).mean())))
+            after_backward = acc.stats()
+            step_count = _count_allreduces(acc.step)
+            record["windows"].append({"counts": counts, "step_count": step_count,
+                                      "before": before, "after": after_backward})
+        # Manual mode: a no_sync backward reduces nothing, a plain one every bucket.
+        x = torch.randn(4, 16, generator=g)
+        with acc.no_sync():
+            record["no_sync_count"] = _count_allreduces(lambda: model(x).pow(2).mean().backward())
+        record["plain_count"] = _count_allreduces(lambda: model(x).pow(2).mean().backward())
+        record["final"] = acc.stats()
+        out[steps] = record
+    return out
+
+
+class Branchy(nn.Module):
+    """A trunk and head used always; branches used conditionally."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(D_IN, D_HID)
+        self.head = nn.Linear(D_HID, D_OUT)
+        self.rank_branch = nn.Linear(D_HID, D_OUT)   # used on one rank only
+        self.micro_branch = nn.Linear(D_HID, D_OUT)  # used in some micro-steps only
+        self.dead = nn.Linear(D_HID, D_OUT)          # never used
+
+    def forward(self, x, use_rank_branch, use_micro_branch):
+        h = torch.tanh(self.trunk(x))
+        out = self.head(h)
+        if use_rank_branch:
+            out = out + self.rank_branch(h)
+        if use_micro_branch:
+            out = out + self.micro_branch(h)
+        return out
+
+
+def branchy(seed):
+    torch.manual_seed(seed)
+    return Branchy().double()
+
+
+def branch_flags(w, r, k, world_size, steps):
+    """rank_branch: only on the last rank, not in window 1 (so nowhere then);
+    micro_branch: only in micro-step 0 (never the window's last), on all ranks."""
+    return (r == world_size - 1 and w != 1), (k == 0)
+
+
+def unused_reference(seed, world_size, steps, n_windows, micro_batch, opt_name):
+    windows = make_windows(seed, full_counts(n_windows, world_size, steps), micro_batch)
+    model = branchy(seed)
+    opt = make_optimizer(opt_name, model.parameters())
+    window_grads = []
+    for w, window in enumerate(windows):
+        total = 0
+        for r in range(world_size):
+            for k, (x, y, _) in enumerate(window[r]):
+                flags = branch_flags(w, r, k, world_size, steps)
+                total = total + (model(x, *flags) - y).pow(2).mean()
+        (total / (world_size * steps)).backward()
+        window_grads.append(grads(model))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"grads": window_grads, "params": params(model),
+            "names": [n for n, _ in model.named_parameters()]}
+
+
+@job
+def unused(rank, world_size, *, seed, steps, n_windows, micro_batch, variants):
+    import gradaccum
+
+    windows = make_windows(seed, full_counts(n_windows, world_size, steps), micro_batch)
+    out = {}
+    for opt_name, as_view in variants:
+        model = branchy(seed)
+        opt = make_optimizer(opt_name, model.parameters())
+        acc = gradaccum.Accumulator(model, opt, steps=steps, bucket_cap_mb=0.0005,
+                                    first_bucket_cap_mb=0.0002, gradient_as_bucket_view=as_view)
+        window_grads = []
+        for w, window in enumerate(windows):
+            for k, (x, y, _) in enumerate(window[rank]):
+                flags = branch_flags(w, rank, k, world_size, steps)
+                acc.backward((model(x, *flags) - y).pow(2).mean())
+                if acc.window_ready:
+                    window_grads.append(grads(model))
+                acc.step()
+        out[f"{opt_name}/{as_view}"] = {"grads": window_grads, "params": params(model),
+                                        "stats": acc.stats(),
+                                        "views": _bucket_view_report(model, acc)}
+    return out
+
+
+@job
+def mismatch(rank, world_size, *, odd_rank):
+    """Ranks whose models differ: every rank must raise a ValueError, quickly."""
+    import torch.distributed as dist
+    import gradaccum
+
+    odd = rank == odd_rank
+    cases = {
+        "shape": lambda: nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 6 if odd else 5)),
+        "count": lambda: nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 5),
+                                       *([nn.Linear(5, 5)] if odd else [])),
+        "dtype": lambda: nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 5)).to(
+            torch.float64 if odd else torch.float32),
+    }
+    out = {}
+    for case, build in cases.items():
+        model = build()
+        start = time.monotonic()
+        try:
+            gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+            out[case] = {"error": None, "message": "", "seconds": time.monotonic() - start}
+        except Exception as e:  # noqa: BLE001 - the parent checks the type
+            out[case] = {"error": type(e).__name__, "message": str(e),
+                         "seconds": time.monotonic() - start}
+        dist.barrier()  # the group is still usable, and every rank is here
+    return out
+
+
+@job
+def suite(rank, world_size, *, parts):
+    """Several jobs in one process group (spawning is the slow part).
+
+    `parts` maps a key to (job name, kwargs). A part that raises is recorded
+    as {"__error__": traceback} and the next part still runs.
+    """
+    import traceback
+
+    import torch.distributed as dist
+
+    out = {}
+    for key, (name, kwargs) in parts.items():
+        try:
+            out[key] = JOBS[name](rank, world_size, **kwargs)
+        except Exception:  # noqa: BLE001 - reported by the parent test that reads it
+            out[key] = {"__error__": f"rank {rank}:\n{traceback.format_exc()}"}
+        dist.barrier()
+    return out
+
+
+def flush_counts(n_full, world_size, steps, last):
+    return full_counts(n_full, world_size, steps) + [list(last)]
+
+
+@job
+def flush(rank, world_size, *, seed, steps, micro_batch, scenarios):
+    """Full windows, then a last partial window with per-rank counts `last`
+    (some ranks fewer, maybe none); every rank calls flush() at the end."""
+    import torch.distributed as dist
+    import gradaccum
+
+    out = {}
+    for key, (n_full, last, reduction) in scenarios.items():
+        windows = make_windows(seed, flush_counts(n_full, world_size, steps, last), micro_batch)
+        model = mlp(seed)
+        opt = make_optimizer("sgd", model.parameters())
+        acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction,
+                                    bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+        _, stepped = _accumulate(rank, model, acc, windows, reduction, flush_last=True)
+        # Every rank issued the same collectives: one more lines up everywhere.
+        check = torch.ones(1)
+        dist.all_reduce(check)
+        out[key] = {"params": params(model), "stepped": stepped, "stats": acc.stats(),
+                    "check": float(check)}
+    return out
+
+
+def bn_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+@job
+def broadcast(rank, world_size, *, steps):
+    """Ranks start from different weights and buffers; rank 0's win."""
+    import gradaccum
+
+    out = {}
+    for bcast in (False, True):
+        model = bn_model(100 + rank)  # a different init on every rank
+        with torch.no_grad():
+            model[1].running_mean.fill_(float(rank + 1))
+            model[1].num_batches_tracked.fill_(10 * (rank + 1))
+        before = {"params": params(model), "buffers": [b.clone() for b in model.buffers()]}
+        acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    steps=steps, broadcast_buffers=bcast)
+        after = {"params": params(model), "buffers": [b.clone() for b in model.buffers()]}
+        # One window on rank-specific data: the BatchNorm statistics diverge.
+        g = torch.Generator().manual_seed(7 + rank)
+        windows = []
+        for _ in range(2):
+            for _ in range(steps):
+                x = torch.randn(8, 6, generator=g) * (rank + 1) + rank
+                acc.backward(model(x).pow(2).mean())
+            windows.append({"buffers": [b.clone() for b in model.buffers()]})
+            acc.step()
+        out[bcast] = {"before": before, "after": after, "windows": windows,
+                      "stats": acc.stats()}
+    return out
+
