@@ -33,13 +33,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, name, out_dir, pg_timeout, kwargs):
+def _entry(rank, world_size, port, name, out_dir, pg_timeout, backend, kwargs):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
@@ -52,8 +52,10 @@ def _entry(rank, world_size, port, name, out_dir, pg_timeout, kwargs):
         dist.destroy_process_group()
 
 
-def run_job(name, world_size, out_dir, *, timeout=150, pg_timeout=DEFAULT_PG_TIMEOUT, **kwargs):
-    """Runs JOBS[name] on `world_size` ranks; returns their results by rank."""
+def run_job(name, world_size, out_dir, *, timeout=150, pg_timeout=DEFAULT_PG_TIMEOUT,
+            backend="gloo", **kwargs):
+    """Runs JOBS[name] on `world_size` ranks (Gloo unless `backend` says
+    otherwise); returns their results by rank."""
     assert name in JOBS, name
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned processes
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -61,7 +63,7 @@ def run_job(name, world_size, out_dir, *, timeout=150, pg_timeout=DEFAULT_PG_TIM
     os.makedirs(out_dir, exist_ok=True)
     ctx = mp.start_processes(
         _entry,
-        args=(world_size, free_port(), name, out_dir, pg_timeout, kwargs),
+        args=(world_size, free_port(), name, out_dir, pg_timeout, backend, kwargs),
         nprocs=world_size,
         join=False,
         start_method="spawn",
@@ -558,3 +560,46 @@ def broadcast(rank, world_size, *, steps):
                       "stats": acc.stats()}
     return out
 
+
+
+# --------------------------------------------------------------------------- #
+# GPU (tests/python/test_gpu.py; skipped without CUDA)
+# --------------------------------------------------------------------------- #
+
+@job
+def cuda_equivalence(rank, world_size, *, seed, dtype_name, steps, n_windows, micro_batch):
+    """Ranks on cuda:0 (NCCL at world size 1, or Gloo over CUDA tensors) against
+    one process on the global batch, on the same device and dtype; all-reduces
+    counted by the profiler per micro-step."""
+    import gradaccum
+    from torch.profiler import ProfilerActivity, profile
+
+    device, dtype = torch.device("cuda", 0), getattr(torch, dtype_name)
+    torch.cuda.set_device(device)
+
+    def to_device(window):
+        return [[tuple(t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in b)
+                 for b in micro] for micro in window]
+
+    windows = [to_device(w) for w in make_windows(seed, full_counts(n_windows, world_size, steps), micro_batch)]
+    out = {}
+    for reduction in ("mean", "items"):
+        reference = mlp(seed).to(device, dtype)
+        ref = reference_run(reference, make_optimizer("adam", reference.parameters()), windows, reduction)
+        model = mlp(seed).to(device, dtype)
+        acc = gradaccum.Accumulator(model, make_optimizer("adam", model.parameters()), steps=steps,
+                                    reduction=reduction, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+        per_step = []
+        for window in windows:
+            for batch in window[rank]:
+                loss, n = micro_loss(model, batch, reduction)
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    acc.backward(loss, num_items=n)
+                per_step.append(sum(1 for e in prof.events() if e.name.endswith(":all_reduce")))
+                acc.step()
+        out[reduction] = {
+            "params": [p.detach().cpu().double() for p in model.parameters()],
+            "reference": [p.cpu().double() for p in ref["params"]],
+            "allreduces": per_step, "buckets": len(acc.bucket_indices),
+        }
+    return out

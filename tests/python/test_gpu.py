@@ -1,0 +1,59 @@
+"""CUDA paths: NCCL at world size 1 and Gloo over CUDA tensors with 2 ranks.
+
+Run on a CUDA machine (`make test` there); without CUDA these skip, as in CI.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import _dist_utils as du
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+STEPS, WINDOWS = 3, 3
+
+
+def check(results, steps, tol):
+    for res in results:
+        for reduction, r in res.items():
+            for got, want in zip(r["params"], r["reference"]):
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=reduction)
+            # no collective on micro-steps 1..K-1, one per bucket on the K-th
+            expected = [r["buckets"] if (i % steps) == steps - 1 else 0 for i in range(len(r["allreduces"]))]
+            assert r["allreduces"] == expected, reduction
+
+
+@cuda
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="torch built without NCCL")
+@pytest.mark.parametrize("dtype_name,tol", [("float32", 1e-5), ("float64", 1e-10)])
+def test_nccl_world_size_1(tmp_path, dtype_name, tol):
+    results = du.run_job("cuda_equivalence", 1, tmp_path, backend="nccl", seed=5, dtype_name=dtype_name,
+                         steps=STEPS, n_windows=WINDOWS, micro_batch=4)
+    check(results, STEPS, tol)
+
+
+@cuda
+@pytest.mark.parametrize("dtype_name,tol", [("float32", 1e-5), ("float64", 1e-10)])
+def test_gloo_over_cuda_tensors_two_ranks(tmp_path, dtype_name, tol):
+    results = du.run_job("cuda_equivalence", 2, tmp_path, backend="gloo", seed=6, dtype_name=dtype_name,
+                         steps=STEPS, n_windows=WINDOWS, micro_batch=4)
+    check(results, STEPS, tol)
+    torch.testing.assert_close(results[0]["mean"]["params"], results[1]["mean"]["params"], rtol=0, atol=0)
+
+
+@cuda
+def test_cuda_single_process_bucket_views_and_bf16():
+    import gradaccum
+
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 5, device="cuda"), torch.randn(32, 3, device="cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = torch.nn.Linear(5, 3).cuda().to(dtype)
+        model = torch.nn.Linear(5, 3).cuda().to(dtype)
+        model.load_state_dict(ref.state_dict())
+        torch.nn.functional.mse_loss(ref(x.to(dtype)), y.to(dtype)).backward()
+        acc = gradaccum.Accumulator(model, None, steps=4)
+        for xb, yb in gradaccum.split((x.to(dtype), y.to(dtype)), 4):
+            acc.backward(torch.nn.functional.mse_loss(model(xb), yb))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
