@@ -603,3 +603,19 @@ def cuda_equivalence(rank, world_size, *, seed, dtype_name, steps, n_windows, mi
             "allreduces": per_step, "buckets": len(acc.bucket_indices),
         }
     return out
+
+
+@job
+def resolve_by_name(rank, world_size):
+    """An object that is not a ProcessGroup but names one (the binding's
+    fallback through c10d's group registry) reduces like the group itself."""
+    import types
+
+    import gradaccum
+    import torch.distributed as dist
+
+    model = mlp(3)
+    stand_in = types.SimpleNamespace(group_name=dist.group.WORLD.group_name)
+    acc = gradaccum.Accumulator(model, None, steps=1, process_group=stand_in)
+    model(torch.randn(4, D_IN, dtype=torch.float64)).sum().backward()
+    return {"stats": acc.stats(), "grad_defined": model[0].weight.grad is not None}

@@ -461,3 +461,10 @@ def test_flush_when_one_rank_filled_its_last_window(tmp_path):
     results = du.run_job("flush", 2, tmp_path, timeout=90, pg_timeout=15, seed=SEED,
                          steps=FLUSH_STEPS, micro_batch=FLUSH_MICRO, scenarios=scenarios)
     check_flush(results, 2, scenarios)
+
+
+def test_process_group_found_by_name_when_not_castable(tmp_path):
+    (res,) = du.run_job("resolve_by_name", 1, tmp_path)
+    assert res["stats"]["reductions"] == 1
+    assert res["stats"]["collectives"] == res["stats"]["buckets"] >= 1
+    assert res["grad_defined"]

@@ -91,6 +91,12 @@ def test_model_iterable_with_non_tensor():
         gradaccum.Accumulator([model[0].weight, "bias"], steps=2)
 
 
+@pytest.mark.parametrize("group", [5, "world", object()], ids=["int", "str", "object"])
+def test_process_group_wrong_type(group):
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
+        gradaccum.Accumulator(make_model(), steps=2, process_group=group)
+
+
 def test_optimizer_without_step():
     with pytest.raises(TypeError, match="optimizer"):
         gradaccum.Accumulator(make_model(), object(), steps=2)

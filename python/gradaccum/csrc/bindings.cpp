@@ -2,6 +2,8 @@
 // the logic lives in src/, the Pythonic sugar in python/gradaccum/*.py.
 #include <gradaccum/gradaccum.h>
 
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -86,6 +88,21 @@ AccumulatorState state_from_dict(const py::dict& d) {
   return s;
 }
 
+// torch binds ProcessGroup with c10::intrusive_ptr as holder, and this module
+// is built with torch's pybind11, so the cast works; should a torch release
+// change the holder, c10d's registry still finds the group by its name.
+c10::intrusive_ptr<c10d::ProcessGroup> to_process_group(const py::object& group) {
+  try {
+    return group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+  } catch (const py::cast_error&) {
+    if (py::hasattr(group, "group_name")) {
+      return c10d::resolve_process_group(group.attr("group_name").cast<std::string>());
+    }
+    throw py::type_error("process_group must be a torch.distributed.ProcessGroup, got "
+        + py::str(py::type::of(group)).cast<std::string>());
+  }
+}
+
 std::unique_ptr<Accumulator> make_accumulator(
     std::vector<at::Tensor> params,
     std::vector<std::string> names,
@@ -113,7 +130,7 @@ std::unique_ptr<Accumulator> make_accumulator(
                                   .broadcast_buffers(broadcast_buffers)
                                   .check_parameters(check_parameters));
   if (!process_group.is_none()) {
-    options.process_group(process_group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>());
+    options.process_group(to_process_group(process_group));
   }
   py::gil_scoped_release no_gil; // the reducer's setup runs collectives
   return std::make_unique<Accumulator>(
