@@ -1,0 +1,260 @@
+// bench_window: gradaccum's C++ contender of benchmarks/bench.py.
+//
+// One rank of a data-parallel run: launch WORLD_SIZE copies with RANK,
+// WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun sets them too), e.g.
+//
+//   for r in 0 1; do RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 \
+//     OMP_NUM_THREADS=1 build/bench/bench_window --model small --steps 1,4,16 --windows 20 & done; wait
+//
+// The model is the benchmark's Linear/ReLU stack (the same widths as
+// benchmarks/_bench_worker.py), trained with SGD on random data through a
+// gradaccum::Accumulator with K = --steps micro-batches of 32 rows per window.
+// Each rank prints one JSON line per K: the time of each window (seconds, after
+// one warm-up window), the reducer's buckets, collectives and bytes of the last
+// window, and the process's peak RSS (VmHWM, KiB).
+//
+// --serve: instead, read commands from stdin, the same on every rank, and
+// answer each with one JSON line ("@@ {...}"); bench.py drives it this way to
+// interleave it with the Python contenders:
+//   run K W    W timed windows of K micro-batches (no warm-up)
+//   rss        peak RSS so far
+//   quit
+#include <gradaccum/gradaccum.h>
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMicroBatch = 32;
+constexpr int64_t kPool = 16;
+constexpr double kLr = 1e-4;
+
+std::vector<int64_t> widths_of(const std::string& model) {
+  if (model == "small") {
+    return {256, 512, 256, 128, 10};
+  }
+  if (model == "large") {
+    return {1024, 2048, 2048, 2048, 256};
+  }
+  throw std::invalid_argument("--model must be small or large, got '" + model + "'");
+}
+
+torch::nn::Sequential build_model(const std::vector<int64_t>& widths) {
+  torch::manual_seed(0); // the same initial weights on every rank
+  torch::nn::Sequential model;
+  for (size_t i = 0; i + 1 < widths.size(); ++i) {
+    model->push_back(torch::nn::Linear(widths[i], widths[i + 1]));
+    if (i + 2 < widths.size()) {
+      model->push_back(torch::nn::ReLU());
+    }
+  }
+  return model;
+}
+
+int64_t peak_rss_kib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      return std::stoll(line.substr(6));
+    }
+  }
+  return -1;
+}
+
+std::vector<int64_t> parse_list(const std::string& text) {
+  std::vector<int64_t> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    out.push_back(std::stoll(item));
+  }
+  return out;
+}
+
+/// One Accumulator (over its own copy of the model) per K.
+struct Contender {
+  Contender(
+      const std::vector<int64_t>& widths,
+      int64_t steps,
+      const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+      bool bucket_view,
+      gradaccum::NonFinite nonfinite)
+      : model(build_model(widths)),
+        optimizer(model->parameters(), torch::optim::SGDOptions(kLr)),
+        accumulator(
+            model.ptr(),
+            optimizer,
+            gradaccum::AccumulatorOptions(steps)
+                .nonfinite(nonfinite)
+                .process_group(group)
+                .reducer(gradaccum::ReducerOptions().gradient_as_bucket_view(bucket_view))) {}
+
+  torch::nn::Sequential model;
+  torch::optim::SGD optimizer;
+  gradaccum::Accumulator accumulator;
+};
+
+struct Runner {
+  std::string model_name;
+  std::vector<int64_t> widths;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  bool bucket_view = false;
+  gradaccum::NonFinite nonfinite = gradaccum::NonFinite::Skip;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> data;
+  std::map<int64_t, std::unique_ptr<Contender>> contenders;
+
+  Contender& get(int64_t steps) {
+    auto it = contenders.find(steps);
+    if (it == contenders.end()) {
+      it = contenders.emplace(steps, std::make_unique<Contender>(widths, steps, group, bucket_view, nonfinite)).first;
+    }
+    return *it->second;
+  }
+
+  void window(Contender& c, int64_t steps, int64_t start) {
+    for (int64_t i = 0; i < steps; ++i) {
+      const auto& [x, y] = data[(start + i) % data.size()];
+      c.accumulator.backward(torch::mse_loss(c.model->forward(x), y));
+      c.accumulator.step();
+    }
+  }
+
+  std::string run(int64_t steps, int64_t windows, int64_t warmup) {
+    auto& c = get(steps);
+    for (int64_t w = 0; w < warmup; ++w) {
+      window(c, steps, w * steps);
+    }
+    group->barrier()->wait();
+    std::vector<double> times;
+    for (int64_t w = 0; w < windows; ++w) {
+      const auto t0 = std::chrono::steady_clock::now();
+      window(c, steps, w * steps);
+      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    const auto stats = c.accumulator.stats();
+    std::ostringstream out;
+    out.precision(9);
+    out << "{\"rank\": " << group->getRank() << ", \"contender\": \"gradaccum_cpp\", \"model\": \""
+        << model_name << "\", \"K\": " << steps << ", \"bucket_view\": " << (bucket_view ? 1 : 0)
+        << ", \"times\": [";
+    for (size_t i = 0; i < times.size(); ++i) {
+      out << (i ? ", " : "") << times[i];
+    }
+    out << "], \"buckets\": " << stats.reducer.buckets
+        << ", \"last_window_collectives\": " << stats.reducer.last_window_collectives
+        << ", \"last_window_bytes\": " << stats.reducer.last_window_bytes
+        << ", \"optimizer_steps\": " << stats.optimizer_steps
+        << ", \"peak_rss_kib\": " << peak_rss_kib() << "}";
+    return out.str();
+  }
+};
+
+[[noreturn]] void usage(const char* argv0, const std::string& error) {
+  std::cerr << argv0 << ": " << error << "\n"
+            << "usage: " << argv0
+            << " [--model small|large] [--steps 1,4,16] [--windows N] [--warmup N]"
+               " [--bucket-view 0|1] [--nonfinite skip|raise|ignore] [--serve]\n"
+               "Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment.\n";
+  std::exit(2);
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  std::string model_name = "small";
+  std::vector<int64_t> steps = {1, 4, 16};
+  int64_t windows = 20;
+  int64_t warmup = 1;
+  bool bucket_view = false;
+  bool serve = false;
+  std::string nonfinite = "skip";
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        usage(argv[0], arg + " needs a value");
+      }
+      return argv[++i];
+    };
+    if (arg == "--model") {
+      model_name = value();
+    } else if (arg == "--steps") {
+      steps = parse_list(value());
+    } else if (arg == "--windows") {
+      windows = std::stoll(value());
+    } else if (arg == "--warmup") {
+      warmup = std::stoll(value());
+    } else if (arg == "--bucket-view") {
+      bucket_view = value() != "0";
+    } else if (arg == "--nonfinite") {
+      nonfinite = value();
+    } else if (arg == "--serve") {
+      serve = true;
+    } else if (arg == "-h" || arg == "--help") {
+      usage(argv[0], "benchmark of gradaccum's data-parallel window");
+    } else {
+      usage(argv[0], "unknown argument " + arg);
+    }
+  }
+
+  try {
+    torch::set_num_threads(1);
+    Runner runner;
+    runner.model_name = model_name;
+    runner.widths = widths_of(model_name);
+    runner.bucket_view = bucket_view;
+    runner.nonfinite = gradaccum::nonfinite_from_string(nonfinite);
+    runner.group = gradaccum::init_process_group_from_env(gradaccum::ProcessGroupOptions().backend("gloo"));
+    torch::manual_seed(1 + runner.group->getRank());
+    for (int64_t i = 0; i < kPool; ++i) {
+      runner.data.emplace_back(
+          torch::randn({kMicroBatch, runner.widths.front()}),
+          torch::randn({kMicroBatch, runner.widths.back()}));
+    }
+
+    if (!serve) {
+      for (const auto k : steps) {
+        std::cout << runner.run(k, windows, warmup) << std::endl;
+      }
+      return 0;
+    }
+    std::string line;
+    while (std::getline(std::cin, line)) {
+      std::istringstream in(line);
+      std::string cmd;
+      if (!(in >> cmd)) {
+        continue;
+      }
+      if (cmd == "quit") {
+        break;
+      }
+      if (cmd == "run") {
+        int64_t k = 0, w = 0;
+        in >> k >> w;
+        std::cout << "@@ " << runner.run(k, w, 0) << std::endl;
+      } else if (cmd == "rss") {
+        std::cout << "@@ {\"rank\": " << runner.group->getRank() << ", \"peak_rss_kib\": " << peak_rss_kib()
+                  << "}" << std::endl;
+      } else {
+        std::cout << "@@ {\"error\": \"unknown command\"}" << std::endl;
+      }
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "bench_window: " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}
