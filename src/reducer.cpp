@@ -79,11 +79,6 @@ Reducer::Reducer(
   if (options_.check_parameters()) {
     check_parameters_match();
   }
-  {
-    std::vector<at::Tensor> all(params_);
-    all.insert(all.end(), buffers_.begin(), buffers_.end());
-    broadcast_from_rank0(all);
-  }
 
   const auto layout = assign_buckets(
       params_,
@@ -99,6 +94,9 @@ Reducer::Reducer(
   }
   stats_.buckets = static_cast<int64_t>(buckets_.size());
   ready_.assign(params_.size(), 0);
+
+  broadcast_parameters_from_rank0();
+  broadcast_from_rank0(buffers_);
 
   if (options_.gradient_as_bucket_view()) {
     // From now on backward accumulates straight into the buckets.
@@ -176,6 +174,23 @@ void Reducer::check_parameters_match() {
           describe(theirs[i]), " on rank ", r, " but ", describe(reference[i]),
           " on rank 0");
     }
+  }
+}
+
+void Reducer::broadcast_parameters_from_rank0() {
+  // The buckets are flat buffers shaped like the parameters: broadcast through
+  // them, one collective per bucket and no temporary copy of the model.
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets_) {
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      bucket.views[slot].copy_(params_[bucket.params[slot]]);
+    }
+    std::vector<at::Tensor> flat{bucket.gradients};
+    group_->broadcast(flat)->wait();
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      params_[bucket.params[slot]].copy_(bucket.views[slot]);
+    }
+    bucket.gradients.zero_();
   }
 }
 
@@ -360,8 +375,12 @@ double Reducer::finish_reduction(bool read_weight) {
 }
 
 void Reducer::write_back(Bucket& bucket, bool divide) {
-  if (divide) {
-    bucket.gradients.div_(bucket.weight().squeeze(0));
+  const bool as_view = options_.gradient_as_bucket_view();
+  // The division rides on the pass that writes .grad: in place in the bucket
+  // for views, fused into the copy back otherwise.
+  const auto divisor = bucket.weight().squeeze(0);
+  if (divide && as_view) {
+    bucket.gradients.div_(divisor);
   }
   // A parameter missing here may have a gradient elsewhere: the summed flag says.
   std::vector<char> nowhere(bucket.params.size(), 0);
@@ -371,7 +390,6 @@ void Reducer::write_back(Bucket& bucket, bool divide) {
       nowhere[slot] = flags[static_cast<int64_t>(slot)].item<double>() == 0;
     }
   }
-  const bool as_view = options_.gradient_as_bucket_view();
   for (const auto slot : c10::irange(bucket.params.size())) {
     auto& grad = params_[bucket.params[slot]].mutable_grad();
     const auto& view = bucket.views[slot];
@@ -379,10 +397,15 @@ void Reducer::write_back(Bucket& bucket, bool divide) {
       grad = at::Tensor(); // no rank had a gradient: keep it None, as one process would
     } else if (as_view) {
       grad = view;
-    } else if (grad.defined()) {
-      grad.copy_(view);
     } else {
-      grad = view.clone();
+      if (!grad.defined()) {
+        grad = at::empty_like(view);
+      }
+      if (divide) {
+        at::div_out(grad, view, divisor);
+      } else {
+        grad.copy_(view);
+      }
     }
   }
 }

@@ -100,6 +100,7 @@ class Reducer {
 
  private:
   void check_parameters_match();
+  void broadcast_parameters_from_rank0();
   void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);
   at::Device metadata_device() const;
   const std::string& name(size_t index) const;
