@@ -139,6 +139,9 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     loss.backward();
   } catch (...) {
     window_weight_ -= weight;
+    if (reducer_ && closes) {
+      reducer_->abandon_reduction();
+    }
     throw;
   }
   restore.reset();

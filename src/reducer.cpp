@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -230,9 +231,21 @@ void Reducer::mark_ready(size_t index) {
     return; // no_sync: the gradient stays in .grad
   }
   std::lock_guard<std::mutex> lock(mutex_);
+  const int task = torch::autograd::get_current_graph_task_id();
   if (!sync_in_flight_) {
+    // A graph task older than the last synchronised one is an outer backward
+    // whose nested (reentrant) backward already ran, and reduced, first.
+    TORCH_CHECK(task >= sync_task_,
+        "gradaccum: ", name(index), " became ready in an outer backward after a nested "
+        "backward had already synchronised (reentrant activation checkpointing?); use "
+        "torch.utils.checkpoint with use_reentrant=False");
+    sync_task_ = task;
     begin_sync_backward();
   }
+  TORCH_CHECK(task == sync_task_,
+      "gradaccum: ", name(index), " became ready in a nested backward inside a "
+      "synchronising backward (reentrant activation checkpointing?); use "
+      "torch.utils.checkpoint with use_reentrant=False");
   TORCH_CHECK(!ready_[index],
       "gradaccum: ", name(index), " got its gradient twice in one synchronising "
       "backward (reentrant backward or activation checkpointing over it?); "
@@ -319,14 +332,21 @@ double Reducer::synchronize() {
   TORCH_CHECK(!sync_in_flight_, "Reducer::synchronize() called during a synchronising backward");
   begin_reduction();
   flushing_ = true;
-  try {
-    const double weight = finish_reduction(/*read_weight=*/true);
-    flushing_ = false;
-    return weight;
-  } catch (...) {
-    flushing_ = false;
-    throw;
+  return finish_reduction(/*read_weight=*/true);
+}
+
+void Reducer::abandon_reduction() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  end_reduction();
+}
+
+void Reducer::end_reduction() {
+  for (auto& bucket : buckets_) {
+    bucket.works.clear();
   }
+  sync_in_flight_ = false;
+  flushing_ = false;
+  window_weight_ = 1.0;
 }
 
 bool Reducer::last_reduction_closed_partial_windows() const {
@@ -334,6 +354,14 @@ bool Reducer::last_reduction_closed_partial_windows() const {
 }
 
 double Reducer::finish_reduction(bool read_weight) {
+  // Whatever happens below (a peer failing makes wait() throw), the next
+  // backward starts from a clean state.
+  struct End {
+    Reducer* reducer;
+    ~End() {
+      reducer->end_reduction();
+    }
+  } end{this};
   // Whatever backward did not make ready (unused on this rank, or used only in
   // earlier micro-steps) is sent as it is: its accumulated .grad, or zeros
   // flagged as missing. Same buckets, same order, on every rank: no hang.
@@ -368,8 +396,6 @@ double Reducer::finish_reduction(bool read_weight) {
     broadcast_from_rank0(buffers_);
     ++stats_.broadcasts;
   }
-  sync_in_flight_ = false;
-  window_weight_ = 1.0;
   ++stats_.windows;
   return global_weight;
 }

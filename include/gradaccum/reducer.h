@@ -80,6 +80,11 @@ class Reducer {
   /// and a flush() on a rank with nothing accumulated must not reduce again.
   bool last_reduction_closed_partial_windows() const;
 
+  /// Drops the state of a synchronising backward that failed before its end
+  /// (the engine then never runs the end-of-backward callback). Collectives
+  /// already launched cannot be taken back: peers may wait on this rank.
+  void abandon_reduction();
+
   /// Makes `.grad` zero (bucket views stay views) or undefined (copy mode).
   void zero_grad();
 
@@ -113,6 +118,7 @@ class Reducer {
   void launch_bucket(Bucket& bucket);
   void finalize_backward();
   double finish_reduction(bool read_weight);
+  void end_reduction();
   void write_back(Bucket& bucket, bool divide);
 
   std::vector<at::Tensor> params_;
@@ -138,6 +144,7 @@ class Reducer {
   bool sync_in_flight_ = false;
   bool flushing_ = false; ///< the reduction in flight comes from synchronize()
   std::vector<char> ready_;
+  int sync_task_ = -1; ///< autograd graph task of the last synchronising backward
   size_t next_launch_ = 0;
 
   ReducerStats stats_;

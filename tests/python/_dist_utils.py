@@ -619,3 +619,35 @@ def resolve_by_name(rank, world_size):
     acc = gradaccum.Accumulator(model, None, steps=1, process_group=stand_in)
     model(torch.randn(4, D_IN, dtype=torch.float64)).sum().backward()
     return {"stats": acc.stats(), "grad_defined": model[0].weight.grad is not None}
+
+
+@job
+def reentrant(rank, world_size):
+    """Reentrant checkpointing over parameters in a synchronising backward is a
+    clear error (it would reduce twice); non-reentrant checkpointing works."""
+    import gradaccum
+    from torch.utils.checkpoint import checkpoint
+
+    out = {}
+    # reentrant checkpointing only differentiates when an input requires grad
+    x = torch.randn(4, D_IN, dtype=torch.float64, requires_grad=True)
+    for reentrant_ in (True, False):
+        model = mlp(3)
+        ref = mlp(3)
+        acc = gradaccum.Accumulator(model, None, steps=2)
+
+        def loss_of(m):
+            h = checkpoint(m[0], x, use_reentrant=reentrant_)
+            return m[4](m[3](m[2](m[1](h)))).pow(2).mean()
+
+        try:
+            for _ in range(2):
+                acc.backward(loss_of(model))
+            out[reentrant_] = None
+            loss_of(ref).backward()  # the window's mean of two equal losses
+            out["match"] = all(
+                torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+                for p, q in zip(model.parameters(), ref.parameters()))
+        except RuntimeError as e:
+            out[reentrant_] = str(e)
+    return out

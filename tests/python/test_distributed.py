@@ -468,3 +468,10 @@ def test_process_group_found_by_name_when_not_castable(tmp_path):
     assert res["stats"]["reductions"] == 1
     assert res["stats"]["collectives"] == res["stats"]["buckets"] >= 1
     assert res["grad_defined"]
+
+
+def test_reentrant_checkpointing_is_a_clear_error(tmp_path):
+    (res,) = du.run_job("reentrant", 1, tmp_path)
+    assert res[True] is not None and "use_reentrant=False" in res[True], res
+    assert res[False] is None, res[False]
+    assert res["match"]
