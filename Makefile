@@ -55,7 +55,7 @@ demo: build
 	OMP_NUM_THREADS=2 $(PYTHON) examples/python/digits_demo.py --out $(BUILD)/demo
 
 bench: build
-	$(PYTHON) benchmarks/bench.py --cpp-bench $(BUILD)/bench/bench_window
+	$(PYTHON) benchmarks/bench.py --cpp-bench $(BUILD)/bench/bench_window --readme README.md
 
 bench-gpu:
 	$(PYTHON) benchmarks/bench_gpu.py
