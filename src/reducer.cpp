@@ -234,8 +234,11 @@ void Reducer::mark_ready(size_t index) {
   const int task = torch::autograd::get_current_graph_task_id();
   if (!sync_in_flight_) {
     // A graph task older than the last synchronised one is an outer backward
-    // whose nested (reentrant) backward already ran, and reduced, first.
-    TORCH_CHECK(task >= sync_task_,
+    // whose nested (reentrant) backward already ran, and reduced, first. Ids
+    // come from one global counter, narrowed to int by torch: compare by a
+    // bounded distance so that a wrap after ~2^31 backward calls is no error.
+    const int64_t newer_by = static_cast<int64_t>(sync_task_) - task;
+    TORCH_CHECK(sync_task_ < 0 || newer_by <= 0 || newer_by > (int64_t{1} << 30),
         "gradaccum: ", name(index), " became ready in an outer backward after a nested "
         "backward had already synchronised (reentrant activation checkpointing?); use "
         "torch.utils.checkpoint with use_reentrant=False");
