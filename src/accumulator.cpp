@@ -77,8 +77,8 @@ Accumulator::Accumulator(
   if (options_.process_group()) {
     reducer_ = std::make_unique<Reducer>(
         params_, options_.process_group(), options_.reducer(),
-        std::move(model.buffers), std::move(model.names));
-    reducer_->set_divide(options_.reduction() != Reduction::Sum);
+        std::move(model.buffers), std::move(model.names),
+        WindowRule{options_.steps(), options_.reduction()});
   }
 }
 
@@ -105,6 +105,10 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
   TORCH_CHECK(!window_ready_,
       "backward(): the window closed at the previous backward(); call step() "
       "(or zero_grad() to drop it) before the next micro-step");
+  TORCH_CHECK(!reducer_ || reducer_->expect_hooks(),
+      "backward(): called inside no_sync(). Accumulator.backward() decides by itself "
+      "which micro-step synchronises; no_sync() is for the manual path (a plain "
+      "loss.backward() inside it)");
   TORCH_CHECK_VALUE(loss.defined(), "backward(): loss is undefined");
   TORCH_CHECK_VALUE(loss.numel() == 1,
       "backward(): loss must be a scalar, got a tensor of shape ", loss.sizes());
@@ -123,45 +127,110 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
         "backward(): num_items is only used with reduction='items' (reduction is '",
         to_string(options_.reduction()), "')");
   }
+  if (epoch_ended_) {
+    // This rank's last window was reduced together with other ranks' flush():
+    // for them the epoch is over. Tell them (Note [Dropping a window] in
+    // reducer.cpp), then say what to do here.
+    ReductionRequest abort;
+    abort.abort = AbortReason::EpochEnded;
+    try {
+      reducer_->reduce(abort);
+    } catch (const std::exception&) {
+      // Always throws: the window is dropped everywhere; the error below says why.
+    }
+    epoch_ended_ = false;
+    reset_window();
+    TORCH_CHECK(false,
+        "backward(): other ranks ended the epoch with flush() in the reduction that closed "
+        "this rank's last window, but this rank went on training. Every rank must run the "
+        "same number of full windows and call flush() at the end of each epoch (here it "
+        "steps nothing and runs no collective). The window was dropped on every rank");
+  }
 
   const bool closes = sync_gradients();
-  window_weight_ += weight;
-  const int64_t reductions_before = reducer_ ? reducer_->windows() : 0;
-  std::optional<NoSync> restore; // gives the caller's flag back on exit
-  if (reducer_) {
-    restore.emplace(reducer_.get());
-    reducer_->set_expect_hooks(closes);
-    if (closes) {
-      reducer_->set_window_weight(window_weight_);
-    }
-  }
-  try {
-    loss.backward();
-  } catch (...) {
-    window_weight_ -= weight;
-    if (reducer_ && closes) {
-      reducer_->abandon_reduction();
-    }
-    throw;
-  }
-  restore.reset();
-  ++stats_.micro_steps;
   if (!closes) {
+    NoSync local(reducer_.get());
+    const auto before = reducer_ ? decltype(grad_versions()){} : grad_versions();
+    try {
+      loss.backward();
+    } catch (...) {
+      if (reducer_) {
+        // The window can no longer be what the other ranks expect: it is
+        // dropped on every rank when it closes. The failed micro-step still
+        // takes its place, so that every rank closes its windows together.
+        window_failed_ = true;
+        ++micro_step_;
+        ++stats_.micro_steps;
+      } else if (grad_versions() != before) {
+        reset_window(); // part of this micro-step reached .grad: the window is wrong
+      } // else nothing changed: the micro-step simply did not happen
+      throw;
+    }
+    window_weight_ += weight;
     ++micro_step_;
+    ++stats_.micro_steps;
     return;
   }
   if (reducer_) {
-    if (reducer_->windows() == reductions_before) {
-      // No hook fired on this rank (the loss touched no parameter): the other
-      // ranks still wait for this rank's buckets.
-      reducer_->set_window_weight(window_weight_);
-      reducer_->synchronize();
+    if (window_failed_) {
+      ReductionRequest abort;
+      abort.abort = AbortReason::BackwardFailed;
+      window_failed_ = false;
+      reset_window();
+      reducer_->reduce(abort); // throws the dropped window's error, as every rank does
+      TORCH_INTERNAL_ASSERT(false, "gradaccum: an aborted reduction returned");
     }
+    ReductionRequest request;
+    request.weight = window_weight_ + weight;
+    request.divide = options_.reduction() != Reduction::Sum;
+    ReductionResult result;
+    try {
+      result = reducer_->backward(loss, request);
+    } catch (...) {
+      reset_window(); // the reducer dropped the window on every rank
+      throw;
+    }
+    // A full window reduced with others' partial ones: their epoch is over,
+    // and this rank's flush() must not reduce again.
+    epoch_ended_ = result.flushing_ranks > 0;
   } else {
+    const auto before = grad_versions();
+    try {
+      loss.backward();
+    } catch (...) {
+      if (grad_versions() != before) {
+        reset_window();
+      }
+      throw;
+    }
+    window_weight_ += weight;
     scale_local_gradients();
   }
+  ++stats_.micro_steps;
   micro_step_ = 0;
+  window_weight_ = 0;
   window_ready_ = true;
+}
+
+std::vector<std::pair<const void*, int64_t>> Accumulator::grad_versions() const {
+  // Accumulating into .grad either bumps its version (in place) or replaces it.
+  std::vector<std::pair<const void*, int64_t>> versions;
+  versions.reserve(params_.size());
+  for (const auto& p : params_) {
+    const auto& g = p.grad();
+    versions.emplace_back(
+        g.defined() ? g.unsafeGetTensorImpl() : nullptr,
+        g.defined() ? g._version() : 0);
+  }
+  return versions;
+}
+
+void Accumulator::reset_window() {
+  clear_gradients();
+  micro_step_ = 0;
+  window_ready_ = false;
+  window_weight_ = 0;
+  window_failed_ = false;
 }
 
 std::vector<at::Tensor> Accumulator::defined_grads() const {
@@ -196,31 +265,54 @@ bool Accumulator::step() {
 bool Accumulator::flush() {
   TORCH_CHECK(optimizer_step_,
       "flush(): this Accumulator has no optimizer (pass one to the constructor)");
+  bool stepped = false;
   if (window_ready_) {
-    return finish_window();
+    stepped = finish_window();
   }
-  if (reducer_) {
-    if (micro_step_ == 0 && reducer_->last_reduction_closed_partial_windows()) {
-      // This rank's last window was reduced together with the other ranks'
-      // partial windows (their flush) and has been stepped: nothing is left.
-      return false;
-    }
-    // Otherwise a collective even with nothing accumulated here, so that ranks
-    // whose data ran out at a window's end still pair with the others.
-    reducer_->set_window_weight(window_weight_);
-    if (reducer_->synchronize() == 0) {
-      zero_grad();
-      return false;
-    }
-  } else {
+  if (!reducer_) {
     if (micro_step_ == 0) {
-      return false;
+      return stepped;
     }
     scale_local_gradients();
+    micro_step_ = 0;
+    window_ready_ = true;
+    return finish_window();
+  }
+  if (epoch_ended_) {
+    // This rank's last window was already reduced together with the other
+    // ranks' flush(): nothing is left, and no collective to pair.
+    TORCH_INTERNAL_ASSERT(micro_step_ == 0, "gradaccum: micro-steps after the epoch ended");
+    epoch_ended_ = false;
+    return stepped;
+  }
+  if (window_failed_) {
+    ReductionRequest abort;
+    abort.abort = AbortReason::BackwardFailed;
+    reset_window();
+    reducer_->reduce(abort);
+    TORCH_INTERNAL_ASSERT(false, "gradaccum: an aborted reduction returned");
+  }
+  // A collective even with nothing accumulated here, so that ranks whose data
+  // ran out at a window's end still pair with the others.
+  ReductionRequest request;
+  request.weight = window_weight_;
+  request.divide = options_.reduction() != Reduction::Sum;
+  request.flushing = true;
+  ReductionResult result;
+  try {
+    result = reducer_->reduce(request);
+  } catch (...) {
+    reset_window();
+    throw;
+  }
+  if (result.global_weight == 0) {
+    reset_window(); // no rank had anything: no step anywhere
+    return stepped;
   }
   micro_step_ = 0;
+  window_weight_ = 0;
   window_ready_ = true;
-  return finish_window();
+  return finish_window() || stepped;
 }
 
 bool Accumulator::finish_window() {
@@ -270,10 +362,9 @@ void Accumulator::clear_gradients() {
 }
 
 void Accumulator::zero_grad() {
-  clear_gradients();
-  micro_step_ = 0;
-  window_ready_ = false;
-  window_weight_ = 0;
+  // Drops the window; a pending end of epoch (epoch_ended_) stays: it is
+  // about where the other ranks are, not about this window's gradients.
+  reset_window();
 }
 
 NoSync Accumulator::no_sync() {

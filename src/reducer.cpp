@@ -3,14 +3,57 @@
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <atomic>
+#include <cmath>
 #include <map>
+#include <mutex>
 #include <sstream>
 #include <tuple>
+
+// Note [Collectives pair by launch order]
+// c10d pairs the n-th collective of one rank with the n-th of every other rank.
+// So every reduction launches every bucket, strictly in index order, on every
+// rank, whatever order the hooks fire in and whatever happens to this rank's
+// backward: a failing rank still launches its remaining buckets (flagged, see
+// Note [Dropping a window]), a rank whose loss touched no parameter launches
+// them all at the end, and a closing micro-step always produces exactly one
+// reduction. Buckets never change after construction.
+//
+// Note [The last bucket closes the window]
+// Hooks launch each bucket as soon as it is full, except the last: only
+// finish_reduction() (which runs once the whole backward has succeeded) or
+// abort_reduction() launch it. So the last bucket's meta always carries every
+// rank's final word on the window: whether it drops it. A rank whose backward
+// fails after all its gradients were ready still gets to say so.
+//
+// Note [Dropping a window]
+// When a rank cannot contribute its window (its backward raised, it went on
+// past the end of an epoch that others ended with flush(), its reducer was
+// destroyed mid-backward), it completes the pairing anyway: it launches its
+// remaining buckets with kAbort = 1 (and its rank and the reason), and waits
+// for all of them. Every rank reads the summed header of the last bucket; a
+// non-zero abort count makes every rank drop the window alike: gradients
+// cleared, no optimizer step, the same error raised everywhere, and training
+// can go on from the next window with every replica still identical. The same
+// happens when the ranks disagree on what must be equal (Note [Bucket meta
+// layout]): every rank sees the same sums, so every rank decides alike.
+//
+// Note [Where a synchronising backward ends]
+// The reduction finishes in a callback queued on the autograd graph task that
+// started it (the "anchor"): the root's task when run through backward(), else
+// the task of the first hook. Reentrant activation checkpointing runs nested
+// graph tasks inside the outer one; hooks from those are accepted, and if a
+// hook comes from a task older than the anchor (an outer task), that task
+// becomes the anchor, so the reduction finishes when the outermost task seen
+// ends. Each queued callback holds a guard: if the engine destroys the
+// callback without running it, that graph task failed, and the reduction is
+// aborted right there (before the exception reaches the caller).
 
 namespace gradaccum {
 namespace {
@@ -44,66 +87,221 @@ std::vector<at::Tensor> allgather(
   return outputs[0];
 }
 
+// Graph-task ids come from one global counter, narrowed to int by torch: order
+// them by a bounded distance so that a wrap after ~2^31 backward calls is fine.
+bool older_task(int a, int b) {
+  const int64_t newer_by = static_cast<int64_t>(b) - a;
+  return newer_by > 0 && newer_by < (int64_t{1} << 30);
+}
+
+// The modulus M of Note [Bucket meta layout]: the largest power of two with
+// world * (M - 1)^2 and world * M exact in the meta's dtype.
+int64_t consensus_modulus(int world, at::ScalarType meta_dtype) {
+  const int mantissa = meta_dtype == at::kDouble ? 53 : 24;
+  int world_bits = 0;
+  while ((int64_t{1} << world_bits) < world) {
+    ++world_bits;
+  }
+  const int bits = std::max(1, std::min(20, (mantissa - world_bits) / 2));
+  return int64_t{1} << bits;
+}
+
+std::string message_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
+    return error->what_without_backtrace();
+  }
+  return e.what();
+}
+
+const char* reduction_name(int64_t code) {
+  switch (code) {
+    case 0: return "mean";
+    case 1: return "sum";
+    case 2: return "items";
+    default: return "?";
+  }
+}
+
+// A pre-hook on the loss's grad_fn: runs first in the root graph task.
+class RootHook : public torch::autograd::FunctionPreHook {
+ public:
+  explicit RootHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    fn_();
+    return grads;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
 } // namespace
+
+struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
+  // Fixed after construction.
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> buffers;
+  std::vector<std::string> names;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  ReducerOptions options;
+  WindowRule rule;
+  int rank = 0;
+  int world = 1;
+  int64_t modulus = 2;
+  std::vector<Bucket> buckets;
+  std::vector<std::pair<size_t, size_t>> locator; ///< (bucket, slot) of each parameter
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> grad_accumulators;
+  std::vector<uintptr_t> hook_keys;
+
+  std::atomic<bool> expect_hooks{true};
+  std::atomic<bool> closed{false}; ///< the Reducer was destroyed: hooks are inert
+
+  // Everything below is guarded by mutex: CUDA backward runs hooks on device
+  // threads, and a failed backward's guard runs wherever torch frees the task.
+  mutable std::mutex mutex;
+  bool in_flight = false;
+  ReductionRequest request;
+  uint64_t sync_id = 0; ///< which reduction the queued callbacks belong to
+  int anchor_task = -1; ///< see Note [Where a synchronising backward ends]
+  int last_anchor_task = -1;
+  std::vector<char> ready;
+  size_t next_launch = 0;
+  bool aborted_here = false; ///< this rank dropped the last reduction itself
+  std::string failure; ///< why the last reduction dropped its window ("" if it did not)
+  int64_t sequence = 0; ///< reductions completed: the next one's window number
+  ReductionResult last_result;
+  ReducerStats stats;
+
+  const std::string& name(size_t index) const {
+    return names[index];
+  }
+  at::Device metadata_device() const {
+    // NCCL reduces device tensors only; every other backend takes CPU tensors.
+    return group->getBackendType() == c10d::ProcessGroup::BackendType::NCCL
+        ? params.front().device()
+        : at::Device(at::kCPU);
+  }
+
+  void check_ranks_match();
+  void broadcast_parameters_from_rank0();
+  void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);
+
+  void mark_ready(size_t index);
+  void begin_reduction(const ReductionRequest& req, int task);
+  void queue_end_callback(int task);
+  void on_task_end(uint64_t id, int task);
+  void on_task_failed(uint64_t id) noexcept;
+  void copy_into_bucket(Bucket& bucket, size_t slot);
+  void launch_ready_buckets();
+  void launch_bucket(size_t index);
+  void launch_rest();
+  void wait_all(const char* what);
+  ReductionResult finish_reduction();
+  void abort_reduction(AbortReason reason) noexcept;
+  [[noreturn]] void fail(const std::string& message);
+  void check_consensus(const at::Tensor& headers);
+  void drop_window();
+  void end_reduction();
+  void write_back(Bucket& bucket, bool divide, const at::Tensor& divisor);
+  std::string window_label() const {
+    return "window " + std::to_string(sequence);
+  }
+};
+
+namespace {
+
+// Runs the end-of-task callback; if the engine destroys it unrun, the task failed.
+struct TaskGuard {
+  TaskGuard(std::shared_ptr<Reducer::State> state_, uint64_t id_, int task_)
+      : state(std::move(state_)), id(id_), task(task_) {}
+  TaskGuard(const TaskGuard&) = delete;
+  TaskGuard& operator=(const TaskGuard&) = delete;
+  std::shared_ptr<Reducer::State> state;
+  uint64_t id;
+  int task;
+  bool ran = false;
+  ~TaskGuard() {
+    if (!ran) {
+      state->on_task_failed(id);
+    }
+  }
+};
+
+} // namespace
+
+// ---------------------------------------------------------------------------
+// Construction
 
 Reducer::Reducer(
     std::vector<at::Tensor> params,
     c10::intrusive_ptr<c10d::ProcessGroup> group,
     ReducerOptions options,
     std::vector<at::Tensor> buffers,
-    std::vector<std::string> names)
-    : params_(std::move(params)),
-      buffers_(std::move(buffers)),
-      names_(std::move(names)),
-      group_(std::move(group)),
-      options_(options) {
-  TORCH_CHECK_VALUE(group_, "Reducer: process_group is null");
-  options_.validate();
+    std::vector<std::string> names,
+    WindowRule rule)
+    : state_(std::make_shared<State>()) {
+  auto& s = *state_;
+  s.params = std::move(params);
+  s.buffers = std::move(buffers);
+  s.names = std::move(names);
+  s.group = std::move(group);
+  s.options = options;
+  s.rule = rule;
+  TORCH_CHECK_VALUE(s.group, "Reducer: process_group is null");
+  s.options.validate();
+  TORCH_CHECK_VALUE(rule.steps >= 1, "Reducer: steps must be >= 1, got ", rule.steps);
   TORCH_CHECK_VALUE(
-      !params_.empty(), "Reducer: the model has no trainable parameters");
+      !s.params.empty(), "Reducer: the model has no trainable parameters");
   TORCH_CHECK_VALUE(
-      names_.empty() || names_.size() == params_.size(),
-      "Reducer: got ", names_.size(), " names for ", params_.size(), " parameters");
-  if (names_.empty()) {
-    for (const auto i : c10::irange(params_.size())) {
-      names_.push_back("parameter " + std::to_string(i));
+      s.names.empty() || s.names.size() == s.params.size(),
+      "Reducer: got ", s.names.size(), " names for ", s.params.size(), " parameters");
+  if (s.names.empty()) {
+    for (const auto i : c10::irange(s.params.size())) {
+      s.names.push_back("parameter " + std::to_string(i));
     }
   }
-  for (const auto i : c10::irange(params_.size())) {
-    const auto& p = params_[i];
-    TORCH_CHECK_VALUE(p.defined(), "Reducer: ", name(i), " is undefined");
+  for (const auto i : c10::irange(s.params.size())) {
+    const auto& p = s.params[i];
+    TORCH_CHECK_VALUE(p.defined(), "Reducer: ", s.name(i), " is undefined");
     TORCH_CHECK_VALUE(p.is_leaf() && p.requires_grad(),
-        "Reducer: ", name(i), " must be a leaf tensor that requires grad");
-    TORCH_CHECK_VALUE(!p.is_sparse(), "Reducer: ", name(i), " is sparse; sparse parameters are not supported");
+        "Reducer: ", s.name(i), " must be a leaf tensor that requires grad");
+    TORCH_CHECK_VALUE(!p.is_sparse(), "Reducer: ", s.name(i), " is sparse; sparse parameters are not supported");
   }
+  s.rank = s.group->getRank();
+  s.world = s.group->getSize();
 
-  if (options_.check_parameters()) {
-    check_parameters_match();
+  if (s.options.check_parameters()) {
+    s.check_ranks_match();
   }
 
   const auto layout = assign_buckets(
-      params_,
-      static_cast<int64_t>(options_.first_bucket_cap_mb() * kMiB),
-      static_cast<int64_t>(options_.bucket_cap_mb() * kMiB));
-  locator_.resize(params_.size());
-  buckets_.reserve(layout.size());
+      s.params,
+      static_cast<int64_t>(s.options.first_bucket_cap_mb() * kMiB),
+      static_cast<int64_t>(s.options.bucket_cap_mb() * kMiB));
+  s.locator.resize(s.params.size());
+  s.buckets.reserve(layout.size());
   for (const auto b : c10::irange(layout.size())) {
-    buckets_.emplace_back(params_, layout[b]);
+    s.buckets.emplace_back(s.params, layout[b]);
     for (const auto slot : c10::irange(layout[b].size())) {
-      locator_[layout[b][slot]] = {b, slot};
+      s.locator[layout[b][slot]] = {b, slot};
     }
   }
-  stats_.buckets = static_cast<int64_t>(buckets_.size());
-  ready_.assign(params_.size(), 0);
+  // One modulus for all buckets: the narrowest meta dtype decides.
+  s.modulus = consensus_modulus(s.world, at::kDouble);
+  for (const auto& bucket : s.buckets) {
+    s.modulus = std::min(s.modulus, consensus_modulus(s.world, bucket.meta.scalar_type()));
+  }
+  s.stats.buckets = static_cast<int64_t>(s.buckets.size());
+  s.ready.assign(s.params.size(), 0);
 
-  broadcast_parameters_from_rank0();
-  broadcast_from_rank0(buffers_);
+  s.broadcast_parameters_from_rank0();
+  s.broadcast_from_rank0(s.buffers);
 
-  if (options_.gradient_as_bucket_view()) {
+  if (s.options.gradient_as_bucket_view()) {
     // From now on backward accumulates straight into the buckets.
-    for (auto& bucket : buckets_) {
+    for (auto& bucket : s.buckets) {
       for (const auto slot : c10::irange(bucket.params.size())) {
-        auto& grad = params_[bucket.params[slot]].mutable_grad();
+        auto& grad = s.params[bucket.params[slot]].mutable_grad();
         if (grad.defined()) {
           bucket.views[slot].copy_(grad);
         }
@@ -112,58 +310,82 @@ Reducer::Reducer(
     }
   }
 
-  for (const auto i : c10::irange(params_.size())) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
-    hook_keys_.push_back(accumulator->add_post_hook(
+  // The hooks hold the state weakly: once the Reducer is gone they do nothing,
+  // and a hook never keeps the parameters' state alive on its own.
+  std::weak_ptr<State> weak = state_;
+  for (const auto i : c10::irange(s.params.size())) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(s.params[i]);
+    s.hook_keys.push_back(accumulator->add_post_hook(
         std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [this, i](const torch::autograd::variable_list& outputs,
+            [weak, i](const torch::autograd::variable_list& outputs,
                       const torch::autograd::variable_list& /*inputs*/) {
-              mark_ready(i);
+              if (auto state = weak.lock()) {
+                state->mark_ready(i);
+              }
               return outputs;
             })));
-    grad_accumulators_.push_back(std::move(accumulator));
+    s.grad_accumulators.push_back(std::move(accumulator));
   }
 }
 
 Reducer::~Reducer() {
-  for (const auto i : c10::irange(grad_accumulators_.size())) {
-    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+  auto& s = *state_;
+  s.closed = true;
+  for (const auto i : c10::irange(s.grad_accumulators.size())) {
+    const bool removed = s.grad_accumulators[i]->del_post_hook(s.hook_keys[i]);
+    TORCH_INTERNAL_ASSERT(removed, "gradaccum: the hook of ", s.name(i), " was already removed");
   }
+  // A synchronising backward still running holds the state through its
+  // queued callback: it finishes (or aborts) the pairing with the other ranks
+  // there, marked Closed. Nothing here blocks.
 }
 
-const std::string& Reducer::name(size_t index) const {
-  return names_[index];
-}
-
-at::Device Reducer::metadata_device() const {
-  // NCCL reduces device tensors only; every other backend takes CPU tensors.
-  return group_->getBackendType() == c10d::ProcessGroup::BackendType::NCCL
-      ? params_.front().device()
-      : at::Device(at::kCPU);
-}
-
-void Reducer::check_parameters_match() {
+void Reducer::State::check_ranks_match() {
   const auto device = metadata_device();
-  const auto n = static_cast<int64_t>(params_.size());
-  const auto counts = allgather(*group_, at::full({1}, n, at::TensorOptions(device).dtype(at::kLong)));
-  for (const auto r : c10::irange(counts.size())) {
-    const auto theirs = counts[r].item<int64_t>();
-    TORCH_CHECK_VALUE(
-        theirs == counts[0].item<int64_t>(),
-        "gradaccum: the model differs across ranks: rank ", r, " has ", theirs,
-        " trainable parameters but rank 0 has ", counts[0].item<int64_t>());
+  const auto n = static_cast<int64_t>(params.size());
+  // Options every rank must share, then the parameter count.
+  const std::vector<std::pair<const char*, double>> settings{
+      {"steps", static_cast<double>(rule.steps)},
+      {"reduction", static_cast<double>(static_cast<int>(rule.reduction))},
+      {"bucket_cap_mb", options.bucket_cap_mb()},
+      {"first_bucket_cap_mb", options.first_bucket_cap_mb()},
+      {"gradient_as_bucket_view", options.gradient_as_bucket_view() ? 1.0 : 0.0},
+      {"broadcast_buffers", options.broadcast_buffers() ? 1.0 : 0.0},
+      {"the number of trainable parameters", static_cast<double>(n)},
+  };
+  auto mine = at::empty({static_cast<int64_t>(settings.size())}, at::kDouble);
+  for (const auto i : c10::irange(settings.size())) {
+    mine[static_cast<int64_t>(i)].fill_(settings[i].second);
+  }
+  const auto all_settings = allgather(*group, mine.to(device));
+  for (const auto i : c10::irange(settings.size())) {
+    std::ostringstream values;
+    bool differ = false;
+    for (const auto r : c10::irange(all_settings.size())) {
+      const double v = all_settings[r][static_cast<int64_t>(i)].item<double>();
+      differ = differ || v != all_settings[0][static_cast<int64_t>(i)].item<double>();
+      values << (r ? ", " : "") << "rank " << r << ": ";
+      if (i == 1) {
+        values << reduction_name(static_cast<int64_t>(v));
+      } else {
+        values << v;
+      }
+    }
+    TORCH_CHECK_VALUE(!differ,
+        "gradaccum: the ranks disagree on ", settings[i].first, " (", values.str(),
+        "); every rank must build its Accumulator with the same options and model");
   }
   auto signature = at::full({n, kSignatureWidth}, -1, at::kLong);
   auto rows = signature.accessor<int64_t, 2>();
   for (const auto i : c10::irange(n)) {
-    const auto& p = params_[i];
+    const auto& p = params[i];
     rows[i][0] = static_cast<int64_t>(p.scalar_type());
     rows[i][1] = p.dim();
     for (int64_t d = 0; d < std::min<int64_t>(p.dim(), kMaxCheckedDims); ++d) {
       rows[i][2 + d] = p.size(d);
     }
   }
-  const auto all = allgather(*group_, signature.to(device));
+  const auto all = allgather(*group, signature.to(device));
   const auto reference = all[0].cpu();
   for (const auto r : c10::irange<size_t>(1, all.size())) {
     const auto theirs = all[r].cpu();
@@ -178,24 +400,24 @@ void Reducer::check_parameters_match() {
   }
 }
 
-void Reducer::broadcast_parameters_from_rank0() {
+void Reducer::State::broadcast_parameters_from_rank0() {
   // The buckets are flat buffers shaped like the parameters: broadcast through
   // them, one collective per bucket and no temporary copy of the model.
   at::NoGradGuard no_grad;
-  for (auto& bucket : buckets_) {
+  for (auto& bucket : buckets) {
     for (const auto slot : c10::irange(bucket.params.size())) {
-      bucket.views[slot].copy_(params_[bucket.params[slot]]);
+      bucket.views[slot].copy_(params[bucket.params[slot]]);
     }
     std::vector<at::Tensor> flat{bucket.gradients};
-    group_->broadcast(flat)->wait();
+    group->broadcast(flat)->wait();
     for (const auto slot : c10::irange(bucket.params.size())) {
-      params_[bucket.params[slot]].copy_(bucket.views[slot]);
+      params[bucket.params[slot]].copy_(bucket.views[slot]);
     }
     bucket.gradients.zero_();
   }
 }
 
-void Reducer::broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
+void Reducer::State::broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
   // One broadcast per (dtype, device): flatten, broadcast, copy back.
   using Key = std::tuple<at::ScalarType, at::DeviceType, c10::DeviceIndex>;
   std::map<Key, std::vector<at::Tensor>> groups;
@@ -212,7 +434,7 @@ void Reducer::broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
       flat_members.push_back(t.reshape(-1));
     }
     std::vector<at::Tensor> flat{at::cat(flat_members)};
-    group_->broadcast(flat)->wait();
+    group->broadcast(flat)->wait();
     int64_t offset = 0;
     for (auto& t : members) {
       t.copy_(flat[0].narrow(0, offset, t.numel()).view(t.sizes()));
@@ -221,67 +443,94 @@ void Reducer::broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
   }
 }
 
-void Reducer::set_window_weight(double weight) {
-  TORCH_CHECK_VALUE(weight >= 0, "Reducer: window weight must be >= 0, got ", weight);
-  window_weight_ = weight;
-}
+// ---------------------------------------------------------------------------
+// The synchronising backward
 
-void Reducer::mark_ready(size_t index) {
-  if (!expect_hooks_) {
+void Reducer::State::mark_ready(size_t index) {
+  if (!expect_hooks.load(std::memory_order_relaxed) || closed.load()) {
     return; // no_sync: the gradient stays in .grad
   }
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(mutex);
   const int task = torch::autograd::get_current_graph_task_id();
-  if (!sync_in_flight_) {
-    // A graph task older than the last synchronised one is an outer backward
-    // whose nested (reentrant) backward already ran, and reduced, first. Ids
-    // come from one global counter, narrowed to int by torch: compare by a
-    // bounded distance so that a wrap after ~2^31 backward calls is no error.
-    const int64_t newer_by = static_cast<int64_t>(sync_task_) - task;
-    TORCH_CHECK(sync_task_ < 0 || newer_by <= 0 || newer_by > (int64_t{1} << 30),
+  if (!in_flight) {
+    // See Note [Where a synchronising backward ends]: a task older than the
+    // last anchor is an outer task whose nested (reentrant) backward already
+    // finished a reduction.
+    TORCH_CHECK(last_anchor_task < 0 || !older_task(task, last_anchor_task),
         "gradaccum: ", name(index), " became ready in an outer backward after a nested "
-        "backward had already synchronised (reentrant activation checkpointing?); use "
-        "torch.utils.checkpoint with use_reentrant=False");
-    sync_task_ = task;
-    begin_sync_backward();
+        "(reentrant) backward had already reduced the window. With reentrant activation "
+        "checkpointing and a plain loss.backward(), the reduction ends with the first "
+        "graph task that reached a parameter; run the backward through "
+        "Accumulator.backward(), or use torch.utils.checkpoint(..., use_reentrant=False)");
+    ReductionRequest manual;
+    manual.divide = rule.reduction != Reduction::Sum;
+    begin_reduction(manual, task);
+  } else if (task != anchor_task && older_task(task, anchor_task)) {
+    anchor_task = task; // an outer task of a reentrant backward: finish at its end
+    queue_end_callback(task);
   }
-  TORCH_CHECK(task == sync_task_,
-      "gradaccum: ", name(index), " became ready in a nested backward inside a "
-      "synchronising backward (reentrant activation checkpointing?); use "
-      "torch.utils.checkpoint with use_reentrant=False");
-  TORCH_CHECK(!ready_[index],
+  TORCH_CHECK(!ready[index],
       "gradaccum: ", name(index), " got its gradient twice in one synchronising "
-      "backward (reentrant backward or activation checkpointing over it?); "
-      "each parameter may be reduced once per window");
-  ready_[index] = 1;
-  auto& bucket = buckets_[locator_[index].first];
-  copy_into_bucket(bucket, locator_[index].second);
-  if (--bucket.pending == 0) {
-    launch_ready_buckets();
-  }
+      "backward (a parameter used both inside and outside a reentrant checkpoint, or a "
+      "second backward over it?); each parameter may be reduced once per window");
+  ready[index] = 1;
+  auto& bucket = buckets[locator[index].first];
+  copy_into_bucket(bucket, locator[index].second);
+  --bucket.pending;
+  launch_ready_buckets();
 }
 
-void Reducer::begin_reduction() {
-  sync_in_flight_ = true;
-  std::fill(ready_.begin(), ready_.end(), 0);
-  for (auto& bucket : buckets_) {
+void Reducer::State::begin_reduction(const ReductionRequest& req, int task) {
+  TORCH_INTERNAL_ASSERT(!in_flight, "gradaccum: a reduction began while another was in flight");
+  in_flight = true;
+  request = req;
+  ++sync_id;
+  anchor_task = task;
+  aborted_here = false;
+  failure.clear();
+  std::fill(ready.begin(), ready.end(), 0);
+  for (auto& bucket : buckets) {
     bucket.pending = bucket.params.size();
     bucket.missing.clear();
     bucket.works.clear();
   }
-  next_launch_ = 0;
-  stats_.last_window_collectives = 0;
-  stats_.last_window_bytes = 0;
+  next_launch = 0;
+  stats.last_window_collectives = 0;
+  stats.last_window_bytes = 0;
+  if (task >= 0) {
+    queue_end_callback(task);
+  }
 }
 
-void Reducer::begin_sync_backward() {
-  begin_reduction();
-  torch::autograd::Engine::get_default_engine().queue_callback(
-      [this] { finalize_backward(); });
+void Reducer::State::queue_end_callback(int task) {
+  auto guard = std::make_shared<TaskGuard>(shared_from_this(), sync_id, task);
+  torch::autograd::Engine::get_default_engine().queue_callback([guard] {
+    guard->ran = true;
+    guard->state->on_task_end(guard->id, guard->task);
+  });
 }
 
-void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
-  auto& grad = params_[bucket.params[slot]].mutable_grad();
+void Reducer::State::on_task_end(uint64_t id, int task) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!in_flight || id != sync_id || task != anchor_task) {
+    return; // a nested task ended, or this reduction is already over
+  }
+  if (closed) {
+    abort_reduction(AbortReason::Closed);
+    return;
+  }
+  finish_reduction();
+}
+
+void Reducer::State::on_task_failed(uint64_t id) noexcept {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (in_flight && id == sync_id) {
+    abort_reduction(closed ? AbortReason::Closed : AbortReason::BackwardFailed);
+  }
+}
+
+void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
+  auto& grad = params[bucket.params[slot]].mutable_grad();
   auto& view = bucket.views[slot];
   if (!grad.defined()) {
     view.zero_();
@@ -293,121 +542,275 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   }
   TORCH_CHECK(!grad.is_sparse(), "gradaccum: ", name(bucket.params[slot]), " has a sparse gradient; not supported");
   view.copy_(grad);
-  if (options_.gradient_as_bucket_view()) {
+  if (options.gradient_as_bucket_view()) {
     grad = view; // someone replaced .grad (e.g. zero_grad(set_to_none=True)): re-point it
   }
 }
 
-void Reducer::launch_ready_buckets() {
-  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
-    launch_bucket(buckets_[next_launch_++]);
+void Reducer::State::launch_ready_buckets() {
+  // Never the last bucket: see Note [The last bucket closes the window].
+  while (next_launch + 1 < buckets.size() && buckets[next_launch].pending == 0) {
+    launch_bucket(next_launch++);
   }
 }
 
-void Reducer::launch_bucket(Bucket& bucket) {
-  bucket.meta.fill_(1);
-  bucket.weight().fill_(window_weight_);
-  bucket.flushing().fill_(flushing_ ? 1 : 0);
-  auto flags = bucket.flags();
-  for (const auto slot : bucket.missing) {
-    flags.narrow(0, static_cast<int64_t>(slot), 1).fill_(0);
+void Reducer::State::launch_rest() {
+  while (next_launch < buckets.size()) {
+    buckets[next_launch].pending = 0;
+    launch_bucket(next_launch++);
   }
+}
+
+void Reducer::State::launch_bucket(size_t index) {
+  auto& bucket = buckets[index];
+  // The header, as Note [Bucket meta layout] describes it.
+  const auto squared = [this](int64_t v) {
+    const double m = static_cast<double>(((v % modulus) + modulus) % modulus);
+    return std::make_pair(m, m * m);
+  };
+  std::vector<double> meta(static_cast<size_t>(kMetaHeader) + bucket.params.size(), 1.0);
+  const bool aborting = request.abort != AbortReason::None;
+  meta[kWeight] = request.weight;
+  meta[kFlushing] = request.flushing ? 1 : 0;
+  meta[kAbort] = aborting ? 1 : 0;
+  meta[kAbortRank] = aborting ? rank : 0;
+  meta[kAbortReason] = static_cast<double>(static_cast<int64_t>(request.abort));
+  std::tie(meta[kWindow], meta[kWindowSquare]) = squared(sequence);
+  std::tie(meta[kSteps], meta[kStepsSquare]) = squared(rule.steps);
+  std::tie(meta[kReductionMode], meta[kReductionModeSquare]) =
+      squared(static_cast<int64_t>(rule.reduction));
+  std::tie(meta[kBucketIndex], meta[kBucketIndexSquare]) = squared(static_cast<int64_t>(index));
+  for (const auto slot : bucket.missing) {
+    meta[kMetaHeader + slot] = 0;
+  }
+  bucket.meta.copy_(at::from_blob(meta.data(), {static_cast<int64_t>(meta.size())}, at::kDouble));
+
   std::vector<at::Tensor> tensors{bucket.buffer};
-  bucket.works.push_back(group_->allreduce(tensors));
+  bucket.works.push_back(group->allreduce(tensors));
   if (!bucket.meta_in_buffer) {
-    std::vector<at::Tensor> meta{bucket.meta};
-    bucket.works.push_back(group_->allreduce(meta));
+    std::vector<at::Tensor> meta_tensors{bucket.meta};
+    bucket.works.push_back(group->allreduce(meta_tensors));
   }
   const auto launches = static_cast<int64_t>(bucket.works.size());
-  stats_.collectives += launches;
-  stats_.last_window_collectives += launches;
-  stats_.bytes_reduced += bucket.bytes();
-  stats_.last_window_bytes += bucket.bytes();
+  stats.collectives += launches;
+  stats.last_window_collectives += launches;
+  stats.bytes_reduced += bucket.bytes();
+  stats.last_window_bytes += bucket.bytes();
 }
 
-void Reducer::finalize_backward() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  finish_reduction(/*read_weight=*/false);
-}
-
-double Reducer::synchronize() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(!sync_in_flight_, "Reducer::synchronize() called during a synchronising backward");
-  begin_reduction();
-  flushing_ = true;
-  return finish_reduction(/*read_weight=*/true);
-}
-
-void Reducer::abandon_reduction() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  end_reduction();
-}
-
-void Reducer::end_reduction() {
-  for (auto& bucket : buckets_) {
-    bucket.works.clear();
-  }
-  sync_in_flight_ = false;
-  flushing_ = false;
-  window_weight_ = 1.0;
-}
-
-bool Reducer::last_reduction_closed_partial_windows() const {
-  return stats_.windows > 0 && buckets_.front().flushing().item<double>() > 0;
-}
-
-double Reducer::finish_reduction(bool read_weight) {
-  // Whatever happens below (a peer failing makes wait() throw), the next
-  // backward starts from a clean state.
-  struct End {
-    Reducer* reducer;
-    ~End() {
-      reducer->end_reduction();
+void Reducer::State::wait_all(const char* what) {
+  for (const auto b : c10::irange(buckets.size())) {
+    for (auto& work : buckets[b].works) {
+      try {
+        work->wait();
+      } catch (const std::exception& e) {
+        // Wait for nothing else: the group is likely broken. The caller drops
+        // the window (its buffers may hold a half-reduced sum).
+        std::ostringstream message;
+        message << "gradaccum: " << window_label() << " (" << what << "), rank " << rank
+                << ": the all-reduce of bucket " << b << " of " << buckets.size()
+                << " failed. Likely cause: a peer process left (crashed or was killed), or "
+                << "the ranks took different paths (flush() on some ranks only, a different "
+                << "number of micro-steps or windows, another collective in between). "
+                << "The original error: " << message_of(e);
+        throw std::runtime_error(message.str());
+      }
     }
-  } end{this};
+  }
+}
+
+ReductionResult Reducer::State::finish_reduction() {
   // Whatever backward did not make ready (unused on this rank, or used only in
   // earlier micro-steps) is sent as it is: its accumulated .grad, or zeros
-  // flagged as missing. Same buckets, same order, on every rank: no hang.
-  for (size_t b = next_launch_; b < buckets_.size(); ++b) {
-    auto& bucket = buckets_[b];
+  // flagged as missing.
+  for (size_t b = next_launch; b < buckets.size(); ++b) {
+    auto& bucket = buckets[b];
     for (const auto slot : c10::irange(bucket.params.size())) {
-      if (!ready_[bucket.params[slot]]) {
+      if (!ready[bucket.params[slot]]) {
         copy_into_bucket(bucket, slot);
       }
     }
-    bucket.pending = 0;
   }
-  launch_ready_buckets();
+  launch_rest();
+  try {
+    wait_all(request.flushing ? "flush" : "synchronising backward");
+  } catch (const std::exception& e) {
+    fail(e.what());
+  }
 
-  for (auto& bucket : buckets_) {
-    for (auto& work : bucket.works) {
-      work->wait();
-    }
+  // One host read of every header (the consensus needs it; it also gives the
+  // global weight and the flags).
+  std::vector<at::Tensor> headers;
+  for (const auto& bucket : buckets) {
+    headers.push_back(bucket.header());
   }
-  // Every bucket carries the same summed weight. Reading it costs a host sync,
-  // so only synchronize() does (a window with no micro-step anywhere sums to 0).
-  double global_weight = -1;
-  bool divide = divide_;
-  if (read_weight) {
-    global_weight = buckets_.front().weight().item<double>();
-    divide = divide && global_weight > 0;
+  const auto summed = at::stack(headers).to(at::kDouble).cpu();
+  check_consensus(summed);
+
+  const double global_weight = summed[static_cast<int64_t>(buckets.size()) - 1][kWeight].item<double>();
+  const bool divide = request.divide && global_weight > 0;
+  // A CPU double scalar: the division runs in the gradients' compute type
+  // without rounding the divisor to a half-precision dtype first.
+  const auto divisor = at::scalar_tensor(global_weight, at::kDouble);
+  for (auto& bucket : buckets) {
+    write_back(bucket, divide, divisor);
   }
-  for (auto& bucket : buckets_) {
-    write_back(bucket, divide);
+  if (options.broadcast_buffers() && !buffers.empty()) {
+    broadcast_from_rank0(buffers);
+    ++stats.broadcasts;
   }
-  if (options_.broadcast_buffers() && !buffers_.empty()) {
-    broadcast_from_rank0(buffers_);
-    ++stats_.broadcasts;
-  }
-  ++stats_.windows;
-  return global_weight;
+  ReductionResult result;
+  result.window = sequence;
+  result.global_weight = global_weight;
+  result.flushing_ranks = static_cast<int64_t>(std::llround(
+      summed[static_cast<int64_t>(buckets.size()) - 1][kFlushing].item<double>()));
+  last_result = result;
+  ++stats.windows;
+  ++sequence;
+  end_reduction();
+  return result;
 }
 
-void Reducer::write_back(Bucket& bucket, bool divide) {
-  const bool as_view = options_.gradient_as_bucket_view();
+void Reducer::State::check_consensus(const at::Tensor& summed) {
+  const auto h = summed.accessor<double, 2>();
+  const auto n = static_cast<int64_t>(buckets.size());
+  const double w = world;
+  const auto all_equal = [&](int64_t b, int64_t field) {
+    return w * h[b][field + 1] == h[b][field] * h[b][field];
+  };
+  for (int64_t b = 0; b < n; ++b) {
+    if (!all_equal(b, kBucketIndex)) {
+      fail("gradaccum: " + window_label() + ": collectives were mis-paired across ranks "
+           "(bucket " + std::to_string(b) + " met another bucket on some rank): the ranks' "
+           "calls diverged. The window was dropped on every rank");
+    }
+  }
+  const auto last = n - 1;
+  const auto aborting = static_cast<int64_t>(std::llround(h[last][kAbort]));
+  if (aborting > 0) {
+    std::ostringstream cause;
+    const auto who = static_cast<int64_t>(std::llround(h[last][kAbortRank]));
+    const auto why = static_cast<AbortReason>(aborting == 1 ? std::llround(h[last][kAbortReason]) : 0);
+    if (aborting > 1) {
+      cause << aborting << " ranks could not contribute their window (their synchronising "
+            << "backward failed, or they left the epoch early)";
+    } else if (why == AbortReason::EpochEnded) {
+      cause << "rank " << who << " went on training after other ranks had ended the epoch "
+            << "with flush(); every rank must run the same number of full windows and call "
+            << "flush() at the end of each epoch";
+    } else if (why == AbortReason::Closed) {
+      cause << "rank " << who << " destroyed its Accumulator during the synchronising backward";
+    } else {
+      cause << "the synchronising backward (or a micro-step of the window) failed on rank "
+            << who << " (its own error is raised there)";
+    }
+    fail("gradaccum: " + window_label() + " was dropped on every rank: " + cause.str() +
+         ". The window's gradients were cleared on every rank and no optimizer step was "
+         "taken; training can go on from the next window");
+  }
+  struct Check {
+    MetaField field;
+    const char* what;
+    int64_t mine;
+  };
+  const Check checks[] = {
+      {kSteps, "steps", rule.steps},
+      {kReductionMode, "reduction", static_cast<int64_t>(rule.reduction)},
+      {kWindow, "the window number", sequence},
+  };
+  for (const auto& check : checks) {
+    if (all_equal(last, check.field)) {
+      continue;
+    }
+    const auto show = [&](int64_t v) {
+      return check.field == kReductionMode ? std::string(reduction_name(v)) : std::to_string(v);
+    };
+    std::ostringstream message;
+    message << "gradaccum: " << window_label() << ": the ranks disagree on " << check.what
+            << ": this rank (rank " << rank << ") has " << show(check.mine);
+    const auto mine_mod = ((check.mine % modulus) + modulus) % modulus;
+    if (world == 2 && check.field != kWindow) {
+      const auto other = static_cast<int64_t>(std::llround(h[last][check.field])) - mine_mod;
+      message << ", rank " << (1 - rank) << " has " << show(other);
+    } else {
+      message << " (mean over the " << world << " ranks: "
+              << h[last][check.field] / w + static_cast<double>(check.mine - mine_mod) << ")";
+    }
+    if (check.field == kWindow) {
+      message << ". Some rank ran a reduction the others did not (flush() on some ranks "
+                 "only, or a failed micro-step handled differently)";
+    } else {
+      message << ". Every rank must use the same options";
+    }
+    message << ". The window was dropped on every rank";
+    fail(message.str());
+  }
+}
+
+void Reducer::State::fail(const std::string& message) {
+  // Every collective of this reduction has completed (or the group is broken):
+  // the pairing is over, so the window can be dropped and the error raised.
+  failure = message;
+  drop_window();
+  ++stats.windows;
+  ++stats.dropped_windows;
+  ++sequence;
+  end_reduction();
+  TORCH_CHECK(false, message);
+}
+
+void Reducer::State::abort_reduction(AbortReason reason) noexcept {
+  // See Note [Dropping a window]. Runs from a failed task's guard (in the
+  // engine, during unwinding) or from backward()/reduce(): never throws.
+  request.abort = reason;
+  aborted_here = true;
+  std::string transport;
+  try {
+    launch_rest();
+    wait_all("dropping this rank's window");
+  } catch (const std::exception& e) {
+    transport = message_of(e);
+  }
+  failure = "gradaccum: " + window_label() + ": this rank (rank " + std::to_string(rank) +
+      ") could not contribute its window, so the window was dropped on every rank (its "
+      "gradients cleared, no optimizer step); training can go on from the next window";
+  if (!transport.empty()) {
+    failure += ". Dropping it failed too: " + transport;
+  }
+  try {
+    drop_window();
+  } catch (...) {
+  }
+  ++stats.windows;
+  ++stats.dropped_windows;
+  ++sequence;
+  end_reduction();
+}
+
+void Reducer::State::drop_window() {
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets) {
+    bucket.gradients.zero_();
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      auto& grad = params[bucket.params[slot]].mutable_grad();
+      grad = options.gradient_as_bucket_view() ? bucket.views[slot] : at::Tensor();
+    }
+  }
+}
+
+void Reducer::State::end_reduction() {
+  for (auto& bucket : buckets) {
+    bucket.works.clear();
+  }
+  in_flight = false;
+  last_anchor_task = anchor_task;
+  anchor_task = -1;
+}
+
+void Reducer::State::write_back(Bucket& bucket, bool divide, const at::Tensor& divisor) {
+  const bool as_view = options.gradient_as_bucket_view();
   // The division rides on the pass that writes .grad: in place in the bucket
   // for views, fused into the copy back otherwise.
-  const auto divisor = bucket.weight().squeeze(0);
   if (divide && as_view) {
     bucket.gradients.div_(divisor);
   }
@@ -420,7 +823,7 @@ void Reducer::write_back(Bucket& bucket, bool divide) {
     }
   }
   for (const auto slot : c10::irange(bucket.params.size())) {
-    auto& grad = params_[bucket.params[slot]].mutable_grad();
+    auto& grad = params[bucket.params[slot]].mutable_grad();
     const auto& view = bucket.views[slot];
     if (nowhere[slot]) {
       grad = at::Tensor(); // no rank had a gradient: keep it None, as one process would
@@ -439,24 +842,166 @@ void Reducer::write_back(Bucket& bucket, bool divide) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// Public interface
+
+bool Reducer::expect_hooks() const {
+  return state_->expect_hooks.load();
+}
+
+void Reducer::set_expect_hooks(bool expect) {
+  state_->expect_hooks.store(expect);
+}
+
+ReductionRequest Reducer::manual_request() const {
+  ReductionRequest request;
+  request.divide = state_->rule.reduction != Reduction::Sum;
+  return request;
+}
+
+ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest& request) {
+  TORCH_CHECK_VALUE(request.weight >= 0 && std::isfinite(request.weight),
+      "Reducer: the window weight must be a finite number >= 0, got ", request.weight);
+  // Held locally: a hook may destroy this Reducer while backward runs.
+  const auto keep = state_;
+  auto& s = *keep;
+  const auto sequence_before = [&] {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    TORCH_CHECK(!s.in_flight, "gradaccum: backward() called while a synchronising backward is in flight");
+    return s.sequence;
+  }();
+  const bool previous = s.expect_hooks.exchange(true);
+  struct Restore {
+    State& s;
+    bool previous;
+    ~Restore() {
+      s.expect_hooks = previous;
+    }
+  } restore{s, previous};
+
+  // Begin at the root of the graph, in the outermost task (see Note [Where a
+  // synchronising backward ends]); without a root, begin now and finish once
+  // backward returns.
+  const auto root = loss.grad_fn();
+  torch::autograd::FunctionPreHook* root_hook = nullptr;
+  if (root) {
+    std::weak_ptr<State> weak = keep;
+    auto hook = std::make_unique<RootHook>([weak, request] {
+      if (auto state = weak.lock()) {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        if (!state->in_flight && !state->closed) {
+          state->begin_reduction(request, torch::autograd::get_current_graph_task_id());
+        }
+      }
+    });
+    root_hook = hook.get();
+    root->add_pre_hook(std::move(hook));
+  } else {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.begin_reduction(request, -1);
+  }
+  const auto remove_root_hook = [&] {
+    if (!root_hook) {
+      return;
+    }
+    auto& hooks = root->pre_hooks();
+    for (auto it = hooks.begin(); it != hooks.end(); ++it) {
+      if (it->get() == root_hook) {
+        hooks.erase(it);
+        return;
+      }
+    }
+    TORCH_INTERNAL_ASSERT(false, "gradaccum: the root pre-hook disappeared");
+  };
+
+  try {
+    loss.backward();
+  } catch (const std::exception& e) {
+    remove_root_hook();
+    std::unique_lock<std::mutex> lock(s.mutex);
+    if (s.in_flight) {
+      // The engine has not freed the failed task yet: drop the window now.
+      s.abort_reduction(AbortReason::BackwardFailed);
+    } else if (s.sequence == sequence_before) {
+      // Failed before the reduction began on this rank: the others still wait
+      // for one (Note [Collectives pair by launch order]).
+      s.begin_reduction(request, -1);
+      s.abort_reduction(AbortReason::BackwardFailed);
+    }
+    if (s.aborted_here && s.sequence == sequence_before + 1) {
+      TORCH_CHECK(false, s.failure, ". The error on this rank: ", message_of(e));
+    }
+    throw; // a dropped window's error (every rank raises it), or a transport error
+  }
+  remove_root_hook();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.in_flight) {
+    return s.finish_reduction(); // no root: the reduction ends here
+  }
+  TORCH_INTERNAL_ASSERT(s.sequence == sequence_before + 1,
+      "gradaccum: a synchronising backward ended without its reduction");
+  return s.last_result;
+}
+
+ReductionResult Reducer::reduce(const ReductionRequest& request) {
+  const auto keep = state_;
+  auto& s = *keep;
+  TORCH_CHECK_VALUE(request.weight >= 0 && std::isfinite(request.weight),
+      "Reducer: the window weight must be a finite number >= 0, got ", request.weight);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  TORCH_CHECK(!s.in_flight, "Reducer::reduce() called during a synchronising backward");
+  s.begin_reduction(request, -1);
+  if (request.abort != AbortReason::None) {
+    const auto reason = request.abort;
+    s.abort_reduction(reason);
+    TORCH_CHECK(false, s.failure);
+  }
+  return s.finish_reduction();
+}
+
 void Reducer::zero_grad() {
-  TORCH_CHECK(!sync_in_flight_, "Reducer::zero_grad() called during a synchronising backward");
-  if (!options_.gradient_as_bucket_view()) {
-    for (auto& p : params_) {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  TORCH_CHECK(!s.in_flight, "Reducer::zero_grad() called during a synchronising backward");
+  if (!s.options.gradient_as_bucket_view()) {
+    for (auto& p : s.params) {
       p.mutable_grad() = at::Tensor();
     }
     return;
   }
-  for (auto& bucket : buckets_) {
+  for (auto& bucket : s.buckets) {
     bucket.gradients.zero_();
     for (const auto slot : c10::irange(bucket.params.size())) {
-      params_[bucket.params[slot]].mutable_grad() = bucket.views[slot];
+      s.params[bucket.params[slot]].mutable_grad() = bucket.views[slot];
     }
   }
 }
 
+int64_t Reducer::windows() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->stats.windows;
+}
+
 ReducerStats Reducer::stats() const {
-  return stats_;
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->stats;
+}
+
+ReductionResult Reducer::last_result() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->last_result;
+}
+
+const std::vector<Bucket>& Reducer::buckets() const {
+  return state_->buckets;
+}
+
+const c10::intrusive_ptr<c10d::ProcessGroup>& Reducer::process_group() const {
+  return state_->group;
+}
+
+const ReducerOptions& Reducer::options() const {
+  return state_->options;
 }
 
 NoSync::NoSync(Reducer* reducer) : reducer_(reducer) {

@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace gradaccum {
@@ -155,6 +156,8 @@ class Accumulator {
 
  private:
   void scale_local_gradients();
+  void reset_window();
+  std::vector<std::pair<const void*, int64_t>> grad_versions() const;
   bool finish_window();
   void clear_gradients();
   std::vector<at::Tensor> defined_grads() const;
@@ -167,7 +170,13 @@ class Accumulator {
 
   int64_t micro_step_ = 0;
   bool window_ready_ = false;
-  double window_weight_ = 0;
+  double window_weight_ = 0; ///< of the micro-steps so far (the closing one excluded)
+  /// A micro-step of this window failed on this rank: when the window closes,
+  /// it is dropped on every rank (data parallel only).
+  bool window_failed_ = false;
+  /// This rank's last window was reduced with other ranks' flush(): the epoch
+  /// is over, and this rank's flush() steps nothing and reduces nothing.
+  bool epoch_ended_ = false;
   AccumulatorStats stats_;
 };
 

@@ -19,15 +19,45 @@ std::vector<std::vector<size_t>> assign_buckets(
     int64_t first_cap_bytes,
     int64_t cap_bytes);
 
-/// One flat buffer of gradients, reduced by one collective.
-///
-/// The buffer is `[gradients | meta]` when the dtype holds counts exactly enough
-/// (float32, float64); otherwise `meta` is a float32 tensor of its own and the
-/// bucket costs a second collective. `meta` is `[window weight, flushing, one
-/// has-gradient flag per parameter]`: summed over ranks it gives the window's
-/// divisor (items or micro-steps, all ranks), whether some rank was closing a
-/// partial window with flush(), and which parameters got no gradient anywhere,
-/// with no collective of its own.
+// Note [Bucket meta layout]
+// Every bucket's buffer is `[gradients | meta]` when its dtype holds small
+// integers exactly (float32, float64); otherwise `meta` is a float32 tensor of
+// its own, reduced by a second collective right after the buffer. `meta` is a
+// header of `MetaField`s followed by one has-gradient flag per parameter, and
+// the collective sums all of it over ranks, so with no collective of its own
+// every rank learns:
+//  - the window's divisor (kWeight: items or micro-steps, all ranks),
+//  - how many ranks closed a partial window with flush() (kFlushing),
+//  - how many ranks drop the window, which one and why (kAbort*; see
+//    Note [Dropping a window]),
+//  - whether every rank agrees on what must be equal (the window sequence
+//    number, steps, the reduction, the bucket's index): each such value v is
+//    sent as (v mod M, (v mod M)^2); over W ranks the values are all equal iff
+//    W * sum(v^2) == sum(v)^2. M is chosen so both sums stay exact integers in
+//    the meta's dtype (see consensus_modulus()).
+//  - which parameters got no gradient on any rank (the flags).
+// The reducer writes the header in launch_bucket() and reads it in
+// check_consensus(); the layout is the same on every rank because the buckets
+// are (checked at construction, or by the index field at the first window).
+enum MetaField : int64_t {
+  kWeight = 0,
+  kFlushing,
+  kAbort,
+  kAbortRank,
+  kAbortReason,
+  kWindow,
+  kWindowSquare,
+  kSteps,
+  kStepsSquare,
+  kReductionMode,
+  kReductionModeSquare,
+  kBucketIndex,
+  kBucketIndexSquare,
+  kMetaHeader, // the header's length
+};
+
+/// One flat buffer of gradients, reduced by one collective (see Note [Bucket
+/// meta layout]).
 struct Bucket {
   /// Builds the buffer and the per-parameter views for `params[indices]`.
   Bucket(const std::vector<at::Tensor>& params, std::vector<size_t> indices);
@@ -36,22 +66,21 @@ struct Bucket {
   std::vector<at::Tensor> views; ///< one per parameter, shaped like it
   at::Tensor buffer; ///< what the collective reduces
   at::Tensor gradients; ///< buffer's gradient part
-  at::Tensor meta; ///< [weight, flushing, flags…]
+  at::Tensor meta; ///< [header (MetaField), flags…]
   bool meta_in_buffer = false;
 
-  // State of the synchronising backward in flight.
+  // State of the reduction in flight.
   size_t pending = 0; ///< parameters not yet ready
   std::vector<size_t> missing; ///< slots with no local gradient (sent as zeros)
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
 
   /// Bytes one launch hands to the collectives.
   int64_t bytes() const;
-  static constexpr int64_t kMetaHeader = 2;
-  at::Tensor weight() const {
-    return meta.narrow(0, 0, 1);
+  at::Tensor header() const {
+    return meta.narrow(0, 0, kMetaHeader);
   }
-  at::Tensor flushing() const {
-    return meta.narrow(0, 1, 1);
+  at::Tensor weight() const {
+    return meta.narrow(0, kWeight, 1);
   }
   at::Tensor flags() const {
     return meta.narrow(0, kMetaHeader, static_cast<int64_t>(params.size()));

@@ -3,11 +3,10 @@
 #include <gradaccum/bucket.h>
 #include <gradaccum/options.h>
 
-#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
-#include <mutex>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,12 +15,51 @@ namespace gradaccum {
 /// Counters of the reducer's collectives.
 struct ReducerStats {
   int64_t buckets = 0;
-  int64_t windows = 0; ///< reductions completed
+  int64_t windows = 0; ///< reductions completed (dropped ones included)
+  int64_t dropped_windows = 0; ///< reductions that ended with the window dropped on every rank
   int64_t collectives = 0; ///< all-reduces launched, in all
   int64_t bytes_reduced = 0; ///< bytes handed to all-reduces, in all
   int64_t last_window_collectives = 0;
   int64_t last_window_bytes = 0;
   int64_t broadcasts = 0; ///< buffer broadcasts at windows' ends
+};
+
+/// What every rank's windows must agree on. Carried in every reduction (and
+/// compared at construction), so that ranks configured differently get a clear
+/// error at the first window instead of silently mixing windows.
+struct WindowRule {
+  int64_t steps = 1;
+  Reduction reduction = Reduction::Mean;
+};
+
+/// Why a rank drops the window it is reducing (see Note [Dropping a window]).
+enum class AbortReason : int64_t {
+  None = 0,
+  /// This rank's synchronising backward (or a micro-step of the window) failed.
+  BackwardFailed = 1,
+  /// This rank went on training after other ranks ended the epoch with flush().
+  EpochEnded = 2,
+  /// This rank's reducer was destroyed during its synchronising backward.
+  Closed = 3,
+};
+
+/// One reduction, asked for as a value: what this rank contributes.
+struct ReductionRequest {
+  /// This rank's share of the divisor: micro-steps (mean), items (items).
+  double weight = 1.0;
+  /// Divide the sum by the weights summed over ranks (false: reduction "sum").
+  bool divide = true;
+  /// This rank closes a partial window (flush()).
+  bool flushing = false;
+  /// Drop the window on every rank (the gradients sent are ignored).
+  AbortReason abort = AbortReason::None;
+};
+
+/// What a completed reduction tells every rank alike.
+struct ReductionResult {
+  int64_t window = -1; ///< the reduction's sequence number (the same on every rank)
+  double global_weight = 0; ///< request weights summed over ranks
+  int64_t flushing_ranks = 0; ///< ranks that closed a partial window with flush()
 };
 
 /// Data-parallel gradient reduction over a c10d ProcessGroup, driven by autograd.
@@ -32,122 +70,68 @@ struct ReducerStats {
 /// is true, the hook copies the gradient into its bucket (nothing to copy with
 /// `gradient_as_bucket_view`) and, once a bucket is full, all-reduces it
 /// asynchronously while backward goes on. A callback queued on the autograd
-/// engine runs at the end of that backward: it launches what is left, waits, and
-/// writes the reduced gradient, divided by the window's weight summed over ranks,
-/// back into `.grad`.
+/// engine runs at the end of that backward: it launches what is left, waits,
+/// checks that every rank agreed, and writes the reduced gradient, divided by the
+/// window's weight summed over ranks, back into `.grad`.
 ///
-/// Collectives pair up by order, so buckets are launched strictly in index
-/// order on every rank, whatever order the hooks fire in. Buckets are built once,
-/// at construction, never in the middle of a window.
+/// Every reduction pairs across ranks (see Note [Collectives pair by launch
+/// order]); when something goes wrong on one rank the window is dropped on every
+/// rank and every rank raises a clear error (Note [Dropping a window]).
+///
+/// The hooks and engine callbacks hold the reducer's state by shared pointer:
+/// destroying a Reducer during a backward is safe (its hooks go inert; a
+/// reduction in flight still completes its pairing with the other ranks).
 class Reducer {
  public:
   /// Registers the hooks; with `options.check_parameters()`, checks that every
-  /// rank has the same parameters (a collective), then broadcasts `params` and
-  /// `buffers` from rank 0. `names` (optional) name parameters in errors.
+  /// rank has the same parameters and options (a collective), then broadcasts
+  /// `params` and `buffers` from rank 0. `names` (optional) name parameters in
+  /// errors.
   Reducer(
       std::vector<at::Tensor> params,
       c10::intrusive_ptr<c10d::ProcessGroup> group,
       ReducerOptions options = {},
       std::vector<at::Tensor> buffers = {},
-      std::vector<std::string> names = {});
+      std::vector<std::string> names = {},
+      WindowRule rule = {});
   ~Reducer();
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
-  /// Whether the next backward synchronises (false inside no_sync).
-  bool expect_hooks() const {
-    return expect_hooks_;
-  }
-  void set_expect_hooks(bool expect) {
-    expect_hooks_ = expect;
-  }
+  /// Whether a backward synchronises when it is not run through backward()
+  /// (false inside no_sync; the DDP-style manual path).
+  bool expect_hooks() const;
+  void set_expect_hooks(bool expect);
 
-  /// This rank's share of the next reduction's divisor (1 by default: the
-  /// result is then the mean over ranks, as torch DDP gives). Reset to 1 after
-  /// each reduction.
-  void set_window_weight(double weight);
-  /// Whether the reduced sum is divided by the summed weights (false: a sum).
-  void set_divide(bool divide) {
-    divide_ = divide;
-  }
-
+  /// Runs `loss.backward()` as the synchronising backward of a window and
+  /// returns the reduction's result. Whatever fails (this rank's backward, a
+  /// peer's, a disagreement between ranks, the transport) throws after the
+  /// reduction has paired with every rank; the window is then dropped on every
+  /// rank (gradients cleared).
+  ReductionResult backward(const at::Tensor& loss, const ReductionRequest& request);
   /// Reduces now, outside backward, whatever `.grad` holds (closing a partial
-  /// window). Returns the window weight summed over ranks.
-  double synchronize();
-
-  /// Whether some rank's synchronize() took part in the last reduction: then
-  /// every rank's last window was already reduced with the partial windows,
-  /// and a flush() on a rank with nothing accumulated must not reduce again.
-  bool last_reduction_closed_partial_windows() const;
-
-  /// Drops the state of a synchronising backward that failed before its end
-  /// (the engine then never runs the end-of-backward callback). Collectives
-  /// already launched cannot be taken back: peers may wait on this rank.
-  void abandon_reduction();
+  /// window, or an empty one). Same error behaviour as backward().
+  ReductionResult reduce(const ReductionRequest& request);
+  /// The request a synchronising backward of the manual path (plain
+  /// `loss.backward()` outside no_sync) uses: weight 1, divide unless "sum".
+  ReductionRequest manual_request() const;
 
   /// Makes `.grad` zero (bucket views stay views) or undefined (copy mode).
   void zero_grad();
 
-  /// Number of reductions completed (synchronising backwards and synchronize()).
-  int64_t windows() const {
-    return stats_.windows;
-  }
+  /// Number of reductions completed (synchronising backwards and reduce()).
+  int64_t windows() const;
   ReducerStats stats() const;
-  const std::vector<Bucket>& buckets() const {
-    return buckets_;
-  }
-  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const {
-    return group_;
-  }
-  const ReducerOptions& options() const {
-    return options_;
-  }
+  /// The last completed reduction's result (window -1 before the first).
+  ReductionResult last_result() const;
+  const std::vector<Bucket>& buckets() const;
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;
+  const ReducerOptions& options() const;
+
+  struct State; ///< shared with the hooks and callbacks; defined in reducer.cpp
 
  private:
-  void check_parameters_match();
-  void broadcast_parameters_from_rank0();
-  void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);
-  at::Device metadata_device() const;
-  const std::string& name(size_t index) const;
-
-  void mark_ready(size_t index);
-  void begin_reduction();
-  void begin_sync_backward();
-  void copy_into_bucket(Bucket& bucket, size_t slot);
-  void launch_ready_buckets();
-  void launch_bucket(Bucket& bucket);
-  void finalize_backward();
-  double finish_reduction(bool read_weight);
-  void end_reduction();
-  void write_back(Bucket& bucket, bool divide);
-
-  std::vector<at::Tensor> params_;
-  std::vector<at::Tensor> buffers_;
-  std::vector<std::string> names_;
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  ReducerOptions options_;
-
-  std::vector<Bucket> buckets_;
-  /// (bucket, slot) of each parameter.
-  std::vector<std::pair<size_t, size_t>> locator_;
-  /// Keeps the accumulators (and so the hooks) alive: a leaf holds them weakly.
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> grad_accumulators_;
-  std::vector<uintptr_t> hook_keys_;
-
-  bool expect_hooks_ = true;
-  bool divide_ = true;
-  double window_weight_ = 1.0;
-
-  // State of the synchronising backward in flight; guarded by mutex_ because
-  // CUDA backward runs hooks on device threads.
-  std::mutex mutex_;
-  bool sync_in_flight_ = false;
-  bool flushing_ = false; ///< the reduction in flight comes from synchronize()
-  std::vector<char> ready_;
-  int sync_task_ = -1; ///< autograd graph task of the last synchronising backward
-  size_t next_launch_ = 0;
-
-  ReducerStats stats_;
+  std::shared_ptr<State> state_;
 };
 
 /// RAII guard: backward passes inside it accumulate locally, with no collective

@@ -40,6 +40,7 @@ py::dict stats_to_dict(const AccumulatorStats& s) {
   d["last_grad_norm"] = s.last_grad_norm ? py::cast(*s.last_grad_norm) : py::none();
   d["buckets"] = s.reducer.buckets;
   d["reductions"] = s.reducer.windows;
+  d["dropped_windows"] = s.reducer.dropped_windows;
   d["collectives"] = s.reducer.collectives;
   d["bytes_reduced"] = s.reducer.bytes_reduced;
   d["last_window_collectives"] = s.reducer.last_window_collectives;
