@@ -12,7 +12,7 @@ CMAKE_FLAGS := $(GEN) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER_LAUNCHER=c
 export PATH     := /usr/lib/ccache:$(PATH)
 export MAX_JOBS := $(JOBS)
 
-.PHONY: all deps build install-python build-cpp test test-cpp test-python demo bench bench-gpu clean
+.PHONY: all deps build install-python build-cpp test test-cpp test-python sanitize demo bench bench-gpu clean
 
 all: build
 
@@ -50,6 +50,16 @@ test-cpp:
 
 test-python:
 	OMP_NUM_THREADS=1 GRADACCUM_BUILD=$(CURDIR)/$(BUILD) $(PYTHON) -m pytest tests/python -q -rs
+
+# The library and the Catch2 tests (the multi-rank ones included: real Gloo
+# groups, one thread per rank) under AddressSanitizer + UBSan. libtorch itself
+# is not instrumented; leak checking is off (torch keeps globals alive at exit).
+sanitize: deps
+	cmake -S . -B $(BUILD)/sanitize $(GEN) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DGRADACCUM_SANITIZE=ON -DGRADACCUM_INSTALL=OFF
+	cmake --build $(BUILD)/sanitize -j $(JOBS)
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  OMP_NUM_THREADS=1 $(BUILD)/sanitize/tests/cpp/gradaccum_tests
 
 demo: build
 	OMP_NUM_THREADS=2 $(PYTHON) examples/python/digits_demo.py --out $(BUILD)/demo

@@ -175,3 +175,82 @@ TEST_CASE("construction broadcasts rank 0's parameters", "[reducer][distributed]
   CHECK(torch::equal(weights[0], weights[1]));
   CHECK(torch::equal(weights[0], gradaccum::test::mlp(torch::kFloat64, 100)->parameters()[0]));
 }
+
+TEST_CASE("a backward that throws on one rank drops the window on every rank", "[reducer][distributed][errors]") {
+  // Rank 1's synchronising backward of window 1 throws from a tensor hook,
+  // after the later layers' buckets were launched. Both ranks raise, drop the
+  // window, go on, and end with identical parameters; so does a raising
+  // no_sync micro-step, at its window's end.
+  for (bool at_micro_step : {false, true}) {
+    DYNAMIC_SECTION((at_micro_step ? "no_sync micro-step" : "synchronising backward")) {
+      std::vector<std::vector<std::string>> errors(2);
+      std::vector<std::vector<at::Tensor>> results(2);
+      std::vector<int64_t> dropped(2);
+      run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+        auto net = gradaccum::test::mlp();
+        torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+        Accumulator acc(net, opt, AccumulatorOptions(2).process_group(group).reducer(
+            ReducerOptions().bucket_cap_mb(0.0001).first_bucket_cap_mb(0.0001)));
+        REQUIRE(acc.reducer()->buckets().size() >= 3);
+        bool arm = false;
+        net->parameters()[1].register_hook([&arm](torch::Tensor g) {
+          if (arm) throw std::runtime_error("injected failure");
+          return g;
+        });
+        for (int w = 0; w < 3; ++w) {
+          for (int k = 0; k < 2; ++k) {
+            arm = rank == 1 && w == 1 && k == (at_micro_step ? 0 : 1);
+            auto x = torch::full({2, 6}, double(w + k + rank), torch::kFloat64);
+            try {
+              acc.backward(net->forward(x).pow(2).mean());
+              acc.step();
+            } catch (const c10::Error& e) {
+              errors[rank].push_back(std::to_string(w) + "/" + std::to_string(k) + ": " + e.what_without_backtrace());
+            } catch (const std::exception& e) {
+              errors[rank].push_back(std::to_string(w) + "/" + std::to_string(k) + ": " + e.what());
+            }
+          }
+        }
+        dropped[rank] = acc.stats().reducer.dropped_windows;
+        for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
+      });
+      REQUIRE(errors[0].size() == 1);
+      CHECK_THAT(errors[0][0], Catch::StartsWith("1/1: gradaccum: window 1 was dropped on every rank") &&
+                                   Catch::Contains("failed on rank 1"));
+      if (at_micro_step) {
+        REQUIRE(errors[1].size() == 2);
+        CHECK_THAT(errors[1][0], Catch::StartsWith("1/0: injected failure"));
+        CHECK_THAT(errors[1][1], Catch::StartsWith("1/1: gradaccum: window 1"));
+      } else {
+        REQUIRE(errors[1].size() == 1);
+        CHECK_THAT(errors[1][0], Catch::StartsWith("1/1: gradaccum: window 1: this rank (rank 1) could not "
+                                                   "contribute its window") &&
+                                     Catch::Contains("injected failure"));
+      }
+      CHECK(dropped == std::vector<int64_t>{1, 1});
+      for (size_t i = 0; i < results[0].size(); ++i) {
+        CHECK(torch::equal(results[0][i], results[1][i]));
+      }
+    }
+  }
+}
+
+TEST_CASE("ranks with different steps fail in the first reduction, without the construction check", "[reducer][distributed][errors]") {
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    auto net = gradaccum::test::mlp();
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    Accumulator acc(net, opt, AccumulatorOptions(rank == 0 ? 4 : 2).process_group(group).reducer(
+        ReducerOptions().check_parameters(false)));
+    try {
+      for (int i = 0; i < 8; ++i) {
+        acc.backward(net->forward(torch::ones({2, 6}, torch::kFloat64)).sum());
+        acc.step();
+      }
+    } catch (const c10::Error& e) {
+      errors[rank] = e.what_without_backtrace();
+    }
+  });
+  CHECK_THAT(errors[0], Catch::Contains("the ranks disagree on steps: this rank (rank 0) has 4, rank 1 has 2"));
+  CHECK_THAT(errors[1], Catch::Contains("the ranks disagree on steps: this rank (rank 1) has 2, rank 0 has 4"));
+}

@@ -1,0 +1,319 @@
+"""Jobs of test_protocol.py: what happens off the happy path, on real Gloo ranks.
+
+Each job runs on every rank (spawned by _dist_utils.run_job with
+module="_protocol_jobs") and returns plain data; the parent checks it against a
+one-process reference in float64.
+"""
+import os
+import signal
+import time
+
+import torch
+import torch.nn as nn
+
+import _dist_utils as du
+from _dist_utils import job
+
+STEPS = 3
+MICRO = 2
+
+
+# --------------------------------------------------------------------------- #
+# Epochs that end in flush(), uneven shards
+# --------------------------------------------------------------------------- #
+
+def epoch_windows(seed, shards, steps):
+    """windows[w][r]: rank r's micro-batches of the epoch's w-th reduction: its
+    w-th chunk of `steps` micro-batches (a shorter chunk is its flush())."""
+    n_windows = max(1, max((n + steps - 1) // steps for n in shards))
+    counts = [[max(0, min(steps, n - w * steps)) for n in shards] for w in range(n_windows)]
+    return du.make_windows(seed, counts, MICRO)
+
+
+def epochs_reference(seed, epochs, steps, reduction, opt_name):
+    model = du.mlp(seed)
+    opt = du.make_optimizer(opt_name, model.parameters())
+    for e, shards in enumerate(epochs):
+        for window in epoch_windows(seed + e, shards, steps):
+            if sum(len(m) for m in window) == 0:
+                continue  # nothing anywhere: no step
+            du.global_batch_loss(model, window, reduction).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return du.params(model)
+
+
+@job
+def epochs(rank, world_size, *, seed, scenarios):
+    """Several epochs per scenario, each ending in flush(); rank 1 also calls
+    zero_grad() at each epoch's start (a framework habit)."""
+    import gradaccum
+
+    out = {}
+    for key, (epochs_, reduction, as_view) in scenarios.items():
+        model = du.mlp(seed)
+        opt = du.make_optimizer("adam", model.parameters())
+        acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction,
+                                    bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005,
+                                    gradient_as_bucket_view=as_view)
+        steps_taken = 0
+        for e, shards in enumerate(epochs_):
+            if rank == 1:
+                acc.zero_grad()
+            for window in epoch_windows(seed + e, shards, STEPS):
+                for batch in window[rank]:
+                    loss, n = du.micro_loss(model, batch, reduction)
+                    acc.backward(loss, num_items=n)
+                    steps_taken += acc.step()
+            steps_taken += acc.flush()
+        out[key] = {"params": du.params(model), "steps": steps_taken, "stats": acc.stats()}
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# A backward that raises on one rank
+# --------------------------------------------------------------------------- #
+
+def tower(seed, equal):
+    """Equal-size layers (every bucket the same size, so a mis-pairing would
+    not even show as a size error) or the usual uneven MLP."""
+    if not equal:
+        return du.mlp(seed)
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh()) for _ in range(4)]).double()
+
+
+def tower_batches(seed, rank, world_size, windows, steps, equal):
+    g = torch.Generator().manual_seed(seed)
+    d_in, d_out = (8, 8) if equal else (du.D_IN, du.D_OUT)
+    data = [[[(torch.randn(MICRO, d_in, generator=g, dtype=torch.float64),
+               torch.randn(MICRO, d_out, generator=g, dtype=torch.float64))
+              for _ in range(steps)] for _ in range(world_size)] for _ in range(windows)]
+    return data
+
+
+def tower_reference(seed, world_size, windows, steps, equal, skip):
+    model = tower(seed, equal)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for w, window in enumerate(tower_batches(seed, 0, world_size, windows, steps, equal)):
+        if w == skip:
+            continue
+        x = torch.cat([b[0] for micro in window for b in micro])
+        y = torch.cat([b[1] for micro in window for b in micro])
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return du.params(model)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@job
+def failing_backward(rank, world_size, *, seed, windows, fail_rank, fail_window, path, equal,
+                     where="hook"):
+    """`fail_rank` raises inside its synchronising backward of `fail_window`
+    (from a tensor hook on a middle parameter, after later buckets launched).
+    Every rank catches what it gets and goes on training."""
+    import gradaccum
+
+    model = tower(seed, equal)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = gradaccum.Accumulator(model, opt if path == "accumulator" else None, steps=STEPS,
+                                bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002)
+    state = {"arm": False}
+    middle = list(model.parameters())[len(list(model.parameters())) // 2]
+
+    def hook(grad):
+        if state["arm"]:
+            raise Boom(f"injected failure on rank {rank}")
+        return grad
+
+    middle.register_hook(hook)
+    errors = []
+    data = tower_batches(seed, rank, world_size, windows, STEPS, equal)
+    for w in range(windows):
+        for k, (x, y) in enumerate(data[w][rank]):
+            last = k == STEPS - 1
+            state["arm"] = rank == fail_rank and w == fail_window and last and where == "hook"
+            if rank == fail_rank and w == fail_window and k == 0 and where == "micro":
+                state["arm"] = True  # a no_sync micro-step fails instead
+            start = time.monotonic()
+            try:
+                loss = (model(x) - y).pow(2).mean()
+                if path == "accumulator":
+                    acc.backward(loss)
+                    acc.step()
+                elif last:
+                    (loss / STEPS).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                else:
+                    with acc.no_sync():
+                        (loss / STEPS).backward()
+            except RuntimeError as e:
+                errors.append({"window": w, "micro": k, "text": str(e),
+                               "seconds": time.monotonic() - start})
+                if path == "manual":
+                    opt.zero_grad(set_to_none=True)  # drop the window here too
+            finally:
+                state["arm"] = False
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats(),
+            "buckets": len(acc.bucket_indices),
+            "bucket_sizes": [sum(list(model.parameters())[i].numel() for i in b)
+                             for b in acc.bucket_indices]}
+
+
+# --------------------------------------------------------------------------- #
+# Ranks that disagree
+# --------------------------------------------------------------------------- #
+
+@job
+def disagree(rank, world_size, *, case, check_parameters):
+    """Ranks configured differently, or one taking another path; every rank
+    records the first error it gets and how long after the first backward."""
+    import gradaccum
+
+    model = du.mlp(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = {"steps": (4, 2)[rank % 2]}.get(case, 4)
+    reduction = {"reduction": ("mean", "sum")[rank % 2]}.get(case, "mean")
+    g = torch.Generator().manual_seed(rank)
+    start = time.monotonic()
+    try:
+        acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction,
+                                    check_parameters=check_parameters)
+        for i in range(24):
+            x = torch.randn(2, du.D_IN, generator=g, dtype=torch.float64)
+            acc.backward(model(x).pow(2).mean())
+            acc.step()
+            if case == "one_sided_flush" and rank == 0 and i == 5:
+                acc.flush()  # mid-window, on rank 0 only
+    except (RuntimeError, ValueError) as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+# --------------------------------------------------------------------------- #
+# Reentrant activation checkpointing
+# --------------------------------------------------------------------------- #
+
+class Checkpointed(nn.Module):
+    def __init__(self, seed, reentrant):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(du.D_IN, du.D_HID)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(du.D_HID, du.D_HID), nn.Tanh())
+                                     for _ in range(2)])
+        self.head = nn.Linear(du.D_HID, du.D_OUT)
+        self.reentrant = reentrant
+        self.double()
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=self.reentrant) if self.reentrant is not None else block(h)
+        return self.head(h)
+
+
+@job
+def reentrant(rank, world_size, *, seed, windows):
+    import gradaccum
+
+    out = {}
+    data = tower_batches(seed, rank, world_size, windows, STEPS, equal=False)
+    for path in ("accumulator", "manual"):
+        model = Checkpointed(seed, reentrant=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        acc = gradaccum.Accumulator(model, opt if path == "accumulator" else None, steps=STEPS,
+                                    bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002)
+        for w in range(windows):
+            for k, (x, y) in enumerate(data[w][rank]):
+                loss = (model(x) - y).pow(2).mean()
+                if path == "accumulator":
+                    acc.backward(loss)
+                    acc.step()
+                elif k == STEPS - 1:
+                    (loss / STEPS).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                else:
+                    with acc.no_sync():
+                        (loss / STEPS).backward()
+        out[path] = {"params": du.params(model), "stats": acc.stats(),
+                     "buckets": len(acc.bucket_indices)}
+    return out
+
+
+def reentrant_reference(seed, world_size, windows):
+    model = Checkpointed(seed, reentrant=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for window in tower_batches(seed, 0, world_size, windows, STEPS, equal=False):
+        x = torch.cat([b[0] for micro in window for b in micro])
+        y = torch.cat([b[1] for micro in window for b in micro])
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return du.params(model)
+
+
+# --------------------------------------------------------------------------- #
+# Lifetimes, and a peer that dies
+# --------------------------------------------------------------------------- #
+
+@job
+def drop_during_backward(rank, world_size):
+    """Rank 1 drops its Accumulator from a tensor hook in the middle of its
+    synchronising backward (manual path); rank 0 goes on normally."""
+    import gc
+    import gradaccum
+
+    model = du.mlp(9)
+    holder = [gradaccum.Accumulator(model, None, steps=1, bucket_cap_mb=0.0002,
+                                    first_bucket_cap_mb=0.0002)]
+    middle = list(model.parameters())[2]
+
+    def hook(grad):
+        if rank == 1 and holder:
+            holder.clear()
+            gc.collect()
+        return grad
+
+    middle.register_hook(hook)
+    x = torch.randn(3, du.D_IN, dtype=torch.float64)
+    error = None
+    try:
+        model(x).pow(2).mean().backward()
+    except RuntimeError as e:
+        error = str(e)
+    # Both go on: rank 1 with plain local training, rank 0 locally (no_sync).
+    if holder:
+        with holder[0].no_sync():
+            model(x).pow(2).mean().backward()
+    else:
+        model(x).pow(2).mean().backward()
+    return {"error": error, "dropped": not holder,
+            "grads_finite": all(torch.isfinite(p.grad).all() for p in model.parameters()
+                                if p.grad is not None)}
+
+
+@job
+def peer_killed(rank, world_size):
+    import gradaccum
+
+    model = du.mlp(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    x = torch.randn(3, du.D_IN, dtype=torch.float64)
+    acc.backward(model(x).pow(2).mean())
+    if rank == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        acc.backward(model(x).pow(2).mean())
+        return {"error": None, "seconds": time.monotonic() - start}
+    except RuntimeError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}

@@ -1,0 +1,171 @@
+"""Off the happy path, with real Gloo ranks: every rank agrees, or every rank
+gets the same clear error (Note [Dropping a window] in src/reducer.cpp).
+
+References are one process in float64; errors are asserted by their text.
+"""
+import torch
+import pytest
+
+import _dist_utils as du
+import _protocol_jobs as pj
+
+M = "_protocol_jobs"
+
+
+def run(name, world_size, tmp_path, **kwargs):
+    kwargs.setdefault("timeout", 120)
+    kwargs.setdefault("pg_timeout", 30)
+    return du.run_job(name, world_size, tmp_path, module=M, **kwargs)
+
+
+def assert_params_close(got, expected, tol=1e-10, what=""):
+    for i, (a, e) in enumerate(zip(got, expected)):
+        scale = max(1.0, e.abs().max().item())
+        diff = (a - e).abs().max().item() / scale
+        assert diff <= tol, f"{what} parameter {i}: relative difference {diff:.3g}"
+
+
+# --------------------------------------------------------------------------- #
+# 1. Epochs ending in flush(), uneven and empty shards
+# --------------------------------------------------------------------------- #
+
+# Micro-batches per rank and epoch (K = 3). Ranks may differ by less than one
+# window (the rank with fewer ends with a partial or an empty flush()), shards
+# may be empty on one rank or on all; each scenario runs several epochs in a row.
+EPOCHS = {
+    2: [[7, 6], [2, 0], [0, 0], [4, 6], [3, 0], [6, 6], [0, 3], [5, 3]],
+    4: [[7, 6, 8, 6], [0, 2, 0, 1], [0, 0, 0, 0], [3, 0, 3, 1], [6, 6, 6, 6], [4, 6, 5, 3]],
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_epochs_ending_in_flush_with_uneven_shards_match_one_process(tmp_path, world_size):
+    epochs = EPOCHS[world_size]
+    scenarios = {"mean": (epochs, "mean", False), "items": (epochs, "items", False),
+                 "items/views": (epochs, "items", True)}
+    results = run("epochs", world_size, tmp_path, timeout=240, seed=7, scenarios=scenarios)
+    for key, (_, reduction, _) in scenarios.items():
+        expected = pj.epochs_reference(7, epochs, pj.STEPS, reduction, "adam")
+        for rank, res in enumerate(results):
+            assert_params_close(res[key]["params"], expected, what=f"{key} rank {rank}")
+            assert res[key]["stats"]["dropped_windows"] == 0
+        assert len({r[key]["steps"] for r in results}) == 1
+
+
+# --------------------------------------------------------------------------- #
+# 2. A synchronising backward that raises on one rank
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("path", ["accumulator", "manual"])
+@pytest.mark.parametrize("equal", [True, False], ids=["equal_buckets", "unequal_buckets"])
+def test_failed_synchronising_backward_drops_the_window_on_every_rank(tmp_path, path, equal):
+    windows, fail_window, fail_rank = 4, 1, 1
+    results = run("failing_backward", 2, tmp_path, seed=3, windows=windows, fail_rank=fail_rank,
+                  fail_window=fail_window, path=path, equal=equal)
+    assert results[0]["buckets"] >= 3
+    if equal:
+        assert len(set(results[0]["bucket_sizes"])) == 1, results[0]["bucket_sizes"]
+    expected = pj.tower_reference(3, 2, windows, pj.STEPS, equal, skip=fail_window)
+    for rank, res in enumerate(results):
+        (err,) = res["errors"]
+        assert (err["window"], err["micro"]) == (fail_window, pj.STEPS - 1)
+        if rank == fail_rank:
+            assert "injected failure on rank 1" in err["text"]
+            if path == "accumulator":
+                assert "window 1: this rank (rank 1) could not contribute its window, so the " \
+                       "window was dropped on every rank" in err["text"]
+        else:
+            assert "gradaccum: window 1 was dropped on every rank: the synchronising backward " \
+                   "(or a micro-step of the window) failed on rank 1" in err["text"]
+            assert err["seconds"] < 5
+        assert res["stats"]["dropped_windows"] == 1
+        # training went on: the replicas are bit-identical and equal the run without that window
+        assert_params_close(res["params"], expected, what=f"rank {rank}")
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_failed_no_sync_micro_step_drops_the_window_on_every_rank_when_it_closes(tmp_path):
+    results = run("failing_backward", 2, tmp_path, seed=3, windows=3, fail_rank=0, fail_window=1,
+                  path="accumulator", equal=False, where="micro")
+    expected = pj.tower_reference(3, 2, 3, pj.STEPS, False, skip=1)
+    (own,) = [e for e in results[0]["errors"] if e["micro"] == 0]
+    assert own["window"] == 1 and "injected failure on rank 0" in own["text"]
+    for rank, res in enumerate(results):
+        closing = [e for e in res["errors"] if e["micro"] == pj.STEPS - 1]
+        assert len(closing) == 1 and closing[0]["window"] == 1
+        assert "window 1" in closing[0]["text"] and "dropped on every rank" in closing[0]["text"]
+        assert_params_close(res["params"], expected, what=f"rank {rank}")
+
+
+# --------------------------------------------------------------------------- #
+# 3. Ranks that disagree
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("case,text", [
+    ("steps", "the ranks disagree on steps: this rank (rank {r}) has {mine}, rank {o} has {theirs}"),
+    ("reduction", "the ranks disagree on reduction: this rank (rank {r}) has {mine}, rank {o} has {theirs}"),
+])
+def test_mismatched_options_fail_in_the_first_reduction_on_every_rank(tmp_path, case, text):
+    values = {"steps": ("4", "2"), "reduction": ("mean", "sum")}[case]
+    results = run("disagree", 2, tmp_path, case=case, check_parameters=False)
+    for rank, res in enumerate(results):
+        assert res["error"] is not None, f"rank {rank} trained on"
+        want = text.format(r=rank, o=1 - rank, mine=values[rank], theirs=values[1 - rank])
+        assert want in res["error"], res["error"]
+        assert "dropped on every rank" in res["error"]
+        assert res["seconds"] < 5
+
+
+@pytest.mark.parametrize("case,text", [
+    ("steps", "the ranks disagree on steps (rank 0: 4, rank 1: 2)"),
+    ("reduction", "the ranks disagree on reduction (rank 0: mean, rank 1: sum)"),
+])
+def test_mismatched_options_fail_at_construction_naming_every_rank(tmp_path, case, text):
+    results = run("disagree", 2, tmp_path, case=case, check_parameters=True)
+    for res in results:
+        assert res["error"] is not None and text in res["error"], res["error"]
+
+
+def test_flush_on_one_rank_only_is_a_clear_error_on_every_rank(tmp_path):
+    results = run("disagree", 2, tmp_path, case="one_sided_flush", check_parameters=False)
+    assert "rank 1 went on training after other ranks had ended the epoch with flush()" \
+        in results[0]["error"], results[0]["error"]
+    assert "other ranks ended the epoch with flush() in the reduction that closed this " \
+           "rank's last window, but this rank went on training" in results[1]["error"]
+    for res in results:
+        assert res["seconds"] < 5
+
+
+# --------------------------------------------------------------------------- #
+# 4. Reentrant activation checkpointing
+# --------------------------------------------------------------------------- #
+
+def test_reentrant_checkpointing_matches_the_big_batch(tmp_path):
+    results = run("reentrant", 2, tmp_path, seed=2, windows=3)
+    expected = pj.reentrant_reference(2, 2, 3)
+    for rank, res in enumerate(results):
+        for path in ("accumulator", "manual"):
+            assert res[path]["buckets"] >= 2
+            assert res[path]["stats"]["reductions"] == 3
+            assert_params_close(res[path]["params"], expected, what=f"{path} rank {rank}")
+
+
+# --------------------------------------------------------------------------- #
+# 5. Lifetimes; a peer that dies
+# --------------------------------------------------------------------------- #
+
+def test_dropping_the_accumulator_during_backward_is_safe_and_told(tmp_path):
+    results = run("drop_during_backward", 2, tmp_path)
+    assert results[1]["dropped"] and results[1]["error"] is None
+    assert "rank 1 destroyed its Accumulator during the synchronising backward" in results[0]["error"]
+    assert all(r["grads_finite"] for r in results)
+
+
+def test_a_killed_peer_is_an_error_on_the_others_within_seconds(tmp_path):
+    results = run("peer_killed", 2, tmp_path, allow_death=True, timeout=60)
+    assert results[1] is None  # SIGKILLed
+    err = results[0]["error"]
+    assert err is not None and "gradaccum: window 0 (synchronising backward), rank 0: the " \
+        "all-reduce of bucket" in err and "a peer process left" in err, err
+    assert results[0]["seconds"] < 5
