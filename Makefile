@@ -3,6 +3,9 @@ PYTHON  ?= python3
 PIP     := $(PYTHON) -m pip
 BUILD   := build
 PREFIX  := $(CURDIR)/$(BUILD)/install
+# Evaluated when used (after deps): where the installed torch keeps TorchConfig.cmake.
+TORCH_PREFIX = $(shell $(PYTHON) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+CONSTRAINTS := requirements/constraints.txt
 JOBS    ?= 2
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 GEN     := $(if $(shell command -v ninja),-G Ninja,)
@@ -16,10 +19,12 @@ export MAX_JOBS := $(JOBS)
 
 all: build
 
-# torch is pinned to the CPU 2.13.0 build on disk; nothing may pull another.
+# torch is pinned to the CPU 2.13.0 build on disk; nothing may pull another:
+# the constraints file holds it while pip installs Lightning (which needs torch).
 deps: $(BUILD)/.deps
-$(BUILD)/.deps:
-	$(PIP) install -q torch==2.13.0 pytest numpy scikit-learn tqdm matplotlib
+$(BUILD)/.deps: Makefile $(CONSTRAINTS)
+	$(PIP) install -q -c $(CONSTRAINTS) torch==2.13.0 pytest numpy scikit-learn tqdm matplotlib mypy \
+	  "setuptools>=70.1" "lightning>=2.6"
 	@if ! dpkg -s catch2 ccache >/dev/null 2>&1; then \
 	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q catch2 ccache; fi
 	@mkdir -p $(BUILD) && touch $@
@@ -35,11 +40,11 @@ build-cpp: deps
 	cmake -S . -B $(BUILD)/cmake $(CMAKE_FLAGS) -DCMAKE_INSTALL_PREFIX=$(PREFIX)
 	cmake --build $(BUILD)/cmake -j $(JOBS)
 	cmake --install $(BUILD)/cmake > /dev/null
-	cmake -S tests/consumer -B $(BUILD)/consumer $(CMAKE_FLAGS) -DCMAKE_PREFIX_PATH=$(PREFIX)
+	cmake -S tests/consumer -B $(BUILD)/consumer $(CMAKE_FLAGS) -DCMAKE_PREFIX_PATH="$(PREFIX);$(TORCH_PREFIX)"
 	cmake --build $(BUILD)/consumer -j $(JOBS)
-	cmake -S examples/cpp -B $(BUILD)/examples $(CMAKE_FLAGS) -DCMAKE_PREFIX_PATH=$(PREFIX)
+	cmake -S examples/cpp -B $(BUILD)/examples $(CMAKE_FLAGS) -DCMAKE_PREFIX_PATH="$(PREFIX);$(TORCH_PREFIX)"
 	cmake --build $(BUILD)/examples -j $(JOBS)
-	cmake -S benchmarks/cpp -B $(BUILD)/bench $(CMAKE_FLAGS) -DCMAKE_PREFIX_PATH=$(PREFIX)
+	cmake -S benchmarks/cpp -B $(BUILD)/bench $(CMAKE_FLAGS) -DCMAKE_PREFIX_PATH="$(PREFIX);$(TORCH_PREFIX)"
 	cmake --build $(BUILD)/bench -j $(JOBS)
 
 test: build test-cpp test-python
@@ -71,4 +76,5 @@ bench-gpu:
 	$(PYTHON) benchmarks/bench_gpu.py
 
 clean:
-	rm -rf $(BUILD) python/gradaccum/*.so *.egg-info
+	rm -rf $(BUILD) python/gradaccum/*.so python/gradaccum/lib python/gradaccum/include \
+	  python/gradaccum/_build_info.py *.egg-info python/*.egg-info

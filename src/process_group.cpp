@@ -12,6 +12,8 @@
 #endif
 
 #include <cstdlib>
+#include <iostream>
+#include <mutex>
 #include <string>
 
 namespace gradaccum {
@@ -60,6 +62,16 @@ bool nccl_available() {
 #else
   return false;
 #endif
+}
+
+bool LaunchEnvironment::launched() {
+  for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
+    const char* value = std::getenv(name);
+    if (value && *value) {
+      return true;
+    }
+  }
+  return false;
 }
 
 LaunchEnvironment LaunchEnvironment::from_env() {
@@ -113,6 +125,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_process_group(
 
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
     ProcessGroupOptions options) {
+  if (!LaunchEnvironment::launched()) {
+    static std::once_flag said;
+    std::call_once(said, [] {
+      std::cerr << "gradaccum: no torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) "
+                   "are set: running as one process, without a process group" << std::endl;
+    });
+    return {};
+  }
   const auto env = LaunchEnvironment::from_env();
 #ifdef GRADACCUM_WITH_NCCL
   if (resolve_backend(options) == "nccl") {

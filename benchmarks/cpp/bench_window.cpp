@@ -218,6 +218,7 @@ int main(int argc, char** argv) {
     runner.bucket_view = bucket_view;
     runner.nonfinite = gradaccum::nonfinite_from_string(nonfinite);
     runner.group = gradaccum::init_process_group_from_env(gradaccum::ProcessGroupOptions().backend("gloo"));
+    TORCH_CHECK(runner.group, "bench_window measures data-parallel windows: launch it with torchrun");
     torch::manual_seed(1 + runner.group->getRank());
     for (int64_t i = 0; i < kPool; ++i) {
       runner.data.emplace_back(

@@ -10,7 +10,6 @@
 #include <gradaccum/gradaccum.h>
 #include <torch/torch.h>
 
-#include <cstdlib>
 #include <iostream>
 #include <string>
 
@@ -53,13 +52,10 @@ std::pair<torch::Tensor, torch::Tensor> make_data(int64_t rows) {
 
 int main(int argc, char** argv) try {
   const auto args = parse(argc, argv);
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
-  int rank = 0, world = 1;
-  if (std::getenv("WORLD_SIZE")) {
-    group = gradaccum::init_process_group_from_env();
-    rank = group->getRank();
-    world = group->getSize();
-  }
+  // Under torchrun a Gloo (or NCCL) group; as a plain process none (local-only).
+  const auto group = gradaccum::init_process_group_from_env();
+  const int rank = group ? group->getRank() : 0;
+  const int world = group ? group->getSize() : 1;
   const int64_t window_rows = world * args.steps * args.micro_batch;
   auto [x, y] = make_data(window_rows * args.windows);
 

@@ -35,6 +35,7 @@ import copy
 import os
 import sys
 import time
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ from tqdm import tqdm
 import gradaccum
 
 
-def parse_args(argv=None):
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="build/demo", help="folder for loss_curves.png")
     p.add_argument("--batch", type=int, default=192, help="big batch size B")
@@ -64,19 +65,27 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load_data(seed):
+Data = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def load_data(seed: int) -> Data:
     """Standardised digits, a stratified 80/20 train/validation split, as tensors."""
     digits = load_digits()
     x_train, x_val, y_train, y_val = train_test_split(
         digits.data.astype(np.float32), digits.target, test_size=0.2,
         random_state=seed, stratify=digits.target)
     scaler = StandardScaler().fit(x_train)
-    as_x = lambda a: torch.from_numpy(scaler.transform(a).astype(np.float32))
-    as_y = lambda a: torch.from_numpy(a.astype(np.int64))
+
+    def as_x(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(scaler.transform(a).astype(np.float32))
+
+    def as_y(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.astype(np.int64))
+
     return as_x(x_train), as_y(y_train), as_x(x_val), as_y(y_val)
 
 
-def make_model(hidden):
+def make_model(hidden: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(
         torch.nn.Linear(64, hidden), torch.nn.ReLU(),
         torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
@@ -84,25 +93,27 @@ def make_model(hidden):
 
 
 @torch.no_grad()
-def accuracy(model, x, y):
-    return (model(x).argmax(dim=1) == y).float().mean().item()
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((model(x).argmax(dim=1) == y).float().mean().item())
 
 
-def batches(n, batch, epoch, seed):
+def batches(n: int, batch: int, epoch: int, seed: int) -> List[torch.Tensor]:
     """The same shuffled full batches for both runs (the last partial batch is dropped)."""
     g = torch.Generator().manual_seed(seed * 1000 + epoch)
     perm = torch.randperm(n, generator=g)
     return [perm[i:i + batch] for i in range(0, n - batch + 1, batch)]
 
 
-def train(name, init_model, data, args, use_accumulator):
+def train(name: str, init_model: torch.nn.Module, data: Data, args: argparse.Namespace,
+          use_accumulator: bool) -> Tuple[torch.nn.Module, List[float], List[float]]:
     x_train, y_train, x_val, y_val = data
     model = copy.deepcopy(init_model)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     loss_fn = torch.nn.CrossEntropyLoss()
     acc = gradaccum.Accumulator(model, optimizer, steps=args.steps) if use_accumulator else None
 
-    losses, val_acc = [], []
+    losses: List[float] = []
+    val_acc: List[float] = []
     n_batches = len(batches(len(x_train), args.batch, 0, args.seed))
     bar = tqdm(total=args.epochs * n_batches, desc=f"{name:>9}", unit="step", leave=True,
                file=sys.stdout, dynamic_ncols=True)
@@ -136,7 +147,8 @@ def train(name, init_model, data, args, use_accumulator):
     return model, losses, val_acc
 
 
-def gradient_difference(init_model, data, args):
+def gradient_difference(init_model: torch.nn.Module, data: Data,
+                        args: argparse.Namespace) -> Tuple[float, float]:
     """Largest |difference| between one big batch's gradient and the window's
     gradient gradaccum leaves in .grad (no optimizer: backward() only). Adam is
     nearly blind to a gradient's scale, so this checks the scale directly."""
@@ -148,12 +160,14 @@ def gradient_difference(init_model, data, args):
     acc = gradaccum.Accumulator(small, None, steps=args.steps)
     for xm, ym in gradaccum.split((x, y), args.steps):
         acc.backward(loss_fn(small(xm), ym))
-    scale = max(p.grad.abs().max().item() for p in big.parameters())
-    diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(big.parameters(), small.parameters()))
+    big_grads = [p.grad for p in big.parameters() if p.grad is not None]
+    small_grads = [p.grad for p in small.parameters() if p.grad is not None]
+    scale = max(g.abs().max().item() for g in big_grads)
+    diff = max((g - h).abs().max().item() for g, h in zip(big_grads, small_grads))
     return diff, scale
 
 
-def save_plot(path, big_losses, acc_losses, args):
+def save_plot(path: str, big_losses: List[float], acc_losses: List[float], args: argparse.Namespace) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -177,7 +191,7 @@ def save_plot(path, big_losses, acc_losses, args):
     plt.close(fig)
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.batch % args.steps:
         sys.exit(f"--batch ({args.batch}) must be a multiple of --steps ({args.steps})")

@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 from datetime import timedelta
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from sklearn.datasets import load_digits
 import gradaccum
 
 
-def parse_args(argv=None):
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=4, help="micro-batches per window (K)")
     p.add_argument("--windows", type=int, default=10, help="optimizer steps")
@@ -46,26 +47,26 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_model(seed, dtype):
+def make_model(seed: int, dtype: torch.dtype) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
                          nn.Linear(64, 10)).to(dtype)
 
 
-def load_data(dtype):
+def load_data(dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=dtype)
     x = (x - x.mean(0)) / (x.std(0) + 1e-6)
     return x, torch.tensor(digits.target)
 
 
-def window_rows(window, global_batch, n_rows, seed):
+def window_rows(window: int, global_batch: int, n_rows: int, seed: int) -> torch.Tensor:
     """Row indices of one window's global batch (the same on every rank)."""
     g = torch.Generator().manual_seed(seed * 100_003 + window)
     return torch.randperm(n_rows, generator=g)[:global_batch]
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype)
     tol = args.tol if args.tol is not None else (1e-10 if dtype == torch.float64 else 1e-4)
@@ -122,7 +123,7 @@ def main(argv=None):
     ref_opt = torch.optim.Adam(reference.parameters(), lr=args.lr)
     for w in range(args.windows):
         rows = window_rows(w, global_batch, len(x), args.seed)
-        F.cross_entropy(reference(x[rows]), y[rows]).backward()
+        torch.autograd.backward(F.cross_entropy(reference(x[rows]), y[rows]))
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
     diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))

@@ -31,9 +31,22 @@ struct LaunchEnvironment {
   /// Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (and
   /// TORCHELASTIC_USE_AGENT_STORE); throws naming a missing or malformed one.
   static LaunchEnvironment from_env();
+
+  /// Whether any of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is
+  /// set: the process was launched for data parallelism (by torchrun or by hand).
+  static bool launched();
 };
 
 /// Creates the TCPStore and a Gloo or NCCL group from torchrun's variables.
+/// Launched without any of them (`LaunchEnvironment::launched()` is false),
+/// returns no group (a null pointer: local-only accumulation) and says so once
+/// on stderr, so that the same binary runs as one plain process. Some of them
+/// set but not all is an error naming the missing one.
+///
+/// Example:
+///   auto group = gradaccum::init_process_group_from_env();   // null when not under torchrun
+///   gradaccum::Accumulator acc(model.ptr(), optimizer,
+///       gradaccum::AccumulatorOptions(8).process_group(group));
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
     ProcessGroupOptions options = {});
 

@@ -2,7 +2,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <iterator>
 
 using namespace gradaccum;
 
@@ -22,7 +28,62 @@ struct EnvGuard {
   }
   std::vector<std::pair<std::string, std::optional<std::string>>> saved;
 };
+
+// What is written to file descriptor 2 while `fn` runs.
+template <typename F>
+std::string capture_stderr(F&& fn) {
+  char path[] = "/tmp/gradaccum-stderr-XXXXXX";
+  const int file = mkstemp(path);
+  REQUIRE(file >= 0);
+  std::cerr.flush();
+  std::fflush(stderr);
+  const int saved = dup(2);
+  dup2(file, 2);
+  fn();
+  std::cerr.flush();
+  std::fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  close(file);
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  unlink(path);
+  return text;
+}
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) {
+    ++n;
+  }
+  return n;
+}
+
+const std::vector<std::pair<std::string, std::string>> kNoLaunch{
+    {"RANK", ""}, {"WORLD_SIZE", ""}, {"LOCAL_RANK", ""}, {"MASTER_ADDR", ""},
+    {"MASTER_PORT", ""}, {"TORCHELASTIC_USE_AGENT_STORE", ""}};
 } // namespace
+
+TEST_CASE("without torchrun's variables there is no group, said once", "[process_group]") {
+  EnvGuard env(kNoLaunch);
+  CHECK_FALSE(LaunchEnvironment::launched());
+  c10::intrusive_ptr<c10d::ProcessGroup> first, second;
+  const auto said = capture_stderr([&] {
+    first = init_process_group_from_env();
+    second = init_process_group_from_env();
+  });
+  CHECK_FALSE(first);
+  CHECK_FALSE(second);
+  CHECK(count(said, "running as one process, without a process group") == 1);
+}
+
+TEST_CASE("some of torchrun's variables but not all is an error", "[process_group][errors]") {
+  auto vars = kNoLaunch;
+  vars[3].second = "127.0.0.1"; // MASTER_ADDR alone
+  EnvGuard env(vars);
+  CHECK(LaunchEnvironment::launched());
+  CHECK_THROWS_WITH(init_process_group_from_env(), Catch::Contains("WORLD_SIZE is not set"));
+}
 
 TEST_CASE("torchrun's variables are read and checked", "[process_group]") {
   {

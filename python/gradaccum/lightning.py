@@ -1,0 +1,329 @@
+"""gradaccum.lightning: a Lightning strategy that accumulates with gradaccum.
+
+    import lightning.pytorch as pl
+    from gradaccum.lightning import GradaccumStrategy
+
+    trainer = pl.Trainer(strategy=GradaccumStrategy(), devices=2, accumulate_grad_batches=8,
+                         gradient_clip_val=1.0)
+
+It launches processes and sets up the process group exactly as Lightning's
+``DDPStrategy`` does (it is one), but never wraps the model in
+``DistributedDataParallel``. Instead a :class:`gradaccum.Accumulator` over the
+LightningModule's parameters, with the configured optimizer and
+``K = accumulate_grad_batches``, does the backward of every batch and the
+optimizer step of every window, reducing once per window. Compared with DDP and
+Lightning's own accumulation:
+
+- the window's gradient is that of the big batch, also for the epoch's last,
+  partial window, which is weighted by what it holds (Lightning divides it by K);
+- with ``reduction="items"`` and ``training_step`` returning
+  ``{"loss": summed_loss, "num_items": n}``, the exact per-item (per-token) mean
+  over the whole window and all ranks, with no extra collective;
+- ``gradient_clip_val`` clips the window's reduced gradient once (by norm), a
+  non-finite window is skipped on every rank alike (``nonfinite=``), and
+  step-interval LR schedulers step only after a real optimizer step;
+- the Accumulator's state goes into Lightning's checkpoints and comes back on
+  resume.
+
+Precision: ``32-true``, ``64-true``, ``bf16-mixed`` (and the ``*-true`` half
+precisions). ``16-mixed`` needs a loss scaler, which the Accumulator does not
+have yet: it is refused with an error. Manual optimization is refused too: use
+``gradaccum.Accumulator`` in ``training_step`` directly there.
+
+Lightning is an optional dependency, imported only by this module:
+``pip install "lightning>=2.6"`` (or ``pip install "gradaccum[lightning]"``).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.trainer import call as _call
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+except ImportError as error:  # pragma: no cover - exercised by a test in a subprocess
+    raise ImportError(
+        f"gradaccum.lightning needs Lightning, which is not importable here ({error}). "
+        'Install it with: pip install "lightning>=2.6" (or pip install "gradaccum[lightning]"); '
+        "pin torch (pip install -c <file with torch==your version>) so that pip keeps your torch"
+    ) from error
+
+from gradaccum._accumulator import Accumulator
+
+__all__ = ["GradaccumStrategy"]
+
+#: The key of the Accumulator's state in Lightning's checkpoint dict.
+CHECKPOINT_KEY = "gradaccum_accumulator"
+
+_REDUCTIONS = ("mean", "sum", "items")
+_NONFINITE = ("skip", "raise", "ignore")
+
+
+class GradaccumStrategy(DDPStrategy):
+    """Data parallel like ``DDPStrategy``, accumulating with a gradaccum Accumulator.
+
+    Args:
+        reduction: what the window's gradient is the gradient of: the ``"mean"``
+            of the micro-batch losses (the big batch's mean loss), their
+            ``"sum"``, or ``"items"``: ``training_step`` returns
+            ``{"loss": loss summed over items, "num_items": n}`` and the window's
+            gradient is that of total loss / total items over all ranks.
+        nonfinite: a NaN/inf window gradient is ``"skip"``-ped (no optimizer or
+            scheduler step), ``"raise"``-d, or ``"ignore"``-d.
+        bucket_cap_mb, first_bucket_cap_mb, gradient_as_bucket_view,
+        broadcast_buffers, check_parameters: passed to the Accumulator.
+        process_group_backend, timeout, start_method, accelerator,
+        parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+        as for Lightning's ``DDPStrategy``.
+
+    ``K`` is the Trainer's ``accumulate_grad_batches`` and ``max_grad_norm`` its
+    ``gradient_clip_val`` (by norm). The Accumulator is built in ``setup`` and
+    is ``strategy.accumulator`` while fitting.
+    """
+
+    strategy_name = "gradaccum"
+
+    def __init__(
+        self,
+        reduction: str = "mean",
+        nonfinite: str = "skip",
+        *,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        gradient_as_bucket_view: bool = False,
+        broadcast_buffers: bool = False,
+        check_parameters: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen",
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+    ) -> None:
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"Invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+        self.reduction = reduction
+        self.nonfinite = nonfinite
+        self._accumulator_options: Dict[str, Any] = dict(
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers,
+            check_parameters=check_parameters,
+        )
+        self.accumulator: Optional[Accumulator] = None
+        # training_step's own loss and item count, for the backward that follows
+        self._micro_batch: Optional[Tuple[torch.Tensor, Optional[Any]]] = None
+        # whether the last window really stepped (step-interval schedulers follow it)
+        self._stepped = True
+        self._step_schedulers: List[Any] = []
+        self._gated_module: Optional[pl.LightningModule] = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _configure_launcher(self) -> None:
+        # The Trainer has set the precision plugin by now: refuse what cannot
+        # work before any process is launched.
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "GradaccumStrategy: precision='16-mixed' needs a loss (gradient) scaler, and "
+                "gradaccum's Accumulator has none yet: use precision='bf16-mixed', "
+                "'32-true' or '16-true'"
+            )
+        super()._configure_launcher()
+
+    def configure_ddp(self) -> None:
+        # Lightning's DDP wraps the model here; the Accumulator reduces instead.
+        pass
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._build_accumulator(trainer)
+
+    def _build_accumulator(self, trainer: "pl.Trainer") -> None:
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise ValueError(
+                "GradaccumStrategy drives backward and the optimizer step, which needs automatic "
+                "optimization; with manual optimization use gradaccum.Accumulator in training_step"
+            )
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"GradaccumStrategy needs exactly one optimizer, configure_optimizers gave {len(self.optimizers)}"
+            )
+        steps = trainer.accumulate_grad_batches
+        clip = trainer.gradient_clip_val
+        if clip is not None and float(clip) > 0:
+            algorithm = trainer.gradient_clip_algorithm  # None means Lightning's default, "norm"
+            algorithm = None if algorithm is None else str(getattr(algorithm, "value", algorithm))
+            if algorithm not in (None, "norm"):
+                raise ValueError(
+                    f"GradaccumStrategy clips the window's gradient by its norm (gradient_clip_val); "
+                    f"gradient_clip_algorithm={algorithm!r} is not supported"
+                )
+        if is_overridden("configure_gradient_clipping", module):
+            raise ValueError(
+                "GradaccumStrategy does not call configure_gradient_clipping: the Accumulator clips "
+                "the window's gradient once, by norm, to the Trainer's gradient_clip_val"
+            )
+        self.accumulator = Accumulator(
+            module,
+            self.optimizers[0],
+            steps=steps,
+            reduction=self.reduction,
+            max_grad_norm=float(clip) if clip else None,
+            nonfinite=self.nonfinite,
+            **self._accumulator_options,
+        )
+        self._gate_step_schedulers(module)
+
+    def _gate_step_schedulers(self, module: "pl.LightningModule") -> None:
+        """Lightning steps step-interval schedulers after every window; after
+        one the Accumulator skipped (non-finite) there was no optimizer step,
+        so there must be no scheduler step either."""
+        self._step_schedulers = [c.scheduler for c in self.lr_scheduler_configs if c.interval == "step"]
+        if not self._step_schedulers:
+            return
+        lightning_step = module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler: Any, metric: Optional[Any]) -> None:
+            if not self._stepped and any(scheduler is s for s in self._step_schedulers):
+                return
+            lightning_step(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+        self._gated_module = module
+
+    def teardown(self) -> None:
+        if self._gated_module is not None:
+            del self._gated_module.lr_scheduler_step  # back to the class's own hook
+            self._gated_module = None
+        close = getattr(self.accumulator, "close", None)
+        if callable(close):
+            close()
+        self.accumulator = None  # its hooks go with it
+        self._micro_batch = None
+        super().teardown()
+
+    # ---------------------------------------------------------------- training
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.accumulator is not None:
+            self._micro_batch = self._read_step_output(output)
+        return output
+
+    def _read_step_output(self, output: Any) -> Optional[Tuple[torch.Tensor, Optional[Any]]]:
+        if isinstance(output, Mapping):
+            loss, num_items = output.get("loss"), output.get("num_items")
+        else:
+            loss, num_items = output, None
+        if not isinstance(loss, torch.Tensor):
+            return None  # Lightning itself reports a missing loss
+        if self.reduction == "items" and num_items is None:
+            raise ValueError(
+                "GradaccumStrategy(reduction='items'): training_step must return "
+                "{'loss': loss summed over the batch's items, 'num_items': their count}"
+            )
+        if self.reduction != "items" and num_items is not None:
+            raise ValueError(
+                f"training_step returned 'num_items' but GradaccumStrategy has reduction="
+                f"{self.reduction!r}: pass GradaccumStrategy(reduction='items') for the exact "
+                "per-item mean (and return the loss summed over items)"
+            )
+        return loss, num_items
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.accumulator is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._micro_batch is None:
+            raise RuntimeError("GradaccumStrategy.backward: no loss from training_step to run backward on")
+        # Lightning hands over the loss divided by accumulate_grad_batches; the
+        # Accumulator takes training_step's own loss and divides by what the
+        # window really holds (micro-batches or items, over all ranks).
+        loss, num_items = self._micro_batch
+        self._micro_batch = None
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward hooks
+        self.accumulator.backward(loss, num_items=num_items)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward hooks
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning calls this at each window's last batch and at the epoch's
+        last batch: the Accumulator steps a full window, and closes a partial
+        one with its own count (``flush``, a collective every rank reaches)."""
+        accumulator = self.accumulator
+        if accumulator is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.accumulate_grad_batches != accumulator.steps:
+            raise ValueError(
+                f"accumulate_grad_batches changed from {accumulator.steps} to "
+                f"{trainer.accumulate_grad_batches} during fit (GradientAccumulationScheduler?): "
+                "GradaccumStrategy's window size is fixed when fitting starts"
+            )
+        result = closure()  # training_step and backward of this batch
+        if trainer is not None:
+            _call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        self._stepped = accumulator.step() if accumulator.window_ready else accumulator.flush()
+        return result
+
+    # ------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        # Lightning calls this on every rank and writes rank 0's dict.
+        if self.accumulator is not None and "optimizer_states" in checkpoint:
+            if self.world_size > 1 and self.accumulator.micro_step != 0:
+                raise RuntimeError(
+                    f"GradaccumStrategy: a checkpoint in the middle of a window (micro-step "
+                    f"{self.accumulator.micro_step} of {self.accumulator.steps}) under data "
+                    "parallelism would resume every rank with rank 0's half-window gradients; "
+                    "save at window boundaries (ModelCheckpoint(every_n_train_steps=...) does)"
+                )
+            checkpoint[CHECKPOINT_KEY] = self.accumulator.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self.accumulator is not None and CHECKPOINT_KEY in checkpoint:
+            self.accumulator.load_state_dict(dict(checkpoint[CHECKPOINT_KEY]))
+
+
+if "gradaccum" not in StrategyRegistry:
+    StrategyRegistry.register(
+        "gradaccum", GradaccumStrategy,
+        description="DDP launch and process group; gradaccum.Accumulator instead of DDP (reduces once per window)",
+    )

@@ -1,0 +1,228 @@
+"""Lightning runs for test_lightning.py: `python _lightning_worker.py OUT_DIR SCENARIO...`.
+
+Lightning's own launcher (as `Trainer(devices=2)` launches any script) starts
+the second rank by running this script again; both ranks join a Gloo group on
+loopback and run every scenario, one Trainer each, and save what the parent
+test compares (`OUT_DIR/<scenario>.rank<r>.pt`). A scenario that raises is
+recorded as {"error": message}. The data and the one-process references live
+here too, so that the ranks and the parent build exactly the same ones.
+"""
+import os
+import sys
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+WORLD, B, D_IN, D_HID, D_OUT, TOKENS = 2, 4, 5, 8, 3, 6
+
+
+def mlp(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, D_HID), nn.Tanh(), nn.Linear(D_HID, D_OUT)).to(dtype)
+
+
+def dataset(kind, batches_per_rank, dtype=torch.float64):
+    """WORLD * B * batches_per_rank rows: every rank gets batches_per_rank batches of B."""
+    g = torch.Generator().manual_seed(1)
+    n = WORLD * B * batches_per_rank
+    if kind == "items":
+        x = torch.randn(n, TOKENS, D_IN, generator=g, dtype=dtype)
+        y = torch.randn(n, TOKENS, D_OUT, generator=g, dtype=dtype)
+        lengths = torch.randint(1, TOKENS + 1, (n,), generator=g)
+        mask = (torch.arange(TOKENS)[None, :] < lengths[:, None]).to(dtype)
+        return x, y, mask
+    return torch.randn(n, D_IN, generator=g, dtype=dtype), torch.randn(n, D_OUT, generator=g, dtype=dtype)
+
+
+def windows(batches_per_rank, steps, epoch):
+    """The rows of each window of an epoch: K batches of every rank, the last
+    window partial when K does not divide the batches. Rank r's rows are what
+    Lightning's training sampler gives it: torch's DistributedSampler, which
+    shuffles with seed 0 + epoch."""
+    n = WORLD * B * batches_per_rank
+    per_rank = []
+    for rank in range(WORLD):
+        sampler = torch.utils.data.DistributedSampler(range(n), num_replicas=WORLD, rank=rank, shuffle=True)
+        sampler.set_epoch(epoch)
+        per_rank.append(list(sampler))
+    return [[i for rows in per_rank for i in rows[B * start:B * min(start + steps, batches_per_rank)]]
+            for start in range(0, batches_per_rank, steps)]
+
+
+def window_loss(model, data, rows, reduction):
+    if reduction == "items":
+        x, y, mask = (t[rows] for t in data)
+        return (((model(x) - y) ** 2).sum(-1) * mask).sum() / mask.sum()
+    x, y = (t[rows] for t in data)
+    return nn.functional.mse_loss(model(x), y)  # equal micro-batches: the mean of their means
+
+
+def make_optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def reference(*, kind, reduction, optimizer, batches_per_rank, steps, epochs, dtype=torch.float64,
+              clip=None, skip=(), schedule=False, divide_partial_by_k=False):
+    """One process, one backward per window on the window's big batch.
+    `skip`: (epoch, window) pairs whose window is non-finite (no step at all).
+    `divide_partial_by_k`: what Lightning's own accumulation computes for a
+    partial window of n < K batches: its mean loss times n / K."""
+    data = dataset(kind, batches_per_rank, dtype)
+    model = mlp(dtype)
+    opt = make_optimizer(optimizer, model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s) if schedule else None
+    for epoch in range(epochs):
+        for w, rows in enumerate(windows(batches_per_rank, steps, epoch)):
+            if (epoch, w) in skip:
+                continue
+            loss = window_loss(model, data, rows, reduction)
+            if divide_partial_by_k:
+                loss = loss * (len(rows) // (WORLD * B)) / steps
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
+    return [p.detach().clone() for p in model.parameters()], (sched.last_epoch if sched else None)
+
+
+# --------------------------------------------------------------------------- #
+# The Lightning side (only the ranks import Lightning and gradaccum.lightning)
+# --------------------------------------------------------------------------- #
+
+SCENARIOS = {
+    # partial last window, mean, SGD with momentum: 5 batches per rank, K = 3
+    "partial": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=3, epochs=2),
+    # the same with Lightning's own DDP + accumulate_grad_batches, for contrast
+    "partial_ddp": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=3, epochs=2,
+                        ddp=True),
+    # exact per-token mean over uneven masks, Adam
+    "items": dict(kind="items", reduction="items", optimizer="adam", batches_per_rank=5, steps=3, epochs=2),
+    # a NaN on rank 1 in epoch 0's first window; clip-once; LambdaLR per step
+    "skip_clip": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=6, steps=3, epochs=2,
+                      clip=0.05, schedule=True, nan_at=(0, 1, 1)),
+    "bf16": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=4, steps=2, epochs=3,
+                 dtype="float32", precision="bf16-mixed"),
+    # checkpoint (ModelCheckpoint, at the end of epoch 0) and resume to epoch 2
+    "ckpt_full": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2),
+    "ckpt_first": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=1,
+                       checkpoint=True),
+    "ckpt_resume": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
+                        resume=True),
+    # mismatched reduction and training_step output: clear errors
+    "items_without_count": dict(kind="plain", reduction="items", optimizer="sgd", batches_per_rank=2, steps=2,
+                                epochs=1),
+    "count_without_items": dict(kind="items", reduction="mean", optimizer="sgd", batches_per_rank=2, steps=2,
+                                epochs=1),
+    # a checkpoint in the middle of a window under data parallelism is refused
+    "ckpt_midwindow": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3,
+                           epochs=1, save_at_batch=1),
+}
+
+
+def run(name, out_dir):
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    from gradaccum.lightning import CHECKPOINT_KEY, GradaccumStrategy
+
+    cfg = SCENARIOS[name]
+    dtype = getattr(torch, cfg.get("dtype", "float64"))
+    reduction = cfg["reduction"]
+    returns_count = cfg["kind"] == "items"
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp(dtype)
+            self.output_dtypes = set()
+            self.wrapped_in = set()
+
+        def training_step(self, batch, batch_idx):
+            self.wrapped_in.add(type(self.trainer.strategy.model).__name__)
+            if returns_count:
+                x, y, mask = batch
+                loss = (((self.net(x) - y) ** 2).sum(-1) * mask).sum()
+                return {"loss": loss, "num_items": mask.sum()}
+            x, y = batch
+            out = self.net(x)
+            self.output_dtypes.add(str(out.dtype))
+            loss = nn.functional.mse_loss(out.to(y.dtype), y)
+            if cfg.get("nan_at") == (self.current_epoch, batch_idx, self.global_rank):
+                loss = loss * float("nan")
+            return loss
+
+        def configure_optimizers(self):
+            opt = make_optimizer(cfg["optimizer"], self.parameters())
+            if not cfg.get("schedule"):
+                return opt
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class SaveMidWindow(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == cfg["save_at_batch"]:
+                trainer.save_checkpoint(os.path.join(out_dir, f"{name}.ckpt"))
+
+    ckpt_dir = os.path.join(out_dir, "ckpt")
+    callbacks = []
+    if cfg.get("checkpoint"):
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="epoch{epoch}", save_top_k=-1,
+                                         every_n_epochs=1, save_on_train_epoch_end=True,
+                                         auto_insert_metric_name=False))
+    if "save_at_batch" in cfg:
+        callbacks.append(SaveMidWindow())
+    strategy = "ddp" if cfg.get("ddp") else GradaccumStrategy(reduction=reduction)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, precision=cfg.get("precision", "32-true"),
+        accumulate_grad_batches=cfg["steps"], max_epochs=cfg["epochs"], gradient_clip_val=cfg.get("clip"),
+        logger=False, enable_checkpointing=bool(cfg.get("checkpoint")), callbacks=callbacks,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    data = dataset(cfg["kind"], cfg["batches_per_rank"], dtype)
+    loader = DataLoader(TensorDataset(*data), batch_size=B, shuffle=False)
+    model = Net()
+    result = {}
+    try:
+        ckpt_path = os.path.join(ckpt_dir, "epoch0.ckpt") if cfg.get("resume") else None
+        accumulator = {}
+
+        class Grab(Callback):
+            def on_train_end(self, trainer, pl_module):
+                acc = getattr(trainer.strategy, "accumulator", None)
+                if acc is not None:
+                    accumulator["stats"] = acc.stats()
+
+        trainer.callbacks.append(Grab())
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        result["stats"] = accumulator.get("stats")
+    except Exception as e:  # noqa: BLE001 - the parent asserts on it
+        result["error"] = f"{type(e).__name__}: {e}"
+    result["params"] = [p.detach().clone() for p in model.net.parameters()]
+    result["output_dtypes"] = sorted(model.output_dtypes)
+    result["wrapped_in"] = sorted(model.wrapped_in)
+
+    schedulers = [c.scheduler for c in trainer.lr_scheduler_configs] if hasattr(trainer, "lr_scheduler_configs") else []
+    result["scheduler_steps"] = schedulers[0].last_epoch if schedulers else None
+    if cfg.get("checkpoint"):
+        saved = torch.load(os.path.join(ckpt_dir, "epoch0.ckpt"), weights_only=False)
+        result["checkpoint_state"] = saved.get(CHECKPOINT_KEY)
+    return result
+
+
+def main():
+    out_dir, names = sys.argv[1], sys.argv[2:]
+    torch.set_num_threads(1)
+    for name in names:
+        result = run(name, out_dir)
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.save(result, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

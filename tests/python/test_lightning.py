@@ -1,0 +1,165 @@
+"""gradaccum.lightning.GradaccumStrategy under Lightning's own launcher: 2 CPU
+ranks, Gloo, `Trainer(strategy=GradaccumStrategy(), devices=2,
+accumulate_grad_batches=K)`, against one process on the big batches (float64).
+
+All scenarios run in one launch of `_lightning_worker.py` (importing Lightning
+is the slow part); each test reads its scenario's per-rank results.
+"""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _lightning_worker as worker  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+F64 = 1e-10  # relative, float64
+
+
+def reference(name, **extra):
+    cfg = {k: v for k, v in worker.SCENARIOS[name].items()
+           if k in ("kind", "reduction", "optimizer", "batches_per_rank", "steps", "epochs", "clip", "schedule")}
+    return worker.reference(**cfg, **extra)
+
+
+def max_rel(params, ref):
+    return max(float((p - r).abs().max() / r.abs().max()) for p, r in zip(params, ref))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lightning")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
+        env.pop(var, None)
+    cmd = [sys.executable, str(HERE / "_lightning_worker.py"), str(out), *worker.SCENARIOS]
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the Lightning run hung:\n{e.stdout}\n{e.stderr}")
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+    def load(name):
+        results = [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(worker.WORLD)]
+        return results
+
+    return load
+
+
+def ok(results):
+    for rank, r in enumerate(results):
+        assert "error" not in r, f"rank {rank}: {r['error']}"
+    return results
+
+
+def test_partial_last_window_is_weighted_by_what_it_holds(runs):
+    # 5 batches per rank and K = 3: windows of 3 and 2 batches, two epochs
+    ref, _ = reference("partial")
+    for r in ok(runs("partial")):
+        assert r["wrapped_in"] == ["Net"]  # never wrapped in DistributedDataParallel
+        assert max_rel(r["params"], ref) < F64
+        assert r["stats"]["optimizer_steps"] == 4 and r["stats"]["micro_steps"] == 10
+    # Lightning's own DDP + accumulation weights the partial window by 2/3
+    # (Lightning-AI/pytorch-lightning#19987): it misses the big batch, and
+    # matches the reference that divides the partial window by K.
+    ddp = ok(runs("partial_ddp"))[0]
+    assert ddp["wrapped_in"] == ["DistributedDataParallel"]
+    assert max_rel(ddp["params"], ref) > 1e-3
+    divided, _ = reference("partial", divide_partial_by_k=True)
+    assert max_rel(ddp["params"], divided) < F64
+
+
+def test_items_is_the_exact_per_item_mean_with_no_extra_collective(runs):
+    ref, _ = reference("items")
+    for r in ok(runs("items")):
+        assert max_rel(r["params"], ref) < F64
+        stats = r["stats"]
+        # the item count rides in the gradient bucket: one collective per bucket per window
+        assert stats["collectives"] == stats["reductions"] * stats["buckets"] == 4
+
+
+def test_nonfinite_window_skipped_clipped_once_scheduler_only_on_real_steps(runs):
+    # a NaN on rank 1 in epoch 0's first window: skipped on both ranks; the
+    # other three windows clipped once (to 0.05) and stepped, LambdaLR with them
+    ref, scheduler_steps = reference("skip_clip", skip={(0, 0)})
+    assert scheduler_steps == 3
+    for r in ok(runs("skip_clip")):
+        assert max_rel(r["params"], ref) < F64
+        assert r["stats"]["skipped_steps"] == 1 and r["stats"]["optimizer_steps"] == 3
+        assert r["scheduler_steps"] == 3  # Lightning alone would have stepped it 4 times
+        assert r["stats"]["last_grad_norm"] > 0.05  # so the clipping did act
+
+
+def test_bf16_mixed_trains(runs):
+    ref, _ = reference("bf16", dtype=torch.float32)
+    init = [p.detach() for p in worker.mlp(torch.float32).parameters()]
+    for r in ok(runs("bf16")):
+        assert r["output_dtypes"] == ["torch.bfloat16"]  # autocast was on
+        moved = max(float((p - q).abs().max()) for p, q in zip(ref, init))
+        error = max(float((p - q).abs().max()) for p, q in zip(r["params"], ref))
+        assert moved > 0.05 and error < moved / 10, (moved, error)
+
+
+def test_16_mixed_is_refused_until_there_is_a_loss_scaler():
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from gradaccum.lightning import GradaccumStrategy
+
+    # On CPU Lightning turns precision="16-mixed" into bf16; on CUDA it is this
+    # plugin, with a GradScaler. Refused when the Trainer is built, before any launch.
+    with pytest.raises(ValueError, match="16-mixed.*needs a loss.*scaler.*bf16-mixed"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=GradaccumStrategy(),
+                   plugins=[MixedPrecision("16-mixed", device="cpu")], logger=False, enable_checkpointing=False)
+
+
+def test_checkpoint_at_a_window_boundary_resumes_exactly(runs):
+    full = ok(runs("ckpt_full"))
+    first = ok(runs("ckpt_first"))
+    resumed = ok(runs("ckpt_resume"))
+    ref, _ = reference("ckpt_full")
+    state = first[0]["checkpoint_state"]
+    assert state is not None and state["micro_step"] == 0 and state["optimizer_steps"] == 2
+    for f, r in zip(full, resumed):
+        assert max_rel(f["params"], ref) < F64
+        assert max_rel(r["params"], f["params"]) < 1e-13
+        for key in ("micro_steps", "optimizer_steps", "windows"):
+            assert r["stats"][key] == f["stats"][key], key
+
+
+def test_checkpoint_mid_window_under_data_parallelism_is_refused(runs):
+    for r in runs("ckpt_midwindow"):
+        assert "middle of a window (micro-step 2 of 3)" in r["error"]
+
+
+def test_reduction_and_training_step_output_must_agree(runs):
+    for r in runs("items_without_count"):
+        assert "reduction='items'): training_step must return" in r["error"]
+    for r in runs("count_without_items"):
+        assert "pass GradaccumStrategy(reduction='items')" in r["error"]
+
+
+def test_bad_arguments():
+    from gradaccum.lightning import GradaccumStrategy
+
+    with pytest.raises(ValueError, match="Invalid reduction: 'avg'"):
+        GradaccumStrategy(reduction="avg")
+    with pytest.raises(ValueError, match="Invalid nonfinite: 'nan'"):
+        GradaccumStrategy(nonfinite="nan")
+
+
+def test_without_lightning_the_import_says_what_to_install():
+    code = ("import sys; sys.modules['lightning'] = None\n"
+            "try:\n    import gradaccum.lightning\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert 'pip install "lightning>=2.6"' in out, out
+    # and plain `import gradaccum` does not need Lightning
+    code = "import sys; sys.modules['lightning'] = None\nimport gradaccum\nprint('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr

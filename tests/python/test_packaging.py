@@ -1,0 +1,173 @@
+"""One install for Python and C++ users: the wheel, its metadata, the C++ SDK
+inside it, the typed package and the version's one source.
+
+The slow test builds the wheel from this checkout (in-tree: after `make build`
+the CMake tree and _C are up to date, so it mostly packs), installs it into a
+fresh virtual environment that sees the system's torch, and builds and runs
+tests/consumer against it through `gradaccum.cmake_prefix_path`, as a C++ user
+who only ran `pip install` would.
+"""
+import ast
+import importlib.metadata
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+import gradaccum
+from gradaccum import _C
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run(cmd, timeout=600, **kwargs):
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kwargs)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}: rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def header_version():
+    text = (REPO / "include" / "gradaccum" / "version.h").read_text()
+    return ".".join(re.search(rf"^#define GRADACCUM_VERSION_{p} (\d+)$", text, re.M).group(1)
+                    for p in ("MAJOR", "MINOR", "PATCH"))
+
+
+def torch_line():
+    return ".".join(str(torch.__version__).split(".")[:2])
+
+
+def test_version_has_one_source():
+    version = header_version()
+    assert gradaccum.__version__ == version  # the C++ macro, through _C
+    assert importlib.metadata.version("gradaccum") == version  # setup.py
+    config = pathlib.Path(gradaccum.cmake_prefix_path) / "gradaccum" / "gradaccum-config-version.cmake"
+    assert f'set(PACKAGE_VERSION "{version}")' in config.read_text()  # CMake
+
+
+def test_metadata_pins_the_torch_line_built_against():
+    requires = importlib.metadata.requires("gradaccum")
+    assert f"torch=={torch_line()}.*" in requires
+    assert any(r.startswith("lightning") and "extra ==" in r for r in requires)
+
+
+def test_import_on_another_torch_fails_saying_so():
+    code = "import torch; torch.__version__ = '1.99.0'; import gradaccum"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"built against torch {torch.__version__} but torch 1.99.0 is installed" in proc.stderr
+    assert f"torch=={torch_line()}.*" in proc.stderr
+
+
+def stub_names(tree):
+    """Top-level names of a .pyi, and each class's members."""
+    names, members = set(), {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign):
+            names.add(node.target.id)
+        if isinstance(node, ast.ClassDef):
+            members[node.name] = {n.name if not isinstance(n, ast.AnnAssign) else n.target.id
+                                  for n in node.body if isinstance(n, (ast.FunctionDef, ast.AnnAssign))}
+    return names, members
+
+
+def test_stub_names_what_the_module_has():
+    """_C.pyi against the built _C (pybind11 gives no signatures to compare, so names)."""
+    names, members = stub_names(ast.parse((REPO / "python" / "gradaccum" / "_C.pyi").read_text()))
+    public = {n for n in dir(_C) if not n.startswith("_")} | {"__version__"}
+    assert names == public, f"stub only: {names - public}; module only: {public - names}"
+    for cls, stubbed in members.items():
+        runtime = {n for n in dir(getattr(_C, cls)) if not n.startswith("_")} | {"__init__"}
+        assert stubbed == runtime, f"{cls}: stub only {stubbed - runtime}; module only {runtime - stubbed}"
+
+
+@pytest.mark.slow
+def test_examples_pass_mypy_strict(tmp_path):
+    pytest.importorskip("mypy", reason="make deps installs mypy")
+    run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", tmp_path, "examples/python"], cwd=REPO)
+
+
+@pytest.mark.slow
+def test_plain_pip_install_fails_at_once_saying_what_to_run(tmp_path):
+    # Build isolation on: the isolated environment has no torch, and gets none.
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", tmp_path, REPO],
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "pip install --no-build-isolation ." in out, out[-3000:]
+    assert not re.search(r"(Collecting|Downloading) torch", out), out[-3000:]
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_wheel_is_the_cpp_sdk(tmp_path):
+    env = dict(os.environ)
+    for var in ("CMAKE_PREFIX_PATH", "Torch_DIR", "gradaccum_DIR", "PYTHONPATH"):
+        env.pop(var, None)
+    # the wheel, built from this checkout against the installed torch
+    run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", tmp_path / "dist", REPO],
+        env=env)
+    (wheel,) = (tmp_path / "dist").glob("gradaccum-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        files = set(z.namelist())
+        for needed in ("gradaccum/lib/libgradaccum.so", "gradaccum/include/gradaccum/gradaccum.h",
+                       "gradaccum/lib/cmake/gradaccum/gradaccum-config.cmake",
+                       "gradaccum/lib/cmake/gradaccum/gradaccum-targets.cmake",
+                       "gradaccum/py.typed", "gradaccum/_C.pyi", "gradaccum/lightning.py"):
+            assert needed in files, needed
+        assert not any(f.startswith("gradaccum/csrc") for f in files)
+        # relocatable: no absolute path of this machine in the CMake package
+        for name in files:
+            if name.startswith("gradaccum/lib/cmake/"):
+                text = z.read(name).decode()
+                for absolute in (str(REPO), str(pathlib.Path(torch.__file__).parent), sys.prefix):
+                    assert absolute not in text, f"{name} names {absolute}"
+        metadata = z.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
+        assert f"Requires-Dist: torch=={torch_line()}.*" in metadata
+
+    # a fresh environment that sees the system's torch (and its setuptools: no
+    # pip of its own); --force-reinstall: a gradaccum outside it does not count
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv])
+    python = venv / "bin" / "python"
+    run([sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "--no-deps",
+         "--force-reinstall", wheel], env=env)
+    probe = ("import gradaccum, torch\n"
+             "m = torch.nn.Linear(3, 1); acc = gradaccum.Accumulator(m, torch.optim.SGD(m.parameters(), lr=0.1), steps=2)\n"
+             "[acc.backward(m(torch.randn(4, 3)).sum()) for _ in range(2)]\n"
+             "assert acc.step()\n"
+             "libs = {l.split()[-1] for l in open('/proc/self/maps') if 'libgradaccum' in l}\n"
+             "print(gradaccum.__file__); print(sorted(libs))\n"
+             "print(gradaccum.cmake_prefix_path + ';' + torch.utils.cmake_prefix_path)\n")
+    package, libs, prefix_path = run([python, "-c", probe], env=env, cwd=tmp_path).stdout.strip().splitlines()
+    site = pathlib.Path(package).parent
+    assert site.is_relative_to(venv), package
+    # _C runs the one library inside the package (no second copy of the code)
+    assert libs == str([str(site / "lib" / "libgradaccum.so")]), libs
+    if shutil.which("readelf"):
+        for binary in [site / "lib" / "libgradaccum.so", *site.glob("_C*.so")]:
+            dynamic = run(["readelf", "-d", binary]).stdout
+            runpath = re.search(r"R(UN)?PATH.*\[(.*)\]", dynamic).group(2)
+            assert all(p.startswith("$ORIGIN") for p in runpath.split(":")), f"{binary}: {runpath}"
+
+    # a C++ user's project, with nothing but that pip install
+    build = tmp_path / "consumer"
+    configure = ["cmake", "-S", REPO / "tests" / "consumer", "-B", build, "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DCMAKE_PREFIX_PATH={prefix_path}"]
+    if shutil.which("ninja"):
+        configure += ["-G", "Ninja"]
+    if shutil.which("ccache"):
+        configure.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
+    run(configure, env=env)
+    cache = (build / "CMakeCache.txt").read_text()
+    assert f"gradaccum_DIR:PATH={site / 'lib' / 'cmake' / 'gradaccum'}" in cache
+    run(["cmake", "--build", build, "-j", os.environ.get("MAX_JOBS", "2")], env=env)
+    out = run([build / "consumer"], env=env).stdout
+    assert f"consumer: gradaccum {header_version()}, stepped=1" in out, out
