@@ -4,21 +4,35 @@
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <torch/nn/modules/embedding.h>
+
 #include <cmath>
+#include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace gradaccum {
 namespace {
 
-// Drops frozen and repeated (tied) parameters: each is hooked and reduced once.
-void keep_trainable_once(ModelParameters& model) {
+// Drops frozen and repeated (tied) parameters: each is hooked and reduced
+// once. Returns the frozen ones, watched in case they are unfrozen later.
+std::vector<std::pair<std::string, at::Tensor>> keep_trainable_once(ModelParameters& model) {
   std::unordered_set<const c10::TensorImpl*> seen;
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
+  std::vector<std::pair<std::string, at::Tensor>> frozen;
   for (const auto i : c10::irange(model.parameters.size())) {
     const auto& p = model.parameters[i];
     TORCH_CHECK_VALUE(p.defined(), "Accumulator: parameter ", i, " is undefined");
-    if (!p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) {
+    const auto name = model.names.empty() ? "parameter " + std::to_string(i) : model.names[i];
+    TORCH_CHECK_VALUE(!p.is_meta(),
+        "Accumulator: ", name, " is on the meta device (no data); materialise the model "
+        "(e.g. to_empty(device=...) and initialise it) before building the Accumulator");
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) {
+      continue;
+    }
+    if (!p.requires_grad()) {
+      frozen.emplace_back(name, p);
       continue;
     }
     params.push_back(p);
@@ -26,6 +40,39 @@ void keep_trainable_once(ModelParameters& model) {
   }
   model.parameters = std::move(params);
   model.names = std::move(names);
+  return frozen;
+}
+
+// Parameters owned by a live Accumulator: a second one over any of them would
+// leave the first one's hooks reducing too (a notebook re-run, a rebuilt loop).
+std::mutex& claims_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<const c10::TensorImpl*, std::string>& claims() {
+  static std::unordered_map<const c10::TensorImpl*, std::string> owned;
+  return owned;
+}
+
+std::shared_ptr<void> claim(const std::vector<at::Tensor>& params, const std::vector<std::string>& names) {
+  std::lock_guard<std::mutex> lock(claims_mutex());
+  for (const auto i : c10::irange(params.size())) {
+    TORCH_CHECK_VALUE(!claims().count(params[i].unsafeGetTensorImpl()),
+        "Accumulator: ", names[i], " already belongs to another live Accumulator, whose "
+        "hooks would keep running (reducing every micro-step). Drop the old one (del acc) "
+        "or call its close() before building a new one");
+  }
+  auto keys = std::make_shared<std::vector<const c10::TensorImpl*>>();
+  for (const auto& p : params) {
+    claims()[p.unsafeGetTensorImpl()] = "";
+    keys->push_back(p.unsafeGetTensorImpl());
+  }
+  return std::shared_ptr<void>(nullptr, [keys](void*) {
+    std::lock_guard<std::mutex> lock(claims_mutex());
+    for (const auto* key : *keys) {
+      claims().erase(key);
+    }
+  });
 }
 
 } // namespace
@@ -48,6 +95,13 @@ ModelParameters::ModelParameters(const std::shared_ptr<torch::nn::Module>& modul
     parameters.push_back(item.value());
   }
   buffers = module->buffers(/*recurse=*/true);
+  for (const auto& item : module->named_modules()) {
+    const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(item.value().get());
+    const auto* bag = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(item.value().get());
+    if ((embedding && embedding->options.sparse()) || (bag && bag->options.sparse())) {
+      sparse_modules.push_back(item.key().empty() ? "the module" : item.key());
+    }
+  }
 }
 
 Accumulator::Accumulator(
@@ -63,7 +117,10 @@ Accumulator::Accumulator(
       model.names.empty() || model.names.size() == model.parameters.size(),
       "Accumulator: got ", model.names.size(), " names for ",
       model.parameters.size(), " parameters");
-  keep_trainable_once(model);
+  TORCH_CHECK_VALUE(model.sparse_modules.empty(),
+      "Accumulator: ", model.sparse_modules.front(), " makes sparse gradients "
+      "(Embedding(sparse=True)); gradaccum supports dense gradients only: use sparse=False");
+  frozen_ = keep_trainable_once(model);
   TORCH_CHECK_VALUE(!model.parameters.empty(),
       "Accumulator: the model has no trainable parameters (none requires grad)");
   for (const auto i : c10::irange(model.parameters.size())) {
@@ -74,11 +131,59 @@ Accumulator::Accumulator(
         "; gradients need a floating-point dtype");
   }
   params_ = model.parameters;
+  names_ = model.names;
+  claim_ = claim(params_, names_);
   if (options_.process_group()) {
     reducer_ = std::make_unique<Reducer>(
         params_, options_.process_group(), options_.reducer(),
         std::move(model.buffers), std::move(model.names),
         WindowRule{options_.steps(), options_.reduction()});
+  }
+  remember_gradients();
+}
+
+Accumulator::~Accumulator() {
+  close();
+}
+
+void Accumulator::close() {
+  if (closed_) {
+    return;
+  }
+  closed_ = true;
+  reducer_.reset(); // removes the hooks; a reduction in flight completes its pairing
+  claim_.reset();
+}
+
+void Accumulator::check_open(const char* what) const {
+  TORCH_CHECK(!closed_, what, ": this Accumulator was closed");
+}
+
+void Accumulator::remember_gradients() {
+  remembered_ = grad_versions();
+}
+
+void Accumulator::check_gradients_untouched(const char* what, bool allow_in_place) const {
+  const auto now = grad_versions();
+  for (const auto i : c10::irange(params_.size())) {
+    const bool replaced = now[i].first != remembered_[i].first;
+    const bool changed = replaced || now[i].second != remembered_[i].second;
+    TORCH_CHECK(allow_in_place ? !replaced : !changed,
+        what, ": the gradient of ", names_[i], " was ", now[i].first ? "changed" : "cleared",
+        " outside the Accumulator in the middle of a window (", micro_step_, " of ",
+        options_.steps(), " micro-steps done", window_ready_ ? ", window closed" : "",
+        "): optimizer.zero_grad() or model.zero_grad() between micro-steps? Clear "
+        "gradients only after step() returns True (step() clears them itself), or call "
+        "the Accumulator's zero_grad() to drop the window");
+  }
+}
+
+void Accumulator::check_requires_grad() const {
+  for (const auto& [name, p] : frozen_) {
+    TORCH_CHECK(!p.requires_grad(),
+        "backward(): ", name, " was frozen (requires_grad=False) when the Accumulator was "
+        "built and now requires grad: its gradient would be neither scaled, reduced nor "
+        "cleared. Build a new Accumulator after changing requires_grad (close() this one)");
   }
 }
 
@@ -102,6 +207,7 @@ bool Accumulator::sync_gradients() const {
 
 void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_items) {
   // Every check comes before backward: a rejected call changes nothing.
+  check_open("backward()");
   TORCH_CHECK(!window_ready_,
       "backward(): the window closed at the previous backward(); call step() "
       "(or zero_grad() to drop it) before the next micro-step");
@@ -126,6 +232,19 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     TORCH_CHECK_VALUE(!num_items.has_value(),
         "backward(): num_items is only used with reduction='items' (reduction is '",
         to_string(options_.reduction()), "')");
+  }
+  check_requires_grad();
+  if (micro_step_ > 0 && !window_failed_) {
+    if (reducer_) {
+      // Data parallel, the window must still close on every rank together:
+      // it is dropped on every rank then, each naming this rank's mistake.
+      if (grad_versions() != remembered_) {
+        window_failed_ = true;
+        window_failure_ = AbortReason::GradientsChanged;
+      }
+    } else {
+      check_gradients_untouched("backward()", /*allow_in_place=*/false);
+    }
   }
   if (epoch_ended_) {
     // This rank's last window was reduced together with other ranks' flush():
@@ -159,8 +278,10 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
         // dropped on every rank when it closes. The failed micro-step still
         // takes its place, so that every rank closes its windows together.
         window_failed_ = true;
+        window_failure_ = AbortReason::BackwardFailed;
         ++micro_step_;
         ++stats_.micro_steps;
+        remember_gradients();
       } else if (grad_versions() != before) {
         reset_window(); // part of this micro-step reached .grad: the window is wrong
       } // else nothing changed: the micro-step simply did not happen
@@ -169,15 +290,21 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     window_weight_ += weight;
     ++micro_step_;
     ++stats_.micro_steps;
+    remember_gradients();
     return;
   }
   if (reducer_) {
+    const auto window = reducer_->progress().sequence;
     if (window_failed_) {
       ReductionRequest abort;
-      abort.abort = AbortReason::BackwardFailed;
-      window_failed_ = false;
+      abort.abort = window_failure_;
       reset_window();
-      reducer_->reduce(abort); // throws the dropped window's error, as every rank does
+      try {
+        reducer_->reduce(abort); // throws the dropped window's error, as every rank does
+      } catch (...) {
+        note_dropped_window(window);
+        throw;
+      }
       TORCH_INTERNAL_ASSERT(false, "gradaccum: an aborted reduction returned");
     }
     ReductionRequest request;
@@ -187,7 +314,20 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     try {
       result = reducer_->backward(loss, request);
     } catch (...) {
+      const auto last = reducer_->last_result();
+      if (last.window == window && !last.dropped) {
+        // Reduced on every rank; something failed on this rank afterwards.
+        // The window stays closed, as on the other ranks.
+        epoch_ended_ = last.flushing_ranks > 0;
+        ++stats_.micro_steps;
+        micro_step_ = 0;
+        window_weight_ = 0;
+        window_ready_ = true;
+        remember_gradients();
+        throw;
+      }
       reset_window(); // the reducer dropped the window on every rank
+      note_dropped_window(window);
       throw;
     }
     // A full window reduced with others' partial ones: their epoch is over,
@@ -210,6 +350,7 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
   micro_step_ = 0;
   window_weight_ = 0;
   window_ready_ = true;
+  remember_gradients();
 }
 
 std::vector<std::pair<const void*, int64_t>> Accumulator::grad_versions() const {
@@ -225,12 +366,20 @@ std::vector<std::pair<const void*, int64_t>> Accumulator::grad_versions() const 
   return versions;
 }
 
+void Accumulator::note_dropped_window(int64_t window) {
+  // A dropped window still tells whether other ranks were flushing (ended
+  // their epoch); this rank, which was not, must then not flush again.
+  const auto last = reducer_->last_result();
+  epoch_ended_ = last.window == window && last.flushing_ranks > 0;
+}
+
 void Accumulator::reset_window() {
   clear_gradients();
   micro_step_ = 0;
   window_ready_ = false;
   window_weight_ = 0;
   window_failed_ = false;
+  remember_gradients();
 }
 
 std::vector<at::Tensor> Accumulator::defined_grads() const {
@@ -253,18 +402,24 @@ void Accumulator::scale_local_gradients() {
 }
 
 bool Accumulator::step() {
+  check_open("step()");
   TORCH_CHECK(optimizer_step_,
       "step(): this Accumulator has no optimizer (pass one to the constructor; "
       "without one, backward() leaves the window's gradient in .grad)");
   if (!window_ready_) {
     return false;
   }
+  check_gradients_untouched("step()", /*allow_in_place=*/true); // clipping in place is fine
   return finish_window();
 }
 
 bool Accumulator::flush() {
+  check_open("flush()");
   TORCH_CHECK(optimizer_step_,
       "flush(): this Accumulator has no optimizer (pass one to the constructor)");
+  if (window_ready_ || micro_step_ > 0) {
+    check_gradients_untouched("flush()", /*allow_in_place=*/window_ready_);
+  }
   bool stepped = false;
   if (window_ready_) {
     stepped = finish_window();
@@ -287,7 +442,8 @@ bool Accumulator::flush() {
   }
   if (window_failed_) {
     ReductionRequest abort;
-    abort.abort = AbortReason::BackwardFailed;
+    abort.abort = window_failure_;
+    abort.flushing = true;
     reset_window();
     reducer_->reduce(abort);
     TORCH_INTERNAL_ASSERT(false, "gradaccum: an aborted reduction returned");
@@ -316,6 +472,11 @@ bool Accumulator::flush() {
 }
 
 bool Accumulator::finish_window() {
+  for (const auto i : c10::irange(params_.size())) {
+    TORCH_CHECK(!params_[i].grad().defined() || !params_[i].grad().is_sparse(),
+        "step(): ", names_[i], " has a sparse gradient (Embedding(sparse=True)?); gradaccum "
+        "supports dense gradients only: use sparse=False");
+  }
   const auto max_norm = options_.max_grad_norm();
   const auto nonfinite = options_.nonfinite();
   if (max_norm || nonfinite != NonFinite::Ignore) {
@@ -389,28 +550,71 @@ AccumulatorStats Accumulator::stats() const {
   return stats;
 }
 
-AccumulatorState Accumulator::state_dict() const {
+AccumulatorState Accumulator::state_dict(bool rank_independent) {
+  check_open("state_dict()");
   AccumulatorState state;
   state.steps = options_.steps();
+  state.reduction = options_.reduction();
+  state.world_size = reducer_ ? reducer_->process_group()->getSize() : 1;
+  state.rank = reducer_ ? reducer_->process_group()->getRank() : 0;
+  state.rank_independent = !reducer_ || rank_independent;
   state.micro_step = micro_step_;
   state.window_ready = window_ready_;
   state.window_weight = window_weight_;
+  state.epoch_ended = epoch_ended_;
   state.micro_steps = stats_.micro_steps;
   state.optimizer_steps = stats_.optimizer_steps;
   state.skipped_steps = stats_.skipped_steps;
   state.windows = stats_.windows;
-  const bool mid_window = micro_step_ > 0 || window_ready_;
-  for (const auto& p : params_) {
-    // A snapshot: later micro-steps must not change what was saved.
-    state.grads.push_back(mid_window && p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
+  if (reducer_ && rank_independent && micro_step_ > 0) {
+    // Sum the half-done window over ranks; each rank keeps 1/world of it, so
+    // any rank's state, loaded everywhere, sums back to the same window.
+    ReductionRequest request;
+    request.weight = window_weight_;
+    request.divide = false;
+    request.abort = window_failed_ ? AbortReason::BackwardFailed : AbortReason::None;
+    ReductionResult result;
+    const auto sums = reducer_->snapshot(request, &result);
+    const auto world = static_cast<double>(state.world_size);
+    for (const auto& sum : sums) {
+      state.grads.push_back(sum.defined() ? sum.div(world) : at::Tensor());
+    }
+    state.window_weight = result.global_weight / world;
+    remember_gradients(); // bucket views were written back in place
+  } else {
+    const bool mid_window = micro_step_ > 0 || window_ready_;
+    for (const auto& p : params_) {
+      // A snapshot: later micro-steps must not change what was saved.
+      state.grads.push_back(mid_window && p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
+    }
+  }
+  if (reducer_) {
+    const auto progress = reducer_->progress();
+    state.reducer = progress.stats;
+    state.reducer_sequence = progress.sequence;
   }
   return state;
 }
 
 void Accumulator::load_state_dict(const AccumulatorState& state) {
+  check_open("load_state_dict()");
+  const int64_t world = reducer_ ? reducer_->process_group()->getSize() : 1;
+  const int64_t rank = reducer_ ? reducer_->process_group()->getRank() : 0;
   TORCH_CHECK_VALUE(state.steps == options_.steps(),
       "load_state_dict: the state was saved with steps=", state.steps,
       " but this Accumulator has steps=", options_.steps());
+  TORCH_CHECK_VALUE(state.reduction == options_.reduction(),
+      "load_state_dict: the state was saved with reduction='", to_string(state.reduction),
+      "' but this Accumulator has reduction='", to_string(options_.reduction()), "'");
+  TORCH_CHECK_VALUE(state.world_size == world,
+      "load_state_dict: the state was saved with world size ", state.world_size,
+      " but this Accumulator's group has ", world, " rank(s); a half-done window cannot be "
+      "split over another number of ranks (resume at a window boundary, or with ", state.world_size,
+      " ranks)");
+  TORCH_CHECK_VALUE(state.rank_independent || state.rank == rank,
+      "load_state_dict: this is rank ", state.rank, "'s own state (state_dict(rank_independent="
+      "False)) but this is rank ", rank, "; save with state_dict() (rank-independent) to load "
+      "one rank's state on every rank");
   TORCH_CHECK_VALUE(state.micro_step >= 0 && state.micro_step < options_.steps(),
       "load_state_dict: micro_step=", state.micro_step, " is outside [0, ", options_.steps(), ")");
   TORCH_CHECK_VALUE(!state.window_ready || state.micro_step == 0,
@@ -418,8 +622,24 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
       " (a closed window has micro_step 0)");
   TORCH_CHECK_VALUE(std::isfinite(state.window_weight) && state.window_weight >= 0,
       "load_state_dict: window_weight=", state.window_weight, " must be >= 0");
+  if (state.micro_step == 0) {
+    TORCH_CHECK_VALUE(state.window_weight == 0,
+        "load_state_dict: window_weight=", state.window_weight, " with micro_step=0 (no "
+        "micro-step of the window is done, so its weight is 0)");
+  } else if (options_.reduction() != Reduction::Items) {
+    TORCH_CHECK_VALUE(state.window_weight == static_cast<double>(state.micro_step),
+        "load_state_dict: window_weight=", state.window_weight, " contradicts micro_step=",
+        state.micro_step, " (with reduction '", to_string(options_.reduction()),
+        "' the weight counts the micro-steps)");
+  } else {
+    TORCH_CHECK_VALUE(state.window_weight > 0,
+        "load_state_dict: window_weight=", state.window_weight, " with micro_step=",
+        state.micro_step, " (the items of the done micro-steps must be > 0)");
+  }
+  TORCH_CHECK_VALUE(!state.epoch_ended || (state.micro_step == 0 && world > 1),
+      "load_state_dict: epoch_ended=true needs micro_step=0 and a process group");
   TORCH_CHECK_VALUE(state.micro_steps >= 0 && state.optimizer_steps >= 0 &&
-          state.skipped_steps >= 0 && state.windows >= 0,
+          state.skipped_steps >= 0 && state.windows >= 0 && state.reducer_sequence >= 0,
       "load_state_dict: counters must be >= 0");
   TORCH_CHECK_VALUE(state.grads.size() == params_.size(),
       "load_state_dict: the state holds ", state.grads.size(),
@@ -433,26 +653,103 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
     }
   }
   clear_gradients();
-  at::NoGradGuard no_grad;
-  for (const auto i : c10::irange(params_.size())) {
-    const auto& g = state.grads[i];
-    if (!g.defined()) {
-      continue;
-    }
-    auto& grad = params_[i].mutable_grad();
-    if (grad.defined()) {
-      grad.copy_(g); // a bucket view stays a view
-    } else {
-      grad = g.detach().to(params_[i].device()).clone();
+  {
+    at::NoGradGuard no_grad;
+    for (const auto i : c10::irange(params_.size())) {
+      const auto& g = state.grads[i];
+      if (!g.defined()) {
+        continue;
+      }
+      auto& grad = params_[i].mutable_grad();
+      if (grad.defined()) {
+        grad.copy_(g); // a bucket view stays a view
+      } else {
+        grad = g.detach().to(params_[i].device()).clone();
+      }
     }
   }
   micro_step_ = state.micro_step;
   window_ready_ = state.window_ready;
   window_weight_ = state.window_weight;
+  window_failed_ = false;
+  epoch_ended_ = state.epoch_ended;
   stats_.micro_steps = state.micro_steps;
   stats_.optimizer_steps = state.optimizer_steps;
   stats_.skipped_steps = state.skipped_steps;
   stats_.windows = state.windows;
+  if (reducer_) {
+    reducer_->restore({state.reducer, state.reducer_sequence});
+  }
+  remember_gradients();
+}
+
+namespace {
+
+const char* const kIntFields[] = {"steps", "reduction", "world_size", "rank", "micro_step",
+    "micro_steps", "optimizer_steps", "skipped_steps", "windows", "reducer_sequence",
+    "reducer.windows", "reducer.dropped_windows", "reducer.collectives", "reducer.bytes_reduced",
+    "reducer.last_window_collectives", "reducer.last_window_bytes", "reducer.broadcasts",
+    "reducer.snapshots"};
+
+std::vector<int64_t*> int_fields(AccumulatorState& s) {
+  return {&s.steps, nullptr, &s.world_size, &s.rank, &s.micro_step, &s.micro_steps,
+      &s.optimizer_steps, &s.skipped_steps, &s.windows, &s.reducer_sequence, &s.reducer.windows,
+      &s.reducer.dropped_windows, &s.reducer.collectives, &s.reducer.bytes_reduced,
+      &s.reducer.last_window_collectives, &s.reducer.last_window_bytes, &s.reducer.broadcasts,
+      &s.reducer.snapshots};
+}
+
+} // namespace
+
+void Accumulator::save(torch::serialize::OutputArchive& archive) {
+  auto state = state_dict();
+  const auto fields = int_fields(state);
+  for (const auto i : c10::irange(fields.size())) {
+    const int64_t value = fields[i] ? *fields[i] : static_cast<int64_t>(state.reduction);
+    archive.write(std::string("gradaccum.") + kIntFields[i], c10::IValue(value));
+  }
+  archive.write("gradaccum.rank_independent", c10::IValue(state.rank_independent));
+  archive.write("gradaccum.window_ready", c10::IValue(state.window_ready));
+  archive.write("gradaccum.epoch_ended", c10::IValue(state.epoch_ended));
+  archive.write("gradaccum.window_weight", c10::IValue(state.window_weight));
+  archive.write("gradaccum.grads", c10::IValue(static_cast<int64_t>(state.grads.size())));
+  for (const auto i : c10::irange(state.grads.size())) {
+    const auto key = "gradaccum.grad." + std::to_string(i);
+    archive.write(key + ".defined", c10::IValue(state.grads[i].defined()));
+    archive.write(key, state.grads[i].defined() ? state.grads[i] : at::empty({0}), /*is_buffer=*/true);
+  }
+}
+
+void Accumulator::load(torch::serialize::InputArchive& archive) {
+  AccumulatorState state;
+  const auto fields = int_fields(state);
+  c10::IValue value;
+  for (const auto i : c10::irange(fields.size())) {
+    archive.read(std::string("gradaccum.") + kIntFields[i], value);
+    if (fields[i]) {
+      *fields[i] = value.toInt();
+    } else {
+      state.reduction = static_cast<Reduction>(value.toInt());
+    }
+  }
+  archive.read("gradaccum.rank_independent", value);
+  state.rank_independent = value.toBool();
+  archive.read("gradaccum.window_ready", value);
+  state.window_ready = value.toBool();
+  archive.read("gradaccum.epoch_ended", value);
+  state.epoch_ended = value.toBool();
+  archive.read("gradaccum.window_weight", value);
+  state.window_weight = value.toDouble();
+  archive.read("gradaccum.grads", value);
+  const auto n = value.toInt();
+  for (int64_t i = 0; i < n; ++i) {
+    at::Tensor grad;
+    const auto key = "gradaccum.grad." + std::to_string(i);
+    archive.read(key + ".defined", value);
+    archive.read(key, grad, /*is_buffer=*/true);
+    state.grads.push_back(value.toBool() ? grad : at::Tensor());
+  }
+  load_state_dict(state);
 }
 
 } // namespace gradaccum

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <map>
@@ -122,6 +123,21 @@ const char* reduction_name(int64_t code) {
   }
 }
 
+// The post-hook on each parameter's gradient accumulator. Its own type, so
+// that foreign_hooks() tells gradaccum's (maybe inert) hooks from others'.
+class ReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  ReadyHook(std::weak_ptr<Reducer::State> state, size_t index)
+      : state_(std::move(state)), index_(index) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override;
+
+ private:
+  std::weak_ptr<Reducer::State> state_;
+  size_t index_;
+};
+
 // A pre-hook on the loss's grad_fn: runs first in the root graph task.
 class RootHook : public torch::autograd::FunctionPreHook {
  public:
@@ -154,6 +170,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   std::vector<uintptr_t> hook_keys;
 
   std::atomic<bool> expect_hooks{true};
+  /// Whether a hook fired for each parameter since the last reduction: with
+  /// bucket views .grad is always defined, so this tells "no gradient" apart.
+  std::unique_ptr<std::atomic<bool>[]> touched;
   std::atomic<bool> closed{false}; ///< the Reducer was destroyed: hooks are inert
 
   // Everything below is guarded by mutex: CUDA backward runs hooks on device
@@ -187,6 +206,13 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);
 
   void mark_ready(size_t index);
+  void clear_touched() {
+    for (const auto i : c10::irange(params.size())) {
+      touched[i].store(false, std::memory_order_relaxed);
+    }
+  }
+  std::string foreign_hooks() const;
+  int64_t kind = 0; ///< of the reduction in flight: 0 window, 1 snapshot
   void begin_reduction(const ReductionRequest& req, int task);
   void queue_end_callback(int task);
   void on_task_end(uint64_t id, int task);
@@ -196,12 +222,12 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void launch_bucket(size_t index);
   void launch_rest();
   void wait_all(const char* what);
-  ReductionResult finish_reduction();
+  ReductionResult finish_reduction(std::vector<at::Tensor>* snapshot = nullptr);
   void abort_reduction(AbortReason reason) noexcept;
   [[noreturn]] void fail(const std::string& message);
   void check_consensus(const at::Tensor& headers);
   void drop_window();
-  void end_reduction();
+  void end_reduction(bool window_closed = true);
   void write_back(Bucket& bucket, bool divide, const at::Tensor& divisor);
   std::string window_label() const {
     return "window " + std::to_string(sequence);
@@ -228,6 +254,15 @@ struct TaskGuard {
 };
 
 } // namespace
+
+torch::autograd::variable_list ReadyHook::operator()(
+    const torch::autograd::variable_list& outputs,
+    const torch::autograd::variable_list& /*inputs*/) {
+  if (auto state = state_.lock()) {
+    state->mark_ready(index_);
+  }
+  return outputs;
+}
 
 // ---------------------------------------------------------------------------
 // Construction
@@ -269,6 +304,12 @@ Reducer::Reducer(
   }
   s.rank = s.group->getRank();
   s.world = s.group->getSize();
+  s.touched.reset(new std::atomic<bool>[s.params.size()]);
+  s.clear_touched();
+  const auto foreign = s.foreign_hooks();
+  if (!s.options.check_parameters()) {
+    TORCH_CHECK_VALUE(foreign.empty(), foreign);
+  }
 
   if (s.options.check_parameters()) {
     s.check_ranks_match();
@@ -315,15 +356,7 @@ Reducer::Reducer(
   std::weak_ptr<State> weak = state_;
   for (const auto i : c10::irange(s.params.size())) {
     auto accumulator = torch::autograd::impl::grad_accumulator(s.params[i]);
-    s.hook_keys.push_back(accumulator->add_post_hook(
-        std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [weak, i](const torch::autograd::variable_list& outputs,
-                      const torch::autograd::variable_list& /*inputs*/) {
-              if (auto state = weak.lock()) {
-                state->mark_ready(i);
-              }
-              return outputs;
-            })));
+    s.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>(weak, i)));
     s.grad_accumulators.push_back(std::move(accumulator));
   }
 }
@@ -331,9 +364,18 @@ Reducer::Reducer(
 Reducer::~Reducer() {
   auto& s = *state_;
   s.closed = true;
-  for (const auto i : c10::irange(s.grad_accumulators.size())) {
-    const bool removed = s.grad_accumulators[i]->del_post_hook(s.hook_keys[i]);
-    TORCH_INTERNAL_ASSERT(removed, "gradaccum: the hook of ", s.name(i), " was already removed");
+  // Inside a backward on this thread (a hook dropped us), torch may be
+  // iterating the very hook lists we would erase from: leave the hooks in
+  // place, inert (they hold the state weakly, and `closed` is set).
+  if (torch::autograd::get_current_graph_task_id() < 0) {
+    try {
+      for (const auto i : c10::irange(s.grad_accumulators.size())) {
+        const bool removed = s.grad_accumulators[i]->del_post_hook(s.hook_keys[i]);
+        TORCH_INTERNAL_ASSERT(removed, "gradaccum: the hook of ", s.name(i), " was already removed");
+      }
+    } catch (const std::exception& e) {
+      TORCH_WARN("gradaccum: removing the reducer's hooks failed: ", e.what());
+    }
   }
   // A synchronising backward still running holds the state through its
   // queued callback: it finishes (or aborts) the pairing with the other ranks
@@ -353,6 +395,19 @@ void Reducer::State::check_ranks_match() {
       {"broadcast_buffers", options.broadcast_buffers() ? 1.0 : 0.0},
       {"the number of trainable parameters", static_cast<double>(n)},
   };
+  // Another reducer's hooks (torch DDP) on some rank fail every rank alike.
+  const auto foreign = foreign_hooks();
+  {
+    auto flag = at::full({1}, foreign.empty() ? 0.0 : 1.0, at::kDouble);
+    const auto flags = allgather(*group, flag.to(device));
+    TORCH_CHECK_VALUE(foreign.empty(), foreign);
+    for (const auto r : c10::irange(flags.size())) {
+      TORCH_CHECK_VALUE(flags[r].item<double>() == 0,
+          static_cast<int>(r) == rank ? foreign
+              : "gradaccum: rank " + std::to_string(r) + "'s parameters carry another reducer's "
+                "gradient hooks (the model is also wrapped in torch DDP there?)");
+    }
+  }
   auto mine = at::empty({static_cast<int64_t>(settings.size())}, at::kDouble);
   for (const auto i : c10::irange(settings.size())) {
     mine[static_cast<int64_t>(i)].fill_(settings[i].second);
@@ -398,6 +453,29 @@ void Reducer::State::check_ranks_match() {
           " on rank 0");
     }
   }
+}
+
+std::string Reducer::State::foreign_hooks() const {
+  // torch DDP (and any other reducer) hooks the same gradient accumulators:
+  // the gradient would be reduced twice. Ours are added after this check.
+  for (const auto i : c10::irange(params.size())) {
+    const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(params[i]);
+    if (!accumulator) {
+      continue;
+    }
+    const auto& hooks = accumulator->post_hooks();
+    const bool foreign = std::any_of(hooks.begin(), hooks.end(), [](const auto& hook) {
+      return dynamic_cast<const ReadyHook*>(hook.get()) == nullptr;
+    });
+    if (foreign) {
+      return "gradaccum: " + name(i) + " already has a post-hook on its gradient accumulator "
+          "that gradaccum did not add: the model is also wrapped in torch "
+          "DistributedDataParallel (accelerator.prepare(model), HF Trainer?) or another "
+          "reducer is attached, and the gradient would be reduced twice. Pass the unwrapped "
+          "module and do not wrap it in DDP: gradaccum does the data-parallel reduction";
+    }
+  }
+  return "";
 }
 
 void Reducer::State::broadcast_parameters_from_rank0() {
@@ -447,11 +525,15 @@ void Reducer::State::broadcast_from_rank0(const std::vector<at::Tensor>& tensors
 // The synchronising backward
 
 void Reducer::State::mark_ready(size_t index) {
+  touched[index].store(true, std::memory_order_relaxed);
   if (!expect_hooks.load(std::memory_order_relaxed) || closed.load()) {
     return; // no_sync: the gradient stays in .grad
   }
   std::lock_guard<std::mutex> lock(mutex);
   const int task = torch::autograd::get_current_graph_task_id();
+  if (!in_flight && task == last_anchor_task) {
+    return; // a late hook of a task whose reduction already ended (a device thread after a failure)
+  }
   if (!in_flight) {
     // See Note [Where a synchronising backward ends]: a task older than the
     // last anchor is an outer task whose nested (reentrant) backward already
@@ -504,10 +586,15 @@ void Reducer::State::begin_reduction(const ReductionRequest& req, int task) {
 
 void Reducer::State::queue_end_callback(int task) {
   auto guard = std::make_shared<TaskGuard>(shared_from_this(), sync_id, task);
-  torch::autograd::Engine::get_default_engine().queue_callback([guard] {
-    guard->ran = true;
-    guard->state->on_task_end(guard->id, guard->task);
-  });
+  try {
+    torch::autograd::Engine::get_default_engine().queue_callback([guard] {
+      guard->ran = true;
+      guard->state->on_task_end(guard->id, guard->task);
+    });
+  } catch (...) {
+    guard->ran = true; // its destructor must not abort under our lock
+    throw;
+  }
 }
 
 void Reducer::State::on_task_end(uint64_t id, int task) {
@@ -532,7 +619,10 @@ void Reducer::State::on_task_failed(uint64_t id) noexcept {
 void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
   auto& grad = params[bucket.params[slot]].mutable_grad();
   auto& view = bucket.views[slot];
-  if (!grad.defined()) {
+  const bool untouched_view = grad.defined() &&
+      grad.unsafeGetTensorImpl() == view.unsafeGetTensorImpl() &&
+      !touched[bucket.params[slot]].load(std::memory_order_relaxed);
+  if (!grad.defined() || untouched_view) {
     view.zero_();
     bucket.missing.push_back(slot);
     return;
@@ -540,7 +630,8 @@ void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
   if (grad.unsafeGetTensorImpl() == view.unsafeGetTensorImpl()) {
     return; // bucket view: backward already accumulated in place
   }
-  TORCH_CHECK(!grad.is_sparse(), "gradaccum: ", name(bucket.params[slot]), " has a sparse gradient; not supported");
+  TORCH_CHECK(!grad.is_sparse(), "gradaccum: ", name(bucket.params[slot]), " has a sparse gradient "
+      "(nn.Embedding(sparse=True)?); sparse gradients are not supported: use sparse=False");
   view.copy_(grad);
   if (options.gradient_as_bucket_view()) {
     grad = view; // someone replaced .grad (e.g. zero_grad(set_to_none=True)): re-point it
@@ -580,6 +671,7 @@ void Reducer::State::launch_bucket(size_t index) {
   std::tie(meta[kReductionMode], meta[kReductionModeSquare]) =
       squared(static_cast<int64_t>(rule.reduction));
   std::tie(meta[kBucketIndex], meta[kBucketIndexSquare]) = squared(static_cast<int64_t>(index));
+  std::tie(meta[kKind], meta[kKindSquare]) = squared(kind);
   for (const auto slot : bucket.missing) {
     meta[kMetaHeader + slot] = 0;
   }
@@ -619,19 +711,45 @@ void Reducer::State::wait_all(const char* what) {
   }
 }
 
-ReductionResult Reducer::State::finish_reduction() {
-  // Whatever backward did not make ready (unused on this rank, or used only in
-  // earlier micro-steps) is sent as it is: its accumulated .grad, or zeros
-  // flagged as missing.
-  for (size_t b = next_launch; b < buckets.size(); ++b) {
-    auto& bucket = buckets[b];
-    for (const auto slot : c10::irange(bucket.params.size())) {
-      if (!ready[bucket.params[slot]]) {
-        copy_into_bucket(bucket, slot);
+ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapshot) {
+  // Phase 1, before the last launch: anything that fails here is this rank's
+  // alone, and is dropped through the pairing (Note [Dropping a window]).
+  std::vector<at::Tensor> saved;
+  try {
+    if (kind == 0) {
+      const auto foreign = foreign_hooks();
+      if (!foreign.empty()) {
+        abort_reduction(AbortReason::ForeignReducer);
+        TORCH_CHECK(false, foreign);
       }
     }
+    // A snapshot must leave bucket views (which are .grad) as they are.
+    if (snapshot && options.gradient_as_bucket_view()) {
+      for (const auto& bucket : buckets) {
+        saved.push_back(bucket.gradients.clone());
+      }
+    }
+    // Whatever backward did not make ready (unused on this rank, or used only
+    // in earlier micro-steps) is sent as it is: its accumulated .grad, or
+    // zeros flagged as missing.
+    for (size_t b = next_launch; b < buckets.size(); ++b) {
+      auto& bucket = buckets[b];
+      for (const auto slot : c10::irange(bucket.params.size())) {
+        if (!ready[bucket.params[slot]]) {
+          copy_into_bucket(bucket, slot);
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    if (in_flight) {
+      const auto local = message_of(e);
+      abort_reduction(AbortReason::BackwardFailed);
+      TORCH_CHECK(false, failure, ". The error on this rank: ", local);
+    }
+    throw;
   }
   launch_rest();
+  // Phase 2: every collective of this reduction is launched on this rank.
   try {
     wait_all(request.flushing ? "flush" : "synchronising backward");
   } catch (const std::exception& e) {
@@ -645,29 +763,56 @@ ReductionResult Reducer::State::finish_reduction() {
     headers.push_back(bucket.header());
   }
   const auto summed = at::stack(headers).to(at::kDouble).cpu();
+  const auto last = static_cast<int64_t>(buckets.size()) - 1;
+  ReductionResult result;
+  result.window = sequence;
+  result.global_weight = summed[last][kWeight].item<double>();
+  result.flushing_ranks = static_cast<int64_t>(std::llround(summed[last][kFlushing].item<double>()));
+  last_result = result;
+  last_result.dropped = true; // until the consensus holds
   check_consensus(summed);
+  last_result.dropped = false;
 
-  const double global_weight = summed[static_cast<int64_t>(buckets.size()) - 1][kWeight].item<double>();
-  const bool divide = request.divide && global_weight > 0;
-  // A CPU double scalar: the division runs in the gradients' compute type
-  // without rounding the divisor to a half-precision dtype first.
-  const auto divisor = at::scalar_tensor(global_weight, at::kDouble);
-  for (auto& bucket : buckets) {
-    write_back(bucket, divide, divisor);
+  // Phase 3: every rank agreed. From here on the window is reduced everywhere;
+  // a local failure (say, out of memory) is reported as such, never as a drop.
+  struct End {
+    State& s;
+    bool snapshot;
+    ~End() {
+      ++s.sequence;
+      s.end_reduction(/*window_closed=*/!snapshot);
+    }
+  } end{*this, snapshot != nullptr};
+  if (snapshot) {
+    snapshot->assign(params.size(), at::Tensor());
+    for (const auto b : c10::irange(buckets.size())) {
+      auto& bucket = buckets[b];
+      const auto flags = bucket.flags().cpu();
+      for (const auto slot : c10::irange(bucket.params.size())) {
+        if (flags[static_cast<int64_t>(slot)].item<double>() != 0) {
+          (*snapshot)[bucket.params[slot]] = bucket.views[slot].clone();
+        }
+      }
+      if (!saved.empty()) {
+        bucket.gradients.copy_(saved[b]);
+      }
+    }
+    ++stats.snapshots;
+    return result;
   }
+  ++stats.windows;
+  // Collectives first: a local failure in write_back must not skip one.
   if (options.broadcast_buffers() && !buffers.empty()) {
     broadcast_from_rank0(buffers);
     ++stats.broadcasts;
   }
-  ReductionResult result;
-  result.window = sequence;
-  result.global_weight = global_weight;
-  result.flushing_ranks = static_cast<int64_t>(std::llround(
-      summed[static_cast<int64_t>(buckets.size()) - 1][kFlushing].item<double>()));
-  last_result = result;
-  ++stats.windows;
-  ++sequence;
-  end_reduction();
+  const bool divide = request.divide && result.global_weight > 0;
+  // A CPU double scalar: the division runs in the gradients' compute type
+  // without rounding the divisor to a half-precision dtype first.
+  const auto divisor = at::scalar_tensor(result.global_weight, at::kDouble);
+  for (auto& bucket : buckets) {
+    write_back(bucket, divide, divisor);
+  }
   return result;
 }
 
@@ -698,6 +843,13 @@ void Reducer::State::check_consensus(const at::Tensor& summed) {
       cause << "rank " << who << " went on training after other ranks had ended the epoch "
             << "with flush(); every rank must run the same number of full windows and call "
             << "flush() at the end of each epoch";
+    } else if (why == AbortReason::GradientsChanged) {
+      cause << "on rank " << who << " the accumulated gradients were cleared or changed outside "
+            << "the Accumulator in the middle of the window (optimizer.zero_grad() or "
+            << "model.zero_grad() between micro-steps? clear them only after step() returns True)";
+    } else if (why == AbortReason::ForeignReducer) {
+      cause << "rank " << who << "'s parameters carry another reducer's gradient hooks (the "
+            << "model is also wrapped in torch DDP there?)";
     } else if (why == AbortReason::Closed) {
       cause << "rank " << who << " destroyed its Accumulator during the synchronising backward";
     } else {
@@ -716,6 +868,7 @@ void Reducer::State::check_consensus(const at::Tensor& summed) {
   const Check checks[] = {
       {kSteps, "steps", rule.steps},
       {kReductionMode, "reduction", static_cast<int64_t>(rule.reduction)},
+      {kKind, "what this collective is (a checkpoint's state_dict() on some ranks, a window's reduction on others)", kind},
       {kWindow, "the window number", sequence},
   };
   for (const auto& check : checks) {
@@ -751,7 +904,15 @@ void Reducer::State::fail(const std::string& message) {
   // Every collective of this reduction has completed (or the group is broken):
   // the pairing is over, so the window can be dropped and the error raised.
   failure = message;
-  drop_window();
+  if (last_result.window != sequence) {
+    last_result = ReductionResult{}; // nothing was read from this reduction
+  }
+  last_result.window = sequence;
+  last_result.dropped = true;
+  try {
+    drop_window();
+  } catch (...) {
+  }
   ++stats.windows;
   ++stats.dropped_windows;
   ++sequence;
@@ -765,15 +926,37 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
   request.abort = reason;
   aborted_here = true;
   std::string transport;
+  last_result = ReductionResult{};
+  last_result.window = sequence;
+  last_result.dropped = true;
   try {
     launch_rest();
     wait_all("dropping this rank's window");
+    // Whether others were flushing still matters to this rank's epoch.
+    const auto header = buckets.back().header().to(at::kDouble).cpu();
+    last_result.flushing_ranks = static_cast<int64_t>(std::llround(header[kFlushing].item<double>()));
   } catch (const std::exception& e) {
     transport = message_of(e);
   }
   failure = "gradaccum: " + window_label() + ": this rank (rank " + std::to_string(rank) +
       ") could not contribute its window, so the window was dropped on every rank (its "
       "gradients cleared, no optimizer step); training can go on from the next window";
+  switch (reason) {
+    case AbortReason::GradientsChanged:
+      failure += ". Why: the accumulated gradients were cleared or changed outside the "
+                 "Accumulator in the middle of the window (optimizer.zero_grad() or "
+                 "model.zero_grad() between micro-steps?); clear them only after step() returns "
+                 "True, or drop a window with the Accumulator's zero_grad()";
+      break;
+    case AbortReason::ForeignReducer:
+      failure += ". Why: another reducer's hooks are on this rank's parameters";
+      break;
+    case AbortReason::EpochEnded:
+      failure += ". Why: the other ranks had ended the epoch with flush()";
+      break;
+    default:
+      break;
+  }
   if (!transport.empty()) {
     failure += ". Dropping it failed too: " + transport;
   }
@@ -796,12 +979,17 @@ void Reducer::State::drop_window() {
       grad = options.gradient_as_bucket_view() ? bucket.views[slot] : at::Tensor();
     }
   }
+  clear_touched();
 }
 
-void Reducer::State::end_reduction() {
+void Reducer::State::end_reduction(bool window_closed) {
   for (auto& bucket : buckets) {
     bucket.works.clear();
   }
+  if (window_closed) {
+    clear_touched();
+  }
+  kind = 0;
   in_flight = false;
   last_anchor_task = anchor_task;
   anchor_task = -1;
@@ -938,6 +1126,7 @@ ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest
   if (s.in_flight) {
     return s.finish_reduction(); // no root: the reduction ends here
   }
+  TORCH_CHECK(!(s.aborted_here && s.sequence == sequence_before + 1), s.failure);
   TORCH_INTERNAL_ASSERT(s.sequence == sequence_before + 1,
       "gradaccum: a synchronising backward ended without its reduction");
   return s.last_result;
@@ -959,10 +1148,44 @@ ReductionResult Reducer::reduce(const ReductionRequest& request) {
   return s.finish_reduction();
 }
 
+std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, ReductionResult* result) {
+  const auto keep = state_;
+  auto& s = *keep;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  TORCH_CHECK(!s.in_flight, "Reducer::snapshot() called during a synchronising backward");
+  s.begin_reduction(request, -1);
+  s.kind = 1;
+  if (request.abort != AbortReason::None) {
+    s.abort_reduction(request.abort);
+    TORCH_CHECK(false, s.failure);
+  }
+  std::vector<at::Tensor> sums;
+  const auto r = s.finish_reduction(&sums);
+  if (result) {
+    *result = r;
+  }
+  return sums;
+}
+
+Reducer::Progress Reducer::progress() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return {state_->stats, state_->sequence};
+}
+
+void Reducer::restore(const Progress& progress) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  TORCH_CHECK(!state_->in_flight, "Reducer::restore() called during a synchronising backward");
+  const auto buckets = state_->stats.buckets;
+  state_->stats = progress.stats;
+  state_->stats.buckets = buckets;
+  state_->sequence = progress.sequence;
+}
+
 void Reducer::zero_grad() {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
   TORCH_CHECK(!s.in_flight, "Reducer::zero_grad() called during a synchronising backward");
+  s.clear_touched();
   if (!s.options.gradient_as_bucket_view()) {
     for (auto& p : s.params) {
       p.mutable_grad() = at::Tensor();

@@ -8,6 +8,9 @@
 // with backward. At the end rank 0 retrains one process on the global batches
 // and prints how far the two runs' parameters are apart.
 #include <gradaccum/gradaccum.h>
+
+#include <memory>
+#include <sstream>
 #include <torch/torch.h>
 
 #include <iostream>
@@ -60,9 +63,9 @@ int main(int argc, char** argv) try {
   auto [x, y] = make_data(window_rows * args.windows);
 
   auto model = make_model();
-  torch::optim::Adam optimizer(model->parameters(), 1e-3);
-  gradaccum::Accumulator acc(model.ptr(), optimizer,
-      gradaccum::AccumulatorOptions(args.steps).process_group(group));
+  auto optimizer = std::make_unique<torch::optim::Adam>(model->parameters(), 1e-3);
+  const auto options = gradaccum::AccumulatorOptions(args.steps).process_group(group);
+  auto acc = std::make_unique<gradaccum::Accumulator>(model.ptr(), *optimizer, options);
 
   for (int64_t w = 0; w < args.windows; ++w) {
     double window_loss = 0;
@@ -71,14 +74,38 @@ int main(int argc, char** argv) try {
       auto loss = torch::cross_entropy_loss(
           model->forward(x.narrow(0, start, args.micro_batch)), y.narrow(0, start, args.micro_batch));
       window_loss += loss.item<double>() / args.steps;
-      acc.backward(loss);
-      acc.step();
+      acc->backward(loss);
+      acc->step();
+      if (w == args.windows / 2 && k == 0 && args.steps > 1) {
+        // A checkpoint in the middle of a window, then a resume from it into a
+        // fresh model, optimizer and Accumulator, as a restarted job would do.
+        // The Accumulator's state is rank-independent (saving it is a
+        // collective), so rank 0's archive alone would resume every rank.
+        std::stringstream file;
+        torch::serialize::OutputArchive archive;
+        model->save(archive);
+        optimizer->save(archive);
+        acc->save(archive);
+        archive.save_to(file);
+        acc.reset(); // releases the parameters for the new Accumulator
+        model = make_model();
+        optimizer = std::make_unique<torch::optim::Adam>(model->parameters(), 1e-3);
+        acc = std::make_unique<gradaccum::Accumulator>(model.ptr(), *optimizer, options);
+        torch::serialize::InputArchive restored;
+        restored.load_from(file);
+        model->load(restored);
+        optimizer->load(restored);
+        acc->load(restored);
+        if (rank == 0) {
+          std::cout << "checkpoint saved and resumed at window " << w << ", micro-step " << k + 1 << std::endl;
+        }
+      }
     }
     if (rank == 0 && (w % 10 == 0 || w + 1 == args.windows)) {
       std::cout << "window " << w << " loss " << window_loss << std::endl;
     }
   }
-  const auto stats = acc.stats();
+  const auto stats = acc->stats();
   if (rank == 0) {
     std::cout << "ranks " << world << ", optimizer steps " << stats.optimizer_steps
               << ", collectives per window " << stats.reducer.last_window_collectives

@@ -7,6 +7,7 @@
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/schedulers/lr_scheduler.h>
+#include <torch/serialize/archive.h>
 
 #include <cstdint>
 #include <functional>
@@ -41,6 +42,9 @@ struct ModelParameters {
   std::vector<at::Tensor> parameters;
   std::vector<std::string> names;
   std::vector<at::Tensor> buffers;
+  /// Modules that make sparse gradients (`Embedding(sparse=True)`), by name:
+  /// rejected at construction.
+  std::vector<std::string> sparse_modules;
 
  private:
   ModelParameters(const std::shared_ptr<torch::nn::Module>& module, int /*tag*/);
@@ -57,15 +61,28 @@ struct AccumulatorStats {
 };
 
 /// Everything exact resumption needs, the gradients of a half-done window included.
+///
+/// Data parallel, `state_dict()` is rank-independent by default (a collective:
+/// every rank calls it at the same point): the half-done window is summed over
+/// ranks and each rank's state holds 1/world of the sum and of the weight, so
+/// whichever rank's state is saved (rank 0's, as frameworks do) and loaded on
+/// every rank, the resumed run equals the uninterrupted one.
 struct AccumulatorState {
   int64_t steps = 0;
+  Reduction reduction = Reduction::Mean;
+  int64_t world_size = 1;
+  int64_t rank = 0; ///< of the rank that saved it
+  bool rank_independent = true; ///< false: this rank's own half-window
   int64_t micro_step = 0;
   bool window_ready = false;
   double window_weight = 0; ///< micro-steps (mean, sum) or items (items) so far
+  bool epoch_ended = false; ///< see Accumulator: flush() owes no collective
   int64_t micro_steps = 0;
   int64_t optimizer_steps = 0;
   int64_t skipped_steps = 0;
   int64_t windows = 0;
+  ReducerStats reducer; ///< counters of the reducer (all zero without a group)
+  int64_t reducer_sequence = 0; ///< the next reduction's window number
   std::vector<at::Tensor> grads; ///< one per parameter; undefined for None
 };
 
@@ -140,8 +157,21 @@ class Accumulator {
   void set_expect_hooks(bool expect);
 
   AccumulatorStats stats() const;
-  AccumulatorState state_dict() const;
+  /// Data parallel with `rank_independent` (the default), a collective when
+  /// mid-window: every rank must call it at the same point.
+  AccumulatorState state_dict(bool rank_independent = true);
   void load_state_dict(const AccumulatorState& state);
+  /// The state through torch::serialize archives (`torch::save`-style).
+  void save(torch::serialize::OutputArchive& archive);
+  void load(torch::serialize::InputArchive& archive);
+
+  /// Removes the hooks and releases the parameters for another Accumulator;
+  /// every later call but stats() is an error. The destructor does the same.
+  void close();
+  bool closed() const {
+    return closed_;
+  }
+  ~Accumulator();
 
   const AccumulatorOptions& options() const {
     return options_;
@@ -156,7 +186,12 @@ class Accumulator {
 
  private:
   void scale_local_gradients();
+  void check_open(const char* what) const;
+  void check_gradients_untouched(const char* what, bool allow_in_place) const;
+  void remember_gradients();
+  void check_requires_grad() const;
   void reset_window();
+  void note_dropped_window(int64_t window);
   std::vector<std::pair<const void*, int64_t>> grad_versions() const;
   bool finish_window();
   void clear_gradients();
@@ -174,10 +209,18 @@ class Accumulator {
   /// A micro-step of this window failed on this rank: when the window closes,
   /// it is dropped on every rank (data parallel only).
   bool window_failed_ = false;
+  AbortReason window_failure_ = AbortReason::BackwardFailed;
   /// This rank's last window was reduced with other ranks' flush(): the epoch
   /// is over, and this rank's flush() steps nothing and reduces nothing.
   bool epoch_ended_ = false;
   AccumulatorStats stats_;
+  /// Frozen when built: an error if one becomes trainable (it would be untracked).
+  std::vector<std::pair<std::string, at::Tensor>> frozen_;
+  /// .grad identities and versions after this Accumulator last touched them.
+  std::vector<std::pair<const void*, int64_t>> remembered_;
+  bool closed_ = false;
+  std::vector<std::string> names_;
+  std::shared_ptr<void> claim_; ///< releases the parameters for another Accumulator
 };
 
 } // namespace gradaccum

@@ -31,7 +31,8 @@ std::vector<std::vector<size_t>> assign_buckets(
 //  - how many ranks drop the window, which one and why (kAbort*; see
 //    Note [Dropping a window]),
 //  - whether every rank agrees on what must be equal (the window sequence
-//    number, steps, the reduction, the bucket's index): each such value v is
+//    number, steps, the reduction, the bucket's index, the kind of reduction):
+//    each such value v is
 //    sent as (v mod M, (v mod M)^2); over W ranks the values are all equal iff
 //    W * sum(v^2) == sum(v)^2. M is chosen so both sums stay exact integers in
 //    the meta's dtype (see consensus_modulus()).
@@ -53,6 +54,8 @@ enum MetaField : int64_t {
   kReductionModeSquare,
   kBucketIndex,
   kBucketIndexSquare,
+  kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window
+  kKindSquare,
   kMetaHeader, // the header's length
 };
 

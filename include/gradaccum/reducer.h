@@ -22,6 +22,7 @@ struct ReducerStats {
   int64_t last_window_collectives = 0;
   int64_t last_window_bytes = 0;
   int64_t broadcasts = 0; ///< buffer broadcasts at windows' ends
+  int64_t snapshots = 0; ///< checkpoint collectives (state_dict() mid-window)
 };
 
 /// What every rank's windows must agree on. Carried in every reduction (and
@@ -41,6 +42,10 @@ enum class AbortReason : int64_t {
   EpochEnded = 2,
   /// This rank's reducer was destroyed during its synchronising backward.
   Closed = 3,
+  /// This rank's parameters carry another reducer's hooks (torch DDP?).
+  ForeignReducer = 4,
+  /// This rank's gradients were cleared or changed from outside mid-window.
+  GradientsChanged = 5,
 };
 
 /// One reduction, asked for as a value: what this rank contributes.
@@ -60,6 +65,7 @@ struct ReductionResult {
   int64_t window = -1; ///< the reduction's sequence number (the same on every rank)
   double global_weight = 0; ///< request weights summed over ranks
   int64_t flushing_ranks = 0; ///< ranks that closed a partial window with flush()
+  bool dropped = false; ///< the window was dropped on every rank (an error was raised)
 };
 
 /// Data-parallel gradient reduction over a c10d ProcessGroup, driven by autograd.
@@ -112,6 +118,19 @@ class Reducer {
   /// Reduces now, outside backward, whatever `.grad` holds (closing a partial
   /// window, or an empty one). Same error behaviour as backward().
   ReductionResult reduce(const ReductionRequest& request);
+  /// A checkpoint's collective (every rank calls it at the same point): sums
+  /// each rank's half-done window over ranks without touching `.grad`.
+  /// Returns one summed (undivided) gradient per parameter, undefined where no
+  /// rank has one; `result.global_weight` sums the request weights.
+  std::vector<at::Tensor> snapshot(const ReductionRequest& request, ReductionResult* result = nullptr);
+  /// Counters and the window sequence number, as saved in a checkpoint.
+  struct Progress {
+    ReducerStats stats;
+    int64_t sequence = 0;
+  };
+  Progress progress() const;
+  /// Restores what progress() returned (every rank must load the same).
+  void restore(const Progress& progress);
   /// The request a synchronising backward of the manual path (plain
   /// `loss.backward()` outside no_sync) uses: weight 1, divide unless "sum".
   ReductionRequest manual_request() const;

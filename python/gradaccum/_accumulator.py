@@ -11,9 +11,54 @@ _REDUCTIONS = ("mean", "sum", "items")
 _NONFINITE = ("skip", "raise", "ignore")
 
 
+def _wrapper_classes():
+    """Wrappers that reduce gradients themselves: wrapping the model in one of
+    them as well would reduce every gradient twice."""
+    found = []
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+        found.append(DistributedDataParallel)
+    except ImportError:  # pragma: no cover - torch without distributed
+        pass
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        found.append(FullyShardedDataParallel)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from torch.distributed.fsdp import FSDPModule  # FSDP2 (fully_shard)
+        found.append(FSDPModule)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(found)
+
+
+def _check_module(model: torch.nn.Module) -> None:
+    wrappers = _wrapper_classes()
+    for name, module in model.named_modules():
+        if wrappers and isinstance(module, wrappers):
+            where = f"submodule {name!r}" if name else "the model"
+            raise ValueError(
+                f"{where} is wrapped in {type(module).__name__}, which reduces gradients "
+                "itself: with gradaccum's reduction too, every gradient would be reduced "
+                "twice. Pass the unwrapped module (ddp_model.module; with Accelerate, "
+                "prepare the optimizer and data loaders but not the model) and let "
+                "gradaccum do the data-parallel reduction")
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(
+                f"submodule {name!r} is {type(module).__name__}(sparse=True), which makes "
+                "sparse gradients; gradaccum supports dense gradients only: use sparse=False")
+    for name, p in model.named_parameters():
+        if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
+            raise ValueError(
+                f"parameter {name!r} is a DTensor (FSDP2 / tensor parallel): gradaccum reduces "
+                "plain replicated parameters; pass the unsharded module")
+
+
 def _parameters(model: Any):
     """(parameters, names, buffers) of a module or of an iterable of parameters."""
     if isinstance(model, torch.nn.Module):
+        _check_module(model)
         named = list(model.named_parameters())
         return [p for _, p in named], [n for n, _ in named], list(model.buffers())
     if isinstance(model, torch.Tensor):
@@ -61,8 +106,9 @@ class Accumulator:
         nonfinite: at the boundary, a NaN/inf gradient is ``"skip"``-ped (no
             step, gradients cleared, counted), ``"raise"``-d, or ``"ignore"``-d.
         scheduler: an LR scheduler stepped only after a real optimizer step.
-        process_group: data-parallel group; defaults to the default group when
-            ``torch.distributed`` is initialized. Gradients are then all-reduced
+        process_group: data-parallel group; ``None`` (the default) means the
+            default group when ``torch.distributed`` is initialized, ``False``
+            means local-only accumulation (no reduction) even then. Gradients are then all-reduced
             once per window, in buckets overlapped with backward.
         bucket_cap_mb / first_bucket_cap_mb: bucket sizes (as torch DDP).
         gradient_as_bucket_view: ``.grad`` tensors are views of the buckets.
@@ -81,7 +127,7 @@ class Accumulator:
         nonfinite: str = "skip",
         *,
         scheduler: Optional[Any] = None,
-        process_group: Optional[Any] = None,
+        process_group: Union[None, bool, Any] = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         gradient_as_bucket_view: bool = False,
@@ -101,8 +147,13 @@ class Accumulator:
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
             raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
         params, names, buffers = _parameters(model)
+        if process_group is True:
+            raise TypeError("process_group must be a ProcessGroup, None (the default group) or "
+                            "False (local-only), got True")
         if process_group is None:
             process_group = _default_group()
+        elif process_group is False:
+            process_group = None
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.process_group = process_group
@@ -117,6 +168,7 @@ class Accumulator:
         )
         self.steps = int(steps)
         self.reduction = reduction
+        self._no_sync_depth = 0
 
     def backward(self, loss: torch.Tensor, num_items: Union[None, int, float, torch.Tensor] = None) -> None:
         """Backward on one micro-batch's loss; the window's last call synchronises.
@@ -126,6 +178,14 @@ class Accumulator:
         """
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"backward(): loss must be a torch.Tensor, got {type(loss).__name__}")
+        if self._no_sync_depth:  # data parallel, C++ says the same; here for one process too
+            raise RuntimeError(
+                "backward(): called inside no_sync(). Accumulator.backward() decides by itself "
+                "which micro-step synchronises; no_sync() is for the manual path (a plain "
+                "loss.backward() inside it)")
+        if isinstance(num_items, bool) or (
+                isinstance(num_items, torch.Tensor) and num_items.dtype == torch.bool):
+            raise TypeError(f"backward(): num_items must be a count of items, got {num_items!r}")
         if isinstance(num_items, torch.Tensor):
             if num_items.numel() != 1:
                 raise ValueError(f"backward(): num_items must be a number, got a tensor of shape {tuple(num_items.shape)}")
@@ -167,9 +227,11 @@ class Accumulator:
         DDP's ``no_sync``); only the backward needs to be inside."""
         previous = self._c.expect_hooks
         self._c.expect_hooks = False
+        self._no_sync_depth += 1
         try:
             yield
         finally:
+            self._no_sync_depth -= 1
             self._c.expect_hooks = previous
 
     def stats(self) -> Dict[str, Any]:
@@ -177,9 +239,17 @@ class Accumulator:
         reducer's buckets, collectives, bytes_reduced (in all and last window)."""
         return self._c.stats()
 
-    def state_dict(self) -> Dict[str, Any]:
-        """Position, counters and the half-done window's gradients."""
-        return self._c.state_dict()
+    def state_dict(self, rank_independent: bool = True) -> Dict[str, Any]:
+        """Position, counters and the half-done window's gradients.
+
+        Data parallel and mid-window, the default state is rank-independent and
+        this is a collective (every rank calls it at the same point): the
+        half-done window is summed over ranks and each rank's state holds
+        1/world of it, so saving rank 0's state only (as Lightning and
+        Accelerate do) and loading it on every rank resumes exactly.
+        ``rank_independent=False`` gives this rank's own state (no collective),
+        which only this rank can load."""
+        return self._c.state_dict(bool(rank_independent))
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, dict):
@@ -190,6 +260,21 @@ class Accumulator:
     def bucket_indices(self):
         """Parameter indices of each bucket, in launch order."""
         return self._c.bucket_indices
+
+    def close(self) -> None:
+        """Removes the hooks and releases the parameters (for another
+        Accumulator over them); later calls raise. Also on ``with`` exit."""
+        self._c.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._c.closed
+
+    def __enter__(self) -> "Accumulator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return (f"Accumulator(steps={self.steps}, reduction={self.reduction!r}, "

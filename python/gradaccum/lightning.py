@@ -304,15 +304,11 @@ class GradaccumStrategy(DDPStrategy):
     # ------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        # Lightning calls this on every rank and writes rank 0's dict.
+        # Lightning calls this on every rank and writes rank 0's dict. The
+        # Accumulator's state is rank-independent (mid-window: a collective
+        # that sums the half-done window, so every rank must get here, as
+        # Lightning's save_checkpoint guarantees): rank 0's dict resumes every rank.
         if self.accumulator is not None and "optimizer_states" in checkpoint:
-            if self.world_size > 1 and self.accumulator.micro_step != 0:
-                raise RuntimeError(
-                    f"GradaccumStrategy: a checkpoint in the middle of a window (micro-step "
-                    f"{self.accumulator.micro_step} of {self.accumulator.steps}) under data "
-                    "parallelism would resume every rank with rank 0's half-window gradients; "
-                    "save at window boundaries (ModelCheckpoint(every_n_train_steps=...) does)"
-                )
             checkpoint[CHECKPOINT_KEY] = self.accumulator.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 

@@ -30,12 +30,12 @@ TEST_CASE("a bucket's views tile its buffer and meta rides along", "[bucket]") {
   gradaccum::Bucket bucket(params, {1, 0});
   CHECK(bucket.meta_in_buffer);
   CHECK(bucket.buffer.numel() == 10 + gradaccum::kMetaHeader + 2); // gradients, header, two flags
-  CHECK(gradaccum::kMetaHeader == 13);
+  CHECK(gradaccum::kMetaHeader == 15);
   CHECK(bucket.views[0].sizes() == params[1].sizes());
   CHECK(bucket.views[1].sizes() == params[0].sizes());
   bucket.views[1].fill_(7);
   CHECK(bucket.gradients.narrow(0, 4, 6).eq(7).all().item<bool>());
-  CHECK(bucket.bytes() == (10 + 13 + 2) * 4);
+  CHECK(bucket.bytes() == (10 + 15 + 2) * 4);
 
   std::vector<at::Tensor> half{torch::zeros({8}, torch::kBFloat16)};
   gradaccum::Bucket low(half, {0});

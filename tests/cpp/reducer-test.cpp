@@ -214,6 +214,7 @@ TEST_CASE("a backward that throws on one rank drops the window on every rank", "
         dropped[rank] = acc.stats().reducer.dropped_windows;
         for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
       });
+      INFO(errors[0].front() << " | " << errors[0].back());
       REQUIRE(errors[0].size() == 1);
       CHECK_THAT(errors[0][0], Catch::StartsWith("1/1: gradaccum: window 1 was dropped on every rank") &&
                                    Catch::Contains("failed on rank 1"));

@@ -212,6 +212,9 @@ def run(name, out_dir):
     if cfg.get("checkpoint"):
         saved = torch.load(os.path.join(ckpt_dir, "epoch0.ckpt"), weights_only=False)
         result["checkpoint_state"] = saved.get(CHECKPOINT_KEY)
+    if "save_at_batch" in cfg:
+        saved = torch.load(os.path.join(out_dir, f"{name}.ckpt"), weights_only=False)
+        result["checkpoint_state"] = saved.get(CHECKPOINT_KEY)
     return result
 
 

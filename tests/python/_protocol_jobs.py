@@ -317,3 +317,152 @@ def peer_killed(rank, world_size):
         return {"error": None, "seconds": time.monotonic() - start}
     except RuntimeError as e:
         return {"error": str(e), "seconds": time.monotonic() - start}
+
+
+# --------------------------------------------------------------------------- #
+# Issue 8: misuse guards and checkpoints
+# --------------------------------------------------------------------------- #
+
+def _train_micro(model, acc, batches, reduction):
+    for batch in batches:
+        loss, n = du.micro_loss(model, batch, reduction)
+        acc.backward(loss, num_items=n)
+        acc.step()
+
+
+@job
+def checkpoint(rank, world_size, *, seed, reduction, ckpt_dir, save_after):
+    """The uninterrupted run against a run saved mid-window and resumed, in
+    three ways: rank 0's rank-independent state loaded on every rank; each
+    rank's own state; and the rejected ones."""
+    import torch.distributed as dist
+    import gradaccum
+
+    steps, n_windows = 4, 3
+    windows = du.make_windows(seed, du.full_counts(n_windows, world_size, steps), MICRO)
+    mine = [b for w in windows for b in w[rank]]
+
+    def build():
+        model = du.mlp(seed)
+        opt = du.make_optimizer("adam", model.parameters())
+        acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction,
+                                    bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+        return model, opt, acc
+
+    model, opt, acc = build()
+    _train_micro(model, acc, mine, reduction)
+    out = {"uninterrupted": du.params(model), "stats": acc.stats()}
+    acc.close()
+
+    for mode in ("rank0", "per_rank"):
+        model, opt, acc = build()
+        _train_micro(model, acc, mine[:save_after], reduction)
+        state = {"model": model.state_dict(), "opt": opt.state_dict(),
+                 "acc": acc.state_dict(rank_independent=(mode == "rank0"))}
+        path = os.path.join(ckpt_dir, f"ckpt-{mode}-{rank if mode == 'per_rank' else 0}.pt")
+        if mode == "per_rank" or rank == 0:
+            torch.save(state, path)
+        dist.barrier()
+        acc.close()
+        model, opt, acc = build()
+        loaded = torch.load(path, weights_only=False)
+        model.load_state_dict(loaded["model"])
+        opt.load_state_dict(loaded["opt"])
+        acc.load_state_dict(loaded["acc"])
+        resumed_stats = acc.stats()
+        _train_micro(model, acc, mine[save_after:], reduction)
+        out[mode] = {"params": du.params(model), "stats": acc.stats(),
+                     "resumed_stats": resumed_stats, "saved": loaded["acc"]}
+        if mode == "per_rank" and world_size > 1:
+            other = torch.load(os.path.join(ckpt_dir, f"ckpt-per_rank-{1 - rank if rank < 2 else 0}.pt"),
+                               weights_only=False)["acc"]
+            try:
+                acc.load_state_dict(other)
+                out["wrong_rank"] = None
+            except ValueError as e:
+                out["wrong_rank"] = str(e)
+        acc.close()
+    # A state of this world size into a single process, and into another reduction.
+    saved = out["rank0"]["saved"]
+    local = gradaccum.Accumulator(du.mlp(seed), None, steps=steps, reduction=reduction,
+                                  process_group=False)
+    try:
+        local.load_state_dict(saved)
+        out["other_world"] = None
+    except ValueError as e:
+        out["other_world"] = str(e)
+    local.close()
+    other = gradaccum.Accumulator(du.mlp(seed), None, steps=steps,
+                                  reduction="sum" if reduction != "sum" else "mean", process_group=False)
+    try:
+        other.load_state_dict(dict(saved, world_size=1))
+        out["other_reduction"] = None
+    except ValueError as e:
+        out["other_reduction"] = str(e)
+    return out
+
+
+@job
+def misuse(rank, world_size):
+    """Everyday habits that used to give silently wrong training, on 2 ranks."""
+    import torch.distributed as dist
+    import gradaccum
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    # 1. The model also wrapped in DDP: passed wrapped, or unwrapped while DDP lives.
+    model = du.mlp(1)
+    ddp = DDP(model)
+    for key, what in (("ddp_wrapped", ddp), ("ddp_alive", model)):
+        try:
+            gradaccum.Accumulator(what, None, steps=2).close()
+            out[key] = None
+        except ValueError as e:
+            out[key] = str(e)
+    del ddp
+    # 3. optimizer.zero_grad() inside the window, on rank 1 only.
+    model = du.mlp(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=3)
+    x = torch.randn(2, du.D_IN, dtype=torch.float64)
+    errors = []
+    for i in range(6):
+        try:
+            acc.backward(model(x * (i + 1)).pow(2).mean())
+            acc.step()
+            if rank == 1 and i == 3:
+                opt.zero_grad()  # the single-process habit, mid-window
+        except RuntimeError as e:
+            errors.append((i, str(e)))
+    out["zero_grad"] = errors
+    out["zero_grad_params"] = du.params(model)
+    acc.close()
+    # 7. process_group=False: local-only although torch.distributed is initialized.
+    model = du.mlp(3)
+    acc = gradaccum.Accumulator(model, None, steps=2, process_group=False)
+    for _ in range(2):
+        acc.backward(model(x + rank).pow(2).mean())
+    out["local_only"] = {"stats": acc.stats(), "grad": model[0].weight.grad.clone()}
+    acc.close()
+    # 7. bucket views keep None for a parameter unused everywhere, as copy mode.
+    for as_view in (False, True):
+        torch.manual_seed(4)
+        net = nn.ModuleDict({"used": nn.Linear(du.D_IN, 3), "idle": nn.Linear(du.D_IN, 3)}).double()
+        idle_before = [p.detach().clone() for p in net["idle"].parameters()]
+        for opt_name in ("sgd", "adamw"):
+            opt = (torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) if opt_name == "sgd"
+                   else torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.0))
+            acc = gradaccum.Accumulator(net, opt, steps=2, gradient_as_bucket_view=as_view)
+            for w in range(3):
+                for k in range(2):
+                    acc.backward(net["used"](x + w + k + rank).pow(2).mean())
+                    if k == 1:
+                        out[f"idle_grad_none/{as_view}/{opt_name}/{w}"] = all(
+                            p.grad is None for p in net["idle"].parameters())
+                    acc.step()
+            out[f"idle_moved/{as_view}/{opt_name}"] = max(
+                (p - b).abs().max().item() for p, b in zip(net["idle"].parameters(), idle_before))
+            out[f"used/{as_view}/{opt_name}"] = [p.detach().clone() for p in net["used"].parameters()]
+            acc.close()
+    dist.barrier()
+    return out

@@ -266,8 +266,9 @@ def test_backward_after_closed_window():
 
 # load_state_dict -------------------------------------------------------------------
 
-STATE_KEYS = ["steps", "micro_step", "window_ready", "window_weight", "micro_steps",
-              "optimizer_steps", "skipped_steps", "windows", "grads"]
+STATE_KEYS = ["steps", "reduction", "world_size", "rank", "rank_independent", "micro_step",
+              "window_ready", "window_weight", "epoch_ended", "micro_steps", "optimizer_steps",
+              "skipped_steps", "windows", "reducer", "reducer_sequence", "grads"]
 
 
 @pytest.fixture
@@ -307,7 +308,8 @@ def test_load_state_dict_missing_key(mid_window, key):
     ("steps", "4"), ("steps", 4.0), ("micro_step", "1"), ("micro_step", None),
     ("window_ready", "yes"), ("window_weight", "1.0"), ("window_weight", None),
     ("micro_steps", 1.5), ("optimizer_steps", "0"), ("skipped_steps", None), ("windows", []),
-    ("grads", 5), ("grads", None),
+    ("grads", 5), ("grads", None), ("micro_steps", True), ("windows", False),
+    ("window_weight", True), ("rank_independent", 1), ("reducer", None),
 ])
 def test_load_state_dict_wrong_type(mid_window, key, value):
     model, acc, state = mid_window

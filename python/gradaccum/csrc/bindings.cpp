@@ -18,17 +18,49 @@ T required(const py::dict& d, const char* key) {
   if (!d.contains(key)) {
     throw py::value_error(std::string("load_state_dict: the state dict has no key '") + key + "'");
   }
-  try {
-    if constexpr (std::is_same_v<T, py::list>) {
-      if (!py::isinstance<py::list>(d[key])) {
-        throw py::cast_error();
-      }
+  const py::object value = d[key];
+  const auto wrong = [&] {
+    return py::value_error(std::string("load_state_dict: key '") + key + "' has the wrong type (" +
+        py::str(py::type::of(value)).cast<std::string>() + ")");
+  };
+  if constexpr (std::is_same_v<T, py::list>) {
+    if (!py::isinstance<py::list>(value)) {
+      throw wrong();
     }
-    return d[key].cast<T>();
-  } catch (const py::cast_error&) {
-    throw py::value_error(std::string("load_state_dict: key '") + key + "' has the wrong type ("
-        + py::str(py::type::of(d[key])).cast<std::string>() + ")");
   }
+  if constexpr (std::is_same_v<T, py::dict>) {
+    if (!py::isinstance<py::dict>(value)) {
+      throw wrong();
+    }
+  }
+  if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, double>) {
+    if (py::isinstance<py::bool_>(value)) {
+      throw wrong(); // True is an int to Python, not a count
+    }
+  }
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!py::isinstance<py::bool_>(value)) {
+      throw wrong();
+    }
+  }
+  try {
+    return value.cast<T>();
+  } catch (const py::cast_error&) {
+    throw wrong();
+  }
+}
+
+py::dict reducer_stats_to_dict(const ReducerStats& r) {
+  py::dict d;
+  d["windows"] = r.windows;
+  d["dropped_windows"] = r.dropped_windows;
+  d["collectives"] = r.collectives;
+  d["bytes_reduced"] = r.bytes_reduced;
+  d["last_window_collectives"] = r.last_window_collectives;
+  d["last_window_bytes"] = r.last_window_bytes;
+  d["broadcasts"] = r.broadcasts;
+  d["snapshots"] = r.snapshots;
+  return d;
 }
 
 py::dict stats_to_dict(const AccumulatorStats& s) {
@@ -46,19 +78,27 @@ py::dict stats_to_dict(const AccumulatorStats& s) {
   d["last_window_collectives"] = s.reducer.last_window_collectives;
   d["last_window_bytes"] = s.reducer.last_window_bytes;
   d["buffer_broadcasts"] = s.reducer.broadcasts;
+  d["snapshots"] = s.reducer.snapshots;
   return d;
 }
 
 py::dict state_to_dict(const AccumulatorState& s) {
   py::dict d;
   d["steps"] = s.steps;
+  d["reduction"] = to_string(s.reduction);
+  d["world_size"] = s.world_size;
+  d["rank"] = s.rank;
+  d["rank_independent"] = s.rank_independent;
   d["micro_step"] = s.micro_step;
   d["window_ready"] = s.window_ready;
   d["window_weight"] = s.window_weight;
+  d["epoch_ended"] = s.epoch_ended;
   d["micro_steps"] = s.micro_steps;
   d["optimizer_steps"] = s.optimizer_steps;
   d["skipped_steps"] = s.skipped_steps;
   d["windows"] = s.windows;
+  d["reducer"] = reducer_stats_to_dict(s.reducer);
+  d["reducer_sequence"] = s.reducer_sequence;
   py::list grads;
   for (const auto& g : s.grads) {
     grads.append(g.defined() ? py::cast(g) : py::none());
@@ -70,13 +110,28 @@ py::dict state_to_dict(const AccumulatorState& s) {
 AccumulatorState state_from_dict(const py::dict& d) {
   AccumulatorState s;
   s.steps = required<int64_t>(d, "steps");
+  s.reduction = reduction_from_string(required<std::string>(d, "reduction"));
+  s.world_size = required<int64_t>(d, "world_size");
+  s.rank = required<int64_t>(d, "rank");
+  s.rank_independent = required<bool>(d, "rank_independent");
   s.micro_step = required<int64_t>(d, "micro_step");
   s.window_ready = required<bool>(d, "window_ready");
   s.window_weight = required<double>(d, "window_weight");
+  s.epoch_ended = required<bool>(d, "epoch_ended");
   s.micro_steps = required<int64_t>(d, "micro_steps");
   s.optimizer_steps = required<int64_t>(d, "optimizer_steps");
   s.skipped_steps = required<int64_t>(d, "skipped_steps");
   s.windows = required<int64_t>(d, "windows");
+  s.reducer_sequence = required<int64_t>(d, "reducer_sequence");
+  const auto r = required<py::dict>(d, "reducer");
+  s.reducer.windows = required<int64_t>(r, "windows");
+  s.reducer.dropped_windows = required<int64_t>(r, "dropped_windows");
+  s.reducer.collectives = required<int64_t>(r, "collectives");
+  s.reducer.bytes_reduced = required<int64_t>(r, "bytes_reduced");
+  s.reducer.last_window_collectives = required<int64_t>(r, "last_window_collectives");
+  s.reducer.last_window_bytes = required<int64_t>(r, "last_window_bytes");
+  s.reducer.broadcasts = required<int64_t>(r, "broadcasts");
+  s.reducer.snapshots = required<int64_t>(r, "snapshots");
   for (const auto& g : required<py::list>(d, "grads")) {
     if (g.is_none()) {
       s.grads.emplace_back();
@@ -159,7 +214,16 @@ void init_accumulator(py::module_& m) {
       .def_property_readonly("window_ready", &Accumulator::window_ready)
       .def_property("expect_hooks", &Accumulator::expect_hooks, &Accumulator::set_expect_hooks)
       .def("stats", [](const Accumulator& a) { return stats_to_dict(a.stats()); })
-      .def("state_dict", [](const Accumulator& a) { return state_to_dict(a.state_dict()); })
+      .def("state_dict", [](Accumulator& a, bool rank_independent) {
+             AccumulatorState state;
+             {
+               py::gil_scoped_release no_gil; // mid-window and data parallel: a collective
+               state = a.state_dict(rank_independent);
+             }
+             return state_to_dict(state);
+           }, py::arg("rank_independent") = true)
+      .def("close", &Accumulator::close, "Remove the hooks; release the parameters.")
+      .def_property_readonly("closed", &Accumulator::closed)
       .def("load_state_dict", [](Accumulator& a, const py::dict& d) { a.load_state_dict(state_from_dict(d)); },
            py::arg("state_dict"))
       .def_property_readonly("bucket_indices", [](Accumulator& a) {

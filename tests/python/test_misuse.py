@@ -1,0 +1,184 @@
+"""Misuse guards and checkpoints that survive the frameworks users save with.
+
+Each habit that used to train silently wrong now ends in a clear error (its
+text asserted) or in the reference result (float64, 1e-10).
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+import gradaccum
+import _dist_utils as du
+
+M = "_protocol_jobs"
+
+
+def run(name, world_size, tmp_path, **kwargs):
+    kwargs.setdefault("timeout", 150)
+    kwargs.setdefault("pg_timeout", 30)
+    return du.run_job(name, world_size, tmp_path, module=M, **kwargs)
+
+
+def close_params(a, b, tol=1e-10):
+    return all((x - y).abs().max().item() <= tol * max(1.0, y.abs().max().item()) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------- #
+# Checkpoints: rank 0 saves, every rank resumes
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("reduction", ["mean", "items"])
+def test_rank0_checkpoint_resumes_exactly_on_every_rank(tmp_path, world_size, reduction):
+    results = run("checkpoint", world_size, tmp_path, seed=21, reduction=reduction,
+                  ckpt_dir=str(tmp_path), save_after=6)  # window 1, micro-step 2 of 4
+    for rank, res in enumerate(results):
+        saved = res["rank0"]["saved"]
+        assert saved["rank_independent"] and saved["world_size"] == world_size
+        assert saved["micro_step"] == 2 and saved["reduction"] == reduction
+        assert close_params(res["rank0"]["params"], res["uninterrupted"]), f"rank {rank}"
+        assert close_params(res["per_rank"]["params"], res["uninterrupted"]), f"rank {rank}"
+        # The counters carry on where they were.
+        for key in ("micro_steps", "optimizer_steps", "windows", "reductions"):
+            assert res["rank0"]["stats"][key] == res["stats"][key], key
+        assert res["rank0"]["resumed_stats"]["reductions"] == 1
+        assert "world size 1" in res["other_world"] or f"world size {world_size}" in res["other_world"]
+        assert "saved with world size" in res["other_world"]
+        assert "saved with reduction=" in res["other_reduction"]
+        assert "own state" in res["wrong_rank"] and "rank-independent" in res["wrong_rank"]
+
+
+# --------------------------------------------------------------------------- #
+# Habits, on 2 ranks
+# --------------------------------------------------------------------------- #
+
+@pytest.fixture(scope="module")
+def misuse(tmp_path_factory):
+    return run("misuse", 2, tmp_path_factory.mktemp("misuse"))
+
+
+def test_a_model_also_wrapped_in_ddp_is_refused(misuse):
+    for res in misuse:
+        assert "the model is wrapped in DistributedDataParallel, which reduces gradients itself" \
+            in res["ddp_wrapped"]
+        assert "already has a post-hook on its gradient accumulator that gradaccum did not add" \
+            in res["ddp_alive"] and "do not wrap it in DDP" in res["ddp_alive"]
+
+
+def test_zero_grad_inside_the_window_is_an_error_on_every_rank(misuse):
+    for res in misuse:
+        assert [i for i, _ in res["zero_grad"]] == [5]  # the window's close, on both ranks
+    assert "window 1 was dropped on every rank: on rank 1 the accumulated gradients were " \
+           "cleared or changed outside the Accumulator" in misuse[0]["zero_grad"][0][1]
+    assert "window 1: this rank (rank 1) could not contribute its window" in misuse[1]["zero_grad"][0][1]
+    assert "cleared or changed outside the Accumulator in the middle of the window " \
+           "(optimizer.zero_grad()" in misuse[1]["zero_grad"][0][1]
+    for a, b in zip(misuse[0]["zero_grad_params"], misuse[1]["zero_grad_params"]):
+        assert torch.equal(a, b)
+
+
+def test_process_group_false_is_local_only(misuse):
+    for res in misuse:
+        assert res["local_only"]["stats"]["collectives"] == 0
+    assert not torch.equal(misuse[0]["local_only"]["grad"], misuse[1]["local_only"]["grad"])
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_bucket_views_keep_none_for_parameters_unused_everywhere(misuse, opt_name):
+    for res in misuse:
+        for as_view in (False, True):
+            assert all(res[f"idle_grad_none/{as_view}/{opt_name}/{w}"] for w in range(3))
+            assert res[f"idle_moved/{as_view}/{opt_name}"] == 0.0
+        for a, b in zip(res[f"used/True/{opt_name}"], res[f"used/False/{opt_name}"]):
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+# --------------------------------------------------------------------------- #
+# Habits, in one process
+# --------------------------------------------------------------------------- #
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+
+def test_a_second_accumulator_over_the_same_parameters_is_refused_until_close():
+    model = mlp()
+    first = gradaccum.Accumulator(model, None, steps=2)
+    with pytest.raises(ValueError, match=r"0\.weight already belongs to another live Accumulator.*"
+                                         r"call its close\(\)"):
+        gradaccum.Accumulator(model, None, steps=2)
+    first.close()
+    assert first.closed
+    with pytest.raises(RuntimeError, match=r"backward\(\): this Accumulator was closed"):
+        first.backward(model(torch.ones(1, 4, dtype=torch.float64)).sum())
+    with gradaccum.Accumulator(model, None, steps=2) as second:
+        second.backward(model(torch.ones(1, 4, dtype=torch.float64)).sum())
+    assert second.closed
+    gradaccum.Accumulator(model, None, steps=2).close()  # released again
+
+
+def test_optimizer_zero_grad_inside_the_window_is_an_error_naming_it():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=3)
+    x = torch.ones(2, 4, dtype=torch.float64)
+    acc.backward(model(x).sum())
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"gradient of 0\.weight was cleared outside the "
+                                           r"Accumulator in the middle of a window .*zero_grad"):
+        acc.backward(model(x).sum())
+    assert acc.micro_step == 1  # rejected: nothing changed
+    acc.zero_grad()
+    acc.backward(model(x).sum())  # dropping the window is the way on
+
+
+def test_clipping_a_closed_window_in_place_is_allowed():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=1)
+    acc.backward(model(torch.ones(2, 4, dtype=torch.float64)).sum())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    assert acc.step()
+
+
+def test_a_parameter_unfrozen_after_construction_is_an_error_naming_it():
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    acc = gradaccum.Accumulator(model, None, steps=2)
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"0\.weight was frozen .* when the Accumulator was built "
+                                           r"and now requires grad"):
+        acc.backward(model(torch.ones(1, 4, dtype=torch.float64)).sum())
+
+
+def test_sparse_embeddings_are_refused_at_construction():
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1))
+    with pytest.raises(ValueError, match=r"submodule '0' is Embedding\(sparse=True\).*use sparse=False"):
+        gradaccum.Accumulator(model, None, steps=2)
+
+
+def test_meta_parameters_are_refused():
+    with pytest.raises(ValueError, match=r"weight is on the meta device"):
+        gradaccum.Accumulator(nn.Linear(3, 2, device="meta"), None, steps=2)
+
+
+def test_bools_are_not_counts():
+    model = mlp()
+    acc = gradaccum.Accumulator(model, None, steps=2, reduction="items")
+    with pytest.raises(TypeError, match="num_items must be a count of items, got True"):
+        acc.backward(model(torch.ones(1, 4, dtype=torch.float64)).sum(), num_items=True)
+    state = acc.state_dict()
+    with pytest.raises(ValueError, match="key 'micro_step' has the wrong type"):
+        acc.load_state_dict(dict(state, micro_step=True))
+    with pytest.raises(ValueError, match="window_weight=3 with micro_step=0"):
+        acc.load_state_dict(dict(state, window_weight=3.0))
+
+
+def test_accumulator_backward_inside_its_own_no_sync_is_an_error():
+    model = mlp()
+    acc = gradaccum.Accumulator(model, None, steps=2)
+    with acc.no_sync():
+        with pytest.raises(RuntimeError, match=r"backward\(\): called inside no_sync\(\)"):
+            acc.backward(model(torch.ones(1, 4, dtype=torch.float64)).sum())
+    assert acc.micro_step == 0
