@@ -464,8 +464,10 @@ std::string Reducer::State::foreign_hooks() const {
       continue;
     }
     const auto& hooks = accumulator->post_hooks();
+    // torch DDP's reducer hooks with C++ lambdas; a user's Python node hook is
+    // no reducer and stays allowed.
     const bool foreign = std::any_of(hooks.begin(), hooks.end(), [](const auto& hook) {
-      return dynamic_cast<const ReadyHook*>(hook.get()) == nullptr;
+      return dynamic_cast<const torch::autograd::utils::LambdaPostHook*>(hook.get()) != nullptr;
     });
     if (foreign) {
       return "gradaccum: " + name(i) + " already has a post-hook on its gradient accumulator "

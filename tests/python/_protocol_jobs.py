@@ -466,3 +466,162 @@ def misuse(rank, world_size):
             acc.close()
     dist.barrier()
     return out
+
+
+# --------------------------------------------------------------------------- #
+# Regressions found by review (each used to mis-pair, wedge, diverge or crash)
+# --------------------------------------------------------------------------- #
+
+import traceback  # noqa: E402
+
+
+def _try(errors, tag, fn):
+    start = time.monotonic()
+    try:
+        return fn()
+    except Exception as e:  # noqa
+        errors.append((tag, type(e).__name__, str(e).split("\n")[0][:300], round(time.monotonic() - start, 2)))
+        return None
+
+
+@job
+def dropped_window_meets_flush(rank, world_size):
+    """K=2. Epoch 0: rank 0 has 2 micro-batches and its closing backward raises
+    (a hook); rank 1 has 1 micro-batch, so it flushes. Both catch errors and go on
+    (as the error text says they may); epochs 1 and 2: 2 micro-batches each."""
+    import gradaccum
+    model = du.mlp(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=2, bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002)
+    arm = {"on": False}
+    p = list(model.parameters())[2]
+    p.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")) if arm["on"] else g)
+    g = torch.Generator().manual_seed(rank)
+    shards = [[2, 1], [2, 2], [2, 2]]
+    errors, log = [], []
+    for e, shard in enumerate(shards):
+        for k in range(shard[rank]):
+            x = torch.randn(3, du.D_IN, generator=g, dtype=torch.float64)
+            arm["on"] = rank == 0 and e == 0 and k == 1
+            _try(errors, f"epoch {e} backward {k}", lambda: acc.backward(model(x).pow(2).mean()))
+            arm["on"] = False
+            s = _try(errors, f"epoch {e} step {k}", acc.step)
+            log.append((e, k, "step", s))
+        s = _try(errors, f"epoch {e} flush", acc.flush)
+        log.append((e, "flush", s))
+    return {"errors": errors, "log": log, "params": du.params(model), "stats": acc.stats()}
+
+
+def manual_fail_before_any_param(rank, world_size):  # a documented limitation, not a job
+    """Manual (DDP-style) path, K=2: rank 1's synchronising backward of window 1
+    raises from a hook on the model output, before any parameter's hook fired."""
+    import gradaccum
+    model = du.mlp(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, None, bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002)
+    g = torch.Generator().manual_seed(rank)
+    errors, times = [], []
+    for w in range(3):
+        for k in range(2):
+            x = torch.randn(3, du.D_IN, generator=g, dtype=torch.float64)
+            out = model(x)
+            if rank == 1 and w == 1 and k == 1:
+                out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom before params")))
+            loss = out.pow(2).mean() / 2
+            start = time.monotonic()
+            if k == 0:
+                with acc.no_sync():
+                    loss.backward()
+                continue
+            ok = _try(errors, f"window {w} sync backward", lambda: (loss.backward(), True)[1])
+            times.append((w, round(time.monotonic() - start, 2)))
+            if ok:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {"errors": errors, "times": times, "params": du.params(model), "stats": acc.stats()}
+
+
+@job
+def manual_finish_throws(rank, world_size):
+    """Manual path: rank 1 has a sparse-gradient embedding used only in a no_sync
+    micro-step; finish_reduction() throws in the engine callback with the
+    reduction in flight."""
+    import gradaccum
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True).double()
+    lin = nn.Linear(4, 1).double()
+    model = nn.ModuleList([emb, lin])
+    # Bare parameters: the module check would refuse the sparse embedding up front.
+    acc = gradaccum.Accumulator(list(model.parameters()), None, bucket_cap_mb=0.0001,
+                                first_bucket_cap_mb=0.0001)
+    errors, times = [], []
+    idx = torch.tensor([1, 2, 3])
+    for w in range(3):
+        with acc.no_sync():
+            h = emb(idx) if (rank == 1 and w == 1) else torch.zeros(3, 4, dtype=torch.float64)
+            lin(h).sum().backward()
+        start = time.monotonic()
+        _try(errors, f"window {w} sync backward", lambda: lin(torch.ones(3, 4, dtype=torch.float64)).sum().backward())
+        times.append((w, round(time.monotonic() - start, 2)))
+        for p in model.parameters():
+            p.grad = None
+    return {"errors": errors, "times": times, "stats": acc.stats()}
+
+
+@job
+def late_callback_after_reduction(rank, world_size):
+    """Accumulator path, K=1: during rank 1's synchronising backward of window 1 a
+    hook queues an engine callback that raises; ours (queued at the root) already
+    reduced successfully. Rank 1 treats the window as dropped, rank 0 steps."""
+    import gradaccum
+    from torch.autograd import Variable
+    model = du.mlp(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=1)
+    arm = {"on": False}
+
+    def raising():
+        raise RuntimeError("a later callback failed")
+
+    def hook(grad):
+        if arm["on"]:
+            Variable._execution_engine.queue_callback(raising)
+        return grad
+
+    list(model.parameters())[2].register_hook(hook)
+    g = torch.Generator().manual_seed(rank)
+    errors = []
+    for w in range(3):
+        x = torch.randn(3, du.D_IN, generator=g, dtype=torch.float64)
+        arm["on"] = rank == 1 and w == 1
+        _try(errors, f"window {w} backward", lambda: acc.backward(model(x).pow(2).mean()))
+        arm["on"] = False
+        acc.step()
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
+
+
+@job
+def drop_from_node_post_hook(rank, world_size):
+    """A post hook on a parameter's AccumulateGrad node, registered before the
+    Accumulator, drops the Accumulator during a synchronising backward."""
+    import gc
+    import gradaccum
+    model = du.mlp(4)
+    p = list(model.parameters())[2]
+    node = p.view_as(p).grad_fn.next_functions[0][0]
+    holder = []
+
+    def post(grad_inputs, grad_outputs):
+        if holder:
+            holder.clear()
+            gc.collect()
+
+    node.register_hook(post)
+    holder.append(gradaccum.Accumulator(model, None, steps=1))
+    x = torch.randn(3, du.D_IN, dtype=torch.float64)
+    err = None
+    try:
+        model(x).pow(2).mean().backward()
+    except Exception as e:  # noqa
+        err = str(e)[:300]
+    return {"error": err, "survived": True}

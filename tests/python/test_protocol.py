@@ -169,3 +169,42 @@ def test_a_killed_peer_is_an_error_on_the_others_within_seconds(tmp_path):
     assert err is not None and "gradaccum: window 0 (synchronising backward), rank 0: the " \
         "all-reduce of bucket" in err and "a peer process left" in err, err
     assert results[0]["seconds"] < 5
+
+
+# --------------------------------------------------------------------------- #
+# 6. Regressions found by review
+# --------------------------------------------------------------------------- #
+
+def test_a_dropped_window_that_met_a_peers_flush_still_ends_the_epoch(tmp_path):
+    results = run("dropped_window_meets_flush", 2, tmp_path)
+    assert [e[0] for e in results[0]["errors"]] == ["epoch 0 backward 1"]
+    assert [e[0] for e in results[1]["errors"]] == ["epoch 0 flush"]
+    assert "could not contribute its window" in results[0]["errors"][0][2]
+    assert "dropped on every rank" in results[1]["errors"][0][2]
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+    assert results[0]["stats"]["optimizer_steps"] == results[1]["stats"]["optimizer_steps"] == 2
+    assert results[0]["stats"]["reductions"] == results[1]["stats"]["reductions"]
+
+
+def test_a_failure_before_the_last_launch_aborts_instead_of_wedging(tmp_path):
+    results = run("manual_finish_throws", 2, tmp_path)
+    assert [e[0] for e in results[1]["errors"]] == ["window 1 sync backward"]
+    assert "sparse gradient" in results[1]["errors"][0][2]
+    assert [e[0] for e in results[0]["errors"]] == ["window 1 sync backward"]
+    assert "dropped on every rank" in results[0]["errors"][0][2]
+    for res in results:  # window 2 reduces normally: nothing is wedged
+        assert res["stats"]["reductions"] == 3 and res["stats"]["dropped_windows"] == 1
+
+
+def test_a_local_failure_after_a_completed_reduction_keeps_the_window(tmp_path):
+    results = run("late_callback_after_reduction", 2, tmp_path)
+    assert results[0]["errors"] == []
+    assert [e[0] for e in results[1]["errors"]] == ["window 1 backward"]
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_dropping_the_accumulator_from_a_node_post_hook_does_not_crash(tmp_path):
+    results = run("drop_from_node_post_hook", 1, tmp_path)
+    assert results[0]["survived"]
