@@ -75,6 +75,20 @@ std::shared_ptr<void> claim(const std::vector<at::Tensor>& params, const std::ve
   });
 }
 
+// Norms of half-precision gradients in float32 (fp16 squares overflow long
+// before the gradient does); full-precision ones as clip_grad_norm_ does.
+std::optional<at::ScalarType> norm_dtype(const std::vector<at::Tensor>& grads) {
+  bool narrow = false, wide = false;
+  for (const auto& g : grads) {
+    narrow = narrow || g.element_size() < 4;
+    wide = wide || g.scalar_type() == at::kDouble;
+  }
+  if (!narrow) {
+    return std::nullopt;
+  }
+  return wide ? at::kDouble : at::kFloat;
+}
+
 } // namespace
 
 ModelParameters::ModelParameters(std::vector<at::Tensor> parameters_)
@@ -137,7 +151,14 @@ Accumulator::Accumulator(
     reducer_ = std::make_unique<Reducer>(
         params_, options_.process_group(), options_.reducer(),
         std::move(model.buffers), std::move(model.names),
-        WindowRule{options_.steps(), options_.reduction()});
+        WindowRule{options_.steps(), options_.reduction(), options_.accumulate_dtype()});
+  } else if (const auto wide = options_.accumulate_dtype()) {
+    // One process: the window's sums of narrower gradients live here.
+    for (const auto& p : params_) {
+      wide_.push_back(at::elementSize(*wide) > p.element_size()
+          ? at::zeros_like(p, p.options().dtype(*wide).requires_grad(false)) : at::Tensor());
+    }
+    wide_has_.assign(params_.size(), 0);
   }
   remember_gradients();
 }
@@ -290,6 +311,7 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     window_weight_ += weight;
     ++micro_step_;
     ++stats_.micro_steps;
+    accumulate_wide();
     remember_gradients();
     return;
   }
@@ -344,6 +366,7 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
       throw;
     }
     window_weight_ += weight;
+    accumulate_wide();
     scale_local_gradients();
   }
   ++stats_.micro_steps;
@@ -392,7 +415,44 @@ std::vector<at::Tensor> Accumulator::defined_grads() const {
   return grads;
 }
 
+void Accumulator::accumulate_wide() {
+  // accumulate_dtype: add this micro-step's narrower gradients into the wide
+  // sums and release them (data parallel: into the buckets).
+  if (reducer_) {
+    if (reducer_->accumulating()) {
+      reducer_->accumulate_local();
+    }
+    return;
+  }
+  at::NoGradGuard no_grad;
+  for (const auto i : c10::irange(wide_.size())) {
+    auto& grad = params_[i].mutable_grad();
+    if (wide_[i].defined() && grad.defined()) {
+      wide_[i].add_(grad);
+      grad = at::Tensor();
+      wide_has_[i] = 1;
+      wide_touched_ = true;
+    }
+  }
+}
+
 void Accumulator::scale_local_gradients() {
+  if (wide_touched_) {
+    // The window's gradient, rounded once to the parameters' dtype.
+    at::NoGradGuard no_grad;
+    const bool divide = options_.reduction() != Reduction::Sum && window_weight_ != 1.0;
+    for (const auto i : c10::irange(wide_.size())) {
+      if (wide_has_[i]) {
+        params_[i].mutable_grad() =
+            (divide ? wide_[i].div(window_weight_) : wide_[i]).to(params_[i].scalar_type());
+      }
+      if (wide_[i].defined()) {
+        wide_[i].zero_();
+      }
+      wide_has_[i] = 0;
+    }
+    wide_touched_ = false;
+  }
   if (options_.reduction() == Reduction::Sum || window_weight_ == 1.0) {
     return;
   }
@@ -485,7 +545,7 @@ bool Accumulator::finish_window() {
     at::NoGradGuard no_grad;
     at::Tensor total = grads.empty()
         ? at::zeros({}, at::kFloat)
-        : at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2.0)), 2.0);
+        : at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2.0, norm_dtype(grads))), 2.0);
     const double norm = total.item<double>();
     stats_.last_grad_norm = norm;
     if (!std::isfinite(norm) && nonfinite != NonFinite::Ignore) {
@@ -517,6 +577,13 @@ void Accumulator::clear_gradients() {
     reducer_->zero_grad();
     return;
   }
+  for (auto& wide : wide_) {
+    if (wide.defined()) {
+      wide.zero_();
+    }
+  }
+  std::fill(wide_has_.begin(), wide_has_.end(), 0);
+  wide_touched_ = false;
   for (auto& p : params_) {
     p.mutable_grad() = at::Tensor();
   }
@@ -566,6 +633,13 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   state.optimizer_steps = stats_.optimizer_steps;
   state.skipped_steps = stats_.skipped_steps;
   state.windows = stats_.windows;
+  TORCH_CHECK(!(reducer_ && rank_independent && epoch_ended_),
+      "state_dict(): other ranks ended the epoch with flush() in the reduction that closed "
+      "this rank's last window; call flush() (a no-op here) before saving, so that the "
+      "state is the same on every rank");
+  TORCH_CHECK(micro_step_ == 0 || !options_.accumulate_dtype(),
+      "state_dict(): a checkpoint in the middle of a window is not supported with "
+      "accumulate_dtype yet; save at a window boundary (micro_step 0)");
   if (reducer_ && rank_independent && micro_step_ > 0) {
     // Sum the half-done window over ranks; each rank keeps 1/world of it, so
     // any rank's state, loaded everywhere, sums back to the same window.
@@ -574,7 +648,15 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
     request.divide = false;
     request.abort = window_failed_ ? AbortReason::BackwardFailed : AbortReason::None;
     ReductionResult result;
-    const auto sums = reducer_->snapshot(request, &result);
+    const auto window = reducer_->progress().sequence;
+    std::vector<at::Tensor> sums;
+    try {
+      sums = reducer_->snapshot(request, &result);
+    } catch (...) {
+      reset_window(); // dropped on every rank: see the error
+      note_dropped_window(window);
+      throw;
+    }
     const auto world = static_cast<double>(state.world_size);
     for (const auto& sum : sums) {
       state.grads.push_back(sum.defined() ? sum.div(world) : at::Tensor());
@@ -655,17 +737,25 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   clear_gradients();
   {
     at::NoGradGuard no_grad;
+    std::vector<size_t> restored;
     for (const auto i : c10::irange(params_.size())) {
       const auto& g = state.grads[i];
       if (!g.defined()) {
+        if (state.window_ready) {
+          params_[i].mutable_grad() = at::Tensor(); // no gradient anywhere: None, not a zero view
+        }
         continue;
       }
+      restored.push_back(i);
       auto& grad = params_[i].mutable_grad();
       if (grad.defined()) {
         grad.copy_(g); // a bucket view stays a view
       } else {
         grad = g.detach().to(params_[i].device()).clone();
       }
+    }
+    if (reducer_) {
+      reducer_->mark_restored(restored); // these hold a gradient even if no hook fires again
     }
   }
   micro_step_ = state.micro_step;

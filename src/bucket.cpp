@@ -45,7 +45,8 @@ std::vector<std::vector<size_t>> assign_buckets(
   return closed;
 }
 
-Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices)
+Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices,
+               std::optional<at::ScalarType> accumulate)
     : params(std::move(indices)) {
   TORCH_INTERNAL_ASSERT(!params.empty());
   const auto& first = all[params.front()];
@@ -54,9 +55,11 @@ Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices)
     numel += all[index].numel();
   }
   const auto n = static_cast<int64_t>(params.size());
-  const auto dtype = first.scalar_type();
+  const auto dtype = accumulate && at::elementSize(*accumulate) > first.element_size()
+      ? *accumulate : first.scalar_type();
   meta_in_buffer = dtype == at::kFloat || dtype == at::kDouble;
-  const auto options = first.options().requires_grad(false);
+  accumulating = dtype != first.scalar_type();
+  const auto options = first.options().dtype(dtype).requires_grad(false);
   if (meta_in_buffer) {
     buffer = at::zeros({numel + kMetaHeader + n}, options);
     meta = buffer.narrow(0, numel, kMetaHeader + n);

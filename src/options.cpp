@@ -54,6 +54,13 @@ void AccumulatorOptions::validate() const {
         "Invalid max_grad_norm: ", *max_grad_norm_, " (must be a finite number >= 0)");
   }
   reducer_.validate();
+  if (accumulate_dtype_) {
+    TORCH_CHECK_VALUE(*accumulate_dtype_ == at::kFloat || *accumulate_dtype_ == at::kDouble,
+        "Invalid accumulate_dtype: ", *accumulate_dtype_, " (float32 or float64)");
+    TORCH_CHECK_VALUE(!reducer_.gradient_as_bucket_view(),
+        "accumulate_dtype and gradient_as_bucket_view exclude each other: a bucket of the "
+        "accumulation dtype cannot be a bf16/fp16 parameter's .grad");
+  }
 }
 
 } // namespace gradaccum

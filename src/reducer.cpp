@@ -322,7 +322,7 @@ Reducer::Reducer(
   s.locator.resize(s.params.size());
   s.buckets.reserve(layout.size());
   for (const auto b : c10::irange(layout.size())) {
-    s.buckets.emplace_back(s.params, layout[b]);
+    s.buckets.emplace_back(s.params, layout[b], rule.accumulate_dtype);
     for (const auto slot : c10::irange(layout[b].size())) {
       s.locator[layout[b][slot]] = {b, slot};
     }
@@ -393,6 +393,7 @@ void Reducer::State::check_ranks_match() {
       {"first_bucket_cap_mb", options.first_bucket_cap_mb()},
       {"gradient_as_bucket_view", options.gradient_as_bucket_view() ? 1.0 : 0.0},
       {"broadcast_buffers", options.broadcast_buffers() ? 1.0 : 0.0},
+      {"accumulate_dtype", rule.accumulate_dtype ? static_cast<double>(*rule.accumulate_dtype) : -1.0},
       {"the number of trainable parameters", static_cast<double>(n)},
   };
   // Another reducer's hooks (torch DDP) on some rank fail every rank alike.
@@ -473,8 +474,9 @@ std::string Reducer::State::foreign_hooks() const {
       return "gradaccum: " + name(i) + " already has a post-hook on its gradient accumulator "
           "that gradaccum did not add: the model is also wrapped in torch "
           "DistributedDataParallel (accelerator.prepare(model), HF Trainer?) or another "
-          "reducer is attached, and the gradient would be reduced twice. Pass the unwrapped "
-          "module and do not wrap it in DDP: gradaccum does the data-parallel reduction";
+          "reducer is attached, and the gradient would be reduced twice. Delete the DDP "
+          "wrapper (del ddp_model; with Accelerate, do not prepare the model) before building "
+          "the Accumulator: gradaccum does the data-parallel reduction";
     }
   }
   return "";
@@ -621,6 +623,19 @@ void Reducer::State::on_task_failed(uint64_t id) noexcept {
 void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
   auto& grad = params[bucket.params[slot]].mutable_grad();
   auto& view = bucket.views[slot];
+  if (bucket.accumulating) {
+    // The window's sum so far is in the bucket (accumulate_local); add the rest.
+    if (grad.defined()) {
+      TORCH_CHECK(!grad.is_sparse(), "gradaccum: ", name(bucket.params[slot]), " has a sparse "
+          "gradient (nn.Embedding(sparse=True)?); sparse gradients are not supported: use sparse=False");
+      view.add_(grad);
+      grad = at::Tensor();
+    } else if (!touched[bucket.params[slot]].load(std::memory_order_relaxed)) {
+      view.zero_();
+      bucket.missing.push_back(slot);
+    }
+    return;
+  }
   const bool untouched_view = grad.defined() &&
       grad.unsafeGetTensorImpl() == view.unsafeGetTensorImpl() &&
       !touched[bucket.params[slot]].load(std::memory_order_relaxed);
@@ -726,7 +741,8 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
       }
     }
     // A snapshot must leave bucket views (which are .grad) as they are.
-    if (snapshot && options.gradient_as_bucket_view()) {
+    if (snapshot && (options.gradient_as_bucket_view() || buckets.front().accumulating ||
+                     buckets.back().accumulating)) {
       for (const auto& bucket : buckets) {
         saved.push_back(bucket.gradients.clone());
       }
@@ -1012,6 +1028,17 @@ void Reducer::State::write_back(Bucket& bucket, bool divide, const at::Tensor& d
       nowhere[slot] = flags[static_cast<int64_t>(slot)].item<double>() == 0;
     }
   }
+  if (bucket.accumulating) {
+    // Rounded once, to the parameter's dtype; the bucket starts the next window at 0.
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      auto& grad = params[bucket.params[slot]].mutable_grad();
+      const auto& p = params[bucket.params[slot]];
+      grad = nowhere[slot] ? at::Tensor()
+          : (divide ? bucket.views[slot].div(divisor) : bucket.views[slot]).to(p.scalar_type());
+    }
+    bucket.gradients.zero_();
+    return;
+  }
   for (const auto slot : c10::irange(bucket.params.size())) {
     auto& grad = params[bucket.params[slot]].mutable_grad();
     const auto& view = bucket.views[slot];
@@ -1150,6 +1177,42 @@ ReductionResult Reducer::reduce(const ReductionRequest& request) {
   return s.finish_reduction();
 }
 
+void Reducer::accumulate_local() {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  TORCH_CHECK(!s.in_flight, "Reducer::accumulate_local() called during a synchronising backward");
+  at::NoGradGuard no_grad;
+  for (auto& bucket : s.buckets) {
+    if (!bucket.accumulating) {
+      continue;
+    }
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      auto& grad = s.params[bucket.params[slot]].mutable_grad();
+      if (grad.defined()) {
+        bucket.views[slot].add_(grad);
+        grad = at::Tensor();
+        s.touched[bucket.params[slot]].store(true, std::memory_order_relaxed);
+      }
+    }
+  }
+}
+
+void Reducer::mark_restored(const std::vector<size_t>& indices) {
+  for (const auto i : indices) {
+    TORCH_CHECK_VALUE(i < state_->params.size(), "Reducer::mark_restored: no parameter ", i);
+    state_->touched[i].store(true, std::memory_order_relaxed);
+  }
+}
+
+bool Reducer::accumulating() const {
+  for (const auto& bucket : state_->buckets) {
+    if (bucket.accumulating) {
+      return true;
+    }
+  }
+  return false;
+}
+
 std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, ReductionResult* result) {
   const auto keep = state_;
   auto& s = *keep;
@@ -1191,6 +1254,11 @@ void Reducer::zero_grad() {
   if (!s.options.gradient_as_bucket_view()) {
     for (auto& p : s.params) {
       p.mutable_grad() = at::Tensor();
+    }
+    for (auto& bucket : s.buckets) {
+      if (bucket.accumulating) {
+        bucket.gradients.zero_();
+      }
     }
     return;
   }

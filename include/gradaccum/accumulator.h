@@ -186,6 +186,7 @@ class Accumulator {
 
  private:
   void scale_local_gradients();
+  void accumulate_wide();
   void check_open(const char* what) const;
   void check_gradients_untouched(const char* what, bool allow_in_place) const;
   void remember_gradients();
@@ -219,6 +220,10 @@ class Accumulator {
   /// .grad identities and versions after this Accumulator last touched them.
   std::vector<std::pair<const void*, int64_t>> remembered_;
   bool closed_ = false;
+  /// One process with accumulate_dtype: the window's sums of narrower gradients.
+  std::vector<at::Tensor> wide_;
+  std::vector<char> wide_has_;
+  bool wide_touched_ = false;
   std::vector<std::string> names_;
   std::shared_ptr<void> claim_; ///< releases the parameters for another Accumulator
 };

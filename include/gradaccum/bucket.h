@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace gradaccum {
@@ -62,8 +63,10 @@ enum MetaField : int64_t {
 /// One flat buffer of gradients, reduced by one collective (see Note [Bucket
 /// meta layout]).
 struct Bucket {
-  /// Builds the buffer and the per-parameter views for `params[indices]`.
-  Bucket(const std::vector<at::Tensor>& params, std::vector<size_t> indices);
+  /// Builds the buffer and the per-parameter views for `params[indices]`, in
+  /// `dtype` when given (fp32 accumulation of bf16 parameters), else theirs.
+  Bucket(const std::vector<at::Tensor>& params, std::vector<size_t> indices,
+         std::optional<at::ScalarType> dtype = std::nullopt);
 
   std::vector<size_t> params; ///< indices into the reducer's parameters
   std::vector<at::Tensor> views; ///< one per parameter, shaped like it
@@ -71,6 +74,9 @@ struct Bucket {
   at::Tensor gradients; ///< buffer's gradient part
   at::Tensor meta; ///< [header (MetaField), flags…]
   bool meta_in_buffer = false;
+  /// The buffer is wider than the parameters (accumulate_dtype): micro-steps'
+  /// gradients are summed in it and `.grad` holds none between them.
+  bool accumulating = false;
 
   // State of the reduction in flight.
   size_t pending = 0; ///< parameters not yet ready

@@ -79,6 +79,13 @@ struct AccumulatorOptions {
   /// Data-parallel group; null means single process (no reducer).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);
   TORCH_ARG(ReducerOptions, reducer) = {};
+  /// The dtype each window's gradient is summed in (float32 or float64), for
+  /// parameters of a narrower dtype (bf16, fp16): every micro-step's gradient is
+  /// added into a buffer of this dtype and the parameter's own `.grad` released,
+  /// so the sum is rounded once, when `.grad` receives the window's gradient
+  /// (in the parameter's dtype). `std::nullopt`: sum in the parameter's dtype.
+  /// Example: `AccumulatorOptions(16).accumulate_dtype(torch::kFloat32)`.
+  TORCH_ARG(std::optional<at::ScalarType>, accumulate_dtype) = std::nullopt;
 
 
  public:

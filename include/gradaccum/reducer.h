@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,8 @@ struct ReducerStats {
 struct WindowRule {
   int64_t steps = 1;
   Reduction reduction = Reduction::Mean;
+  /// Sum narrower (bf16/fp16) gradients in this dtype, in the buckets.
+  std::optional<at::ScalarType> accumulate_dtype;
 };
 
 /// Why a rank drops the window it is reducing (see Note [Dropping a window]).
@@ -137,6 +140,14 @@ class Reducer {
 
   /// Makes `.grad` zero (bucket views stay views) or undefined (copy mode).
   void zero_grad();
+  /// With an accumulation dtype: adds each `.grad` of a narrower dtype into its
+  /// bucket and releases it (after a no_sync micro-step's backward).
+  void accumulate_local();
+  /// Marks parameters whose `.grad` was restored from a checkpoint as holding
+  /// a gradient of this window (bucket views cannot tell otherwise).
+  void mark_restored(const std::vector<size_t>& indices);
+  /// Whether some bucket sums in a wider dtype than its parameters.
+  bool accumulating() const;
 
   /// Number of reductions completed (synchronising backwards and reduce()).
   int64_t windows() const;

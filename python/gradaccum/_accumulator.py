@@ -41,9 +41,10 @@ def _check_module(model: torch.nn.Module) -> None:
             raise ValueError(
                 f"{where} is wrapped in {type(module).__name__}, which reduces gradients "
                 "itself: with gradaccum's reduction too, every gradient would be reduced "
-                "twice. Pass the unwrapped module (ddp_model.module; with Accelerate, "
-                "prepare the optimizer and data loaders but not the model) and let "
-                "gradaccum do the data-parallel reduction")
+                "twice. Do not wrap the model (with Accelerate, prepare the optimizer and "
+                "data loaders but not the model); if it is wrapped already, take "
+                "ddp_model.module and delete the wrapper (del ddp_model) before building "
+                "the Accumulator: gradaccum does the data-parallel reduction")
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
             raise ValueError(
                 f"submodule {name!r} is {type(module).__name__}(sparse=True), which makes "

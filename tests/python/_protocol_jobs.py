@@ -625,3 +625,131 @@ def drop_from_node_post_hook(rank, world_size):
     except Exception as e:  # noqa
         err = str(e)[:300]
     return {"error": err, "survived": True}
+
+
+# --------------------------------------------------------------------------- #
+# Regressions found by the review of the checkpoint change
+# --------------------------------------------------------------------------- #
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(4, 4).double()
+        self.a = nn.Linear(4, 1).double()   # used only in the first 2 micro-steps of a window
+        self.b = nn.Linear(4, 1).double()
+        self.c = nn.Linear(4, 1).double()   # never used
+    def forward(self, x, use_a):
+        h = torch.tanh(self.trunk(x))
+        out = self.b(h).sum()
+        if use_a:
+            out = out + self.a(h).sum()
+        return out
+
+
+def batches(rank, n):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+@job
+def view_resume(rank, world_size, *, view, ckpt_dir, save_after, steps=4, windows=2):
+    import torch.distributed as dist
+    import gradaccum
+    data = batches(rank, steps * windows)
+
+    def build():
+        m = Branchy()
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        acc = gradaccum.Accumulator(m, opt, steps=steps, gradient_as_bucket_view=view,
+                                    bucket_cap_mb=0.00001, first_bucket_cap_mb=0.00001)
+        return m, opt, acc
+
+    def train(m, acc, idx):
+        for i in idx:
+            acc.backward(m(data[i], use_a=(i % steps) < 2))
+            acc.step()
+
+    m, opt, acc = build()
+    train(m, acc, range(steps * windows))
+    ref = [p.detach().clone() for p in m.parameters()]
+    acc.close()
+    m, opt, acc = build()
+    train(m, acc, range(save_after))
+    st = {"m": m.state_dict(), "o": opt.state_dict(), "a": acc.state_dict()}
+    path = os.path.join(ckpt_dir, "c.pt")
+    if rank == 0:
+        torch.save(st, path)
+    dist.barrier()
+    acc.close()
+    m, opt, acc = build()
+    ld = torch.load(path, weights_only=False)
+    m.load_state_dict(ld["m"]); opt.load_state_dict(ld["o"]); acc.load_state_dict(ld["a"])
+    grads_after_load = {n: (None if p.grad is None else float(p.grad.abs().sum())) for n, p in m.named_parameters()}
+    train(m, acc, range(save_after, steps * windows))
+    diff = {n: float((p.detach() - r).abs().max()) for (n, p), r in zip(m.named_parameters(), ref)}
+    acc.close()
+    return {"diff": diff, "grads_after_load": grads_after_load}
+
+
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom in backward")
+
+
+@job
+def failed_snapshot(rank, world_size):
+    import gradaccum
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1).double()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(m, opt, steps=4)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    log = []
+    def tr(tag, fn):
+        try:
+            r = fn(); log.append((tag, "ok", r))
+        except Exception as e:
+            log.append((tag, type(e).__name__, str(e).split("\n")[0][:400]))
+    tr("b0", lambda: acc.backward(m(x).sum()))
+    if rank == 1:
+        tr("b1-fail", lambda: acc.backward(Boom.apply(m(x)).sum()))
+    else:
+        tr("b1", lambda: acc.backward(m(x).sum()))
+    tr("state_dict", lambda: acc.state_dict()["micro_step"])
+    log.append(("after", acc.micro_step, [None if p.grad is None else float(p.grad.sum()) for p in m.parameters()]))
+    for i in range(6):
+        tr(f"b{i+2}", lambda: acc.backward(m(x).sum()))
+        tr(f"step{i+2}", lambda: acc.step())
+    log.append(("stats", acc.stats()["dropped_windows"], acc.stats()["reductions"]))
+    return log
+
+
+@job
+def ready_resume(rank, world_size, *, ckpt_dir, steps=2):
+    """Checkpoint between the window's last backward and step() (window_ready), bucket views."""
+    import torch.distributed as dist
+    import gradaccum
+    data = batches(rank, steps * 2)
+    def build():
+        m = Branchy(); opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        return m, opt, gradaccum.Accumulator(m, opt, steps=steps, gradient_as_bucket_view=True)
+    m, opt, acc = build()
+    for i in range(steps):
+        acc.backward(m(data[i], use_a=True))
+    before = {n: p.grad is None for n, p in m.named_parameters()}
+    import copy
+    st = copy.deepcopy({"m": m.state_dict(), "o": opt.state_dict(), "a": acc.state_dict()})
+    acc.step()
+    ref = {n: p.detach().clone() for n, p in m.named_parameters()}
+    acc.close()
+    m, opt, acc = build()
+    m.load_state_dict(st["m"]); opt.load_state_dict(st["o"]); acc.load_state_dict(st["a"])
+    after = {n: p.grad is None for n, p in m.named_parameters()}
+    acc.step()
+    return {"grad_is_None_before_save": before, "grad_is_None_after_load": after,
+            "diff": {n: float((p.detach() - ref[n]).abs().max()) for n, p in m.named_parameters()}}
