@@ -167,6 +167,11 @@ Accumulator::~Accumulator() {
   close();
 }
 
+void Accumulator::set_window_callbacks(std::function<bool()> before_step, std::function<void()> after_window) {
+  before_step_ = std::move(before_step);
+  after_window_ = std::move(after_window);
+}
+
 void Accumulator::close() {
   if (closed_) {
     return;
@@ -456,7 +461,15 @@ void Accumulator::scale_local_gradients() {
   if (options_.reduction() == Reduction::Sum || window_weight_ == 1.0) {
     return;
   }
-  auto grads = defined_grads();
+  std::vector<at::Tensor> grads; // the ones summed in their own dtype
+  for (const auto i : c10::irange(params_.size())) {
+    if (params_[i].grad().defined() && !(i < wide_.size() && wide_[i].defined())) {
+      grads.push_back(params_[i].grad());
+    }
+  }
+  if (grads.empty()) {
+    return;
+  }
   at::NoGradGuard no_grad;
   at::_foreach_div_(grads, at::Scalar(window_weight_));
 }
@@ -532,10 +545,24 @@ bool Accumulator::flush() {
 }
 
 bool Accumulator::finish_window() {
+  const bool stepped = step_window();
+  if (after_window_) {
+    after_window_(); // once per closed window, stepped or skipped
+  }
+  return stepped;
+}
+
+bool Accumulator::step_window() {
   for (const auto i : c10::irange(params_.size())) {
     TORCH_CHECK(!params_[i].grad().defined() || !params_[i].grad().is_sparse(),
         "step(): ", names_[i], " has a sparse gradient (Embedding(sparse=True)?); gradaccum "
         "supports dense gradients only: use sparse=False");
+  }
+  if (before_step_ && !before_step_()) {
+    ++stats_.skipped_steps; // e.g. a loss scaler found an overflow: it backs off
+    ++stats_.windows;
+    zero_grad();
+    return false;
   }
   const auto max_norm = options_.max_grad_norm();
   const auto nonfinite = options_.nonfinite();

@@ -165,6 +165,13 @@ class Accumulator {
   void save(torch::serialize::OutputArchive& archive);
   void load(torch::serialize::InputArchive& archive);
 
+  /// Callbacks around each window's optimizer step (a loss scaler's place:
+  /// GradScaler from Python). `before_step` runs first at a closed window,
+  /// before the non-finite check and clipping; returning false skips the
+  /// window (no optimizer or scheduler step, counted in skipped_steps).
+  /// `after_window` runs once per closed window, stepped or skipped.
+  void set_window_callbacks(std::function<bool()> before_step, std::function<void()> after_window);
+
   /// Removes the hooks and releases the parameters for another Accumulator;
   /// every later call but stats() is an error. The destructor does the same.
   void close();
@@ -195,6 +202,7 @@ class Accumulator {
   void note_dropped_window(int64_t window);
   std::vector<std::pair<const void*, int64_t>> grad_versions() const;
   bool finish_window();
+  bool step_window();
   void clear_gradients();
   std::vector<at::Tensor> defined_grads() const;
 
@@ -220,6 +228,8 @@ class Accumulator {
   /// .grad identities and versions after this Accumulator last touched them.
   std::vector<std::pair<const void*, int64_t>> remembered_;
   bool closed_ = false;
+  std::function<bool()> before_step_;
+  std::function<void()> after_window_;
   /// One process with accumulate_dtype: the window's sums of narrower gradients.
   std::vector<at::Tensor> wide_;
   std::vector<char> wide_has_;

@@ -134,6 +134,8 @@ class Accumulator:
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool = False,
         check_parameters: bool = True,
+        accumulate_dtype: Optional[torch.dtype] = None,
+        grad_scaler: Optional[Any] = None,
     ) -> None:
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
             raise TypeError(f"steps must be a positive int, got {steps!r}")
@@ -147,6 +149,16 @@ class Accumulator:
             raise TypeError(f"optimizer must have a step() method, got {type(optimizer).__name__}")
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
             raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
+        if accumulate_dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(f"accumulate_dtype must be torch.float32, torch.float64 or None, "
+                             f"got {accumulate_dtype!r}")
+        if grad_scaler is not None:
+            if optimizer is None:
+                raise ValueError("grad_scaler needs an optimizer (it unscales the optimizer's gradients)")
+            for method in ("scale", "unscale_", "update", "state_dict", "load_state_dict"):
+                if not callable(getattr(grad_scaler, method, None)):
+                    raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got "
+                                    f"{type(grad_scaler).__name__} (no {method}())")
         params, names, buffers = _parameters(model)
         if process_group is True:
             raise TypeError("process_group must be a ProcessGroup, None (the default group) or "
@@ -163,6 +175,7 @@ class Accumulator:
             None if max_grad_norm is None else float(max_grad_norm), nonfinite,
             process_group, float(bucket_cap_mb), float(first_bucket_cap_mb),
             bool(gradient_as_bucket_view), bool(broadcast_buffers), bool(check_parameters),
+            "" if accumulate_dtype is None else str(accumulate_dtype).replace("torch.", ""),
             # Looked up at each call: an LR scheduler created later wraps optimizer.step.
             (lambda: optimizer.step()) if optimizer is not None else None,
             (lambda: scheduler.step()) if scheduler is not None else None,
@@ -170,6 +183,26 @@ class Accumulator:
         self.steps = int(steps)
         self.reduction = reduction
         self._no_sync_depth = 0
+        self.grad_scaler = grad_scaler
+        if grad_scaler is not None:
+            self._c.set_window_callbacks(self._unscale_and_check, grad_scaler.update)
+
+    def _unscale_and_check(self) -> bool:
+        """At a closed window: unscale the (reduced, divided) gradient and let
+        the scaler's found-inf decide; every rank holds the same gradient, so
+        every rank decides alike. GradScaler.update() follows once per window."""
+        scaler = self.grad_scaler
+        scaler.unscale_(self.optimizer)
+        state = scaler._per_optimizer_states[id(self.optimizer)]
+        found_inf = sum(v.item() for v in state["found_inf_per_device"].values())
+        if not found_inf and self.steps > 1:
+            # backward() scaled each micro-step by 1/steps as well (torch's own
+            # accumulation recipe, same fp16 headroom as the big batch): undo it.
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]
+                     if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, float(self.steps))
+        return not found_inf
 
     def backward(self, loss: torch.Tensor, num_items: Union[None, int, float, torch.Tensor] = None) -> None:
         """Backward on one micro-batch's loss; the window's last call synchronises.
@@ -191,6 +224,10 @@ class Accumulator:
             if num_items.numel() != 1:
                 raise ValueError(f"backward(): num_items must be a number, got a tensor of shape {tuple(num_items.shape)}")
             num_items = num_items.item()
+        if self.grad_scaler is not None:
+            # Scaled, and divided by steps so that fp16 sees the big batch's
+            # magnitudes; step() unscales and multiplies back.
+            loss = self.grad_scaler.scale(loss) / self.steps
         self._c.backward(loss, None if num_items is None else float(num_items))
 
     def step(self) -> bool:
@@ -250,12 +287,17 @@ class Accumulator:
         Accelerate do) and loading it on every rank resumes exactly.
         ``rank_independent=False`` gives this rank's own state (no collective),
         which only this rank can load."""
-        return self._c.state_dict(bool(rank_independent))
+        state = self._c.state_dict(bool(rank_independent))
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
         self._c.load_state_dict(state_dict)
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     @property
     def bucket_indices(self):

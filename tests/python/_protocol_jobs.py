@@ -692,7 +692,7 @@ def view_resume(rank, world_size, *, view, ckpt_dir, save_after, steps=4, window
     return {"diff": diff, "grads_after_load": grads_after_load}
 
 
-class Boom(torch.autograd.Function):
+class BoomFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         return x.clone()
@@ -717,7 +717,7 @@ def failed_snapshot(rank, world_size):
             log.append((tag, type(e).__name__, str(e).split("\n")[0][:400]))
     tr("b0", lambda: acc.backward(m(x).sum()))
     if rank == 1:
-        tr("b1-fail", lambda: acc.backward(Boom.apply(m(x)).sum()))
+        tr("b1-fail", lambda: acc.backward(BoomFn.apply(m(x)).sum()))
     else:
         tr("b1", lambda: acc.backward(m(x).sum()))
     tr("state_dict", lambda: acc.state_dict()["micro_step"])
@@ -753,3 +753,53 @@ def ready_resume(rank, world_size, *, ckpt_dir, steps=2):
     acc.step()
     return {"grad_is_None_before_save": before, "grad_is_None_after_load": after,
             "diff": {n: float((p.detach() - ref[n]).abs().max()) for n, p in m.named_parameters()}}
+
+
+# --------------------------------------------------------------------------- #
+# Issue 9: fp32 accumulation of bf16 gradients
+# --------------------------------------------------------------------------- #
+
+def bf16_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(torch.bfloat16)
+
+
+def bf16_batches(seed, rank, steps):
+    g = torch.Generator().manual_seed(seed + 7 * rank)
+    return [(torch.randn(8, 16, generator=g).to(torch.bfloat16),
+             torch.randn(8, 4, generator=g).to(torch.bfloat16)) for _ in range(steps)]
+
+
+def bf16_micro_grads(seed, batches):
+    """Each micro-batch's own bf16 gradient, computed alone."""
+    model = bf16_model(seed)
+    out = []
+    for x, y in batches:
+        model.zero_grad(set_to_none=True)
+        (model(x).float() - y.float()).pow(2).mean().backward()
+        out.append([p.grad.clone() for p in model.parameters()])
+    return out
+
+
+@job
+def bf16_window(rank, world_size, *, seed, steps):
+    """One window of `steps` micro-batches through the Accumulator, with and
+    without fp32 accumulation; returns the window gradients and every rank's
+    per-micro-batch bf16 gradients for the parent's reference."""
+    import gradaccum
+
+    batches = bf16_batches(seed, rank, steps)
+    out = {"micro": bf16_micro_grads(seed, batches)}
+    for wide in (None, torch.float32):
+        model = bf16_model(seed)
+        acc = gradaccum.Accumulator(model, None, steps=steps, accumulate_dtype=wide,
+                                    process_group=None if world_size > 1 else False)
+        for i, (x, y) in enumerate(batches):
+            acc.backward((model(x).float() - y.float()).pow(2).mean())
+            if wide is not None and i < steps - 1:
+                assert all(p.grad is None for p in model.parameters()), "released between micro-steps"
+        out[str(wide)] = [p.grad.clone() for p in model.parameters()]
+        out[f"collectives/{wide}"] = acc.stats()["last_window_collectives"]
+        out[f"buckets/{wide}"] = acc.stats()["buckets"]
+        acc.close()
+    return out

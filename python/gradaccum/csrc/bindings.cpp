@@ -173,6 +173,7 @@ std::unique_ptr<Accumulator> make_accumulator(
     bool gradient_as_bucket_view,
     bool broadcast_buffers,
     bool check_parameters,
+    const std::string& accumulate_dtype,
     Accumulator::StepFunction optimizer_step,
     Accumulator::StepFunction scheduler_step) {
   auto options = AccumulatorOptions(steps)
@@ -185,6 +186,13 @@ std::unique_ptr<Accumulator> make_accumulator(
                                   .gradient_as_bucket_view(gradient_as_bucket_view)
                                   .broadcast_buffers(broadcast_buffers)
                                   .check_parameters(check_parameters));
+  if (accumulate_dtype == "float32") {
+    options.accumulate_dtype(at::kFloat);
+  } else if (accumulate_dtype == "float64") {
+    options.accumulate_dtype(at::kDouble);
+  } else if (!accumulate_dtype.empty()) {
+    throw py::value_error("accumulate_dtype must be torch.float32, torch.float64 or None, got " + accumulate_dtype);
+  }
   if (!process_group.is_none()) {
     options.process_group(to_process_group(process_group));
   }
@@ -202,7 +210,8 @@ void init_accumulator(py::module_& m) {
            py::arg("reduction"), py::arg("max_grad_norm"), py::arg("nonfinite"),
            py::arg("process_group"), py::arg("bucket_cap_mb"), py::arg("first_bucket_cap_mb"),
            py::arg("gradient_as_bucket_view"), py::arg("broadcast_buffers"),
-           py::arg("check_parameters"), py::arg("optimizer_step"), py::arg("scheduler_step"),
+           py::arg("check_parameters"), py::arg("accumulate_dtype"), py::arg("optimizer_step"),
+           py::arg("scheduler_step"),
            "See gradaccum.Accumulator.")
       .def("backward", &Accumulator::backward, py::arg("loss"), py::arg("num_items") = py::none(),
            release(), "Backward on one micro-batch's loss; counts the micro-step.")
@@ -223,6 +232,8 @@ void init_accumulator(py::module_& m) {
              return state_to_dict(state);
            }, py::arg("rank_independent") = true)
       .def("close", &Accumulator::close, "Remove the hooks; release the parameters.")
+      .def("set_window_callbacks", &Accumulator::set_window_callbacks, py::arg("before_step"),
+           py::arg("after_window"), "Callbacks around each window's optimizer step.")
       .def_property_readonly("closed", &Accumulator::closed)
       .def("load_state_dict", [](Accumulator& a, const py::dict& d) { a.load_state_dict(state_from_dict(d)); },
            py::arg("state_dict"))
