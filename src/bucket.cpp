@@ -72,7 +72,13 @@ Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices,
   views.reserve(params.size());
   for (size_t index : params) {
     const auto& p = all[index];
-    views.push_back(gradients.narrow(0, offset, p.numel()).view(p.sizes()));
+    auto flat = gradients.narrow(0, offset, p.numel());
+    // Views keep the parameter's strides (channels_last and other dense
+    // layouts): torch's gradient layout contract then holds, with no warning
+    // and no extra copy when backward accumulates into a bucket view.
+    views.push_back(p.is_non_overlapping_and_dense() && !p.is_contiguous()
+                        ? flat.as_strided(p.sizes(), p.strides())
+                        : flat.view(p.sizes()));
     offset += p.numel();
   }
 }

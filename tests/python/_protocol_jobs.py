@@ -803,3 +803,30 @@ def bf16_window(rank, world_size, *, seed, steps):
         out[f"buckets/{wide}"] = acc.stats()["buckets"]
         acc.close()
     return out
+
+
+@job
+def channels_last(rank, world_size):
+    import warnings
+    import gradaccum
+
+    out = {}
+    for as_view in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).double()
+        model = model.to(memory_format=torch.channels_last)
+        acc = gradaccum.Accumulator(model, None, steps=2, gradient_as_bucket_view=as_view,
+                                    bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+        x = torch.randn(2, 3, 9, 9, dtype=torch.float64).to(memory_format=torch.channels_last)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                acc.backward(model(x).pow(2).mean())
+        w = model[0].weight
+        if as_view:
+            out["strides_match"] = w.grad.stride() == w.stride()
+            out["is_view"] = w.grad._base is not None
+            out["layout_warnings"] = [str(c.message) for c in caught if "stride" in str(c.message).lower()]
+        out[f"grad_{'view' if as_view else 'copy'}"] = w.grad.clone()
+        acc.close()
+    return out

@@ -212,3 +212,13 @@ def test_a_failed_checkpoint_snapshot_drops_only_that_window(tmp_path):
         assert tags == (["b1-fail", "state_dict"] if rank == 1 else ["state_dict"]), log
         stats = [e for e in log if e[0] == "stats"][0]
         assert stats[1] == 1  # one dropped window, not two
+
+
+def test_bucket_views_keep_channels_last_strides(tmp_path):
+    """A channels_last convolution's gradient is a view of its bucket with the
+    parameter's own strides: no layout warning, no extra copy, same result."""
+    results = du.run_job("channels_last", 1, tmp_path, module=M)
+    (res,) = results
+    assert res["strides_match"] and res["is_view"]
+    assert not res["layout_warnings"], res["layout_warnings"]
+    assert torch.allclose(res["grad_view"], res["grad_copy"], rtol=1e-12, atol=1e-14)
