@@ -160,7 +160,34 @@ Accumulator::Accumulator(
     }
     wide_has_.assign(params_.size(), 0);
   }
+  if (options_.loss_scaler()) {
+    loss_scale_ = options_.loss_scaler()->init_scale();
+  }
   remember_gradients();
+}
+
+bool Accumulator::unscale_and_check() {
+  // The reduced window gradient carries scale/steps (see backward()): undo it
+  // and look for an overflow in one fused pass, as GradScaler.unscale_ does.
+  std::vector<at::Tensor> grads = defined_grads();
+  if (grads.empty()) {
+    return true;
+  }
+  auto found_inf = at::zeros({1}, grads.front().options().dtype(at::kFloat));
+  const auto inv_scale = at::full({1}, static_cast<double>(options_.steps()) / loss_scale_,
+                                  grads.front().options().dtype(at::kFloat));
+  at::NoGradGuard no_grad;
+  at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
+  const bool finite = found_inf.item<float>() == 0;
+  const auto& scaler = *options_.loss_scaler();
+  if (!finite) {
+    loss_scale_ *= scaler.backoff_factor();
+    growth_tracker_ = 0;
+  } else if (++growth_tracker_ == scaler.growth_interval()) {
+    loss_scale_ *= scaler.growth_factor();
+    growth_tracker_ = 0;
+  }
+  return finite;
 }
 
 Accumulator::~Accumulator() {
@@ -168,6 +195,8 @@ Accumulator::~Accumulator() {
 }
 
 void Accumulator::set_window_callbacks(std::function<bool()> before_step, std::function<void()> after_window) {
+  TORCH_CHECK_VALUE(!options_.loss_scaler() || !before_step,
+      "set_window_callbacks: this Accumulator has a loss_scaler already (one scaler per window)");
   before_step_ = std::move(before_step);
   after_window_ = std::move(after_window);
 }
@@ -292,12 +321,16 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
         "steps nothing and runs no collective). The window was dropped on every rank");
   }
 
+  // With the built-in loss scaler: scaled, and by 1/steps so that fp16 sees the
+  // big batch's magnitudes; unscale_and_check() undoes both at the window's end.
+  const at::Tensor scaled = loss_scale_ > 0
+      ? loss * (loss_scale_ / static_cast<double>(options_.steps())) : loss;
   const bool closes = sync_gradients();
   if (!closes) {
     NoSync local(reducer_.get());
     const auto before = reducer_ ? decltype(grad_versions()){} : grad_versions();
     try {
-      loss.backward();
+      scaled.backward();
     } catch (...) {
       if (reducer_) {
         // The window can no longer be what the other ranks expect: it is
@@ -339,7 +372,7 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     request.divide = options_.reduction() != Reduction::Sum;
     ReductionResult result;
     try {
-      result = reducer_->backward(loss, request);
+      result = reducer_->backward(scaled, request);
     } catch (...) {
       const auto last = reducer_->last_result();
       if (last.window == window && !last.dropped) {
@@ -363,7 +396,7 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
   } else {
     const auto before = grad_versions();
     try {
-      loss.backward();
+      scaled.backward();
     } catch (...) {
       if (grad_versions() != before) {
         reset_window();
@@ -558,7 +591,7 @@ bool Accumulator::step_window() {
         "step(): ", names_[i], " has a sparse gradient (Embedding(sparse=True)?); gradaccum "
         "supports dense gradients only: use sparse=False");
   }
-  if (before_step_ && !before_step_()) {
+  if ((loss_scale_ > 0 && !unscale_and_check()) || (before_step_ && !before_step_())) {
     ++stats_.skipped_steps; // e.g. a loss scaler found an overflow: it backs off
     ++stats_.windows;
     zero_grad();
@@ -638,6 +671,9 @@ void Accumulator::set_expect_hooks(bool expect) {
 
 AccumulatorStats Accumulator::stats() const {
   auto stats = stats_;
+  if (loss_scale_ > 0) {
+    stats.loss_scale = loss_scale_;
+  }
   if (reducer_) {
     stats.reducer = reducer_->stats();
   }
@@ -660,6 +696,8 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   state.optimizer_steps = stats_.optimizer_steps;
   state.skipped_steps = stats_.skipped_steps;
   state.windows = stats_.windows;
+  state.loss_scale = loss_scale_;
+  state.loss_scale_growth_tracker = growth_tracker_;
   TORCH_CHECK(!(reducer_ && rank_independent && epoch_ended_),
       "state_dict(): other ranks ended the epoch with flush() in the reduction that closed "
       "this rank's last window; call flush() (a no-op here) before saving, so that the "
@@ -747,6 +785,10 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   }
   TORCH_CHECK_VALUE(!state.epoch_ended || (state.micro_step == 0 && world > 1),
       "load_state_dict: epoch_ended=true needs micro_step=0 and a process group");
+  TORCH_CHECK_VALUE((state.loss_scale > 0) == (loss_scale_ > 0) && std::isfinite(state.loss_scale) &&
+          state.loss_scale_growth_tracker >= 0,
+      "load_state_dict: loss_scale=", state.loss_scale, " does not fit this Accumulator (",
+      loss_scale_ > 0 ? "it has a loss_scaler: the scale must be > 0" : "it has no loss_scaler: 0", ")");
   TORCH_CHECK_VALUE(state.micro_steps >= 0 && state.optimizer_steps >= 0 &&
           state.skipped_steps >= 0 && state.windows >= 0 && state.reducer_sequence >= 0,
       "load_state_dict: counters must be >= 0");
@@ -794,6 +836,8 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   stats_.optimizer_steps = state.optimizer_steps;
   stats_.skipped_steps = state.skipped_steps;
   stats_.windows = state.windows;
+  loss_scale_ = state.loss_scale;
+  growth_tracker_ = state.loss_scale_growth_tracker;
   if (reducer_) {
     reducer_->restore({state.reducer, state.reducer_sequence});
   }
@@ -806,14 +850,14 @@ const char* const kIntFields[] = {"steps", "reduction", "world_size", "rank", "m
     "micro_steps", "optimizer_steps", "skipped_steps", "windows", "reducer_sequence",
     "reducer.windows", "reducer.dropped_windows", "reducer.collectives", "reducer.bytes_reduced",
     "reducer.last_window_collectives", "reducer.last_window_bytes", "reducer.broadcasts",
-    "reducer.snapshots"};
+    "reducer.snapshots", "loss_scale_growth_tracker"};
 
 std::vector<int64_t*> int_fields(AccumulatorState& s) {
   return {&s.steps, nullptr, &s.world_size, &s.rank, &s.micro_step, &s.micro_steps,
       &s.optimizer_steps, &s.skipped_steps, &s.windows, &s.reducer_sequence, &s.reducer.windows,
       &s.reducer.dropped_windows, &s.reducer.collectives, &s.reducer.bytes_reduced,
       &s.reducer.last_window_collectives, &s.reducer.last_window_bytes, &s.reducer.broadcasts,
-      &s.reducer.snapshots};
+      &s.reducer.snapshots, &s.loss_scale_growth_tracker};
 }
 
 } // namespace
@@ -829,6 +873,7 @@ void Accumulator::save(torch::serialize::OutputArchive& archive) {
   archive.write("gradaccum.window_ready", c10::IValue(state.window_ready));
   archive.write("gradaccum.epoch_ended", c10::IValue(state.epoch_ended));
   archive.write("gradaccum.window_weight", c10::IValue(state.window_weight));
+  archive.write("gradaccum.loss_scale", c10::IValue(state.loss_scale));
   archive.write("gradaccum.grads", c10::IValue(static_cast<int64_t>(state.grads.size())));
   for (const auto i : c10::irange(state.grads.size())) {
     const auto key = "gradaccum.grad." + std::to_string(i);
@@ -857,6 +902,8 @@ void Accumulator::load(torch::serialize::InputArchive& archive) {
   state.epoch_ended = value.toBool();
   archive.read("gradaccum.window_weight", value);
   state.window_weight = value.toDouble();
+  archive.read("gradaccum.loss_scale", value);
+  state.loss_scale = value.toDouble();
   archive.read("gradaccum.grads", value);
   const auto n = value.toInt();
   for (int64_t i = 0; i < n; ++i) {

@@ -47,6 +47,17 @@ void ReducerOptions::validate() const {
       "Invalid first_bucket_cap_mb: ", first_bucket_cap_mb_, " (must be > 0)");
 }
 
+void LossScalerOptions::validate() const {
+  TORCH_CHECK_VALUE(std::isfinite(init_scale_) && init_scale_ > 0,
+      "Invalid loss_scaler init_scale: ", init_scale_, " (must be a finite number > 0)");
+  TORCH_CHECK_VALUE(std::isfinite(growth_factor_) && growth_factor_ > 1,
+      "Invalid loss_scaler growth_factor: ", growth_factor_, " (must be > 1)");
+  TORCH_CHECK_VALUE(backoff_factor_ > 0 && backoff_factor_ < 1,
+      "Invalid loss_scaler backoff_factor: ", backoff_factor_, " (must be in (0, 1))");
+  TORCH_CHECK_VALUE(growth_interval_ > 0,
+      "Invalid loss_scaler growth_interval: ", growth_interval_, " (must be > 0)");
+}
+
 void AccumulatorOptions::validate() const {
   TORCH_CHECK_VALUE(steps_ > 0, "Invalid steps: ", steps_, " (must be a positive integer)");
   if (max_grad_norm_) {
@@ -54,6 +65,9 @@ void AccumulatorOptions::validate() const {
         "Invalid max_grad_norm: ", *max_grad_norm_, " (must be a finite number >= 0)");
   }
   reducer_.validate();
+  if (loss_scaler_) {
+    loss_scaler_->validate();
+  }
   if (accumulate_dtype_) {
     TORCH_CHECK_VALUE(*accumulate_dtype_ == at::kFloat || *accumulate_dtype_ == at::kDouble,
         "Invalid accumulate_dtype: ", *accumulate_dtype_, " (float32 or float64)");

@@ -57,6 +57,7 @@ struct AccumulatorStats {
   int64_t skipped_steps = 0; ///< windows dropped for non-finite gradients
   int64_t windows = 0; ///< windows closed (stepped or skipped)
   std::optional<double> last_grad_norm; ///< total norm at the last boundary, if computed
+  std::optional<double> loss_scale; ///< the loss scaler's current scale, if any
   ReducerStats reducer; ///< all zero without a process group
 };
 
@@ -83,6 +84,8 @@ struct AccumulatorState {
   int64_t windows = 0;
   ReducerStats reducer; ///< counters of the reducer (all zero without a group)
   int64_t reducer_sequence = 0; ///< the next reduction's window number
+  double loss_scale = 0; ///< the loss scaler's scale (0 without one)
+  int64_t loss_scale_growth_tracker = 0;
   std::vector<at::Tensor> grads; ///< one per parameter; undefined for None
 };
 
@@ -229,6 +232,9 @@ class Accumulator {
   std::vector<std::pair<const void*, int64_t>> remembered_;
   bool closed_ = false;
   std::function<bool()> before_step_;
+  bool unscale_and_check(); ///< the built-in loss scaler's before_step
+  double loss_scale_ = 0;
+  int64_t growth_tracker_ = 0;
   std::function<void()> after_window_;
   /// One process with accumulate_dtype: the window's sums of narrower gradients.
   std::vector<at::Tensor> wide_;

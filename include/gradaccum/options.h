@@ -58,6 +58,21 @@ struct ReducerOptions {
   void validate() const;
 };
 
+/// A dynamic loss scaler for fp16 training from C++ (LibTorch has none), as
+/// torch.amp.GradScaler: the loss is scaled before backward; at each closed
+/// window the reduced gradient is unscaled and checked; an overflow skips the
+/// window and multiplies the scale by `backoff_factor`, and `growth_interval`
+/// windows in a row without one multiply it by `growth_factor`.
+struct LossScalerOptions {
+  TORCH_ARG(double, init_scale) = 65536.0;
+  TORCH_ARG(double, growth_factor) = 2.0;
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  TORCH_ARG(int64_t, growth_interval) = 2000;
+
+ public:
+  void validate() const;
+};
+
 /// Options of an `Accumulator`.
 ///
 /// Example:
@@ -86,6 +101,9 @@ struct AccumulatorOptions {
   /// (in the parameter's dtype). `std::nullopt`: sum in the parameter's dtype.
   /// Example: `AccumulatorOptions(16).accumulate_dtype(torch::kFloat32)`.
   TORCH_ARG(std::optional<at::ScalarType>, accumulate_dtype) = std::nullopt;
+  /// A dynamic loss scaler (fp16). Example:
+  /// `AccumulatorOptions(8).loss_scaler(LossScalerOptions().init_scale(1024))`.
+  TORCH_ARG(std::optional<LossScalerOptions>, loss_scaler) = std::nullopt;
 
 
  public:

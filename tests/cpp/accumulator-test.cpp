@@ -2,6 +2,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
+#include <sstream>
+
 using namespace gradaccum;
 using gradaccum::test::max_rel_diff;
 using gradaccum::test::mlp;
@@ -275,4 +278,89 @@ TEST_CASE("without an optimizer the window's gradient is left in .grad", "[accum
   for (auto& p : model->parameters()) g.push_back(p.grad());
   for (auto& p : ref->parameters()) rg.push_back(p.grad());
   CHECK(max_rel_diff(g, rg) <= 1e-12);
+}
+
+TEST_CASE("the loss scaler backs off past overflows and then trains like the unscaled run", "[accumulator][loss_scaler]") {
+  // float32, a scale far past float32's range: the first windows overflow and
+  // are skipped while the scale halves; with power-of-two scales and steps the
+  // unscaling is exact, so the run equals the unscaled one without those windows.
+  const int64_t K = 4;
+  const int windows = 12;
+  torch::manual_seed(5);
+  auto x = torch::randn({windows * K * 3, 6});
+  auto y = torch::randn({windows * K * 3, 3});
+  auto micro = [&](int w, int k) { return std::make_pair(x.narrow(0, (w * K + k) * 3, 3), y.narrow(0, (w * K + k) * 3, 3)); };
+
+  auto net = gradaccum::test::mlp(torch::kFloat32, 9);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  Accumulator acc(net, opt, AccumulatorOptions(K).loss_scaler(
+      LossScalerOptions().init_scale(std::ldexp(1.0, 133)).growth_interval(1000)));
+  for (int w = 0; w < windows; ++w) {
+    for (int k = 0; k < K; ++k) {
+      auto [xb, yb] = micro(w, k);
+      acc.backward((net->forward(xb) - yb).pow(2).mean());
+      acc.step();
+    }
+  }
+  const auto stats = acc.stats();
+  REQUIRE(stats.skipped_steps > 0);
+  CHECK(stats.skipped_steps < windows / 2);
+  CHECK(stats.optimizer_steps + stats.skipped_steps == windows);
+  REQUIRE(stats.loss_scale.has_value());
+  CHECK(*stats.loss_scale == std::ldexp(1.0, 133 - static_cast<int>(stats.skipped_steps)));
+
+  auto ref = gradaccum::test::mlp(torch::kFloat32, 9);
+  torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+  Accumulator plain(ref, ref_opt, AccumulatorOptions(K));
+  for (int w = static_cast<int>(stats.skipped_steps); w < windows; ++w) {
+    for (int k = 0; k < K; ++k) {
+      auto [xb, yb] = micro(w, k);
+      plain.backward((ref->forward(xb) - yb).pow(2).mean());
+      plain.step();
+    }
+  }
+  for (size_t i = 0; i < ref->parameters().size(); ++i) {
+    CHECK(torch::allclose(net->parameters()[i], ref->parameters()[i], 1e-6, 1e-7));
+  }
+}
+
+TEST_CASE("save and load through archives resume mid-window exactly", "[accumulator][state]") {
+  const int64_t K = 3;
+  auto run = [&](bool checkpoint) {
+    auto net = gradaccum::test::mlp(torch::kFloat64, 4);
+    auto opt = std::make_unique<torch::optim::Adam>(net->parameters(), 0.01);
+    auto acc = std::make_unique<Accumulator>(net, *opt, AccumulatorOptions(K).loss_scaler(LossScalerOptions().init_scale(8)));
+    for (int i = 0; i < 7; ++i) {
+      auto x = torch::full({2, 6}, 0.1 * (i + 1), torch::kFloat64);
+      acc->backward(net->forward(x).pow(2).mean());
+      acc->step();
+      if (checkpoint && i == 4) { // window 1, micro-step 2 of 3
+        std::stringstream file;
+        torch::serialize::OutputArchive out;
+        net->save(out);
+        opt->save(out);
+        acc->save(out);
+        out.save_to(file);
+        acc.reset();
+        net = gradaccum::test::mlp(torch::kFloat64, 77);
+        opt = std::make_unique<torch::optim::Adam>(net->parameters(), 0.01);
+        acc = std::make_unique<Accumulator>(net, *opt, AccumulatorOptions(K).loss_scaler(LossScalerOptions().init_scale(8)));
+        torch::serialize::InputArchive in;
+        in.load_from(file);
+        net->load(in);
+        opt->load(in);
+        acc->load(in);
+        CHECK(acc->micro_step() == 2);
+      }
+    }
+    std::vector<at::Tensor> params;
+    for (auto& p : net->parameters()) params.push_back(p.detach().clone());
+    return std::make_pair(params, acc->stats());
+  };
+  auto [straight, straight_stats] = run(false);
+  auto [resumed, resumed_stats] = run(true);
+  CHECK(gradaccum::test::max_rel_diff(resumed, straight) <= 1e-12);
+  CHECK(resumed_stats.micro_steps == straight_stats.micro_steps);
+  CHECK(resumed_stats.optimizer_steps == straight_stats.optimizer_steps);
+  CHECK(resumed_stats.loss_scale == straight_stats.loss_scale);
 }

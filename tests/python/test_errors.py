@@ -268,7 +268,8 @@ def test_backward_after_closed_window():
 
 STATE_KEYS = ["steps", "reduction", "world_size", "rank", "rank_independent", "micro_step",
               "window_ready", "window_weight", "epoch_ended", "micro_steps", "optimizer_steps",
-              "skipped_steps", "windows", "reducer", "reducer_sequence", "grads"]
+              "skipped_steps", "windows", "reducer", "reducer_sequence", "loss_scale",
+              "loss_scale_growth_tracker", "grads"]
 
 
 @pytest.fixture

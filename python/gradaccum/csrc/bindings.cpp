@@ -70,6 +70,7 @@ py::dict stats_to_dict(const AccumulatorStats& s) {
   d["skipped_steps"] = s.skipped_steps;
   d["windows"] = s.windows;
   d["last_grad_norm"] = s.last_grad_norm ? py::cast(*s.last_grad_norm) : py::none();
+  d["loss_scale"] = s.loss_scale ? py::cast(*s.loss_scale) : py::none();
   d["buckets"] = s.reducer.buckets;
   d["reductions"] = s.reducer.windows;
   d["dropped_windows"] = s.reducer.dropped_windows;
@@ -99,6 +100,8 @@ py::dict state_to_dict(const AccumulatorState& s) {
   d["windows"] = s.windows;
   d["reducer"] = reducer_stats_to_dict(s.reducer);
   d["reducer_sequence"] = s.reducer_sequence;
+  d["loss_scale"] = s.loss_scale;
+  d["loss_scale_growth_tracker"] = s.loss_scale_growth_tracker;
   py::list grads;
   for (const auto& g : s.grads) {
     grads.append(g.defined() ? py::cast(g) : py::none());
@@ -123,6 +126,8 @@ AccumulatorState state_from_dict(const py::dict& d) {
   s.skipped_steps = required<int64_t>(d, "skipped_steps");
   s.windows = required<int64_t>(d, "windows");
   s.reducer_sequence = required<int64_t>(d, "reducer_sequence");
+  s.loss_scale = required<double>(d, "loss_scale");
+  s.loss_scale_growth_tracker = required<int64_t>(d, "loss_scale_growth_tracker");
   const auto r = required<py::dict>(d, "reducer");
   s.reducer.windows = required<int64_t>(r, "windows");
   s.reducer.dropped_windows = required<int64_t>(r, "dropped_windows");
