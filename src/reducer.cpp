@@ -225,6 +225,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   ReductionResult finish_reduction(std::vector<at::Tensor>* snapshot = nullptr);
   void abort_reduction(AbortReason reason) noexcept;
   [[noreturn]] void fail(const std::string& message);
+  void end_dropped_window() noexcept;
   void check_consensus(const at::Tensor& headers);
   void drop_window();
   void end_reduction(bool window_closed = true);
@@ -927,6 +928,12 @@ void Reducer::State::fail(const std::string& message) {
   }
   last_result.window = sequence;
   last_result.dropped = true;
+  end_dropped_window();
+  TORCH_CHECK(false, message);
+}
+
+void Reducer::State::end_dropped_window() noexcept {
+  // The pairing is over on this rank: clear the window and count it.
   try {
     drop_window();
   } catch (...) {
@@ -935,7 +942,6 @@ void Reducer::State::fail(const std::string& message) {
   ++stats.dropped_windows;
   ++sequence;
   end_reduction();
-  TORCH_CHECK(false, message);
 }
 
 void Reducer::State::abort_reduction(AbortReason reason) noexcept {
@@ -978,14 +984,7 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
   if (!transport.empty()) {
     failure += ". Dropping it failed too: " + transport;
   }
-  try {
-    drop_window();
-  } catch (...) {
-  }
-  ++stats.windows;
-  ++stats.dropped_windows;
-  ++sequence;
-  end_reduction();
+  end_dropped_window();
 }
 
 void Reducer::State::drop_window() {
