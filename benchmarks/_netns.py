@@ -144,6 +144,8 @@ class Cluster:
             if self.nodes > 1:
                 _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", IFACE)
                 _ip("-n", ns, "link", "set", IFACE, "up")
+            else:  # one node: no link, its address on loopback (a world of one)
+                _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/32", "dev", "lo")
         if self.rate and ends:
             self.delay_emulated = bool(self.delay) and _netem_available(self.names[0])
             for ns, dev in ends:
