@@ -154,12 +154,12 @@ def link_runs(args, configs, ks):
         log(f"link: {nodes} nodes, {rate}")
         with _netns.Cluster(nodes=nodes, rate=rate, delay=args.delay) as cluster:
             name = f"net-{nodes}n-{rate}"
-            blocks = 1 if args.quick else (2 if nodes > 2 else 3)
+            blocks = 1 if args.quick else (2 if nodes > 2 else 5)
             py = run_python(cluster, args, ["large"], ks, ["local", "ddp_nosync", "gradaccum_py"],
-                            1 if args.quick else 4, blocks, 40 if args.quick else 90, env, name + "-py")
+                            1 if args.quick else 4, blocks, 40 if args.quick else 100, env, name + "-py")
             cpp = None
             if with_cpp and args.cpp_bench:
-                cpp = run_cpp(cluster, args, ks, 1 if args.quick else 2, blocks, env, name + "-cpp")
+                cpp = run_cpp(cluster, args, ks, 1 if args.quick else 2, min(blocks, 4), env, name + "-cpp")
             s = summarise_link(py, cpp, ks)
             s.update(nodes=nodes, rate=rate, shaper=cluster.shaper, delay_emulated=cluster.delay_emulated,
                      blocks=len(py["models"]["large"]["times"][str(ks[0])]["local"]))
