@@ -147,7 +147,7 @@ def summarise_link(py, cpp, ks):
 
 
 def link_runs(args, configs, ks):
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GRADACCUM_BENCH_MICRO_BATCH": str(NET_MICRO_BATCH),
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GRADACCUM_BENCH_MICRO_BATCH": str(args.micro_batch),
            "GRADACCUM_BENCH_BUCKET_CAP_MB": str(args.bucket_cap_mb)}
     out = []
     for nodes, rate, with_cpp in configs:
@@ -251,7 +251,9 @@ def markdown(result, png_rel):
         f"**Hidden all-reduce on a throttled multi-node link.** Each node is a network namespace with one "
         f"veth link ({first['shaper']}), one torchrun per node (`--nnodes=N --nproc_per_node=1 "
         f"--rdzv-backend=c10d`), one process per node with 1 thread, Gloo; the large model "
-        f"({num_parameters('large'):,} parameters, 42 MiB of gradients), micro-batches of {NET_MICRO_BATCH} rows. "
+        f"({num_parameters('large'):,} parameters, 42 MiB of gradients), micro-batches of "
+        f"{result.get('micro_batch', NET_MICRO_BATCH)} rows; bucket caps {result.get('bucket_cap_mb', 4):g} MiB "
+        f"(first 1 MiB) for both. "
         f"Hidden fraction = (floor + lone all-reduce − window) / lone all-reduce, per block, "
         f"median [min–max]; the C++ contender against the C++ floor. Ceiling = one local backward / "
         f"all-reduce: only the window's last backward can hide communication.",
@@ -342,7 +344,7 @@ def run(args):
         log(f"bench_net: skipped, network namespaces unavailable: {reason}")
         return {"skipped": reason}
     os.makedirs(args.log_dir, exist_ok=True)
-    ks = [1, 4, 16]
+    ks = [int(k) for k in args.net_ks.split(",")]
     configs = []
     for item in (args.links or ("2:1gbit" if args.quick else "2:1gbit,2:10gbit,4:1gbit")).split(","):
         nodes, rate = item.split(":")
@@ -351,7 +353,8 @@ def run(args):
     links = link_runs(args, configs, ks)
     growth = None if args.no_growth else growth_runs(args)
     return {"ks": ks, "links": links, "targets": check_targets(links, ks), "growth": growth,
-            "micro_batch": NET_MICRO_BATCH, "seconds": time.perf_counter() - t0}
+            "bucket_cap_mb": args.bucket_cap_mb,
+            "micro_batch": args.micro_batch, "seconds": time.perf_counter() - t0}
 
 
 def add_arguments(p):
@@ -360,6 +363,9 @@ def add_arguments(p):
     p.add_argument("--no-growth", action="store_true")
     p.add_argument("--bucket-cap-mb", type=float, default=4.0,
                    help="bucket cap of DDP and gradaccum alike on the throttled links (default 4)")
+    p.add_argument("--micro-batch", type=int, default=NET_MICRO_BATCH,
+                   help=f"rows per micro-batch on the throttled links (default {NET_MICRO_BATCH})")
+    p.add_argument("--net-ks", default="1,4,16", help="values of K on the throttled links")
     p.add_argument("--links", default=None,
                    help="NODES:RATE,... (default 2:1gbit,2:10gbit,4:1gbit; --quick: 2:1gbit)")
 
