@@ -25,8 +25,8 @@ deps: $(BUILD)/.deps
 $(BUILD)/.deps: Makefile $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) torch==2.13.0 pytest numpy scikit-learn tqdm matplotlib mypy \
 	  "setuptools>=70.1" "lightning>=2.6"
-	@if ! dpkg -s catch2 ccache >/dev/null 2>&1; then \
-	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q catch2 ccache; fi
+	@if ! dpkg -s catch2 ccache valgrind iproute2 >/dev/null 2>&1; then \
+	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q catch2 ccache valgrind iproute2; fi
 	@mkdir -p $(BUILD) && touch $@
 
 build: install-python build-cpp
@@ -69,6 +69,8 @@ sanitize: deps
 demo: build
 	OMP_NUM_THREADS=2 $(PYTHON) examples/python/digits_demo.py --out $(BUILD)/demo
 
+# 15-25 minutes, not part of CI: throttled multi-node links (network namespaces,
+# root) and growth, callgrind instruction counts, then the loopback wall clock.
 bench: build
 	$(PYTHON) benchmarks/bench.py --cpp-bench $(BUILD)/bench/bench_window --readme README.md
 

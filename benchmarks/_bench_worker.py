@@ -14,6 +14,14 @@ OMP_NUM_THREADS=1 in the environment. Two modes:
          reports peak RSS (peak RSS only grows, so each variant needs its own
          process).
 
+  batch: (--batch) under torchrun, e.g. across the network namespaces of
+         bench_net.py: for each --models entry, times --contenders at each K
+         in blocks (rotating order), then one all-reduce of the whole gradient
+         alone and a local backward alone; rank 0 decides when the time budget
+         ends the blocks and tells the others. One "@@ {json}" line per rank.
+  instr: (--instr) under valgrind's callgrind: instruction counts of the
+         no-sync micro-steps and of whole windows (bench_instr.py).
+
 Every answer is one stdout line "@@ {json}".
 """
 import argparse
@@ -35,9 +43,16 @@ import torch.nn.functional as F
 MODELS = {
     "small": [256, 512, 256, 128, 10],  # 297,098 parameters
     "large": [1024, 2048, 2048, 2048, 256],  # 11,016,448 parameters
+    # Only for the growth sweep (bench_net.py); the C++ program takes them as --widths.
+    "m1": [512, 1024, 512, 256],  # 1,181,440
+    "m3": [1024, 1024, 1024, 1024, 256],  # 3,411,200
+    "xl": [2048, 4096, 4096, 4096, 2048],  # 50,350,080
 }
-MICRO_BATCH = 32  # rows per micro-batch
+MICRO_BATCH = int(os.environ.get("GRADACCUM_BENCH_MICRO_BATCH", "32"))  # rows per micro-batch
 POOL = 16  # distinct micro-batches cycled through
+# Bucket cap (MiB) for DDP and gradaccum alike: the libraries' default, 25, or
+# GRADACCUM_BENCH_BUCKET_CAP_MB (bench_net.py; bench_window.cpp reads it too).
+BUCKET_CAP_MB = float(os.environ.get("GRADACCUM_BENCH_BUCKET_CAP_MB", "25"))
 LR = 1e-4
 
 CONTENDERS = ("ddp_nosync", "ddp_every", "gradaccum_py", "local")
@@ -95,7 +110,7 @@ class Bench:
     def ddp(self):
         if self._ddp is None:
             model = torch.nn.parallel.DistributedDataParallel(
-                copy.deepcopy(self.base), gradient_as_bucket_view=self.bucket_view)
+                copy.deepcopy(self.base), gradient_as_bucket_view=self.bucket_view, bucket_cap_mb=BUCKET_CAP_MB)
             self._ddp = (model, torch.optim.SGD(model.parameters(), lr=LR))
         return self._ddp
 
@@ -112,7 +127,7 @@ class Bench:
             model = copy.deepcopy(self.base)
             opt = torch.optim.SGD(model.parameters(), lr=LR)
             acc = gradaccum.Accumulator(model, opt, steps=k, nonfinite=self.nonfinite,
-                                        gradient_as_bucket_view=self.bucket_view)
+                                        gradient_as_bucket_view=self.bucket_view, bucket_cap_mb=BUCKET_CAP_MB)
             self._acc[k] = (model, acc)
         return self._acc[k]
 
@@ -201,9 +216,137 @@ class Bench:
                 "times": times}
 
 
+def backward_alone(bench, reps):
+    """Seconds of one local backward (no communication): what an all-reduce can hide behind."""
+    model, _ = bench.local()
+    x, y = bench.data[0]
+    times = []
+    for _ in range(reps):
+        loss = F.mse_loss(model(x), y)
+        t0 = time.perf_counter()
+        loss.backward()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return times
+
+
+def batch(args):
+    """Blocks of timed windows for each model (see the module docstring)."""
+    contenders = args.contenders.split(",")
+    ks = [int(k) for k in args.ks.split(",")]
+    out = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "models": {}}
+    t_start = time.perf_counter()
+    for model_name in args.models.split(","):
+        bench = Bench(model_name, bool(args.bucket_view), args.nonfinite)
+        per_k = {k: max(1, args.micro // k) for k in ks}
+        for k in ks:  # warm-up: build every contender, fill caches
+            for c in contenders:
+                bench.window(c, k)
+        times = {k: {c: [] for c in contenders} for k in ks}
+        t_model = time.perf_counter()
+        for b in range(args.blocks):
+            # Rank 0's clock decides, so every rank runs the same commands.
+            go = torch.tensor([1.0 if b < 1 or time.perf_counter() - t_model < args.budget_s else 0.0])
+            dist.broadcast(go, 0)
+            if not go.item():
+                break
+            for ki, k in enumerate(ks):
+                shift = (b + ki) % len(contenders)
+                order = contenders[shift:] + contenders[:shift]
+                if b % 2:
+                    order.reverse()
+                for c in order:
+                    times[k][c].append(statistics.median(bench.time(c, k, per_k[k])["times"]))
+        ar = bench.allreduce(args.allreduce_reps)
+        bwd = backward_alone(bench, 5)
+        stats = {k: bench._acc[k][1].stats() for k in ks if k in bench._acc}
+        out["models"][model_name] = {
+            "parameters": num_parameters(model_name), "windows_per_k": per_k,
+            "times": {str(k): v for k, v in times.items()}, "allreduce": ar["times"],
+            "allreduce_bytes": ar["bytes"], "backward": bwd,
+            "stats": {str(k): v for k, v in stats.items()}}
+        del bench
+    out["seconds"] = time.perf_counter() - t_start
+    reply(out)
+
+
+def instr(args):
+    """Instruction counts under callgrind (valgrind --instr-atstart=no).
+
+    The client requests come from a small helper library (bench_window's CMake
+    builds it) loaded with ctypes: instrumentation on and zeroed, then off and
+    dumped under a label. The same sections as bench_window --callgrind, for
+    the local floor, DDP + no_sync and gradaccum; then one all-reduce alone.
+    """
+    import ctypes
+
+    cg = ctypes.CDLL(args.instr)
+    k, windows = args.steps, args.windows
+    bench = Bench(args.model, False, args.nonfinite)
+    data = bench.data
+
+    def micro(contender, i):
+        x, y = data[i % len(data)]
+        if contender == "gradaccum_py":
+            model, acc = bench.accumulator(k)
+            acc.backward(F.mse_loss(model(x), y))
+            acc.step()
+        elif contender == "ddp_nosync":
+            model, _ = bench.ddp()
+            with model.no_sync():
+                (F.mse_loss(model(x), y) / k).backward()
+        else:
+            model, _ = bench.local()
+            (F.mse_loss(model(x), y) / k).backward()
+
+    def finish(contender):
+        # The window's last micro-step (and step), not counted in "micro".
+        if contender == "gradaccum_py":
+            micro(contender, k - 1)
+            return
+        model, opt = bench.ddp() if contender == "ddp_nosync" else bench.local()
+        x, y = data[(k - 1) % len(data)]
+        (F.mse_loss(model(x), y) / k).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    contenders = ("local", "ddp_nosync", "gradaccum_py")
+    for w in range(2):  # warm-up
+        for c in contenders:
+            bench.window(c, k, start=w * k)
+    flat = torch.zeros(num_parameters(args.model))
+    dist.all_reduce(flat)
+    dumps = []
+
+    def section(label, fn):
+        dist.barrier()
+        cg.ga_begin()
+        fn()
+        cg.ga_end(label.encode())
+        dumps.append(label)
+
+    for c in contenders:
+        section(f"{c} micro", lambda: [micro(c, i) for i in range(k - 1)])
+        finish(c)
+        section(f"{c} window", lambda: [bench.window(c, k, start=w * k) for w in range(windows)])
+    section("allreduce", lambda: dist.all_reduce(flat))
+    dist.barrier()
+    reply({"rank": dist.get_rank(), "K": k, "windows": windows, "micro_steps": k - 1, "dumps": dumps,
+           "running_on_valgrind": int(cg.ga_running_on_valgrind())})
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=sorted(MODELS), required=True)
+    p.add_argument("--model", choices=sorted(MODELS))
+    p.add_argument("--batch", action="store_true", help="batch mode (see the module docstring)")
+    p.add_argument("--models", default="large")
+    p.add_argument("--contenders", default="local,ddp_nosync,gradaccum_py")
+    p.add_argument("--ks", default="1,4,16")
+    p.add_argument("--micro", type=int, default=4, help="micro-steps per timed command (windows = micro // K)")
+    p.add_argument("--blocks", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=60.0, help="stop adding blocks after this (at least 1)")
+    p.add_argument("--allreduce-reps", type=int, default=10)
+    p.add_argument("--instr", default=None, help="instruction mode: path of the callgrind helper library")
     p.add_argument("--bucket-view", type=int, default=0)
     p.add_argument("--nonfinite", default="skip")
     p.add_argument("--mem", choices=CONTENDERS, help="memory mode: build only this contender")
@@ -216,6 +359,14 @@ def main():
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    if args.batch or args.instr:
+        try:
+            batch(args) if args.batch else instr(args)
+        finally:
+            dist.destroy_process_group()
+        return
+    if args.model is None:
+        p.error("--model is required")
     bench = Bench(args.model, bool(args.bucket_view), args.nonfinite)
     try:
         if args.mem:

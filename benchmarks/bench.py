@@ -1,7 +1,7 @@
 """CPU benchmark: gradaccum vs torch DDP, 2 Gloo ranks on loopback.
 
-    python benchmarks/bench.py --cpp-bench build/bench/bench_window   (make bench; < 10 min on 2 cores)
-    python benchmarks/bench.py --quick                                 (about a minute; a smoke test)
+    python benchmarks/bench.py --cpp-bench build/bench/bench_window   (make bench; 15-25 min on 2 cores)
+    python benchmarks/bench.py --quick                                 (a few minutes; a smoke test)
     python benchmarks/bench.py --readme README.md                      (also refresh the README's table)
 
 For each model (small: ~0.3M parameters, large: ~11M; Linear/ReLU stacks, SGD,
@@ -29,7 +29,14 @@ gradient_as_bucket_view, each variant in a fresh pair of processes, and one
 all-reduce of the whole gradient timed alone, to set the overhead over the
 floor against.
 
-Writes benchmarks/results/cpu-latest.{json,md,png} (another name with --name).
+Then (unless --no-net / --no-instr) the two parts that do not depend on a
+quiet machine: bench_net.py (the fraction of the all-reduce hidden behind
+backward on a throttled multi-node link, network namespaces and torchrun's c10d
+rendezvous; and how a window's cost grows with K, model size and ranks) and
+bench_instr.py (instruction counts under callgrind).
+
+Writes benchmarks/results/cpu-latest.{json,md,png} and cpu-latest-growth.png
+(another name with --name).
 """
 import argparse
 import datetime
@@ -48,6 +55,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from _bench_worker import MICRO_BATCH, MODELS, num_parameters  # noqa: E402
+import bench_instr  # noqa: E402
+import bench_net  # noqa: E402
 
 WORKER = os.path.join(HERE, "_bench_worker.py")
 ANCHOR = "ddp_nosync"
@@ -201,7 +210,7 @@ def bench_model(model, args, cpp, log_dir):
         blocks = {k: {c: [] for c in contenders} for k in steps}
         extra = {k: {} for k in steps}
         n_blocks = args.blocks or ({"small": 3, "large": 2} if args.quick else {"small": 20, "large": 10})[model]
-        budget = args.model_budget_s or (60 if args.quick else {"small": 100, "large": 240}[model])
+        budget = args.model_budget_s or (60 if args.quick else {"small": 60, "large": 150}[model])
         done = 0
         for b in range(n_blocks):
             if done >= min(3, n_blocks) and time.perf_counter() - t_start > budget:
@@ -371,16 +380,26 @@ def fmt_bytes(b):
     return f"{b / 2**20:.2f} MiB" if b >= 2**20 else (f"{b / 1024:.1f} KiB" if b else "0")
 
 
-def markdown(result):
+def markdown(result, growth_png):
     meta = result["meta"]
     steps = result["config"]["steps"]
-    lines = [
-        f"CPU, 2 Gloo ranks on loopback, 1 thread each; {meta['cpu']} ({meta['cpus']} cores), "
+    lines = [f"CPU: {meta['cpu']} ({meta['cpus']} cores), torch {meta['torch']}, gradaccum {meta['gradaccum']}, "
+             f"{meta['date']}; load average {meta.get('load_before', '?')} before the run, "
+             f"{meta.get('load_after', '?')} after (other work shared the machine)"
+             f"{' — **quick run, not a measurement**' if result['config']['quick'] else ''}.", ""]
+    if "net" in result:
+        lines.append(bench_net.markdown(result["net"], growth_png))
+    if "instr" in result:
+        lines.append(bench_instr.markdown(result["instr"]))
+    lines += [
+        f"**Wall clock, loopback.** CPU, 2 Gloo ranks on loopback, 1 thread each; {meta['cpu']} ({meta['cpus']} cores), "
         f"torch {meta['torch']}, gradaccum {meta['gradaccum']}, {meta['date']}"
         f"{' — **quick run, not a measurement**' if result['config']['quick'] else ''}. "
         f"Micro-batches of {MICRO_BATCH} rows, SGD; window = K micro-batches + one optimizer step. "
         f"Time: median over blocks of each block's median window; ratio: to DDP + no_sync in the same "
-        f"block, median [min–max] over blocks. Overhead: over the local-only floor.",
+        f"block, median [min–max] over blocks. Overhead: over the local-only floor. Both ranks and their "
+        f"communication share 2 cores here: nothing is left to overlap on, so these ratios measure overhead "
+        f"plus noise, not overlap (for that, see the throttled link above).",
         "",
     ]
     for model, s in result["summary"].items():
@@ -505,6 +524,11 @@ def main():
     p.add_argument("--name", default=None, help="output base name (default: cpu-latest, cpu-quick with --quick)")
     p.add_argument("--readme", action="append", default=[],
                    help=f"replace the text between {BEGIN} and {END} in this file (repeatable)")
+    p.add_argument("--no-net", action="store_true", help="skip bench_net.py (throttled links, growth)")
+    p.add_argument("--no-instr", action="store_true", help="skip bench_instr.py (callgrind)")
+    p.add_argument("--no-loopback", action="store_true", help="skip the loopback wall-clock part")
+    bench_net.add_arguments(p)
+    bench_instr.add_arguments(p)
     args = p.parse_args()
     args.steps = [int(k) for k in args.steps.split(",")]
     models = [m for m in args.models.split(",") if m]
@@ -521,13 +545,22 @@ def main():
         log(f"warning: {args.cpp_bench} not found or not executable: the C++ contender is skipped "
             "(build it: make build-cpp)")
         cpp = None
+    args.cpp_bench = cpp
     os.makedirs(args.out_dir, exist_ok=True)
     log_dir = args.log_dir
     os.makedirs(log_dir, exist_ok=True)
 
     t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    extra = {}
+    if not args.no_net:
+        log("throttled multi-node links (bench_net.py)")
+        extra["net"] = bench_net.run(args)
+    if not args.no_instr:
+        log("instruction counts (bench_instr.py)")
+        extra["instr"] = bench_instr.measure(args)
     summary = {}
-    for model in models:
+    for model in ([] if args.no_loopback else models):
         log(f"{model}: {num_parameters(model):,} parameters")
         timing = bench_model(model, args, cpp, log_dir)
         skip_memory = args.no_memory or (args.quick and model != models[-1])  # --quick: one model only
@@ -537,6 +570,7 @@ def main():
 
     result = {
         "meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+                 "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
                  "gradaccum": gradaccum.__version__, "python": platform.python_version(),
                  "cpu": cpu_name(), "cpus": os.cpu_count(), "hostname": platform.node(),
                  "seconds": time.perf_counter() - t0},
@@ -546,16 +580,23 @@ def main():
                    "contenders": {c: LABELS[c] for c in CONTENDERS}},
         "summary": summary,
         "targets": targets,
+        **extra,
     }
     base = os.path.join(args.out_dir, name)
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    table = markdown(result)
+    growth_png = base + "-growth.png"
+    if (extra.get("net") or {}).get("growth"):
+        bench_net.plot_growth(extra["net"]["growth"], growth_png, args.quick)
+    table = markdown(result, os.path.basename(growth_png))
     with open(base + ".md", "w") as f:
         f.write(table)
-    plot(result, base + ".png")
+    if summary:
+        plot(result, base + ".png")
     for path in args.readme:
-        update_readme(path, table, os.path.relpath(base + ".md", os.path.dirname(os.path.abspath(path))))
+        here = os.path.dirname(os.path.abspath(path))
+        update_readme(path, markdown(result, os.path.relpath(growth_png, here)),
+                      os.path.relpath(base + ".md", here))
 
     log("")
     log(table)

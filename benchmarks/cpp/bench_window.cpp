@@ -19,6 +19,17 @@
 //   run K W    W timed windows of K micro-batches (no warm-up)
 //   rss        peak RSS so far
 //   quit
+//
+// --contenders gradaccum,local: also time plain LibTorch without communication
+// (the floor: loss / K, backward, optimizer step), one JSON line per K and
+// contender, alternating. --widths 512,1024,10 replaces --model's layer widths.
+//
+// --callgrind: count instructions instead of time (run under
+// `valgrind --tool=callgrind --instr-atstart=no`): after warm-up windows,
+// switches instrumentation on around each measured section, per contender
+// (gradaccum, local) and K = the first --steps value, the K-1 no-sync
+// micro-steps of one window and --windows whole windows, each dumped under a
+// label ("gradaccum micro", "gradaccum window", ...) that benchmarks/bench_instr.py reads.
 #include <gradaccum/gradaccum.h>
 
 #include <torch/torch.h>
@@ -35,9 +46,20 @@
 #include <string>
 #include <vector>
 
+#if __has_include(<valgrind/callgrind.h>)
+#include <valgrind/callgrind.h>
+#define BENCH_HAVE_CALLGRIND 1
+#else
+#define BENCH_HAVE_CALLGRIND 0
+#endif
+
 namespace {
 
-constexpr int64_t kMicroBatch = 32;
+// Rows per micro-batch: 32, or GRADACCUM_BENCH_MICRO_BATCH (as _bench_worker.py).
+int64_t micro_batch_rows() {
+  const char* env = std::getenv("GRADACCUM_BENCH_MICRO_BATCH");
+  return env && *env ? std::stoll(env) : 32;
+}
 constexpr int64_t kPool = 16;
 constexpr double kLr = 1e-4;
 
@@ -84,6 +106,25 @@ std::vector<int64_t> parse_list(const std::string& text) {
   return out;
 }
 
+/// Plain LibTorch, no communication: the floor a reducer is measured against.
+struct LocalContender {
+  explicit LocalContender(const std::vector<int64_t>& widths)
+      : model(build_model(widths)), optimizer(model->parameters(), torch::optim::SGDOptions(kLr)) {}
+
+  void micro_step(const torch::Tensor& x, const torch::Tensor& y, int64_t steps) {
+    (torch::mse_loss(model->forward(x), y) / static_cast<double>(steps)).backward();
+  }
+
+  torch::nn::Sequential model;
+  torch::optim::SGD optimizer;
+};
+
+// Bucket cap in MiB: the library's default, or GRADACCUM_BENCH_BUCKET_CAP_MB (as _bench_worker.py).
+double bucket_cap_mb() {
+  const char* env = std::getenv("GRADACCUM_BENCH_BUCKET_CAP_MB");
+  return env && *env ? std::stod(env) : gradaccum::ReducerOptions().bucket_cap_mb();
+}
+
 /// One Accumulator (over its own copy of the model) per K.
 struct Contender {
   Contender(
@@ -100,7 +141,8 @@ struct Contender {
             gradaccum::AccumulatorOptions(steps)
                 .nonfinite(nonfinite)
                 .process_group(group)
-                .reducer(gradaccum::ReducerOptions().gradient_as_bucket_view(bucket_view))) {}
+                .reducer(gradaccum::ReducerOptions().gradient_as_bucket_view(bucket_view).bucket_cap_mb(
+                    bucket_cap_mb()))) {}
 
   torch::nn::Sequential model;
   torch::optim::SGD optimizer;
@@ -115,6 +157,127 @@ struct Runner {
   gradaccum::NonFinite nonfinite = gradaccum::NonFinite::Skip;
   std::vector<std::pair<torch::Tensor, torch::Tensor>> data;
   std::map<int64_t, std::unique_ptr<Contender>> contenders;
+  std::unique_ptr<LocalContender> local;
+
+  LocalContender& get_local() {
+    if (!local) {
+      local = std::make_unique<LocalContender>(widths);
+    }
+    return *local;
+  }
+
+  void local_window(int64_t steps, int64_t start) {
+    auto& c = get_local();
+    for (int64_t i = 0; i < steps; ++i) {
+      const auto& [x, y] = data[(start + i) % data.size()];
+      c.micro_step(x, y, steps);
+    }
+    c.optimizer.step();
+    c.optimizer.zero_grad();
+  }
+
+  std::string run_local(int64_t steps, int64_t windows, int64_t warmup) {
+    for (int64_t w = 0; w < warmup; ++w) {
+      local_window(steps, w * steps);
+    }
+    group->barrier()->wait();
+    std::vector<double> times;
+    for (int64_t w = 0; w < windows; ++w) {
+      const auto t0 = std::chrono::steady_clock::now();
+      local_window(steps, w * steps);
+      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::ostringstream out;
+    out.precision(9);
+    out << "{\"rank\": " << group->getRank() << ", \"contender\": \"local_cpp\", \"model\": \"" << model_name
+        << "\", \"K\": " << steps << ", \"times\": [";
+    for (size_t i = 0; i < times.size(); ++i) {
+      out << (i ? ", " : "") << times[i];
+    }
+    out << "], \"peak_rss_kib\": " << peak_rss_kib() << "}";
+    return out.str();
+  }
+
+  /// Instruction counts under callgrind (see the file comment); one JSON line.
+  std::string count_instructions(int64_t steps, int64_t windows) {
+#if BENCH_HAVE_CALLGRIND
+    TORCH_CHECK(steps >= 2, "--callgrind needs K >= 2 (a window with no-sync micro-steps)");
+    // Instrumentation on and off around each section (global: Gloo's threads
+    // count too; collection toggles would be per thread), zeroed, then dumped.
+    auto begin = [] {
+      CALLGRIND_START_INSTRUMENTATION;
+      CALLGRIND_ZERO_STATS;
+    };
+    auto end = [](const char* label) {
+      CALLGRIND_STOP_INSTRUMENTATION;
+      CALLGRIND_DUMP_STATS_AT(label);
+    };
+    auto& acc = get(steps);
+    for (int64_t w = 0; w < 2; ++w) { // warm-up
+      window(acc, steps, w * steps);
+      local_window(steps, w * steps);
+    }
+    // gradaccum: the K-1 no-sync micro-steps of a window, then whole windows.
+    group->barrier()->wait();
+    begin();
+    for (int64_t i = 0; i + 1 < steps; ++i) {
+      const auto& [x, y] = data[i % data.size()];
+      acc.accumulator.backward(torch::mse_loss(acc.model->forward(x), y));
+      acc.accumulator.step();
+    }
+    end("gradaccum micro");
+    {
+      const auto& [x, y] = data[(steps - 1) % data.size()];
+      acc.accumulator.backward(torch::mse_loss(acc.model->forward(x), y));
+      acc.accumulator.step();
+    }
+    group->barrier()->wait();
+    begin();
+    for (int64_t w = 0; w < windows; ++w) {
+      window(acc, steps, w * steps);
+    }
+    end("gradaccum window");
+    auto& loc = get_local();
+    begin();
+    for (int64_t i = 0; i + 1 < steps; ++i) {
+      const auto& [x, y] = data[i % data.size()];
+      loc.micro_step(x, y, steps);
+    }
+    end("local micro");
+    {
+      const auto& [x, y] = data[(steps - 1) % data.size()];
+      loc.micro_step(x, y, steps);
+      loc.optimizer.step();
+      loc.optimizer.zero_grad();
+    }
+    begin();
+    for (int64_t w = 0; w < windows; ++w) {
+      local_window(steps, w * steps);
+    }
+    end("local window");
+    // One all-reduce of the whole gradient alone, as one flat tensor.
+    int64_t numel = 0;
+    for (const auto& p : acc.model->parameters()) {
+      numel += p.numel();
+    }
+    std::vector<at::Tensor> flat = {torch::zeros({numel})};
+    group->allreduce(flat)->wait();
+    group->barrier()->wait();
+    begin();
+    group->allreduce(flat)->wait();
+    end("allreduce");
+    group->barrier()->wait();
+    std::ostringstream out;
+    out << "{\"rank\": " << group->getRank() << ", \"K\": " << steps << ", \"windows\": " << windows
+        << ", \"micro_steps\": " << steps - 1 << ", \"running_on_valgrind\": " << RUNNING_ON_VALGRIND
+        << ", \"dumps\": [\"gradaccum micro\", \"gradaccum window\", \"local micro\", \"local window\", \"allreduce\"]}";
+    return out.str();
+#else
+    (void)steps;
+    (void)windows;
+    TORCH_CHECK(false, "bench_window was built without <valgrind/callgrind.h>: install valgrind and rebuild");
+#endif
+  }
 
   Contender& get(int64_t steps) {
     auto it = contenders.find(steps);
@@ -167,6 +330,7 @@ struct Runner {
             << "usage: " << argv0
             << " [--model small|large] [--steps 1,4,16] [--windows N] [--warmup N]"
                " [--bucket-view 0|1] [--nonfinite skip|raise|ignore] [--serve]\n"
+               "       [--widths 256,512,10] [--contenders gradaccum,local] [--callgrind]\n"
                "Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment.\n";
   std::exit(2);
 }
@@ -180,7 +344,10 @@ int main(int argc, char** argv) {
   int64_t warmup = 1;
   bool bucket_view = false;
   bool serve = false;
+  bool callgrind = false;
   std::string nonfinite = "skip";
+  std::vector<int64_t> widths;
+  std::vector<std::string> contenders = {"gradaccum"};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     auto value = [&]() -> std::string {
@@ -203,6 +370,20 @@ int main(int argc, char** argv) {
       nonfinite = value();
     } else if (arg == "--serve") {
       serve = true;
+    } else if (arg == "--callgrind") {
+      callgrind = true;
+    } else if (arg == "--widths") {
+      widths = parse_list(value());
+    } else if (arg == "--contenders") {
+      contenders.clear();
+      std::stringstream ss(value());
+      std::string item;
+      while (std::getline(ss, item, ',')) {
+        if (item != "gradaccum" && item != "local") {
+          usage(argv[0], "--contenders takes gradaccum and/or local, got " + item);
+        }
+        contenders.push_back(item);
+      }
     } else if (arg == "-h" || arg == "--help") {
       usage(argv[0], "benchmark of gradaccum's data-parallel window");
     } else {
@@ -214,7 +395,7 @@ int main(int argc, char** argv) {
     torch::set_num_threads(1);
     Runner runner;
     runner.model_name = model_name;
-    runner.widths = widths_of(model_name);
+    runner.widths = widths.empty() ? widths_of(model_name) : widths;
     runner.bucket_view = bucket_view;
     runner.nonfinite = gradaccum::nonfinite_from_string(nonfinite);
     runner.group = gradaccum::init_process_group_from_env(gradaccum::ProcessGroupOptions().backend("gloo"));
@@ -222,13 +403,20 @@ int main(int argc, char** argv) {
     torch::manual_seed(1 + runner.group->getRank());
     for (int64_t i = 0; i < kPool; ++i) {
       runner.data.emplace_back(
-          torch::randn({kMicroBatch, runner.widths.front()}),
-          torch::randn({kMicroBatch, runner.widths.back()}));
+          torch::randn({micro_batch_rows(), runner.widths.front()}),
+          torch::randn({micro_batch_rows(), runner.widths.back()}));
     }
 
+    if (callgrind) {
+      std::cout << "@@ " << runner.count_instructions(steps.front(), windows) << std::endl;
+      return 0;
+    }
     if (!serve) {
       for (const auto k : steps) {
-        std::cout << runner.run(k, windows, warmup) << std::endl;
+        for (const auto& c : contenders) {
+          std::cout << (c == "local" ? runner.run_local(k, windows, warmup) : runner.run(k, windows, warmup))
+                    << std::endl;
+        }
       }
       return 0;
     }

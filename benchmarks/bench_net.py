@@ -1,0 +1,395 @@
+"""Overlap on a throttled multi-node link, and how a window's cost grows.
+
+    python benchmarks/bench_net.py [--cpp-bench build/bench/bench_window] [--quick]
+
+(bench.py runs it as part of `make bench`.) Needs root and iproute2: the
+"nodes" are network namespaces on this machine joined by veth links throttled
+with tc (benchmarks/_netns.py), one torchrun per node, `--nnodes=N
+--nproc_per_node=1 --rdzv-backend=c10d`. Everything is set up and removed here;
+without namespaces it says why and writes nothing.
+
+1. Hidden fraction. The large model, K in {1, 4, 16}, micro-batches of 128 rows,
+   on 2 nodes at 1 and 10 Gbit/s (and 4 nodes behind a bridge at 1 Gbit/s):
+   window time of DDP + no_sync, gradaccum from Python and from C++, and the
+   local floor (no communication; Python and C++ each have their own); one
+   all-reduce of the whole gradient alone on that link; and the fraction of it
+   hidden behind backward, (floor + all-reduce - window) / all-reduce, per
+   block, median [min-max]. The ceiling of that fraction is one local backward
+   / all-reduce: only the window's last backward can hide communication.
+2. Growth. Window time against K (1..64, large model), model size (0.3M..50M
+   parameters, K=4) and ranks (1, 2, 4 nodes, large model, K=4), on the
+   1 Gbit/s link, 32-row micro-batches, Python contenders.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import _netns  # noqa: E402
+from _bench_worker import num_parameters  # noqa: E402
+
+WORKER = os.path.join(HERE, "_bench_worker.py")
+LAUNCH_TIMEOUT_S = 420
+NET_MICRO_BATCH = 128
+LABELS = {"ddp_nosync": "DDP + no_sync", "gradaccum_py": "gradaccum (Python)",
+          "gradaccum_cpp": "gradaccum (C++)", "local": "local floor (Python)", "local_cpp": "local floor (C++)"}
+GROWTH_SIZES = ["small", "m1", "m3", "large", "xl"]
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def parse_lines(results):
+    """JSON lines ('@@ {...}' or '{...}') printed by the workers on every node."""
+    out = []
+    for r in results:
+        for line in r.stdout.splitlines():
+            line = line.strip()
+            if line.startswith("@@ "):
+                line = line[3:]
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    return out
+
+
+def launch(cluster, argv, no_python, env, log_path, port):
+    t0 = time.perf_counter()
+    results = _netns.run_torchrun(cluster, argv, sys.executable, LAUNCH_TIMEOUT_S, no_python=no_python,
+                                  env=env, port=port)
+    with open(log_path, "w") as f:
+        for i, r in enumerate(results):
+            f.write(f"=== node {i} rc={r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}\n")
+    bad = [i for i, r in enumerate(results) if r.returncode != 0]
+    if bad:
+        raise RuntimeError(f"node {bad[0]} failed (rc={results[bad[0]].returncode}); see {log_path}")
+    return parse_lines(results), time.perf_counter() - t0
+
+
+def run_python(cluster, args, models, ks, contenders, micro, blocks, budget, env, name):
+    argv = [WORKER, "--batch", "--models", ",".join(models), "--ks", ",".join(map(str, ks)),
+            "--contenders", ",".join(contenders), "--micro", str(micro), "--blocks", str(blocks),
+            "--budget-s", str(budget), "--allreduce-reps", str(args.allreduce_reps)]
+    lines, secs = launch(cluster, argv, False, env, os.path.join(args.log_dir, f"{name}.log"), 29431)
+    ranks = sorted((l for l in lines if "models" in l), key=lambda l: l["rank"])
+    if not ranks or ranks[0]["rank"] != 0:
+        raise RuntimeError(f"{name}: no result from rank 0; see {args.log_dir}/{name}.log")
+    log(f"  {name}: {secs:.0f} s")
+    # A data-parallel window is as slow as its slowest rank: per block, the
+    # largest time over ranks (the floor too: the slowest rank's compute).
+    out = ranks[0]
+    for model, m in out["models"].items():
+        for k, row in m["times"].items():
+            for c in row:
+                per_rank = [r["models"][model]["times"][k][c] for r in ranks]
+                row[c] = [max(block) for block in zip(*per_rank)]
+        m["backward"] = [max(b) for b in zip(*[r["models"][model]["backward"] for r in ranks])]
+    return out
+
+
+def run_cpp(cluster, args, ks, windows, blocks, env, name):
+    argv = [args.cpp_bench, "--model", "large", "--steps", ",".join(map(str, ks * blocks)),
+            "--windows", str(windows), "--warmup", "1", "--contenders", "gradaccum,local"]
+    lines, secs = launch(cluster, argv, True, env, os.path.join(args.log_dir, f"{name}.log"), 29432)
+    per_rank = {}
+    for l in lines:
+        if "times" in l:
+            per_rank.setdefault(l["rank"], {}).setdefault(str(l["K"]), {}).setdefault(l["contender"], []).append(
+                median(l["times"]))
+    log(f"  {name}: {secs:.0f} s")
+    # Per block, the slowest rank (see run_python).
+    return {str(k): {c: [max(b) for b in zip(*[r[str(k)][c] for r in per_rank.values()])]
+                     for c in ("gradaccum_cpp", "local_cpp")} for k in ks}
+
+
+def hidden_fraction(window, floor, allreduce):
+    """Per block: (floor + all-reduce - window) / all-reduce."""
+    return [(f + allreduce - w) / allreduce for w, f in zip(window, floor)]
+
+
+def summarise_link(py, cpp, ks):
+    m = py["models"]["large"]
+    ar = median(m["allreduce"])
+    bwd = median(m["backward"])
+    rows = {}
+    for k in ks:
+        t = dict(m["times"][str(k)])
+        if cpp:
+            t.update(cpp[str(k)])
+        row = {}
+        for c, ts in t.items():
+            if not ts:
+                continue
+            floor = t["local_cpp"] if c in ("gradaccum_cpp", "local_cpp") else t["local"]
+            cell = {"window_ms": 1e3 * median(ts), "block_ms": [1e3 * x for x in ts]}
+            if not c.startswith("local"):
+                n = min(len(ts), len(floor))
+                fr = hidden_fraction(ts[:n], floor[:n], ar)
+                cell.update(hidden=median(fr), hidden_min=min(fr), hidden_max=max(fr))
+            row[c] = cell
+        rows[str(k)] = row
+    return {"allreduce_ms": 1e3 * ar, "allreduce_ms_all": [1e3 * x for x in m["allreduce"]],
+            "allreduce_bytes": m["allreduce_bytes"], "backward_ms": 1e3 * bwd,
+            "ceiling": min(1.0, bwd / ar), "cells": rows,
+            "buckets": (m["stats"].get(str(ks[0])) or {}).get("buckets")}
+
+
+def link_runs(args, configs, ks):
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GRADACCUM_BENCH_MICRO_BATCH": str(args.micro_batch),
+           "GRADACCUM_BENCH_BUCKET_CAP_MB": str(args.bucket_cap_mb)}
+    out = []
+    for nodes, rate, with_cpp in configs:
+        log(f"link: {nodes} nodes, {rate}")
+        with _netns.Cluster(nodes=nodes, rate=rate, delay=args.delay) as cluster:
+            name = f"net-{nodes}n-{rate}"
+            blocks = 1 if args.quick else (2 if nodes > 2 else 5)
+            py = run_python(cluster, args, ["large"], ks, ["local", "ddp_nosync", "gradaccum_py"],
+                            1 if args.quick else 4, blocks, 40 if args.quick else 100, env, name + "-py")
+            cpp = None
+            if with_cpp and args.cpp_bench:
+                cpp = run_cpp(cluster, args, ks, 1 if args.quick else 2, min(blocks, 4), env, name + "-cpp")
+            s = summarise_link(py, cpp, ks)
+            s.update(nodes=nodes, rate=rate, shaper=cluster.shaper, delay_emulated=cluster.delay_emulated,
+                     blocks=len(py["models"]["large"]["times"][str(ks[0])]["local"]))
+            out.append(s)
+            for k in ks:
+                log(f"  K={k}: " + "  ".join(
+                    f"{c}={cell['window_ms']:.0f}ms" + (f" hidden {cell['hidden']:.2f}" if "hidden" in cell else "")
+                    for c, cell in s["cells"][str(k)].items()) + f"  (all-reduce {s['allreduce_ms']:.0f} ms)")
+    return out
+
+
+def growth_runs(args):
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GRADACCUM_BENCH_MICRO_BATCH": "32"}
+    contenders = ["local", "ddp_nosync", "gradaccum_py"]
+    rate = "1gbit"
+    quick = args.quick
+    ks = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32, 64]
+    sizes = ["small", "m1"] if quick else GROWTH_SIZES
+    out = {"rate": rate, "micro_batch": 32}
+    log(f"growth on {rate}")
+    with _netns.Cluster(nodes=2, rate=rate) as cluster:
+        r = run_python(cluster, args, ["large"], ks, contenders, 64 if not quick else 16, 1, 0, env, "growth-k")
+        m = r["models"]["large"]
+        out["k"] = {"ks": ks, "allreduce_ms": 1e3 * median(m["allreduce"]),
+                    "window_ms": {c: [1e3 * m["times"][str(k)][c][0] for k in ks] for c in contenders}}
+        r = run_python(cluster, args, sizes, [4], contenders, 8, 1, 0, env, "growth-size")
+        out["size"] = {"models": sizes, "parameters": [num_parameters(s) for s in sizes],
+                       "allreduce_ms": [1e3 * median(r["models"][s]["allreduce"]) for s in sizes],
+                       "window_ms": {c: [1e3 * r["models"][s]["times"]["4"][c][0] for s in sizes]
+                                     for c in contenders}}
+    ranks = [1, 2] if quick else [1, 2, 4]
+    out["ranks"] = {"ranks": ranks, "window_ms": {c: [] for c in contenders}, "allreduce_ms": []}
+    for n in ranks:
+        with _netns.Cluster(nodes=n, rate=rate) as cluster:
+            r = run_python(cluster, args, ["large"], [4], contenders, 8, 1 if quick else 2, 0, env,
+                           f"growth-ranks{n}")
+        m = r["models"]["large"]
+        out["ranks"]["allreduce_ms"].append(1e3 * median(m["allreduce"]))
+        for c in contenders:
+            out["ranks"]["window_ms"][c].append(1e3 * median(m["times"]["4"][c]))
+    return out
+
+
+def plot_growth(growth, path, quick):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"ddp_nosync": ("k", "o", "-"), "gradaccum_py": ("tab:blue", "s", "-"), "local": ("tab:gray", ".", ":")}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    panels = [("k", "ks", "K (micro-batches per window), large model, 2 nodes", True),
+              ("size", "parameters", "parameters (K=4, 2 nodes)", True),
+              ("ranks", "ranks", "nodes (1 process each; large model, K=4)", False)]
+    for ax, (key, xkey, xlabel, logx) in zip(axes, panels):
+        g = growth[key]
+        xs = g[xkey]
+        for c, ys in g["window_ms"].items():
+            color, marker, ls = styles[c]
+            ax.plot(xs, ys, color=color, marker=marker, ls=ls, label=LABELS[c])
+        ar = g["allreduce_ms"]
+        floor = g["window_ms"]["local"]
+        plus = [f + (a if not isinstance(ar, (int, float)) else ar) for f, a in
+                zip(floor, ar if isinstance(ar, list) else [ar] * len(floor))]
+        ax.plot(xs, plus, color="tab:red", ls="--", lw=1, label="floor + lone all-reduce (no overlap)")
+        if logx:
+            ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(xs)
+        ax.set_xticklabels([f"{x / 1e6:.1f}M" if key == "size" else str(x) for x in xs])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("time per window (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Window time growth, Gloo over veth links throttled to {growth['rate']} "
+                 f"(network namespaces, torchrun c10d){', quick run' if quick else ''}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def markdown(result, png_rel):
+    lines = []
+    if result.get("skipped"):
+        return f"**Throttled multi-node link: not measured** ({result['skipped']}).\n"
+    links = result["links"]
+    ks = result["ks"]
+    first = links[0]
+    lines += [
+        f"**Hidden all-reduce on a throttled multi-node link.** Each node is a network namespace with one "
+        f"veth link ({first['shaper']}), one torchrun per node (`--nnodes=N --nproc_per_node=1 "
+        f"--rdzv-backend=c10d`), one process per node with 1 thread, Gloo; the large model "
+        f"({num_parameters('large'):,} parameters, 42 MiB of gradients), micro-batches of "
+        f"{result.get('micro_batch', NET_MICRO_BATCH)} rows; bucket caps {result.get('bucket_cap_mb', 4):g} MiB "
+        f"(first 1 MiB) for both. "
+        f"Hidden fraction = (floor + lone all-reduce − window) / lone all-reduce, per block, "
+        f"median [min–max]; the C++ contender against the C++ floor. Ceiling = one local backward / "
+        f"all-reduce: only the window's last backward can hide communication.",
+        "",
+        "| link | lone all-reduce (ms) | backward (ms) | ceiling | K | DDP + no_sync | gradaccum (Python) | "
+        "gradaccum (C++) | floor Py / C++ (ms) | windows DDP / Py / C++ (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def frac(cell):
+        if not cell or "hidden" not in cell:
+            return "—"
+        return f"{cell['hidden']:.2f} [{cell['hidden_min']:.2f}–{cell['hidden_max']:.2f}]"
+
+    def ms(cell):
+        return f"{cell['window_ms']:.0f}" if cell else "—"
+
+    for s in links:
+        for k in ks:
+            c = s["cells"][str(k)]
+            lines.append(
+                f"| {s['nodes']} nodes, {s['rate']} ({s['blocks']} blocks) | {s['allreduce_ms']:.0f} | "
+                f"{s['backward_ms']:.0f} | {s['ceiling']:.2f} | {k} | {frac(c.get('ddp_nosync'))} | "
+                f"{frac(c.get('gradaccum_py'))} | {frac(c.get('gradaccum_cpp'))} | "
+                f"{ms(c.get('local'))} / {ms(c.get('local_cpp'))} | {ms(c.get('ddp_nosync'))} / "
+                f"{ms(c.get('gradaccum_py'))} / {ms(c.get('gradaccum_cpp'))} |")
+    lines.append("")
+    lines += ["Targets (hidden fraction, per link and K):", "", "| | target | measured |", "|---|---|---|"]
+    for t in result["targets"]:
+        lines.append(f"| {t['result']} | {t['target']} | {t['detail']} |")
+    lines.append("")
+    if result.get("growth"):
+        g = result["growth"]
+        lines += [f"**Growth** (one run; Gloo over 2 nodes at {g['rate']} unless said; micro-batches of "
+                  f"{g['micro_batch']} rows; one window per point for K and size, median of 2 for ranks; "
+                  f"4 nodes share 2 cores, so their compute is slower too):", "",
+                  f"![growth]({png_rel})", ""]
+        kk = g["k"]
+        lines += ["| K | " + " | ".join(str(k) for k in kk["ks"]) + " |",
+                  "|---|" + "---:|" * len(kk["ks"])]
+        for c, ys in kk["window_ms"].items():
+            lines.append(f"| {LABELS[c]} (ms) | " + " | ".join(f"{y:.0f}" for y in ys) + " |")
+        sz = g["size"]
+        lines += ["", "| parameters (K=4) | " + " | ".join(f"{p / 1e6:.1f}M" for p in sz["parameters"]) + " |",
+                  "|---|" + "---:|" * len(sz["parameters"]),
+                  "| lone all-reduce (ms) | " + " | ".join(f"{a:.0f}" for a in sz["allreduce_ms"]) + " |"]
+        for c, ys in sz["window_ms"].items():
+            lines.append(f"| {LABELS[c]} (ms) | " + " | ".join(f"{y:.0f}" for y in ys) + " |")
+        rk = g["ranks"]
+        lines += ["", "| nodes (large, K=4) | " + " | ".join(str(r) for r in rk["ranks"]) + " |",
+                  "|---|" + "---:|" * len(rk["ranks"]),
+                  "| lone all-reduce (ms) | " + " | ".join(f"{a:.0f}" for a in rk["allreduce_ms"]) + " |"]
+        for c, ys in rk["window_ms"].items():
+            lines.append(f"| {LABELS[c]} (ms) | " + " | ".join(f"{y:.0f}" for y in ys) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def check_targets(links, ks):
+    out = []
+    for s in links:
+        for k in ks:
+            c = s["cells"][str(k)]
+            ddp = c.get("ddp_nosync", {}).get("hidden")
+            for name in ("gradaccum_py", "gradaccum_cpp"):
+                cell = c.get(name)
+                if not cell or ddp is None:
+                    continue
+                h = cell["hidden"]
+                ok = h >= ddp and h >= 0.5
+                why = []
+                if h < ddp:
+                    why.append(f"below DDP's {ddp:.2f}")
+                if h < 0.5:
+                    why.append("below 0.50" + (f"; the ceiling here is {s['ceiling']:.2f} (one backward "
+                                               f"{s['backward_ms']:.0f} ms vs all-reduce {s['allreduce_ms']:.0f} ms)"
+                                               if s["ceiling"] < 0.5 else ""))
+                out.append({"target": f"{LABELS[name]} hidden >= max(DDP, 0.50), {s['nodes']} nodes {s['rate']}, "
+                                      f"K={k}",
+                            "result": "PASS" if ok else "MISS",
+                            "detail": f"{h:.2f} vs DDP {ddp:.2f}" + (f" ({'; '.join(why)})" if why else "")})
+    return out
+
+
+def run(args):
+    reason = _netns.unavailable_reason()
+    if reason:
+        log(f"bench_net: skipped, network namespaces unavailable: {reason}")
+        return {"skipped": reason}
+    os.makedirs(args.log_dir, exist_ok=True)
+    ks = [int(k) for k in args.net_ks.split(",")]
+    configs = []
+    for item in (args.links or ("2:1gbit" if args.quick else "2:1gbit,2:10gbit,4:1gbit")).split(","):
+        nodes, rate = item.split(":")
+        configs.append((int(nodes), rate, int(nodes) == 2))  # C++ on 2 nodes (time)
+    t0 = time.perf_counter()
+    links = link_runs(args, configs, ks)
+    growth = None if args.no_growth else growth_runs(args)
+    return {"ks": ks, "links": links, "targets": check_targets(links, ks), "growth": growth,
+            "bucket_cap_mb": args.bucket_cap_mb,
+            "micro_batch": args.micro_batch, "seconds": time.perf_counter() - t0}
+
+
+def add_arguments(p):
+    p.add_argument("--delay", default="0.2ms", help="one-way delay per link where the kernel has netem")
+    p.add_argument("--allreduce-reps", type=int, default=10)
+    p.add_argument("--no-growth", action="store_true")
+    p.add_argument("--bucket-cap-mb", type=float, default=4.0,
+                   help="bucket cap of DDP and gradaccum alike on the throttled links (default 4)")
+    p.add_argument("--micro-batch", type=int, default=NET_MICRO_BATCH,
+                   help=f"rows per micro-batch on the throttled links (default {NET_MICRO_BATCH})")
+    p.add_argument("--net-ks", default="1,4,16", help="values of K on the throttled links")
+    p.add_argument("--links", default=None,
+                   help="NODES:RATE,... (default 2:1gbit,2:10gbit,4:1gbit; --quick: 2:1gbit)")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpp-bench", default=os.path.join(ROOT, "build", "bench", "bench_window"))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--log-dir", default=os.path.join(ROOT, "build", "bench-logs"))
+    p.add_argument("--out", default=None, help="JSON output (default: print only)")
+    add_arguments(p)
+    args = p.parse_args()
+    if args.cpp_bench and not os.access(args.cpp_bench, os.X_OK):
+        log(f"warning: {args.cpp_bench} not built: no C++ contender")
+        args.cpp_bench = None
+    result = run(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        if result.get("growth"):
+            plot_growth(result["growth"], os.path.splitext(args.out)[0] + "-growth.png", args.quick)
+    print(markdown(result, "growth.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
