@@ -25,8 +25,10 @@ Lightning's own accumulation:
 - the Accumulator's state goes into Lightning's checkpoints and comes back on
   resume.
 
-Precision: ``32-true``, ``64-true``, ``bf16-mixed`` (and the ``*-true`` half
-precisions). ``16-mixed`` needs a loss scaler, which the Accumulator does not
+Precision: ``32-true``, ``64-true``, ``bf16-mixed``, ``16-mixed`` (the precision
+plugin's GradScaler becomes the Accumulator's ``grad_scaler``; once per window
+it unscales, skips an overflow window and updates) and the ``*-true`` half
+precisions. Previously ``16-mixed`` needed a loss scaler, which the Accumulator did not
 have yet: it is refused with an error. Manual optimization is refused too: use
 ``gradaccum.Accumulator`` in ``training_step`` directly there.
 
@@ -142,14 +144,9 @@ class GradaccumStrategy(DDPStrategy):
     # ------------------------------------------------------------------ set-up
 
     def _configure_launcher(self) -> None:
-        # The Trainer has set the precision plugin by now: refuse what cannot
-        # work before any process is launched.
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "GradaccumStrategy: precision='16-mixed' needs a loss (gradient) scaler, and "
-                "gradaccum's Accumulator has none yet: use precision='bf16-mixed', "
-                "'32-true' or '16-true'"
-            )
+        # precision="16-mixed": the precision plugin's GradScaler is handed to the
+        # Accumulator (grad_scaler=), which scales each micro-step's loss,
+        # unscales the reduced window gradient and updates once per window.
         super()._configure_launcher()
 
     def configure_ddp(self) -> None:
@@ -188,10 +185,12 @@ class GradaccumStrategy(DDPStrategy):
                 "GradaccumStrategy does not call configure_gradient_clipping: the Accumulator clips "
                 "the window's gradient once, by norm, to the Trainer's gradient_clip_val"
             )
+        scaler = getattr(self.precision_plugin, "scaler", None)
         self.accumulator = Accumulator(
             module,
             self.optimizers[0],
             steps=steps,
+            grad_scaler=scaler,
             reduction=self.reduction,
             max_grad_norm=float(clip) if clip else None,
             nonfinite=self.nonfinite,

@@ -108,6 +108,10 @@ SCENARIOS = {
                       clip=0.05, schedule=True, nan_at=(0, 1, 1)),
     "bf16": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=4, steps=2, epochs=3,
                  dtype="float32", precision="bf16-mixed"),
+    # 16-mixed through Lightning's own MixedPrecision plugin and its GradScaler (on CPU
+    # precision="16-mixed" would become bf16, so the plugin is given explicitly)
+    "fp16": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=4, steps=2, epochs=3,
+                 dtype="float32", fp16_plugin=True),
     # checkpoint (ModelCheckpoint, at the end of epoch 0) and resume to epoch 2
     "ckpt_full": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2),
     "ckpt_first": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=1,
@@ -128,6 +132,7 @@ SCENARIOS = {
 def run(name, out_dir):
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.plugins.precision import MixedPrecision
 
     from gradaccum.lightning import CHECKPOINT_KEY, GradaccumStrategy
 
@@ -179,7 +184,9 @@ def run(name, out_dir):
         callbacks.append(SaveMidWindow())
     strategy = "ddp" if cfg.get("ddp") else GradaccumStrategy(reduction=reduction)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=strategy, precision=cfg.get("precision", "32-true"),
+        accelerator="cpu", devices=WORLD, strategy=strategy, precision=cfg.get("precision"),
+        plugins=[MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 17))]
+        if cfg.get("fp16_plugin") else None,
         accumulate_grad_batches=cfg["steps"], max_epochs=cfg["epochs"], gradient_clip_val=cfg.get("clip"),
         logger=False, enable_checkpointing=bool(cfg.get("checkpoint")), callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -197,10 +204,13 @@ def run(name, out_dir):
                 acc = getattr(trainer.strategy, "accumulator", None)
                 if acc is not None:
                     accumulator["stats"] = acc.stats()
+                    scaler = getattr(acc, "grad_scaler", None)
+                    accumulator["scale"] = None if scaler is None else scaler.get_scale()
 
         trainer.callbacks.append(Grab())
         trainer.fit(model, loader, ckpt_path=ckpt_path)
         result["stats"] = accumulator.get("stats")
+        result["scale"] = accumulator.get("scale")
     except Exception as e:  # noqa: BLE001 - the parent asserts on it
         result["error"] = f"{type(e).__name__}: {e}"
     result["params"] = [p.detach().clone() for p in model.net.parameters()]

@@ -106,17 +106,24 @@ def test_bf16_mixed_trains(runs):
         assert moved > 0.05 and error < moved / 10, (moved, error)
 
 
-def test_16_mixed_is_refused_until_there_is_a_loss_scaler():
-    import lightning.pytorch as pl
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    from gradaccum.lightning import GradaccumStrategy
-
-    # On CPU Lightning turns precision="16-mixed" into bf16; on CUDA it is this
-    # plugin, with a GradScaler. Refused when the Trainer is built, before any launch.
-    with pytest.raises(ValueError, match="16-mixed.*needs a loss.*scaler.*bf16-mixed"):
-        pl.Trainer(accelerator="cpu", devices=2, strategy=GradaccumStrategy(),
-                   plugins=[MixedPrecision("16-mixed", device="cpu")], logger=False, enable_checkpointing=False)
+def test_16_mixed_trains_through_the_accumulators_grad_scaler(runs):
+    """Lightning's MixedPrecision("16-mixed") plugin: its GradScaler becomes the
+    Accumulator's; an initial scale of 2**17 overflows fp16, so the scale backs
+    off (windows skipped on every rank alike) and training then follows the
+    float32 big batch."""
+    ref, _ = reference("fp16", dtype=torch.float32)
+    init = [p.detach() for p in worker.mlp(torch.float32).parameters()]
+    results = ok(runs("fp16"))
+    for r in results:
+        assert r["output_dtypes"] == ["torch.float16"]  # autocast was on
+        assert r["scale"] < 2.0 ** 17 and r["stats"]["skipped_steps"] > 0
+        assert r["stats"]["optimizer_steps"] + r["stats"]["skipped_steps"] == r["stats"]["windows"]
+        assert all(torch.isfinite(p).all() for p in r["params"])
+        moved = max(float((p - q).abs().max()) for p, q in zip(ref, init))
+        error = max(float((p - q).abs().max()) for p, q in zip(r["params"], ref))
+        assert moved > 0.05 and error < moved, (moved, error)
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
 
 
 def test_checkpoint_at_a_window_boundary_resumes_exactly(runs):
