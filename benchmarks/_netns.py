@@ -22,6 +22,7 @@ hosts file naming the host name as its own 10.77.0.x; the Python (torch) and
 C++ (gradaccum::init_process_group_from_env) Gloo groups then both bind eth0.
 """
 import os
+import re
 import shutil
 import signal
 import socket
@@ -83,6 +84,24 @@ def unavailable_reason() -> Optional[str]:
         _ip("netns", "del", probe, check=False)
 
 
+_OURS = re.compile(r"^ga(\d+)x\d+(n\d+|sw)$")
+
+
+def remove_stale() -> None:
+    """Remove namespaces a killed run of ours left behind (named after its pid, now gone).
+
+    A run killed by a signal (a CI timeout) skips its clean-up; its processes
+    are gone once its pid is, and so is any use of its namespaces.
+    """
+    r = _ip("netns", "list", check=False)
+    for line in r.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _OURS.match(name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _ip("netns", "del", name, check=False)
+            shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
+
+
 class Cluster:
     """`nodes` namespaces on one subnet; links throttled to `rate` (None: unthrottled)."""
 
@@ -92,7 +111,7 @@ class Cluster:
         self.nodes = nodes
         self.rate = rate
         self.delay = delay
-        tag = f"ga{os.getpid() % 100000}x{int(time.monotonic() * 1000) % 1000}"
+        tag = f"ga{os.getpid()}x{int(time.monotonic() * 1000) % 1000}"
         self.names = [f"{tag}n{i}" for i in range(nodes)]
         self.switch = f"{tag}sw" if nodes > 2 else None
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(nodes)]
@@ -118,6 +137,7 @@ class Cluster:
         _ip("-n", name, "link", "set", "lo", "up")
 
     def _setup(self) -> None:
+        remove_stale()
         host = socket.gethostname()
         for i, ns in enumerate(self.names):
             self._add_ns(ns)
