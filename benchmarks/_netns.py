@@ -221,8 +221,24 @@ class Cluster:
 
 
 def run_torchrun(cluster: Cluster, argv: Sequence[str], python: str, timeout: float, no_python: bool = False,
-                 env: Optional[dict] = None, port: int = 29400) -> List[subprocess.CompletedProcess]:
-    """Launch `argv` under torchrun on every node of `cluster`; wait (bounded) for all."""
+                 env: Optional[dict] = None, port: int = 29400, attempts: int = 2) -> List[subprocess.CompletedProcess]:
+    """Launch `argv` under torchrun on every node of `cluster`; wait (bounded) for all.
+
+    torchrun starts its workers in sessions of their own, so killing a launcher
+    leaves them (and the pipes they hold) alive: on a time-out every process in
+    the cluster's namespaces is killed. A launch that timed out (an emulated
+    rendezvous that never formed, seen about once in a few dozen launches) is
+    tried again, with a fresh rendezvous id and port, up to `attempts` times;
+    a launch that ran and failed is returned as it is."""
+    for attempt in range(attempts):
+        results = _launch(cluster, argv, python, timeout, no_python, env, port + 100 * attempt)
+        if not any(r.returncode == -9 and "[timed out" in r.stderr for r in results):
+            return results
+    return results
+
+
+def _launch(cluster: Cluster, argv: Sequence[str], python: str, timeout: float, no_python: bool,
+            env: Optional[dict], port: int) -> List[subprocess.CompletedProcess]:
     run_id = f"ga{os.getpid()}{int(time.time() * 1000) % 100000}"
     full_env = dict(os.environ, **(env or {}))
     procs = [subprocess.Popen(cluster.torchrun(i, argv, python, port, run_id, no_python), env=full_env,
@@ -236,21 +252,40 @@ def run_torchrun(cluster: Cluster, argv: Sequence[str], python: str, timeout: fl
             try:
                 out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                kill_cluster_processes(cluster)
                 kill_session(p)
-                out, err = p.communicate()
+                try:
+                    out, err = p.communicate(timeout=10)
+                except subprocess.TimeoutExpired:
+                    out, err = "", ""
                 err += f"\n[timed out after {timeout:.0f} s]"
-                p.returncode = p.returncode if p.returncode is not None else -9
+                p.returncode = -9
             results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     finally:
         for p in procs:
             kill_session(p)
+        kill_cluster_processes(cluster)
     return results
 
 
+def kill_cluster_processes(cluster: Cluster) -> None:
+    """SIGKILL every process inside the cluster's namespaces (workers included)."""
+    for name in cluster.names:
+        r = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+        for pid in r.stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, ValueError):
+                pass
+
+
 def kill_session(p: subprocess.Popen) -> None:
-    """Kill a launcher started with start_new_session=True and its workers (its session)."""
+    """Kill a launcher started with start_new_session=True (its own session)."""
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    p.wait()
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
