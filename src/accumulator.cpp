@@ -523,8 +523,16 @@ bool Accumulator::flush() {
   check_open("flush()");
   TORCH_CHECK(optimizer_step_,
       "flush(): this Accumulator has no optimizer (pass one to the constructor)");
-  if (window_ready_ || micro_step_ > 0) {
-    check_gradients_untouched("flush()", /*allow_in_place=*/window_ready_);
+  if (window_ready_) {
+    check_gradients_untouched("flush()", /*allow_in_place=*/true);
+  } else if (micro_step_ > 0 && !window_failed_) {
+    if (reducer_ && grad_versions() != remembered_) {
+      // The flush collective must still run on every rank: drop the window there.
+      window_failed_ = true;
+      window_failure_ = AbortReason::GradientsChanged;
+    } else if (!reducer_) {
+      check_gradients_untouched("flush()", /*allow_in_place=*/false);
+    }
   }
   bool stepped = false;
   if (window_ready_) {
