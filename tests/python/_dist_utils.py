@@ -54,6 +54,14 @@ def _entry(rank, world_size, port, name, out_dir, pg_timeout, backend, kwargs, m
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # The job ran and its result is saved: leave without the interpreter's
+    # teardown. A rare worker abort ("terminate called without an active
+    # exception", once in several suite runs; cause not found) is suspected to
+    # come from there. A job that fails still raises above and fails the test.
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_job(name, world_size, out_dir, *, timeout=150, pg_timeout=DEFAULT_PG_TIMEOUT,
