@@ -219,7 +219,11 @@ void Accumulator::remember_gradients() {
 }
 
 void Accumulator::check_gradients_untouched(const char* what, bool allow_in_place) const {
-  const auto now = grad_versions();
+  check_gradients_untouched(what, allow_in_place, grad_versions());
+}
+
+void Accumulator::check_gradients_untouched(
+    const char* what, bool allow_in_place, const std::vector<std::pair<const void*, int64_t>>& now) const {
   for (const auto i : c10::irange(params_.size())) {
     const bool replaced = now[i].first != remembered_[i].first;
     const bool changed = replaced || now[i].second != remembered_[i].second;
@@ -289,16 +293,19 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
         to_string(options_.reduction()), "')");
   }
   check_requires_grad();
+  // One look at the gradients serves the mid-window check here and, should
+  // backward fail, the question whether it reached .grad.
+  const auto before = grad_versions();
   if (micro_step_ > 0 && !window_failed_) {
     if (reducer_) {
       // Data parallel, the window must still close on every rank together:
       // it is dropped on every rank then, each naming this rank's mistake.
-      if (grad_versions() != remembered_) {
+      if (before != remembered_) {
         window_failed_ = true;
         window_failure_ = AbortReason::GradientsChanged;
       }
     } else {
-      check_gradients_untouched("backward()", /*allow_in_place=*/false);
+      check_gradients_untouched("backward()", /*allow_in_place=*/false, before);
     }
   }
   if (epoch_ended_) {
@@ -328,7 +335,6 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
   const bool closes = sync_gradients();
   if (!closes) {
     NoSync local(reducer_.get());
-    const auto before = reducer_ ? decltype(grad_versions()){} : grad_versions();
     try {
       scaled.backward();
     } catch (...) {
@@ -394,7 +400,6 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     // and this rank's flush() must not reduce again.
     epoch_ended_ = result.flushing_ranks > 0;
   } else {
-    const auto before = grad_versions();
     try {
       scaled.backward();
     } catch (...) {

@@ -199,6 +199,8 @@ class Accumulator {
   void accumulate_wide();
   void check_open(const char* what) const;
   void check_gradients_untouched(const char* what, bool allow_in_place) const;
+  void check_gradients_untouched(const char* what, bool allow_in_place,
+                                 const std::vector<std::pair<const void*, int64_t>>& now) const;
   void remember_gradients();
   void check_requires_grad() const;
   void reset_window();

@@ -92,10 +92,10 @@ def tower_batches(seed, rank, world_size, windows, steps, equal):
     return data
 
 
-def tower_reference(seed, world_size, windows, steps, equal, skip):
-    model = tower(seed, equal)
+def big_batch_run(model, windows, skip=None):
+    """One process: one backward on each window's global batch, one SGD step."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for w, window in enumerate(tower_batches(seed, 0, world_size, windows, steps, equal)):
+    for w, window in enumerate(windows):
         if w == skip:
             continue
         x = torch.cat([b[0] for micro in window for b in micro])
@@ -104,6 +104,10 @@ def tower_reference(seed, world_size, windows, steps, equal, skip):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return du.params(model)
+
+
+def tower_reference(seed, world_size, windows, steps, equal, skip):
+    return big_batch_run(tower(seed, equal), tower_batches(seed, 0, world_size, windows, steps, equal), skip)
 
 
 class Boom(RuntimeError):
@@ -248,15 +252,8 @@ def reentrant(rank, world_size, *, seed, windows):
 
 
 def reentrant_reference(seed, world_size, windows):
-    model = Checkpointed(seed, reentrant=None)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for window in tower_batches(seed, 0, world_size, windows, STEPS, equal=False):
-        x = torch.cat([b[0] for micro in window for b in micro])
-        y = torch.cat([b[1] for micro in window for b in micro])
-        (model(x) - y).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return du.params(model)
+    return big_batch_run(Checkpointed(seed, reentrant=None),
+                         tower_batches(seed, 0, world_size, windows, STEPS, equal=False))
 
 
 # --------------------------------------------------------------------------- #
