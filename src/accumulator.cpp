@@ -151,7 +151,8 @@ Accumulator::Accumulator(
     reducer_ = std::make_unique<Reducer>(
         params_, options_.process_group(), options_.reducer(),
         std::move(model.buffers), std::move(model.names),
-        WindowRule{options_.steps(), options_.reduction(), options_.accumulate_dtype()});
+        WindowRule{options_.steps(), options_.reduction(), options_.accumulate_dtype(),
+                   options_.comm_dtype(), options_.error_feedback()});
   } else if (const auto wide = options_.accumulate_dtype()) {
     // One process: the window's sums of narrower gradients live here.
     for (const auto& p : params_) {
@@ -718,6 +719,10 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   TORCH_CHECK(micro_step_ == 0 || !options_.accumulate_dtype(),
       "state_dict(): a checkpoint in the middle of a window is not supported with "
       "accumulate_dtype yet; save at a window boundary (micro_step 0)");
+  TORCH_CHECK(!(reducer_ && rank_independent && micro_step_ > 0 && reducer_->compressing()),
+      "state_dict(): a rank-independent checkpoint in the middle of a window is not supported "
+      "with comm_dtype (the half-done window would be rounded to the wire's dtype); save at a "
+      "window boundary (micro_step 0), or use state_dict(rank_independent=False)");
   if (reducer_ && rank_independent && micro_step_ > 0) {
     // Sum the half-done window over ranks; each rank keeps 1/world of it, so
     // any rank's state, loaded everywhere, sums back to the same window.
@@ -752,6 +757,9 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
     const auto progress = reducer_->progress();
     state.reducer = progress.stats;
     state.reducer_sequence = progress.sequence;
+    if (!state.rank_independent && options_.error_feedback()) {
+      state.residuals = reducer_->residuals(); // a rank's own: see AccumulatorState
+    }
   }
   return state;
 }
@@ -815,6 +823,12 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
           "load_state_dict: gradient ", i, " is ", g.scalar_type(), " ", g.sizes(),
           " but the parameter is ", params_[i].scalar_type(), " ", params_[i].sizes());
     }
+  }
+  TORCH_CHECK_VALUE(state.residuals.empty() || (reducer_ && !state.rank_independent),
+      "load_state_dict: the state holds error-feedback residuals, which belong to one rank's "
+      "per-rank state (rank_independent=False) of a data-parallel Accumulator");
+  if (reducer_) {
+    reducer_->set_residuals(state.residuals); // all or nothing; the last check that can fail
   }
   clear_gradients();
   {
@@ -893,6 +907,12 @@ void Accumulator::save(torch::serialize::OutputArchive& archive) {
     archive.write(key + ".defined", c10::IValue(state.grads[i].defined()));
     archive.write(key, state.grads[i].defined() ? state.grads[i] : at::empty({0}), /*is_buffer=*/true);
   }
+  archive.write("gradaccum.residuals", c10::IValue(static_cast<int64_t>(state.residuals.size())));
+  for (const auto i : c10::irange(state.residuals.size())) {
+    const auto key = "gradaccum.residual." + std::to_string(i);
+    archive.write(key + ".defined", c10::IValue(state.residuals[i].defined()));
+    archive.write(key, state.residuals[i].defined() ? state.residuals[i] : at::empty({0}), /*is_buffer=*/true);
+  }
 }
 
 void Accumulator::load(torch::serialize::InputArchive& archive) {
@@ -925,6 +945,16 @@ void Accumulator::load(torch::serialize::InputArchive& archive) {
     archive.read(key + ".defined", value);
     archive.read(key, grad, /*is_buffer=*/true);
     state.grads.push_back(value.toBool() ? grad : at::Tensor());
+  }
+  if (archive.try_read("gradaccum.residuals", value)) { // archives before 0.2 have none
+    const auto residuals = value.toInt();
+    for (int64_t i = 0; i < residuals; ++i) {
+      at::Tensor residual;
+      const auto key = "gradaccum.residual." + std::to_string(i);
+      archive.read(key + ".defined", value);
+      archive.read(key, residual, /*is_buffer=*/true);
+      state.residuals.push_back(value.toBool() ? residual : at::Tensor());
+    }
   }
   load_state_dict(state);
 }

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <map>
 #include <tuple>
 
@@ -45,29 +46,88 @@ std::vector<std::vector<size_t>> assign_buckets(
   return closed;
 }
 
+namespace {
+
+// Integers a half-precision dtype holds exactly: 2^(significand bits).
+int64_t exact_integers(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? 256 : 2048;
+}
+
+// The digit width b of Note [Bucket meta layout]: the largest with
+// world * (2^b - 1) exact in `dtype`; 0 when not even bits are.
+int digit_bits_for(at::ScalarType dtype, int world) {
+  int bits = 0;
+  while (bits < 16 && static_cast<int64_t>(world) * ((int64_t{2} << bits) - 1) <= exact_integers(dtype)) {
+    ++bits;
+  }
+  return bits;
+}
+
+// Fixed-point bits of each header field: the weight may be fractional (items,
+// a checkpoint's 1/world share); every other field is an integer below 2^32.
+constexpr int kWeightFractionBits = 32;
+int field_bits(int64_t field) {
+  return field == kWeight ? 63 : 32;
+}
+int field_fraction_bits(int64_t field) {
+  return field == kWeight ? kWeightFractionBits : 0;
+}
+int64_t field_digits(int64_t field, int bits) {
+  return (field_bits(field) + bits - 1) / bits;
+}
+int64_t header_digits(int bits) {
+  int64_t total = 0;
+  for (int64_t f = 0; f < kMetaHeader; ++f) {
+    total += field_digits(f, bits);
+  }
+  return total;
+}
+
+} // namespace
+
+double Bucket::max_meta_value(MetaField field) {
+  return std::ldexp(1.0, field_bits(field) - field_fraction_bits(field)) - 1;
+}
+
 Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices,
-               std::optional<at::ScalarType> accumulate)
+               const BucketConfig& config)
     : params(std::move(indices)) {
   TORCH_INTERNAL_ASSERT(!params.empty());
+  TORCH_INTERNAL_ASSERT(config.world >= 1);
   const auto& first = all[params.front()];
   int64_t numel = 0;
   for (size_t index : params) {
     numel += all[index].numel();
   }
   const auto n = static_cast<int64_t>(params.size());
+  const auto& accumulate = config.accumulate_dtype;
   const auto dtype = accumulate && at::elementSize(*accumulate) > first.element_size()
       ? *accumulate : first.scalar_type();
-  meta_in_buffer = dtype == at::kFloat || dtype == at::kDouble;
   accumulating = dtype != first.scalar_type();
+  const auto wire_dtype = config.comm_dtype.value_or(dtype);
+  compressed = wire_dtype != dtype;
+  if (wire_dtype == at::kHalf || wire_dtype == at::kBFloat16) {
+    digit_bits = digit_bits_for(wire_dtype, config.world);
+    encoding = digit_bits > 0 ? MetaEncoding::kDigits : MetaEncoding::kSeparate;
+  }
+  const auto meta_numel = (encoding == MetaEncoding::kDigits ? header_digits(digit_bits) : kMetaHeader) + n;
+  const auto tail = encoding == MetaEncoding::kSeparate ? 0 : meta_numel;
   const auto options = first.options().dtype(dtype).requires_grad(false);
-  if (meta_in_buffer) {
-    buffer = at::zeros({numel + kMetaHeader + n}, options);
-    meta = buffer.narrow(0, numel, kMetaHeader + n);
-  } else {
+  if (compressed) {
     buffer = at::zeros({numel}, options);
-    meta = at::zeros({kMetaHeader + n}, options.dtype(at::kFloat));
+    wire = at::zeros({numel + tail}, options.dtype(wire_dtype));
+  } else {
+    buffer = at::zeros({numel + tail}, options);
+    wire = buffer;
   }
   gradients = buffer.narrow(0, 0, numel);
+  wire_gradients = wire.narrow(0, 0, numel);
+  meta = encoding == MetaEncoding::kSeparate
+      ? at::zeros({meta_numel}, options.dtype(at::kFloat))
+      : wire.narrow(0, numel, meta_numel);
+  if (config.error_feedback && compressed) {
+    residual = at::zeros({numel}, options);
+  }
   int64_t offset = 0;
   views.reserve(params.size());
   for (size_t index : params) {
@@ -84,11 +144,64 @@ Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices,
 }
 
 int64_t Bucket::bytes() const {
-  int64_t total = buffer.numel() * static_cast<int64_t>(buffer.element_size());
-  if (!meta_in_buffer) {
+  int64_t total = wire.numel() * static_cast<int64_t>(wire.element_size());
+  if (encoding == MetaEncoding::kSeparate) {
     total += meta.numel() * static_cast<int64_t>(meta.element_size());
   }
   return total;
+}
+
+void Bucket::write_meta(const std::vector<double>& values) {
+  const auto n = static_cast<int64_t>(params.size());
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(values.size()) == kMetaHeader + n);
+  if (encoding != MetaEncoding::kDigits) {
+    meta.copy_(at::from_blob(const_cast<double*>(values.data()),
+                             {static_cast<int64_t>(values.size())}, at::kDouble));
+    return;
+  }
+  std::vector<double> encoded;
+  encoded.reserve(static_cast<size_t>(meta.numel()));
+  const uint64_t digit_mask = (uint64_t{1} << digit_bits) - 1;
+  for (int64_t f = 0; f < kMetaHeader; ++f) {
+    const double v = values[static_cast<size_t>(f)];
+    TORCH_INTERNAL_ASSERT(v >= 0 && v <= max_meta_value(static_cast<MetaField>(f)),
+        "gradaccum: meta field ", f, " = ", v, " is out of the encodable range");
+    auto fixed = static_cast<uint64_t>(std::llround(std::ldexp(v, field_fraction_bits(f))));
+    for (int64_t d = 0; d < field_digits(f, digit_bits); ++d) {
+      encoded.push_back(static_cast<double>(fixed & digit_mask));
+      fixed >>= digit_bits;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    encoded.push_back(values[static_cast<size_t>(kMetaHeader + i)] != 0 ? 1.0 : 0.0);
+  }
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(encoded.size()) == meta.numel());
+  meta.copy_(at::from_blob(encoded.data(), {meta.numel()}, at::kDouble));
+}
+
+std::vector<double> Bucket::read_meta() const {
+  const auto host = meta.to(at::kDouble).cpu().contiguous();
+  const double* data = host.data_ptr<double>();
+  const auto n = static_cast<int64_t>(params.size());
+  if (encoding != MetaEncoding::kDigits) {
+    return std::vector<double>(data, data + kMetaHeader + n);
+  }
+  std::vector<double> values;
+  values.reserve(static_cast<size_t>(kMetaHeader + n));
+  int64_t at = 0;
+  for (int64_t f = 0; f < kMetaHeader; ++f) {
+    // Each digit's sum is an exact integer; recombined in double: exact for
+    // the integer fields, within 2^-53 relative for the weight.
+    double value = 0;
+    for (int64_t d = 0; d < field_digits(f, digit_bits); ++d) {
+      value += std::ldexp(data[at++], static_cast<int>(d * digit_bits) - field_fraction_bits(f));
+    }
+    values.push_back(value);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    values.push_back(data[at++]);
+  }
+  return values;
 }
 
 } // namespace gradaccum

@@ -75,6 +75,14 @@ void AccumulatorOptions::validate() const {
         "accumulate_dtype and gradient_as_bucket_view exclude each other: a bucket of the "
         "accumulation dtype cannot be a bf16/fp16 parameter's .grad");
   }
+  if (comm_dtype_) {
+    TORCH_CHECK_VALUE(*comm_dtype_ == at::kBFloat16 || *comm_dtype_ == at::kHalf ||
+                      *comm_dtype_ == at::kFloat,
+        "Invalid comm_dtype: ", *comm_dtype_, " (bfloat16, float16 or float32)");
+  }
+  TORCH_CHECK_VALUE(!error_feedback_ || comm_dtype_,
+      "error_feedback=True needs a comm_dtype: it keeps what compressing the gradients to "
+      "comm_dtype loses");
 }
 
 } // namespace gradaccum

@@ -188,6 +188,15 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   bool aborted_here = false; ///< this rank dropped the last reduction itself
   std::string failure; ///< why the last reduction dropped its window ("" if it did not)
   int64_t sequence = 0; ///< reductions completed: the next one's window number
+  /// comm_dtype: each rank multiplies its gradients by this before compressing
+  /// (so that fp16 cannot overflow in the sum): 1 / the expected global weight,
+  /// fixed when the reduction begins (Note [Scaling before the sum]).
+  double prescale = 1.0;
+  /// The global weight of the last window reduced (the same on every rank); 0
+  /// before the first. The expected weight of the next items window.
+  double last_weight = 0;
+  /// Each bucket's summed meta (Note [Bucket meta layout]), read once per reduction.
+  std::vector<std::vector<double>> summed_meta;
   ReductionResult last_result;
   ReducerStats stats;
 
@@ -229,7 +238,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void check_consensus(const at::Tensor& headers);
   void drop_window();
   void end_reduction(bool window_closed = true);
-  void write_back(Bucket& bucket, bool divide, const at::Tensor& divisor);
+  void write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor);
+  void compress(Bucket& bucket);
+  void read_all_meta();
   std::string window_label() const {
     return "window " + std::to_string(sequence);
   }
@@ -323,7 +334,8 @@ Reducer::Reducer(
   s.locator.resize(s.params.size());
   s.buckets.reserve(layout.size());
   for (const auto b : c10::irange(layout.size())) {
-    s.buckets.emplace_back(s.params, layout[b], rule.accumulate_dtype);
+    s.buckets.emplace_back(s.params, layout[b],
+        BucketConfig{rule.accumulate_dtype, rule.comm_dtype, s.world, rule.error_feedback});
     for (const auto slot : c10::irange(layout[b].size())) {
       s.locator[layout[b][slot]] = {b, slot};
     }
@@ -331,8 +343,11 @@ Reducer::Reducer(
   // One modulus for all buckets: the narrowest meta dtype decides.
   s.modulus = consensus_modulus(s.world, at::kDouble);
   for (const auto& bucket : s.buckets) {
-    s.modulus = std::min(s.modulus, consensus_modulus(s.world, bucket.meta.scalar_type()));
+    // Digits carry integers below 2^32, so squares of values below 2^16.
+    s.modulus = std::min(s.modulus, bucket.encoding == MetaEncoding::kDigits
+        ? int64_t{1} << 16 : consensus_modulus(s.world, bucket.meta.scalar_type()));
   }
+  s.summed_meta.resize(s.buckets.size());
   s.stats.buckets = static_cast<int64_t>(s.buckets.size());
   s.ready.assign(s.params.size(), 0);
 
@@ -395,6 +410,8 @@ void Reducer::State::check_ranks_match() {
       {"gradient_as_bucket_view", options.gradient_as_bucket_view() ? 1.0 : 0.0},
       {"broadcast_buffers", options.broadcast_buffers() ? 1.0 : 0.0},
       {"accumulate_dtype", rule.accumulate_dtype ? static_cast<double>(*rule.accumulate_dtype) : -1.0},
+      {"comm_dtype", rule.comm_dtype ? static_cast<double>(*rule.comm_dtype) : -1.0},
+      {"error_feedback", rule.error_feedback ? 1.0 : 0.0},
       {"the number of trainable parameters", static_cast<double>(n)},
   };
   // Another reducer's hooks (torch DDP) on some rank fail every rank alike.
@@ -424,6 +441,8 @@ void Reducer::State::check_ranks_match() {
       values << (r ? ", " : "") << "rank " << r << ": ";
       if (i == 1) {
         values << reduction_name(static_cast<int64_t>(v));
+      } else if (std::string(settings[i].first).find("_dtype") != std::string::npos) {
+        values << (v < 0 ? "None" : c10::toString(static_cast<at::ScalarType>(static_cast<int>(v))));
       } else {
         values << v;
       }
@@ -582,6 +601,10 @@ void Reducer::State::begin_reduction(const ReductionRequest& req, int task) {
     bucket.works.clear();
   }
   next_launch = 0;
+  // See Note [Scaling before the sum]: the same value on every rank.
+  const double expected = rule.reduction == Reduction::Items && last_weight > 0
+      ? last_weight : static_cast<double>(world) * static_cast<double>(rule.steps);
+  prescale = 1.0 / expected;
   stats.last_window_collectives = 0;
   stats.last_window_bytes = 0;
   if (task >= 0) {
@@ -693,19 +716,56 @@ void Reducer::State::launch_bucket(size_t index) {
   for (const auto slot : bucket.missing) {
     meta[kMetaHeader + slot] = 0;
   }
-  bucket.meta.copy_(at::from_blob(meta.data(), {static_cast<int64_t>(meta.size())}, at::kDouble));
+  if (bucket.compressed) {
+    compress(bucket);
+  }
+  bucket.write_meta(meta);
 
-  std::vector<at::Tensor> tensors{bucket.buffer};
+  std::vector<at::Tensor> tensors{bucket.wire};
   bucket.works.push_back(group->allreduce(tensors));
-  if (!bucket.meta_in_buffer) {
+  if (bucket.encoding == MetaEncoding::kSeparate) {
     std::vector<at::Tensor> meta_tensors{bucket.meta};
     bucket.works.push_back(group->allreduce(meta_tensors));
   }
   const auto launches = static_cast<int64_t>(bucket.works.size());
+  TORCH_INTERNAL_ASSERT(launches == bucket.collectives());
   stats.collectives += launches;
   stats.last_window_collectives += launches;
   stats.bytes_reduced += bucket.bytes();
   stats.last_window_bytes += bucket.bytes();
+}
+
+// Note [Scaling before the sum]
+// With comm_dtype, each rank sends prescale * (its gradient sum), rounded to
+// the wire's dtype, so that the sum over ranks stays near the size of one
+// gradient and fp16 cannot overflow where the float32 sum would not.
+// `prescale` is 1 / the expected global weight: world * steps, or for
+// reduction "items" the last window's global weight (the same on every rank:
+// it comes from the summed meta). Every rank must use the same value (a sum
+// of differently scaled gradients would be silently wrong): it changes only
+// at a reduction that every rank completed, and restore() resets it on every
+// rank. write_back() divides by prescale * global weight, which is exactly 1
+// for a full "mean" window.
+void Reducer::State::compress(Bucket& bucket) {
+  // In place, no temporary: the bucket's gradients are rewritten from the
+  // wire by write_back() (or cleared with a dropped window) in any case.
+  at::NoGradGuard no_grad;
+  if (bucket.residual.defined()) {
+    // Error feedback: send what was lost last time too, and keep what is lost
+    // now (unscaled: the next window's prescale may differ).
+    bucket.residual.add_(bucket.gradients).mul_(prescale);
+    bucket.wire_gradients.copy_(bucket.residual);
+    bucket.residual.sub_(bucket.wire_gradients).div_(prescale);
+  } else {
+    bucket.gradients.mul_(prescale);
+    bucket.wire_gradients.copy_(bucket.gradients);
+  }
+}
+
+void Reducer::State::read_all_meta() {
+  for (const auto b : c10::irange(buckets.size())) {
+    summed_meta[b] = buckets[b].read_meta();
+  }
 }
 
 void Reducer::State::wait_all(const char* what) {
@@ -775,18 +835,18 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
     fail(e.what());
   }
 
-  // One host read of every header (the consensus needs it; it also gives the
-  // global weight and the flags).
-  std::vector<at::Tensor> headers;
-  for (const auto& bucket : buckets) {
-    headers.push_back(bucket.header());
+  // One host read of every bucket's meta (the consensus needs it; it also
+  // gives the global weight and the flags).
+  read_all_meta();
+  auto summed = at::empty({static_cast<int64_t>(buckets.size()), kMetaHeader}, at::kDouble);
+  for (const auto b : c10::irange(buckets.size())) {
+    std::copy_n(summed_meta[b].begin(), kMetaHeader, summed[static_cast<int64_t>(b)].data_ptr<double>());
   }
-  const auto summed = at::stack(headers).to(at::kDouble).cpu();
-  const auto last = static_cast<int64_t>(buckets.size()) - 1;
+  const auto& last = summed_meta.back();
   ReductionResult result;
   result.window = sequence;
-  result.global_weight = summed[last][kWeight].item<double>();
-  result.flushing_ranks = static_cast<int64_t>(std::llround(summed[last][kFlushing].item<double>()));
+  result.global_weight = last[kWeight];
+  result.flushing_ranks = static_cast<int64_t>(std::llround(last[kFlushing]));
   last_result = result;
   last_result.dropped = true; // until the consensus holds
   check_consensus(summed);
@@ -806,9 +866,8 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
     snapshot->assign(params.size(), at::Tensor());
     for (const auto b : c10::irange(buckets.size())) {
       auto& bucket = buckets[b];
-      const auto flags = bucket.flags().cpu();
       for (const auto slot : c10::irange(bucket.params.size())) {
-        if (flags[static_cast<int64_t>(slot)].item<double>() != 0) {
+        if (summed_meta[b][kMetaHeader + slot] != 0) {
           (*snapshot)[bucket.params[slot]] = bucket.views[slot].clone();
         }
       }
@@ -820,17 +879,17 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
     return result;
   }
   ++stats.windows;
+  if (result.global_weight > 0) {
+    last_weight = result.global_weight; // Note [Scaling before the sum]
+  }
   // Collectives first: a local failure in write_back must not skip one.
   if (options.broadcast_buffers() && !buffers.empty()) {
     broadcast_from_rank0(buffers);
     ++stats.broadcasts;
   }
   const bool divide = request.divide && result.global_weight > 0;
-  // A CPU double scalar: the division runs in the gradients' compute type
-  // without rounding the divisor to a half-precision dtype first.
-  const auto divisor = at::scalar_tensor(result.global_weight, at::kDouble);
-  for (auto& bucket : buckets) {
-    write_back(bucket, divide, divisor);
+  for (const auto b : c10::irange(buckets.size())) {
+    write_back(buckets[b], summed_meta[b], divide, result.global_weight);
   }
   return result;
 }
@@ -957,8 +1016,8 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
     launch_rest();
     wait_all("dropping this rank's window");
     // Whether others were flushing still matters to this rank's epoch.
-    const auto header = buckets.back().header().to(at::kDouble).cpu();
-    last_result.flushing_ranks = static_cast<int64_t>(std::llround(header[kFlushing].item<double>()));
+    const auto header = buckets.back().read_meta();
+    last_result.flushing_ranks = static_cast<int64_t>(std::llround(header[kFlushing]));
   } catch (const std::exception& e) {
     transport = message_of(e);
   }
@@ -991,6 +1050,9 @@ void Reducer::State::drop_window() {
   at::NoGradGuard no_grad;
   for (auto& bucket : buckets) {
     bucket.gradients.zero_();
+    if (bucket.residual.defined()) {
+      bucket.residual.zero_(); // it holds part of the dropped window
+    }
     for (const auto slot : c10::irange(bucket.params.size())) {
       auto& grad = params[bucket.params[slot]].mutable_grad();
       grad = options.gradient_as_bucket_view() ? bucket.views[slot] : at::Tensor();
@@ -1012,20 +1074,31 @@ void Reducer::State::end_reduction(bool window_closed) {
   anchor_task = -1;
 }
 
-void Reducer::State::write_back(Bucket& bucket, bool divide, const at::Tensor& divisor) {
+void Reducer::State::write_back(
+    Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor) {
   const bool as_view = options.gradient_as_bucket_view();
+  if (bucket.compressed) {
+    // Back from the wire's dtype, undoing the prescale and dividing in the
+    // same pass (Note [Scaling before the sum]): exactly 1 for a full window.
+    bucket.gradients.copy_(bucket.wire_gradients);
+    const double factor = 1.0 / (prescale * (divide ? divisor : 1.0));
+    if (factor != 1.0) {
+      bucket.gradients.mul_(factor);
+    }
+    divide = false;
+  }
+  // A CPU double scalar: the division runs in the gradients' compute type
+  // without rounding the divisor to a half-precision dtype first.
+  const auto divisor_tensor = at::scalar_tensor(divisor, at::kDouble);
   // The division rides on the pass that writes .grad: in place in the bucket
   // for views, fused into the copy back otherwise.
   if (divide && as_view) {
-    bucket.gradients.div_(divisor);
+    bucket.gradients.div_(divisor_tensor);
   }
   // A parameter missing here may have a gradient elsewhere: the summed flag says.
   std::vector<char> nowhere(bucket.params.size(), 0);
-  if (!bucket.missing.empty()) {
-    const auto flags = bucket.flags().cpu();
-    for (const auto slot : bucket.missing) {
-      nowhere[slot] = flags[static_cast<int64_t>(slot)].item<double>() == 0;
-    }
+  for (const auto slot : bucket.missing) {
+    nowhere[slot] = meta[kMetaHeader + slot] == 0;
   }
   if (bucket.accumulating) {
     // Rounded once, to the parameter's dtype; the bucket starts the next window at 0.
@@ -1033,7 +1106,7 @@ void Reducer::State::write_back(Bucket& bucket, bool divide, const at::Tensor& d
       auto& grad = params[bucket.params[slot]].mutable_grad();
       const auto& p = params[bucket.params[slot]];
       grad = nowhere[slot] ? at::Tensor()
-          : (divide ? bucket.views[slot].div(divisor) : bucket.views[slot]).to(p.scalar_type());
+          : (divide ? bucket.views[slot].div(divisor_tensor) : bucket.views[slot]).to(p.scalar_type());
     }
     bucket.gradients.zero_();
     return;
@@ -1050,7 +1123,7 @@ void Reducer::State::write_back(Bucket& bucket, bool divide, const at::Tensor& d
         grad = at::empty_like(view);
       }
       if (divide) {
-        at::div_out(grad, view, divisor);
+        at::div_out(grad, view, divisor_tensor);
       } else {
         grad.copy_(view);
       }
@@ -1060,6 +1133,16 @@ void Reducer::State::write_back(Bucket& bucket, bool divide, const at::Tensor& d
 
 // ---------------------------------------------------------------------------
 // Public interface
+
+namespace {
+void check_request(const ReductionRequest& request) {
+  TORCH_CHECK_VALUE(request.weight >= 0 && std::isfinite(request.weight),
+      "Reducer: the window weight must be a finite number >= 0, got ", request.weight);
+  TORCH_CHECK_VALUE(request.weight <= Bucket::max_meta_value(kWeight),
+      "Reducer: the window weight ", request.weight, " is too large (at most ",
+      Bucket::max_meta_value(kWeight), " per rank)");
+}
+} // namespace
 
 bool Reducer::expect_hooks() const {
   return state_->expect_hooks.load();
@@ -1076,8 +1159,7 @@ ReductionRequest Reducer::manual_request() const {
 }
 
 ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest& request) {
-  TORCH_CHECK_VALUE(request.weight >= 0 && std::isfinite(request.weight),
-      "Reducer: the window weight must be a finite number >= 0, got ", request.weight);
+  check_request(request);
   // Held locally: a hook may destroy this Reducer while backward runs.
   const auto keep = state_;
   auto& s = *keep;
@@ -1163,8 +1245,7 @@ ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest
 ReductionResult Reducer::reduce(const ReductionRequest& request) {
   const auto keep = state_;
   auto& s = *keep;
-  TORCH_CHECK_VALUE(request.weight >= 0 && std::isfinite(request.weight),
-      "Reducer: the window weight must be a finite number >= 0, got ", request.weight);
+  check_request(request);
   std::lock_guard<std::mutex> lock(s.mutex);
   TORCH_CHECK(!s.in_flight, "Reducer::reduce() called during a synchronising backward");
   s.begin_reduction(request, -1);
@@ -1212,11 +1293,79 @@ bool Reducer::accumulating() const {
   return false;
 }
 
+bool Reducer::compressing() const {
+  return std::any_of(state_->buckets.begin(), state_->buckets.end(),
+                     [](const Bucket& b) { return b.compressed; });
+}
+
+std::vector<at::Tensor> Reducer::residuals() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  std::vector<at::Tensor> out(state_->params.size());
+  for (const auto& bucket : state_->buckets) {
+    if (!bucket.residual.defined()) {
+      continue;
+    }
+    int64_t offset = 0;
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      const auto& view = bucket.views[slot];
+      out[bucket.params[slot]] = bucket.residual.narrow(0, offset, view.numel()).clone().view(view.sizes());
+      offset += view.numel();
+    }
+  }
+  return out;
+}
+
+void Reducer::set_residuals(const std::vector<at::Tensor>& residuals) {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  TORCH_CHECK(!s.in_flight, "Reducer::set_residuals() called during a synchronising backward");
+  TORCH_CHECK_VALUE(residuals.empty() || residuals.size() == s.params.size(),
+      "gradaccum: got ", residuals.size(), " error-feedback residuals for ", s.params.size(), " parameters");
+  // Every entry is checked before any is written: a rejected state changes nothing.
+  for (const auto& bucket : s.buckets) {
+    for (const auto i : bucket.params) {
+      const auto numel = s.params[i].numel();
+      const auto& r = residuals.empty() ? at::Tensor() : residuals[i];
+      if (r.defined()) {
+        TORCH_CHECK_VALUE(bucket.residual.defined(),
+            "gradaccum: the state has an error-feedback residual for ", s.name(i),
+            " but this Accumulator keeps none (error_feedback=False, or no comm_dtype narrower "
+            "than its gradients)");
+        TORCH_CHECK_VALUE(r.numel() == numel,
+            "gradaccum: the error-feedback residual of ", s.name(i), " has ", r.numel(),
+            " elements, the parameter ", numel);
+      }
+    }
+  }
+  at::NoGradGuard no_grad;
+  for (auto& bucket : s.buckets) {
+    int64_t offset = 0;
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      const auto i = bucket.params[slot];
+      const auto numel = s.params[i].numel();
+      const auto& r = residuals.empty() ? at::Tensor() : residuals[i];
+      if (bucket.residual.defined()) {
+        auto part = bucket.residual.narrow(0, offset, numel);
+        if (r.defined()) {
+          part.copy_(r.reshape(-1));
+        } else {
+          part.zero_();
+        }
+      }
+      offset += numel;
+    }
+  }
+}
+
 std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, ReductionResult* result) {
   const auto keep = state_;
   auto& s = *keep;
   std::lock_guard<std::mutex> lock(s.mutex);
   TORCH_CHECK(!s.in_flight, "Reducer::snapshot() called during a synchronising backward");
+  TORCH_CHECK(std::none_of(s.buckets.begin(), s.buckets.end(), [](const Bucket& b) { return b.compressed; }),
+      "gradaccum: a checkpoint in the middle of a window is not supported with comm_dtype (the "
+      "half-done window would be rounded to the wire's dtype); save at a window boundary, or "
+      "use state_dict(rank_independent=False)");
   s.begin_reduction(request, -1);
   s.kind = 1;
   if (request.abort != AbortReason::None) {
@@ -1243,6 +1392,7 @@ void Reducer::restore(const Progress& progress) {
   state_->stats = progress.stats;
   state_->stats.buckets = buckets;
   state_->sequence = progress.sequence;
+  state_->last_weight = 0; // Note [Scaling before the sum]: alike on every rank
 }
 
 void Reducer::zero_grad() {

@@ -87,6 +87,10 @@ struct AccumulatorState {
   double loss_scale = 0; ///< the loss scaler's scale (0 without one)
   int64_t loss_scale_growth_tracker = 0;
   std::vector<at::Tensor> grads; ///< one per parameter; undefined for None
+  /// error_feedback, per-rank states only: this rank's compression residual,
+  /// one per parameter (undefined where none). Empty: none saved; loading such
+  /// a state (rank-independent ones) starts the residual at zero.
+  std::vector<at::Tensor> residuals;
 };
 
 /// Gradient accumulation over windows of `steps` micro-batches, optionally data

@@ -21,11 +21,10 @@ std::vector<std::vector<size_t>> assign_buckets(
     int64_t cap_bytes);
 
 // Note [Bucket meta layout]
-// Every bucket's buffer is `[gradients | meta]` when its dtype holds small
-// integers exactly (float32, float64); otherwise `meta` is a float32 tensor of
-// its own, reduced by a second collective right after the buffer. `meta` is a
-// header of `MetaField`s followed by one has-gradient flag per parameter, and
-// the collective sums all of it over ranks, so with no collective of its own
+// Every bucket's collective reduces its `wire`: `[gradients | meta]`, one
+// all-reduce per bucket whatever the dtypes. `meta` is a header of
+// `MetaField`s followed by one has-gradient flag per parameter, and the
+// collective sums all of it over ranks, so with no collective of its own
 // every rank learns:
 //  - the window's divisor (kWeight: items or micro-steps, all ranks),
 //  - how many ranks closed a partial window with flush() (kFlushing),
@@ -35,12 +34,23 @@ std::vector<std::vector<size_t>> assign_buckets(
 //    number, steps, the reduction, the bucket's index, the kind of reduction):
 //    each such value v is
 //    sent as (v mod M, (v mod M)^2); over W ranks the values are all equal iff
-//    W * sum(v^2) == sum(v)^2. M is chosen so both sums stay exact integers in
-//    the meta's dtype (see consensus_modulus()).
+//    W * sum(v^2) == sum(v)^2. M is chosen so both sums stay exact (see
+//    consensus_modulus()).
 //  - which parameters got no gradient on any rank (the flags).
-// The reducer writes the header in launch_bucket() and reads it in
-// check_consensus(); the layout is the same on every rank because the buckets
-// are (checked at construction, or by the index field at the first window).
+// How the header travels depends on the wire's dtype (MetaEncoding):
+//  - float32/float64 wires carry the numbers as they are (kPlain).
+//  - bf16/fp16 wires hold small integers exactly only (256, 2048), so each
+//    header value is sent as base-2^b digits, one element each (kDigits):
+//    digit-wise sums stay exact integers when W * (2^b - 1) fits, and the
+//    reader recombines them (the weight as fixed point with 32 fractional
+//    bits, every other field as an integer below 2^32). Flags go as 0/1: a
+//    sum over ranks only has to be told apart from 0.
+//  - A half-precision wire with more ranks than digits allow sends the header
+//    as a float32 tensor of its own, a second collective (kSeparate).
+// The reducer writes the header in launch_bucket() (write_meta()) and reads it
+// back once per reduction (read_meta()); the layout is the same on every rank
+// because the buckets and the options are (checked at construction, or by
+// the index field at the first window).
 enum MetaField : int64_t {
   kWeight = 0,
   kFlushing,
@@ -60,23 +70,49 @@ enum MetaField : int64_t {
   kMetaHeader, // the header's length
 };
 
+/// How a bucket's meta travels (see Note [Bucket meta layout]).
+enum class MetaEncoding {
+  kPlain, ///< numbers in the wire's float32/float64 tail
+  kDigits, ///< exact base-2^b digits in the wire's bf16/fp16 tail
+  kSeparate, ///< a float32 tensor of its own: a second collective
+};
+
+/// The dtypes and the group a bucket is built for.
+struct BucketConfig {
+  /// Sum the window's gradients in this dtype when wider than the parameters'.
+  std::optional<at::ScalarType> accumulate_dtype;
+  /// The dtype on the wire, when other than the bucket's (comm_dtype).
+  std::optional<at::ScalarType> comm_dtype;
+  /// Ranks summing the meta (decides the digit base).
+  int world = 1;
+  /// Keep each rank's compression residual for the next window.
+  bool error_feedback = false;
+};
+
 /// One flat buffer of gradients, reduced by one collective (see Note [Bucket
 /// meta layout]).
 struct Bucket {
-  /// Builds the buffer and the per-parameter views for `params[indices]`, in
-  /// `dtype` when given (fp32 accumulation of bf16 parameters), else theirs.
+  /// Builds the buffer and the per-parameter views for `params[indices]`.
   Bucket(const std::vector<at::Tensor>& params, std::vector<size_t> indices,
-         std::optional<at::ScalarType> dtype = std::nullopt);
+         const BucketConfig& config = {});
 
   std::vector<size_t> params; ///< indices into the reducer's parameters
   std::vector<at::Tensor> views; ///< one per parameter, shaped like it
-  at::Tensor buffer; ///< what the collective reduces
-  at::Tensor gradients; ///< buffer's gradient part
-  at::Tensor meta; ///< [header (MetaField), flags…]
-  bool meta_in_buffer = false;
+  at::Tensor buffer; ///< the bucket's storage: gradients, and the meta when it is the wire
+  at::Tensor gradients; ///< buffer's gradient part (the bucket's dtype)
+  at::Tensor wire; ///< what the collective reduces: `buffer`, or its compressed copy
+  at::Tensor wire_gradients; ///< wire's gradient part (`gradients` unless compressed)
+  at::Tensor meta; ///< [header (MetaField), flags…], encoded as `encoding` says
+  MetaEncoding encoding = MetaEncoding::kPlain;
+  int digit_bits = 0; ///< b of kDigits
   /// The buffer is wider than the parameters (accumulate_dtype): micro-steps'
   /// gradients are summed in it and `.grad` holds none between them.
   bool accumulating = false;
+  /// The wire has a dtype of its own (comm_dtype): launch_bucket() fills it.
+  bool compressed = false;
+  /// Error feedback: what compression lost of this rank's last window, in the
+  /// bucket's dtype and unscaled; added to the next window before compressing.
+  at::Tensor residual;
 
   // State of the reduction in flight.
   size_t pending = 0; ///< parameters not yet ready
@@ -85,15 +121,18 @@ struct Bucket {
 
   /// Bytes one launch hands to the collectives.
   int64_t bytes() const;
-  at::Tensor header() const {
-    return meta.narrow(0, 0, kMetaHeader);
+  /// Collectives one launch takes (2 with MetaEncoding::kSeparate).
+  int64_t collectives() const {
+    return encoding == MetaEncoding::kSeparate ? 2 : 1;
   }
-  at::Tensor weight() const {
-    return meta.narrow(0, kWeight, 1);
-  }
-  at::Tensor flags() const {
-    return meta.narrow(0, kMetaHeader, static_cast<int64_t>(params.size()));
-  }
+  /// Writes header and flags (`kMetaHeader + params.size()` values, each >= 0)
+  /// into `meta`, encoded.
+  void write_meta(const std::vector<double>& values);
+  /// Reads the (summed) header and flags back: one copy to the host.
+  std::vector<double> read_meta() const;
+  /// The largest per-rank value of a field that write_meta() carries exactly
+  /// (kWeight: with 32 fractional bits).
+  static double max_meta_value(MetaField field);
 };
 
 } // namespace gradaccum

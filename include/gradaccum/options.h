@@ -101,6 +101,18 @@ struct AccumulatorOptions {
   /// (in the parameter's dtype). `std::nullopt`: sum in the parameter's dtype.
   /// Example: `AccumulatorOptions(16).accumulate_dtype(torch::kFloat32)`.
   TORCH_ARG(std::optional<at::ScalarType>, accumulate_dtype) = std::nullopt;
+  /// The dtype gradients travel in between ranks (bfloat16, float16, float32),
+  /// independent of the dtype they are summed in: e.g. accumulate in float32,
+  /// all-reduce in bfloat16 (half the bytes). Each rank scales its gradients by
+  /// 1 / (the expected global weight) before rounding them to this dtype, so
+  /// fp16 sums do not overflow. `std::nullopt`: the buckets' own dtype.
+  /// Example: `AccumulatorOptions(16).accumulate_dtype(torch::kFloat32).comm_dtype(torch::kBFloat16)`.
+  TORCH_ARG(std::optional<at::ScalarType>, comm_dtype) = std::nullopt;
+  /// With comm_dtype: keep what rounding to it lost of each rank's window (the
+  /// residual, one copy of the gradients in the buckets' dtype) and add it to the
+  /// next window's gradient before rounding, so no part of a gradient is lost
+  /// for good. The residual is per rank; per-rank checkpoints keep it.
+  TORCH_ARG(bool, error_feedback) = false;
   /// A dynamic loss scaler (fp16). Example:
   /// `AccumulatorOptions(8).loss_scaler(LossScalerOptions().init_scale(1024))`.
   TORCH_ARG(std::optional<LossScalerOptions>, loss_scaler) = std::nullopt;

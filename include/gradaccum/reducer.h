@@ -34,6 +34,10 @@ struct WindowRule {
   Reduction reduction = Reduction::Mean;
   /// Sum narrower (bf16/fp16) gradients in this dtype, in the buckets.
   std::optional<at::ScalarType> accumulate_dtype;
+  /// The dtype on the wire (bf16, fp16, float32), when other than the buckets'.
+  std::optional<at::ScalarType> comm_dtype;
+  /// Keep what compression to `comm_dtype` lost and add it to the next window.
+  bool error_feedback = false;
 };
 
 /// Why a rank drops the window it is reducing (see Note [Dropping a window]).
@@ -148,6 +152,13 @@ class Reducer {
   void mark_restored(const std::vector<size_t>& indices);
   /// Whether some bucket sums in a wider dtype than its parameters.
   bool accumulating() const;
+  /// Whether some bucket sends its gradients in another dtype (comm_dtype).
+  bool compressing() const;
+  /// Error feedback: this rank's compression residual of each parameter
+  /// (undefined where its bucket keeps none), as saved in a checkpoint.
+  std::vector<at::Tensor> residuals() const;
+  /// Restores what residuals() returned (undefined entries: zero).
+  void set_residuals(const std::vector<at::Tensor>& residuals);
 
   /// Number of reductions completed (synchronising backwards and reduce()).
   int64_t windows() const;

@@ -116,6 +116,20 @@ class Accumulator:
         broadcast_buffers: broadcast rank 0's buffers at each window's end.
         check_parameters: at construction, check all ranks have the same
             parameters (a collective) and fail naming the first mismatch.
+        accumulate_dtype: ``torch.float32`` sums bf16/fp16 gradients in float32
+            (in the buckets, or in buffers of their own in one process): the
+            window's gradient is rounded once, into ``.grad``.
+        comm_dtype: the dtype gradients travel in between ranks
+            (``torch.bfloat16``, ``torch.float16``, ``torch.float32``),
+            independent of the one they are summed in. Each rank scales its
+            gradients by 1 / (the expected global weight) before rounding, so
+            fp16 sums do not overflow.
+        error_feedback: with ``comm_dtype``, keep what rounding lost of each
+            rank's window and add it to the next window (one more copy of the
+            gradients). Saved in per-rank states (``state_dict(rank_independent=False)``).
+        grad_scaler: a ``torch.amp.GradScaler``: ``backward()`` scales the
+            loss, the window's end unscales, skips overflowing windows and
+            updates the scale once per window.
     """
 
     def __init__(
@@ -136,6 +150,8 @@ class Accumulator:
         check_parameters: bool = True,
         accumulate_dtype: Optional[torch.dtype] = None,
         grad_scaler: Optional[Any] = None,
+        comm_dtype: Optional[torch.dtype] = None,
+        error_feedback: bool = False,
     ) -> None:
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
             raise TypeError(f"steps must be a positive int, got {steps!r}")
@@ -152,6 +168,14 @@ class Accumulator:
         if accumulate_dtype not in (None, torch.float32, torch.float64):
             raise ValueError(f"accumulate_dtype must be torch.float32, torch.float64 or None, "
                              f"got {accumulate_dtype!r}")
+        if comm_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"comm_dtype must be torch.bfloat16, torch.float16, torch.float32 "
+                             f"or None, got {comm_dtype!r}")
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be a bool, got {error_feedback!r}")
+        if error_feedback and comm_dtype is None:
+            raise ValueError("error_feedback=True needs a comm_dtype: it keeps what compressing "
+                             "the gradients to comm_dtype loses")
         if grad_scaler is not None:
             if optimizer is None:
                 raise ValueError("grad_scaler needs an optimizer (it unscales the optimizer's gradients)")
@@ -179,6 +203,8 @@ class Accumulator:
             # Looked up at each call: an LR scheduler created later wraps optimizer.step.
             (lambda: optimizer.step()) if optimizer is not None else None,
             (lambda: scheduler.step()) if scheduler is not None else None,
+            "" if comm_dtype is None else str(comm_dtype).replace("torch.", ""),
+            error_feedback,
         )
         self.steps = int(steps)
         self.reduction = reduction

@@ -28,7 +28,8 @@ TEST_CASE("buckets never mix dtypes", "[bucket]") {
 TEST_CASE("a bucket's views tile its buffer and meta rides along", "[bucket]") {
   std::vector<at::Tensor> params{torch::zeros({2, 3}), torch::zeros({4})};
   gradaccum::Bucket bucket(params, {1, 0});
-  CHECK(bucket.meta_in_buffer);
+  CHECK(bucket.encoding == gradaccum::MetaEncoding::kPlain);
+  CHECK(bucket.wire.is_same(bucket.buffer));
   CHECK(bucket.buffer.numel() == 10 + gradaccum::kMetaHeader + 2); // gradients, header, two flags
   CHECK(gradaccum::kMetaHeader == 15);
   CHECK(bucket.views[0].sizes() == params[1].sizes());
@@ -36,9 +37,100 @@ TEST_CASE("a bucket's views tile its buffer and meta rides along", "[bucket]") {
   bucket.views[1].fill_(7);
   CHECK(bucket.gradients.narrow(0, 4, 6).eq(7).all().item<bool>());
   CHECK(bucket.bytes() == (10 + 15 + 2) * 4);
+  CHECK(bucket.collectives() == 1);
+}
 
+namespace {
+
+// What an all-reduce of the meta over `ranks` would leave (the sum, in the
+// meta's own dtype: the digit sums must be exact there).
+std::vector<double> summed_meta(gradaccum::Bucket& bucket, const std::vector<std::vector<double>>& ranks) {
+  auto sum = torch::zeros_like(bucket.meta);
+  for (const auto& values : ranks) {
+    bucket.write_meta(values);
+    sum.add_(bucket.meta);
+  }
+  bucket.meta.copy_(sum);
+  return bucket.read_meta();
+}
+
+} // namespace
+
+TEST_CASE("half-precision wires carry the meta as exact digits, in one collective", "[bucket]") {
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    for (const int world : {2, 4, 16}) {
+      std::vector<at::Tensor> half{torch::zeros({8}, dtype), torch::zeros({3}, dtype)};
+      gradaccum::BucketConfig config;
+      config.world = world;
+      gradaccum::Bucket bucket(half, {1, 0}, config);
+      CAPTURE(dtype, world);
+      REQUIRE(bucket.encoding == gradaccum::MetaEncoding::kDigits);
+      CHECK(bucket.collectives() == 1);
+      CHECK(bucket.meta.scalar_type() == dtype);
+      CHECK(bucket.meta.data_ptr() != nullptr);
+      CHECK(bucket.wire.numel() == 11 + bucket.meta.numel());
+      // Per-rank values far beyond what bf16 holds exactly, and fractional weights.
+      std::vector<std::vector<double>> ranks;
+      std::vector<double> expected(gradaccum::kMetaHeader + 2, 0.0);
+      for (int r = 0; r < world; ++r) {
+        std::vector<double> values(gradaccum::kMetaHeader + 2, 0.0);
+        values[gradaccum::kWeight] = 4093.5 + r * 1e6 + 0.25;
+        for (int64_t f = 1; f < gradaccum::kMetaHeader; ++f) {
+          values[f] = static_cast<double>((f * 65521 + r * 977) % (int64_t{1} << 31));
+        }
+        values[gradaccum::kMetaHeader] = r == 0 ? 1 : 0; // a flag set on one rank only
+        values[gradaccum::kMetaHeader + 1] = 0;
+        for (size_t i = 0; i < values.size(); ++i) {
+          expected[i] += values[i];
+        }
+        ranks.push_back(values);
+      }
+      const auto got = summed_meta(bucket, ranks);
+      for (size_t i = 0; i < expected.size(); ++i) {
+        CAPTURE(i);
+        CHECK(got[i] == expected[i]);
+      }
+    }
+  }
+}
+
+TEST_CASE("a half wire with more ranks than digits allow sends the meta apart", "[bucket]") {
   std::vector<at::Tensor> half{torch::zeros({8}, torch::kBFloat16)};
-  gradaccum::Bucket low(half, {0});
-  CHECK_FALSE(low.meta_in_buffer); // counts need float32: meta goes separately
+  gradaccum::BucketConfig config;
+  config.world = 300; // 300 * (2^1 - 1) > 256
+  gradaccum::Bucket low(half, {0}, config);
+  CHECK(low.encoding == gradaccum::MetaEncoding::kSeparate);
   CHECK(low.meta.scalar_type() == torch::kFloat);
+  CHECK(low.collectives() == 2);
+}
+
+TEST_CASE("comm_dtype gives the bucket a wire of its own; error feedback a residual", "[bucket]") {
+  std::vector<at::Tensor> params{torch::zeros({5}), torch::zeros({3})};
+  gradaccum::BucketConfig config;
+  config.comm_dtype = torch::kBFloat16;
+  config.world = 2;
+  config.error_feedback = true;
+  gradaccum::Bucket bucket(params, {1, 0}, config);
+  CHECK(bucket.compressed);
+  CHECK_FALSE(bucket.accumulating);
+  CHECK(bucket.buffer.scalar_type() == torch::kFloat);
+  CHECK(bucket.buffer.numel() == 8);
+  CHECK(bucket.wire.scalar_type() == torch::kBFloat16);
+  CHECK(bucket.wire_gradients.numel() == 8);
+  CHECK(bucket.encoding == gradaccum::MetaEncoding::kDigits);
+  CHECK(bucket.residual.defined());
+  CHECK(bucket.residual.numel() == 8);
+  CHECK(bucket.bytes() == bucket.wire.numel() * 2);
+
+  // bf16 parameters summed in float32, sent in bf16 (no error feedback asked).
+  std::vector<at::Tensor> half{torch::zeros({4}, torch::kBFloat16)};
+  gradaccum::BucketConfig wide;
+  wide.accumulate_dtype = torch::kFloat;
+  wide.comm_dtype = torch::kBFloat16;
+  gradaccum::Bucket both(half, {0}, wide);
+  CHECK(both.accumulating);
+  CHECK(both.compressed);
+  CHECK(both.gradients.scalar_type() == torch::kFloat);
+  CHECK(both.wire.scalar_type() == torch::kBFloat16);
+  CHECK_FALSE(both.residual.defined());
 }

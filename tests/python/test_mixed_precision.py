@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import gradaccum
 import _dist_utils as du
+import _mixed_jobs
 import _protocol_jobs as pj
 
 STEPS = 16
@@ -121,3 +122,105 @@ def test_mixed_precision_arguments_are_checked():
     with pytest.raises(ValueError, match="accumulate_dtype and gradient_as_bucket_view exclude each other"):
         gradaccum.Accumulator(model, None, steps=2, accumulate_dtype=torch.float32,
                               gradient_as_bucket_view=True)
+
+
+# --------------------------------------------------------------------------- #
+# Half-precision wires: one collective per bucket, comm_dtype, error feedback
+# --------------------------------------------------------------------------- #
+
+def _relative(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_half_precision_buckets_take_one_collective_each(tmp_path, world_size):
+    """bf16/fp16 buckets and comm_dtype wires carry the meta exactly (fractional,
+    uneven items weights) in the bucket's own collective."""
+    results = du.run_job("half_wire", world_size, tmp_path, module="_mixed_jobs", seed=3, steps=3)
+    ref_sum = [sum(r["ref_sum"][i] for r in results) for i in range(len(results[0]["ref_sum"]))]
+    items = sum(r["items"] for r in results)
+    expected = [s / items for s in ref_sum]
+    for res in results:
+        for name, *_ in _mixed_jobs.HALF_CASES:
+            case = res[name]
+            assert case["buckets"] >= 3, name
+            assert case["allreduces"] == case["buckets"], (name, case)  # profiler, every micro-step
+            assert case["collectives"] == case["buckets"], (name, case)
+            # A wrong weight would be off by a rank's share (> 10%); half
+            # precision rounding stays within a few percent.
+            for got, want in zip(case["grads"], expected):
+                assert _relative(got, want) < 0.03, (name, _relative(got, want))
+
+
+def test_comm_dtype_halves_the_bytes(tmp_path):
+    results = du.run_job("comm_bytes", 2, tmp_path, module="_mixed_jobs", seed=4)
+    for res in results:
+        full = res["None"]
+        for comm in ("torch.bfloat16", "torch.float16"):
+            half = res[comm]
+            assert half["allreduces"] == full["allreduces"] == full["buckets"]
+            # Our byte counts against the profiler's element counts.
+            assert half["bytes"] == 2 * half["elements"] and full["bytes"] == 4 * full["elements"]
+            assert 0.49 < half["bytes"] / full["bytes"] < 0.51, (comm, half["bytes"], full["bytes"])
+            # Independent of our counters: what Gloo put on the loopback link.
+            assert 0.4 < half["lo_bytes"] / full["lo_bytes"] < 0.6, (comm, half["lo_bytes"], full["lo_bytes"])
+            # Within the wire's rounding of fp32 communication, but not equal to it.
+            eps = 2.0 ** -7 if comm == "torch.bfloat16" else 2.0 ** -10
+            for got, want in zip(half["grads"], full["grads"]):
+                assert 0 < _relative(got, want) < eps, (comm, _relative(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["torch.bfloat16"]["grads"],
+                                                   results[1]["torch.bfloat16"]["grads"]))
+
+
+def test_fp16_wire_scales_before_the_sum(tmp_path):
+    """16 micro-steps of gradients near 5000: their local sum would overflow
+    fp16 (> 65504); scaled by 1/(world * steps) first, it does not."""
+    results = du.run_job("fp16_headroom", 2, tmp_path, module="_mixed_jobs", seed=6, steps=16)
+    for res in results:
+        for got, want in zip(res["torch.float16"], res["None"]):
+            assert torch.isfinite(got).all()
+            assert want.abs().max() * 16 > 65504  # the unscaled local sum would overflow
+            assert _relative(got, want) < 2.0 ** -9
+
+
+def test_error_feedback_reaches_the_fp32_loss(tmp_path):
+    results = du.run_job("error_feedback_regression", 2, tmp_path, module="_mixed_jobs",
+                         seed=8, windows=200, steps=2)
+    res = results[0]
+    print(f"\nfinal loss after 200 windows: fp32 {res['fp32']:.6g}, bf16 {res['bf16']:.6g}, "
+          f"bf16 + error feedback {res['bf16+ef']:.6g}")
+    assert res["residual_norm"] > 0
+    assert res["bf16+ef"] != res["bf16"]
+    assert abs(res["bf16+ef"] / res["fp32"] - 1) < 0.01, res
+
+
+def test_error_feedback_residual_travels_in_per_rank_states(tmp_path):
+    results = du.run_job("error_feedback_checkpoint", 2, tmp_path, module="_mixed_jobs",
+                         seed=9, steps=2)
+    for res in results:
+        assert "error_feedback_residuals" not in res["independent_keys"]
+        for a, b in zip(res["resumed"], res["uninterrupted"]):
+            assert torch.equal(a, b)
+        assert "not supported with comm_dtype" in res["mid_window"]
+        assert res["micro_step_after_refusal"] == 1
+
+
+def test_ranks_must_agree_on_comm_dtype(tmp_path):
+    results = du.run_job("comm_dtype_mismatch", 2, tmp_path, module="_mixed_jobs")
+    for message in results:
+        assert message is not None
+        assert "the ranks disagree on comm_dtype (rank 0: BFloat16, rank 1: None)" in message
+
+
+def test_comm_dtype_arguments_are_checked():
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="comm_dtype must be torch.bfloat16, torch.float16, torch.float32 or None"):
+        gradaccum.Accumulator(model, None, steps=2, comm_dtype=torch.float64)
+    with pytest.raises(ValueError, match="error_feedback=True needs a comm_dtype"):
+        gradaccum.Accumulator(model, None, steps=2, error_feedback=True)
+    with pytest.raises(TypeError, match="error_feedback must be a bool"):
+        gradaccum.Accumulator(model, None, steps=2, comm_dtype=torch.bfloat16, error_feedback=1)
+    # One process: nothing travels, comm_dtype changes nothing.
+    acc = gradaccum.Accumulator(model, None, steps=1, comm_dtype=torch.bfloat16, process_group=False)
+    acc.backward(model(torch.ones(1, 2)).sum())
+    assert torch.equal(model.weight.grad, torch.ones(1, 2))

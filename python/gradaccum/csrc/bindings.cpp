@@ -107,6 +107,13 @@ py::dict state_to_dict(const AccumulatorState& s) {
     grads.append(g.defined() ? py::cast(g) : py::none());
   }
   d["grads"] = grads;
+  if (!s.residuals.empty()) {
+    py::list residuals;
+    for (const auto& r : s.residuals) {
+      residuals.append(r.defined() ? py::cast(r) : py::none());
+    }
+    d["error_feedback_residuals"] = residuals;
+  }
   return d;
 }
 
@@ -146,6 +153,17 @@ AccumulatorState state_from_dict(const py::dict& d) {
       throw py::value_error("load_state_dict: 'grads' must hold tensors or None");
     }
   }
+  if (d.contains("error_feedback_residuals")) {
+    for (const auto& r : required<py::list>(d, "error_feedback_residuals")) {
+      if (r.is_none()) {
+        s.residuals.emplace_back();
+      } else if (THPVariable_Check(r.ptr())) {
+        s.residuals.push_back(r.cast<at::Tensor>());
+      } else {
+        throw py::value_error("load_state_dict: 'error_feedback_residuals' must hold tensors or None");
+      }
+    }
+  }
   return s;
 }
 
@@ -180,7 +198,9 @@ std::unique_ptr<Accumulator> make_accumulator(
     bool check_parameters,
     const std::string& accumulate_dtype,
     Accumulator::StepFunction optimizer_step,
-    Accumulator::StepFunction scheduler_step) {
+    Accumulator::StepFunction scheduler_step,
+    const std::string& comm_dtype,
+    bool error_feedback) {
   auto options = AccumulatorOptions(steps)
                      .reduction(reduction_from_string(reduction))
                      .max_grad_norm(max_grad_norm)
@@ -198,6 +218,16 @@ std::unique_ptr<Accumulator> make_accumulator(
   } else if (!accumulate_dtype.empty()) {
     throw py::value_error("accumulate_dtype must be torch.float32, torch.float64 or None, got " + accumulate_dtype);
   }
+  if (comm_dtype == "bfloat16") {
+    options.comm_dtype(at::kBFloat16);
+  } else if (comm_dtype == "float16") {
+    options.comm_dtype(at::kHalf);
+  } else if (comm_dtype == "float32") {
+    options.comm_dtype(at::kFloat);
+  } else if (!comm_dtype.empty()) {
+    throw py::value_error("comm_dtype must be torch.bfloat16, torch.float16, torch.float32 or None, got " + comm_dtype);
+  }
+  options.error_feedback(error_feedback);
   if (!process_group.is_none()) {
     options.process_group(to_process_group(process_group));
   }
@@ -216,7 +246,7 @@ void init_accumulator(py::module_& m) {
            py::arg("process_group"), py::arg("bucket_cap_mb"), py::arg("first_bucket_cap_mb"),
            py::arg("gradient_as_bucket_view"), py::arg("broadcast_buffers"),
            py::arg("check_parameters"), py::arg("accumulate_dtype"), py::arg("optimizer_step"),
-           py::arg("scheduler_step"),
+           py::arg("scheduler_step"), py::arg("comm_dtype") = "", py::arg("error_feedback") = false,
            "See gradaccum.Accumulator.")
       .def("backward", &Accumulator::backward, py::arg("loss"), py::arg("num_items") = py::none(),
            release(), "Backward on one micro-batch's loss; counts the micro-step.")

@@ -1,0 +1,237 @@
+"""Jobs of test_mixed_precision.py that need real Gloo ranks: half-precision
+wires (bf16/fp16 buckets, comm_dtype), error feedback, their checkpoints.
+
+Each job runs on every rank (spawned by _dist_utils.run_job with
+module="_mixed_jobs") and returns plain data; the parent checks it against a
+float64 reference or an fp32-communication run.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from _dist_utils import job
+
+
+def _allreduce_count(fn):
+    """(all-reduces, elements handed to them), counted by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    events = [e for e in prof.events() if e.name == "gloo:all_reduce"]
+    return len(events), sum(e.input_shapes[0][0] for e in events)
+
+
+def _lo_tx_bytes():
+    with open("/sys/class/net/lo/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def _mlp(seed, dtype):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 8)).to(dtype)
+
+
+# (name, parameter dtype, accumulate_dtype, comm_dtype)
+HALF_CASES = [
+    ("bf16", torch.bfloat16, None, None),
+    ("fp16", torch.float16, None, None),
+    ("fp32->bf16", torch.float32, None, torch.bfloat16),
+    ("fp32->fp16", torch.float32, None, torch.float16),
+    ("bf16+fp32->bf16", torch.bfloat16, torch.float32, torch.bfloat16),
+]
+
+
+@job
+def half_wire(rank, world_size, *, seed, steps):
+    """One "items" window with fractional, uneven num_items on each rank, for
+    each half-precision wire: all-reduces per window (profiler), buckets, the
+    window gradient, and this rank's float64 reference sums."""
+    import gradaccum
+
+    g = torch.Generator().manual_seed(seed + 11 * rank)
+    batches = [(torch.randn(6, 16, generator=g), torch.randn(6, 8, generator=g),
+                2.5 + rank + 0.25 * k) for k in range(steps)]
+    reference = _mlp(seed, torch.float64)
+    for x, y, _ in batches:
+        (reference(x.double()) - y.double()).pow(2).sum().backward()
+    out = {"ref_sum": [p.grad.clone() for p in reference.parameters()],
+           "items": sum(n for _, _, n in batches)}
+    for name, dtype, wide, comm in HALF_CASES:
+        model = _mlp(seed, dtype)
+        acc = gradaccum.Accumulator(model, None, steps=steps, reduction="items",
+                                    accumulate_dtype=wide, comm_dtype=comm,
+                                    bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+
+        def window():
+            for x, y, n in batches:
+                acc.backward((model(x.to(dtype)).float() - y).pow(2).sum(), num_items=n)
+
+        count, _ = _allreduce_count(window)
+        stats = acc.stats()
+        out[name] = {"allreduces": count, "buckets": stats["buckets"],
+                     "collectives": stats["last_window_collectives"],
+                     "grads": [p.grad.double() for p in model.parameters()]}
+        acc.close()
+    return out
+
+
+@job
+def comm_bytes(rank, world_size, *, seed):
+    """The same window sent in float32, bf16 and fp16: bytes by stats, by the
+    profiler's element counts and by the loopback interface's own counter."""
+    import gradaccum
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 256), nn.Tanh(),
+                          nn.Linear(256, 64))
+    g = torch.Generator().manual_seed(seed + rank)
+    batches = [torch.randn(16, 256, generator=g) for _ in range(2)]
+    out = {}
+    for comm in (None, torch.bfloat16, torch.float16):
+        model.zero_grad(set_to_none=True)
+        acc = gradaccum.Accumulator(model, None, steps=2, comm_dtype=comm)
+
+        def window():
+            for x in batches:
+                acc.backward(model(x).pow(2).mean())
+
+        dist.barrier()
+        before = _lo_tx_bytes()
+        count, elements = _allreduce_count(window)
+        dist.barrier()
+        out[str(comm)] = {"lo_bytes": _lo_tx_bytes() - before, "allreduces": count,
+                          "elements": elements, "bytes": acc.stats()["last_window_bytes"],
+                          "buckets": acc.stats()["buckets"],
+                          "grads": [p.grad.clone() for p in model.parameters()]}
+        acc.close()
+    return out
+
+
+@job
+def fp16_headroom(rank, world_size, *, seed, steps):
+    """Micro-step gradients near 5000: the window's local sum (steps * 5000)
+    is past fp16's 65504, the scaled one is not."""
+    import gradaccum
+
+    out = {}
+    for comm in (None, torch.float16):
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 4)
+        acc = gradaccum.Accumulator(model, None, steps=steps, comm_dtype=comm)
+        g = torch.Generator().manual_seed(seed + rank)
+        for _ in range(steps):
+            x = 0.5 + torch.rand(8, 4, generator=g)
+            acc.backward(5000.0 * model(x).sum() / 8)
+        out[str(comm)] = [p.grad.clone() for p in model.parameters()]
+        acc.close()
+    return out
+
+
+def _regression_data(seed, rank):
+    g = torch.Generator().manual_seed(seed)
+    w_true = torch.randn(32, 1, generator=g)
+    g = torch.Generator().manual_seed(seed + 1 + rank)
+    x = torch.randn(512, 32, generator=g) * torch.logspace(-2, 1, 32)
+    return x, x @ w_true + 0.01 * torch.randn(512, 1, generator=g)
+
+
+@job
+def error_feedback_regression(rank, world_size, *, seed, windows, steps):
+    """Small regression, SGD: fp32 communication, bf16 without and with error
+    feedback. Returns each run's final loss over every rank's data."""
+    import gradaccum
+
+    x, y = _regression_data(seed, rank)
+    out = {}
+    for name, comm, feedback in (("fp32", None, False), ("bf16", torch.bfloat16, False),
+                                 ("bf16+ef", torch.bfloat16, True)):
+        torch.manual_seed(seed)
+        model = nn.Linear(32, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.004)
+        acc = gradaccum.Accumulator(model, opt, steps=steps, comm_dtype=comm,
+                                    error_feedback=feedback)
+        rows = 512 // steps
+        for w in range(windows):
+            for k in range(steps):
+                sl = slice(k * rows, (k + 1) * rows)
+                acc.backward((model(x[sl]) - y[sl]).pow(2).mean())
+                acc.step()
+        with torch.no_grad():
+            loss = (model(x) - y).pow(2).mean().reshape(1)
+        dist.all_reduce(loss)
+        out[name] = loss.item() / world_size
+        if feedback:
+            state = acc.state_dict(rank_independent=False)
+            out["residual_norm"] = sum(r.norm().item() for r in state["error_feedback_residuals"])
+        acc.close()
+    return out
+
+
+@job
+def error_feedback_checkpoint(rank, world_size, *, seed, steps):
+    """Per-rank states keep the residual exactly: a run saved at a window
+    boundary and resumed equals the uninterrupted one bit for bit. A
+    rank-independent state holds none; a mid-window one is refused alike."""
+    import gradaccum
+
+    x, y = _regression_data(seed, rank)
+
+    def make():
+        torch.manual_seed(seed)
+        model = nn.Linear(32, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        acc = gradaccum.Accumulator(model, opt, steps=steps, comm_dtype=torch.bfloat16,
+                                    error_feedback=True)
+        return model, opt, acc
+
+    def train(model, acc, windows, start):
+        rows = 512 // steps
+        for w in range(start, start + windows):
+            for k in range(steps):
+                sl = slice(((w * steps + k) % steps) * rows, ((w * steps + k) % steps + 1) * rows)
+                acc.backward((model(x[sl]) * (1 + 0.1 * w) - y[sl]).pow(2).mean())
+                acc.step()
+
+    out = {}
+    model, opt, acc = make()
+    train(model, acc, 3, 0)
+    saved = ({k: v.clone() for k, v in model.state_dict().items()},
+             {k: v for k, v in opt.state_dict().items()}, acc.state_dict(rank_independent=False))
+    import copy
+    saved = copy.deepcopy(saved)
+    out["independent_keys"] = sorted(acc.state_dict().keys())
+    train(model, acc, 3, 3)
+    out["uninterrupted"] = [p.detach().clone() for p in model.parameters()]
+    # Mid-window, a rank-independent state is refused on every rank, changing nothing.
+    acc.backward((model(x[:8]) - y[:8]).pow(2).mean())
+    try:
+        acc.state_dict()
+        out["mid_window"] = None
+    except RuntimeError as e:
+        out["mid_window"] = str(e)
+    out["micro_step_after_refusal"] = acc.micro_step
+    acc.close()
+
+    model, opt, acc = make()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    acc.load_state_dict(saved[2])
+    train(model, acc, 3, 3)
+    out["resumed"] = [p.detach().clone() for p in model.parameters()]
+    acc.close()
+    return out
+
+
+@job
+def comm_dtype_mismatch(rank, world_size):
+    import gradaccum
+
+    model = nn.Linear(4, 4)
+    try:
+        gradaccum.Accumulator(model, None, steps=2,
+                              comm_dtype=torch.bfloat16 if rank == 0 else None)
+    except ValueError as e:
+        return str(e)
+    return None
