@@ -255,3 +255,60 @@ TEST_CASE("ranks with different steps fail in the first reduction, without the c
   CHECK_THAT(errors[0], Catch::Contains("the ranks disagree on steps: this rank (rank 0) has 4, rank 1 has 2"));
   CHECK_THAT(errors[1], Catch::Contains("the ranks disagree on steps: this rank (rank 1) has 2, rank 0 has 4"));
 }
+
+TEST_CASE("comm_dtype: one collective per bucket, fewer bytes, within the wire's rounding", "[reducer][distributed]") {
+  const int world = 2;
+  const int64_t K = 4;
+  const int windows = 2;
+  torch::manual_seed(12);
+  auto x = torch::randn({world * K * windows * kRows, 6}, torch::kFloat64);
+  auto y = torch::randn({world * K * windows * kRows, 3}, torch::kFloat64);
+  const auto expected = reference(world, K, windows, x, y);
+  struct Case {
+    std::optional<at::ScalarType> comm;
+    double tolerance;
+    int64_t bytes_per_element;
+  };
+  // float64 parameters: float32 and bf16 wires, with and without error feedback.
+  for (const auto& c : {Case{std::nullopt, 1e-10, 8}, Case{at::kFloat, 1e-6, 4}, Case{at::kBFloat16, 2e-2, 2}}) {
+    for (bool feedback : {false, true}) {
+      if (feedback && !c.comm) continue;
+      DYNAMIC_SECTION("comm " << (c.comm ? c10::toString(*c.comm) : "None") << (feedback ? " error feedback" : "")) {
+        std::vector<std::vector<at::Tensor>> results(world);
+        std::vector<gradaccum::AccumulatorStats> stats(world);
+        std::vector<int> allreduces(world);
+        run_ranks(world, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+          Net net;
+          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+          auto options = AccumulatorOptions(K).process_group(group).comm_dtype(c.comm).error_feedback(feedback)
+              .reducer(ReducerOptions().bucket_cap_mb(0.0005).first_bucket_cap_mb(0.0002));
+          Accumulator acc(net, opt, options);
+          const int before = group->allreduces;
+          for (int w = 0; w < windows; ++w) {
+            for (int k = 0; k < K; ++k) {
+              const int64_t start = ((w * world + rank) * K + k) * kRows;
+              acc.backward(net->loss(x.narrow(0, start, kRows), y.narrow(0, start, kRows), uses_side(rank, k)));
+              acc.step();
+            }
+          }
+          allreduces[rank] = group->allreduces - before;
+          stats[rank] = acc.stats();
+          results[rank] = params_of(net);
+        });
+        for (int r = 0; r < world; ++r) {
+          const auto& reducer = stats[r].reducer;
+          CHECK(reducer.buckets > 1);
+          CHECK(allreduces[r] == windows * reducer.buckets); // counted by the group itself
+          CHECK(reducer.last_window_collectives == reducer.buckets);
+          int64_t numel = 0;
+          for (const auto& p : results[r]) numel += p.numel();
+          // The gradients' bytes, and a header and flags per bucket.
+          CHECK(reducer.last_window_bytes >= numel * c.bytes_per_element);
+          CHECK(reducer.last_window_bytes < numel * c.bytes_per_element + 512 * reducer.buckets);
+          CHECK(max_rel_diff(results[r], expected) <= c.tolerance);
+          CHECK(max_rel_diff(results[r], results[0]) == 0);
+        }
+      }
+    }
+  }
+}
