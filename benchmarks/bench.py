@@ -33,7 +33,8 @@ Then (unless --no-net / --no-instr) the two parts that do not depend on a
 quiet machine: bench_net.py (the fraction of the all-reduce hidden behind
 backward on a throttled multi-node link, network namespaces and torchrun's c10d
 rendezvous; and how a window's cost grows with K, model size and ranks) and
-bench_instr.py (instruction counts under callgrind).
+bench_instr.py (instruction counts under callgrind), and bench_mixed.py (fp32
+accumulation of bf16 gradients: memory and micro-step time; comm_dtype: bytes).
 
 Writes benchmarks/results/cpu-latest.{json,md,png} and cpu-latest-growth.png
 (another name with --name).
@@ -56,6 +57,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from _bench_worker import MICRO_BATCH, MODELS, num_parameters  # noqa: E402
 import bench_instr  # noqa: E402
+import bench_mixed  # noqa: E402
 import bench_net  # noqa: E402
 
 WORKER = os.path.join(HERE, "_bench_worker.py")
@@ -391,6 +393,8 @@ def markdown(result, growth_png):
         lines.append(bench_net.markdown(result["net"], growth_png))
     if "instr" in result:
         lines.append(bench_instr.markdown(result["instr"]))
+    if "mixed" in result:
+        lines.append(bench_mixed.markdown(result["mixed"]))
     lines += [
         f"**Wall clock, loopback.** CPU, 2 Gloo ranks on loopback, 1 thread each; {meta['cpu']} ({meta['cpus']} cores), "
         f"torch {meta['torch']}, gradaccum {meta['gradaccum']}, {meta['date']}"
@@ -526,9 +530,11 @@ def main():
                    help=f"replace the text between {BEGIN} and {END} in this file (repeatable)")
     p.add_argument("--no-net", action="store_true", help="skip bench_net.py (throttled links, growth)")
     p.add_argument("--no-instr", action="store_true", help="skip bench_instr.py (callgrind)")
+    p.add_argument("--no-mixed", action="store_true", help="skip bench_mixed.py (bf16/fp16, comm_dtype)")
     p.add_argument("--no-loopback", action="store_true", help="skip the loopback wall-clock part")
     bench_net.add_arguments(p)
     bench_instr.add_arguments(p)
+    bench_mixed.add_arguments(p)
     args = p.parse_args()
     args.steps = [int(k) for k in args.steps.split(",")]
     models = [m for m in args.models.split(",") if m]
@@ -559,6 +565,9 @@ def main():
     if not args.no_instr:
         log("instruction counts (bench_instr.py)")
         extra["instr"] = bench_instr.measure(args)
+    if not args.no_mixed:
+        log("mixed precision (bench_mixed.py)")
+        extra["mixed"] = bench_mixed.measure(args)
     summary = {}
     for model in ([] if args.no_loopback else models):
         log(f"{model}: {num_parameters(model):,} parameters")
