@@ -459,6 +459,13 @@ std::vector<at::Tensor> Accumulator::defined_grads() const {
   return grads;
 }
 
+bool Accumulator::accumulates_wide(size_t i) const {
+  if (reducer_) {
+    return reducer_->accumulates(i);
+  }
+  return i < wide_.size() && wide_[i].defined();
+}
+
 void Accumulator::accumulate_wide() {
   // accumulate_dtype: add this micro-step's narrower gradients into the wide
   // sums and release them (data parallel: into the buckets).
@@ -716,9 +723,11 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
       "state_dict(): other ranks ended the epoch with flush() in the reduction that closed "
       "this rank's last window; call flush() (a no-op here) before saving, so that the "
       "state is the same on every rank");
-  TORCH_CHECK(micro_step_ == 0 || !options_.accumulate_dtype(),
-      "state_dict(): a checkpoint in the middle of a window is not supported with "
-      "accumulate_dtype yet; save at a window boundary (micro_step 0)");
+  if (reducer_ && micro_step_ > 0 && reducer_->accumulating()) {
+    // The window's wide sums live in the buckets; bring in what .grad holds
+    // (the manual no_sync path) so that one place has all of it.
+    reducer_->accumulate_local();
+  }
   TORCH_CHECK(!(reducer_ && rank_independent && micro_step_ > 0 && reducer_->compressing()),
       "state_dict(): a rank-independent checkpoint in the middle of a window is not supported "
       "with comm_dtype (the half-done window would be rounded to the wire's dtype); save at a "
@@ -742,15 +751,29 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
     }
     const auto world = static_cast<double>(state.world_size);
     for (const auto& sum : sums) {
+      // In the buckets' dtype: an accumulate_dtype sum stays wide.
       state.grads.push_back(sum.defined() ? sum.div(world) : at::Tensor());
     }
     state.window_weight = result.global_weight / world;
     remember_gradients(); // bucket views were written back in place
   } else {
     const bool mid_window = micro_step_ > 0 || window_ready_;
-    for (const auto& p : params_) {
-      // A snapshot: later micro-steps must not change what was saved.
-      state.grads.push_back(mid_window && p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
+    // accumulate_dtype mid-window: the wide sums (in the buckets, or in wide_
+    // in one process) are the window's gradient so far; .grad holds none.
+    std::vector<at::Tensor> wide;
+    if (micro_step_ > 0 && reducer_ && reducer_->accumulating()) {
+      wide = reducer_->accumulated();
+    }
+    for (const auto i : c10::irange(params_.size())) {
+      const auto& p = params_[i];
+      if (!wide.empty() && reducer_->accumulates(i)) {
+        state.grads.push_back(wide[i]);
+      } else if (micro_step_ > 0 && i < wide_.size() && wide_[i].defined()) {
+        state.grads.push_back(wide_has_[i] ? wide_[i].clone() : at::Tensor());
+      } else {
+        // A snapshot: later micro-steps must not change what was saved.
+        state.grads.push_back(mid_window && p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
+      }
     }
   }
   if (reducer_) {
@@ -819,9 +842,16 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   for (const auto i : c10::irange(params_.size())) {
     const auto& g = state.grads[i];
     if (g.defined()) {
-      TORCH_CHECK_VALUE(g.sizes() == params_[i].sizes() && g.scalar_type() == params_[i].scalar_type(),
+      // Mid-window, a parameter summed in accumulate_dtype takes its sum in
+      // that dtype (or its own, widened).
+      const bool wide = state.micro_step > 0 && accumulates_wide(i) &&
+          g.scalar_type() == *options_.accumulate_dtype();
+      TORCH_CHECK_VALUE(g.sizes() == params_[i].sizes() && (wide || g.scalar_type() == params_[i].scalar_type()),
           "load_state_dict: gradient ", i, " is ", g.scalar_type(), " ", g.sizes(),
-          " but the parameter is ", params_[i].scalar_type(), " ", params_[i].sizes());
+          " but the parameter is ", params_[i].scalar_type(), " ", params_[i].sizes(),
+          (accumulates_wide(i) && state.micro_step > 0
+               ? std::string(" (summed in ") + c10::toString(*options_.accumulate_dtype()) + " here)"
+               : std::string()));
     }
   }
   TORCH_CHECK_VALUE(state.residuals.empty() || (reducer_ && !state.rank_independent),
@@ -843,6 +873,16 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
         continue;
       }
       restored.push_back(i);
+      if (state.micro_step > 0 && accumulates_wide(i)) {
+        if (reducer_) {
+          reducer_->load_accumulated(i, g.to(params_[i].device()));
+        } else {
+          wide_[i].copy_(g);
+          wide_has_[i] = 1;
+          wide_touched_ = true;
+        }
+        continue;
+      }
       auto& grad = params_[i].mutable_grad();
       if (grad.defined()) {
         grad.copy_(g); // a bucket view stays a view

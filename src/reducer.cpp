@@ -1284,6 +1284,45 @@ void Reducer::mark_restored(const std::vector<size_t>& indices) {
   }
 }
 
+std::vector<at::Tensor> Reducer::accumulated() const {
+  const auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  std::vector<at::Tensor> out(s.params.size());
+  for (const auto& bucket : s.buckets) {
+    if (!bucket.accumulating) {
+      continue;
+    }
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      const auto i = bucket.params[slot];
+      if (s.touched[i].load(std::memory_order_relaxed)) {
+        out[i] = bucket.views[slot].clone();
+      }
+    }
+  }
+  return out;
+}
+
+bool Reducer::accumulates(size_t index) const {
+  TORCH_CHECK_VALUE(index < state_->params.size(), "Reducer::accumulates: no parameter ", index);
+  return state_->buckets[state_->locator[index].first].accumulating;
+}
+
+void Reducer::load_accumulated(size_t index, const at::Tensor& sum) {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  TORCH_CHECK(!s.in_flight, "Reducer::load_accumulated() called during a synchronising backward");
+  TORCH_CHECK_VALUE(index < s.params.size(), "Reducer::load_accumulated: no parameter ", index);
+  const auto [b, slot] = s.locator[index];
+  auto& bucket = s.buckets[b];
+  TORCH_CHECK_VALUE(bucket.accumulating, "Reducer::load_accumulated: ", s.name(index),
+      " is not summed in a wider bucket");
+  TORCH_CHECK_VALUE(sum.sizes() == s.params[index].sizes(), "Reducer::load_accumulated: ",
+      s.name(index), " is ", s.params[index].sizes(), ", the sum ", sum.sizes());
+  at::NoGradGuard no_grad;
+  bucket.views[slot].copy_(sum);
+  s.touched[index].store(true, std::memory_order_relaxed);
+}
+
 bool Reducer::accumulating() const {
   for (const auto& bucket : state_->buckets) {
     if (bucket.accumulating) {

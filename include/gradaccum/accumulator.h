@@ -242,6 +242,8 @@ class Accumulator {
   double loss_scale_ = 0;
   int64_t growth_tracker_ = 0;
   std::function<void()> after_window_;
+  /// Whether parameter `i`'s window is summed in accumulate_dtype (wider).
+  bool accumulates_wide(size_t i) const;
   /// One process with accumulate_dtype: the window's sums of narrower gradients.
   std::vector<at::Tensor> wide_;
   std::vector<char> wide_has_;

@@ -152,6 +152,15 @@ class Reducer {
   void mark_restored(const std::vector<size_t>& indices);
   /// Whether some bucket sums in a wider dtype than its parameters.
   bool accumulating() const;
+  /// With an accumulation dtype, mid-window: the window's sum so far of each
+  /// parameter summed in a wider bucket (a copy in that dtype; undefined where
+  /// it has none yet, and for parameters of other buckets). Call
+  /// accumulate_local() first to include what `.grad` holds.
+  std::vector<at::Tensor> accumulated() const;
+  /// Whether parameter `index` is summed in a wider bucket.
+  bool accumulates(size_t index) const;
+  /// Sets parameter `index`'s sum in its wider bucket (a checkpoint's load).
+  void load_accumulated(size_t index, const at::Tensor& sum);
   /// Whether some bucket sends its gradients in another dtype (comm_dtype).
   bool compressing() const;
   /// Error feedback: this rank's compression residual of each parameter

@@ -18,7 +18,7 @@ def _allreduce_count(fn):
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
-    events = [e for e in prof.events() if e.name == "gloo:all_reduce"]
+    events = [e for e in prof.events() if e.name.endswith(":all_reduce")]  # gloo: or nccl:
     return len(events), sum(e.input_shapes[0][0] for e in events)
 
 
@@ -44,12 +44,14 @@ HALF_CASES = [
 
 
 @job
-def half_wire(rank, world_size, *, seed, steps):
+def half_wire(rank, world_size, *, seed, steps, device="cpu"):
     """One "items" window with fractional, uneven num_items on each rank, for
     each half-precision wire: all-reduces per window (profiler), buckets, the
-    window gradient, and this rank's float64 reference sums."""
+    window gradient, and this rank's float64 reference sums (on the CPU)."""
     import gradaccum
 
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
     g = torch.Generator().manual_seed(seed + 11 * rank)
     batches = [(torch.randn(6, 16, generator=g), torch.randn(6, 8, generator=g),
                 2.5 + rank + 0.25 * k) for k in range(steps)]
@@ -59,20 +61,20 @@ def half_wire(rank, world_size, *, seed, steps):
     out = {"ref_sum": [p.grad.clone() for p in reference.parameters()],
            "items": sum(n for _, _, n in batches)}
     for name, dtype, wide, comm in HALF_CASES:
-        model = _mlp(seed, dtype)
+        model = _mlp(seed, dtype).to(device)
         acc = gradaccum.Accumulator(model, None, steps=steps, reduction="items",
                                     accumulate_dtype=wide, comm_dtype=comm,
                                     bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
 
         def window():
             for x, y, n in batches:
-                acc.backward((model(x.to(dtype)).float() - y).pow(2).sum(), num_items=n)
+                acc.backward((model(x.to(device, dtype)).float() - y.to(device)).pow(2).sum(), num_items=n)
 
         count, _ = _allreduce_count(window)
         stats = acc.stats()
         out[name] = {"allreduces": count, "buckets": stats["buckets"],
                      "collectives": stats["last_window_collectives"],
-                     "grads": [p.grad.double() for p in model.parameters()]}
+                     "grads": [p.grad.double().cpu() for p in model.parameters()]}
         acc.close()
     return out
 
@@ -235,3 +237,46 @@ def comm_dtype_mismatch(rank, world_size):
     except ValueError as e:
         return str(e)
     return None
+
+
+@job
+def accumulate_checkpoint(rank, world_size, *, seed, steps, save_at):
+    """bf16 parameters summed in float32, saved in the middle of a window
+    (rank-independent and per-rank) and resumed in a fresh Accumulator: the
+    window's gradient equals the uninterrupted one's."""
+    import copy
+
+    import gradaccum
+
+    g = torch.Generator().manual_seed(seed + 5 * rank)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(steps)]
+    group = None if world_size > 1 else False
+
+    def make():
+        model = _mlp(seed, torch.bfloat16)
+        return model, gradaccum.Accumulator(model, None, steps=steps, accumulate_dtype=torch.float32,
+                                            process_group=group)
+
+    def micro(model, acc, batch):
+        x, y = batch
+        acc.backward((model(x.to(torch.bfloat16)).float() - y).pow(2).mean())
+
+    out = {}
+    model, acc = make()
+    for b in batches[:save_at]:
+        micro(model, acc, b)
+    states = {"independent": copy.deepcopy(acc.state_dict()),
+              "per_rank": copy.deepcopy(acc.state_dict(rank_independent=False))}
+    out["saved_dtypes"] = sorted({str(t.dtype) for t in states["independent"]["grads"] if t is not None})
+    for b in batches[save_at:]:
+        micro(model, acc, b)
+    out["uninterrupted"] = [p.grad.clone() for p in model.parameters()]
+    acc.close()
+    for kind, state in states.items():
+        model, acc = make()
+        acc.load_state_dict(state)
+        for b in batches[save_at:]:
+            micro(model, acc, b)
+        out[kind] = [p.grad.clone() for p in model.parameters()]
+        acc.close()
+    return out

@@ -1,4 +1,5 @@
-"""CUDA paths: NCCL at world size 1 and Gloo over CUDA tensors with 2 ranks.
+"""CUDA paths: NCCL at world size 1 and Gloo over CUDA tensors with 2 ranks;
+half-precision wires (bf16/fp16 buckets, comm_dtype) on both.
 
 Run on a CUDA machine (`make test` there); without CUDA these skip, as in CI.
 """
@@ -57,3 +58,22 @@ def test_cuda_single_process_bucket_views_and_bf16():
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol)
+
+
+@cuda
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="torch built without NCCL")
+def test_nccl_half_precision_wires(tmp_path):
+    """bf16/fp16 buckets and comm_dtype wires over NCCL: the meta's digits sum
+    exactly there too, in one all-reduce per bucket."""
+    from test_mixed_precision import check_half_wires
+
+    check_half_wires(du.run_job("half_wire", 1, tmp_path, module="_mixed_jobs", backend="nccl",
+                                seed=3, steps=3, device="cuda:0"))
+
+
+@cuda
+def test_gloo_half_precision_wires_over_cuda_tensors(tmp_path):
+    from test_mixed_precision import check_half_wires
+
+    check_half_wires(du.run_job("half_wire", 2, tmp_path, module="_mixed_jobs", backend="gloo",
+                                seed=3, steps=3, device="cuda:0"))

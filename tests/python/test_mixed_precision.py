@@ -132,11 +132,9 @@ def _relative(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_half_precision_buckets_take_one_collective_each(tmp_path, world_size):
-    """bf16/fp16 buckets and comm_dtype wires carry the meta exactly (fractional,
-    uneven items weights) in the bucket's own collective."""
-    results = du.run_job("half_wire", world_size, tmp_path, module="_mixed_jobs", seed=3, steps=3)
+def check_half_wires(results):
+    """What half_wire returned: one all-reduce per bucket, and the window's
+    gradient against the float64 reference."""
     ref_sum = [sum(r["ref_sum"][i] for r in results) for i in range(len(results[0]["ref_sum"]))]
     items = sum(r["items"] for r in results)
     expected = [s / items for s in ref_sum]
@@ -150,6 +148,13 @@ def test_half_precision_buckets_take_one_collective_each(tmp_path, world_size):
             # precision rounding stays within a few percent.
             for got, want in zip(case["grads"], expected):
                 assert _relative(got, want) < 0.03, (name, _relative(got, want))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_half_precision_buckets_take_one_collective_each(tmp_path, world_size):
+    """bf16/fp16 buckets and comm_dtype wires carry the meta exactly (fractional,
+    uneven items weights) in the bucket's own collective."""
+    check_half_wires(du.run_job("half_wire", world_size, tmp_path, module="_mixed_jobs", seed=3, steps=3))
 
 
 def test_comm_dtype_halves_the_bytes(tmp_path):
@@ -224,3 +229,15 @@ def test_comm_dtype_arguments_are_checked():
     acc = gradaccum.Accumulator(model, None, steps=1, comm_dtype=torch.bfloat16, process_group=False)
     acc.backward(model(torch.ones(1, 2)).sum())
     assert torch.equal(model.weight.grad, torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_mid_window_checkpoint_with_accumulate_dtype(tmp_path, world_size):
+    results = du.run_job("accumulate_checkpoint", world_size, tmp_path, module="_mixed_jobs",
+                         seed=10, steps=4, save_at=2)
+    for res in results:
+        assert res["saved_dtypes"] == ["torch.float32"]  # the wide sums, not bf16 roundings
+        for kind in ("independent", "per_rank"):
+            for got, want in zip(res[kind], res["uninterrupted"]):
+                assert got.dtype == torch.bfloat16
+                assert torch.equal(got, want), kind
