@@ -479,7 +479,7 @@ void Accumulator::accumulate_wide() {
   for (const auto i : c10::irange(wide_.size())) {
     auto& grad = params_[i].mutable_grad();
     if (wide_[i].defined() && grad.defined()) {
-      wide_[i].add_(grad);
+      add_widened(wide_[i], grad);
       grad = at::Tensor();
       wide_has_[i] = 1;
       wide_touched_ = true;

@@ -85,6 +85,14 @@ int64_t header_digits(int bits) {
 
 } // namespace
 
+void add_widened(at::Tensor& sum, const at::Tensor& grad) {
+  if (grad.scalar_type() != sum.scalar_type() && grad.device().is_cpu()) {
+    sum.add_(grad.to(sum.scalar_type()));
+  } else {
+    sum.add_(grad);
+  }
+}
+
 double Bucket::max_meta_value(MetaField field) {
   return std::ldexp(1.0, field_bits(field) - field_fraction_bits(field)) - 1;
 }

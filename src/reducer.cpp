@@ -652,7 +652,7 @@ void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
     if (grad.defined()) {
       TORCH_CHECK(!grad.is_sparse(), "gradaccum: ", name(bucket.params[slot]), " has a sparse "
           "gradient (nn.Embedding(sparse=True)?); sparse gradients are not supported: use sparse=False");
-      view.add_(grad);
+      add_widened(view, grad);
       grad = at::Tensor();
     } else if (!touched[bucket.params[slot]].load(std::memory_order_relaxed)) {
       view.zero_();
@@ -1269,7 +1269,7 @@ void Reducer::accumulate_local() {
     for (const auto slot : c10::irange(bucket.params.size())) {
       auto& grad = s.params[bucket.params[slot]].mutable_grad();
       if (grad.defined()) {
-        bucket.views[slot].add_(grad);
+        add_widened(bucket.views[slot], grad);
         grad = at::Tensor();
         s.touched[bucket.params[slot]].store(true, std::memory_order_relaxed);
       }

@@ -70,6 +70,12 @@ enum MetaField : int64_t {
   kMetaHeader, // the header's length
 };
 
+/// `sum += grad` for a wider `sum` (accumulate_dtype). On the CPU, torch's
+/// mixed-dtype add is about 2x slower than widening first and adding (4.2M
+/// bf16 elements into float32, one thread: 5.3 ms against 2.4 ms), so it
+/// widens first there; CUDA's fused mixed-dtype add is kept.
+void add_widened(at::Tensor& sum, const at::Tensor& grad);
+
 /// How a bucket's meta travels (see Note [Bucket meta layout]).
 enum class MetaEncoding {
   kPlain, ///< numbers in the wire's float32/float64 tail
