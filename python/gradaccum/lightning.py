@@ -101,6 +101,9 @@ class GradaccumStrategy(DDPStrategy):
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool = False,
         check_parameters: bool = True,
+        accumulate_dtype: Optional[torch.dtype] = None,
+        comm_dtype: Optional[torch.dtype] = None,
+        error_feedback: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: str = "popen",
@@ -132,6 +135,9 @@ class GradaccumStrategy(DDPStrategy):
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,
             check_parameters=check_parameters,
+            accumulate_dtype=accumulate_dtype,
+            comm_dtype=comm_dtype,
+            error_feedback=error_feedback,
         )
         self.accumulator: Optional[Accumulator] = None
         # training_step's own loss and item count, for the backward that follows

@@ -108,6 +108,9 @@ SCENARIOS = {
                       clip=0.05, schedule=True, nan_at=(0, 1, 1)),
     "bf16": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=4, steps=2, epochs=3,
                  dtype="float32", precision="bf16-mixed"),
+    # the same, all-reduced in bf16 (comm_dtype): half the bytes
+    "bf16_comm": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=4, steps=2, epochs=3,
+                      dtype="float32", precision="bf16-mixed", strategy_options=dict(comm_dtype=torch.bfloat16)),
     # 16-mixed through Lightning's own MixedPrecision plugin and its GradScaler (on CPU
     # precision="16-mixed" would become bf16, so the plugin is given explicitly)
     "fp16": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=4, steps=2, epochs=3,
@@ -182,7 +185,8 @@ def run(name, out_dir):
                                          auto_insert_metric_name=False))
     if "save_at_batch" in cfg:
         callbacks.append(SaveMidWindow())
-    strategy = "ddp" if cfg.get("ddp") else GradaccumStrategy(reduction=reduction)
+    strategy = "ddp" if cfg.get("ddp") else GradaccumStrategy(reduction=reduction,
+                                                              **cfg.get("strategy_options", {}))
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD, strategy=strategy, precision=cfg.get("precision"),
         plugins=[MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 17))]
