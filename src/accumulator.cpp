@@ -723,11 +723,6 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
       "state_dict(): other ranks ended the epoch with flush() in the reduction that closed "
       "this rank's last window; call flush() (a no-op here) before saving, so that the "
       "state is the same on every rank");
-  if (reducer_ && micro_step_ > 0 && reducer_->accumulating()) {
-    // The window's wide sums live in the buckets; bring in what .grad holds
-    // (the manual no_sync path) so that one place has all of it.
-    reducer_->accumulate_local();
-  }
   TORCH_CHECK(!(reducer_ && rank_independent && micro_step_ > 0 && reducer_->compressing()),
       "state_dict(): a rank-independent checkpoint in the middle of a window is not supported "
       "with comm_dtype (the half-done window would be rounded to the wire's dtype); save at a "
@@ -929,8 +924,8 @@ std::vector<int64_t*> int_fields(AccumulatorState& s) {
 
 } // namespace
 
-void Accumulator::save(torch::serialize::OutputArchive& archive) {
-  auto state = state_dict();
+void Accumulator::save(torch::serialize::OutputArchive& archive, bool rank_independent) {
+  auto state = state_dict(rank_independent);
   const auto fields = int_fields(state);
   for (const auto i : c10::irange(fields.size())) {
     const int64_t value = fields[i] ? *fields[i] : static_cast<int64_t>(state.reduction);

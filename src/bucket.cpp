@@ -114,7 +114,9 @@ Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices,
   accumulating = dtype != first.scalar_type();
   const auto wire_dtype = config.comm_dtype.value_or(dtype);
   compressed = wire_dtype != dtype;
-  if (wire_dtype == at::kHalf || wire_dtype == at::kBFloat16) {
+  const bool half_wire = wire_dtype == at::kHalf || wire_dtype == at::kBFloat16;
+  prescaled = compressed && half_wire;
+  if (half_wire) {
     digit_bits = digit_bits_for(wire_dtype, config.world);
     encoding = digit_bits > 0 ? MetaEncoding::kDigits : MetaEncoding::kSeparate;
   }
@@ -133,7 +135,9 @@ Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices,
   meta = encoding == MetaEncoding::kSeparate
       ? at::zeros({meta_numel}, options.dtype(at::kFloat))
       : wire.narrow(0, numel, meta_numel);
-  if (config.error_feedback && compressed) {
+  // Rounding to a wire no wider than the bucket loses bits: error feedback
+  // keeps them (a wider wire loses nothing).
+  if (config.error_feedback && compressed && at::elementSize(wire_dtype) <= at::elementSize(dtype)) {
     residual = at::zeros({numel}, options);
   }
   int64_t offset = 0;
@@ -189,7 +193,10 @@ void Bucket::write_meta(const std::vector<double>& values) {
 
 std::vector<double> Bucket::read_meta() const {
   const auto host = meta.to(at::kDouble).cpu().contiguous();
-  const double* data = host.data_ptr<double>();
+  return decode_meta(host.data_ptr<double>());
+}
+
+std::vector<double> Bucket::decode_meta(const double* data) const {
   const auto n = static_cast<int64_t>(params.size());
   if (encoding != MetaEncoding::kDigits) {
     return std::vector<double>(data, data + kMetaHeader + n);

@@ -188,12 +188,12 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   bool aborted_here = false; ///< this rank dropped the last reduction itself
   std::string failure; ///< why the last reduction dropped its window ("" if it did not)
   int64_t sequence = 0; ///< reductions completed: the next one's window number
-  /// comm_dtype: each rank multiplies its gradients by this before compressing
-  /// (so that fp16 cannot overflow in the sum): 1 / the expected global weight,
-  /// fixed when the reduction begins (Note [Scaling before the sum]).
-  double prescale = 1.0;
-  /// The global weight of the last window reduced (the same on every rank); 0
-  /// before the first. The expected weight of the next items window.
+  /// comm_dtype to bf16/fp16: each rank multiplies its gradients by 1 / this
+  /// before rounding them (so that fp16 cannot overflow in the sum), fixed when
+  /// the reduction begins (Note [Scaling before the sum]).
+  double expected_weight = 1.0;
+  /// The global weight of the last full window reduced (the same on every
+  /// rank); 0 before the first. The expected weight of the next items window.
   double last_weight = 0;
   /// Each bucket's summed meta (Note [Bucket meta layout]), read once per reduction.
   std::vector<std::vector<double>> summed_meta;
@@ -602,9 +602,15 @@ void Reducer::State::begin_reduction(const ReductionRequest& req, int task) {
   }
   next_launch = 0;
   // See Note [Scaling before the sum]: the same value on every rank.
-  const double expected = rule.reduction == Reduction::Items && last_weight > 0
+  expected_weight = rule.reduction == Reduction::Items && last_weight > 0
       ? last_weight : static_cast<double>(world) * static_cast<double>(rule.steps);
-  prescale = 1.0 / expected;
+  // A weight the meta's digits cannot carry drops the window on every rank
+  // (raising here, before the collectives, would leave the others waiting).
+  if (request.abort == AbortReason::None && request.weight > Bucket::max_meta_value(kWeight) &&
+      std::any_of(buckets.begin(), buckets.end(),
+                  [](const Bucket& b) { return b.encoding == MetaEncoding::kDigits; })) {
+    request.abort = AbortReason::WeightTooLarge;
+  }
   stats.last_window_collectives = 0;
   stats.last_window_bytes = 0;
   if (task >= 0) {
@@ -702,7 +708,7 @@ void Reducer::State::launch_bucket(size_t index) {
   };
   std::vector<double> meta(static_cast<size_t>(kMetaHeader) + bucket.params.size(), 1.0);
   const bool aborting = request.abort != AbortReason::None;
-  meta[kWeight] = request.weight;
+  meta[kWeight] = aborting ? 0 : request.weight;
   meta[kFlushing] = request.flushing ? 1 : 0;
   meta[kAbort] = aborting ? 1 : 0;
   meta[kAbortRank] = aborting ? rank : 0;
@@ -736,35 +742,50 @@ void Reducer::State::launch_bucket(size_t index) {
 }
 
 // Note [Scaling before the sum]
-// With comm_dtype, each rank sends prescale * (its gradient sum), rounded to
-// the wire's dtype, so that the sum over ranks stays near the size of one
-// gradient and fp16 cannot overflow where the float32 sum would not.
-// `prescale` is 1 / the expected global weight: world * steps, or for
-// reduction "items" the last window's global weight (the same on every rank:
-// it comes from the summed meta). Every rank must use the same value (a sum
-// of differently scaled gradients would be silently wrong): it changes only
-// at a reduction that every rank completed, and restore() resets it on every
-// rank. write_back() divides by prescale * global weight, which is exactly 1
-// for a full "mean" window.
+// With comm_dtype bf16/fp16 (Bucket::prescaled), each rank sends its gradient
+// sum divided by the expected global weight E, rounded to the wire's dtype,
+// so that the sum over ranks stays near the size of one gradient and fp16
+// does not overflow where float32 would not. E is world * steps, or for
+// reduction "items" the global weight of the last full window (no rank
+// flushing; the same on every rank: it comes from the summed meta); the first
+// "items" window of a run uses world * steps, so gradients far larger than
+// that (many items per micro-step, fp16) can overflow there once: the window
+// is then non-finite on every rank alike. Every rank must use the same E (a
+// sum of differently scaled gradients would be silently wrong): it changes
+// only at a reduction that every rank completed, and restore() resets it on
+// every rank. write_back() multiplies by E / global weight: exactly 1 for a
+// full "mean" window. Wires as wide as float32 are not scaled.
 void Reducer::State::compress(Bucket& bucket) {
   // In place, no temporary: the bucket's gradients are rewritten from the
   // wire by write_back() (or cleared with a dropped window) in any case.
   at::NoGradGuard no_grad;
+  const double scale = bucket.prescaled ? expected_weight : 1.0;
   if (bucket.residual.defined()) {
     // Error feedback: send what was lost last time too, and keep what is lost
-    // now (unscaled: the next window's prescale may differ).
-    bucket.residual.add_(bucket.gradients).mul_(prescale);
+    // now (unscaled: the next window's scale may differ). What overflowed or
+    // was not finite is not kept: it would poison every later window.
+    bucket.residual.add_(bucket.gradients).div_(scale);
     bucket.wire_gradients.copy_(bucket.residual);
-    bucket.residual.sub_(bucket.wire_gradients).div_(prescale);
+    bucket.residual.sub_(bucket.wire_gradients).mul_(scale).nan_to_num_(0.0, 0.0, 0.0);
   } else {
-    bucket.gradients.mul_(prescale);
+    if (scale != 1.0) {
+      bucket.gradients.div_(scale);
+    }
     bucket.wire_gradients.copy_(bucket.gradients);
   }
 }
 
 void Reducer::State::read_all_meta() {
+  // One copy to the host for all buckets (one device synchronisation).
+  std::vector<at::Tensor> metas;
+  for (const auto& bucket : buckets) {
+    metas.push_back(bucket.meta.to(at::kDouble));
+  }
+  const auto host = at::cat(metas).cpu().contiguous();
+  const double* data = host.data_ptr<double>();
   for (const auto b : c10::irange(buckets.size())) {
-    summed_meta[b] = buckets[b].read_meta();
+    summed_meta[b] = buckets[b].decode_meta(data);
+    data += buckets[b].meta.numel();
   }
 }
 
@@ -802,8 +823,8 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
       }
     }
     // A snapshot must leave bucket views (which are .grad) as they are.
-    if (snapshot && (options.gradient_as_bucket_view() || buckets.front().accumulating ||
-                     buckets.back().accumulating)) {
+    if (snapshot && (options.gradient_as_bucket_view() ||
+                     std::any_of(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.accumulating; }))) {
       for (const auto& bucket : buckets) {
         saved.push_back(bucket.gradients.clone());
       }
@@ -879,7 +900,7 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
     return result;
   }
   ++stats.windows;
-  if (result.global_weight > 0) {
+  if (result.global_weight > 0 && result.flushing_ranks == 0) {
     last_weight = result.global_weight; // Note [Scaling before the sum]
   }
   // Collectives first: a local failure in write_back must not skip one.
@@ -921,6 +942,10 @@ void Reducer::State::check_consensus(const at::Tensor& summed) {
       cause << "rank " << who << " went on training after other ranks had ended the epoch "
             << "with flush(); every rank must run the same number of full windows and call "
             << "flush() at the end of each epoch";
+    } else if (why == AbortReason::WeightTooLarge) {
+      cause << "rank " << who << "'s window weight (micro-steps or items) is larger than "
+            << static_cast<int64_t>(Bucket::max_meta_value(kWeight)) << ", the most a bf16/fp16 "
+            << "bucket's meta carries exactly";
     } else if (why == AbortReason::GradientsChanged) {
       cause << "on rank " << who << " the accumulated gradients were cleared or changed outside "
             << "the Accumulator in the middle of the window (optimizer.zero_grad() or "
@@ -1025,6 +1050,10 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
       ") could not contribute its window, so the window was dropped on every rank (its "
       "gradients cleared, no optimizer step); training can go on from the next window";
   switch (reason) {
+    case AbortReason::WeightTooLarge:
+      failure += ". Why: this rank's window weight " + std::to_string(request.weight) +
+                 " is larger than a bf16/fp16 bucket's meta carries";
+      break;
     case AbortReason::GradientsChanged:
       failure += ". Why: the accumulated gradients were cleared or changed outside the "
                  "Accumulator in the middle of the window (optimizer.zero_grad() or "
@@ -1078,14 +1107,16 @@ void Reducer::State::write_back(
     Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor) {
   const bool as_view = options.gradient_as_bucket_view();
   if (bucket.compressed) {
-    // Back from the wire's dtype, undoing the prescale and dividing in the
-    // same pass (Note [Scaling before the sum]): exactly 1 for a full window.
+    // Back from the wire's dtype; undo the scale and divide in one pass
+    // (Note [Scaling before the sum]): exactly 1 for a full "mean" window.
     bucket.gradients.copy_(bucket.wire_gradients);
-    const double factor = 1.0 / (prescale * (divide ? divisor : 1.0));
-    if (factor != 1.0) {
-      bucket.gradients.mul_(factor);
+    if (bucket.prescaled) {
+      const double factor = expected_weight / (divide ? divisor : 1.0);
+      if (factor != 1.0) {
+        bucket.gradients.mul_(factor);
+      }
+      divide = false;
     }
-    divide = false;
   }
   // A CPU double scalar: the division runs in the gradients' compute type
   // without rounding the divisor to a half-precision dtype first.
@@ -1138,9 +1169,6 @@ namespace {
 void check_request(const ReductionRequest& request) {
   TORCH_CHECK_VALUE(request.weight >= 0 && std::isfinite(request.weight),
       "Reducer: the window weight must be a finite number >= 0, got ", request.weight);
-  TORCH_CHECK_VALUE(request.weight <= Bucket::max_meta_value(kWeight),
-      "Reducer: the window weight ", request.weight, " is too large (at most ",
-      Bucket::max_meta_value(kWeight), " per rank)");
 }
 } // namespace
 

@@ -169,7 +169,9 @@ class Accumulator {
   AccumulatorState state_dict(bool rank_independent = true);
   void load_state_dict(const AccumulatorState& state);
   /// The state through torch::serialize archives (`torch::save`-style).
-  void save(torch::serialize::OutputArchive& archive);
+  /// Writes state_dict(rank_independent) (rank_independent=false keeps this
+  /// rank's error-feedback residual; only this rank may load it).
+  void save(torch::serialize::OutputArchive& archive, bool rank_independent = true);
   void load(torch::serialize::InputArchive& archive);
 
   /// Callbacks around each window's optimizer step (a loss scaler's place:

@@ -116,6 +116,9 @@ struct Bucket {
   bool accumulating = false;
   /// The wire has a dtype of its own (comm_dtype): launch_bucket() fills it.
   bool compressed = false;
+  /// The wire is bf16/fp16: each rank scales before rounding (Note [Scaling
+  /// before the sum]).
+  bool prescaled = false;
   /// Error feedback: what compression lost of this rank's last window, in the
   /// bucket's dtype and unscaled; added to the next window before compressing.
   at::Tensor residual;
@@ -136,6 +139,8 @@ struct Bucket {
   void write_meta(const std::vector<double>& values);
   /// Reads the (summed) header and flags back: one copy to the host.
   std::vector<double> read_meta() const;
+  /// Decodes header and flags from `meta` as doubles on the host.
+  std::vector<double> decode_meta(const double* data) const;
   /// The largest per-rank value of a field that write_meta() carries exactly
   /// (kWeight: with 32 fractional bits).
   static double max_meta_value(MetaField field);

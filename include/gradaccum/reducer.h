@@ -53,6 +53,8 @@ enum class AbortReason : int64_t {
   ForeignReducer = 4,
   /// This rank's gradients were cleared or changed from outside mid-window.
   GradientsChanged = 5,
+  /// This rank's window weight is more than a half-precision wire's meta carries.
+  WeightTooLarge = 6,
 };
 
 /// One reduction, asked for as a value: what this rank contributes.

@@ -239,8 +239,23 @@ def comm_dtype_mismatch(rank, world_size):
     return None
 
 
+class _Sandwich(nn.Module):
+    """float32 layers around a bf16 one: with small buckets the bf16 (wide,
+    accumulate_dtype) bucket sits between float32 ones."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 32).to(torch.bfloat16)
+        self.c = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x.float()).bfloat16()).float())
+
+
 @job
-def accumulate_checkpoint(rank, world_size, *, seed, steps, save_at):
+def accumulate_checkpoint(rank, world_size, *, seed, steps, save_at, sandwich=False):
     """bf16 parameters summed in float32, saved in the middle of a window
     (rank-independent and per-rank) and resumed in a fresh Accumulator: the
     window's gradient equals the uninterrupted one's."""
@@ -253,9 +268,10 @@ def accumulate_checkpoint(rank, world_size, *, seed, steps, save_at):
     group = None if world_size > 1 else False
 
     def make():
-        model = _mlp(seed, torch.bfloat16)
+        model = _Sandwich(seed) if sandwich else _mlp(seed, torch.bfloat16)
         return model, gradaccum.Accumulator(model, None, steps=steps, accumulate_dtype=torch.float32,
-                                            process_group=group)
+                                            process_group=group, bucket_cap_mb=0.001,
+                                            first_bucket_cap_mb=0.001)
 
     def micro(model, acc, batch):
         x, y = batch
@@ -268,6 +284,7 @@ def accumulate_checkpoint(rank, world_size, *, seed, steps, save_at):
     states = {"independent": copy.deepcopy(acc.state_dict()),
               "per_rank": copy.deepcopy(acc.state_dict(rank_independent=False))}
     out["saved_dtypes"] = sorted({str(t.dtype) for t in states["independent"]["grads"] if t is not None})
+    out["buckets"] = acc.bucket_indices
     for b in batches[save_at:]:
         micro(model, acc, b)
     out["uninterrupted"] = [p.grad.clone() for p in model.parameters()]
@@ -279,4 +296,46 @@ def accumulate_checkpoint(rank, world_size, *, seed, steps, save_at):
             micro(model, acc, b)
         out[kind] = [p.grad.clone() for p in model.parameters()]
         acc.close()
+    return out
+
+
+@job
+def error_feedback_overflow(rank, world_size):
+    """fp16 wire with error feedback: a window that overflows is skipped on
+    every rank, and the residual does not carry the overflow into later ones."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    acc = gradaccum.Accumulator(model, opt, steps=1, comm_dtype=torch.float16, error_feedback=True)
+    stepped = []
+    x = torch.ones(2, 4)
+    for w in range(4):
+        acc.backward(model(x).sum() * (1e6 if w == 0 else 1.0))
+        stepped.append(acc.step())
+    residuals = acc.state_dict(rank_independent=False)["error_feedback_residuals"]
+    return {"stepped": stepped, "finite": all(bool(torch.isfinite(r).all()) for r in residuals),
+            "params_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+@job
+def weight_too_large(rank, world_size):
+    """A window weight beyond what bf16 meta digits carry, on rank 0 only:
+    every rank drops the window with the same error, and training goes on."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to(torch.bfloat16)
+    acc = gradaccum.Accumulator(model, None, steps=1, reduction="items")
+    x = torch.ones(3, 4, dtype=torch.bfloat16)
+    out = {}
+    try:
+        acc.backward(model(x).float().sum(), num_items=3e9 if rank == 0 else 3)
+        out["error"] = None
+    except RuntimeError as e:
+        out["error"] = str(e)
+    acc.backward(model(x).float().sum(), num_items=3)
+    out["after"] = model.weight.grad.float().clone()
+    out["dropped"] = acc.stats()["dropped_windows"]
     return out
