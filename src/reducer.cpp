@@ -14,6 +14,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -24,7 +25,27 @@
 // backward: a failing rank still launches its remaining buckets (flagged, see
 // Note [Dropping a window]), a rank whose loss touched no parameter launches
 // them all at the end, and a closing micro-step always produces exactly one
-// reduction. Buckets never change after construction.
+// reduction. Buckets change only between windows, once, identically on every
+// rank (Note [Rebuilding buckets in ready order]).
+//
+// Note [Rebuilding buckets in ready order]
+// The first layout follows reverse registration order (assign_buckets), a
+// guess at backward's order; when it is wrong (an embedding registered first
+// but used last, modules built out of order) bucket 0 waits for the last
+// gradient and nothing launches during backward. So, with
+// ReducerOptions::rebuild_buckets, mark_ready records the order it sees the
+// parameters in, and at the end of the first window reduced on every rank
+// (phase 3 of finish_reduction, which every rank reaches alike: the consensus
+// held; never a dropped window, never a snapshot) every rank takes rank 0's
+// order, by one broadcast, and rebuilds its buckets from it; parameters rank 0
+// did not see keep their relative order, at the end. The layouts stay
+// identical across ranks, so the pairing above holds. A window in which rank 0
+// saw no hook at all (a flush after no_sync micro-steps) tries again at the
+// next. If building the new buckets fails on some rank (out of memory), an
+// allgather of a success flag makes every rank keep the old ones (neither it
+// nor the broadcast is a gradient reduction: stats count neither). Done before
+// the write-back, as every collective of phase 3, and applied after it (even
+// if this rank's write-back fails): between windows only.
 //
 // Note [The last bucket closes the window]
 // Hooks launch each bucket as soon as it is full, except the last: only
@@ -164,6 +185,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   int rank = 0;
   int world = 1;
   int64_t modulus = 2;
+  // Set by use_buckets(); rebuilt once, see Note [Rebuilding buckets in ready order].
   std::vector<Bucket> buckets;
   std::vector<std::pair<size_t, size_t>> locator; ///< (bucket, slot) of each parameter
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> grad_accumulators;
@@ -188,6 +210,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   bool aborted_here = false; ///< this rank dropped the last reduction itself
   std::string failure; ///< why the last reduction dropped its window ("" if it did not)
   int64_t sequence = 0; ///< reductions completed: the next one's window number
+  bool buckets_final = false; ///< rebuilt in ready order, or never to be
+  size_t hook_launches = 0; ///< buckets this reduction's hooks launched
+  size_t early_launches = 0; ///< of those, launched before the last hook so far
+  std::vector<size_t> ready_order; ///< this reduction's, while !buckets_final
   ReductionResult last_result;
   ReducerStats stats;
 
@@ -202,6 +228,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   }
 
   void check_ranks_match();
+  std::vector<Bucket> build_buckets(const std::vector<std::vector<size_t>>& layout) const;
+  void use_buckets(std::vector<Bucket> built);
+  std::optional<std::vector<Bucket>> agree_on_ready_order();
+  void switch_buckets(std::vector<Bucket> built) noexcept;
   void broadcast_parameters_from_rank0();
   void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);
 
@@ -316,24 +346,14 @@ Reducer::Reducer(
     s.check_ranks_match();
   }
 
-  const auto layout = assign_buckets(
+  s.use_buckets(s.build_buckets(assign_buckets(
       s.params,
       static_cast<int64_t>(s.options.first_bucket_cap_mb() * kMiB),
-      static_cast<int64_t>(s.options.bucket_cap_mb() * kMiB));
-  s.locator.resize(s.params.size());
-  s.buckets.reserve(layout.size());
-  for (const auto b : c10::irange(layout.size())) {
-    s.buckets.emplace_back(s.params, layout[b], rule.accumulate_dtype);
-    for (const auto slot : c10::irange(layout[b].size())) {
-      s.locator[layout[b][slot]] = {b, slot};
-    }
+      static_cast<int64_t>(s.options.bucket_cap_mb() * kMiB))));
+  s.buckets_final = !s.options.rebuild_buckets();
+  if (!s.buckets_final) {
+    s.ready_order.reserve(s.params.size());
   }
-  // One modulus for all buckets: the narrowest meta dtype decides.
-  s.modulus = consensus_modulus(s.world, at::kDouble);
-  for (const auto& bucket : s.buckets) {
-    s.modulus = std::min(s.modulus, consensus_modulus(s.world, bucket.meta.scalar_type()));
-  }
-  s.stats.buckets = static_cast<int64_t>(s.buckets.size());
   s.ready.assign(s.params.size(), 0);
 
   s.broadcast_parameters_from_rank0();
@@ -394,6 +414,7 @@ void Reducer::State::check_ranks_match() {
       {"first_bucket_cap_mb", options.first_bucket_cap_mb()},
       {"gradient_as_bucket_view", options.gradient_as_bucket_view() ? 1.0 : 0.0},
       {"broadcast_buffers", options.broadcast_buffers() ? 1.0 : 0.0},
+      {"rebuild_buckets", options.rebuild_buckets() ? 1.0 : 0.0},
       {"accumulate_dtype", rule.accumulate_dtype ? static_cast<double>(*rule.accumulate_dtype) : -1.0},
       {"the number of trainable parameters", static_cast<double>(n)},
   };
@@ -455,6 +476,32 @@ void Reducer::State::check_ranks_match() {
           " on rank 0");
     }
   }
+}
+
+std::vector<Bucket> Reducer::State::build_buckets(const std::vector<std::vector<size_t>>& layout) const {
+  // The one place buckets are made: construction and the rebuild alike.
+  std::vector<Bucket> built;
+  built.reserve(layout.size());
+  for (const auto& indices : layout) {
+    built.emplace_back(params, indices, rule.accumulate_dtype);
+  }
+  return built;
+}
+
+void Reducer::State::use_buckets(std::vector<Bucket> built) {
+  buckets = std::move(built);
+  locator.assign(params.size(), {0, 0});
+  for (const auto b : c10::irange(buckets.size())) {
+    for (const auto slot : c10::irange(buckets[b].params.size())) {
+      locator[buckets[b].params[slot]] = {b, slot};
+    }
+  }
+  // One modulus for all buckets: the narrowest meta dtype decides.
+  modulus = consensus_modulus(world, at::kDouble);
+  for (const auto& bucket : buckets) {
+    modulus = std::min(modulus, consensus_modulus(world, bucket.meta.scalar_type()));
+  }
+  stats.buckets = static_cast<int64_t>(buckets.size());
 }
 
 std::string Reducer::State::foreign_hooks() const {
@@ -561,6 +608,10 @@ void Reducer::State::mark_ready(size_t index) {
       "backward (a parameter used both inside and outside a reentrant checkpoint, or a "
       "second backward over it?); each parameter may be reduced once per window");
   ready[index] = 1;
+  early_launches = hook_launches; // made before this hook, which may be backward's last
+  if (!buckets_final) {
+    ready_order.push_back(index);
+  }
   auto& bucket = buckets[locator[index].first];
   copy_into_bucket(bucket, locator[index].second);
   --bucket.pending;
@@ -576,6 +627,7 @@ void Reducer::State::begin_reduction(const ReductionRequest& req, int task) {
   aborted_here = false;
   failure.clear();
   std::fill(ready.begin(), ready.end(), 0);
+  ready_order.clear();
   for (auto& bucket : buckets) {
     bucket.pending = bucket.params.size();
     bucket.missing.clear();
@@ -584,6 +636,8 @@ void Reducer::State::begin_reduction(const ReductionRequest& req, int task) {
   next_launch = 0;
   stats.last_window_collectives = 0;
   stats.last_window_bytes = 0;
+  hook_launches = 0;
+  early_launches = 0;
   if (task >= 0) {
     queue_end_callback(task);
   }
@@ -660,6 +714,7 @@ void Reducer::State::launch_ready_buckets() {
   // Never the last bucket: see Note [The last bucket closes the window].
   while (next_launch + 1 < buckets.size() && buckets[next_launch].pending == 0) {
     launch_bucket(next_launch++);
+    ++hook_launches;
   }
 }
 
@@ -825,6 +880,17 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
     broadcast_from_rank0(buffers);
     ++stats.broadcasts;
   }
+  // See Note [Rebuilding buckets in ready order]: agreed here, applied once
+  // the write-back below is over (or failed on this rank: every rank switches).
+  struct Switch {
+    State& s;
+    std::optional<std::vector<Bucket>> next;
+    ~Switch() {
+      if (next) {
+        s.switch_buckets(std::move(*next));
+      }
+    }
+  } rebuild{*this, buckets_final ? std::nullopt : agree_on_ready_order()};
   const bool divide = request.divide && result.global_weight > 0;
   // A CPU double scalar: the division runs in the gradients' compute type
   // without rounding the divisor to a half-precision dtype first.
@@ -833,6 +899,93 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
     write_back(bucket, divide, divisor);
   }
   return result;
+}
+
+std::optional<std::vector<Bucket>> Reducer::State::agree_on_ready_order() {
+  // [how many parameters rank 0 saw ready, then the order of all of them]
+  std::vector<int64_t> order{static_cast<int64_t>(ready_order.size())};
+  std::vector<char> seen(params.size(), 0);
+  for (const auto i : ready_order) {
+    order.push_back(static_cast<int64_t>(i));
+    seen[i] = 1;
+  }
+  for (const auto& bucket : buckets) {
+    for (const auto i : bucket.params) {
+      if (!seen[i]) {
+        order.push_back(static_cast<int64_t>(i));
+      }
+    }
+  }
+  TORCH_INTERNAL_ASSERT(order.size() == params.size() + 1,
+      "gradaccum: the ready order saw a parameter twice");
+  std::vector<at::Tensor> message{at::tensor(order, at::kLong).to(metadata_device())};
+  group->broadcast(message)->wait();
+  const auto agreed = message[0].cpu();
+  const auto a = agreed.accessor<int64_t, 1>();
+  if (a[0] == 0) {
+    return std::nullopt; // rank 0 saw no hook this window: try again at the next
+  }
+  buckets_final = true;
+  ready_order = {};
+  std::vector<size_t> ready(params.size());
+  for (const auto k : c10::irange(params.size())) {
+    ready[k] = static_cast<size_t>(a[static_cast<int64_t>(k) + 1]);
+  }
+  const auto layout = assign_buckets(
+      params,
+      static_cast<int64_t>(options.first_bucket_cap_mb() * kMiB),
+      static_cast<int64_t>(options.bucket_cap_mb() * kMiB),
+      ready);
+  const bool same = layout.size() == buckets.size() &&
+      std::equal(layout.begin(), layout.end(), buckets.begin(),
+                 [](const auto& indices, const Bucket& bucket) { return indices == bucket.params; });
+  if (same) {
+    return std::nullopt; // the same on every rank: the same order
+  }
+  std::optional<std::vector<Bucket>> built;
+  std::string error;
+  try {
+    built = build_buckets(layout);
+  } catch (const std::exception& e) {
+    error = message_of(e);
+  }
+  // Every rank switches, or none does.
+  const auto flags = allgather(*group, at::full({1}, built ? 1.0 : 0.0, at::kDouble).to(metadata_device()));
+  int failed = 0;
+  for (const auto& flag : flags) {
+    failed += flag.item<double>() == 0 ? 1 : 0;
+  }
+  if (failed > 0) {
+    TORCH_WARN("gradaccum: rebuilding the buckets in backward's order failed on ", failed,
+        " rank(s)", error.empty() ? std::string() : " (on this rank: " + error + ")",
+        "; every rank keeps the buckets it has");
+    return std::nullopt;
+  }
+  return built;
+}
+
+void Reducer::State::switch_buckets(std::vector<Bucket> built) noexcept {
+  // Between windows: copy-mode buckets are scratch and accumulating ones are
+  // zero, but bucket views are .grad, which holds the window's gradient the
+  // user may still read: it moves into the new views.
+  if (options.gradient_as_bucket_view()) {
+    try {
+      at::NoGradGuard no_grad;
+      for (auto& bucket : built) {
+        for (const auto slot : c10::irange(bucket.params.size())) {
+          auto& grad = params[bucket.params[slot]].mutable_grad();
+          if (grad.defined()) {
+            bucket.views[slot].copy_(grad);
+            grad = bucket.views[slot];
+          }
+        }
+      }
+    } catch (const std::exception& e) {
+      TORCH_WARN("gradaccum: moving .grad into the rebuilt buckets failed: ", message_of(e));
+    }
+  }
+  use_buckets(std::move(built));
+  ++stats.bucket_rebuilds;
 }
 
 void Reducer::State::check_consensus(const at::Tensor& summed) {
@@ -1000,6 +1153,8 @@ void Reducer::State::drop_window() {
 }
 
 void Reducer::State::end_reduction(bool window_closed) {
+  stats.last_window_launched_in_backward = static_cast<int64_t>(early_launches);
+  stats.launched_in_backward += static_cast<int64_t>(early_launches);
   for (auto& bucket : buckets) {
     bucket.works.clear();
   }
@@ -1239,9 +1394,13 @@ Reducer::Progress Reducer::progress() const {
 void Reducer::restore(const Progress& progress) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   TORCH_CHECK(!state_->in_flight, "Reducer::restore() called during a synchronising backward");
-  const auto buckets = state_->stats.buckets;
+  // Not in checkpoints: what describes this reducer's buckets and its backwards.
+  const auto now = state_->stats;
   state_->stats = progress.stats;
-  state_->stats.buckets = buckets;
+  state_->stats.buckets = now.buckets;
+  state_->stats.bucket_rebuilds = now.bucket_rebuilds;
+  state_->stats.launched_in_backward = now.launched_in_backward;
+  state_->stats.last_window_launched_in_backward = now.last_window_launched_in_backward;
   state_->sequence = progress.sequence;
 }
 

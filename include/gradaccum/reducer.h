@@ -24,6 +24,13 @@ struct ReducerStats {
   int64_t last_window_bytes = 0;
   int64_t broadcasts = 0; ///< buffer broadcasts at windows' ends
   int64_t snapshots = 0; ///< checkpoint collectives (state_dict() mid-window)
+  /// Buckets launched while backward still had gradients to make (before
+  /// its last gradient hook; the rest launch at its end): overlapped with it.
+  int64_t launched_in_backward = 0;
+  int64_t last_window_launched_in_backward = 0;
+  /// Times the buckets were rebuilt in backward's order (0 or 1; see
+  /// ReducerOptions::rebuild_buckets). Not saved in checkpoints, like `buckets`.
+  int64_t bucket_rebuilds = 0;
 };
 
 /// What every rank's windows must agree on. Carried in every reduction (and
