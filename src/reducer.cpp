@@ -1,5 +1,7 @@
 #include <gradaccum/reducer.h>
 
+#include <gradaccum/detail/checked_write.h>
+
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/engine.h>
@@ -185,6 +187,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   int rank = 0;
   int world = 1;
   int64_t modulus = 2;
+  int64_t numel = 0; ///< of all parameters: the terms of the window's norm
   // Set by use_buckets(); rebuilt once, see Note [Rebuilding buckets in ready order].
   std::vector<Bucket> buckets;
   std::vector<std::pair<size_t, size_t>> locator; ///< (bucket, slot) of each parameter
@@ -259,7 +262,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void check_consensus(const at::Tensor& headers);
   void drop_window();
   void end_reduction(bool window_closed = true);
-  void write_back(Bucket& bucket, bool divide, const at::Tensor& divisor);
+  bool write_back(Bucket& bucket, bool divide, const at::Tensor& divisor, bool check_finite);
   std::string window_label() const {
     return "window " + std::to_string(sequence);
   }
@@ -332,6 +335,7 @@ Reducer::Reducer(
     TORCH_CHECK_VALUE(p.is_leaf() && p.requires_grad(),
         "Reducer: ", s.name(i), " must be a leaf tensor that requires grad");
     TORCH_CHECK_VALUE(!p.is_sparse(), "Reducer: ", s.name(i), " is sparse; sparse parameters are not supported");
+    s.numel += p.numel();
   }
   s.rank = s.group->getRank();
   s.world = s.group->getSize();
@@ -895,9 +899,11 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
   // A CPU double scalar: the division runs in the gradients' compute type
   // without rounding the divisor to a half-precision dtype first.
   const auto divisor = at::scalar_tensor(result.global_weight, at::kDouble);
+  bool known_finite = request.check_finite;
   for (auto& bucket : buckets) {
-    write_back(bucket, divide, divisor);
+    known_finite = write_back(bucket, divide, divisor, request.check_finite) && known_finite;
   }
+  result.known_finite = last_result.known_finite = known_finite;
   return result;
 }
 
@@ -1167,12 +1173,16 @@ void Reducer::State::end_reduction(bool window_closed) {
   anchor_task = -1;
 }
 
-void Reducer::State::write_back(Bucket& bucket, bool divide, const at::Tensor& divisor) {
+bool Reducer::State::write_back(Bucket& bucket, bool divide, const at::Tensor& divisor, bool check_finite) {
   const bool as_view = options.gradient_as_bucket_view();
   // The division rides on the pass that writes .grad: in place in the bucket
-  // for views, fused into the copy back otherwise.
-  if (divide && as_view) {
-    bucket.gradients.div_(divisor);
+  // for views, fused into the copy back otherwise; so does the check for the
+  // non-finite test (Note [The reducer checks the window's gradient]).
+  const auto by = divide ? std::optional<double>(divisor.item<double>()) : std::nullopt;
+  const int64_t terms = check_finite ? numel : 0;
+  bool bounded = true;
+  if (as_view && (divide || check_finite)) {
+    bounded = detail::write_checked(bucket.gradients, bucket.gradients, by, terms);
   }
   // A parameter missing here may have a gradient elsewhere: the summed flag says.
   std::vector<char> nowhere(bucket.params.size(), 0);
@@ -1191,7 +1201,7 @@ void Reducer::State::write_back(Bucket& bucket, bool divide, const at::Tensor& d
           : (divide ? bucket.views[slot].div(divisor) : bucket.views[slot]).to(p.scalar_type());
     }
     bucket.gradients.zero_();
-    return;
+    return false; // not checked
   }
   for (const auto slot : c10::irange(bucket.params.size())) {
     auto& grad = params[bucket.params[slot]].mutable_grad();
@@ -1204,13 +1214,10 @@ void Reducer::State::write_back(Bucket& bucket, bool divide, const at::Tensor& d
       if (!grad.defined()) {
         grad = at::empty_like(view);
       }
-      if (divide) {
-        at::div_out(grad, view, divisor);
-      } else {
-        grad.copy_(view);
-      }
+      bounded = detail::write_checked(grad, view, by, terms) && bounded;
     }
   }
+  return bounded;
 }
 
 // ---------------------------------------------------------------------------

@@ -68,6 +68,9 @@ struct ReductionRequest {
   bool flushing = false;
   /// Drop the window on every rank (the gradients sent are ignored).
   AbortReason abort = AbortReason::None;
+  /// Check the reduced gradient for the non-finite test in the pass that
+  /// writes it back (see ReductionResult::known_finite).
+  bool check_finite = false;
 };
 
 /// What a completed reduction tells every rank alike.
@@ -76,6 +79,11 @@ struct ReductionResult {
   double global_weight = 0; ///< request weights summed over ranks
   int64_t flushing_ranks = 0; ///< ranks that closed a partial window with flush()
   bool dropped = false; ///< the window was dropped on every rank (an error was raised)
+  /// With `check_finite`: every gradient written back is finite and small
+  /// enough that the window's total 2-norm is finite too, the same on every
+  /// rank. False: not checked, or not known (half-precision, device or
+  /// accumulate_dtype buckets, a value that failed): compute the norm.
+  bool known_finite = false;
 };
 
 /// Data-parallel gradient reduction over a c10d ProcessGroup, driven by autograd.
