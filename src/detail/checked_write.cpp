@@ -4,26 +4,41 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 namespace gradaccum::detail {
 namespace {
 
 enum class Mode { Divide, DivideInPlace, Copy, CheckOnly };
 
-// One loop per mode, with no branch inside, so that the compiler vectorises
-// it (the OR of the per-value tests is an integer reduction). `!(|v| <= bound)`
-// is also true for NaN. The division is IEEE's, as ATen's kernel: the same bits.
+// The magnitude's bits: for floats of one sign, the unsigned order of their
+// bits is the order of their values, and every NaN sorts above infinity. So
+// the check is one integer max per value, which the compiler vectorises (an
+// integer reduction, unlike a float one): max(bits(|v|)) <= bits(bound) holds
+// iff every value is finite and |v| <= bound.
+template <typename T>
+using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+
+template <typename T>
+inline Bits<T> magnitude(T v) {
+  return std::bit_cast<Bits<T>>(v) & (std::numeric_limits<Bits<T>>::max() >> 1);
+}
+
+// One loop per mode, with no branch inside. The division is IEEE's, as ATen's
+// kernel: the same bits.
 template <typename T, Mode M>
-inline __attribute__((always_inline)) bool check_loop(T* out, const T* in, int64_t n, T divisor, T bound) {
-  unsigned exceeded = 0;
+inline __attribute__((always_inline)) Bits<T> check_loop(T* out, const T* in, int64_t n, T divisor) {
+  Bits<T> largest = 0;
   if constexpr (M == Mode::DivideInPlace) {
     for (int64_t i = 0; i < n; ++i) {
       const T v = out[i] / divisor;
       out[i] = v;
-      exceeded |= !(std::abs(v) <= bound);
+      largest = std::max(largest, magnitude(v));
     }
   } else {
     for (int64_t i = 0; i < n; ++i) {
@@ -31,21 +46,22 @@ inline __attribute__((always_inline)) bool check_loop(T* out, const T* in, int64
       if constexpr (M != Mode::CheckOnly) {
         out[i] = v;
       }
-      exceeded |= !(std::abs(v) <= bound);
+      largest = std::max(largest, magnitude(v));
     }
   }
-  return exceeded == 0;
+  return largest;
 }
 
 template <typename T>
 inline __attribute__((always_inline)) bool dispatch(Mode mode, T* out, const T* in, int64_t n, T divisor, T bound) {
+  Bits<T> largest = 0;
   switch (mode) {
-    case Mode::Divide: return check_loop<T, Mode::Divide>(out, in, n, divisor, bound);
-    case Mode::DivideInPlace: return check_loop<T, Mode::DivideInPlace>(out, in, n, divisor, bound);
-    case Mode::Copy: return check_loop<T, Mode::Copy>(out, in, n, divisor, bound);
-    case Mode::CheckOnly: return check_loop<T, Mode::CheckOnly>(out, in, n, divisor, bound);
+    case Mode::Divide: largest = check_loop<T, Mode::Divide>(out, in, n, divisor); break;
+    case Mode::DivideInPlace: largest = check_loop<T, Mode::DivideInPlace>(out, in, n, divisor); break;
+    case Mode::Copy: largest = check_loop<T, Mode::Copy>(out, in, n, divisor); break;
+    case Mode::CheckOnly: largest = check_loop<T, Mode::CheckOnly>(out, in, n, divisor); break;
   }
-  return false;
+  return largest <= magnitude(bound);
 }
 
 // Built for AVX2 too, picked at load time where the CPU has it (as ATen's own
