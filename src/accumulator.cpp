@@ -377,6 +377,7 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     ReductionRequest request;
     request.weight = window_weight_ + weight;
     request.divide = options_.reduction() != Reduction::Sum;
+    request.check_finite = reducer_checks_finite();
     ReductionResult result;
     try {
       result = reducer_->backward(scaled, request);
@@ -390,6 +391,7 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
         micro_step_ = 0;
         window_weight_ = 0;
         window_ready_ = true;
+        window_known_finite_ = false; // the write-back may not have finished here
         remember_gradients();
         throw;
       }
@@ -400,6 +402,7 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     // A full window reduced with others' partial ones: their epoch is over,
     // and this rank's flush() must not reduce again.
     epoch_ended_ = result.flushing_ranks > 0;
+    window_known_finite_ = result.known_finite;
   } else {
     try {
       scaled.backward();
@@ -446,6 +449,7 @@ void Accumulator::reset_window() {
   window_ready_ = false;
   window_weight_ = 0;
   window_failed_ = false;
+  window_known_finite_ = false;
   remember_gradients();
 }
 
@@ -581,6 +585,7 @@ bool Accumulator::flush() {
   request.weight = window_weight_;
   request.divide = options_.reduction() != Reduction::Sum;
   request.flushing = true;
+  request.check_finite = reducer_checks_finite();
   ReductionResult result;
   try {
     result = reducer_->reduce(request);
@@ -595,6 +600,8 @@ bool Accumulator::flush() {
   micro_step_ = 0;
   window_weight_ = 0;
   window_ready_ = true;
+  window_known_finite_ = result.known_finite;
+  remember_gradients(); // what the reducer checked, as step_window() compares
   return finish_window() || stepped;
 }
 
@@ -604,6 +611,25 @@ bool Accumulator::finish_window() {
     after_window_(); // once per closed window, stepped or skipped
   }
   return stepped;
+}
+
+// Note [The reducer checks the window's gradient]
+// The non-finite test (nonfinite "skip" or "raise", no clipping) needs only to
+// know whether the window's total norm is finite, and data parallel the
+// reducer writes every reduced gradient back in one pass anyway: asked with
+// ReductionRequest::check_finite, it checks each value in that pass
+// (detail::write_checked) and answers known_finite only when every value is
+// finite and small enough that the norm cannot overflow. Then step_window()
+// skips the norm (no pass over the gradients, no host synchronisation of its
+// own), which would have been finite: the decision is the one the norm gives,
+// on every rank alike. Anything else (clipping, a loss scaler or before_step
+// that rewrites the gradients, a gradient changed in place or replaced since
+// the reduction, which the versions remembered then tell, an unchecked dtype
+// or device, a value that failed) takes the norm, as before, so the skip,
+// raise and ignore behaviours and their messages are unchanged.
+bool Accumulator::reducer_checks_finite() const {
+  return !options_.max_grad_norm() && options_.nonfinite() != NonFinite::Ignore && loss_scale_ == 0 &&
+      !before_step_;
 }
 
 bool Accumulator::step_window() {
@@ -620,7 +646,11 @@ bool Accumulator::step_window() {
   }
   const auto max_norm = options_.max_grad_norm();
   const auto nonfinite = options_.nonfinite();
-  if (max_norm || nonfinite != NonFinite::Ignore) {
+  // See Note [The reducer checks the window's gradient].
+  const bool known_finite = !max_norm && window_known_finite_ && grad_versions() == remembered_;
+  if (known_finite) {
+    stats_.last_grad_norm = std::nullopt; // finite: not computed
+  } else if (max_norm || nonfinite != NonFinite::Ignore) {
     // As torch.nn.utils.clip_grad_norm_ computes it, so the two agree bit for bit.
     auto grads = defined_grads();
     at::NoGradGuard no_grad;
@@ -893,6 +923,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_ready_ = state.window_ready;
   window_weight_ = state.window_weight;
   window_failed_ = false;
+  window_known_finite_ = false;
   epoch_ended_ = state.epoch_ended;
   stats_.micro_steps = state.micro_steps;
   stats_.optimizer_steps = state.optimizer_steps;

@@ -1,6 +1,7 @@
 #include <gradaccum/bucket.h>
 
 #include <ATen/ATen.h>
+#include <c10/util/irange.h>
 
 #include <cmath>
 #include <map>
@@ -11,7 +12,24 @@ namespace gradaccum {
 std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<at::Tensor>& params,
     int64_t first_cap_bytes,
-    int64_t cap_bytes) {
+    int64_t cap_bytes,
+    const std::vector<size_t>& ready_order) {
+  std::vector<size_t> order = ready_order;
+  if (order.empty()) {
+    for (size_t i = params.size(); i-- > 0;) {
+      order.push_back(i);
+    }
+  }
+  // position[i]: when parameter i becomes ready.
+  std::vector<size_t> position(params.size(), params.size());
+  TORCH_CHECK_VALUE(order.size() == params.size(),
+      "assign_buckets: the ready order has ", order.size(), " entries for ", params.size(), " parameters");
+  for (const auto k : c10::irange(order.size())) {
+    TORCH_CHECK_VALUE(order[k] < params.size() && position[order[k]] == params.size(),
+        "assign_buckets: the ready order is not a permutation of the parameters (entry ", k,
+        " is ", order[k], ")");
+    position[order[k]] = k;
+  }
   struct Open {
     std::vector<size_t> indices;
     int64_t bytes = 0;
@@ -21,7 +39,7 @@ std::vector<std::vector<size_t>> assign_buckets(
   std::map<Key, Open> open;
   std::vector<std::vector<size_t>> closed;
 
-  for (size_t i = params.size(); i-- > 0;) {
+  for (const size_t i : order) {
     const auto& p = params[i];
     auto& bucket = open[Key(p.scalar_type(), p.device().type(), p.device().index())];
     bucket.indices.push_back(i);
@@ -38,10 +56,10 @@ std::vector<std::vector<size_t>> assign_buckets(
       closed.push_back(std::move(entry.second.indices));
     }
   }
-  // Launch order: by the first (last-registered) parameter, i.e. by when
-  // backward should complete the bucket. The same on every rank.
-  std::stable_sort(closed.begin(), closed.end(), [](const auto& a, const auto& b) {
-    return a.front() > b.front();
+  // Launch order: by the first parameter to be ready, i.e. by when backward
+  // should complete the bucket. The same on every rank for the same order.
+  std::stable_sort(closed.begin(), closed.end(), [&](const auto& a, const auto& b) {
+    return position[a.front()] < position[b.front()];
   });
   return closed;
 }

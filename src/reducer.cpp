@@ -1,5 +1,7 @@
 #include <gradaccum/reducer.h>
 
+#include <gradaccum/detail/checked_write.h>
+
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/engine.h>
@@ -14,6 +16,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -24,7 +27,27 @@
 // backward: a failing rank still launches its remaining buckets (flagged, see
 // Note [Dropping a window]), a rank whose loss touched no parameter launches
 // them all at the end, and a closing micro-step always produces exactly one
-// reduction. Buckets never change after construction.
+// reduction. Buckets change only between windows, once, identically on every
+// rank (Note [Rebuilding buckets in ready order]).
+//
+// Note [Rebuilding buckets in ready order]
+// The first layout follows reverse registration order (assign_buckets), a
+// guess at backward's order; when it is wrong (an embedding registered first
+// but used last, modules built out of order) bucket 0 waits for the last
+// gradient and nothing launches during backward. So, with
+// ReducerOptions::rebuild_buckets, mark_ready records the order it sees the
+// parameters in, and at the end of the first window reduced on every rank
+// (phase 3 of finish_reduction, which every rank reaches alike: the consensus
+// held; never a dropped window, never a snapshot) every rank takes rank 0's
+// order, by one broadcast, and rebuilds its buckets from it; parameters rank 0
+// did not see keep their relative order, at the end. The layouts stay
+// identical across ranks, so the pairing above holds. A window in which rank 0
+// saw no hook at all (a flush after no_sync micro-steps) tries again at the
+// next. If building the new buckets fails on some rank (out of memory), an
+// allgather of a success flag makes every rank keep the old ones (neither it
+// nor the broadcast is a gradient reduction: stats count neither). Done before
+// the write-back, as every collective of phase 3, and applied after it (even
+// if this rank's write-back fails): between windows only.
 //
 // Note [The last bucket closes the window]
 // Hooks launch each bucket as soon as it is full, except the last: only
@@ -164,6 +187,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   int rank = 0;
   int world = 1;
   int64_t modulus = 2;
+  int64_t numel = 0; ///< of all parameters: the terms of the window's norm
+  // Set by use_buckets(); rebuilt once, see Note [Rebuilding buckets in ready order].
   std::vector<Bucket> buckets;
   std::vector<std::pair<size_t, size_t>> locator; ///< (bucket, slot) of each parameter
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> grad_accumulators;
@@ -197,6 +222,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   double last_weight = 0;
   /// Each bucket's summed meta (Note [Bucket meta layout]), read once per reduction.
   std::vector<std::vector<double>> summed_meta;
+  bool buckets_final = false; ///< rebuilt in ready order, or never to be
+  size_t hook_launches = 0; ///< buckets this reduction's hooks launched
+  size_t early_launches = 0; ///< of those, launched before the last hook so far
+  std::vector<size_t> ready_order; ///< this reduction's, while !buckets_final
   ReductionResult last_result;
   ReducerStats stats;
 
@@ -211,6 +240,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   }
 
   void check_ranks_match();
+  std::vector<Bucket> build_buckets(const std::vector<std::vector<size_t>>& layout) const;
+  void use_buckets(std::vector<Bucket> built);
+  std::optional<std::vector<Bucket>> agree_on_ready_order();
+  void switch_buckets(std::vector<Bucket> built) noexcept;
   void broadcast_parameters_from_rank0();
   void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);
 
@@ -238,7 +271,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void check_consensus(const at::Tensor& headers);
   void drop_window();
   void end_reduction(bool window_closed = true);
-  void write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor);
+  bool write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor,
+                  bool check_finite);
   void compress(Bucket& bucket);
   void read_all_meta();
   std::string window_label() const {
@@ -313,6 +347,7 @@ Reducer::Reducer(
     TORCH_CHECK_VALUE(p.is_leaf() && p.requires_grad(),
         "Reducer: ", s.name(i), " must be a leaf tensor that requires grad");
     TORCH_CHECK_VALUE(!p.is_sparse(), "Reducer: ", s.name(i), " is sparse; sparse parameters are not supported");
+    s.numel += p.numel();
   }
   s.rank = s.group->getRank();
   s.world = s.group->getSize();
@@ -327,28 +362,14 @@ Reducer::Reducer(
     s.check_ranks_match();
   }
 
-  const auto layout = assign_buckets(
+  s.use_buckets(s.build_buckets(assign_buckets(
       s.params,
       static_cast<int64_t>(s.options.first_bucket_cap_mb() * kMiB),
-      static_cast<int64_t>(s.options.bucket_cap_mb() * kMiB));
-  s.locator.resize(s.params.size());
-  s.buckets.reserve(layout.size());
-  for (const auto b : c10::irange(layout.size())) {
-    s.buckets.emplace_back(s.params, layout[b],
-        BucketConfig{rule.accumulate_dtype, rule.comm_dtype, s.world, rule.error_feedback});
-    for (const auto slot : c10::irange(layout[b].size())) {
-      s.locator[layout[b][slot]] = {b, slot};
-    }
+      static_cast<int64_t>(s.options.bucket_cap_mb() * kMiB))));
+  s.buckets_final = !s.options.rebuild_buckets();
+  if (!s.buckets_final) {
+    s.ready_order.reserve(s.params.size());
   }
-  // One modulus for all buckets: the narrowest meta dtype decides.
-  s.modulus = consensus_modulus(s.world, at::kDouble);
-  for (const auto& bucket : s.buckets) {
-    // Digits carry integers below 2^32, so squares of values below 2^16.
-    s.modulus = std::min(s.modulus, bucket.encoding == MetaEncoding::kDigits
-        ? int64_t{1} << 16 : consensus_modulus(s.world, bucket.meta.scalar_type()));
-  }
-  s.summed_meta.resize(s.buckets.size());
-  s.stats.buckets = static_cast<int64_t>(s.buckets.size());
   s.ready.assign(s.params.size(), 0);
 
   s.broadcast_parameters_from_rank0();
@@ -409,6 +430,7 @@ void Reducer::State::check_ranks_match() {
       {"first_bucket_cap_mb", options.first_bucket_cap_mb()},
       {"gradient_as_bucket_view", options.gradient_as_bucket_view() ? 1.0 : 0.0},
       {"broadcast_buffers", options.broadcast_buffers() ? 1.0 : 0.0},
+      {"rebuild_buckets", options.rebuild_buckets() ? 1.0 : 0.0},
       {"accumulate_dtype", rule.accumulate_dtype ? static_cast<double>(*rule.accumulate_dtype) : -1.0},
       {"comm_dtype", rule.comm_dtype ? static_cast<double>(*rule.comm_dtype) : -1.0},
       {"error_feedback", rule.error_feedback ? 1.0 : 0.0},
@@ -474,6 +496,36 @@ void Reducer::State::check_ranks_match() {
           " on rank 0");
     }
   }
+}
+
+std::vector<Bucket> Reducer::State::build_buckets(const std::vector<std::vector<size_t>>& layout) const {
+  // The one place buckets are made: construction and the rebuild alike.
+  std::vector<Bucket> built;
+  built.reserve(layout.size());
+  for (const auto& indices : layout) {
+    built.emplace_back(params, indices,
+        BucketConfig{rule.accumulate_dtype, rule.comm_dtype, world, rule.error_feedback});
+  }
+  return built;
+}
+
+void Reducer::State::use_buckets(std::vector<Bucket> built) {
+  buckets = std::move(built);
+  locator.assign(params.size(), {0, 0});
+  for (const auto b : c10::irange(buckets.size())) {
+    for (const auto slot : c10::irange(buckets[b].params.size())) {
+      locator[buckets[b].params[slot]] = {b, slot};
+    }
+  }
+  // One modulus for all buckets: the narrowest meta dtype decides.
+  modulus = consensus_modulus(world, at::kDouble);
+  for (const auto& bucket : buckets) {
+    // Digits carry integers below 2^32, so squares of values below 2^16.
+    modulus = std::min(modulus, bucket.encoding == MetaEncoding::kDigits
+        ? int64_t{1} << 16 : consensus_modulus(world, bucket.meta.scalar_type()));
+  }
+  summed_meta.assign(buckets.size(), {});
+  stats.buckets = static_cast<int64_t>(buckets.size());
 }
 
 std::string Reducer::State::foreign_hooks() const {
@@ -580,6 +632,10 @@ void Reducer::State::mark_ready(size_t index) {
       "backward (a parameter used both inside and outside a reentrant checkpoint, or a "
       "second backward over it?); each parameter may be reduced once per window");
   ready[index] = 1;
+  early_launches = hook_launches; // made before this hook, which may be backward's last
+  if (!buckets_final) {
+    ready_order.push_back(index);
+  }
   auto& bucket = buckets[locator[index].first];
   copy_into_bucket(bucket, locator[index].second);
   --bucket.pending;
@@ -595,6 +651,7 @@ void Reducer::State::begin_reduction(const ReductionRequest& req, int task) {
   aborted_here = false;
   failure.clear();
   std::fill(ready.begin(), ready.end(), 0);
+  ready_order.clear();
   for (auto& bucket : buckets) {
     bucket.pending = bucket.params.size();
     bucket.missing.clear();
@@ -613,6 +670,8 @@ void Reducer::State::begin_reduction(const ReductionRequest& req, int task) {
   }
   stats.last_window_collectives = 0;
   stats.last_window_bytes = 0;
+  hook_launches = 0;
+  early_launches = 0;
   if (task >= 0) {
     queue_end_callback(task);
   }
@@ -689,6 +748,7 @@ void Reducer::State::launch_ready_buckets() {
   // Never the last bucket: see Note [The last bucket closes the window].
   while (next_launch + 1 < buckets.size() && buckets[next_launch].pending == 0) {
     launch_bucket(next_launch++);
+    ++hook_launches;
   }
 }
 
@@ -908,11 +968,137 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
     broadcast_from_rank0(buffers);
     ++stats.broadcasts;
   }
+  // See Note [Rebuilding buckets in ready order]: agreed here, applied once
+  // the write-back below is over (or failed on this rank: every rank switches).
+  struct Switch {
+    State& s;
+    std::optional<std::vector<Bucket>> next;
+    ~Switch() {
+      if (next) {
+        s.switch_buckets(std::move(*next));
+      }
+    }
+  } rebuild{*this, buckets_final ? std::nullopt : agree_on_ready_order()};
   const bool divide = request.divide && result.global_weight > 0;
+  bool known_finite = request.check_finite;
   for (const auto b : c10::irange(buckets.size())) {
-    write_back(buckets[b], summed_meta[b], divide, result.global_weight);
+    known_finite = write_back(buckets[b], summed_meta[b], divide, result.global_weight,
+                              request.check_finite) && known_finite;
   }
+  result.known_finite = last_result.known_finite = known_finite;
   return result;
+}
+
+std::optional<std::vector<Bucket>> Reducer::State::agree_on_ready_order() {
+  // [how many parameters rank 0 saw ready, then the order of all of them]
+  std::vector<int64_t> order{static_cast<int64_t>(ready_order.size())};
+  std::vector<char> seen(params.size(), 0);
+  for (const auto i : ready_order) {
+    order.push_back(static_cast<int64_t>(i));
+    seen[i] = 1;
+  }
+  for (const auto& bucket : buckets) {
+    for (const auto i : bucket.params) {
+      if (!seen[i]) {
+        order.push_back(static_cast<int64_t>(i));
+      }
+    }
+  }
+  TORCH_INTERNAL_ASSERT(order.size() == params.size() + 1,
+      "gradaccum: the ready order saw a parameter twice");
+  std::vector<at::Tensor> message{at::tensor(order, at::kLong).to(metadata_device())};
+  group->broadcast(message)->wait();
+  const auto agreed = message[0].cpu();
+  const auto a = agreed.accessor<int64_t, 1>();
+  if (a[0] == 0) {
+    return std::nullopt; // rank 0 saw no hook this window: try again at the next
+  }
+  buckets_final = true;
+  ready_order = {};
+  std::vector<size_t> ready(params.size());
+  for (const auto k : c10::irange(params.size())) {
+    ready[k] = static_cast<size_t>(a[static_cast<int64_t>(k) + 1]);
+  }
+  const auto layout = assign_buckets(
+      params,
+      static_cast<int64_t>(options.first_bucket_cap_mb() * kMiB),
+      static_cast<int64_t>(options.bucket_cap_mb() * kMiB),
+      ready);
+  const bool same = layout.size() == buckets.size() &&
+      std::equal(layout.begin(), layout.end(), buckets.begin(),
+                 [](const auto& indices, const Bucket& bucket) { return indices == bucket.params; });
+  if (same) {
+    return std::nullopt; // the same on every rank: the same order
+  }
+  std::optional<std::vector<Bucket>> built;
+  std::string error;
+  try {
+    built = build_buckets(layout);
+  } catch (const std::exception& e) {
+    error = message_of(e);
+  }
+  // Every rank switches, or none does.
+  const auto flags = allgather(*group, at::full({1}, built ? 1.0 : 0.0, at::kDouble).to(metadata_device()));
+  int failed = 0;
+  for (const auto& flag : flags) {
+    failed += flag.item<double>() == 0 ? 1 : 0;
+  }
+  if (failed > 0) {
+    TORCH_WARN("gradaccum: rebuilding the buckets in backward's order failed on ", failed,
+        " rank(s)", error.empty() ? std::string() : " (on this rank: " + error + ")",
+        "; every rank keeps the buckets it has");
+    return std::nullopt;
+  }
+  return built;
+}
+
+void Reducer::State::switch_buckets(std::vector<Bucket> built) noexcept {
+  // Between windows: copy-mode buckets are scratch and accumulating ones are
+  // zero, but bucket views are .grad, which holds the window's gradient the
+  // user may still read: it moves into the new views.
+  if (options.gradient_as_bucket_view()) {
+    try {
+      at::NoGradGuard no_grad;
+      for (auto& bucket : built) {
+        for (const auto slot : c10::irange(bucket.params.size())) {
+          auto& grad = params[bucket.params[slot]].mutable_grad();
+          if (grad.defined()) {
+            bucket.views[slot].copy_(grad);
+            grad = bucket.views[slot];
+          }
+        }
+      }
+    } catch (const std::exception& e) {
+      TORCH_WARN("gradaccum: moving .grad into the rebuilt buckets failed: ", message_of(e));
+    }
+  }
+  // Error feedback: each parameter's residual moves into its new bucket.
+  try {
+    at::NoGradGuard no_grad;
+    const auto slice = [this](const Bucket& bucket, size_t slot) {
+      int64_t offset = 0;
+      for (size_t k = 0; k < slot; ++k) {
+        offset += params[bucket.params[k]].numel();
+      }
+      return bucket.residual.narrow(0, offset, params[bucket.params[slot]].numel());
+    };
+    for (auto& bucket : built) {
+      if (!bucket.residual.defined()) {
+        continue;
+      }
+      for (const auto slot : c10::irange(bucket.params.size())) {
+        const auto [b, old_slot] = locator[bucket.params[slot]];
+        if (buckets[b].residual.defined()) {
+          slice(bucket, slot).copy_(slice(buckets[b], old_slot));
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("gradaccum: moving the error-feedback residuals into the rebuilt buckets failed: ",
+               message_of(e));
+  }
+  use_buckets(std::move(built));
+  ++stats.bucket_rebuilds;
 }
 
 void Reducer::State::check_consensus(const at::Tensor& summed) {
@@ -1091,6 +1277,8 @@ void Reducer::State::drop_window() {
 }
 
 void Reducer::State::end_reduction(bool window_closed) {
+  stats.last_window_launched_in_backward = static_cast<int64_t>(early_launches);
+  stats.launched_in_backward += static_cast<int64_t>(early_launches);
   for (auto& bucket : buckets) {
     bucket.works.clear();
   }
@@ -1103,8 +1291,8 @@ void Reducer::State::end_reduction(bool window_closed) {
   anchor_task = -1;
 }
 
-void Reducer::State::write_back(
-    Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor) {
+bool Reducer::State::write_back(Bucket& bucket, const std::vector<double>& meta, bool divide,
+                                double divisor, bool check_finite) {
   const bool as_view = options.gradient_as_bucket_view();
   if (bucket.compressed) {
     // Back from the wire's dtype; undo the scale and divide in one pass
@@ -1122,9 +1310,15 @@ void Reducer::State::write_back(
   // without rounding the divisor to a half-precision dtype first.
   const auto divisor_tensor = at::scalar_tensor(divisor, at::kDouble);
   // The division rides on the pass that writes .grad: in place in the bucket
-  // for views, fused into the copy back otherwise.
-  if (divide && as_view) {
-    bucket.gradients.div_(divisor_tensor);
+  // for views, fused into the copy back otherwise; so does the check for the
+  // non-finite test (Note [The reducer checks the window's gradient]).
+  const auto by = divide ? std::optional<double>(divisor) : std::nullopt;
+  // A compressed bucket's values came through the wire's copy above, not
+  // through this pass: it never reports itself checked.
+  const int64_t terms = check_finite && !bucket.compressed ? numel : 0;
+  bool bounded = true;
+  if (as_view && (divide || check_finite)) {
+    bounded = detail::write_checked(bucket.gradients, bucket.gradients, by, terms);
   }
   // A parameter missing here may have a gradient elsewhere: the summed flag says.
   std::vector<char> nowhere(bucket.params.size(), 0);
@@ -1140,7 +1334,7 @@ void Reducer::State::write_back(
           : (divide ? bucket.views[slot].div(divisor_tensor) : bucket.views[slot]).to(p.scalar_type());
     }
     bucket.gradients.zero_();
-    return;
+    return false; // not checked
   }
   for (const auto slot : c10::irange(bucket.params.size())) {
     auto& grad = params[bucket.params[slot]].mutable_grad();
@@ -1153,13 +1347,10 @@ void Reducer::State::write_back(
       if (!grad.defined()) {
         grad = at::empty_like(view);
       }
-      if (divide) {
-        at::div_out(grad, view, divisor_tensor);
-      } else {
-        grad.copy_(view);
-      }
+      bounded = detail::write_checked(grad, view, by, terms) && bounded;
     }
   }
+  return bounded && !bucket.compressed;
 }
 
 // ---------------------------------------------------------------------------
@@ -1455,9 +1646,13 @@ Reducer::Progress Reducer::progress() const {
 void Reducer::restore(const Progress& progress) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   TORCH_CHECK(!state_->in_flight, "Reducer::restore() called during a synchronising backward");
-  const auto buckets = state_->stats.buckets;
+  // Not in checkpoints: what describes this reducer's buckets and its backwards.
+  const auto now = state_->stats;
   state_->stats = progress.stats;
-  state_->stats.buckets = buckets;
+  state_->stats.buckets = now.buckets;
+  state_->stats.bucket_rebuilds = now.bucket_rebuilds;
+  state_->stats.launched_in_backward = now.launched_in_backward;
+  state_->stats.last_window_launched_in_backward = now.last_window_launched_in_backward;
   state_->sequence = progress.sequence;
   state_->last_weight = 0; // Note [Scaling before the sum]: alike on every rank
 }

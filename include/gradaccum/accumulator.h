@@ -214,6 +214,7 @@ class Accumulator {
   std::vector<std::pair<const void*, int64_t>> grad_versions() const;
   bool finish_window();
   bool step_window();
+  bool reducer_checks_finite() const;
   void clear_gradients();
   std::vector<at::Tensor> defined_grads() const;
 
@@ -233,6 +234,8 @@ class Accumulator {
   /// This rank's last window was reduced with other ranks' flush(): the epoch
   /// is over, and this rank's flush() steps nothing and reduces nothing.
   bool epoch_ended_ = false;
+  /// The reducer found the closed window's gradient finite as it wrote it back.
+  bool window_known_finite_ = false;
   AccumulatorStats stats_;
   /// Frozen when built: an error if one becomes trainable (it would be untracked).
   std::vector<std::pair<std::string, at::Tensor>> frozen_;

@@ -11,14 +11,17 @@
 namespace gradaccum {
 
 /// Groups parameters into buckets, as torch DDP does: by (dtype, device), walking
-/// the parameters in reverse registration order (the order backward makes their
-/// gradients ready), closing a bucket once it holds `first_cap_bytes` (the first
-/// bucket of each group) or `cap_bytes` (the others). Returns indices into
-/// `params`; buckets are ordered by when backward is expected to fill them.
+/// the parameters in the order backward makes their gradients ready, closing a
+/// bucket once it holds `first_cap_bytes` (the first bucket of each group) or
+/// `cap_bytes` (the others). That order is `ready_order` (a permutation of the
+/// indices: the order a backward was seen to produce) when given, else reverse
+/// registration order (the usual guess). Returns indices into `params`;
+/// buckets are ordered by when backward is expected to fill them.
 std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<at::Tensor>& params,
     int64_t first_cap_bytes,
-    int64_t cap_bytes);
+    int64_t cap_bytes,
+    const std::vector<size_t>& ready_order = {});
 
 // Note [Bucket meta layout]
 // Every bucket's collective reduces its `wire`: `[gradients | meta]`, one

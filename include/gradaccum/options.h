@@ -51,6 +51,11 @@ struct ReducerOptions {
   TORCH_ARG(bool, broadcast_buffers) = false;
   /// Check at construction that every rank has the same parameters.
   TORCH_ARG(bool, check_parameters) = true;
+  /// Rebuild the buckets once, after the first window, in the order that
+  /// window's backward made the gradients ready (rank 0's order, on every
+  /// rank), so that buckets launch during backward even when the registration
+  /// order is not backward's. Example: `ReducerOptions().rebuild_buckets(false)`.
+  TORCH_ARG(bool, rebuild_buckets) = true;
 
 
  public:

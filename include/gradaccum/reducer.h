@@ -24,6 +24,13 @@ struct ReducerStats {
   int64_t last_window_bytes = 0;
   int64_t broadcasts = 0; ///< buffer broadcasts at windows' ends
   int64_t snapshots = 0; ///< checkpoint collectives (state_dict() mid-window)
+  /// Buckets launched while backward still had gradients to make (before
+  /// its last gradient hook; the rest launch at its end): overlapped with it.
+  int64_t launched_in_backward = 0;
+  int64_t last_window_launched_in_backward = 0;
+  /// Times the buckets were rebuilt in backward's order (0 or 1; see
+  /// ReducerOptions::rebuild_buckets). Not saved in checkpoints, like `buckets`.
+  int64_t bucket_rebuilds = 0;
 };
 
 /// What every rank's windows must agree on. Carried in every reduction (and
@@ -67,6 +74,9 @@ struct ReductionRequest {
   bool flushing = false;
   /// Drop the window on every rank (the gradients sent are ignored).
   AbortReason abort = AbortReason::None;
+  /// Check the reduced gradient for the non-finite test in the pass that
+  /// writes it back (see ReductionResult::known_finite).
+  bool check_finite = false;
 };
 
 /// What a completed reduction tells every rank alike.
@@ -75,6 +85,11 @@ struct ReductionResult {
   double global_weight = 0; ///< request weights summed over ranks
   int64_t flushing_ranks = 0; ///< ranks that closed a partial window with flush()
   bool dropped = false; ///< the window was dropped on every rank (an error was raised)
+  /// With `check_finite`: every gradient written back is finite and small
+  /// enough that the window's total 2-norm is finite too, the same on every
+  /// rank. False: not checked, or not known (half-precision, device or
+  /// accumulate_dtype buckets, a value that failed): compute the norm.
+  bool known_finite = false;
 };
 
 /// Data-parallel gradient reduction over a c10d ProcessGroup, driven by autograd.

@@ -24,6 +24,7 @@ class Accumulator:
         gradient_as_bucket_view: bool,
         broadcast_buffers: bool,
         check_parameters: bool,
+        rebuild_buckets: bool,
         accumulate_dtype: str,
         optimizer_step: Optional[Callable[[], Any]],
         scheduler_step: Optional[Callable[[], Any]],

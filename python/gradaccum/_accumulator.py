@@ -116,6 +116,10 @@ class Accumulator:
         broadcast_buffers: broadcast rank 0's buffers at each window's end.
         check_parameters: at construction, check all ranks have the same
             parameters (a collective) and fail naming the first mismatch.
+        rebuild_buckets: after the first window, rebuild the buckets once in
+            the order its backward made the gradients ready (rank 0's, on every
+            rank), as torch DDP does, so buckets launch during backward even
+            when the registration order is not backward's.
         accumulate_dtype: ``torch.float32`` sums bf16/fp16 gradients in float32
             (in the buckets, or in buffers of their own in one process): the
             window's gradient is rounded once, into ``.grad``.
@@ -148,6 +152,7 @@ class Accumulator:
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool = False,
         check_parameters: bool = True,
+        rebuild_buckets: bool = True,
         accumulate_dtype: Optional[torch.dtype] = None,
         grad_scaler: Optional[Any] = None,
         comm_dtype: Optional[torch.dtype] = None,
@@ -199,6 +204,7 @@ class Accumulator:
             None if max_grad_norm is None else float(max_grad_norm), nonfinite,
             process_group, float(bucket_cap_mb), float(first_bucket_cap_mb),
             bool(gradient_as_bucket_view), bool(broadcast_buffers), bool(check_parameters),
+            bool(rebuild_buckets),
             "" if accumulate_dtype is None else str(accumulate_dtype).replace("torch.", ""),
             # Looked up at each call: an LR scheduler created later wraps optimizer.step.
             (lambda: optimizer.step()) if optimizer is not None else None,
@@ -327,7 +333,8 @@ class Accumulator:
 
     @property
     def bucket_indices(self):
-        """Parameter indices of each bucket, in launch order."""
+        """Parameter indices of each bucket, in launch order (they change once,
+        after the first window, with ``rebuild_buckets``)."""
         return self._c.bucket_indices
 
     def close(self) -> None:

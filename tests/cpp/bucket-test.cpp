@@ -134,3 +134,18 @@ TEST_CASE("comm_dtype gives the bucket a wire of its own; error feedback a resid
   CHECK(both.wire.scalar_type() == torch::kBFloat16);
   CHECK_FALSE(both.residual.defined());
 }
+
+TEST_CASE("buckets follow a ready order when one is given", "[bucket]") {
+  std::vector<at::Tensor> params(5, torch::zeros({1000}));
+  // Backward seen to produce them in registration order (modules built out of order).
+  auto buckets = assign_buckets(params, 4000, 8000, {0, 1, 2, 3, 4});
+  REQUIRE(buckets.size() == 3);
+  CHECK(buckets[0] == std::vector<size_t>{0});
+  CHECK(buckets[1] == std::vector<size_t>{1, 2});
+  CHECK(buckets[2] == std::vector<size_t>{3, 4});
+  // The default is reverse registration order.
+  CHECK(assign_buckets(params, 4000, 8000, {4, 3, 2, 1, 0}) == assign_buckets(params, 4000, 8000));
+  CHECK_THROWS_WITH(assign_buckets(params, 4000, 8000, {0, 1, 1, 3, 4}),
+                    Catch::Contains("not a permutation"));
+  CHECK_THROWS_WITH(assign_buckets(params, 4000, 8000, {0, 1}), Catch::Contains("2 entries for 5"));
+}

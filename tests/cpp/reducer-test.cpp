@@ -5,6 +5,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <set>
+
 using namespace gradaccum;
 using gradaccum::test::CountingGroup;
 using gradaccum::test::max_rel_diff;
@@ -78,7 +80,7 @@ TEST_CASE("W ranks x K micro-batches equal one process on the global batch", "[r
     for (bool as_view : {false, true}) {
       DYNAMIC_SECTION("world " << world << (as_view ? " bucket views" : " copies")) {
         std::vector<std::vector<at::Tensor>> results(world);
-        std::vector<std::vector<int>> counts(world);
+        std::vector<std::vector<int>> counts(world), buckets(world);
         run_ranks(world, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
           Net net;
           torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -86,6 +88,8 @@ TEST_CASE("W ranks x K micro-batches equal one process on the global batch", "[r
               ReducerOptions().bucket_cap_mb(0.0005).first_bucket_cap_mb(0.0002).gradient_as_bucket_view(as_view));
           Accumulator acc(net, opt, options);
           for (int w = 0; w < windows; ++w) {
+            // the buckets of this window (rebuilt in backward's order after the first)
+            buckets[rank].push_back(static_cast<int>(acc.stats().reducer.buckets));
             for (int k = 0; k < K; ++k) {
               const int64_t start = ((w * world + rank) * K + k) * kRows;
               const int before = group->allreduces;
@@ -96,19 +100,18 @@ TEST_CASE("W ranks x K micro-batches equal one process on the global batch", "[r
           }
           const auto stats = acc.stats();
           CHECK(stats.reducer.buckets > 1);
+          CHECK(stats.reducer.bucket_rebuilds == 1); // the guess was not backward's order
           CHECK(stats.reducer.last_window_collectives == stats.reducer.buckets);
-          CHECK(stats.reducer.collectives == windows * stats.reducer.buckets);
+          CHECK(stats.reducer.collectives == buckets[rank][0] + (windows - 1) * stats.reducer.buckets);
           // the idle layer got no gradient anywhere: None, as in one process
           if (!as_view) CHECK_FALSE(net->idle->weight.grad().defined());
           results[rank] = params_of(net);
-          counts[rank].push_back(static_cast<int>(stats.reducer.buckets));
         });
         for (int r = 0; r < world; ++r) {
           CHECK(max_rel_diff(results[r], expected) <= 1e-10);
-          const int buckets = counts[r].back();
-          for (int i = 0; i + 1 < static_cast<int>(counts[r].size()); ++i) {
+          for (int i = 0; i < static_cast<int>(counts[r].size()); ++i) {
             // no collective on micro-steps 1..K-1, one per bucket on the K-th
-            CHECK(counts[r][i] == ((i % K == K - 1) ? buckets : 0));
+            CHECK(counts[r][i] == ((i % K == K - 1) ? buckets[r][i / K] : 0));
           }
         }
       }
@@ -283,8 +286,9 @@ TEST_CASE("comm_dtype: one collective per bucket, fewer bytes, within the wire's
           auto options = AccumulatorOptions(K).process_group(group).comm_dtype(c.comm).error_feedback(feedback)
               .reducer(ReducerOptions().bucket_cap_mb(0.0005).first_bucket_cap_mb(0.0002));
           Accumulator acc(net, opt, options);
-          const int before = group->allreduces;
+          int before = 0;
           for (int w = 0; w < windows; ++w) {
+            before = group->allreduces; // the last window's (the first may rebuild the buckets)
             for (int k = 0; k < K; ++k) {
               const int64_t start = ((w * world + rank) * K + k) * kRows;
               acc.backward(net->loss(x.narrow(0, start, kRows), y.narrow(0, start, kRows), uses_side(rank, k)));
@@ -298,7 +302,7 @@ TEST_CASE("comm_dtype: one collective per bucket, fewer bytes, within the wire's
         for (int r = 0; r < world; ++r) {
           const auto& reducer = stats[r].reducer;
           CHECK(reducer.buckets > 1);
-          CHECK(allreduces[r] == windows * reducer.buckets); // counted by the group itself
+          CHECK(allreduces[r] == reducer.buckets); // counted by the group itself
           CHECK(reducer.last_window_collectives == reducer.buckets);
           int64_t numel = 0;
           for (const auto& p : results[r]) numel += p.numel();
@@ -311,4 +315,144 @@ TEST_CASE("comm_dtype: one collective per bucket, fewer bytes, within the wire's
       }
     }
   }
+}
+
+namespace {
+
+// Four equal layers; `forward(x, reversed)` applies them in registration order
+// (backward then makes the gradients ready in reverse registration order, the
+// guess) or in reverse (ready in registration order: the guess is wrong).
+struct ChainImpl : torch::nn::Module {
+  ChainImpl() {
+    std::lock_guard<std::mutex> lock(gradaccum::test::init_mutex());
+    torch::manual_seed(5);
+    for (int i = 0; i < 4; ++i) {
+      layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(8, 8)));
+    }
+    to(torch::kFloat64);
+  }
+  torch::Tensor forward(torch::Tensor x, bool reversed) {
+    for (int i = 0; i < 4; ++i) {
+      x = torch::tanh(layers[reversed ? 3 - i : i]->forward(x));
+    }
+    return x.pow(2).mean();
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(Chain);
+
+std::vector<size_t> flat(const std::vector<Bucket>& buckets) {
+  std::vector<size_t> out;
+  for (const auto& b : buckets) out.insert(out.end(), b.params.begin(), b.params.end());
+  return out;
+}
+
+} // namespace
+
+TEST_CASE("buckets are rebuilt once in rank 0's backward order", "[reducer][distributed]") {
+  // Rank 0 runs the layers in reverse (its gradients come in registration
+  // order), rank 1 in registration order: after the first window both use rank
+  // 0's order, and the gradients still equal one process on the global batch.
+  const int64_t K = 2;
+  const int windows = 3;
+  for (bool as_view : {false, true}) {
+    DYNAMIC_SECTION((as_view ? "bucket views" : "copies")) {
+      torch::manual_seed(17);
+      auto x = torch::randn({2 * K * windows * kRows, 8}, torch::kFloat64);
+      // The reference: one process, both ranks' losses of each window.
+      Chain ref;
+      torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+      for (int w = 0; w < windows; ++w) {
+        ref_opt.zero_grad();
+        torch::Tensor total = torch::zeros({}, torch::kFloat64);
+        for (int r = 0; r < 2; ++r) {
+          for (int k = 0; k < K; ++k) {
+            total = total + ref->forward(x.narrow(0, ((w * 2 + r) * K + k) * kRows, kRows), r == 0);
+          }
+        }
+        (total / double(2 * K)).backward();
+        ref_opt.step();
+      }
+      std::vector<at::Tensor> expected;
+      for (auto& p : ref->parameters()) expected.push_back(p.detach().clone());
+
+      std::vector<std::vector<size_t>> before(2), after(2);
+      std::vector<std::vector<int64_t>> launched(2), rebuilds(2);
+      std::vector<std::vector<at::Tensor>> results(2);
+      std::vector<bool> grads_kept(2, false);
+      run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+        Chain net;
+        torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+        Accumulator acc(net, opt, AccumulatorOptions(K).process_group(group).reducer(
+            ReducerOptions().bucket_cap_mb(0.0004).first_bucket_cap_mb(0.0004).gradient_as_bucket_view(as_view)));
+        before[rank] = flat(acc.reducer()->buckets());
+        for (int w = 0; w < windows; ++w) {
+          for (int k = 0; k < K; ++k) {
+            acc.backward(net->forward(x.narrow(0, ((w * 2 + rank) * K + k) * kRows, kRows), rank == 0));
+            if (acc.window_ready()) {
+              const auto stats = acc.stats().reducer;
+              launched[rank].push_back(stats.last_window_launched_in_backward);
+              rebuilds[rank].push_back(stats.bucket_rebuilds);
+              if (w == 0) {
+                // the rebuilt buckets hold the window's gradient: .grad is still it
+                const auto p = net->parameters()[0];
+                grads_kept[rank] = p.grad().defined();
+                if (as_view) {
+                  const auto& buckets = acc.reducer()->buckets();
+                  bool in_a_bucket = false;
+                  for (const auto& b : buckets) {
+                    in_a_bucket = in_a_bucket || (p.grad().data_ptr() >= b.buffer.data_ptr() &&
+                        p.grad().data_ptr() < static_cast<char*>(b.buffer.data_ptr()) + b.buffer.nbytes());
+                  }
+                  grads_kept[rank] = grads_kept[rank] && in_a_bucket;
+                }
+              }
+            }
+            acc.step();
+          }
+          if (w == 0) after[rank] = flat(acc.reducer()->buckets());
+        }
+        CHECK(flat(acc.reducer()->buckets()) == after[rank]); // once only
+        for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
+      });
+      const std::vector<size_t> guess{7, 6, 5, 4, 3, 2, 1, 0};
+      CHECK(before[0] == guess);
+      CHECK(before[1] == guess);
+      CHECK(after[0] == after[1]);
+      // rank 0's backward: layer 0's gradients first, layer 3's last
+      const std::set<size_t> first(after[0].begin(), after[0].begin() + 2), last(after[0].end() - 2, after[0].end());
+      CHECK(first == std::set<size_t>{0, 1});
+      CHECK(last == std::set<size_t>{6, 7});
+      CHECK(rebuilds[0] == std::vector<int64_t>{1, 1, 1});
+      CHECK(rebuilds[1] == std::vector<int64_t>{1, 1, 1});
+      CHECK(grads_kept == std::vector<bool>{true, true});
+      // rank 0: nothing overlapped before the rebuild, every bucket but the last after
+      CHECK(launched[0][0] == 0);
+      CHECK(launched[0][1] >= 2);
+      CHECK(launched[0][2] == launched[0][1]);
+      CHECK(launched[1][1] == 0); // rank 1 follows rank 0's order, not its own
+      for (int r = 0; r < 2; ++r) {
+        CHECK(max_rel_diff(results[r], expected) <= 1e-10);
+      }
+    }
+  }
+}
+
+TEST_CASE("rebuild_buckets(false) keeps the registration-order buckets", "[reducer][distributed]") {
+  std::vector<std::vector<size_t>> layouts(2);
+  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    Chain net;
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    Accumulator acc(net, opt, AccumulatorOptions(1).process_group(group).reducer(
+        ReducerOptions().bucket_cap_mb(0.0004).first_bucket_cap_mb(0.0004).rebuild_buckets(false)));
+    for (int w = 0; w < 2; ++w) {
+      acc.backward(net->forward(torch::ones({2, 8}, torch::kFloat64), true));
+      acc.step();
+    }
+    CHECK(acc.stats().reducer.bucket_rebuilds == 0);
+    CHECK(acc.stats().reducer.last_window_launched_in_backward == 0);
+    layouts[rank] = flat(acc.reducer()->buckets());
+  });
+  CHECK(layouts[0] == std::vector<size_t>{7, 6, 5, 4, 3, 2, 1, 0});
+  CHECK(layouts[1] == layouts[0]);
 }

@@ -80,6 +80,9 @@ py::dict stats_to_dict(const AccumulatorStats& s) {
   d["last_window_bytes"] = s.reducer.last_window_bytes;
   d["buffer_broadcasts"] = s.reducer.broadcasts;
   d["snapshots"] = s.reducer.snapshots;
+  d["launched_in_backward"] = s.reducer.launched_in_backward;
+  d["last_window_launched_in_backward"] = s.reducer.last_window_launched_in_backward;
+  d["bucket_rebuilds"] = s.reducer.bucket_rebuilds;
   return d;
 }
 
@@ -196,6 +199,7 @@ std::unique_ptr<Accumulator> make_accumulator(
     bool gradient_as_bucket_view,
     bool broadcast_buffers,
     bool check_parameters,
+    bool rebuild_buckets,
     const std::string& accumulate_dtype,
     Accumulator::StepFunction optimizer_step,
     Accumulator::StepFunction scheduler_step,
@@ -210,7 +214,8 @@ std::unique_ptr<Accumulator> make_accumulator(
                                   .first_bucket_cap_mb(first_bucket_cap_mb)
                                   .gradient_as_bucket_view(gradient_as_bucket_view)
                                   .broadcast_buffers(broadcast_buffers)
-                                  .check_parameters(check_parameters));
+                                  .check_parameters(check_parameters)
+                                  .rebuild_buckets(rebuild_buckets));
   if (accumulate_dtype == "float32") {
     options.accumulate_dtype(at::kFloat);
   } else if (accumulate_dtype == "float64") {
@@ -245,8 +250,9 @@ void init_accumulator(py::module_& m) {
            py::arg("reduction"), py::arg("max_grad_norm"), py::arg("nonfinite"),
            py::arg("process_group"), py::arg("bucket_cap_mb"), py::arg("first_bucket_cap_mb"),
            py::arg("gradient_as_bucket_view"), py::arg("broadcast_buffers"),
-           py::arg("check_parameters"), py::arg("accumulate_dtype"), py::arg("optimizer_step"),
-           py::arg("scheduler_step"), py::arg("comm_dtype") = "", py::arg("error_feedback") = false,
+           py::arg("check_parameters"), py::arg("rebuild_buckets"), py::arg("accumulate_dtype"),
+           py::arg("optimizer_step"), py::arg("scheduler_step"), py::arg("comm_dtype") = "",
+           py::arg("error_feedback") = false,
            "See gradaccum.Accumulator.")
       .def("backward", &Accumulator::backward, py::arg("loss"), py::arg("num_items") = py::none(),
            release(), "Backward on one micro-batch's loss; counts the micro-step.")
