@@ -339,3 +339,40 @@ def weight_too_large(rank, world_size):
     out["after"] = model.weight.grad.float().clone()
     out["dropped"] = acc.stats()["dropped_windows"]
     return out
+
+
+class _Reversed(nn.Module):
+    """Layers applied in the reverse of their registration: the first window's
+    buckets are in the wrong order, and the reducer rebuilds them."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+@job
+def error_feedback_rebuild(rank, world_size, *, seed, windows):
+    """Error feedback with and without the bucket rebuild: each parameter's
+    residual moves with it into its new bucket, so both train alike, bit for bit."""
+    import gradaccum
+
+    out = {}
+    for rebuild in (True, False):
+        model = _Reversed(seed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        acc = gradaccum.Accumulator(model, opt, steps=2, comm_dtype=torch.bfloat16, error_feedback=True,
+                                    rebuild_buckets=rebuild, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+        g = torch.Generator().manual_seed(seed + rank)
+        for _ in range(windows * 2):
+            acc.backward(model(torch.randn(4, 16, generator=g)).pow(2).mean())
+            acc.step()
+        out[rebuild] = {"params": [p.detach().clone() for p in model.parameters()],
+                        "rebuilds": acc.stats()["bucket_rebuilds"]}
+        acc.close()
+    return out

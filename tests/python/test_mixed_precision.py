@@ -267,3 +267,10 @@ def test_a_weight_too_large_for_half_precision_meta_drops_the_window_on_every_ra
                "is larger than 2147483647" in res["error"], res["error"]
         assert res["dropped"] == 1
     assert torch.equal(results[0]["after"], results[1]["after"])
+
+
+def test_error_feedback_residuals_move_with_rebuilt_buckets(tmp_path):
+    for res in du.run_job("error_feedback_rebuild", 2, tmp_path, module="_mixed_jobs", seed=12, windows=4):
+        assert res[True]["rebuilds"] == 1 and res[False]["rebuilds"] == 0
+        for a, b in zip(res[True]["params"], res[False]["params"]):
+            assert torch.equal(a, b)
