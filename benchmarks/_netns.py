@@ -242,8 +242,9 @@ def _launch(cluster: Cluster, argv: Sequence[str], python: str, timeout: float, 
     run_id = f"ga{os.getpid()}{int(time.time() * 1000) % 100000}"
     full_env = dict(os.environ, **(env or {}))
     # Gloo must use the node's link: an inherited GLOO_SOCKET_IFNAME=lo (the
-    # loopback tests set it) would bind 127.0.0.1 inside each namespace.
-    full_env["GLOO_SOCKET_IFNAME"] = IFACE
+    # loopback tests set it) would bind 127.0.0.1 inside each namespace. A
+    # one-node cluster has no link: its address is on loopback.
+    full_env["GLOO_SOCKET_IFNAME"] = IFACE if cluster.nodes > 1 else "lo"
     procs = [subprocess.Popen(cluster.torchrun(i, argv, python, port, run_id, no_python), env=full_env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)

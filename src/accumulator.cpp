@@ -224,12 +224,13 @@ void Accumulator::check_gradients_untouched(const char* what, bool allow_in_plac
 }
 
 void Accumulator::check_gradients_untouched(
-    const char* what, bool allow_in_place, const std::vector<std::pair<const void*, int64_t>>& now) const {
+    const char* what, bool allow_in_place, const std::vector<GradMark>& now) const {
   for (const auto i : c10::irange(params_.size())) {
-    const bool replaced = now[i].first != remembered_[i].first;
-    const bool changed = replaced || now[i].second != remembered_[i].second;
+    // New storage for the same tensor (`.grad.data = t`) is a change in place.
+    const bool replaced = now[i].impl != remembered_[i].impl;
+    const bool changed = replaced || now[i] != remembered_[i];
     TORCH_CHECK(allow_in_place ? !replaced : !changed,
-        what, ": the gradient of ", names_[i], " was ", now[i].first ? "changed" : "cleared",
+        what, ": the gradient of ", names_[i], " was ", now[i].impl ? "changed" : "cleared",
         " outside the Accumulator in the middle of a window (", micro_step_, " of ",
         options_.steps(), " micro-steps done", window_ready_ ? ", window closed" : "",
         "): optimizer.zero_grad() or model.zero_grad() between micro-steps? Clear "
@@ -423,15 +424,15 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
   remember_gradients();
 }
 
-std::vector<std::pair<const void*, int64_t>> Accumulator::grad_versions() const {
+std::vector<GradMark> Accumulator::grad_versions() const {
   // Accumulating into .grad either bumps its version (in place) or replaces it.
-  std::vector<std::pair<const void*, int64_t>> versions;
+  std::vector<GradMark> versions;
   versions.reserve(params_.size());
   for (const auto& p : params_) {
     const auto& g = p.grad();
-    versions.emplace_back(
-        g.defined() ? g.unsafeGetTensorImpl() : nullptr,
-        g.defined() ? g._version() : 0);
+    versions.push_back(g.defined()
+        ? GradMark{g.unsafeGetTensorImpl(), g.storage().unsafeGetStorageImpl(), g._version()}
+        : GradMark{});
   }
   return versions;
 }
@@ -945,6 +946,32 @@ const char* const kIntFields[] = {"steps", "reduction", "world_size", "rank", "m
     "reducer.last_window_collectives", "reducer.last_window_bytes", "reducer.broadcasts",
     "reducer.snapshots", "loss_scale_growth_tracker"};
 
+// A list of tensors, undefined ones included: `count_key`, then per entry
+// `prefix<i>.defined` and `prefix<i>` (an empty tensor where undefined).
+void write_tensors(torch::serialize::OutputArchive& archive, const std::string& count_key,
+                   const std::string& prefix, const std::vector<at::Tensor>& tensors) {
+  archive.write(count_key, c10::IValue(static_cast<int64_t>(tensors.size())));
+  for (const auto i : c10::irange(tensors.size())) {
+    const auto key = prefix + std::to_string(i);
+    archive.write(key + ".defined", c10::IValue(tensors[i].defined()));
+    archive.write(key, tensors[i].defined() ? tensors[i] : at::empty({0}), /*is_buffer=*/true);
+  }
+}
+
+std::vector<at::Tensor> read_tensors(torch::serialize::InputArchive& archive, const std::string& prefix,
+                                     int64_t count) {
+  std::vector<at::Tensor> tensors;
+  c10::IValue defined;
+  for (int64_t i = 0; i < count; ++i) {
+    at::Tensor tensor;
+    const auto key = prefix + std::to_string(i);
+    archive.read(key + ".defined", defined);
+    archive.read(key, tensor, /*is_buffer=*/true);
+    tensors.push_back(defined.toBool() ? tensor : at::Tensor());
+  }
+  return tensors;
+}
+
 std::vector<int64_t*> int_fields(AccumulatorState& s) {
   return {&s.steps, nullptr, &s.world_size, &s.rank, &s.micro_step, &s.micro_steps,
       &s.optimizer_steps, &s.skipped_steps, &s.windows, &s.reducer_sequence, &s.reducer.windows,
@@ -967,18 +994,8 @@ void Accumulator::save(torch::serialize::OutputArchive& archive, bool rank_indep
   archive.write("gradaccum.epoch_ended", c10::IValue(state.epoch_ended));
   archive.write("gradaccum.window_weight", c10::IValue(state.window_weight));
   archive.write("gradaccum.loss_scale", c10::IValue(state.loss_scale));
-  archive.write("gradaccum.grads", c10::IValue(static_cast<int64_t>(state.grads.size())));
-  for (const auto i : c10::irange(state.grads.size())) {
-    const auto key = "gradaccum.grad." + std::to_string(i);
-    archive.write(key + ".defined", c10::IValue(state.grads[i].defined()));
-    archive.write(key, state.grads[i].defined() ? state.grads[i] : at::empty({0}), /*is_buffer=*/true);
-  }
-  archive.write("gradaccum.residuals", c10::IValue(static_cast<int64_t>(state.residuals.size())));
-  for (const auto i : c10::irange(state.residuals.size())) {
-    const auto key = "gradaccum.residual." + std::to_string(i);
-    archive.write(key + ".defined", c10::IValue(state.residuals[i].defined()));
-    archive.write(key, state.residuals[i].defined() ? state.residuals[i] : at::empty({0}), /*is_buffer=*/true);
-  }
+  write_tensors(archive, "gradaccum.grads", "gradaccum.grad.", state.grads);
+  write_tensors(archive, "gradaccum.residuals", "gradaccum.residual.", state.residuals);
 }
 
 void Accumulator::load(torch::serialize::InputArchive& archive) {
@@ -1004,23 +1021,9 @@ void Accumulator::load(torch::serialize::InputArchive& archive) {
   archive.read("gradaccum.loss_scale", value);
   state.loss_scale = value.toDouble();
   archive.read("gradaccum.grads", value);
-  const auto n = value.toInt();
-  for (int64_t i = 0; i < n; ++i) {
-    at::Tensor grad;
-    const auto key = "gradaccum.grad." + std::to_string(i);
-    archive.read(key + ".defined", value);
-    archive.read(key, grad, /*is_buffer=*/true);
-    state.grads.push_back(value.toBool() ? grad : at::Tensor());
-  }
+  state.grads = read_tensors(archive, "gradaccum.grad.", value.toInt());
   if (archive.try_read("gradaccum.residuals", value)) { // archives before 0.2 have none
-    const auto residuals = value.toInt();
-    for (int64_t i = 0; i < residuals; ++i) {
-      at::Tensor residual;
-      const auto key = "gradaccum.residual." + std::to_string(i);
-      archive.read(key + ".defined", value);
-      archive.read(key, residual, /*is_buffer=*/true);
-      state.residuals.push_back(value.toBool() ? residual : at::Tensor());
-    }
+    state.residuals = read_tensors(archive, "gradaccum.residual.", value.toInt());
   }
   load_state_dict(state);
 }

@@ -43,9 +43,13 @@
 // did not see keep their relative order, at the end. The layouts stay
 // identical across ranks, so the pairing above holds. A window in which rank 0
 // saw no hook at all (a flush after no_sync micro-steps) tries again at the
-// next. If building the new buckets fails on some rank (out of memory), an
-// allgather of a success flag makes every rank keep the old ones (neither it
-// nor the broadcast is a gradient reduction: stats count neither). Done before
+// next. Whether a rebuild is pending travels in every bucket's kKind field
+// (kind_code()), so ranks that disagree (rebuild_buckets differs with
+// check_parameters off) drop the window instead of mis-pairing. Once rank 0
+// sent an order, every rank takes part in an allgather of its outcome (built,
+// same layout, failed: a local failure, out of memory say, is caught, never
+// skips the collective) and every rank keeps the old buckets unless all built
+// (neither it nor the broadcast is a gradient reduction: stats count neither). Done before
 // the write-back, as every collective of phase 3, and applied after it (even
 // if this rank's write-back fails): between windows only.
 //
@@ -256,6 +260,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   std::string foreign_hooks() const;
   int64_t kind = 0; ///< of the reduction in flight: 0 window, 1 snapshot
   void begin_reduction(const ReductionRequest& req, int task);
+  /// kKind's value: the kind, plus 2 while the bucket rebuild is pending.
+  int64_t kind_code() const {
+    return kind + (buckets_final ? 0 : 2);
+  }
   void queue_end_callback(int task);
   void on_task_end(uint64_t id, int task);
   void on_task_failed(uint64_t id) noexcept;
@@ -778,7 +786,10 @@ void Reducer::State::launch_bucket(size_t index) {
   std::tie(meta[kReductionMode], meta[kReductionModeSquare]) =
       squared(static_cast<int64_t>(rule.reduction));
   std::tie(meta[kBucketIndex], meta[kBucketIndexSquare]) = squared(static_cast<int64_t>(index));
-  std::tie(meta[kKind], meta[kKindSquare]) = squared(kind);
+  // The kind also says whether this reduction ends with the one-time bucket
+  // rebuild's collectives (Note [Rebuilding buckets in ready order]), so that
+  // ranks that disagree drop the window instead of mis-pairing them.
+  std::tie(meta[kKind], meta[kKindSquare]) = squared(kind_code());
   for (const auto slot : bucket.missing) {
     meta[kMetaHeader + slot] = 0;
   }
@@ -990,22 +1001,32 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
 }
 
 std::optional<std::vector<Bucket>> Reducer::State::agree_on_ready_order() {
-  // [how many parameters rank 0 saw ready, then the order of all of them]
-  std::vector<int64_t> order{static_cast<int64_t>(ready_order.size())};
-  std::vector<char> seen(params.size(), 0);
-  for (const auto i : ready_order) {
-    order.push_back(static_cast<int64_t>(i));
-    seen[i] = 1;
-  }
-  for (const auto& bucket : buckets) {
-    for (const auto i : bucket.params) {
-      if (!seen[i]) {
-        order.push_back(static_cast<int64_t>(i));
+  // Every rank runs the broadcast and then the allgather below, whatever fails
+  // locally (a rank that skipped one would pair its next bucket with it).
+  // [how many parameters rank 0 saw ready (-1: it failed), then the order of all]
+  std::vector<int64_t> order(params.size() + 1, 0);
+  try {
+    std::vector<char> seen(params.size(), 0);
+    size_t k = 1;
+    for (const auto i : ready_order) {
+      TORCH_INTERNAL_ASSERT(!seen[i], "gradaccum: the ready order saw ", name(i), " twice");
+      order[k++] = static_cast<int64_t>(i);
+      seen[i] = 1;
+    }
+    order[0] = static_cast<int64_t>(ready_order.size());
+    for (const auto& bucket : buckets) {
+      for (const auto i : bucket.params) {
+        if (!seen[i]) {
+          order[k++] = static_cast<int64_t>(i);
+        }
       }
     }
+    TORCH_INTERNAL_ASSERT(k == order.size());
+  } catch (const std::exception& e) {
+    TORCH_WARN("gradaccum: recording backward's ready order failed on rank ", rank, ": ", message_of(e));
+    order.assign(params.size() + 1, 0);
+    order[0] = -1;
   }
-  TORCH_INTERNAL_ASSERT(order.size() == params.size() + 1,
-      "gradaccum: the ready order saw a parameter twice");
   std::vector<at::Tensor> message{at::tensor(order, at::kLong).to(metadata_device())};
   group->broadcast(message)->wait();
   const auto agreed = message[0].cpu();
@@ -1013,35 +1034,46 @@ std::optional<std::vector<Bucket>> Reducer::State::agree_on_ready_order() {
   if (a[0] == 0) {
     return std::nullopt; // rank 0 saw no hook this window: try again at the next
   }
-  buckets_final = true;
+  buckets_final = true; // on every rank alike: once tried, never again
   ready_order = {};
-  std::vector<size_t> ready(params.size());
-  for (const auto k : c10::irange(params.size())) {
-    ready[k] = static_cast<size_t>(a[static_cast<int64_t>(k) + 1]);
+  if (a[0] < 0) {
+    return std::nullopt; // rank 0 could not say (it warned)
   }
-  const auto layout = assign_buckets(
-      params,
-      static_cast<int64_t>(options.first_bucket_cap_mb() * kMiB),
-      static_cast<int64_t>(options.bucket_cap_mb() * kMiB),
-      ready);
-  const bool same = layout.size() == buckets.size() &&
-      std::equal(layout.begin(), layout.end(), buckets.begin(),
-                 [](const auto& indices, const Bucket& bucket) { return indices == bucket.params; });
-  if (same) {
-    return std::nullopt; // the same on every rank: the same order
-  }
+  // 1: built, 2: the layout would not change, 0: failed here.
+  enum Outcome { kFailed = 0, kBuilt = 1, kSame = 2 };
   std::optional<std::vector<Bucket>> built;
   std::string error;
+  Outcome outcome = kFailed;
   try {
-    built = build_buckets(layout);
+    std::vector<size_t> ready_by(params.size());
+    for (const auto k : c10::irange(params.size())) {
+      ready_by[k] = static_cast<size_t>(a[static_cast<int64_t>(k) + 1]);
+    }
+    const auto layout = assign_buckets(
+        params,
+        static_cast<int64_t>(options.first_bucket_cap_mb() * kMiB),
+        static_cast<int64_t>(options.bucket_cap_mb() * kMiB),
+        ready_by);
+    const bool same = layout.size() == buckets.size() &&
+        std::equal(layout.begin(), layout.end(), buckets.begin(),
+                   [](const auto& indices, const Bucket& bucket) { return indices == bucket.params; });
+    if (same) {
+      outcome = kSame;
+    } else {
+      built = build_buckets(layout);
+      outcome = kBuilt;
+    }
   } catch (const std::exception& e) {
     error = message_of(e);
   }
   // Every rank switches, or none does.
-  const auto flags = allgather(*group, at::full({1}, built ? 1.0 : 0.0, at::kDouble).to(metadata_device()));
+  const auto flags = allgather(*group, at::full({1}, static_cast<double>(outcome), at::kDouble).to(metadata_device()));
   int failed = 0;
+  int same = 0;
   for (const auto& flag : flags) {
-    failed += flag.item<double>() == 0 ? 1 : 0;
+    const auto theirs = static_cast<int>(flag.item<double>());
+    failed += theirs == kFailed ? 1 : 0;
+    same += theirs == kSame ? 1 : 0;
   }
   if (failed > 0) {
     TORCH_WARN("gradaccum: rebuilding the buckets in backward's order failed on ", failed,
@@ -1049,7 +1081,10 @@ std::optional<std::vector<Bucket>> Reducer::State::agree_on_ready_order() {
         "; every rank keeps the buckets it has");
     return std::nullopt;
   }
-  return built;
+  // The layout follows from rank 0's order alone: the same verdict everywhere.
+  TORCH_INTERNAL_ASSERT(same == 0 || same == static_cast<int>(flags.size()),
+      "gradaccum: ranks computed different bucket layouts from the same order");
+  return same > 0 ? std::nullopt : std::move(built);
 }
 
 void Reducer::State::switch_buckets(std::vector<Bucket> built) noexcept {
@@ -1157,7 +1192,10 @@ void Reducer::State::check_consensus(const at::Tensor& summed) {
   const Check checks[] = {
       {kSteps, "steps", rule.steps},
       {kReductionMode, "reduction", static_cast<int64_t>(rule.reduction)},
-      {kKind, "what this collective is (a checkpoint's state_dict() on some ranks, a window's reduction on others)", kind},
+      {kKind, "what this collective is (a checkpoint's state_dict() on some ranks, a window's "
+              "reduction on others), or whether it rebuilds the buckets after it (rebuild_buckets "
+              "differs across ranks?); the code is 0/1 for a window/checkpoint, plus 2 while a "
+              "rebuild is pending", kind_code()},
       {kWindow, "the window number", sequence},
   };
   for (const auto& check : checks) {

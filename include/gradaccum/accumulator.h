@@ -109,6 +109,21 @@ struct AccumulatorState {
 /// Gradients accumulate unscaled within a window; the window's last backward
 /// divides them once by the window's weight (micro-steps for "mean", items for
 /// "items", summed over ranks), fused into the reduction when data parallel.
+/// What tells one `.grad` from another, or from itself changed: the tensor,
+/// its storage (`.grad.data = t` keeps the tensor) and its version (in-place
+/// writes through `.grad` bump it; writes through `.data` or numpy do not).
+struct GradMark {
+  const void* impl = nullptr;
+  const void* data = nullptr;
+  int64_t version = 0;
+  bool operator==(const GradMark& o) const {
+    return impl == o.impl && data == o.data && version == o.version;
+  }
+  bool operator!=(const GradMark& o) const {
+    return !(*this == o);
+  }
+};
+
 class Accumulator {
  public:
   using StepFunction = std::function<void()>;
@@ -206,12 +221,12 @@ class Accumulator {
   void check_open(const char* what) const;
   void check_gradients_untouched(const char* what, bool allow_in_place) const;
   void check_gradients_untouched(const char* what, bool allow_in_place,
-                                 const std::vector<std::pair<const void*, int64_t>>& now) const;
+                                 const std::vector<GradMark>& now) const;
   void remember_gradients();
   void check_requires_grad() const;
   void reset_window();
   void note_dropped_window(int64_t window);
-  std::vector<std::pair<const void*, int64_t>> grad_versions() const;
+  std::vector<GradMark> grad_versions() const;
   bool finish_window();
   bool step_window();
   bool reducer_checks_finite() const;
@@ -240,7 +255,7 @@ class Accumulator {
   /// Frozen when built: an error if one becomes trainable (it would be untracked).
   std::vector<std::pair<std::string, at::Tensor>> frozen_;
   /// .grad identities and versions after this Accumulator last touched them.
-  std::vector<std::pair<const void*, int64_t>> remembered_;
+  std::vector<GradMark> remembered_;
   bool closed_ = false;
   std::function<bool()> before_step_;
   bool unscale_and_check(); ///< the built-in loss scaler's before_step

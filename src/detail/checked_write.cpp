@@ -64,14 +64,21 @@ inline __attribute__((always_inline)) bool dispatch(Mode mode, T* out, const T* 
   return largest <= magnitude(bound);
 }
 
-// Built for AVX2 too, picked at load time where the CPU has it (as ATen's own
-// kernels are): the pass then costs what ATen's division alone costs.
-__attribute__((target_clones("avx2", "default")))
+// Built for AVX2 too on x86, picked at load time where the CPU has it (as
+// ATen's own kernels are): the pass then costs what ATen's division alone
+// costs. Other architectures (aarch64) get the portable build.
+#if defined(__x86_64__) || defined(__i386__)
+#define GRADACCUM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define GRADACCUM_CLONES
+#endif
+
+GRADACCUM_CLONES
 bool check_range(Mode mode, float* out, const float* in, int64_t n, float divisor, float bound) {
   return dispatch(mode, out, in, n, divisor, bound);
 }
 
-__attribute__((target_clones("avx2", "default")))
+GRADACCUM_CLONES
 bool check_range(Mode mode, double* out, const double* in, int64_t n, double divisor, double bound) {
   return dispatch(mode, out, in, n, divisor, bound);
 }
@@ -128,6 +135,9 @@ bool write_checked(const at::Tensor& out, const at::Tensor& in, std::optional<do
       }
     });
   });
+  if (out.defined() && mode != Mode::CheckOnly) {
+    out.unsafeGetTensorImpl()->bump_version(); // written, as at::div_out would have
+  }
   return bounded.load();
 }
 

@@ -63,7 +63,12 @@ def nonfinite_windows(rank, world_size, *, seed, cases):
                 if case["flush"]:
                     stepped = acc.flush()
                 else:
-                    if case["poke"] and w == BAD_WINDOW:
+                    if case["poke"] == "data" and w == BAD_WINDOW:
+                        # New storage for the same .grad tensor: no version bump.
+                        bad = model[2].weight.grad.detach().clone()
+                        bad[0, 0] = math.nan
+                        model[2].weight.grad.data = bad
+                    elif case["poke"] and w == BAD_WINDOW:
                         with torch.no_grad():
                             model[2].weight.grad[0, 0] = math.nan
                     stepped = acc.step()

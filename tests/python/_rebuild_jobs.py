@@ -203,3 +203,22 @@ def option_differs(rank, world_size):
     except ValueError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+@job
+def option_differs_unchecked(rank, world_size):
+    """rebuild_buckets differs and check_parameters=False: the first window is
+    dropped on every rank with an error naming the option, never mis-paired."""
+    import gradaccum
+
+    model = reversed_model(3)
+    acc = gradaccum.Accumulator(model, None, steps=1, rebuild_buckets=rank == 0, check_parameters=False,
+                                bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0004)
+    errors = []
+    for _ in range(2):
+        try:
+            acc.backward(model(torch.ones(2, du.D_IN, dtype=torch.float64)).pow(2).mean())
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+    return {"errors": errors, "dropped": acc.stats()["dropped_windows"]}

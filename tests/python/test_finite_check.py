@@ -32,6 +32,7 @@ CASES = {
     "nan/skip/flush": case(flush=True, reduction="items"),
     "poke/skip": case("none", poke=True),  # a NaN written into .grad after the reduction
     "poke/skip/views": case("none", poke=True, as_view=True),
+    "poke_data/skip": case("none", poke="data"),  # .grad.data = a tensor with a NaN
     "nan/raise": case(mode="raise"),
     "huge/raise/views": case("huge", mode="raise", as_view=True),
     "nan/ignore": case(mode="ignore"),

@@ -168,3 +168,12 @@ def test_ranks_must_agree_on_rebuild_buckets(tmp_path):
     results = run("option_differs", 2, tmp_path)
     for res in results:
         assert res["error"] and "rebuild_buckets" in res["error"], res
+
+
+def test_ranks_disagreeing_on_rebuild_buckets_unchecked_drop_the_window(tmp_path):
+    results = du.run_job("option_differs_unchecked", 2, tmp_path, module="_rebuild_jobs", timeout=60,
+                         pg_timeout=20)
+    for res in results:
+        assert res["dropped"] == 2
+        for error in res["errors"]:
+            assert error and "rebuild_buckets differs across ranks?" in error, error

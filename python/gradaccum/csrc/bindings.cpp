@@ -86,6 +86,29 @@ py::dict stats_to_dict(const AccumulatorStats& s) {
   return d;
 }
 
+// Tensors, undefined ones as None (and back).
+py::list tensor_list(const std::vector<at::Tensor>& tensors) {
+  py::list out;
+  for (const auto& t : tensors) {
+    out.append(t.defined() ? py::cast(t) : py::none());
+  }
+  return out;
+}
+
+std::vector<at::Tensor> tensors_from_list(const py::dict& d, const char* key) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : required<py::list>(d, key)) {
+    if (t.is_none()) {
+      out.emplace_back();
+    } else if (THPVariable_Check(t.ptr())) {
+      out.push_back(t.cast<at::Tensor>());
+    } else {
+      throw py::value_error(std::string("load_state_dict: '") + key + "' must hold tensors or None");
+    }
+  }
+  return out;
+}
+
 py::dict state_to_dict(const AccumulatorState& s) {
   py::dict d;
   d["steps"] = s.steps;
@@ -105,17 +128,9 @@ py::dict state_to_dict(const AccumulatorState& s) {
   d["reducer_sequence"] = s.reducer_sequence;
   d["loss_scale"] = s.loss_scale;
   d["loss_scale_growth_tracker"] = s.loss_scale_growth_tracker;
-  py::list grads;
-  for (const auto& g : s.grads) {
-    grads.append(g.defined() ? py::cast(g) : py::none());
-  }
-  d["grads"] = grads;
+  d["grads"] = tensor_list(s.grads);
   if (!s.residuals.empty()) {
-    py::list residuals;
-    for (const auto& r : s.residuals) {
-      residuals.append(r.defined() ? py::cast(r) : py::none());
-    }
-    d["error_feedback_residuals"] = residuals;
+    d["error_feedback_residuals"] = tensor_list(s.residuals);
   }
   return d;
 }
@@ -147,25 +162,9 @@ AccumulatorState state_from_dict(const py::dict& d) {
   s.reducer.last_window_bytes = required<int64_t>(r, "last_window_bytes");
   s.reducer.broadcasts = required<int64_t>(r, "broadcasts");
   s.reducer.snapshots = required<int64_t>(r, "snapshots");
-  for (const auto& g : required<py::list>(d, "grads")) {
-    if (g.is_none()) {
-      s.grads.emplace_back();
-    } else if (THPVariable_Check(g.ptr())) {
-      s.grads.push_back(g.cast<at::Tensor>());
-    } else {
-      throw py::value_error("load_state_dict: 'grads' must hold tensors or None");
-    }
-  }
+  s.grads = tensors_from_list(d, "grads");
   if (d.contains("error_feedback_residuals")) {
-    for (const auto& r : required<py::list>(d, "error_feedback_residuals")) {
-      if (r.is_none()) {
-        s.residuals.emplace_back();
-      } else if (THPVariable_Check(r.ptr())) {
-        s.residuals.push_back(r.cast<at::Tensor>());
-      } else {
-        throw py::value_error("load_state_dict: 'error_feedback_residuals' must hold tensors or None");
-      }
-    }
+    s.residuals = tensors_from_list(d, "error_feedback_residuals");
   }
   return s;
 }
