@@ -431,7 +431,9 @@ std::vector<GradMark> Accumulator::grad_versions() const {
   for (const auto& p : params_) {
     const auto& g = p.grad();
     versions.push_back(g.defined()
-        ? GradMark{g.unsafeGetTensorImpl(), g.storage().unsafeGetStorageImpl(), g._version()}
+        // unsafe_storage(): sparse and opaque tensors have none (nullptr), and never throw.
+        ? GradMark{g.unsafeGetTensorImpl(), g.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(),
+                   g._version()}
         : GradMark{});
   }
   return versions;

@@ -134,6 +134,22 @@ int64_t consensus_modulus(int world, at::ScalarType meta_dtype) {
   return int64_t{1} << bits;
 }
 
+// Note [Bucket views as .grad]
+// With gradient_as_bucket_view, `.grad` is an alias of its bucket view, never
+// the view itself: `p.grad.data = t` (or anything else that swaps a tensor's
+// storage) then moves the alias off the bucket, and the bucket's own view stays
+// put. Whether `.grad` still is the bucket's memory is asked of its storage and
+// place (on_view), not of its identity; one that is not is copied in and
+// re-pointed at a fresh alias (view_handle), as torch DDP does.
+at::Tensor view_handle(const at::Tensor& view) {
+  return at::alias(view);
+}
+bool on_view(const at::Tensor& grad, const at::Tensor& view) {
+  return grad.defined() && !grad.is_sparse() && grad.is_alias_of(view) &&
+      grad.storage_offset() == view.storage_offset() && grad.sizes() == view.sizes() &&
+      grad.strides() == view.strides();
+}
+
 std::string message_of(const std::exception& e) {
   if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
     return error->what_without_backtrace();
@@ -391,7 +407,7 @@ Reducer::Reducer(
         if (grad.defined()) {
           bucket.views[slot].copy_(grad);
         }
-        grad = bucket.views[slot];
+        grad = view_handle(bucket.views[slot]); // Note [Bucket views as .grad]
       }
     }
   }
@@ -733,22 +749,23 @@ void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
     }
     return;
   }
-  const bool untouched_view = grad.defined() &&
-      grad.unsafeGetTensorImpl() == view.unsafeGetTensorImpl() &&
-      !touched[bucket.params[slot]].load(std::memory_order_relaxed);
+  const bool in_bucket = on_view(grad, view); // Note [Bucket views as .grad]
+  const bool untouched_view = in_bucket && !touched[bucket.params[slot]].load(std::memory_order_relaxed);
   if (!grad.defined() || untouched_view) {
     view.zero_();
     bucket.missing.push_back(slot);
     return;
   }
-  if (grad.unsafeGetTensorImpl() == view.unsafeGetTensorImpl()) {
+  if (in_bucket) {
     return; // bucket view: backward already accumulated in place
   }
   TORCH_CHECK(!grad.is_sparse(), "gradaccum: ", name(bucket.params[slot]), " has a sparse gradient "
       "(nn.Embedding(sparse=True)?); sparse gradients are not supported: use sparse=False");
   view.copy_(grad);
   if (options.gradient_as_bucket_view()) {
-    grad = view; // someone replaced .grad (e.g. zero_grad(set_to_none=True)): re-point it
+    // Someone replaced .grad (zero_grad(set_to_none=True)) or its storage
+    // (.grad.data = t): re-point it.
+    grad = view_handle(view);
   }
 }
 
@@ -1099,7 +1116,7 @@ void Reducer::State::switch_buckets(std::vector<Bucket> built) noexcept {
           auto& grad = params[bucket.params[slot]].mutable_grad();
           if (grad.defined()) {
             bucket.views[slot].copy_(grad);
-            grad = bucket.views[slot];
+            grad = view_handle(bucket.views[slot]);
           }
         }
       }
@@ -1308,7 +1325,11 @@ void Reducer::State::drop_window() {
     }
     for (const auto slot : c10::irange(bucket.params.size())) {
       auto& grad = params[bucket.params[slot]].mutable_grad();
-      grad = options.gradient_as_bucket_view() ? bucket.views[slot] : at::Tensor();
+      if (!options.gradient_as_bucket_view()) {
+        grad = at::Tensor();
+      } else if (!on_view(grad, bucket.views[slot])) {
+        grad = view_handle(bucket.views[slot]);
+      }
     }
   }
   clear_touched();
@@ -1380,7 +1401,9 @@ bool Reducer::State::write_back(Bucket& bucket, const std::vector<double>& meta,
     if (nowhere[slot]) {
       grad = at::Tensor(); // no rank had a gradient: keep it None, as one process would
     } else if (as_view) {
-      grad = view;
+      if (!on_view(grad, view)) {
+        grad = view_handle(view);
+      }
     } else {
       if (!grad.defined()) {
         grad = at::empty_like(view);
@@ -1714,7 +1737,10 @@ void Reducer::zero_grad() {
   for (auto& bucket : s.buckets) {
     bucket.gradients.zero_();
     for (const auto slot : c10::irange(bucket.params.size())) {
-      s.params[bucket.params[slot]].mutable_grad() = bucket.views[slot];
+      auto& grad = s.params[bucket.params[slot]].mutable_grad();
+      if (!on_view(grad, bucket.views[slot])) {
+        grad = view_handle(bucket.views[slot]);
+      }
     }
   }
 }

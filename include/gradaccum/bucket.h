@@ -68,7 +68,7 @@ enum MetaField : int64_t {
   kReductionModeSquare,
   kBucketIndex,
   kBucketIndexSquare,
-  kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window
+  kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window; +2 while a bucket rebuild is pending
   kKindSquare,
   kMetaHeader, // the header's length
 };

@@ -827,3 +827,39 @@ def channels_last(rank, world_size):
         out[f"grad_{'view' if as_view else 'copy'}"] = w.grad.clone()
         acc.close()
     return out
+
+
+@job
+def view_data_assign(rank, world_size):
+    """gradient_as_bucket_view, lr 0; in window 0 every rank swaps each .grad's
+    storage for a copy of itself before step(). Returns each later window's
+    gradient and the mean over ranks of the same micro-batches' gradients."""
+    import torch.distributed as dist
+
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = gradaccum.Accumulator(model, opt, steps=2, gradient_as_bucket_view=True,
+                                bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    reference.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(1 + rank)
+    out = {"grads": [], "expected": []}
+    for w in range(3):
+        reference.zero_grad(set_to_none=True)
+        for _ in range(2):
+            x = torch.randn(3, 4, generator=g, dtype=torch.float64)
+            acc.backward(model(x).pow(2).mean())
+            reference(x).pow(2).mean().backward()
+        if w == 0:
+            for p in model.parameters():
+                p.grad.data = p.grad.detach().clone()
+        else:
+            out["grads"] += [p.grad.clone() for p in model.parameters()]
+            for p in reference.parameters():
+                dist.all_reduce(p.grad)
+                out["expected"].append(p.grad / (2 * world_size))
+        acc.step()
+    return out

@@ -158,6 +158,29 @@ def test_sparse_embeddings_are_refused_at_construction():
         gradaccum.Accumulator(model, None, steps=2)
 
 
+def test_a_sparse_gradient_met_later_is_a_clear_error():
+    """Bare parameters used through F.embedding(sparse=True): the micro-steps
+    accept the sparse .grad (torch sums it), the step names the parameter."""
+    weight = nn.Parameter(torch.randn(10, 3))
+    acc = gradaccum.Accumulator([weight], torch.optim.SGD([weight], lr=0.1), steps=2)
+    for _ in range(2):
+        acc.backward(nn.functional.embedding(torch.tensor([1, 2]), weight, sparse=True).sum())
+    with pytest.raises(RuntimeError, match="parameter 0 has a sparse gradient"):
+        acc.step()
+
+
+def test_grad_data_assignment_on_bucket_views_leaves_the_bucket_intact(tmp_path):
+    """`.grad.data = t` at a closed window with gradient_as_bucket_view: the
+    bucket's own view stays put (.grad is an alias of it), so later windows
+    still reduce what backward accumulated, on every rank alike."""
+    results = run("view_data_assign", 2, tmp_path)
+    for res in results:
+        for got, want in zip(res["grads"], res["expected"]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(results[0]["grads"], results[1]["grads"]):
+        assert torch.equal(a, b)
+
+
 def test_meta_parameters_are_refused():
     with pytest.raises(ValueError, match=r"weight is on the meta device"):
         gradaccum.Accumulator(nn.Linear(3, 2, device="meta"), None, steps=2)
