@@ -15,7 +15,7 @@ CMAKE_FLAGS := $(GEN) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER_LAUNCHER=c
 export PATH     := /usr/lib/ccache:$(PATH)
 export MAX_JOBS := $(JOBS)
 
-.PHONY: all deps build install-python build-cpp test test-cpp test-python sanitize demo bench bench-gpu clean
+.PHONY: all deps build install-python build-cpp test test-cpp test-python test-gpu sanitize demo bench bench-gpu clean
 
 all: build
 
@@ -76,6 +76,12 @@ bench: build
 
 bench-gpu:
 	$(PYTHON) benchmarks/bench_gpu.py
+
+# On a machine with an NVIDIA GPU (never CI): builds against the torch found
+# there, whatever its version (no registry needed), runs tests/python/test_gpu.py
+# and bench_gpu.py; logs under $$OUT (default gpu-out/).
+test-gpu:
+	PYTHON=$(PYTHON) bash tools/gpu_run.sh
 
 clean:
 	rm -rf $(BUILD) python/gradaccum/*.so python/gradaccum/lib python/gradaccum/include \

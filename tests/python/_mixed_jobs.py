@@ -80,16 +80,19 @@ def half_wire(rank, world_size, *, seed, steps, device="cpu"):
 
 
 @job
-def comm_bytes(rank, world_size, *, seed):
+def comm_bytes(rank, world_size, *, seed, device="cpu"):
     """The same window sent in float32, bf16 and fp16: bytes by stats, by the
-    profiler's element counts and by the loopback interface's own counter."""
+    profiler's element counts and by the loopback interface's own counter
+    (Gloo: CUDA tensors travel through the host too)."""
     import gradaccum
 
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 256), nn.Tanh(),
-                          nn.Linear(256, 64))
+                          nn.Linear(256, 64)).to(device)
     g = torch.Generator().manual_seed(seed + rank)
-    batches = [torch.randn(16, 256, generator=g) for _ in range(2)]
+    batches = [torch.randn(16, 256, generator=g).to(device) for _ in range(2)]
     out = {}
     for comm in (None, torch.bfloat16, torch.float16):
         model.zero_grad(set_to_none=True)
@@ -106,7 +109,7 @@ def comm_bytes(rank, world_size, *, seed):
         out[str(comm)] = {"lo_bytes": _lo_tx_bytes() - before, "allreduces": count,
                           "elements": elements, "bytes": acc.stats()["last_window_bytes"],
                           "buckets": acc.stats()["buckets"],
-                          "grads": [p.grad.clone() for p in model.parameters()]}
+                          "grads": [p.grad.cpu() for p in model.parameters()]}
         acc.close()
     return out
 

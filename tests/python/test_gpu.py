@@ -1,7 +1,12 @@
 """CUDA paths: NCCL at world size 1 and Gloo over CUDA tensors with 2 ranks;
-half-precision wires (bf16/fp16 buckets, comm_dtype) on both.
+half-precision wires (bf16/fp16 buckets, comm_dtype) on both; the mixed
+precision checks of test_mixed_precision.py (fp32 accumulation of bf16
+gradients, GradScaler with fp16 autocast, bytes on the wire) on CUDA tensors.
 
-Run on a CUDA machine (`make test` there); without CUDA these skip, as in CI.
+Each CUDA test runs the same job and the same checks as its CPU twin in the
+other test files (which CI runs), on cuda:0. Run them on a CUDA machine:
+`tools/gpu_run.sh` builds against the torch installed there and runs this file
+and `make bench-gpu`; without CUDA these skip, as in CI.
 """
 import pytest
 import torch
@@ -77,3 +82,37 @@ def test_gloo_half_precision_wires_over_cuda_tensors(tmp_path):
 
     check_half_wires(du.run_job("half_wire", 2, tmp_path, module="_mixed_jobs", backend="gloo",
                                 seed=3, steps=3, device="cuda:0"))
+
+
+@cuda
+@pytest.mark.parametrize("backend,world_size", [("nccl", 1), ("gloo", 1), ("gloo", 2)])
+def test_cuda_fp32_accumulation_rounds_the_window_once(tmp_path, backend, world_size):
+    """bf16 parameters on CUDA, accumulate_dtype=torch.float32, K=16: within one
+    bf16 ulp of the float32 sum rounded once (the reducer's path at world size
+    1 under NCCL, the local path under Gloo, two ranks over CUDA tensors)."""
+    from test_mixed_precision import STEPS, check_bf16_window
+
+    if backend == "nccl" and not dist.is_nccl_available():
+        pytest.skip("torch built without NCCL")
+    check_bf16_window(du.run_job("bf16_window", world_size, tmp_path, module="_protocol_jobs",
+                                 backend=backend, seed=5, steps=STEPS, device="cuda:0",
+                                 use_group=backend == "nccl"),
+                      grouped=world_size > 1 or backend == "nccl")
+
+
+@cuda
+def test_cuda_grad_scaler_with_fp16_autocast():
+    """torch.amp.GradScaler("cuda") under CUDA fp16 autocast: the scale backs off,
+    skipped windows step neither optimizer nor scheduler, the loss falls as the
+    big batch's with its own GradScaler."""
+    from test_mixed_precision import check_grad_scaler_run
+
+    check_grad_scaler_run("cuda")
+
+
+@cuda
+def test_cuda_comm_dtype_halves_the_bytes(tmp_path):
+    from test_mixed_precision import check_comm_bytes
+
+    check_comm_bytes(du.run_job("comm_bytes", 2, tmp_path, module="_mixed_jobs", seed=4,
+                                device="cuda:0"))

@@ -25,10 +25,10 @@ def bf16_ulps(a, b):
     return ((a - b).abs() / spacing).max().item()
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_fp32_accumulation_rounds_the_window_once(tmp_path, world_size):
-    results = du.run_job("bf16_window", world_size, tmp_path, module="_protocol_jobs",
-                         seed=5, steps=STEPS)
+def check_bf16_window(results, grouped):
+    """What bf16_window returned: fp32 accumulation within 1 bf16 ulp of the
+    float32 sum of every micro-batch's gradient rounded once; bf16 accumulation
+    measurably further; through a group, one collective per (float32) bucket."""
     micro = [g for res in results for g in res["micro"]]  # every micro-batch of every rank
     n = len(micro)
     expected = [(sum(m[i].float() for m in micro) / n).to(torch.bfloat16) for i in range(len(micro[0]))]
@@ -39,28 +39,36 @@ def test_fp32_accumulation_rounds_the_window_once(tmp_path, world_size):
             worst_wide = max(worst_wide, bf16_ulps(got, want))
         for got, want in zip(res["None"], expected):
             worst_plain = max(worst_plain, bf16_ulps(got, want))
-        if world_size > 1:
+        if grouped:
             assert res["collectives/torch.float32"] == res["buckets/torch.float32"]  # fp32 buckets: meta rides along
     assert worst_wide <= 1.0, worst_wide
     assert worst_plain > 2.0, worst_plain  # K bf16 roundings: measurably further
 
 
-def test_grad_scaler_backs_off_and_skipped_windows_step_nothing():
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fp32_accumulation_rounds_the_window_once(tmp_path, world_size):
+    check_bf16_window(du.run_job("bf16_window", world_size, tmp_path, module="_protocol_jobs",
+                                 seed=5, steps=STEPS), grouped=world_size > 1)
+
+
+def check_grad_scaler_run(device):
+    """fp16 autocast with a GradScaler whose first scale overflows, against the
+    big batch trained with its own GradScaler, on `device` ("cpu" or "cuda")."""
     torch.manual_seed(0)
-    x = torch.randn(256, 8)
-    w_true = torch.randn(8, 1)
+    x = torch.randn(256, 8).to(device)
+    w_true = torch.randn(8, 1).to(device)
     y = x @ w_true
 
     def make():
         torch.manual_seed(1)
-        model = nn.Linear(8, 1)
+        model = nn.Linear(8, 1).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1000)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20, growth_interval=4)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 20, growth_interval=4)
         return model, opt, sched, scaler
 
     def loss_of(model, xb, yb):
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device, dtype=torch.float16):
             return (model(xb).float() - yb).pow(2).mean()
 
     K, windows = 4, 24
@@ -97,6 +105,10 @@ def test_grad_scaler_backs_off_and_skipped_windows_step_nothing():
     # (fp16 rounding and one overflow window more or less differ).
     assert ours < first / 10 and theirs < first / 10, (first, ours, theirs)
     assert abs(math.log(ours / theirs)) < math.log(1.5), (ours, theirs)
+
+
+def test_grad_scaler_backs_off_and_skipped_windows_step_nothing():
+    check_grad_scaler_run("cpu")
 
 
 def test_grad_scaler_state_travels_in_the_state_dict():
@@ -157,8 +169,9 @@ def test_half_precision_buckets_take_one_collective_each(tmp_path, world_size):
     check_half_wires(du.run_job("half_wire", world_size, tmp_path, module="_mixed_jobs", seed=3, steps=3))
 
 
-def test_comm_dtype_halves_the_bytes(tmp_path):
-    results = du.run_job("comm_bytes", 2, tmp_path, module="_mixed_jobs", seed=4)
+def check_comm_bytes(results):
+    """What comm_bytes returned: bf16/fp16 wires carry half the bytes (our
+    counters, the profiler's, the loopback link's), within their rounding."""
     for res in results:
         full = res["None"]
         for comm in ("torch.bfloat16", "torch.float16"):
@@ -175,6 +188,10 @@ def test_comm_dtype_halves_the_bytes(tmp_path):
                 assert 0 < _relative(got, want) < eps, (comm, _relative(got, want))
     assert all(torch.equal(a, b) for a, b in zip(results[0]["torch.bfloat16"]["grads"],
                                                    results[1]["torch.bfloat16"]["grads"]))
+
+
+def test_comm_dtype_halves_the_bytes(tmp_path):
+    check_comm_bytes(du.run_job("comm_bytes", 2, tmp_path, module="_mixed_jobs", seed=4))
 
 
 def test_fp16_wire_scales_before_the_sum(tmp_path):
