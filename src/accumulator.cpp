@@ -609,7 +609,23 @@ bool Accumulator::flush() {
 }
 
 bool Accumulator::finish_window() {
-  const bool stepped = step_window();
+  before_step_ran_ = false;
+  bool stepped = false;
+  try {
+    stepped = step_window();
+  } catch (...) {
+    // The optimizer step, nonfinite="raise" or the callback itself raised
+    // after before_step_ (GradScaler.unscale_()) ran: after_window_
+    // (GradScaler.update()) must still close the scaler's window, or every
+    // later window's unscale_() fails. The original error is the one to see.
+    if (after_window_ && before_step_ran_) {
+      try {
+        after_window_();
+      } catch (...) {
+      }
+    }
+    throw;
+  }
   if (after_window_) {
     after_window_(); // once per closed window, stepped or skipped
   }
@@ -641,6 +657,7 @@ bool Accumulator::step_window() {
         "step(): ", names_[i], " has a sparse gradient (Embedding(sparse=True)?); gradaccum "
         "supports dense gradients only: use sparse=False");
   }
+  before_step_ran_ = static_cast<bool>(before_step_);
   if ((loss_scale_ > 0 && !unscale_and_check()) || (before_step_ && !before_step_())) {
     ++stats_.skipped_steps; // e.g. a loss scaler found an overflow: it backs off
     ++stats_.windows;
@@ -682,7 +699,7 @@ bool Accumulator::step_window() {
   }
   ++stats_.optimizer_steps;
   ++stats_.windows;
-  zero_grad();
+  reset_window(); // the window was used: its error-feedback residual carries on
   return true;
 }
 
@@ -706,6 +723,11 @@ void Accumulator::clear_gradients() {
 void Accumulator::zero_grad() {
   // Drops the window; a pending end of epoch (epoch_ended_) stays: it is
   // about where the other ranks are, not about this window's gradients.
+  if (window_ready_ && reducer_ && options_.error_feedback()) {
+    // A reduced window thrown away (skipped, or dropped by the user after
+    // nonfinite="raise"): what rounding it lost belongs to it alone.
+    reducer_->discard_residuals();
+  }
   reset_window();
 }
 
@@ -808,6 +830,7 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
     const auto progress = reducer_->progress();
     state.reducer = progress.stats;
     state.reducer_sequence = progress.sequence;
+    state.reducer_last_weight = progress.last_weight;
     if (!state.rank_independent && options_.error_feedback()) {
       state.residuals = reducer_->residuals(); // a rank's own: see AccumulatorState
     }
@@ -841,6 +864,8 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
       " (a closed window has micro_step 0)");
   TORCH_CHECK_VALUE(std::isfinite(state.window_weight) && state.window_weight >= 0,
       "load_state_dict: window_weight=", state.window_weight, " must be >= 0");
+  TORCH_CHECK_VALUE(std::isfinite(state.reducer_last_weight) && state.reducer_last_weight >= 0,
+      "load_state_dict: reducer_last_weight=", state.reducer_last_weight, " must be >= 0");
   if (state.micro_step == 0) {
     TORCH_CHECK_VALUE(state.window_weight == 0,
         "load_state_dict: window_weight=", state.window_weight, " with micro_step=0 (no "
@@ -935,7 +960,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   loss_scale_ = state.loss_scale;
   growth_tracker_ = state.loss_scale_growth_tracker;
   if (reducer_) {
-    reducer_->restore({state.reducer, state.reducer_sequence});
+    reducer_->restore({state.reducer, state.reducer_sequence, state.reducer_last_weight});
   }
   remember_gradients();
 }
@@ -996,6 +1021,7 @@ void Accumulator::save(torch::serialize::OutputArchive& archive, bool rank_indep
   archive.write("gradaccum.epoch_ended", c10::IValue(state.epoch_ended));
   archive.write("gradaccum.window_weight", c10::IValue(state.window_weight));
   archive.write("gradaccum.loss_scale", c10::IValue(state.loss_scale));
+  archive.write("gradaccum.reducer_last_weight", c10::IValue(state.reducer_last_weight));
   write_tensors(archive, "gradaccum.grads", "gradaccum.grad.", state.grads);
   write_tensors(archive, "gradaccum.residuals", "gradaccum.residual.", state.residuals);
 }
@@ -1022,6 +1048,9 @@ void Accumulator::load(torch::serialize::InputArchive& archive) {
   state.window_weight = value.toDouble();
   archive.read("gradaccum.loss_scale", value);
   state.loss_scale = value.toDouble();
+  if (archive.try_read("gradaccum.reducer_last_weight", value)) { // older archives have none
+    state.reducer_last_weight = value.toDouble();
+  }
   archive.read("gradaccum.grads", value);
   state.grads = read_tensors(archive, "gradaccum.grad.", value.toInt());
   if (archive.try_read("gradaccum.residuals", value)) { // archives before 0.2 have none

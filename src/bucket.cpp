@@ -115,6 +115,10 @@ double Bucket::max_meta_value(MetaField field) {
   return std::ldexp(1.0, field_bits(field) - field_fraction_bits(field)) - 1;
 }
 
+double Bucket::min_meta_weight() {
+  return std::ldexp(1.0, 20 - 1 - kWeightFractionBits);
+}
+
 Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices,
                const BucketConfig& config)
     : params(std::move(indices)) {

@@ -685,12 +685,18 @@ void Reducer::State::begin_reduction(const ReductionRequest& req, int task) {
   // See Note [Scaling before the sum]: the same value on every rank.
   expected_weight = rule.reduction == Reduction::Items && last_weight > 0
       ? last_weight : static_cast<double>(world) * static_cast<double>(rule.steps);
-  // A weight the meta's digits cannot carry drops the window on every rank
-  // (raising here, before the collectives, would leave the others waiting).
-  if (request.abort == AbortReason::None && request.weight > Bucket::max_meta_value(kWeight) &&
+  // A weight the meta's digits cannot carry (or not closely enough: a tiny
+  // one would round to zero and the window would go undivided) drops the
+  // window on every rank (raising here, before the collectives, would leave
+  // the others waiting).
+  if (request.abort == AbortReason::None &&
       std::any_of(buckets.begin(), buckets.end(),
                   [](const Bucket& b) { return b.encoding == MetaEncoding::kDigits; })) {
-    request.abort = AbortReason::WeightTooLarge;
+    if (request.weight > Bucket::max_meta_value(kWeight)) {
+      request.abort = AbortReason::WeightTooLarge;
+    } else if (request.weight > 0 && request.weight < Bucket::min_meta_weight()) {
+      request.abort = AbortReason::WeightTooSmall;
+    }
   }
   stats.last_window_collectives = 0;
   stats.last_window_bytes = 0;
@@ -840,8 +846,9 @@ void Reducer::State::launch_bucket(size_t index) {
 // that (many items per micro-step, fp16) can overflow there once: the window
 // is then non-finite on every rank alike. Every rank must use the same E (a
 // sum of differently scaled gradients would be silently wrong): it changes
-// only at a reduction that every rank completed, and restore() resets it on
-// every rank. write_back() multiplies by E / global weight: exactly 1 for a
+// only at a reduction that every rank completed, and restore() sets it on
+// every rank from the checkpoint (Progress::last_weight), so a resumed run
+// scales as the uninterrupted one. write_back() multiplies by E / global weight: exactly 1 for a
 // full "mean" window. Wires as wide as float32 are not scaled.
 void Reducer::State::compress(Bucket& bucket) {
   // In place, no temporary: the bucket's gradients are rewritten from the
@@ -1184,6 +1191,11 @@ void Reducer::State::check_consensus(const at::Tensor& summed) {
       cause << "rank " << who << "'s window weight (micro-steps or items) is larger than "
             << static_cast<int64_t>(Bucket::max_meta_value(kWeight)) << ", the most a bf16/fp16 "
             << "bucket's meta carries exactly";
+    } else if (why == AbortReason::WeightTooSmall) {
+      cause << "rank " << who << "'s window weight (its num_items summed over the window) is "
+            << "below " << Bucket::min_meta_weight() << " (2^-13), too small for a bf16/fp16 "
+            << "bucket's meta to carry exactly; count items in larger units, or use float32 "
+            << "parameters and comm_dtype";
     } else if (why == AbortReason::GradientsChanged) {
       cause << "on rank " << who << " the accumulated gradients were cleared or changed outside "
             << "the Accumulator in the middle of the window (optimizer.zero_grad() or "
@@ -1294,6 +1306,10 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
     case AbortReason::WeightTooLarge:
       failure += ". Why: this rank's window weight " + std::to_string(request.weight) +
                  " is larger than a bf16/fp16 bucket's meta carries";
+      break;
+    case AbortReason::WeightTooSmall:
+      failure += ". Why: this rank's window weight " + std::to_string(request.weight) +
+                 " is smaller than a bf16/fp16 bucket's meta carries exactly";
       break;
     case AbortReason::GradientsChanged:
       failure += ". Why: the accumulated gradients were cleared or changed outside the "
@@ -1676,6 +1692,18 @@ void Reducer::set_residuals(const std::vector<at::Tensor>& residuals) {
   }
 }
 
+void Reducer::discard_residuals() {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  TORCH_CHECK(!s.in_flight, "Reducer::discard_residuals() called during a synchronising backward");
+  at::NoGradGuard no_grad;
+  for (auto& bucket : s.buckets) {
+    if (bucket.residual.defined()) {
+      bucket.residual.zero_();
+    }
+  }
+}
+
 std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, ReductionResult* result) {
   const auto keep = state_;
   auto& s = *keep;
@@ -1701,7 +1729,7 @@ std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, Reduc
 
 Reducer::Progress Reducer::progress() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return {state_->stats, state_->sequence};
+  return {state_->stats, state_->sequence, state_->last_weight};
 }
 
 void Reducer::restore(const Progress& progress) {
@@ -1715,7 +1743,9 @@ void Reducer::restore(const Progress& progress) {
   state_->stats.launched_in_backward = now.launched_in_backward;
   state_->stats.last_window_launched_in_backward = now.last_window_launched_in_backward;
   state_->sequence = progress.sequence;
-  state_->last_weight = 0; // Note [Scaling before the sum]: alike on every rank
+  // Note [Scaling before the sum]: the same on every rank, as saved (states
+  // from before it was saved hold 0: the first window uses world * steps).
+  state_->last_weight = progress.last_weight;
 }
 
 void Reducer::zero_grad() {

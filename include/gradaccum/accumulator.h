@@ -84,6 +84,9 @@ struct AccumulatorState {
   int64_t windows = 0;
   ReducerStats reducer; ///< counters of the reducer (all zero without a group)
   int64_t reducer_sequence = 0; ///< the next reduction's window number
+  /// The last full window's global weight (the same on every rank): the
+  /// prescale of half-precision wires with reduction "items".
+  double reducer_last_weight = 0;
   double loss_scale = 0; ///< the loss scaler's scale (0 without one)
   int64_t loss_scale_growth_tracker = 0;
   std::vector<at::Tensor> grads; ///< one per parameter; undefined for None
@@ -258,6 +261,7 @@ class Accumulator {
   std::vector<GradMark> remembered_;
   bool closed_ = false;
   std::function<bool()> before_step_;
+  bool before_step_ran_ = false; ///< in this window's step_window(): see finish_window()
   bool unscale_and_check(); ///< the built-in loss scaler's before_step
   double loss_scale_ = 0;
   int64_t growth_tracker_ = 0;

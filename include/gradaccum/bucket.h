@@ -147,6 +147,10 @@ struct Bucket {
   /// The largest per-rank value of a field that write_meta() carries exactly
   /// (kWeight: with 32 fractional bits).
   static double max_meta_value(MetaField field);
+  /// The smallest non-zero per-rank weight that digit-encoded meta (kDigits)
+  /// carries to within 2^-20 of itself: its 32 fractional bits round a weight
+  /// by up to 2^-33, so 2^-13 and above.
+  static double min_meta_weight();
 };
 
 } // namespace gradaccum

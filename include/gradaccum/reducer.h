@@ -62,6 +62,9 @@ enum class AbortReason : int64_t {
   GradientsChanged = 5,
   /// This rank's window weight is more than a half-precision wire's meta carries.
   WeightTooLarge = 6,
+  /// This rank's window weight is too small for a half-precision wire's meta
+  /// to carry to 2^-20 (Bucket::min_meta_weight()).
+  WeightTooSmall = 7,
 };
 
 /// One reduction, asked for as a value: what this rank contributes.
@@ -147,10 +150,13 @@ class Reducer {
   /// Returns one summed (undivided) gradient per parameter, undefined where no
   /// rank has one; `result.global_weight` sums the request weights.
   std::vector<at::Tensor> snapshot(const ReductionRequest& request, ReductionResult* result = nullptr);
-  /// Counters and the window sequence number, as saved in a checkpoint.
+  /// Counters, the window sequence number and the last full window's global
+  /// weight (the prescale of half-precision wires with "items", Note [Scaling
+  /// before the sum]; the same on every rank), as saved in a checkpoint.
   struct Progress {
     ReducerStats stats;
     int64_t sequence = 0;
+    double last_weight = 0;
   };
   Progress progress() const;
   /// Restores what progress() returned (every rank must load the same).
@@ -185,6 +191,11 @@ class Reducer {
   std::vector<at::Tensor> residuals() const;
   /// Restores what residuals() returned (undefined entries: zero).
   void set_residuals(const std::vector<at::Tensor>& residuals);
+  /// Error feedback: zeroes the residuals. For a window that was reduced but
+  /// is then thrown away (skipped as non-finite, a loss scaler's overflow,
+  /// zero_grad() of a closed window): its residual holds what rounding that
+  /// window lost, which must not reach the next window that steps.
+  void discard_residuals();
 
   /// Number of reductions completed (synchronising backwards and reduce()).
   int64_t windows() const;

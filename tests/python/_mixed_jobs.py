@@ -379,3 +379,114 @@ def error_feedback_rebuild(rank, world_size, *, seed, windows):
                         "rebuilds": acc.stats()["bucket_rebuilds"]}
         acc.close()
     return out
+
+
+class _TwoHeads(nn.Module):
+    """Two independent linear losses: a window can make one head's gradient
+    huge (finite) and the other's infinite."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 1)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x, overflow=False):
+        la, lb = self.a(x).pow(2).mean(), self.b(x).pow(2).mean()
+        return la * 1e6 + lb * float("inf") if overflow else la + lb
+
+
+def two_heads_data(rank, window):
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * window + rank))
+
+
+@job
+def error_feedback_partial_overflow(rank, world_size, *, nonfinite):
+    """Window 1 is non-finite in one head only (the other's gradient huge but
+    finite): it is skipped (or raised and dropped with zero_grad()), and what
+    rounding it lost must not reach window 2."""
+    import gradaccum
+
+    model = _TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = gradaccum.Accumulator(model, opt, steps=1, nonfinite=nonfinite,
+                                comm_dtype=torch.bfloat16, error_feedback=True)
+    out = {"stepped": []}
+    for w in range(3):
+        acc.backward(model(two_heads_data(rank, w), overflow=w == 1))
+        out[f"grad_a/{w}"] = model.a.weight.grad.clone()
+        try:
+            out["stepped"].append(acc.step())
+        except RuntimeError as e:
+            out["stepped"].append(str(e))
+            acc.zero_grad()
+        if w == 1:
+            residuals = acc.state_dict(rank_independent=False)["error_feedback_residuals"]
+            out["residual_after_skip"] = max(float(r.abs().max()) for r in residuals if r is not None)
+    return out
+
+
+@job
+def tiny_items_weight(rank, world_size, *, comm_dtype, num_items):
+    """reduction="items" where rank 0's window weight is `num_items`, far
+    below one item (the others count 1)."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    acc = gradaccum.Accumulator(model, None, steps=1, reduction="items",
+                                comm_dtype=getattr(torch, comm_dtype) if comm_dtype else None)
+    x = torch.ones(2, 3) * (rank + 1)
+    out = {}
+    try:
+        acc.backward(model(x).sum(), num_items=num_items if rank == 0 else 1.0)
+        out["grad"] = model.weight.grad.clone()
+    except RuntimeError as e:
+        out["error"] = str(e)
+        out["grad_none"] = model.weight.grad is None
+    acc.zero_grad()
+    acc.backward(model(x).sum(), num_items=1.0)  # the next window goes on
+    out["next"] = model.weight.grad.clone()
+    out["dropped"] = acc.stats()["dropped_windows"]
+    return out
+
+
+@job
+def items_wire_resume(rank, world_size, *, comm_dtype):
+    """reduction="items" over a prescaled half-precision wire with error
+    feedback: a per-rank state saved at a window boundary resumes bit for bit
+    (the prescale is the last full window's global weight, kept in the state)."""
+    import copy
+
+    import gradaccum
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
+
+    g = torch.Generator().manual_seed(rank)
+    data = [[(torch.randn(5, 6, generator=g), int(torch.randint(20, 60, (1,), generator=g)))
+             for _ in range(2)] for _ in range(3)]
+
+    def window(model, acc, micro):
+        for x, n in micro:
+            acc.backward(model(x).pow(2).sum(), num_items=n)
+        grads = [p.grad.clone() for p in model.parameters()]
+        acc.zero_grad()
+        return grads
+
+    dtype = getattr(torch, comm_dtype)
+    model = make()
+    acc = gradaccum.Accumulator(model, None, steps=2, reduction="items", comm_dtype=dtype,
+                                error_feedback=True)
+    window(model, acc, data[0])
+    window(model, acc, data[1])
+    state = copy.deepcopy(acc.state_dict(rank_independent=False))
+    uninterrupted = window(model, acc, data[2])
+    acc.close()
+    model = make()
+    acc = gradaccum.Accumulator(model, None, steps=2, reduction="items", comm_dtype=dtype,
+                                error_feedback=True)
+    acc.load_state_dict(state)
+    return {"uninterrupted": uninterrupted, "resumed": window(model, acc, data[2]),
+            "last_weight": state["reducer_last_weight"]}

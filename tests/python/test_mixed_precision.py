@@ -291,3 +291,90 @@ def test_error_feedback_residuals_move_with_rebuilt_buckets(tmp_path):
         assert res[True]["rebuilds"] == 1 and res[False]["rebuilds"] == 0
         for a, b in zip(res[True]["params"], res[False]["params"]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_a_skipped_window_leaves_no_error_feedback_residual(tmp_path, nonfinite):
+    """Window 1 overflows in one head while the other's gradient is huge but
+    finite: skipped (or raised, then dropped with zero_grad()), its rounding
+    residual is discarded, and window 2 is within bf16 rounding of its float64
+    reference (the leak was ~1e3 off on a gradient of ~1)."""
+    results = du.run_job("error_feedback_partial_overflow", 2, tmp_path, module="_mixed_jobs",
+                         nonfinite=nonfinite)
+    model = _mixed_jobs._TwoHeads().double()
+    (sum(model(_mixed_jobs.two_heads_data(r, 2).double()) for r in range(2)) / 2).backward()
+    want = model.a.weight.grad.float()
+    for res in results:
+        assert res["stepped"][0] is True and res["stepped"][2] is True
+        if nonfinite == "skip":
+            assert res["stepped"][1] is False
+        else:
+            assert "the window's gradient is not finite" in res["stepped"][1]
+        assert res["residual_after_skip"] == 0.0
+        assert _relative(res["grad_a/2"], want) < 2.0 ** -7, _relative(res["grad_a/2"], want)
+    assert torch.equal(results[0]["grad_a/2"], results[1]["grad_a/2"])
+
+
+@pytest.mark.parametrize("comm_dtype", [None, "bfloat16"])
+def test_a_window_weight_too_small_for_half_precision_meta_drops_the_window(tmp_path, comm_dtype):
+    """Rank 0 counts num_items=1e-10, rank 1 one item: float32 wires divide
+    exactly; a bf16 wire's meta cannot carry rank 0's weight (it rounded to 0;
+    alone, the window went undivided), so the window is dropped on every rank
+    with the reason, and training goes on."""
+    results = du.run_job("tiny_items_weight", 2, tmp_path, module="_mixed_jobs",
+                         comm_dtype=comm_dtype, num_items=1e-10, timeout=60)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    (sum(model(torch.ones(2, 3, dtype=torch.float64) * (r + 1)).sum() for r in range(2)) / (1 + 1e-10)).backward()
+    for res in results:
+        if comm_dtype is None:
+            assert _relative(res["grad"].double(), model.weight.grad) < 1e-6
+            assert res["dropped"] == 0
+        else:
+            assert "window 0 was dropped on every rank: rank 0's window weight (its num_items summed " \
+                   "over the window) is below 0.00012207 (2^-13), too small for a bf16/fp16 bucket's " \
+                   "meta to carry exactly" in res["error"], res["error"]
+            assert res["grad_none"] and res["dropped"] == 1
+        assert torch.isfinite(res["next"]).all()
+    assert torch.equal(results[0]["next"], results[1]["next"])
+
+
+@pytest.mark.parametrize("comm_dtype", ["bfloat16", "float16"])
+def test_items_over_a_half_precision_wire_resumes_bit_for_bit(tmp_path, comm_dtype):
+    for res in du.run_job("items_wire_resume", 2, tmp_path, module="_mixed_jobs", comm_dtype=comm_dtype):
+        assert res["last_weight"] > 0
+        for a, b in zip(res["resumed"], res["uninterrupted"]):
+            assert torch.equal(a, b)
+
+
+def test_a_step_that_raises_after_unscaling_leaves_the_grad_scaler_usable():
+    """optimizer.step() raises once after GradScaler.unscale_(): update() still
+    closes the scaler's window, so the next windows step (torch would otherwise
+    raise "unscale_() has already been called" at every later window)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fail = [True]
+    real_step = opt.step
+
+    def flaky_step(*args, **kwargs):
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("transient optimizer failure")
+        return real_step(*args, **kwargs)
+
+    opt.step = flaky_step
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    acc = gradaccum.Accumulator(model, opt, steps=2, grad_scaler=scaler)
+    x = torch.randn(8, 4)
+    outcomes = []
+    for w in range(3):
+        for k in range(2):
+            acc.backward(model(x[4 * k:4 * k + 4]).pow(2).mean())
+        try:
+            outcomes.append(acc.step())
+        except RuntimeError as e:
+            outcomes.append(str(e))
+            acc.zero_grad()
+    assert outcomes == ["transient optimizer failure", True, True]
+    assert acc.stats()["optimizer_steps"] == 2

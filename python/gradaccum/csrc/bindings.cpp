@@ -126,6 +126,7 @@ py::dict state_to_dict(const AccumulatorState& s) {
   d["windows"] = s.windows;
   d["reducer"] = reducer_stats_to_dict(s.reducer);
   d["reducer_sequence"] = s.reducer_sequence;
+  d["reducer_last_weight"] = s.reducer_last_weight;
   d["loss_scale"] = s.loss_scale;
   d["loss_scale_growth_tracker"] = s.loss_scale_growth_tracker;
   d["grads"] = tensor_list(s.grads);
@@ -151,6 +152,9 @@ AccumulatorState state_from_dict(const py::dict& d) {
   s.skipped_steps = required<int64_t>(d, "skipped_steps");
   s.windows = required<int64_t>(d, "windows");
   s.reducer_sequence = required<int64_t>(d, "reducer_sequence");
+  if (d.contains("reducer_last_weight")) { // states saved before it was kept have none
+    s.reducer_last_weight = required<double>(d, "reducer_last_weight");
+  }
   s.loss_scale = required<double>(d, "loss_scale");
   s.loss_scale_growth_tracker = required<int64_t>(d, "loss_scale_growth_tracker");
   const auto r = required<py::dict>(d, "reducer");
@@ -271,7 +275,10 @@ void init_accumulator(py::module_& m) {
              }
              return state_to_dict(state);
            }, py::arg("rank_independent") = true)
-      .def("close", &Accumulator::close, "Remove the hooks; release the parameters.")
+      // Without the GIL: dropping the last reference to a process group
+      // (destroy_process_group() already ran) joins its worker threads, which
+      // may need the GIL to release the Python tensors of their last work.
+      .def("close", &Accumulator::close, release(), "Remove the hooks; release the parameters.")
       .def("set_window_callbacks", &Accumulator::set_window_callbacks, py::arg("before_step"),
            py::arg("after_window"), "Callbacks around each window's optimizer step.")
       .def_property_readonly("closed", &Accumulator::closed)
