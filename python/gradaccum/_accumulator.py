@@ -1,7 +1,9 @@
 """gradaccum.Accumulator: the Python face of the C++ Accumulator."""
+import atexit
 import contextlib
 import numbers
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Union
+import weakref
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 
@@ -83,12 +85,123 @@ def _parameters(model: Any):
     return params, [f"parameter {i}" for i in range(len(params))], []
 
 
+def _scaling(grad_scaler: Optional[Any]) -> bool:
+    """Whether grad_scaler really scales: a GradScaler(enabled=False) (the usual
+    ``enabled=use_amp`` switch) scales nothing, so the Accumulator runs as
+    without one (same gradient units, no window callbacks)."""
+    if grad_scaler is None:
+        return False
+    is_enabled = getattr(grad_scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def _check_scaled_parameters(params, names, is_module: bool, optimizer: Any) -> None:
+    """With a GradScaler, every gradient the Accumulator clips and checks must be
+    one GradScaler unscales (the optimizer's), and none may be float16."""
+    def label(name: str) -> str:
+        return f"parameter {name!r}" if is_module else name
+
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        raise TypeError(f"grad_scaler needs a torch.optim.Optimizer (GradScaler.unscale_ reads its "
+                        f"param_groups), got {type(optimizer).__name__}")
+    optimized = {id(p) for group in groups for p in group["params"]}
+    for p, name in zip(params, names):
+        if not p.requires_grad:  # frozen: the Accumulator does not accumulate it
+            continue
+        if id(p) not in optimized:
+            raise ValueError(
+                f"grad_scaler: {label(name)} requires grad but is not in the optimizer's "
+                "param_groups. GradScaler unscales (and checks for inf/NaN) only the optimizer's "
+                "gradients, while the Accumulator clips and checks every trainable parameter's: "
+                "this one would stay scaled. Freeze it (requires_grad=False) before building the "
+                "Accumulator, or give the optimizer every trainable parameter")
+        if p.dtype == torch.float16:
+            raise ValueError(
+                f"grad_scaler: {label(name)} is float16; GradScaler cannot unscale float16 "
+                "gradients (torch refuses them at the first step()). Keep the parameters float32 "
+                "and run the forward under torch.autocast(device_type, dtype=torch.float16) "
+                "(torch's own mixed-precision recipe)")
+
+
+_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _saved_scaled(state_dict: Dict[str, Any]) -> bool:
+    """Whether a state was saved by an Accumulator whose GradScaler scaled (an
+    enabled one's state_dict() is never empty; a disabled one's is {})."""
+    saved = state_dict.get("grad_scaler")
+    return isinstance(saved, dict) and bool(saved)
+
+
+def _held_gradients(state_dict: Dict[str, Any]) -> List[str]:
+    """What gradients a state holds, in words; none at a window boundary
+    without error feedback (the keys are only looked at here; the C++ load
+    checks their types)."""
+    def any_tensor(key: str) -> bool:
+        value = state_dict.get(key)
+        return isinstance(value, (list, tuple)) and any(t is not None for t in value)
+
+    micro_step, window_ready = state_dict.get("micro_step"), state_dict.get("window_ready")
+    held = []
+    if window_ready in (True, 1):
+        held.append(f"a closed window (micro_step={micro_step}, window_ready=True)")
+    elif (isinstance(micro_step, numbers.Real) and micro_step > 0) or any_tensor("grads"):
+        held.append(f"a half-done window (micro_step={micro_step})")
+    if any_tensor("error_feedback_residuals"):
+        held.append("error-feedback residuals")
+    return held
+
+
+def _check_scaler_state(saved: Any) -> None:
+    """What GradScaler.load_state_dict needs; it reads the keys one by one and
+    would be left half-loaded by a bad one."""
+    if not isinstance(saved, dict):
+        raise TypeError(f"load_state_dict: 'grad_scaler' must be a GradScaler state dict, got "
+                        f"{type(saved).__name__}")
+    for key in _SCALER_KEYS:
+        if key not in saved:
+            raise ValueError(f"load_state_dict: 'grad_scaler' has no key {key!r}: it must be what "
+                             "GradScaler.state_dict() returns")
+    for key in _SCALER_KEYS:
+        value = saved[key]
+        integral = key in ("growth_interval", "_growth_tracker")
+        kind = numbers.Integral if integral else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise TypeError(f"load_state_dict: 'grad_scaler' key {key!r} must be "
+                            f"{'an int' if integral else 'a number'}, got {value!r}")
+    if not (0.0 < float(saved["scale"]) < float("inf")):
+        raise ValueError(f"load_state_dict: 'grad_scaler' scale must be a positive finite number, "
+                         f"got {saved['scale']!r}")
+
+
 def _default_group():
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return None
+
+
+# Every open Accumulator, closed at interpreter exit (see _close_at_exit).
+_LIVE: "weakref.WeakSet[Accumulator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Closes the Accumulators still open when the interpreter exits, while it
+    still runs (atexit handlers run before finalization). An Accumulator holds
+    a reference to its process group; after destroy_process_group() it is the
+    last one, and the group's Gloo worker threads would outlive the
+    interpreter: one of them releasing the Python tensor of its last work then
+    needs the GIL during finalization, and the process aborts ("terminate
+    called without an active exception"). close() drops the reference without
+    the GIL, so the group is destroyed and its threads joined here."""
+    for acc in list(_LIVE):
+        try:
+            acc.close()
+        except Exception:  # exiting anyway: nothing left to tell
+            pass
 
 
 class Accumulator:
@@ -133,7 +246,10 @@ class Accumulator:
             gradients). Saved in per-rank states (``state_dict(rank_independent=False)``).
         grad_scaler: a ``torch.amp.GradScaler``: ``backward()`` scales the
             loss, the window's end unscales, skips overflowing windows and
-            updates the scale once per window.
+            updates the scale once per window. The optimizer must hold every
+            trainable parameter (GradScaler unscales only its gradients) and
+            none may be float16 (float32 parameters under ``torch.autocast``);
+            a disabled one (``enabled=False``) works as no grad_scaler.
     """
 
     def __init__(
@@ -189,6 +305,8 @@ class Accumulator:
                     raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got "
                                     f"{type(grad_scaler).__name__} (no {method}())")
         params, names, buffers = _parameters(model)
+        if _scaling(grad_scaler):  # before the C++ side claims the parameters
+            _check_scaled_parameters(params, names, isinstance(model, torch.nn.Module), optimizer)
         if process_group is True:
             raise TypeError("process_group must be a ProcessGroup, None (the default group) or "
                             "False (local-only), got True")
@@ -212,11 +330,12 @@ class Accumulator:
             "" if comm_dtype is None else str(comm_dtype).replace("torch.", ""),
             error_feedback,
         )
+        _LIVE.add(self)
         self.steps = int(steps)
         self.reduction = reduction
         self._no_sync_depth = 0
         self.grad_scaler = grad_scaler
-        if grad_scaler is not None:
+        if _scaling(grad_scaler):
             self._c.set_window_callbacks(self._unscale_and_check, grad_scaler.update)
 
     def _unscale_and_check(self) -> bool:
@@ -224,14 +343,19 @@ class Accumulator:
         the scaler's found-inf decide; every rank holds the same gradient, so
         every rank decides alike. GradScaler.update() follows once per window."""
         scaler = self.grad_scaler
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+        if getattr(scaler, "_scale", 0) is None:
+            # Resumed (load_state_dict sets only the initial scale) and no
+            # backward() since: scale() has not made the scale tensor yet.
+            first = grads[0] if grads else self.optimizer.param_groups[0]["params"][0]
+            scaler._lazy_init_scale_growth_tracker(first.device)
         scaler.unscale_(self.optimizer)
         state = scaler._per_optimizer_states[id(self.optimizer)]
         found_inf = sum(v.item() for v in state["found_inf_per_device"].values())
         if not found_inf and self.steps > 1:
             # backward() scaled each micro-step by 1/steps as well (torch's own
             # accumulation recipe, same fp16 headroom as the big batch): undo it.
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]
-                     if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, float(self.steps))
         return not found_inf
@@ -256,7 +380,7 @@ class Accumulator:
             if num_items.numel() != 1:
                 raise ValueError(f"backward(): num_items must be a number, got a tensor of shape {tuple(num_items.shape)}")
             num_items = num_items.item()
-        if self.grad_scaler is not None:
+        if _scaling(self.grad_scaler):
             # Scaled, and divided by steps so that fp16 sees the big batch's
             # magnitudes; step() unscales and multiplies back.
             loss = self.grad_scaler.scale(loss) / self.steps
@@ -325,11 +449,44 @@ class Accumulator:
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state_dict(); all or nothing: a rejected state leaves the
+        window, the counters and the grad_scaler as they were."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        self._c.load_state_dict(state_dict)
-        if self.grad_scaler is not None and "grad_scaler" in state_dict:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        scaler = self.grad_scaler
+        scaling, saved_scaling = _scaling(scaler), _saved_scaled(state_dict)
+        held = _held_gradients(state_dict)
+        if scaling != saved_scaling and held:
+            # The held gradients are in the loss scale's units with a GradScaler
+            # (scaled, and divided by steps) and plain without one.
+            saved_kind = "a disabled grad_scaler" if "grad_scaler" in state_dict else "no grad_scaler"
+            ours_kind = "a disabled grad_scaler" if scaler is not None else "no grad_scaler"
+            saved = "an enabled grad_scaler (its gradients are scaled)" if saved_scaling else \
+                f"{saved_kind} (its gradients are not scaled)"
+            ours = "an enabled grad_scaler (it expects scaled gradients)" if scaling else \
+                f"{ours_kind} (it expects unscaled gradients)"
+            remedy = "Resume with the grad_scaler setting that saved it"
+            if "error-feedback residuals" not in held:
+                remedy += ", or save at a window boundary (after step()), where either setting may resume"
+            raise ValueError(
+                f"load_state_dict: the state holds {' and '.join(held)} saved with {saved}, but "
+                f"this Accumulator has {ours}. {remedy}")
+        load_scaler = scaling and saved_scaling
+        if load_scaler:
+            _check_scaler_state(state_dict["grad_scaler"])
+            # The scaler first, the C++ state last: a C++ rejection puts it back.
+            previous = scaler.state_dict()
+            try:
+                scaler.load_state_dict(state_dict["grad_scaler"])
+            except BaseException:
+                scaler.load_state_dict(previous)
+                raise
+        try:
+            self._c.load_state_dict(state_dict)
+        except BaseException:
+            if load_scaler:
+                scaler.load_state_dict(previous)
+            raise
 
     @property
     def bucket_indices(self):

@@ -1,0 +1,279 @@
+"""grad_scaler's guards: what GradScaler cannot handle is refused at
+construction, a state in the other scaling's units is refused at load, a
+rejected load changes nothing, and a resumed window steps before any backward()."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gradaccum
+
+K = 4
+
+
+def make_data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(n)]
+
+
+def loss_of(model, batch):
+    x, y = batch
+    return (model(x) - y).pow(2).mean()
+
+
+def make(scaler=True, steps=K, init_scale=2.0 ** 8, growth_interval=1, momentum=0.9, **kwargs):
+    """A model, its optimizer and an Accumulator (with a CPU GradScaler or not)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval) \
+        if scaler else None
+    return model, opt, gradaccum.Accumulator(model, opt, steps=steps, grad_scaler=sc, **kwargs)
+
+
+def snapshot_grads(model):
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def assert_grads_equal(model, expected):
+    for p, e in zip(model.parameters(), expected):
+        if e is None:
+            assert p.grad is None
+        else:
+            assert p.grad is not None and torch.equal(p.grad, e)
+
+
+# 1. An optimizer over part of the trainable parameters --------------------------
+
+
+def test_grad_scaler_refuses_an_optimizer_over_part_of_the_trainable_parameters():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)  # the head only, the body trainable
+    loss_of(model, make_data(1)[0]).backward()
+    grads = snapshot_grads(model)
+    with pytest.raises(ValueError, match=r"^grad_scaler: parameter '0\.weight' requires grad but is "
+                       r"not in the optimizer's param_groups\..*Freeze it \(requires_grad=False\) "
+                       r"before building the Accumulator, or give the optimizer every trainable "
+                       r"parameter$"):
+        gradaccum.Accumulator(model, opt, steps=K, grad_scaler=torch.amp.GradScaler("cpu"))
+    assert_grads_equal(model, grads)
+    # An iterable of parameters names it by position.
+    with pytest.raises(ValueError, match=r"^grad_scaler: parameter 1 requires grad but is not in "
+                       r"the optimizer's param_groups"):
+        gradaccum.Accumulator([model[1].weight, model[0].bias], opt, steps=K,
+                              grad_scaler=torch.amp.GradScaler("cpu"))
+    assert_grads_equal(model, grads)
+    # Nothing was claimed: an Accumulator over the same model builds.
+    model.zero_grad(set_to_none=True)
+    gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=K,
+                          grad_scaler=torch.amp.GradScaler("cpu")).close()
+
+
+def test_grad_scaler_with_a_frozen_body_clips_as_without_one():
+    """The remedy: freeze what the optimizer does not hold. In fp32 a power-of-two
+    scale changes nothing, clipping included."""
+    data = make_data(3 * K)
+
+    def train(scaler):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+        model[0].requires_grad_(False)
+        opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+        sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if scaler else None
+        acc = gradaccum.Accumulator(model, opt, steps=K, grad_scaler=sc, max_grad_norm=0.5)
+        for batch in data:
+            acc.backward(loss_of(model, batch))
+            acc.step()
+        assert acc.stats()["optimizer_steps"] == 3
+        return model, acc.stats()["last_grad_norm"]
+
+    (plain, plain_norm), (scaled, scaled_norm) = train(False), train(True)
+    assert scaled_norm == pytest.approx(plain_norm, rel=1e-6)
+    for a, b in zip(plain.parameters(), scaled.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# 5. float16 parameters -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accumulate_dtype", [None, torch.float32])
+def test_grad_scaler_refuses_float16_parameters(accumulate_dtype):
+    torch.manual_seed(1)
+    model = nn.Linear(4, 1).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"^grad_scaler: parameter 'weight' is float16; GradScaler "
+                       r"cannot unscale float16 gradients .*Keep the parameters float32 and run the "
+                       r"forward under torch\.autocast\(device_type, dtype=torch\.float16\)"):
+        gradaccum.Accumulator(model, opt, steps=2, grad_scaler=torch.amp.GradScaler("cpu"),
+                              accumulate_dtype=accumulate_dtype)
+    assert all(p.grad is None for p in model.parameters())
+    # A frozen float16 parameter has no gradient to unscale: accepted.
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].half().requires_grad_(False)
+    gradaccum.Accumulator(model, torch.optim.SGD(model[1].parameters(), lr=0.1), steps=2,
+                          grad_scaler=torch.amp.GradScaler("cpu")).close()
+
+
+def test_disabled_grad_scaler_trains_as_no_grad_scaler():
+    """GradScaler(enabled=False) (the enabled=use_amp switch) scales nothing:
+    the same training as without one (it used to fail at the first step())."""
+    data = make_data(2 * K + 1)
+
+    def train(scaler):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sc = torch.amp.GradScaler("cpu", enabled=False) if scaler else None
+        acc = gradaccum.Accumulator(model, opt, steps=K, grad_scaler=sc, max_grad_norm=1.0)
+        for batch in data:
+            acc.backward(loss_of(model, batch))
+            acc.step()
+        acc.flush()
+        assert acc.stats()["optimizer_steps"] == 3
+        return model
+
+    for a, b in zip(train(False).parameters(), train(True).parameters()):
+        assert torch.equal(a, b)
+
+
+# 2. A state saved with the other scaling ------------------------------------------
+
+
+def half_done_state(scaler, micro_steps, seed=0):
+    model, opt, acc = make(scaler)
+    for batch in make_data(micro_steps, seed=seed):
+        acc.backward(loss_of(model, batch))
+    state = copy.deepcopy(acc.state_dict())
+    acc.close()
+    return state
+
+
+@pytest.mark.parametrize("saved_with,micro_steps", [(False, 2), (True, 2), (False, K), (True, K)])
+def test_load_refuses_a_window_saved_with_the_other_scaling(saved_with, micro_steps):
+    state = half_done_state(saved_with, micro_steps)
+    model, opt, acc = make(not saved_with)
+    acc.backward(loss_of(model, make_data(1, seed=7)[0]))  # its own half-done window
+    grads, scale = snapshot_grads(model), acc.grad_scaler and acc.grad_scaler.get_scale()
+    held = (r"a half-done window \(micro_step=2\)" if micro_steps < K
+            else r"a closed window \(micro_step=0, window_ready=True\)")
+    saved = (r"an enabled grad_scaler \(its gradients are scaled\)" if saved_with
+             else r"no grad_scaler \(its gradients are not scaled\)")
+    ours = (r"no grad_scaler \(it expects unscaled gradients\)" if saved_with
+            else r"an enabled grad_scaler \(it expects scaled gradients\)")
+    with pytest.raises(ValueError, match=rf"^load_state_dict: the state holds {held} saved with "
+                       rf"{saved}, but this Accumulator has {ours}\. Resume with the grad_scaler "
+                       r"setting that saved it, or save at a window boundary \(after step\(\)\), "
+                       r"where either setting may resume$"):
+        acc.load_state_dict(state)
+    assert acc.micro_step == 1 and not acc.window_ready
+    assert_grads_equal(model, grads)
+    if acc.grad_scaler is not None:
+        assert acc.grad_scaler.get_scale() == scale
+
+
+@pytest.mark.parametrize("saved_with", [False, True])
+def test_load_accepts_a_boundary_saved_with_the_other_scaling(saved_with):
+    model, opt, acc = make(saved_with)
+    for batch in make_data(K):
+        acc.backward(loss_of(model, batch))
+    acc.step()
+    state = copy.deepcopy(acc.state_dict())
+    acc.close()
+    model, opt, acc = make(not saved_with, init_scale=2.0 ** 4)
+    acc.load_state_dict(state)
+    assert acc.micro_step == 0 and acc.stats()["optimizer_steps"] == 1
+    if acc.grad_scaler is not None:  # nothing to load: it keeps its own scale
+        assert acc.grad_scaler.get_scale() == 2.0 ** 4
+
+
+# 3. A rejected load changes nothing ------------------------------------------------
+
+
+def test_rejected_scaler_state_leaves_the_window_and_the_scaler_untouched():
+    state = half_done_state(True, 2)
+    model, opt, acc = make(True)
+    acc.backward(loss_of(model, make_data(1, seed=7)[0]))
+    grads, scale = snapshot_grads(model), acc.grad_scaler.get_scale()
+
+    bad = dict(state, grad_scaler={"scale": 2.0 ** 3})  # GradScaler would set it, then KeyError
+    with pytest.raises(ValueError, match=r"^load_state_dict: 'grad_scaler' has no key "
+                       r"'growth_factor': it must be what GradScaler\.state_dict\(\) returns$"):
+        acc.load_state_dict(bad)
+    bad = dict(state, grad_scaler=dict(state["grad_scaler"], growth_interval="2000"))
+    with pytest.raises(TypeError, match=r"^load_state_dict: 'grad_scaler' key 'growth_interval' "
+                       r"must be an int, got '2000'$"):
+        acc.load_state_dict(bad)
+    bad = dict(state, grad_scaler=dict(state["grad_scaler"], scale=0.0))
+    with pytest.raises(ValueError, match=r"^load_state_dict: 'grad_scaler' scale must be a "
+                       r"positive finite number, got 0\.0$"):
+        acc.load_state_dict(bad)
+    # A disabled GradScaler's state ({}): its window is not scaled.
+    with pytest.raises(ValueError, match=r"^load_state_dict: the state holds a half-done window "
+                       r"\(micro_step=2\) saved with a disabled grad_scaler \(its gradients are not "
+                       r"scaled\), but this Accumulator has an enabled grad_scaler"):
+        acc.load_state_dict(dict(state, grad_scaler={}))
+    assert acc.micro_step == 1
+    assert_grads_equal(model, grads)
+    assert acc.grad_scaler.get_scale() == scale
+
+    acc.load_state_dict(state)  # the good one still loads, scale included
+    assert acc.micro_step == 2 and acc.grad_scaler.get_scale() == state["grad_scaler"]["scale"]
+
+
+def test_rejected_cpp_state_puts_the_scaler_back():
+    """The scaler's state loads first and the C++ state last; when the C++ side
+    refuses, the scaler is restored (scale, growth tracker, factors)."""
+    state = half_done_state(True, 2)
+    state["grad_scaler"] = dict(state["grad_scaler"], scale=2.0 ** 3, _growth_tracker=5,
+                                growth_interval=7)
+    model, opt, acc = make(True, steps=2)  # the C++ side refuses the steps
+    acc.backward(loss_of(model, make_data(1, seed=7)[0]))  # the scaler's scale tensor exists
+    grads, scaler_state = snapshot_grads(model), acc.grad_scaler.state_dict()
+    with pytest.raises(ValueError, match=r"^load_state_dict: the state was saved with steps=4 but "
+                       r"this Accumulator has steps=2$"):
+        acc.load_state_dict(state)
+    assert acc.micro_step == 1
+    assert_grads_equal(model, grads)
+    assert acc.grad_scaler.state_dict() == scaler_state
+
+
+# 4. Resume, then step() / flush() before any backward() ----------------------------
+
+
+def train_until(acc, model, data, windows, then):
+    for batch in data[:windows * K]:
+        acc.backward(loss_of(model, batch))
+        acc.step()
+    for batch in data[windows * K:windows * K + then]:
+        acc.backward(loss_of(model, batch))
+
+
+@pytest.mark.parametrize("then,call", [(K, "step"), (2, "flush")])
+def test_resumed_window_steps_before_any_backward_as_the_uninterrupted_run(then, call):
+    data = make_data(4 * K)
+    model, opt, acc = make(True)
+    train_until(acc, model, data, 1, then)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), acc.state_dict()))
+    assert getattr(acc, call)()
+    for batch in data[2 * K:3 * K]:  # and one more window after it
+        acc.backward(loss_of(model, batch))
+        acc.step()
+    expected, expected_scale = [p.detach().clone() for p in model.parameters()], acc.grad_scaler.get_scale()
+    acc.close()
+
+    model, opt, acc = make(True, init_scale=2.0 ** 20)  # a fresh process: a fresh GradScaler
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    acc.load_state_dict(saved[2])
+    assert acc.grad_scaler._scale is None  # scale() never ran
+    assert getattr(acc, call)()
+    for batch in data[2 * K:3 * K]:
+        acc.backward(loss_of(model, batch))
+        acc.step()
+    assert acc.stats()["optimizer_steps"] == 3
+    assert acc.grad_scaler.get_scale() == expected_scale
+    for p, e in zip(model.parameters(), expected):
+        assert torch.equal(p, e)
