@@ -466,3 +466,40 @@ def test_reentrant_and_non_reentrant_checkpointing_match_the_big_batch(tmp_path)
     (res,) = du.run_job("reentrant", 1, tmp_path)
     assert res[True] is None and res[False] is None, res
     assert res["match/True"] and res["match/False"]
+
+
+EXIT_SCRIPT = r"""
+import atexit, sys
+seen = {}
+# Registered before gradaccum is imported, so it runs after gradaccum's own
+# exit handler (atexit runs last-registered first).
+atexit.register(lambda: print("closed at exit:", seen["acc"].closed, flush=True))
+import torch, torch.distributed as dist
+import gradaccum
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+model = torch.nn.Linear(2, 1)
+acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+for _ in range(2):
+    acc.backward(model(torch.ones(1, 2)).sum())
+acc.step()
+total = torch.ones(1)
+dist.all_reduce(total)
+dist.barrier()
+dist.destroy_process_group()
+seen["acc"] = acc
+"""
+
+
+def test_live_accumulators_let_go_of_their_group_before_the_interpreter_exits():
+    """After destroy_process_group(), a live Accumulator held the last reference
+    to the group, so the group's Gloo threads outlived the interpreter; one of
+    them releasing its last work's Python tensor then needed the GIL during
+    finalization and aborted the process ("terminate called without an active
+    exception", seen in torchrun runs of train_ddp.py). gradaccum's exit
+    handler closes every live Accumulator first, without the GIL, so the
+    group is destroyed (its threads joined) while Python still runs."""
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(du.free_port())], cwd="/tmp",
+                          env=dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "closed at exit: True" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
