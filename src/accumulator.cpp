@@ -543,9 +543,7 @@ bool Accumulator::flush() {
   check_open("flush()");
   TORCH_CHECK(optimizer_step_,
       "flush(): this Accumulator has no optimizer (pass one to the constructor)");
-  if (window_ready_) {
-    check_gradients_untouched("flush()", /*allow_in_place=*/true);
-  } else if (micro_step_ > 0 && !window_failed_) {
+  if (!window_ready_ && micro_step_ > 0 && !window_failed_) {
     if (reducer_ && grad_versions() != remembered_) {
       // The flush collective must still run on every rank: drop the window there.
       window_failed_ = true;
@@ -555,7 +553,26 @@ bool Accumulator::flush() {
     }
   }
   bool stepped = false;
-  if (window_ready_) {
+  std::string local_failure;
+  if (window_ready_ && reducer_ && !epoch_ended_) {
+    // The flush collective below pairs with the other ranks' whatever happens
+    // to this closed window here: a rank that cannot step it (its .grad was
+    // replaced, its optimizer raised) drops the flush window on every rank
+    // instead of raising alone (the others would wait in the collective).
+    try {
+      check_gradients_untouched("flush()", /*allow_in_place=*/true);
+      stepped = finish_window();
+    } catch (const std::exception& e) {
+      if (raised_alike_) {
+        throw; // nonfinite="raise": every rank raises here alike, before the collective
+      }
+      local_failure = e.what();
+      reset_window();
+      window_failed_ = true;
+      window_failure_ = AbortReason::BackwardFailed;
+    }
+  } else if (window_ready_) {
+    check_gradients_untouched("flush()", /*allow_in_place=*/true);
     stepped = finish_window();
   }
   if (!reducer_) {
@@ -579,7 +596,13 @@ bool Accumulator::flush() {
     abort.abort = window_failure_;
     abort.flushing = true;
     reset_window();
-    reducer_->reduce(abort);
+    try {
+      reducer_->reduce(abort);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(local_failure.empty(), e.what(), ". The error on this rank, stepping the closed "
+          "window before the flush: ", local_failure);
+      throw;
+    }
     TORCH_INTERNAL_ASSERT(false, "gradaccum: an aborted reduction returned");
   }
   // A collective even with nothing accumulated here, so that ranks whose data
@@ -610,6 +633,7 @@ bool Accumulator::flush() {
 
 bool Accumulator::finish_window() {
   before_step_ran_ = false;
+  raised_alike_ = false;
   bool stepped = false;
   try {
     stepped = step_window();
@@ -680,6 +704,7 @@ bool Accumulator::step_window() {
     const double norm = total.item<double>();
     stats_.last_grad_norm = norm;
     if (!std::isfinite(norm) && nonfinite != NonFinite::Ignore) {
+      raised_alike_ = nonfinite == NonFinite::Raise; // every rank holds this gradient
       TORCH_CHECK(nonfinite != NonFinite::Raise,
           "step(): the window's gradient is not finite (total norm ", norm,
           "); gradients left in .grad for inspection, call zero_grad() to drop the window");

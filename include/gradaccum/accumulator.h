@@ -262,6 +262,9 @@ class Accumulator {
   bool closed_ = false;
   std::function<bool()> before_step_;
   bool before_step_ran_ = false; ///< in this window's step_window(): see finish_window()
+  /// step_window() raised a decision every rank makes alike (nonfinite="raise"
+  /// on the reduced gradient): flush() need not drop the window everywhere.
+  bool raised_alike_ = false;
   bool unscale_and_check(); ///< the built-in loss scaler's before_step
   double loss_scale_ = 0;
   int64_t growth_tracker_ = 0;

@@ -868,3 +868,40 @@ def view_data_assign(rank, world_size):
                 out["expected"].append(p.grad / (2 * world_size))
         acc.step()
     return out
+
+
+@job
+def flush_after_closed_window_fails_on_one_rank(rank, world_size, *, how):
+    """Every rank closes a full window and ends the epoch with flush() (which
+    steps the closed window, then pairs the flush collective); on rank 1 that
+    step cannot happen: its `.grad` was replaced ("replaced") or its optimizer
+    raises ("optimizer"). Every rank must get an error, none may hang."""
+    import time
+
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if rank == 1 and how == "optimizer":
+        def broken_step(*args, **kwargs):
+            raise RuntimeError("optimizer failed on rank 1")
+        opt.step = broken_step
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    for _ in range(2):
+        acc.backward(model(torch.ones(2, 3) * (rank + 1)).sum())
+    if rank == 1 and how == "replaced":
+        model.weight.grad = torch.zeros_like(model.weight)
+    t0 = time.monotonic()
+    out = {"error": None}
+    try:
+        out["stepped"] = acc.flush()
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["seconds"] = time.monotonic() - t0
+    # and the next epoch pairs again on every rank
+    acc.zero_grad()
+    for _ in range(2):
+        acc.backward(model(torch.ones(2, 3)).sum())
+    out["next_grad"] = model.weight.grad.clone()
+    return out

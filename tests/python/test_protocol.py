@@ -208,3 +208,22 @@ def test_a_local_failure_after_a_completed_reduction_keeps_the_window(tmp_path):
 def test_dropping_the_accumulator_from_a_node_post_hook_does_not_crash(tmp_path):
     results = run("drop_from_node_post_hook", 1, tmp_path)
     assert results[0]["survived"]
+
+
+@pytest.mark.parametrize("how", ["replaced", "optimizer"])
+def test_flush_that_cannot_step_a_closed_window_on_one_rank_fails_on_every_rank(tmp_path, how):
+    """flush() at a closed window steps it, then pairs the flush collective.
+    When rank 1 cannot step it (its .grad was replaced, or its optimizer
+    raised), it still takes part in the flush collective, dropping it: every
+    rank raises within seconds (rank 1 its own error too), none waits for the
+    collective's time-out, and the next window pairs again."""
+    results = du.run_job("flush_after_closed_window_fails_on_one_rank", 2, tmp_path,
+                         module="_protocol_jobs", how=how, pg_timeout=30, timeout=90)
+    for rank, res in enumerate(results):
+        assert res["error"] is not None, rank
+        assert "was dropped on every rank" in res["error"], res["error"]
+        assert res["seconds"] < 10, res["seconds"]
+    local = ("the gradient of weight was changed outside the Accumulator" if how == "replaced"
+             else "optimizer failed on rank 1")
+    assert local in results[1]["error"], results[1]["error"]
+    assert torch.equal(results[0]["next_grad"], results[1]["next_grad"])
