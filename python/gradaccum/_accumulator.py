@@ -335,8 +335,26 @@ class Accumulator:
         self.reduction = reduction
         self._no_sync_depth = 0
         self.grad_scaler = grad_scaler
+        self._gradient_hook: Optional[Callable[[], None]] = None
         if _scaling(grad_scaler):
             self._c.set_window_callbacks(self._unscale_and_check, grad_scaler.update)
+
+    def _set_gradient_hook(self, hook: Optional[Callable[[], None]]) -> None:
+        """Calls ``hook()`` at each closed window, on the window's final gradient
+        (reduced, divided, unscaled), before clipping, the non-finite check and
+        the optimizer step: where Lightning's ``on_before_optimizer_step`` hooks
+        see the gradient (GradaccumStrategy sets it). Stepped or skipped."""
+        self._gradient_hook = hook
+        if _scaling(self.grad_scaler):
+            return  # _unscale_and_check calls it
+        if hook is None:
+            self._c.set_window_callbacks(None, None)
+        else:
+            def before_step() -> bool:
+                hook()
+                return True
+
+            self._c.set_window_callbacks(before_step, lambda: None)
 
     def _unscale_and_check(self) -> bool:
         """At a closed window: unscale the (reduced, divided) gradient and let
@@ -358,6 +376,8 @@ class Accumulator:
             # accumulation recipe, same fp16 headroom as the big batch): undo it.
             if grads:
                 torch._foreach_mul_(grads, float(self.steps))
+        if self._gradient_hook is not None:
+            self._gradient_hook()
         return not found_inf
 
     def backward(self, loss: torch.Tensor, num_items: Union[None, int, float, torch.Tensor] = None) -> None:

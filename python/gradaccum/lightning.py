@@ -202,7 +202,20 @@ class GradaccumStrategy(DDPStrategy):
             nonfinite=self.nonfinite,
             **self._accumulator_options,
         )
+        # Lightning's on_before_optimizer_step hooks (grad-norm logging, gradient
+        # edits) see the window's final gradient, as under its own strategies:
+        # reduced, divided, unscaled, before clipping and the step. Called by
+        # the Accumulator at each closed window, a flushed partial one too.
+        self.accumulator._set_gradient_hook(self._before_optimizer_step_hooks)
         self._gate_step_schedulers(module)
+
+    def _before_optimizer_step_hooks(self) -> None:
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if trainer is not None:
+            optimizer = self.optimizers[0]
+            _call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
 
     def _gate_step_schedulers(self, module: "pl.LightningModule") -> None:
         """Lightning steps step-interval schedulers after every window; after
@@ -300,9 +313,8 @@ class GradaccumStrategy(DDPStrategy):
                 "GradaccumStrategy's window size is fixed when fitting starts"
             )
         result = closure()  # training_step and backward of this batch
-        if trainer is not None:
-            _call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-            _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        # on_before_optimizer_step hooks: from inside step()/flush(), on the
+        # window's final gradient (_before_optimizer_step_hooks).
         self._stepped = accumulator.step() if accumulator.window_ready else accumulator.flush()
         return result
 

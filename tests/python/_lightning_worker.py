@@ -65,11 +65,12 @@ def make_optimizer(name, params):
 
 
 def reference(*, kind, reduction, optimizer, batches_per_rank, steps, epochs, dtype=torch.float64,
-              clip=None, skip=(), schedule=False, divide_partial_by_k=False):
+              clip=None, skip=(), schedule=False, divide_partial_by_k=False, grad_norms=None):
     """One process, one backward per window on the window's big batch.
     `skip`: (epoch, window) pairs whose window is non-finite (no step at all).
     `divide_partial_by_k`: what Lightning's own accumulation computes for a
-    partial window of n < K batches: its mean loss times n / K."""
+    partial window of n < K batches: its mean loss times n / K. `grad_norms`:
+    a list that gets each window's gradient norm before clipping."""
     data = dataset(kind, batches_per_rank, dtype)
     model = mlp(dtype)
     opt = make_optimizer(optimizer, model.parameters())
@@ -82,6 +83,8 @@ def reference(*, kind, reduction, optimizer, batches_per_rank, steps, epochs, dt
             if divide_partial_by_k:
                 loss = loss * (len(rows) // (WORLD * B)) / steps
             loss.backward()
+            if grad_norms is not None:
+                grad_norms.append(float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm()))
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
@@ -150,6 +153,12 @@ def run(name, out_dir):
             self.net = mlp(dtype)
             self.output_dtypes = set()
             self.wrapped_in = set()
+            self.hook_norms = []
+
+        def on_before_optimizer_step(self, optimizer):
+            # What Lightning's hooks see (grad-norm logging, gradient edits).
+            grads = [p.grad.flatten().double() for p in self.parameters() if p.grad is not None]
+            self.hook_norms.append(float(torch.cat(grads).norm()) if grads else None)
 
         def training_step(self, batch, batch_idx):
             self.wrapped_in.add(type(self.trainer.strategy.model).__name__)
@@ -220,6 +229,7 @@ def run(name, out_dir):
     result["params"] = [p.detach().clone() for p in model.net.parameters()]
     result["output_dtypes"] = sorted(model.output_dtypes)
     result["wrapped_in"] = sorted(model.wrapped_in)
+    result["hook_norms"] = model.hook_norms
 
     schedulers = [c.scheduler for c in trainer.lr_scheduler_configs] if hasattr(trainer, "lr_scheduler_configs") else []
     result["scheduler_steps"] = schedulers[0].last_epoch if schedulers else None

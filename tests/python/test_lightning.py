@@ -5,6 +5,7 @@ accumulate_grad_batches=K)`, against one process on the big batches (float64).
 All scenarios run in one launch of `_lightning_worker.py` (importing Lightning
 is the slow part); each test reads its scenario's per-rank results.
 """
+import math
 import os
 import pathlib
 import subprocess
@@ -75,6 +76,18 @@ def test_partial_last_window_is_weighted_by_what_it_holds(runs):
     assert max_rel(ddp["params"], divided) < F64
 
 
+def test_on_before_optimizer_step_sees_the_windows_final_gradient(runs):
+    """Lightning's on_before_optimizer_step hooks run inside step()/flush(), on
+    the reduced, divided window gradient (the partial windows too), as the
+    optimizer then sees it."""
+    norms = []
+    reference("partial", grad_norms=norms)
+    for r in ok(runs("partial")):
+        assert len(r["hook_norms"]) == len(norms) == 4
+        for got, want in zip(r["hook_norms"], norms):
+            assert abs(got - want) <= F64 * want, (r["hook_norms"], norms)
+
+
 def test_items_is_the_exact_per_item_mean_with_no_extra_collective(runs):
     ref, _ = reference("items")
     for r in ok(runs("items")):
@@ -142,6 +155,11 @@ def test_16_mixed_trains_through_the_accumulators_grad_scaler(runs):
         moved = max(float((p - q).abs().max()) for p, q in zip(ref, init))
         error = max(float((p - q).abs().max()) for p, q in zip(r["params"], ref))
         assert moved > 0.05 and error < moved, (moved, error)
+        # The hooks see unscaled gradients, as under Lightning's own strategies
+        # (scaled ones would be thousands: the scale stays >= 2**10 here).
+        finite = [n for n in r["hook_norms"] if n is not None and math.isfinite(n)]
+        assert len(r["hook_norms"]) == r["stats"]["windows"] and finite
+        assert max(finite) < 50, r["hook_norms"]
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
 
