@@ -209,6 +209,9 @@ void Accumulator::close() {
   closed_ = true;
   reducer_.reset(); // removes the hooks; a reduction in flight completes its pairing
   claim_.reset();
+  // The group's last reference may be ours (destroy_process_group() ran):
+  // let it go now, not whenever this object is destroyed.
+  options_.process_group(nullptr);
 }
 
 void Accumulator::check_open(const char* what) const {

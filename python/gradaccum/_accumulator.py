@@ -2,6 +2,8 @@
 import atexit
 import contextlib
 import numbers
+import os
+import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
@@ -15,23 +17,21 @@ _NONFINITE = ("skip", "raise", "ignore")
 
 def _wrapper_classes():
     """Wrappers that reduce gradients themselves: wrapping the model in one of
-    them as well would reduce every gradient twice."""
+    them as well would reduce every gradient twice. Only from modules already
+    imported: a model cannot be wrapped in a class never imported, and importing
+    torch.distributed.fsdp while a group exists keeps that group alive past
+    destroy_process_group() (its Gloo threads then outlive the interpreter and
+    can abort it at exit)."""
+    import sys
+
     found = []
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-        found.append(DistributedDataParallel)
-    except ImportError:  # pragma: no cover - torch without distributed
-        pass
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        found.append(FullyShardedDataParallel)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from torch.distributed.fsdp import FSDPModule  # FSDP2 (fully_shard)
-        found.append(FSDPModule)
-    except ImportError:  # pragma: no cover
-        pass
+    for module_name, names in (("torch.nn.parallel", ("DistributedDataParallel",)),
+                               ("torch.distributed.fsdp", ("FullyShardedDataParallel", "FSDPModule"))):
+        module = sys.modules.get(module_name)
+        for name in names:
+            cls = getattr(module, name, None)
+            if isinstance(cls, type):
+                found.append(cls)
     return tuple(found)
 
 
@@ -185,23 +185,48 @@ def _default_group():
 
 # Every open Accumulator, closed at interpreter exit (see _close_at_exit).
 _LIVE: "weakref.WeakSet[Accumulator]" = weakref.WeakSet()
+_USED_A_GROUP = False  # some Accumulator was data parallel
+
+
+def _gloo_workers_alive() -> bool:
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # not Linux
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().startswith("pt_gloo"):
+                    return True
+        except OSError:
+            pass
+    return False
 
 
 @atexit.register
 def _close_at_exit() -> None:
-    """Closes the Accumulators still open when the interpreter exits, while it
-    still runs (atexit handlers run before finalization). An Accumulator holds
-    a reference to its process group; after destroy_process_group() it is the
-    last one, and the group's Gloo worker threads would outlive the
-    interpreter: one of them releasing the Python tensor of its last work then
-    needs the GIL during finalization, and the process aborts ("terminate
-    called without an active exception"). close() drops the reference without
-    the GIL, so the group is destroyed and its threads joined here."""
+    """At interpreter exit, while Python still runs (atexit handlers run before
+    finalization), lets go of every process group gradaccum holds.
+
+    A Gloo group's worker threads must not outlive the interpreter busy: the
+    one that ran the last collective releases that work's Python tensors after
+    the caller has already been woken, and needs the GIL for it; during
+    finalization that aborts the process ("terminate called without an active
+    exception", about 1 torchrun run of train_ddp.py in 10 here). So:
+    - close() every open Accumulator, without the GIL: after
+      destroy_process_group() its reference is the group's last one, and the
+      group's destructor joins the threads now;
+    - torch itself keeps the group alive past destroy_process_group() when
+      torch._dynamo was first imported while it existed (any torch.optim
+      optimizer built after init_process_group does it): its threads then
+      stay, so give them the GIL for a moment to finish what they release."""
     for acc in list(_LIVE):
         try:
             acc.close()
         except Exception:  # exiting anyway: nothing left to tell
             pass
+    if _USED_A_GROUP and _gloo_workers_alive():
+        time.sleep(0.1)  # releases the GIL
 
 
 class Accumulator:
@@ -331,6 +356,9 @@ class Accumulator:
             error_feedback,
         )
         _LIVE.add(self)
+        if process_group is not None:
+            global _USED_A_GROUP
+            _USED_A_GROUP = True
         self.steps = int(steps)
         self.reduction = reduction
         self._no_sync_depth = 0
@@ -516,8 +544,10 @@ class Accumulator:
 
     def close(self) -> None:
         """Removes the hooks and releases the parameters (for another
-        Accumulator over them); later calls raise. Also on ``with`` exit."""
+        Accumulator over them) and the process group; later calls raise. Also
+        on ``with`` exit."""
         self._c.close()
+        self.process_group = None
 
     @property
     def closed(self) -> bool:
