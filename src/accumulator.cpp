@@ -810,6 +810,10 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
       "state_dict(): a rank-independent checkpoint in the middle of a window is not supported "
       "with comm_dtype (the half-done window would be rounded to the wire's dtype); save at a "
       "window boundary (micro_step 0), or use state_dict(rank_independent=False)");
+  TORCH_CHECK(!(reducer_ && !rank_independent && window_failed_),
+      "state_dict(rank_independent=False): a micro-step of this window failed on this rank, so the "
+      "window will be dropped on every rank when it closes; a state saved now would resume it as "
+      "if nothing had failed. Save at a window boundary (after the window closes)");
   if (reducer_ && rank_independent && micro_step_ > 0) {
     // Sum the half-done window over ranks; each rank keeps 1/world of it, so
     // any rank's state, loaded everywhere, sums back to the same window.
@@ -817,6 +821,11 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
     request.weight = window_weight_;
     request.divide = false;
     request.abort = window_failed_ ? AbortReason::BackwardFailed : AbortReason::None;
+    if (!window_failed_ && grad_versions() != remembered_) {
+      // Cleared or changed since the last micro-step (optimizer.zero_grad()?):
+      // a snapshot of it would save, and then continue, a silently wrong window.
+      request.abort = AbortReason::GradientsChanged;
+    }
     ReductionResult result;
     const auto window = reducer_->progress().sequence;
     std::vector<at::Tensor> sums;

@@ -905,3 +905,62 @@ def flush_after_closed_window_fails_on_one_rank(rank, world_size, *, how):
         acc.backward(model(torch.ones(2, 3)).sum())
     out["next_grad"] = model.weight.grad.clone()
     return out
+
+
+@job
+def checkpoint_after_midwindow_zero_grad(rank, world_size):
+    """Rank 1 clears its gradients mid-window (optimizer.zero_grad()), then
+    every rank saves a rank-independent checkpoint: the snapshot must not save
+    (and the run go on with) the window without rank 1's earlier micro-steps."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=4)
+    for _ in range(2):
+        acc.backward(model(torch.ones(2, 3) * (rank + 1)).sum())
+    if rank == 1:
+        opt.zero_grad(set_to_none=True)
+    out = {"error": None}
+    try:
+        acc.state_dict()
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["micro_step"] = acc.micro_step
+    out["grad_none"] = model.weight.grad is None
+    for _ in range(4):  # the next window pairs on every rank
+        acc.backward(model(torch.ones(2, 3)).sum())
+    out["next_grad"] = model.weight.grad.clone()
+    return out
+
+
+@job
+def per_rank_state_after_failed_micro_step(rank, world_size):
+    """A no_sync micro-step's backward raises; a per-rank state saved then
+    would resume the poisoned window as if nothing had failed."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=3)
+    armed = {"on": True}
+
+    def hook(grad):
+        if armed["on"]:
+            raise RuntimeError("injected failure")
+        return grad
+
+    model.weight.register_hook(hook)
+    out = {}
+    try:
+        acc.backward(model(torch.ones(2, 3)).sum())
+    except RuntimeError as e:
+        out["backward"] = str(e)
+    armed["on"] = False
+    try:
+        acc.state_dict(rank_independent=False)
+        out["state"] = None
+    except RuntimeError as e:
+        out["state"] = str(e)
+    return out

@@ -227,3 +227,22 @@ def test_flush_that_cannot_step_a_closed_window_on_one_rank_fails_on_every_rank(
              else "optimizer failed on rank 1")
     assert local in results[1]["error"], results[1]["error"]
     assert torch.equal(results[0]["next_grad"], results[1]["next_grad"])
+
+
+def test_a_checkpoint_after_a_midwindow_zero_grad_on_one_rank_drops_the_window_everywhere(tmp_path):
+    results = du.run_job("checkpoint_after_midwindow_zero_grad", 2, tmp_path, module="_protocol_jobs",
+                         pg_timeout=30, timeout=90)
+    assert "window 0 was dropped on every rank: on rank 1 the accumulated gradients were cleared " \
+        "or changed outside the Accumulator" in results[0]["error"], results[0]["error"]
+    assert "window 0: this rank (rank 1) could not contribute its window, so the window was dropped " \
+        "on every rank" in results[1]["error"], results[1]["error"]
+    assert "the accumulated gradients were cleared or changed outside the Accumulator" in results[1]["error"]
+    for res in results:
+        assert res["micro_step"] == 0 and res["grad_none"]
+    assert torch.equal(results[0]["next_grad"], results[1]["next_grad"])
+
+
+def test_a_per_rank_state_of_a_window_whose_micro_step_failed_is_refused(tmp_path):
+    res, = du.run_job("per_rank_state_after_failed_micro_step", 1, tmp_path, module="_protocol_jobs")
+    assert "injected failure" in res["backward"]
+    assert res["state"] is not None and "a micro-step of this window failed on this rank" in res["state"]
