@@ -29,6 +29,7 @@ import copy
 import datetime
 import json
 import os
+import threading
 import resource
 import statistics
 import sys
@@ -359,6 +360,13 @@ def main():
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    compute_nice = int(os.environ.get("GRADACCUM_BENCH_COMPUTE_NICE", "0"))
+    if compute_nice:
+        # This thread runs forward and backward (and the hooks); Gloo's threads,
+        # started by init_process_group, keep their priority: whenever they have
+        # bytes to move they get a core at once, as communication does on a node
+        # whose cores are not all busy with the model.
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), compute_nice)
     if args.batch or args.instr:
         try:
             batch(args) if args.batch else instr(args)

@@ -148,7 +148,8 @@ def summarise_link(py, cpp, ks):
 
 def link_runs(args, configs, ks):
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GRADACCUM_BENCH_MICRO_BATCH": str(args.micro_batch),
-           "GRADACCUM_BENCH_BUCKET_CAP_MB": str(args.bucket_cap_mb)}
+           "GRADACCUM_BENCH_BUCKET_CAP_MB": str(args.bucket_cap_mb),
+           "GRADACCUM_BENCH_COMPUTE_NICE": str(args.compute_nice)}
     out = []
     for nodes, rate, with_cpp in configs:
         log(f"link: {nodes} nodes, {rate}")
@@ -366,6 +367,9 @@ def add_arguments(p):
     p.add_argument("--micro-batch", type=int, default=NET_MICRO_BATCH,
                    help=f"rows per micro-batch on the throttled links (default {NET_MICRO_BATCH})")
     p.add_argument("--net-ks", default="1,4,16", help="values of K on the throttled links")
+    p.add_argument("--compute-nice", type=int, default=0,
+                   help="niceness of each rank's compute thread (Gloo's threads keep 0): "
+                        "communication gets a core whenever it needs one")
     p.add_argument("--links", default=None,
                    help="NODES:RATE,... (default 2:1gbit,2:10gbit,4:1gbit; --quick: 2:1gbit)")
 

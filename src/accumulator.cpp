@@ -453,6 +453,7 @@ void Accumulator::reset_window() {
   clear_gradients();
   micro_step_ = 0;
   window_ready_ = false;
+  window_unscaled_ = false;
   window_weight_ = 0;
   window_failed_ = false;
   window_known_finite_ = false;
@@ -562,17 +563,22 @@ bool Accumulator::flush() {
     // to this closed window here: a rank that cannot step it (its .grad was
     // replaced, its optimizer raised) drops the flush window on every rank
     // instead of raising alone (the others would wait in the collective).
+    // They have stepped theirs by then: the message says the replicas differ.
+    raised_alike_ = false;
+    const bool as_reduced = grad_versions() == remembered_;
     try {
       check_gradients_untouched("flush()", /*allow_in_place=*/true);
       stepped = finish_window();
     } catch (const std::exception& e) {
-      if (raised_alike_) {
-        throw; // nonfinite="raise": every rank raises here alike, before the collective
+      if (raised_alike_ && as_reduced) {
+        // nonfinite="raise" on the reduced gradient, untouched since: every
+        // rank holds the same one and raises here alike, before the collective.
+        throw;
       }
       local_failure = e.what();
-      reset_window();
+      zero_grad();
       window_failed_ = true;
-      window_failure_ = AbortReason::BackwardFailed;
+      window_failure_ = AbortReason::ClosedWindowNotStepped;
     }
   } else if (window_ready_) {
     check_gradients_untouched("flush()", /*allow_in_place=*/true);
@@ -635,6 +641,9 @@ bool Accumulator::flush() {
 }
 
 bool Accumulator::finish_window() {
+  // A retry of step() after a failure past the unscale: the scaler already
+  // unscaled this window's gradient and closed its window (see below).
+  const bool retry = window_unscaled_;
   before_step_ran_ = false;
   raised_alike_ = false;
   bool stepped = false;
@@ -644,8 +653,10 @@ bool Accumulator::finish_window() {
     // The optimizer step, nonfinite="raise" or the callback itself raised
     // after before_step_ (GradScaler.unscale_()) ran: after_window_
     // (GradScaler.update()) must still close the scaler's window, or every
-    // later window's unscale_() fails. The original error is the one to see.
-    if (after_window_ && before_step_ran_) {
+    // later window's unscale_() fails; the window stays closed, unscaled, and
+    // a retry of step() must not unscale it again. The original error is the
+    // one to see.
+    if (after_window_ && before_step_ran_ && !retry) {
       try {
         after_window_();
       } catch (...) {
@@ -653,7 +664,7 @@ bool Accumulator::finish_window() {
     }
     throw;
   }
-  if (after_window_) {
+  if (after_window_ && !retry) {
     after_window_(); // once per closed window, stepped or skipped
   }
   return stepped;
@@ -684,12 +695,15 @@ bool Accumulator::step_window() {
         "step(): ", names_[i], " has a sparse gradient (Embedding(sparse=True)?); gradaccum "
         "supports dense gradients only: use sparse=False");
   }
-  before_step_ran_ = static_cast<bool>(before_step_);
-  if ((loss_scale_ > 0 && !unscale_and_check()) || (before_step_ && !before_step_())) {
-    ++stats_.skipped_steps; // e.g. a loss scaler found an overflow: it backs off
-    ++stats_.windows;
-    zero_grad();
-    return false;
+  if (!window_unscaled_) {
+    before_step_ran_ = static_cast<bool>(before_step_);
+    if ((loss_scale_ > 0 && !unscale_and_check()) || (before_step_ && !before_step_())) {
+      ++stats_.skipped_steps; // e.g. a loss scaler found an overflow: it backs off
+      ++stats_.windows;
+      zero_grad();
+      return false;
+    }
+    window_unscaled_ = true; // until the window ends: see finish_window()
   }
   const auto max_norm = options_.max_grad_norm();
   const auto nonfinite = options_.nonfinite();
@@ -845,6 +859,11 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
     remember_gradients(); // bucket views were written back in place
   } else {
     const bool mid_window = micro_step_ > 0 || window_ready_;
+    if (mid_window) {
+      // A window cleared or replaced since its last micro-step would be saved,
+      // and resumed, without what it lost (no collective here: a local error).
+      check_gradients_untouched("state_dict()", /*allow_in_place=*/window_ready_);
+    }
     // accumulate_dtype mid-window: the wide sums (in the buckets, or in wide_
     // in one process) are the window's gradient so far; .grad holds none.
     std::vector<at::Tensor> wide;
@@ -988,6 +1007,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_ready_ = state.window_ready;
   window_weight_ = state.window_weight;
   window_failed_ = false;
+  window_unscaled_ = false;
   window_known_finite_ = false;
   epoch_ended_ = state.epoch_ended;
   stats_.micro_steps = state.micro_steps;

@@ -1205,6 +1205,11 @@ void Reducer::State::check_consensus(const at::Tensor& summed) {
             << "model is also wrapped in torch DDP there?)";
     } else if (why == AbortReason::Closed) {
       cause << "rank " << who << " destroyed its Accumulator during the synchronising backward";
+    } else if (why == AbortReason::ClosedWindowNotStepped) {
+      fail("gradaccum: " + window_label() + " (flush) was dropped on every rank: rank " +
+           std::to_string(who) + " could not step the window it had closed before this flush() "
+           "(its own error is raised there), while the other ranks stepped theirs: the replicas "
+           "differ from here on. Resume every rank from a checkpoint");
     } else {
       cause << "the synchronising backward (or a micro-step of the window) failed on rank "
             << who << " (its own error is raised there)";
@@ -1308,8 +1313,14 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
                  " is larger than a bf16/fp16 bucket's meta carries";
       break;
     case AbortReason::WeightTooSmall:
-      failure += ". Why: this rank's window weight " + std::to_string(request.weight) +
-                 " is smaller than a bf16/fp16 bucket's meta carries exactly";
+      failure += c10::str(". Why: this rank's window weight ", request.weight,
+                          " is smaller than a bf16/fp16 bucket's meta carries exactly");
+      break;
+    case AbortReason::ClosedWindowNotStepped:
+      failure = "gradaccum: " + window_label() + " (flush): this rank (rank " + std::to_string(rank) +
+          ") could not step the window it had closed before this flush(), while the other ranks "
+          "stepped theirs: the replicas differ from here on, and the flush was dropped on every "
+          "rank. Resume every rank from a checkpoint";
       break;
     case AbortReason::GradientsChanged:
       failure += ". Why: the accumulated gradients were cleared or changed outside the "

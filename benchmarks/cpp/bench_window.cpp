@@ -46,6 +46,10 @@
 #include <string>
 #include <vector>
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #if __has_include(<valgrind/callgrind.h>)
 #include <valgrind/callgrind.h>
 #define BENCH_HAVE_CALLGRIND 1
@@ -400,6 +404,11 @@ int main(int argc, char** argv) {
     runner.nonfinite = gradaccum::nonfinite_from_string(nonfinite);
     runner.group = gradaccum::init_process_group_from_env(gradaccum::ProcessGroupOptions().backend("gloo"));
     TORCH_CHECK(runner.group, "bench_window measures data-parallel windows: launch it with torchrun");
+    if (const char* nice = std::getenv("GRADACCUM_BENCH_COMPUTE_NICE"); nice && std::atoi(nice) != 0) {
+      // As _bench_worker.py: this thread computes, Gloo's threads (started with
+      // the group) keep their priority and get a core whenever they need one.
+      setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), std::atoi(nice));
+    }
     torch::manual_seed(1 + runner.group->getRank());
     for (int64_t i = 0; i < kPool; ++i) {
       runner.data.emplace_back(

@@ -265,6 +265,9 @@ class Accumulator {
   /// step_window() raised a decision every rank makes alike (nonfinite="raise"
   /// on the reduced gradient): flush() need not drop the window everywhere.
   bool raised_alike_ = false;
+  /// This closed window went through the loss scaler / before_step_ already
+  /// (a step() that raised after it is retried without them).
+  bool window_unscaled_ = false;
   bool unscale_and_check(); ///< the built-in loss scaler's before_step
   double loss_scale_ = 0;
   int64_t growth_tracker_ = 0;

@@ -65,6 +65,9 @@ enum class AbortReason : int64_t {
   /// This rank's window weight is too small for a half-precision wire's meta
   /// to carry to 2^-20 (Bucket::min_meta_weight()).
   WeightTooSmall = 7,
+  /// flush() at a closed window: this rank could not step it (its .grad was
+  /// replaced, its optimizer raised) while the others did before the flush.
+  ClosedWindowNotStepped = 8,
 };
 
 /// One reduction, asked for as a value: what this rank contributes.

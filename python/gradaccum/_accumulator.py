@@ -365,7 +365,21 @@ class Accumulator:
         self.grad_scaler = grad_scaler
         self._gradient_hook: Optional[Callable[[], None]] = None
         if _scaling(grad_scaler):
-            self._c.set_window_callbacks(self._unscale_and_check, grad_scaler.update)
+            self._c.set_window_callbacks(self._weakly("_unscale_and_check"), grad_scaler.update)
+
+    def _weakly(self, method: str) -> Callable[[], bool]:
+        """A callback for the C++ side that holds this object weakly: the C++
+        object is invisible to Python's garbage collector, so a bound method
+        there would keep this Accumulator (and its group) alive for good."""
+        ref = weakref.ref(self)
+
+        def call() -> bool:
+            target = ref()
+            if target is None:  # pragma: no cover - the C++ object dies with it
+                raise RuntimeError("gradaccum: this Accumulator was garbage-collected")
+            return bool(getattr(target, method)())
+
+        return call
 
     def _set_gradient_hook(self, hook: Optional[Callable[[], None]]) -> None:
         """Calls ``hook()`` at each closed window, on the window's final gradient
@@ -378,11 +392,12 @@ class Accumulator:
         if hook is None:
             self._c.set_window_callbacks(None, None)
         else:
-            def before_step() -> bool:
-                hook()
-                return True
+            self._c.set_window_callbacks(self._weakly("_run_gradient_hook"), lambda: None)
 
-            self._c.set_window_callbacks(before_step, lambda: None)
+    def _run_gradient_hook(self) -> bool:
+        if self._gradient_hook is not None:
+            self._gradient_hook()
+        return True
 
     def _unscale_and_check(self) -> bool:
         """At a closed window: unscale the (reduced, divided) gradient and let

@@ -205,8 +205,12 @@ class GradaccumStrategy(DDPStrategy):
         # Lightning's on_before_optimizer_step hooks (grad-norm logging, gradient
         # edits) see the window's final gradient, as under its own strategies:
         # reduced, divided, unscaled, before clipping and the step. Called by
-        # the Accumulator at each closed window, a flushed partial one too.
-        self.accumulator._set_gradient_hook(self._before_optimizer_step_hooks)
+        # the Accumulator at each closed window, a flushed partial one too; only
+        # when a hook exists (a before-step callback costs the reducer's fused
+        # non-finite check: the norm is then computed).
+        if is_overridden("on_before_optimizer_step", module, pl.LightningModule) or any(
+                is_overridden("on_before_optimizer_step", callback, pl.Callback) for callback in trainer.callbacks):
+            self.accumulator._set_gradient_hook(self._before_optimizer_step_hooks)
         self._gate_step_schedulers(module)
 
     def _before_optimizer_step_hooks(self) -> None:

@@ -871,11 +871,13 @@ def view_data_assign(rank, world_size):
 
 
 @job
-def flush_after_closed_window_fails_on_one_rank(rank, world_size, *, how):
+def flush_after_closed_window_fails_on_one_rank(rank, world_size, *, how, prior_raise=False):
     """Every rank closes a full window and ends the epoch with flush() (which
     steps the closed window, then pairs the flush collective); on rank 1 that
-    step cannot happen: its `.grad` was replaced ("replaced") or its optimizer
-    raises ("optimizer"). Every rank must get an error, none may hang."""
+    step cannot happen: its `.grad` was replaced ("replaced"), made non-finite
+    in place ("inf_in_place") or its optimizer raises ("optimizer"). Every rank
+    must get an error, none may hang. `prior_raise`: a window before raised
+    with nonfinite="raise" on every rank (and was dropped with zero_grad())."""
     import time
 
     import gradaccum
@@ -887,11 +889,20 @@ def flush_after_closed_window_fails_on_one_rank(rank, world_size, *, how):
         def broken_step(*args, **kwargs):
             raise RuntimeError("optimizer failed on rank 1")
         opt.step = broken_step
-    acc = gradaccum.Accumulator(model, opt, steps=2)
+    acc = gradaccum.Accumulator(model, opt, steps=2, nonfinite="raise")
+    if prior_raise:
+        for _ in range(2):
+            acc.backward(model(torch.ones(2, 3)).sum() * float("inf"))
+        try:
+            acc.step()
+        except RuntimeError:
+            acc.zero_grad()
     for _ in range(2):
         acc.backward(model(torch.ones(2, 3) * (rank + 1)).sum())
     if rank == 1 and how == "replaced":
         model.weight.grad = torch.zeros_like(model.weight)
+    if rank == 1 and how == "inf_in_place":
+        model.weight.grad.mul_(float("inf"))
     t0 = time.monotonic()
     out = {"error": None}
     try:

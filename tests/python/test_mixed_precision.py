@@ -347,34 +347,52 @@ def test_items_over_a_half_precision_wire_resumes_bit_for_bit(tmp_path, comm_dty
             assert torch.equal(a, b)
 
 
-def test_a_step_that_raises_after_unscaling_leaves_the_grad_scaler_usable():
+@pytest.mark.parametrize("then", ["zero_grad", "retry"])
+def test_a_step_that_raises_after_unscaling_leaves_the_grad_scaler_usable(then):
     """optimizer.step() raises once after GradScaler.unscale_(): update() still
     closes the scaler's window, so the next windows step (torch would otherwise
-    raise "unscale_() has already been called" at every later window)."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    fail = [True]
-    real_step = opt.step
+    raise "unscale_() has already been called" at every later window); a retry
+    of step() on the closed window does not unscale it twice: the run equals
+    one whose optimizer never failed (retry), or that dropped the window."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
 
-    def flaky_step(*args, **kwargs):
-        if fail[0]:
-            fail[0] = False
-            raise RuntimeError("transient optimizer failure")
-        return real_step(*args, **kwargs)
+    def run(failing):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fail = [failing]
+        real_step = opt.step
 
-    opt.step = flaky_step
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    acc = gradaccum.Accumulator(model, opt, steps=2, grad_scaler=scaler)
-    x = torch.randn(8, 4)
-    outcomes = []
-    for w in range(3):
-        for k in range(2):
-            acc.backward(model(x[4 * k:4 * k + 4]).pow(2).mean())
-        try:
-            outcomes.append(acc.step())
-        except RuntimeError as e:
-            outcomes.append(str(e))
-            acc.zero_grad()
-    assert outcomes == ["transient optimizer failure", True, True]
-    assert acc.stats()["optimizer_steps"] == 2
+        def flaky_step(*args, **kwargs):
+            if fail[0]:
+                fail[0] = False
+                raise RuntimeError("transient optimizer failure")
+            return real_step(*args, **kwargs)
+
+        opt.step = flaky_step
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        acc = gradaccum.Accumulator(model, opt, steps=2, grad_scaler=scaler)
+        outcomes = []
+        for w in range(3):
+            for k in range(2):
+                acc.backward(model(x[4 * k:4 * k + 4]).pow(2).mean())
+            try:
+                outcomes.append(acc.step())
+            except RuntimeError as e:
+                outcomes.append(str(e))
+                if then == "zero_grad":
+                    acc.zero_grad()
+                else:
+                    outcomes.append(acc.step())
+        return outcomes, [p.detach().clone() for p in model.parameters()], acc.stats(), scaler.get_scale()
+
+    outcomes, params, stats, scale = run(True)
+    if then == "zero_grad":
+        assert outcomes == ["transient optimizer failure", True, True]
+        assert stats["optimizer_steps"] == 2
+    else:
+        assert outcomes == ["transient optimizer failure", True, True, True]
+        assert stats["optimizer_steps"] == 3
+        _, want, _, want_scale = run(False)
+        assert all(torch.equal(a, b) for a, b in zip(params, want)), (params, want)
+        assert scale == want_scale

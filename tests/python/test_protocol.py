@@ -210,21 +210,30 @@ def test_dropping_the_accumulator_from_a_node_post_hook_does_not_crash(tmp_path)
     assert results[0]["survived"]
 
 
-@pytest.mark.parametrize("how", ["replaced", "optimizer"])
-def test_flush_that_cannot_step_a_closed_window_on_one_rank_fails_on_every_rank(tmp_path, how):
+@pytest.mark.parametrize("how,prior_raise", [("replaced", False), ("optimizer", False),
+                                             ("replaced", True), ("inf_in_place", False)])
+def test_flush_that_cannot_step_a_closed_window_on_one_rank_fails_on_every_rank(tmp_path, how, prior_raise):
     """flush() at a closed window steps it, then pairs the flush collective.
-    When rank 1 cannot step it (its .grad was replaced, or its optimizer
-    raised), it still takes part in the flush collective, dropping it: every
-    rank raises within seconds (rank 1 its own error too), none waits for the
-    collective's time-out, and the next window pairs again."""
+    When rank 1 cannot step it (its .grad was replaced, made non-finite in
+    place, or its optimizer raised; also after an earlier window raised
+    non-finite on every rank), it still takes part in the flush collective,
+    dropping it: every rank raises within seconds, saying that the replicas
+    now differ (the others stepped), rank 1 its own error too; none waits for
+    the collective's time-out, and the next window pairs again."""
     results = du.run_job("flush_after_closed_window_fails_on_one_rank", 2, tmp_path,
-                         module="_protocol_jobs", how=how, pg_timeout=30, timeout=90)
-    for rank, res in enumerate(results):
-        assert res["error"] is not None, rank
-        assert "was dropped on every rank" in res["error"], res["error"]
+                         module="_protocol_jobs", how=how, prior_raise=prior_raise,
+                         pg_timeout=30, timeout=90)
+    assert "rank 1 could not step the window it had closed before this flush() (its own error is " \
+        "raised there), while the other ranks stepped theirs: the replicas differ from here on" \
+        in results[0]["error"], results[0]["error"]
+    assert "this rank (rank 1) could not step the window it had closed before this flush()" \
+        in results[1]["error"], results[1]["error"]
+    for res in results:
+        assert "Resume every rank from a checkpoint" in res["error"]
         assert res["seconds"] < 10, res["seconds"]
-    local = ("the gradient of weight was changed outside the Accumulator" if how == "replaced"
-             else "optimizer failed on rank 1")
+    local = {"replaced": "the gradient of weight was changed outside the Accumulator",
+             "inf_in_place": "the window's gradient is not finite",
+             "optimizer": "optimizer failed on rank 1"}[how]
     assert local in results[1]["error"], results[1]["error"]
     assert torch.equal(results[0]["next_grad"], results[1]["next_grad"])
 

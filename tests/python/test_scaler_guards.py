@@ -277,3 +277,19 @@ def test_resumed_window_steps_before_any_backward_as_the_uninterrupted_run(then,
     assert acc.grad_scaler.get_scale() == expected_scale
     for p, e in zip(model.parameters(), expected):
         assert torch.equal(p, e)
+
+
+def test_a_checkpoint_after_the_gradients_were_cleared_mid_window_is_refused():
+    """One process: optimizer.zero_grad() between micro-steps, then
+    state_dict(): saving (and resuming) the window without its first
+    micro-steps would be silently wrong."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=4)
+    for _ in range(2):
+        acc.backward(model(torch.ones(3, 2)).sum())
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="state_dict\\(\\): the gradient of weight was cleared outside "
+                                           "the Accumulator in the middle of a window"):
+        acc.state_dict()
