@@ -324,6 +324,58 @@ TEST_CASE("the loss scaler backs off past overflows and then trains like the uns
   }
 }
 
+TEST_CASE("a step() retried after the optimizer raised does not unscale the window twice", "[accumulator][loss_scaler]") {
+  // The loss scaler unscales the closed window in place and updates its scale;
+  // the optimizer then raises once. The retry must step with that gradient, not
+  // unscale it again (nor count the window twice in the scale's growth).
+  struct FlakySGD : torch::optim::SGD {
+    using torch::optim::SGD::SGD;
+    int failures = 0;
+    at::Tensor step(LossClosure closure = nullptr) override {
+      if (failures > 0) {
+        --failures;
+        throw std::runtime_error("transient optimizer failure");
+      }
+      return torch::optim::SGD::step(std::move(closure));
+    }
+  };
+  const int64_t K = 2;
+  auto run = [&](int failures) {
+    torch::manual_seed(3);
+    auto x = torch::randn({3 * K * 4, 6});
+    auto net = gradaccum::test::mlp(torch::kFloat32, 9);
+    FlakySGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    opt.failures = failures;
+    Accumulator acc(net, opt, AccumulatorOptions(K).loss_scaler(
+        LossScalerOptions().init_scale(1024).growth_interval(2)));
+    int raised = 0;
+    for (int w = 0; w < 3; ++w) {
+      for (int k = 0; k < K; ++k) {
+        acc.backward(net->forward(x.narrow(0, (w * K + k) * 4, 4)).pow(2).mean());
+      }
+      try {
+        const bool stepped = acc.step(); // outside CHECK: Catch2 would swallow the exception
+        CHECK(stepped);
+      } catch (const std::exception& e) {
+        CHECK(std::string(e.what()) == "transient optimizer failure");
+        ++raised;
+        CHECK(acc.window_ready());
+        CHECK(acc.step()); // the retry
+      }
+    }
+    return std::make_tuple(net->parameters(), *acc.stats().loss_scale, acc.stats().optimizer_steps, raised);
+  };
+  const auto [params, scale, steps, raised] = run(1);
+  const auto [want, want_scale, want_steps, none] = run(0);
+  CHECK(raised == 1);
+  CHECK(none == 0);
+  CHECK(steps == want_steps);
+  CHECK(scale == want_scale);
+  for (size_t i = 0; i < want.size(); ++i) {
+    CHECK(torch::equal(params[i], want[i]));
+  }
+}
+
 TEST_CASE("save and load through archives resume mid-window exactly", "[accumulator][state]") {
   const int64_t K = 3;
   auto run = [&](bool checkpoint) {

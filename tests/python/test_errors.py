@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gradaccum
+from _grad_checks import assert_grads_equal, snapshot_grads
 
 
 def make_model(seed=0):
@@ -21,18 +22,6 @@ def make_data(rows=8, seed=1):
 
 def loss_of(model, x, y):
     return (model(x) - y).pow(2).mean()
-
-
-def snapshot_grads(model):
-    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-
-
-def assert_grads_equal(model, expected):
-    for p, e in zip(model.parameters(), expected):
-        if e is None:
-            assert p.grad is None
-        else:
-            assert p.grad is not None and torch.equal(p.grad, e)
 
 
 # Constructor ----------------------------------------------------------------------

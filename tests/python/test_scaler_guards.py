@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import gradaccum
+from _grad_checks import assert_grads_equal, snapshot_grads
 
 K = 4
 
@@ -30,18 +31,6 @@ def make(scaler=True, steps=K, init_scale=2.0 ** 8, growth_interval=1, momentum=
     sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval) \
         if scaler else None
     return model, opt, gradaccum.Accumulator(model, opt, steps=steps, grad_scaler=sc, **kwargs)
-
-
-def snapshot_grads(model):
-    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-
-
-def assert_grads_equal(model, expected):
-    for p, e in zip(model.parameters(), expected):
-        if e is None:
-            assert p.grad is None
-        else:
-            assert p.grad is not None and torch.equal(p.grad, e)
 
 
 # 1. An optimizer over part of the trainable parameters --------------------------
