@@ -575,7 +575,8 @@ bool Accumulator::flush() {
         // rank holds the same one and raises here alike, before the collective.
         throw;
       }
-      local_failure = e.what();
+      const auto* error = dynamic_cast<const c10::Error*>(&e);
+      local_failure = error ? error->what_without_backtrace() : e.what();
       zero_grad();
       window_failed_ = true;
       window_failure_ = AbortReason::ClosedWindowNotStepped;
@@ -607,9 +608,9 @@ bool Accumulator::flush() {
     reset_window();
     try {
       reducer_->reduce(abort);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(local_failure.empty(), e.what(), ". The error on this rank, stepping the closed "
-          "window before the flush: ", local_failure);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(local_failure.empty(), e.what_without_backtrace(), ". The error on this rank, "
+          "stepping the closed window before the flush: ", local_failure);
       throw;
     }
     TORCH_INTERNAL_ASSERT(false, "gradaccum: an aborted reduction returned");
