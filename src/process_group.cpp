@@ -102,7 +102,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_process_group(
       "new_process_group: timeout must be positive, got ", options.timeout().count(), " ms");
   const auto backend = resolve_backend(options);
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world_size);
-  if (backend == "gloo") {
+  // The default ("") under NCCL is torch's "cpu:gloo,cuda:nccl": CPU tensors
+  // (a model or metadata left on the host) still have a backend.
+  if (backend == "gloo" || options.backend().empty()) {
     auto gloo_options = c10d::ProcessGroupGloo::Options::create_default(options.timeout());
     auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
         c10::make_intrusive<c10d::PrefixStore>("gloo", store), rank, world_size, gloo_options);
@@ -110,7 +112,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_process_group(
     group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
     group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-  } else {
+  }
+  if (backend == "nccl") {
 #ifdef GRADACCUM_WITH_NCCL
     auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
     nccl_options->timeout = options.timeout();

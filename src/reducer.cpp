@@ -211,7 +211,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   // Set by use_buckets(); rebuilt once, see Note [Rebuilding buckets in ready order].
   std::vector<Bucket> buckets;
   std::vector<std::pair<size_t, size_t>> locator; ///< (bucket, slot) of each parameter
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> grad_accumulators;
+  // shared_ptr<Node> before torch 2.13, intrusive_ptr<Node> since: whatever
+  // grad_accumulator() returns.
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodePtr> grad_accumulators;
   std::vector<uintptr_t> hook_keys;
 
   std::atomic<bool> expect_hooks{true};
@@ -254,9 +257,36 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   }
   at::Device metadata_device() const {
     // NCCL reduces device tensors only; every other backend takes CPU tensors.
-    return group->getBackendType() == c10d::ProcessGroup::BackendType::NCCL
+    // A group of per-device backends without one for the CPU gets its metadata
+    // on the parameters' device too.
+    const bool cpu_reachable = reaches(c10::DeviceType::CPU);
+    return group->getBackendType() == c10d::ProcessGroup::BackendType::NCCL || !cpu_reachable
         ? params.front().device()
         : at::Device(at::kCPU);
+  }
+  // A group whose backends are registered per device type (as torch's and
+  // gradaccum's own) must have one for the parameters' device: an NCCL-only
+  // group cannot reduce CPU parameters, and would fail only at the first
+  // synchronising backward, after a window of work.
+  // Whether the group can reduce tensors of `type`. A group that registers no
+  // per-device backends (a wrapper overriding the collectives) is trusted.
+  bool reaches(c10::DeviceType type) const {
+    if (!group->hasBackends()) {
+      return true;
+    }
+    try { // (hasBackendForDeviceType() is newer than torch 2.11)
+      return group->getBackend(type).defined();
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }
+  void check_group_reaches(size_t index) const {
+    const auto device = params[index].device();
+    TORCH_CHECK_VALUE(reaches(device.type()),
+        "gradaccum: Accumulator(): the process group (backend '", group->getBackendName(),
+        "') has no backend for ", device.type(), " tensors, and ", name(index), " is on ", device,
+        ": move the model to a device the group reduces (model.to('cuda') under NCCL) or use a "
+        "Gloo group for CPU training");
   }
 
   void check_ranks_match();
@@ -371,6 +401,7 @@ Reducer::Reducer(
     TORCH_CHECK_VALUE(p.is_leaf() && p.requires_grad(),
         "Reducer: ", s.name(i), " must be a leaf tensor that requires grad");
     TORCH_CHECK_VALUE(!p.is_sparse(), "Reducer: ", s.name(i), " is sparse; sparse parameters are not supported");
+    s.check_group_reaches(i);
     s.numel += p.numel();
   }
   s.rank = s.group->getRank();

@@ -3,43 +3,100 @@
 # machine lent to some sessions; CI has none). Builds against the torch that
 # is installed there (whatever its version), then runs the named stages:
 #
-#   tools/gpu_run.sh info build test bench      (default: all four)
+#   tools/gpu_run.sh info build cpp example test bench      (default: all)
 #
-# Logs go to $OUT (or ./gpu-out). Each stage has its own time limit, so one
-# that hangs or fails still leaves the others' results.
+#   info     nvidia-smi, torch/CUDA/NCCL versions, tools found
+#   build    the Python package (pip, no build isolation) and, beside it, the
+#            CMake tree: libgradaccum, the Catch2 tests, the consumer and the
+#            C++ example, installed under build/gpu/install
+#   cpp      the Catch2 [cuda] cases (NCCL, Gloo over CUDA tensors), then the
+#            whole CPU Catch2 suite against this CUDA build
+#   example  the C++ example under torchrun with the default backend (NCCL
+#            for CUDA tensors), one rank per GPU
+#   test     tests/python/test_gpu.py
+#   bench    benchmarks/bench_gpu.py (BENCH_ARGS, default --quick)
+#
+# A machine without a registry has no Catch2: `tools/gpu_run.sh carry` (run
+# where Debian's catch2 is installed) copies it into .gpu/ (ignored by git),
+# which the device tool can carry along. Logs go to $OUT (or ./gpu-out). Each
+# stage has its own time limit, so one that hangs or fails still leaves the
+# others' results.
 set -u
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-stages=${*:-info build test bench}
+stages=${*:-info build cpp example test bench}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
+B=$ROOT/build/gpu
+GEN=$(command -v ninja >/dev/null && echo "-G Ninja")
+
+stage_carry() {
+  rm -rf .gpu/catch2 && mkdir -p .gpu/catch2/include .gpu/catch2/lib/cmake
+  cp -r /usr/include/catch2 .gpu/catch2/include/ &&
+    cp -r /usr/lib/cmake/Catch2 .gpu/catch2/lib/cmake/ &&
+    cp /usr/lib/libCatch2WithMain.a .gpu/catch2/lib/ && du -sh .gpu
+}
 
 stage_info() {
-  nvidia-smi || true
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
   $PY - <<'PY'
 import sys, torch, torch.distributed as dist
 print(sys.executable, "torch", torch.__version__, "cuda", torch.version.cuda,
       "devices", torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
 print("nccl available", dist.is_nccl_available(), "nccl", torch.cuda.nccl.version() if dist.is_nccl_available() else "-")
 PY
-  $PY -m pip list 2>/dev/null | grep -i -E '^(torch|pytest|numpy|lightning|nvidia-nccl)' || true
-  find / -name nccl.h -not -path '*/proc/*' 2>/dev/null | head -5
   which cmake ninja nvcc ccache || true
 }
 
+build_python() {
+  $PY -m pip install --no-build-isolation --no-deps . >"$OUT/build_python.log" 2>&1
+}
+
+build_cmake() {
+  local torch_prefix catch2=()
+  torch_prefix=$($PY -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+  [ -d "$ROOT/.gpu/catch2" ] && catch2=(-DCatch2_DIR="$ROOT/.gpu/catch2/lib/cmake/Catch2")
+  {
+    cmake -S . -B "$B/cmake" $GEN -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$B/install" \
+      -DPython3_EXECUTABLE="$(command -v $PY)" -DGRADACCUM_TEST=$([ ${#catch2[@]} -gt 0 ] && echo ON || echo OFF) \
+      "${catch2[@]}" &&
+      cmake --build "$B/cmake" -j "$MAX_JOBS" && cmake --install "$B/cmake" >/dev/null &&
+      for p in tests/consumer:consumer examples/cpp:examples; do
+        cmake -S "${p%%:*}" -B "$B/${p##*:}" $GEN -DCMAKE_BUILD_TYPE=Release \
+          -DCMAKE_PREFIX_PATH="$B/install;$torch_prefix" && cmake --build "$B/${p##*:}" -j "$MAX_JOBS" || return 1
+      done
+  } >"$OUT/build_cmake.log" 2>&1
+}
+
 stage_build() {
-  local t0=$SECONDS
-  if ! $PY -m pip install --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1; then
-    echo "BUILD FAILED"; grep -n -E 'error|Error' "$OUT/build.log" | head -60; tail -40 "$OUT/build.log"; return 1
-  fi
-  grep -E 'NCCL groups enabled|CUDA' "$OUT/build.log" | head -5
+  local t0=$SECONDS rc=0
+  build_python & local py=$!
+  build_cmake || { rc=1; echo "CMAKE BUILD FAILED"; grep -n -E 'error|Error' "$OUT/build_cmake.log" | head -40; tail -30 "$OUT/build_cmake.log"; }
+  wait $py || { rc=1; echo "PYTHON BUILD FAILED"; grep -n -E 'error|Error' "$OUT/build_python.log" | head -40; tail -30 "$OUT/build_python.log"; }
+  grep -h -E 'NCCL groups enabled|without NCCL' "$OUT/build_cmake.log" "$OUT/build_python.log" | sort -u
   echo "built in $((SECONDS - t0)) s"
-  (cd /tmp && $PY -c 'import gradaccum, gradaccum._C as C; print("gradaccum", gradaccum.__version__, "nccl in C++:", C.nccl_available() if hasattr(C, "nccl_available") else "?")')
+  (cd /tmp && $PY -c 'import gradaccum, gradaccum._C as C; print("gradaccum", gradaccum.__version__, "nccl in C++:", C.nccl_available())')
+  return $rc
+}
+
+stage_cpp() {
+  [ -x "$B/cmake/tests/cpp/gradaccum_tests" ] || { echo "no Catch2 build (run 'carry' where catch2 is installed)"; return 1; }
+  timeout ${CPP_TIMEOUT:-240} "$B/cmake/tests/cpp/gradaccum_tests" "[cuda]" 2>&1 | tee "$OUT/catch2_cuda.log" | tail -40
+  OMP_NUM_THREADS=1 timeout ${CPP_TIMEOUT:-240} "$B/cmake/tests/cpp/gradaccum_tests" 2>&1 | tee "$OUT/catch2_cpu.log" | tail -8
+  (cd "$B/consumer" && timeout 60 ctest --output-on-failure 2>&1 | tail -4)
+}
+
+stage_example() {
+  local gpus
+  gpus=$($PY -c 'import torch; print(max(1, torch.cuda.device_count()))')
+  timeout ${EXAMPLE_TIMEOUT:-120} $PY -m torch.distributed.run --standalone --nproc_per_node="$gpus" \
+    --no-python "$B/examples/train_mlp" --steps 4 2>&1 | tee "$OUT/example.log" | tail -12
 }
 
 stage_test() {
-  timeout ${TEST_TIMEOUT:-420} $PY -m pytest tests/python/test_gpu.py -q -rs \
+  timeout ${TEST_TIMEOUT:-300} $PY -m pytest tests/python/test_gpu.py -q -rs \
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/test_gpu.log" | tail -60
 }
 

@@ -37,7 +37,7 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-torch::nn::Sequential make_model() {
+torch::nn::Sequential make_cpu_model() {
   torch::manual_seed(0);
   return torch::nn::Sequential(
       torch::nn::Linear(64, 128), torch::nn::ReLU(), torch::nn::Linear(128, 10));
@@ -59,8 +59,24 @@ int main(int argc, char** argv) try {
   const auto group = gradaccum::init_process_group_from_env();
   const int rank = group ? group->getRank() : 0;
   const int world = group ? group->getSize() : 1;
+  // Under NCCL (torchrun on a CUDA machine) each rank trains on its GPU.
+  const bool on_gpu = group && group->getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
+  const torch::Device device = on_gpu
+      ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(gradaccum::LaunchEnvironment::from_env().local_rank))
+      : torch::Device(torch::kCPU);
   const int64_t window_rows = world * args.steps * args.micro_batch;
   auto [x, y] = make_data(window_rows * args.windows);
+  x = x.to(device);
+  y = y.to(device);
+  const auto make_model = [&] {
+    auto m = make_cpu_model();
+    m->to(device);
+    return m;
+  };
+  if (rank == 0) {
+    std::cout << "ranks " << world << " on " << device << (group ? " (" + group->getBackendName() + ")" : "")
+              << std::endl;
+  }
 
   auto model = make_model();
   auto optimizer = std::make_unique<torch::optim::Adam>(model->parameters(), 1e-3);

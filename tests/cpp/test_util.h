@@ -43,7 +43,10 @@ inline double max_rel_diff(const std::vector<at::Tensor>& a, const std::vector<a
 class CountingGroup : public c10d::ProcessGroup {
  public:
   explicit CountingGroup(c10::intrusive_ptr<c10d::ProcessGroup> inner)
-      : c10d::ProcessGroup(inner->getRank(), inner->getSize()), inner_(std::move(inner)) {}
+      : c10d::ProcessGroup(inner->getRank(), inner->getSize()), inner_(std::move(inner)) {
+    // the reducer places its metadata by the backend type (NCCL: on the device)
+    setDefaultBackend(inner_->getBackendType());
+  }
   c10::intrusive_ptr<c10d::Work> allreduce(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override {
     ++allreduces;

@@ -34,6 +34,9 @@ def free_port() -> int:
 
 
 def _entry(rank, world_size, port, name, out_dir, pg_timeout, backend, kwargs, module=None):
+    import faulthandler
+
+    faulthandler.enable()  # a rank that crashes says where (the test shows its stderr)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
