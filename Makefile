@@ -15,7 +15,7 @@ CMAKE_FLAGS := $(GEN) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER_LAUNCHER=c
 export PATH     := /usr/lib/ccache:$(PATH)
 export MAX_JOBS := $(JOBS)
 
-.PHONY: all deps build install-python build-cpp test test-cpp test-python test-gpu sanitize demo bench bench-gpu clean
+.PHONY: all deps build install-python build-cpp test test-cpp test-python test-gpu check-cuda sanitize demo bench bench-gpu clean
 
 all: build
 
@@ -82,6 +82,13 @@ bench-gpu:
 # and bench_gpu.py; logs under $$OUT (default gpu-out/).
 test-gpu:
 	PYTHON=$(PYTHON) bash tools/gpu_run.sh
+
+# The CUDA build without a GPU (not part of CI: about 5 GB of wheels the first
+# time): torch's CUDA 13 wheel and the CUDA toolkit wheels in build/cuda-venv,
+# gradaccum built against them with NCCL groups enabled, then the Catch2 suite
+# and tests/python with that torch (the GPU tests skip).
+check-cuda:
+	JOBS=$(JOBS) bash tools/check_cuda.sh
 
 clean:
 	rm -rf $(BUILD) python/gradaccum/*.so python/gradaccum/lib python/gradaccum/include \
