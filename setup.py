@@ -124,7 +124,12 @@ def get_extensions():
             include_dirs=[os.path.join(ROOT, "include")],
             define_macros=[("USE_C10D_GLOO", None)],
             libraries=["gradaccum"],  # library_dirs: added by BuildGradaccum
-            extra_compile_args={"cxx": ["-O2"]},
+            # The standard libgradaccum is compiled with (CMake: cxx_std_20):
+            # options and tensors cross between the two, and torch's headers
+            # differ by standard (cpp_extension would add -std=c++17). With
+            # the binding at C++17, building an Accumulator over a Python
+            # group crashed in the reducer's setup on a GCC 13 machine.
+            extra_compile_args={"cxx": ["-O2", "-std=c++20"]},
             extra_link_args=["-Wl,-rpath,$ORIGIN/lib"],
         )
     ]
