@@ -100,6 +100,9 @@ class BuildGradaccum(BuildExtension):
             "-DCMAKE_INSTALL_INCLUDEDIR=include",
             f"-DPython3_EXECUTABLE={sys.executable}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+            # Named, not found: a cache left by a build against another torch
+            # (the CPU and CUDA builds share build/temp.*) must not win.
+            f"-DTorch_DIR={os.path.join(torch.utils.cmake_prefix_path, 'Torch')}",
         ]
         if shutil.which("ninja") and not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
             configure += ["-G", "Ninja"]

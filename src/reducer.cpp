@@ -264,10 +264,6 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
         ? params.front().device()
         : at::Device(at::kCPU);
   }
-  // A group whose backends are registered per device type (as torch's and
-  // gradaccum's own) must have one for the parameters' device: an NCCL-only
-  // group cannot reduce CPU parameters, and would fail only at the first
-  // synchronising backward, after a window of work.
   // Whether the group can reduce tensors of `type`. A group that registers no
   // per-device backends (a wrapper overriding the collectives) is trusted.
   bool reaches(c10::DeviceType type) const {
@@ -280,6 +276,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
       return false;
     }
   }
+  // A group whose backends are registered per device type (as torch's and
+  // gradaccum's own) must have one for each parameter's device: an NCCL-only
+  // group cannot reduce CPU parameters, and would fail only at the first
+  // synchronising backward, after a window of work.
   void check_group_reaches(size_t index) const {
     const auto device = params[index].device();
     TORCH_CHECK_VALUE(reaches(device.type()),

@@ -72,7 +72,7 @@ for p in tests/consumer:consumer examples/cpp:examples; do
 done
 
 step "Python package (wheel build of a source copy, installed into $VENV)"
-mkdir -p "$ROOT/build/cuda-src"
+rm -rf "$ROOT/build/cuda-src" && mkdir -p "$ROOT/build/cuda-src"
 tar --exclude=./build --exclude=./.git --exclude=./.gpu --exclude='*.so' -cf - . | tar -xf - -C "$ROOT/build/cuda-src"
 (cd "$ROOT/build/cuda-src" && "$PY" -m pip install -q --no-build-isolation --no-deps . >"$B.pip.log" 2>&1) ||
   { grep -n -E "error" "$B.pip.log" | head -30; tail -30 "$B.pip.log"; exit 1; }
@@ -81,6 +81,10 @@ grep -h "NCCL groups enabled" "$B.pip.log" | sort -u || true
 
 step "Catch2 suite"
 OMP_NUM_THREADS=1 "$B/cmake/tests/cpp/gradaccum_tests"
-(cd "$B/consumer" && ctest --output-on-failure | tail -3)
+(cd "$B/consumer" && ctest --output-on-failure >"$B.ctest.log" 2>&1) || { cat "$B.ctest.log"; exit 1; }
+tail -1 "$B.ctest.log"
 step "pytest tests/python with torch $("$PY" -c 'import torch; print(torch.__version__)')"
+# from the copy: the tests that build a wheel build it there, never in the
+# checkout, whose build/temp.* belongs to the CPU build
+cd "$ROOT/build/cuda-src"
 OMP_NUM_THREADS=1 GRADACCUM_BUILD=$B "$PY" -m pytest tests/python -q -rs -p no:cacheprovider

@@ -56,7 +56,9 @@ std::vector<at::Tensor> train_on_cuda(int rank, int world, const c10::intrusive_
   auto net = gradaccum::test::mlp(torch::kFloat64, 7);
   net->to(cuda, dtype);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  Accumulator acc(net.ptr(), opt, AccumulatorOptions(kK).process_group(group));
+  // buckets as laid out at construction (no rebuild): the count holds for every window
+  Accumulator acc(net.ptr(), opt,
+                  AccumulatorOptions(kK).process_group(group).reducer(ReducerOptions().rebuild_buckets(false)));
   for (int w = 0; w < kWindows; ++w) {
     for (int64_t k = 0; k < kK; ++k) {
       const int64_t start = ((w * world + rank) * kK + k) * kRows;
@@ -112,8 +114,12 @@ TEST_CASE("an NCCL group at world size 1 accumulates CUDA gradients as the big b
 TEST_CASE("the default backend on a CUDA build reduces CPU tensors with Gloo and CUDA tensors with NCCL",
           "[.cuda][nccl]") {
   require_cuda();
+  REQUIRE(gradaccum::nccl_available());
   auto store = c10::make_intrusive<c10d::HashStore>();
   auto group = new_process_group(store, 0, 1);
+  CHECK(group->getBackendType() == c10d::ProcessGroup::BackendType::NCCL);
+  CHECK(group->getBackend(c10::DeviceType::CPU)->getBackendName() == "gloo");
+  CHECK(group->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl");
   for (const auto& device : {torch::Device(torch::kCPU), torch::Device(torch::kCUDA, 0)}) {
     std::vector<at::Tensor> t{torch::full({4}, 3.0, torch::TensorOptions().device(device))};
     group->allreduce(t)->wait();

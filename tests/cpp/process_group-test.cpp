@@ -135,3 +135,21 @@ TEST_CASE("bad group arguments are rejected", "[process_group][errors]") {
         Catch::Contains("built without NCCL"));
   }
 }
+
+TEST_CASE("parameters on a device the group has no backend for are refused when built",
+          "[process_group][errors]") {
+  // A group that reduces CUDA tensors only (as NCCL alone does), over CPU parameters.
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto gloo = new_process_group(store, 0, 1, ProcessGroupOptions().backend("gloo"));
+  auto cuda_only = c10::make_intrusive<c10d::ProcessGroup>(store, 0, 1);
+  cuda_only->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO,
+                        gloo->getBackend(c10::DeviceType::CPU));
+  cuda_only->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  auto net = gradaccum::test::mlp();
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  CHECK_THROWS_WITH(Accumulator(net.ptr(), opt, AccumulatorOptions(2).process_group(cuda_only)),
+      Catch::Contains("gradaccum: Accumulator(): the process group (backend 'gloo') has no backend for cpu "
+                      "tensors, and 0.weight is on cpu"));
+  // the same model under the group's own CPU backend is fine
+  CHECK_NOTHROW(Accumulator(net.ptr(), opt, AccumulatorOptions(2).process_group(gloo)));
+}
