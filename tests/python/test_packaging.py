@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 
 import pytest
@@ -132,11 +133,16 @@ def test_wheel_is_the_cpp_sdk(tmp_path):
         metadata = z.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
         assert f"Requires-Dist: torch=={torch_line()}.*" in metadata
 
-    # a fresh environment that sees the system's torch (and its setuptools: no
-    # pip of its own); --force-reinstall: a gradaccum outside it does not count
+    # a fresh environment that sees this interpreter's torch (and its
+    # setuptools: no pip of its own) after its own packages: a .pth names this
+    # environment's site-packages (--system-site-packages would see the base
+    # interpreter's, another torch when this one is itself a venv, as under
+    # make check-cuda); --force-reinstall: a gradaccum outside it does not count
     venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv])
+    run([sys.executable, "-m", "venv", "--without-pip", venv])
     python = venv / "bin" / "python"
+    venv_site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    pathlib.Path(venv_site, "_parent_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     run([sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "--no-deps",
          "--force-reinstall", wheel], env=env)
     probe = ("import gradaccum, torch\n"
