@@ -129,11 +129,11 @@ def get_extensions():
             libraries=["gradaccum"],  # library_dirs: added by BuildGradaccum
             # The standard libgradaccum is compiled with (CMake: cxx_std_20):
             # options and tensors cross between the two, and torch's headers
-            # differ by standard (cpp_extension would add -std=c++17). With
-            # the binding at C++17, building an Accumulator over a Python
-            # group crashed in the reducer's setup on a GCC 13 machine.
+            # differ by standard (cpp_extension would add -std=c++17).
             extra_compile_args={"cxx": ["-O2", "-std=c++20"]},
-            extra_link_args=["-Wl,-rpath,$ORIGIN/lib"],
+            # Note [Static runtime pieces stay private] in CMakeLists.txt
+            extra_link_args=["-Wl,-rpath,$ORIGIN/lib"]
+            + (["-Wl,--exclude-libs,ALL"] if sys.platform.startswith("linux") else []),
         )
     ]
 

@@ -51,7 +51,7 @@ PY
 }
 
 build_python() {
-  $PY -m pip install --no-build-isolation --no-deps . >"$OUT/build_python.log" 2>&1
+  $PY -m pip install -v --no-build-isolation --no-deps . >"$OUT/build_python.log" 2>&1
 }
 
 build_cmake() {
