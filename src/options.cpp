@@ -11,7 +11,7 @@ Reduction reduction_from_string(const std::string& name) {
   if (name == "sum") return Reduction::Sum;
   if (name == "items") return Reduction::Items;
   TORCH_CHECK_VALUE(false,
-      "Invalid reduction: '", name, "' (expected 'mean', 'sum' or 'items')");
+      "gradaccum: Accumulator(): invalid reduction: '", name, "' (expected 'mean', 'sum' or 'items')");
 }
 
 std::string to_string(Reduction reduction) {
@@ -28,7 +28,7 @@ NonFinite nonfinite_from_string(const std::string& name) {
   if (name == "raise") return NonFinite::Raise;
   if (name == "ignore") return NonFinite::Ignore;
   TORCH_CHECK_VALUE(false,
-      "Invalid nonfinite: '", name, "' (expected 'skip', 'raise' or 'ignore')");
+      "gradaccum: Accumulator(): invalid nonfinite: '", name, "' (expected 'skip', 'raise' or 'ignore')");
 }
 
 std::string to_string(NonFinite mode) {
@@ -42,27 +42,27 @@ std::string to_string(NonFinite mode) {
 
 void ReducerOptions::validate() const {
   TORCH_CHECK_VALUE(std::isfinite(bucket_cap_mb_) && bucket_cap_mb_ > 0,
-      "Invalid bucket_cap_mb: ", bucket_cap_mb_, " (must be > 0)");
+      "gradaccum: Accumulator(): invalid bucket_cap_mb: ", bucket_cap_mb_, " (must be > 0)");
   TORCH_CHECK_VALUE(std::isfinite(first_bucket_cap_mb_) && first_bucket_cap_mb_ > 0,
-      "Invalid first_bucket_cap_mb: ", first_bucket_cap_mb_, " (must be > 0)");
+      "gradaccum: Accumulator(): invalid first_bucket_cap_mb: ", first_bucket_cap_mb_, " (must be > 0)");
 }
 
 void LossScalerOptions::validate() const {
   TORCH_CHECK_VALUE(std::isfinite(init_scale_) && init_scale_ > 0,
-      "Invalid loss_scaler init_scale: ", init_scale_, " (must be a finite number > 0)");
+      "gradaccum: Accumulator(): invalid loss_scaler init_scale: ", init_scale_, " (must be a finite number > 0)");
   TORCH_CHECK_VALUE(std::isfinite(growth_factor_) && growth_factor_ > 1,
-      "Invalid loss_scaler growth_factor: ", growth_factor_, " (must be > 1)");
+      "gradaccum: Accumulator(): invalid loss_scaler growth_factor: ", growth_factor_, " (must be > 1)");
   TORCH_CHECK_VALUE(backoff_factor_ > 0 && backoff_factor_ < 1,
-      "Invalid loss_scaler backoff_factor: ", backoff_factor_, " (must be in (0, 1))");
+      "gradaccum: Accumulator(): invalid loss_scaler backoff_factor: ", backoff_factor_, " (must be in (0, 1))");
   TORCH_CHECK_VALUE(growth_interval_ > 0,
-      "Invalid loss_scaler growth_interval: ", growth_interval_, " (must be > 0)");
+      "gradaccum: Accumulator(): invalid loss_scaler growth_interval: ", growth_interval_, " (must be > 0)");
 }
 
 void AccumulatorOptions::validate() const {
-  TORCH_CHECK_VALUE(steps_ > 0, "Invalid steps: ", steps_, " (must be a positive integer)");
+  TORCH_CHECK_VALUE(steps_ > 0, "gradaccum: Accumulator(): invalid steps: ", steps_, " (must be a positive integer)");
   if (max_grad_norm_) {
     TORCH_CHECK_VALUE(std::isfinite(*max_grad_norm_) && *max_grad_norm_ >= 0,
-        "Invalid max_grad_norm: ", *max_grad_norm_, " (must be a finite number >= 0)");
+        "gradaccum: Accumulator(): invalid max_grad_norm: ", *max_grad_norm_, " (must be a finite number >= 0)");
   }
   reducer_.validate();
   if (loss_scaler_) {
@@ -70,18 +70,18 @@ void AccumulatorOptions::validate() const {
   }
   if (accumulate_dtype_) {
     TORCH_CHECK_VALUE(*accumulate_dtype_ == at::kFloat || *accumulate_dtype_ == at::kDouble,
-        "Invalid accumulate_dtype: ", *accumulate_dtype_, " (float32 or float64)");
+        "gradaccum: Accumulator(): invalid accumulate_dtype: ", *accumulate_dtype_, " (float32 or float64)");
     TORCH_CHECK_VALUE(!reducer_.gradient_as_bucket_view(),
-        "accumulate_dtype and gradient_as_bucket_view exclude each other: a bucket of the "
+        "gradaccum: Accumulator(): accumulate_dtype and gradient_as_bucket_view exclude each other: a bucket of the "
         "accumulation dtype cannot be a bf16/fp16 parameter's .grad");
   }
   if (comm_dtype_) {
     TORCH_CHECK_VALUE(*comm_dtype_ == at::kBFloat16 || *comm_dtype_ == at::kHalf ||
                       *comm_dtype_ == at::kFloat,
-        "Invalid comm_dtype: ", *comm_dtype_, " (bfloat16, float16 or float32)");
+        "gradaccum: Accumulator(): invalid comm_dtype: ", *comm_dtype_, " (bfloat16, float16 or float32)");
   }
   TORCH_CHECK_VALUE(!error_feedback_ || comm_dtype_,
-      "error_feedback=True needs a comm_dtype: it keeps what compressing the gradients to "
+      "gradaccum: Accumulator(): error_feedback=True needs a comm_dtype: it keeps what compressing the gradients to "
       "comm_dtype loses");
 }
 

@@ -22,7 +22,7 @@ namespace {
 std::string require_env(const char* name) {
   const char* value = std::getenv(name);
   TORCH_CHECK_VALUE(value && *value,
-      "init_process_group_from_env: ", name, " is not set (launch with torchrun, "
+      "gradaccum: init_process_group_from_env(): ", name, " is not set (launch with torchrun, "
       "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)");
   return value;
 }
@@ -38,14 +38,14 @@ int env_int(const char* name, int minimum, const char* fallback = nullptr) {
     used = 0;
   }
   TORCH_CHECK_VALUE(used == text.size() && used > 0 && value >= minimum,
-      "init_process_group_from_env: ", name, "='", text, "' is not an integer >= ", minimum);
+      "gradaccum: init_process_group_from_env(): ", name, "='", text, "' is not an integer >= ", minimum);
   return value;
 }
 
 std::string resolve_backend(const ProcessGroupOptions& options) {
   if (!options.backend().empty()) {
     TORCH_CHECK_VALUE(options.backend() == "gloo" || options.backend() == "nccl",
-        "Invalid backend: '", options.backend(), "' (expected 'gloo', 'nccl' or '')");
+        "gradaccum: init_process_group_from_env(): invalid backend: '", options.backend(), "' (expected 'gloo', 'nccl' or '')");
     TORCH_CHECK_VALUE(options.backend() != "nccl" || nccl_available(),
         "backend 'nccl' requested but gradaccum was built without NCCL "
         "(build against a CUDA torch with NCCL headers)");
@@ -79,12 +79,12 @@ LaunchEnvironment LaunchEnvironment::from_env() {
   env.world_size = env_int("WORLD_SIZE", 1);
   env.rank = env_int("RANK", 0);
   TORCH_CHECK_VALUE(env.rank < env.world_size,
-      "init_process_group_from_env: RANK=", env.rank, " is not below WORLD_SIZE=", env.world_size);
+      "gradaccum: init_process_group_from_env(): RANK=", env.rank, " is not below WORLD_SIZE=", env.world_size);
   env.local_rank = env_int("LOCAL_RANK", 0, "0");
   env.master_addr = require_env("MASTER_ADDR");
   env.master_port = env_int("MASTER_PORT", 1);
   TORCH_CHECK_VALUE(env.master_port <= 65535,
-      "init_process_group_from_env: MASTER_PORT=", env.master_port, " is not a port");
+      "gradaccum: init_process_group_from_env(): MASTER_PORT=", env.master_port, " is not a port");
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   env.agent_store = agent && std::string(agent) == "True";
   return env;
@@ -95,11 +95,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_process_group(
     int rank,
     int world_size,
     ProcessGroupOptions options) {
-  TORCH_CHECK_VALUE(store, "new_process_group: store is null");
+  TORCH_CHECK_VALUE(store, "gradaccum: new_process_group(): store is null");
   TORCH_CHECK_VALUE(world_size > 0 && rank >= 0 && rank < world_size,
-      "new_process_group: rank ", rank, " of world size ", world_size, " is out of range");
+      "gradaccum: new_process_group(): rank ", rank, " of world size ", world_size, " is out of range");
   TORCH_CHECK_VALUE(options.timeout().count() > 0,
-      "new_process_group: timeout must be positive, got ", options.timeout().count(), " ms");
+      "gradaccum: new_process_group(): timeout must be positive, got ", options.timeout().count(), " ms");
   const auto backend = resolve_backend(options);
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world_size);
   // The default ("") under NCCL is torch's "cpu:gloo,cuda:nccl": CPU tensors

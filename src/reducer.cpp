@@ -1844,6 +1844,17 @@ const ReducerOptions& Reducer::options() const {
   return state_->options;
 }
 
+std::vector<int64_t> Reducer::gather(int64_t value) const {
+  const auto& s = *state_;
+  TORCH_CHECK(!s.in_flight, "gradaccum: Reducer::gather() called during a synchronising backward");
+  const auto all = allgather(*s.group, at::full({1}, value, at::kLong).to(s.metadata_device()));
+  std::vector<int64_t> values;
+  for (const auto& v : all) {
+    values.push_back(v.item<int64_t>());
+  }
+  return values;
+}
+
 NoSync::NoSync(Reducer* reducer) : reducer_(reducer) {
   if (reducer_) {
     previous_ = reducer_->expect_hooks();

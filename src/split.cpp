@@ -7,25 +7,25 @@ namespace gradaccum {
 std::vector<std::vector<at::Tensor>> split(
     const std::vector<at::Tensor>& batch,
     int64_t steps) {
-  TORCH_CHECK_VALUE(!batch.empty(), "split: the batch holds no tensor");
-  TORCH_CHECK_VALUE(steps > 0, "split: steps must be positive, got ", steps);
+  TORCH_CHECK_VALUE(!batch.empty(), "gradaccum: split(): the batch holds no tensor");
+  TORCH_CHECK_VALUE(steps > 0, "gradaccum: split(): steps must be positive, got ", steps);
   int64_t rows = -1;
   for (size_t i = 0; i < batch.size(); ++i) {
     const auto& t = batch[i];
-    TORCH_CHECK_VALUE(t.defined(), "split: tensor ", i, " is undefined");
+    TORCH_CHECK_VALUE(t.defined(), "gradaccum: split(): tensor ", i, " is undefined");
     TORCH_CHECK_VALUE(
-        t.dim() > 0, "split: tensor ", i, " is a scalar; it has no dim 0 to split along");
+        t.dim() > 0, "gradaccum: split(): tensor ", i, " is a scalar; it has no dim 0 to split along");
     if (rows < 0) {
       rows = t.size(0);
     }
     TORCH_CHECK_VALUE(
         t.size(0) == rows,
-        "split: tensors have different batch sizes: tensor 0 has ",
+        "gradaccum: split(): tensors have different batch sizes: tensor 0 has ",
         rows, " rows, tensor ", i, " has ", t.size(0));
   }
   TORCH_CHECK_VALUE(
       steps <= rows,
-      "split: cannot split ", rows, " rows into ", steps,
+      "gradaccum: split(): cannot split ", rows, " rows into ", steps,
       " micro-batches (steps must be <= the batch size)");
 
   std::vector<std::vector<at::Tensor>> out(steps);

@@ -9,11 +9,13 @@
 #include <torch/optim/schedulers/lr_scheduler.h>
 #include <torch/serialize/archive.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -59,6 +61,9 @@ struct AccumulatorStats {
   std::optional<double> last_grad_norm; ///< total norm at the last boundary, if computed
   std::optional<double> loss_scale; ///< the loss scaler's current scale, if any
   ReducerStats reducer; ///< all zero without a process group
+  bool data_parallel = false; ///< gradients are reduced over a process group
+  int64_t world_size = 1; ///< ranks of that group (1 without one)
+  std::string backend; ///< the group's backend name ("gloo", "nccl"); empty without one
 };
 
 /// Everything exact resumption needs, the gradients of a half-done window included.
@@ -95,6 +100,43 @@ struct AccumulatorState {
   /// a state (rank-independent ones) starts the residual at zero.
   std::vector<at::Tensor> residuals;
 };
+
+// Note [The checkpoint schema]
+// Each scalar field of AccumulatorState is named once, here. The archive
+// (Accumulator::save/load: key "gradaccum.<name>") and the Python dict (a
+// "reducer.<x>" field nested as d["reducer"]["<x>"]) both walk this table, so a
+// field added to the state is added here and nowhere else. `visit(name, field,
+// required)`: a field that is not required may be missing from an older
+// checkpoint (it keeps its default). The tensors (grads, residuals) have their
+// own layouts, next to each walk.
+template <class State, class Visit>
+void for_each_state_field(State& s, Visit&& visit) {
+  visit("steps", s.steps, true);
+  visit("reduction", s.reduction, true);
+  visit("world_size", s.world_size, true);
+  visit("rank", s.rank, true);
+  visit("rank_independent", s.rank_independent, true);
+  visit("micro_step", s.micro_step, true);
+  visit("window_ready", s.window_ready, true);
+  visit("window_weight", s.window_weight, true);
+  visit("epoch_ended", s.epoch_ended, true);
+  visit("micro_steps", s.micro_steps, true);
+  visit("optimizer_steps", s.optimizer_steps, true);
+  visit("skipped_steps", s.skipped_steps, true);
+  visit("windows", s.windows, true);
+  visit("reducer.windows", s.reducer.windows, true);
+  visit("reducer.dropped_windows", s.reducer.dropped_windows, true);
+  visit("reducer.collectives", s.reducer.collectives, true);
+  visit("reducer.bytes_reduced", s.reducer.bytes_reduced, true);
+  visit("reducer.last_window_collectives", s.reducer.last_window_collectives, true);
+  visit("reducer.last_window_bytes", s.reducer.last_window_bytes, true);
+  visit("reducer.broadcasts", s.reducer.broadcasts, true);
+  visit("reducer.snapshots", s.reducer.snapshots, true);
+  visit("reducer_sequence", s.reducer_sequence, true);
+  visit("reducer_last_weight", s.reducer_last_weight, false);
+  visit("loss_scale", s.loss_scale, true);
+  visit("loss_scale_growth_tracker", s.loss_scale_growth_tracker, true);
+}
 
 /// Gradient accumulation over windows of `steps` micro-batches, optionally data
 /// parallel over a c10d ProcessGroup.
@@ -227,8 +269,19 @@ class Accumulator {
                                  const std::vector<GradMark>& now) const;
   void remember_gradients();
   void check_requires_grad() const;
+  void check_no_uncounted_backward() const;
+  double check_micro_step(const at::Tensor& loss, std::optional<double> num_items) const;
+  void fail_after_peers_ended_epoch();
+  void local_micro_step(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);
+  void reduce_window(const at::Tensor& scaled, double weight);
+  bool step_before_flush(std::string* local_failure);
+  bool reduce_partial_window(const std::string& local_failure);
   void reset_window();
   void note_dropped_window(int64_t window);
+  void check_consistent_cut(int64_t window) const;
+  void snapshot_window_into(AccumulatorState& state);
+  void copy_window_into(AccumulatorState& state) const;
+  void check_loadable(const AccumulatorState& state) const;
   std::vector<GradMark> grad_versions() const;
   bool finish_window();
   bool step_window();
@@ -260,6 +313,8 @@ class Accumulator {
   /// .grad identities and versions after this Accumulator last touched them.
   std::vector<GradMark> remembered_;
   bool closed_ = false;
+  /// The thread inside a public call, if any (Note [One thread drives an Accumulator]).
+  std::atomic<std::thread::id> driver_{};
   std::function<bool()> before_step_;
   bool before_step_ran_ = false; ///< in this window's step_window(): see finish_window()
   /// step_window() raised a decision every rank makes alike (nonfinite="raise"

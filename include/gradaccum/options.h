@@ -98,6 +98,11 @@ struct AccumulatorOptions {
   TORCH_ARG(NonFinite, nonfinite) = NonFinite::Skip;
   /// Data-parallel group; null means single process (no reducer).
   TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);
+  /// Without a process group, train each rank alone on purpose. Without this
+  /// flag, an Accumulator with no group in a launch whose environment says
+  /// WORLD_SIZE > 1 (torchrun) is an error: its ranks would silently train
+  /// apart (Note [No group under a multi-rank launch]).
+  TORCH_ARG(bool, local_only) = false;
   TORCH_ARG(ReducerOptions, reducer) = {};
   /// The dtype each window's gradient is summed in (float32 or float64), for
   /// parameters of a narrower dtype (bf16, fp16): every micro-step's gradient is

@@ -207,6 +207,10 @@ class Reducer {
   ReductionResult last_result() const;
   const std::vector<Bucket>& buckets() const;
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;
+  /// Every rank's `value`, by rank: a collective, on the group's metadata
+  /// device, that every rank must call at the same point (Note [Collectives
+  /// pair by launch order]); not during a synchronising backward.
+  std::vector<int64_t> gather(int64_t value) const;
   const ReducerOptions& options() const;
 
   struct State; ///< shared with the hooks and callbacks; defined in reducer.cpp

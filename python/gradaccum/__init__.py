@@ -24,7 +24,7 @@ def _check_torch() -> None:
         from gradaccum._build_info import TORCH_VERSION as built
     except ImportError:
         raise ImportError(
-            "gradaccum is not built here (no gradaccum/_build_info.py): install it with "
+            "gradaccum: not built here (no gradaccum/_build_info.py): install it with "
             "`pip install --no-build-isolation .` and import the installed package"
         ) from None
     import torch
@@ -35,7 +35,7 @@ def _check_torch() -> None:
 
     if release_line(str(torch.__version__)) != release_line(built):
         raise ImportError(
-            f"gradaccum was built against torch {built} but torch {torch.__version__} is "
+            f"gradaccum: built against torch {built} but torch {torch.__version__} is "
             f"installed; its C++ extension works only with torch {release_line(built)}.*. "
             f"Install torch=={release_line(built)}.* or rebuild gradaccum against this torch: "
             "pip install --no-build-isolation --force-reinstall --no-deps ."

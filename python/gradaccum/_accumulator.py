@@ -41,7 +41,7 @@ def _check_module(model: torch.nn.Module) -> None:
         if wrappers and isinstance(module, wrappers):
             where = f"submodule {name!r}" if name else "the model"
             raise ValueError(
-                f"{where} is wrapped in {type(module).__name__}, which reduces gradients "
+                f"gradaccum: Accumulator(): {where} is wrapped in {type(module).__name__}, which reduces gradients "
                 "itself: with gradaccum's reduction too, every gradient would be reduced "
                 "twice. Do not wrap the model (with Accelerate, prepare the optimizer and "
                 "data loaders but not the model); if it is wrapped already, take "
@@ -49,12 +49,12 @@ def _check_module(model: torch.nn.Module) -> None:
                 "the Accumulator: gradaccum does the data-parallel reduction")
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
             raise ValueError(
-                f"submodule {name!r} is {type(module).__name__}(sparse=True), which makes "
+                f"gradaccum: Accumulator(): submodule {name!r} is {type(module).__name__}(sparse=True), which makes "
                 "sparse gradients; gradaccum supports dense gradients only: use sparse=False")
     for name, p in model.named_parameters():
         if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
             raise ValueError(
-                f"parameter {name!r} is a DTensor (FSDP2 / tensor parallel): gradaccum reduces "
+                f"gradaccum: Accumulator(): parameter {name!r} is a DTensor (FSDP2 / tensor parallel): gradaccum reduces "
                 "plain replicated parameters; pass the unsharded module")
 
 
@@ -66,20 +66,20 @@ def _parameters(model: Any):
         return [p for _, p in named], [n for n, _ in named], list(model.buffers())
     if isinstance(model, torch.Tensor):
         raise TypeError(
-            "model must be a torch.nn.Module or an iterable of parameters, got a single "
+            "gradaccum: Accumulator(): model must be a torch.nn.Module or an iterable of parameters, got a single "
             "Tensor (wrap it in a list)"
         )
     try:
         params = list(model)
     except TypeError:
         raise TypeError(
-            "model must be a torch.nn.Module or an iterable of parameters, got "
+            "gradaccum: Accumulator(): model must be a torch.nn.Module or an iterable of parameters, got "
             f"{type(model).__name__}"
         ) from None
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(
-                f"model must be a torch.nn.Module or an iterable of parameters; item {i} "
+                f"gradaccum: Accumulator(): model must be a torch.nn.Module or an iterable of parameters; item {i} "
                 f"is a {type(p).__name__}"
             )
     return params, [f"parameter {i}" for i in range(len(params))], []
@@ -103,7 +103,7 @@ def _check_scaled_parameters(params, names, is_module: bool, optimizer: Any) -> 
 
     groups = getattr(optimizer, "param_groups", None)
     if groups is None:
-        raise TypeError(f"grad_scaler needs a torch.optim.Optimizer (GradScaler.unscale_ reads its "
+        raise TypeError(f"gradaccum: Accumulator(): grad_scaler needs a torch.optim.Optimizer (GradScaler.unscale_ reads its "
                         f"param_groups), got {type(optimizer).__name__}")
     optimized = {id(p) for group in groups for p in group["params"]}
     for p, name in zip(params, names):
@@ -111,14 +111,14 @@ def _check_scaled_parameters(params, names, is_module: bool, optimizer: Any) -> 
             continue
         if id(p) not in optimized:
             raise ValueError(
-                f"grad_scaler: {label(name)} requires grad but is not in the optimizer's "
+                f"gradaccum: Accumulator(): grad_scaler: {label(name)} requires grad but is not in the optimizer's "
                 "param_groups. GradScaler unscales (and checks for inf/NaN) only the optimizer's "
                 "gradients, while the Accumulator clips and checks every trainable parameter's: "
                 "this one would stay scaled. Freeze it (requires_grad=False) before building the "
                 "Accumulator, or give the optimizer every trainable parameter")
         if p.dtype == torch.float16:
             raise ValueError(
-                f"grad_scaler: {label(name)} is float16; GradScaler cannot unscale float16 "
+                f"gradaccum: Accumulator(): grad_scaler: {label(name)} is float16; GradScaler cannot unscale float16 "
                 "gradients (torch refuses them at the first step()). Keep the parameters float32 "
                 "and run the forward under torch.autocast(device_type, dtype=torch.float16) "
                 "(torch's own mixed-precision recipe)")
@@ -157,30 +157,46 @@ def _check_scaler_state(saved: Any) -> None:
     """What GradScaler.load_state_dict needs; it reads the keys one by one and
     would be left half-loaded by a bad one."""
     if not isinstance(saved, dict):
-        raise TypeError(f"load_state_dict: 'grad_scaler' must be a GradScaler state dict, got "
+        raise TypeError(f"gradaccum: acc.load_state_dict(): 'grad_scaler' must be a GradScaler state dict, got "
                         f"{type(saved).__name__}")
     for key in _SCALER_KEYS:
         if key not in saved:
-            raise ValueError(f"load_state_dict: 'grad_scaler' has no key {key!r}: it must be what "
+            raise ValueError(f"gradaccum: acc.load_state_dict(): 'grad_scaler' has no key {key!r}: it must be what "
                              "GradScaler.state_dict() returns")
     for key in _SCALER_KEYS:
         value = saved[key]
         integral = key in ("growth_interval", "_growth_tracker")
         kind = numbers.Integral if integral else numbers.Real
         if isinstance(value, bool) or not isinstance(value, kind):
-            raise TypeError(f"load_state_dict: 'grad_scaler' key {key!r} must be "
+            raise TypeError(f"gradaccum: acc.load_state_dict(): 'grad_scaler' key {key!r} must be "
                             f"{'an int' if integral else 'a number'}, got {value!r}")
     if not (0.0 < float(saved["scale"]) < float("inf")):
-        raise ValueError(f"load_state_dict: 'grad_scaler' scale must be a positive finite number, "
+        raise ValueError(f"gradaccum: acc.load_state_dict(): 'grad_scaler' scale must be a positive finite number, "
                          f"got {saved['scale']!r}")
+
+
+def _dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _default_group():
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
+    return dist.group.WORLD if _dist_initialized() else None
+
+
+def _check_launch_has_group() -> None:
+    """No group under a multi-rank launch: see Note [No group under a
+    multi-rank launch] in src/accumulator.cpp (each rank would train alone)."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if world.isdigit() and int(world) > 1:
+        raise RuntimeError(
+            f"gradaccum: Accumulator(): WORLD_SIZE={world} in the environment (a torchrun launch?) "
+            "but no process group exists, so each rank would train alone and the ranks would end "
+            "with different weights. Call torch.distributed.init_process_group() before building "
+            "the Accumulator, or pass process_group=False to train each rank alone on purpose")
 
 
 # Every open Accumulator, closed at interpreter exit (see _close_at_exit).
@@ -300,60 +316,65 @@ class Accumulator:
         error_feedback: bool = False,
     ) -> None:
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
-            raise TypeError(f"steps must be a positive int, got {steps!r}")
+            raise TypeError(f"gradaccum: Accumulator(): steps must be a positive int, got {steps!r}")
         if reduction not in _REDUCTIONS:
-            raise ValueError(f"Invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
+            raise ValueError(f"gradaccum: Accumulator(): invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
         if nonfinite not in _NONFINITE:
-            raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
+            raise ValueError(f"gradaccum: Accumulator(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
         if max_grad_norm is not None and not isinstance(max_grad_norm, numbers.Real):
-            raise TypeError(f"max_grad_norm must be a number or None, got {max_grad_norm!r}")
+            raise TypeError(f"gradaccum: Accumulator(): max_grad_norm must be a number or None, got {max_grad_norm!r}")
         if optimizer is not None and not callable(getattr(optimizer, "step", None)):
-            raise TypeError(f"optimizer must have a step() method, got {type(optimizer).__name__}")
+            raise TypeError(f"gradaccum: Accumulator(): optimizer must have a step() method, got {type(optimizer).__name__}")
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-            raise TypeError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
+            raise TypeError(f"gradaccum: Accumulator(): scheduler must have a step() method, got {type(scheduler).__name__}")
         if accumulate_dtype not in (None, torch.float32, torch.float64):
-            raise ValueError(f"accumulate_dtype must be torch.float32, torch.float64 or None, "
+            raise ValueError(f"gradaccum: Accumulator(): accumulate_dtype must be torch.float32, torch.float64 or None, "
                              f"got {accumulate_dtype!r}")
         if comm_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"comm_dtype must be torch.bfloat16, torch.float16, torch.float32 "
+            raise ValueError(f"gradaccum: Accumulator(): comm_dtype must be torch.bfloat16, torch.float16, torch.float32 "
                              f"or None, got {comm_dtype!r}")
         if not isinstance(error_feedback, bool):
-            raise TypeError(f"error_feedback must be a bool, got {error_feedback!r}")
+            raise TypeError(f"gradaccum: Accumulator(): error_feedback must be a bool, got {error_feedback!r}")
         if error_feedback and comm_dtype is None:
-            raise ValueError("error_feedback=True needs a comm_dtype: it keeps what compressing "
+            raise ValueError("gradaccum: Accumulator(): error_feedback=True needs a comm_dtype: it keeps what compressing "
                              "the gradients to comm_dtype loses")
         if grad_scaler is not None:
             if optimizer is None:
-                raise ValueError("grad_scaler needs an optimizer (it unscales the optimizer's gradients)")
+                raise ValueError("gradaccum: Accumulator(): grad_scaler needs an optimizer (it unscales the optimizer's gradients)")
             for method in ("scale", "unscale_", "update", "state_dict", "load_state_dict"):
                 if not callable(getattr(grad_scaler, method, None)):
-                    raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got "
+                    raise TypeError(f"gradaccum: Accumulator(): grad_scaler must be a torch.amp.GradScaler, got "
                                     f"{type(grad_scaler).__name__} (no {method}())")
         params, names, buffers = _parameters(model)
         if _scaling(grad_scaler):  # before the C++ side claims the parameters
             _check_scaled_parameters(params, names, isinstance(model, torch.nn.Module), optimizer)
         if process_group is True:
-            raise TypeError("process_group must be a ProcessGroup, None (the default group) or "
-                            "False (local-only), got True")
+            raise TypeError("gradaccum: Accumulator(): process_group must be a ProcessGroup, None "
+                            "(the default group) or False (local-only), got True")
+        # A default group that appears after construction: backward() raises.
+        self._watch_for_group = process_group is None and not _dist_initialized()
         if process_group is None:
             process_group = _default_group()
-        elif process_group is False:
+            if process_group is None:
+                _check_launch_has_group()
+        local_only = process_group is None or process_group is False
+        if process_group is False:
             process_group = None
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.process_group = process_group
         self._c = _C.Accumulator(
-            params, names, buffers, int(steps), reduction,
-            None if max_grad_norm is None else float(max_grad_norm), nonfinite,
-            process_group, float(bucket_cap_mb), float(first_bucket_cap_mb),
-            bool(gradient_as_bucket_view), bool(broadcast_buffers), bool(check_parameters),
-            bool(rebuild_buckets),
-            "" if accumulate_dtype is None else str(accumulate_dtype).replace("torch.", ""),
+            params, names, buffers, steps=int(steps), reduction=reduction,
+            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+            nonfinite=nonfinite, process_group=process_group, local_only=local_only,
+            bucket_cap_mb=float(bucket_cap_mb), first_bucket_cap_mb=float(first_bucket_cap_mb),
+            gradient_as_bucket_view=bool(gradient_as_bucket_view),
+            broadcast_buffers=bool(broadcast_buffers), check_parameters=bool(check_parameters),
+            rebuild_buckets=bool(rebuild_buckets), accumulate_dtype=accumulate_dtype,
+            comm_dtype=comm_dtype, error_feedback=error_feedback,
             # Looked up at each call: an LR scheduler created later wraps optimizer.step.
-            (lambda: optimizer.step()) if optimizer is not None else None,
-            (lambda: scheduler.step()) if scheduler is not None else None,
-            "" if comm_dtype is None else str(comm_dtype).replace("torch.", ""),
-            error_feedback,
+            optimizer_step=(lambda: optimizer.step()) if optimizer is not None else None,
+            scheduler_step=(lambda: scheduler.step()) if scheduler is not None else None,
         )
         _LIVE.add(self)
         if process_group is not None:
@@ -430,19 +451,28 @@ class Accumulator:
         ``num_items`` (a number or a one-element tensor) counts them.
         """
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"backward(): loss must be a torch.Tensor, got {type(loss).__name__}")
+            raise TypeError(f"gradaccum: acc.backward(): loss must be a torch.Tensor, got {type(loss).__name__}")
         if self._no_sync_depth:  # data parallel, C++ says the same; here for one process too
             raise RuntimeError(
-                "backward(): called inside no_sync(). Accumulator.backward() decides by itself "
-                "which micro-step synchronises; no_sync() is for the manual path (a plain "
+                "gradaccum: acc.backward(): called inside acc.no_sync(). acc.backward() decides by itself "
+                "which micro-step synchronises; acc.no_sync() is for the manual path (a plain "
                 "loss.backward() inside it)")
         if isinstance(num_items, bool) or (
                 isinstance(num_items, torch.Tensor) and num_items.dtype == torch.bool):
-            raise TypeError(f"backward(): num_items must be a count of items, got {num_items!r}")
+            raise TypeError(f"gradaccum: acc.backward(): num_items must be a count of items, got {num_items!r}")
+        if num_items is not None and not isinstance(num_items, (numbers.Real, torch.Tensor)):
+            raise TypeError(f"gradaccum: acc.backward(): num_items must be a number or a one-element "
+                            f"tensor, got {num_items!r} ({type(num_items).__name__})")
         if isinstance(num_items, torch.Tensor):
             if num_items.numel() != 1:
-                raise ValueError(f"backward(): num_items must be a number, got a tensor of shape {tuple(num_items.shape)}")
+                raise ValueError(f"gradaccum: acc.backward(): num_items must be a number, got a tensor of shape {tuple(num_items.shape)}")
             num_items = num_items.item()
+        if self._watch_for_group and _dist_initialized():
+            raise RuntimeError(
+                "gradaccum: acc.backward(): torch.distributed was initialized after this "
+                "Accumulator was built without a process group, so it reduces nothing and each rank "
+                "would train alone. Build the Accumulator after init_process_group(), or pass "
+                "process_group=False to train each rank alone on purpose")
         if _scaling(self.grad_scaler):
             # Scaled, and divided by steps so that fp16 sees the big batch's
             # magnitudes; step() unscales and multiplies back.
@@ -515,7 +545,7 @@ class Accumulator:
         """Loads a state_dict(); all or nothing: a rejected state leaves the
         window, the counters and the grad_scaler as they were."""
         if not isinstance(state_dict, dict):
-            raise TypeError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
+            raise TypeError(f"gradaccum: acc.load_state_dict(): expected a dict, got {type(state_dict).__name__}")
         scaler = self.grad_scaler
         scaling, saved_scaling = _scaling(scaler), _saved_scaled(state_dict)
         held = _held_gradients(state_dict)
@@ -532,7 +562,7 @@ class Accumulator:
             if "error-feedback residuals" not in held:
                 remedy += ", or save at a window boundary (after step()), where either setting may resume"
             raise ValueError(
-                f"load_state_dict: the state holds {' and '.join(held)} saved with {saved}, but "
+                f"gradaccum: acc.load_state_dict(): the state holds {' and '.join(held)} saved with {saved}, but "
                 f"this Accumulator has {ours}. {remedy}")
         load_scaler = scaling and saved_scaling
         if load_scaler:
@@ -575,5 +605,10 @@ class Accumulator:
         self.close()
 
     def __repr__(self) -> str:
+        if self.closed:
+            return f"Accumulator(steps={self.steps}, reduction={self.reduction!r}, closed)"
+        stats = self._c.stats()
+        group = (f", world_size={stats['world_size']}, backend={stats['backend']!r}"
+                 if stats["data_parallel"] else "")
         return (f"Accumulator(steps={self.steps}, reduction={self.reduction!r}, "
-                f"micro_step={self.micro_step}, data_parallel={self.process_group is not None})")
+                f"micro_step={self.micro_step}, data_parallel={stats['data_parallel']}{group})")

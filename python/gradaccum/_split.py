@@ -19,7 +19,7 @@ def _flatten(batch: Any, leaves: List[torch.Tensor]) -> Any:
             return type(batch)(*parts)
         return type(batch)(parts)
     raise TypeError(
-        f"split: cannot split a {type(batch).__name__}; a batch is a tensor, or "
+        f"gradaccum: split(): cannot split a {type(batch).__name__}; a batch is a tensor, or "
         "tuples, lists and dicts of tensors"
     )
 
@@ -47,7 +47,7 @@ def split(batch: Any, steps: int) -> list:
     [(4, 3), (3, 3), (3, 3)]
     """
     if isinstance(steps, bool) or not isinstance(steps, int):
-        raise TypeError(f"split: steps must be an int, got {type(steps).__name__}")
+        raise TypeError(f"gradaccum: split(): steps must be an int, got {type(steps).__name__}")
     leaves: List[torch.Tensor] = []
     template = _flatten(batch, leaves)
     return [_rebuild(template, parts) for parts in _C.split(leaves, steps)]

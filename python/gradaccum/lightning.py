@@ -56,15 +56,13 @@ except ImportError as error:  # pragma: no cover - exercised by a test in a subp
         "pin torch (pip install -c <file with torch==your version>) so that pip keeps your torch"
     ) from error
 
-from gradaccum._accumulator import Accumulator
+from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
 
 __all__ = ["GradaccumStrategy"]
 
 #: The key of the Accumulator's state in Lightning's checkpoint dict.
 CHECKPOINT_KEY = "gradaccum_accumulator"
 
-_REDUCTIONS = ("mean", "sum", "items")
-_NONFINITE = ("skip", "raise", "ignore")
 
 
 class GradaccumStrategy(DDPStrategy):
@@ -114,9 +112,9 @@ class GradaccumStrategy(DDPStrategy):
         precision_plugin: Optional[Any] = None,
     ) -> None:
         if reduction not in _REDUCTIONS:
-            raise ValueError(f"Invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
+            raise ValueError(f"gradaccum: GradaccumStrategy(): invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
         if nonfinite not in _NONFINITE:
-            raise ValueError(f"Invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
+            raise ValueError(f"gradaccum: GradaccumStrategy(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -169,12 +167,12 @@ class GradaccumStrategy(DDPStrategy):
         assert module is not None
         if not module.automatic_optimization:
             raise ValueError(
-                "GradaccumStrategy drives backward and the optimizer step, which needs automatic "
+                "gradaccum: GradaccumStrategy: it drives backward and the optimizer step, which needs automatic "
                 "optimization; with manual optimization use gradaccum.Accumulator in training_step"
             )
         if len(self.optimizers) != 1:
             raise ValueError(
-                f"GradaccumStrategy needs exactly one optimizer, configure_optimizers gave {len(self.optimizers)}"
+                f"gradaccum: GradaccumStrategy needs exactly one optimizer, configure_optimizers gave {len(self.optimizers)}"
             )
         steps = trainer.accumulate_grad_batches
         clip = trainer.gradient_clip_val
@@ -183,12 +181,12 @@ class GradaccumStrategy(DDPStrategy):
             algorithm = None if algorithm is None else str(getattr(algorithm, "value", algorithm))
             if algorithm not in (None, "norm"):
                 raise ValueError(
-                    f"GradaccumStrategy clips the window's gradient by its norm (gradient_clip_val); "
+                    f"gradaccum: GradaccumStrategy clips the window's gradient by its norm (gradient_clip_val); "
                     f"gradient_clip_algorithm={algorithm!r} is not supported"
                 )
         if is_overridden("configure_gradient_clipping", module):
             raise ValueError(
-                "GradaccumStrategy does not call configure_gradient_clipping: the Accumulator clips "
+                "gradaccum: GradaccumStrategy does not call configure_gradient_clipping: the Accumulator clips "
                 "the window's gradient once, by norm, to the Trainer's gradient_clip_val"
             )
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -266,7 +264,7 @@ class GradaccumStrategy(DDPStrategy):
             return None  # Lightning itself reports a missing loss
         if self.reduction == "items" and num_items is None:
             raise ValueError(
-                "GradaccumStrategy(reduction='items'): training_step must return "
+                "gradaccum: GradaccumStrategy(reduction='items'): training_step must return "
                 "{'loss': loss summed over the batch's items, 'num_items': their count}"
             )
         if self.reduction != "items" and num_items is not None:

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 
 using namespace gradaccum;
@@ -150,7 +151,7 @@ TEST_CASE("window bookkeeping", "[accumulator]") {
   CHECK(acc.sync_gradients());
   acc.backward(model->forward(x).sum());
   CHECK(acc.window_ready());
-  CHECK_THROWS_WITH(acc.backward(model->forward(x).sum()), Catch::Contains("call step()"));
+  CHECK_THROWS_WITH(acc.backward(model->forward(x).sum()), Catch::Contains("call acc.step()"));
   CHECK(acc.step());
   CHECK_FALSE(acc.window_ready());
   for (auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());
@@ -253,7 +254,7 @@ TEST_CASE("bad input is rejected and leaves accumulated gradients alone", "[accu
   auto frozen = mlp();
   for (auto& p : frozen->parameters()) p.set_requires_grad(false);
   CHECK_THROWS_WITH(Accumulator(frozen, AccumulatorOptions(2)), Catch::Contains("no trainable parameters"));
-  CHECK_THROWS_WITH(Accumulator(mlp(), AccumulatorOptions(0)), Catch::Contains("Invalid steps"));
+  CHECK_THROWS_WITH(Accumulator(mlp(), AccumulatorOptions(0)), Catch::Contains("invalid steps"));
 
   auto state = acc.state_dict();
   state.steps = 3;
@@ -415,4 +416,39 @@ TEST_CASE("save and load through archives resume mid-window exactly", "[accumula
   CHECK(resumed_stats.micro_steps == straight_stats.micro_steps);
   CHECK(resumed_stats.optimizer_steps == straight_stats.optimizer_steps);
   CHECK(resumed_stats.loss_scale == straight_stats.loss_scale);
+}
+
+TEST_CASE("no process group under a multi-rank launch is an error unless local_only", "[accumulator][launch]") {
+  // torchrun sets WORLD_SIZE; every rank reads the same value, so every rank fails alike.
+  const char* saved = std::getenv("WORLD_SIZE");
+  const std::string before = saved ? saved : "";
+  ::setenv("WORLD_SIZE", "2", 1);
+  CHECK_THROWS_WITH(Accumulator(mlp(), AccumulatorOptions(2)), Catch::StartsWith(
+      "gradaccum: Accumulator(): WORLD_SIZE=2 in the environment (a torchrun launch?) but no process "
+      "group was given, so each rank would train alone and the ranks would end with different "
+      "weights. Pass one (options.process_group(gradaccum::init_process_group_from_env())), or set "
+      "options.local_only(true) to train each rank alone on purpose"));
+  Accumulator alone(mlp(), AccumulatorOptions(2).local_only(true));
+  CHECK_FALSE(alone.stats().data_parallel);
+  CHECK(alone.stats().world_size == 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  Accumulator single(mlp(), AccumulatorOptions(2)); // a one-rank launch: nothing to reduce
+  if (saved) {
+    ::setenv("WORLD_SIZE", before.c_str(), 1);
+  } else {
+    ::unsetenv("WORLD_SIZE");
+  }
+}
+
+TEST_CASE("a step with gradients but no counted micro-step is an error", "[accumulator][misuse]") {
+  auto model = mlp();
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  Accumulator acc(model, opt, AccumulatorOptions(2));
+  model->forward(torch::ones({2, 6}, torch::kDouble)).sum().backward(); // not acc.backward()
+  CHECK_THROWS_WITH(acc.step(), Catch::StartsWith(
+      "gradaccum: acc.step(): gradients were written since the last window, but no micro-step was "
+      "counted: a plain loss.backward() instead of acc.backward(loss)?"));
+  CHECK(acc.micro_step() == 0);
+  acc.zero_grad();
+  CHECK_FALSE(acc.step()); // nothing written since: not an error
 }

@@ -17,12 +17,12 @@ TEST_CASE("options chain and keep their defaults", "[options]") {
 }
 
 TEST_CASE("invalid options name the field and value", "[options][errors]") {
-  CHECK_THROWS_WITH(AccumulatorOptions(0).validate(), Catch::Contains("Invalid steps: 0"));
-  CHECK_THROWS_WITH(AccumulatorOptions(-3).validate(), Catch::Contains("Invalid steps: -3"));
+  CHECK_THROWS_WITH(AccumulatorOptions(0).validate(), Catch::Contains("invalid steps: 0"));
+  CHECK_THROWS_WITH(AccumulatorOptions(-3).validate(), Catch::Contains("invalid steps: -3"));
   CHECK_THROWS_WITH(AccumulatorOptions(2).max_grad_norm(-1.0).validate(),
-      Catch::Contains("Invalid max_grad_norm: -1"));
+      Catch::Contains("invalid max_grad_norm: -1"));
   CHECK_THROWS_WITH(AccumulatorOptions(2).reducer(ReducerOptions().bucket_cap_mb(0)).validate(),
-      Catch::Contains("Invalid bucket_cap_mb"));
+      Catch::Contains("invalid bucket_cap_mb"));
   CHECK_THROWS_AS(AccumulatorOptions(0).validate(), c10::ValueError);
 }
 
@@ -33,6 +33,6 @@ TEST_CASE("names parse both ways", "[options]") {
   for (auto n : {NonFinite::Skip, NonFinite::Raise, NonFinite::Ignore}) {
     CHECK(nonfinite_from_string(to_string(n)) == n);
   }
-  CHECK_THROWS_WITH(reduction_from_string("avg"), Catch::Contains("Invalid reduction: 'avg'"));
-  CHECK_THROWS_WITH(nonfinite_from_string("nan"), Catch::Contains("Invalid nonfinite: 'nan'"));
+  CHECK_THROWS_WITH(reduction_from_string("avg"), Catch::Contains("invalid reduction: 'avg'"));
+  CHECK_THROWS_WITH(nonfinite_from_string("nan"), Catch::Contains("invalid nonfinite: 'nan'"));
 }

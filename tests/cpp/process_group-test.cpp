@@ -129,7 +129,7 @@ TEST_CASE("bad group arguments are rejected", "[process_group][errors]") {
   auto store = c10::make_intrusive<c10d::HashStore>();
   CHECK_THROWS_WITH(new_process_group(store, 2, 2), Catch::Contains("out of range"));
   CHECK_THROWS_WITH(new_process_group(store, 0, 1, ProcessGroupOptions().backend("mpi")),
-      Catch::Contains("Invalid backend: 'mpi'"));
+      Catch::Contains("invalid backend: 'mpi'"));
   if (!nccl_available()) {
     CHECK_THROWS_WITH(new_process_group(store, 0, 1, ProcessGroupOptions().backend("nccl")),
         Catch::Contains("built without NCCL"));

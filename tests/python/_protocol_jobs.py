@@ -975,3 +975,40 @@ def per_rank_state_after_failed_micro_step(rank, world_size):
     except RuntimeError as e:
         out["state"] = str(e)
     return out
+
+
+@job
+def skewed_checkpoint(rank, world_size, *, saves, reduction):
+    """Rank r calls state_dict() after saves[r] micro-steps of the window (a
+    save decided per rank: preemption, a timer). A rank-independent state is
+    one rank's view of the window, loaded on every rank: it must be a
+    consistent cut, or every rank must be told. The run then goes on."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction)
+    out = {"error": None, "stepped": []}
+
+    def micro(i):
+        x = torch.full((2, 3), float(rank + 1 + i), dtype=torch.float64)
+        kw = {"num_items": 2} if reduction == "items" else {}
+        acc.backward(model(x).sum(), **kw)
+        out["stepped"].append(acc.step())
+
+    for i in range(saves[rank]):
+        micro(i)
+    try:
+        state = acc.state_dict()
+        out["state_micro_step"] = state["micro_step"]
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["window_error"] = None
+    try:
+        for i in range(saves[rank], 2 * STEPS):
+            micro(i)
+    except RuntimeError as e:
+        out["window_error"] = str(e)
+    out["weight"] = model.weight.detach().clone()
+    return out

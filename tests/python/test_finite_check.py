@@ -69,8 +69,8 @@ def test_skip_and_raise_match_the_norm_on_every_rank(results, key):
             assert len(r["errors"]) == 1 and r["errors"][0][0] == fj.BAD_WINDOW, key
             norm = "inf" if c["value"] == "huge" else "nan"
             assert r["errors"][0][1].startswith(
-                f"step(): the window's gradient is not finite (total norm {norm}); gradients left in "
-                ".grad for inspection, call zero_grad() to drop the window"), r["errors"][0][1]
+                f"gradaccum: acc.step(): the window's gradient is not finite (total norm {norm}); gradients "
+                "left in .grad for inspection, call acc.zero_grad() to drop the window"), r["errors"][0][1]
         else:
             assert r["errors"] == [], key
             assert r["stats"]["skipped_steps"] == len(skip), key

@@ -202,9 +202,9 @@ def test_reduction_and_training_step_output_must_agree(runs):
 def test_bad_arguments():
     from gradaccum.lightning import GradaccumStrategy
 
-    with pytest.raises(ValueError, match="Invalid reduction: 'avg'"):
+    with pytest.raises(ValueError, match="invalid reduction: 'avg'"):
         GradaccumStrategy(reduction="avg")
-    with pytest.raises(ValueError, match="Invalid nonfinite: 'nan'"):
+    with pytest.raises(ValueError, match="invalid nonfinite: 'nan'"):
         GradaccumStrategy(nonfinite="nan")
 
 

@@ -177,3 +177,57 @@ def test_wheel_is_the_cpp_sdk(tmp_path):
     run(["cmake", "--build", build, "-j", os.environ.get("MAX_JOBS", "2")], env=env)
     out = run([build / "consumer"], env=env).stdout
     assert f"consumer: gradaccum {header_version()}, stepped=1" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not shutil.which("cmake"), reason="Linux, CMake")
+def test_a_statically_linked_cxx_runtime_stays_private(tmp_path):
+    """Some compilers (devtoolset-style GCCs; the /opt/gcc of the GPU machine)
+    link libstdc++ statically into each shared object. Loaded after torch,
+    such a library's exported runtime mixed with torch's: numbers vanished from
+    error texts here, and on the GPU machine the first `stream << number`
+    crashed. libgradaccum links with --exclude-libs,ALL (Note [Static runtime
+    pieces stay private] in CMakeLists.txt): built with -static-libstdc++ (the
+    sources hit ccache), swapped into a copy of the installed package, it must
+    format numbers and reduce over a group as the normal build does."""
+    build = tmp_path / "build"
+    configure = ["cmake", "-S", REPO, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGRADACCUM_TEST=OFF",
+                 "-DGRADACCUM_INSTALL=OFF", "-DGRADACCUM_PYTHON_PACKAGE=ON",
+                 f"-DTorch_DIR={os.path.join(torch.utils.cmake_prefix_path, 'Torch')}",
+                 "-DCMAKE_SHARED_LINKER_FLAGS=-static-libstdc++ -static-libgcc"]
+    if shutil.which("ninja"):
+        configure += ["-G", "Ninja"]
+    if shutil.which("ccache"):
+        configure.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
+    run(configure)
+    run(["cmake", "--build", build, "-j", os.environ.get("MAX_JOBS", "2"), "--target", "gradaccum"], timeout=1200)
+    (lib,) = build.glob("libgradaccum.so*")
+    if shutil.which("readelf"):
+        assert "libstdc++" not in run(["readelf", "-d", lib]).stdout, "not linked statically"
+    package = tmp_path / "pkg" / "gradaccum"
+    shutil.copytree(pathlib.Path(gradaccum.__file__).parent, package)
+    shutil.copy(lib, package / "lib" / "libgradaccum.so")
+    probe = ("import torch, torch.distributed as dist, gradaccum\n"
+             "assert gradaccum.__file__.startswith(%r), gradaccum.__file__\n"
+             "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, world_size=1)\n"
+             "m = torch.nn.Linear(3, 1)\n"
+             "try:\n"
+             "    gradaccum.Accumulator(m, torch.optim.SGD(m.parameters(), lr=0.1), steps=0)\n"
+             "except ValueError as e:\n"
+             "    print(e)\n"
+             "acc = gradaccum.Accumulator(m, torch.optim.SGD(m.parameters(), lr=0.1), steps=2)\n"
+             "for _ in range(4):\n"
+             "    acc.backward(m(torch.ones(2, 3)).sum()); acc.step()\n"
+             "print(acc.stats()['optimizer_steps'], acc.stats()['collectives'])\n"
+             "dist.destroy_process_group()\n") % (str(package), _free_port())
+    env = dict(os.environ, PYTHONPATH=str(package.parent), OMP_NUM_THREADS="1")
+    out = run([sys.executable, "-c", probe], env=env, cwd=tmp_path).stdout.splitlines()
+    assert "steps" in out[0] and "got 0" in out[0] or "steps: 0" in out[0], out
+    assert out[1] == "2 2", out
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

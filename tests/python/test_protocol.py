@@ -131,7 +131,7 @@ def test_flush_on_one_rank_only_is_a_clear_error_on_every_rank(tmp_path):
     results = run("disagree", 2, tmp_path, case="one_sided_flush", check_parameters=False)
     assert "rank 1 went on training after other ranks had ended the epoch with flush()" \
         in results[0]["error"], results[0]["error"]
-    assert "other ranks ended the epoch with flush() in the reduction that closed this " \
+    assert "gradaccum: acc.backward(): other ranks ended the epoch with acc.flush() in the reduction that closed this " \
            "rank's last window, but this rank went on training" in results[1]["error"]
     for res in results:
         assert res["seconds"] < 5

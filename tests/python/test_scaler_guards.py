@@ -42,14 +42,14 @@ def test_grad_scaler_refuses_an_optimizer_over_part_of_the_trainable_parameters(
     opt = torch.optim.SGD(model[1].parameters(), lr=0.1)  # the head only, the body trainable
     loss_of(model, make_data(1)[0]).backward()
     grads = snapshot_grads(model)
-    with pytest.raises(ValueError, match=r"^grad_scaler: parameter '0\.weight' requires grad but is "
+    with pytest.raises(ValueError, match=r"^gradaccum: Accumulator\(\): grad_scaler: parameter '0\.weight' requires grad but is "
                        r"not in the optimizer's param_groups\..*Freeze it \(requires_grad=False\) "
                        r"before building the Accumulator, or give the optimizer every trainable "
                        r"parameter$"):
         gradaccum.Accumulator(model, opt, steps=K, grad_scaler=torch.amp.GradScaler("cpu"))
     assert_grads_equal(model, grads)
     # An iterable of parameters names it by position.
-    with pytest.raises(ValueError, match=r"^grad_scaler: parameter 1 requires grad but is not in "
+    with pytest.raises(ValueError, match=r"^gradaccum: Accumulator\(\): grad_scaler: parameter 1 requires grad but is not in "
                        r"the optimizer's param_groups"):
         gradaccum.Accumulator([model[1].weight, model[0].bias], opt, steps=K,
                               grad_scaler=torch.amp.GradScaler("cpu"))
@@ -92,7 +92,7 @@ def test_grad_scaler_refuses_float16_parameters(accumulate_dtype):
     torch.manual_seed(1)
     model = nn.Linear(4, 1).half()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"^grad_scaler: parameter 'weight' is float16; GradScaler "
+    with pytest.raises(ValueError, match=r"^gradaccum: Accumulator\(\): grad_scaler: parameter 'weight' is float16; GradScaler "
                        r"cannot unscale float16 gradients .*Keep the parameters float32 and run the "
                        r"forward under torch\.autocast\(device_type, dtype=torch\.float16\)"):
         gradaccum.Accumulator(model, opt, steps=2, grad_scaler=torch.amp.GradScaler("cpu"),
@@ -152,7 +152,7 @@ def test_load_refuses_a_window_saved_with_the_other_scaling(saved_with, micro_st
              else r"no grad_scaler \(its gradients are not scaled\)")
     ours = (r"no grad_scaler \(it expects unscaled gradients\)" if saved_with
             else r"an enabled grad_scaler \(it expects scaled gradients\)")
-    with pytest.raises(ValueError, match=rf"^load_state_dict: the state holds {held} saved with "
+    with pytest.raises(ValueError, match=rf"^gradaccum: acc\.load_state_dict\(\): the state holds {held} saved with "
                        rf"{saved}, but this Accumulator has {ours}\. Resume with the grad_scaler "
                        r"setting that saved it, or save at a window boundary \(after step\(\)\), "
                        r"where either setting may resume$"):
@@ -188,19 +188,19 @@ def test_rejected_scaler_state_leaves_the_window_and_the_scaler_untouched():
     grads, scale = snapshot_grads(model), acc.grad_scaler.get_scale()
 
     bad = dict(state, grad_scaler={"scale": 2.0 ** 3})  # GradScaler would set it, then KeyError
-    with pytest.raises(ValueError, match=r"^load_state_dict: 'grad_scaler' has no key "
+    with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): 'grad_scaler' has no key "
                        r"'growth_factor': it must be what GradScaler\.state_dict\(\) returns$"):
         acc.load_state_dict(bad)
     bad = dict(state, grad_scaler=dict(state["grad_scaler"], growth_interval="2000"))
-    with pytest.raises(TypeError, match=r"^load_state_dict: 'grad_scaler' key 'growth_interval' "
+    with pytest.raises(TypeError, match=r"^gradaccum: acc\.load_state_dict\(\): 'grad_scaler' key 'growth_interval' "
                        r"must be an int, got '2000'$"):
         acc.load_state_dict(bad)
     bad = dict(state, grad_scaler=dict(state["grad_scaler"], scale=0.0))
-    with pytest.raises(ValueError, match=r"^load_state_dict: 'grad_scaler' scale must be a "
+    with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): 'grad_scaler' scale must be a "
                        r"positive finite number, got 0\.0$"):
         acc.load_state_dict(bad)
     # A disabled GradScaler's state ({}): its window is not scaled.
-    with pytest.raises(ValueError, match=r"^load_state_dict: the state holds a half-done window "
+    with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): the state holds a half-done window "
                        r"\(micro_step=2\) saved with a disabled grad_scaler \(its gradients are not "
                        r"scaled\), but this Accumulator has an enabled grad_scaler"):
         acc.load_state_dict(dict(state, grad_scaler={}))
@@ -221,7 +221,7 @@ def test_rejected_cpp_state_puts_the_scaler_back():
     model, opt, acc = make(True, steps=2)  # the C++ side refuses the steps
     acc.backward(loss_of(model, make_data(1, seed=7)[0]))  # the scaler's scale tensor exists
     grads, scaler_state = snapshot_grads(model), acc.grad_scaler.state_dict()
-    with pytest.raises(ValueError, match=r"^load_state_dict: the state was saved with steps=4 but "
+    with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): the state was saved with steps=4 but "
                        r"this Accumulator has steps=2$"):
         acc.load_state_dict(state)
     assert acc.micro_step == 1

@@ -16,11 +16,11 @@ namespace {
 template <typename T>
 T required(const py::dict& d, const char* key) {
   if (!d.contains(key)) {
-    throw py::value_error(std::string("load_state_dict: the state dict has no key '") + key + "'");
+    throw py::value_error(std::string("gradaccum: acc.load_state_dict(): the state dict has no key '") + key + "'");
   }
   const py::object value = d[key];
   const auto wrong = [&] {
-    return py::value_error(std::string("load_state_dict: key '") + key + "' has the wrong type (" +
+    return py::value_error(std::string("gradaccum: acc.load_state_dict(): key '") + key + "' has the wrong type (" +
         py::str(py::type::of(value)).cast<std::string>() + ")");
   };
   if constexpr (std::is_same_v<T, py::list>) {
@@ -50,19 +50,6 @@ T required(const py::dict& d, const char* key) {
   }
 }
 
-py::dict reducer_stats_to_dict(const ReducerStats& r) {
-  py::dict d;
-  d["windows"] = r.windows;
-  d["dropped_windows"] = r.dropped_windows;
-  d["collectives"] = r.collectives;
-  d["bytes_reduced"] = r.bytes_reduced;
-  d["last_window_collectives"] = r.last_window_collectives;
-  d["last_window_bytes"] = r.last_window_bytes;
-  d["broadcasts"] = r.broadcasts;
-  d["snapshots"] = r.snapshots;
-  return d;
-}
-
 py::dict stats_to_dict(const AccumulatorStats& s) {
   py::dict d;
   d["micro_steps"] = s.micro_steps;
@@ -83,6 +70,9 @@ py::dict stats_to_dict(const AccumulatorStats& s) {
   d["launched_in_backward"] = s.reducer.launched_in_backward;
   d["last_window_launched_in_backward"] = s.reducer.last_window_launched_in_backward;
   d["bucket_rebuilds"] = s.reducer.bucket_rebuilds;
+  d["data_parallel"] = s.data_parallel;
+  d["world_size"] = s.world_size;
+  d["backend"] = s.data_parallel ? py::cast(s.backend) : py::none();
   return d;
 }
 
@@ -109,26 +99,26 @@ std::vector<at::Tensor> tensors_from_list(const py::dict& d, const char* key) {
   return out;
 }
 
+// The state as a dict, by Note [The checkpoint schema]: "reducer.<x>" fields
+// nested under "reducer"; the reduction by its name.
 py::dict state_to_dict(const AccumulatorState& s) {
   py::dict d;
-  d["steps"] = s.steps;
-  d["reduction"] = to_string(s.reduction);
-  d["world_size"] = s.world_size;
-  d["rank"] = s.rank;
-  d["rank_independent"] = s.rank_independent;
-  d["micro_step"] = s.micro_step;
-  d["window_ready"] = s.window_ready;
-  d["window_weight"] = s.window_weight;
-  d["epoch_ended"] = s.epoch_ended;
-  d["micro_steps"] = s.micro_steps;
-  d["optimizer_steps"] = s.optimizer_steps;
-  d["skipped_steps"] = s.skipped_steps;
-  d["windows"] = s.windows;
-  d["reducer"] = reducer_stats_to_dict(s.reducer);
-  d["reducer_sequence"] = s.reducer_sequence;
-  d["reducer_last_weight"] = s.reducer_last_weight;
-  d["loss_scale"] = s.loss_scale;
-  d["loss_scale_growth_tracker"] = s.loss_scale_growth_tracker;
+  py::dict reducer;
+  for_each_state_field(s, [&](const char* name, const auto& field, bool) {
+    const std::string key(name);
+    py::object value;
+    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, Reduction>) {
+      value = py::cast(to_string(field));
+    } else {
+      value = py::cast(field);
+    }
+    if (key.rfind("reducer.", 0) == 0) {
+      reducer[py::str(key.substr(8))] = value;
+    } else {
+      d[py::str(key)] = value;
+    }
+  });
+  d["reducer"] = reducer;
   d["grads"] = tensor_list(s.grads);
   if (!s.residuals.empty()) {
     d["error_feedback_residuals"] = tensor_list(s.residuals);
@@ -138,34 +128,22 @@ py::dict state_to_dict(const AccumulatorState& s) {
 
 AccumulatorState state_from_dict(const py::dict& d) {
   AccumulatorState s;
-  s.steps = required<int64_t>(d, "steps");
-  s.reduction = reduction_from_string(required<std::string>(d, "reduction"));
-  s.world_size = required<int64_t>(d, "world_size");
-  s.rank = required<int64_t>(d, "rank");
-  s.rank_independent = required<bool>(d, "rank_independent");
-  s.micro_step = required<int64_t>(d, "micro_step");
-  s.window_ready = required<bool>(d, "window_ready");
-  s.window_weight = required<double>(d, "window_weight");
-  s.epoch_ended = required<bool>(d, "epoch_ended");
-  s.micro_steps = required<int64_t>(d, "micro_steps");
-  s.optimizer_steps = required<int64_t>(d, "optimizer_steps");
-  s.skipped_steps = required<int64_t>(d, "skipped_steps");
-  s.windows = required<int64_t>(d, "windows");
-  s.reducer_sequence = required<int64_t>(d, "reducer_sequence");
-  if (d.contains("reducer_last_weight")) { // states saved before it was kept have none
-    s.reducer_last_weight = required<double>(d, "reducer_last_weight");
-  }
-  s.loss_scale = required<double>(d, "loss_scale");
-  s.loss_scale_growth_tracker = required<int64_t>(d, "loss_scale_growth_tracker");
   const auto r = required<py::dict>(d, "reducer");
-  s.reducer.windows = required<int64_t>(r, "windows");
-  s.reducer.dropped_windows = required<int64_t>(r, "dropped_windows");
-  s.reducer.collectives = required<int64_t>(r, "collectives");
-  s.reducer.bytes_reduced = required<int64_t>(r, "bytes_reduced");
-  s.reducer.last_window_collectives = required<int64_t>(r, "last_window_collectives");
-  s.reducer.last_window_bytes = required<int64_t>(r, "last_window_bytes");
-  s.reducer.broadcasts = required<int64_t>(r, "broadcasts");
-  s.reducer.snapshots = required<int64_t>(r, "snapshots");
+  for_each_state_field(s, [&](const char* name, auto& field, bool needed) {
+    const std::string key(name);
+    const bool nested = key.rfind("reducer.", 0) == 0;
+    const auto& from = nested ? r : d;
+    const auto own = nested ? key.substr(8) : key;
+    if (!needed && !from.contains(own.c_str())) {
+      return; // a state saved before the field was kept: its default
+    }
+    using T = std::decay_t<decltype(field)>;
+    if constexpr (std::is_same_v<T, Reduction>) {
+      field = reduction_from_string(required<std::string>(from, own.c_str()));
+    } else {
+      field = required<T>(from, own.c_str());
+    }
+  });
   s.grads = tensors_from_list(d, "grads");
   if (d.contains("error_feedback_residuals")) {
     s.residuals = tensors_from_list(d, "error_feedback_residuals");
@@ -188,6 +166,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> to_process_group(const py::object& group)
   }
 }
 
+// Python's keyword options (gradaccum.Accumulator validated them) to AccumulatorOptions.
 std::unique_ptr<Accumulator> make_accumulator(
     std::vector<at::Tensor> params,
     std::vector<std::string> names,
@@ -197,21 +176,26 @@ std::unique_ptr<Accumulator> make_accumulator(
     std::optional<double> max_grad_norm,
     const std::string& nonfinite,
     const py::object& process_group,
+    bool local_only,
     double bucket_cap_mb,
     double first_bucket_cap_mb,
     bool gradient_as_bucket_view,
     bool broadcast_buffers,
     bool check_parameters,
     bool rebuild_buckets,
-    const std::string& accumulate_dtype,
+    std::optional<at::ScalarType> accumulate_dtype,
+    std::optional<at::ScalarType> comm_dtype,
+    bool error_feedback,
     Accumulator::StepFunction optimizer_step,
-    Accumulator::StepFunction scheduler_step,
-    const std::string& comm_dtype,
-    bool error_feedback) {
+    Accumulator::StepFunction scheduler_step) {
   auto options = AccumulatorOptions(steps)
                      .reduction(reduction_from_string(reduction))
                      .max_grad_norm(max_grad_norm)
                      .nonfinite(nonfinite_from_string(nonfinite))
+                     .local_only(local_only)
+                     .accumulate_dtype(accumulate_dtype)
+                     .comm_dtype(comm_dtype)
+                     .error_feedback(error_feedback)
                      .reducer(ReducerOptions()
                                   .bucket_cap_mb(bucket_cap_mb)
                                   .first_bucket_cap_mb(first_bucket_cap_mb)
@@ -219,23 +203,6 @@ std::unique_ptr<Accumulator> make_accumulator(
                                   .broadcast_buffers(broadcast_buffers)
                                   .check_parameters(check_parameters)
                                   .rebuild_buckets(rebuild_buckets));
-  if (accumulate_dtype == "float32") {
-    options.accumulate_dtype(at::kFloat);
-  } else if (accumulate_dtype == "float64") {
-    options.accumulate_dtype(at::kDouble);
-  } else if (!accumulate_dtype.empty()) {
-    throw py::value_error("accumulate_dtype must be torch.float32, torch.float64 or None, got " + accumulate_dtype);
-  }
-  if (comm_dtype == "bfloat16") {
-    options.comm_dtype(at::kBFloat16);
-  } else if (comm_dtype == "float16") {
-    options.comm_dtype(at::kHalf);
-  } else if (comm_dtype == "float32") {
-    options.comm_dtype(at::kFloat);
-  } else if (!comm_dtype.empty()) {
-    throw py::value_error("comm_dtype must be torch.bfloat16, torch.float16, torch.float32 or None, got " + comm_dtype);
-  }
-  options.error_feedback(error_feedback);
   if (!process_group.is_none()) {
     options.process_group(to_process_group(process_group));
   }
@@ -249,13 +216,13 @@ void init_accumulator(py::module_& m) {
   using release = py::call_guard<py::gil_scoped_release>;
   py::class_<Accumulator>(m, "Accumulator")
       .def(py::init(&make_accumulator),
-           py::arg("params"), py::arg("names"), py::arg("buffers"), py::arg("steps"),
+           py::arg("params"), py::arg("names"), py::arg("buffers"), py::kw_only(), py::arg("steps"),
            py::arg("reduction"), py::arg("max_grad_norm"), py::arg("nonfinite"),
-           py::arg("process_group"), py::arg("bucket_cap_mb"), py::arg("first_bucket_cap_mb"),
-           py::arg("gradient_as_bucket_view"), py::arg("broadcast_buffers"),
-           py::arg("check_parameters"), py::arg("rebuild_buckets"), py::arg("accumulate_dtype"),
-           py::arg("optimizer_step"), py::arg("scheduler_step"), py::arg("comm_dtype") = "",
-           py::arg("error_feedback") = false,
+           py::arg("process_group"), py::arg("local_only"), py::arg("bucket_cap_mb"),
+           py::arg("first_bucket_cap_mb"), py::arg("gradient_as_bucket_view"),
+           py::arg("broadcast_buffers"), py::arg("check_parameters"), py::arg("rebuild_buckets"),
+           py::arg("accumulate_dtype"), py::arg("comm_dtype"), py::arg("error_feedback"),
+           py::arg("optimizer_step"), py::arg("scheduler_step"),
            "See gradaccum.Accumulator.")
       .def("backward", &Accumulator::backward, py::arg("loss"), py::arg("num_items") = py::none(),
            release(), "Backward on one micro-batch's loss; counts the micro-step.")

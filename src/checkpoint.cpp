@@ -1,0 +1,352 @@
+// Accumulator::state_dict / load_state_dict / save / load: the checkpoint of a
+// window in progress (see AccumulatorState in accumulator.h).
+#include <gradaccum/accumulator.h>
+
+#include "call_guard.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+
+#include <cmath>
+#include <sstream>
+
+namespace gradaccum {
+
+using detail::CallGuard;
+
+// Note [A checkpoint is a consistent cut]
+// A rank-independent state is one rank's view of the window, loaded on every
+// rank, so every rank must save it at the same micro-step. A save decided per
+// rank (a timer, a preemption signal) can break that. Mid-window, every rank
+// saving takes part in the snapshot's reduction, whose consensus ties it to
+// the same window, but not to the same micro-step: the micro-steps are then
+// gathered (the snapshot completed on every rank, so this collective pairs) and
+// a difference is the same error on every rank. The window itself stays
+// right: the snapshot's sums plus the micro-steps still to come are the
+// window's gradient whatever the cut, so training may go on. A rank at the
+// window boundary saves with no collective; its peers' snapshot then meets its
+// next reduction, and the reducer's consensus fails that window on every rank.
+void Accumulator::check_consistent_cut(int64_t window) const {
+  const auto steps = reducer_->gather(micro_step_);
+  bool same = true;
+  std::ostringstream each;
+  for (const auto r : c10::irange(steps.size())) {
+    same = same && steps[r] == steps[0];
+    each << (r ? ", " : "") << "rank " << r << ": " << steps[r];
+  }
+  TORCH_CHECK(same,
+      "gradaccum: acc.state_dict(): the ranks are at different micro-steps of window ", window, " (",
+      each.str(), "), so no rank's state is a consistent checkpoint of the job. Call acc.state_dict() "
+      "at the same micro-step on every rank (at a window boundary, after acc.step() returned "
+      "True, is simplest). Nothing was lost: training can go on");
+}
+
+AccumulatorState Accumulator::state_dict(bool rank_independent) {
+  const CallGuard guard(driver_, "acc.state_dict()");
+  check_open("acc.state_dict()");
+  AccumulatorState state;
+  state.steps = options_.steps();
+  state.reduction = options_.reduction();
+  state.world_size = reducer_ ? reducer_->process_group()->getSize() : 1;
+  state.rank = reducer_ ? reducer_->process_group()->getRank() : 0;
+  state.rank_independent = !reducer_ || rank_independent;
+  state.micro_step = micro_step_;
+  state.window_ready = window_ready_;
+  state.window_weight = window_weight_;
+  state.epoch_ended = epoch_ended_;
+  state.micro_steps = stats_.micro_steps;
+  state.optimizer_steps = stats_.optimizer_steps;
+  state.skipped_steps = stats_.skipped_steps;
+  state.windows = stats_.windows;
+  state.loss_scale = loss_scale_;
+  state.loss_scale_growth_tracker = growth_tracker_;
+  TORCH_CHECK(!(reducer_ && rank_independent && epoch_ended_),
+      "gradaccum: acc.state_dict(): other ranks ended the epoch with acc.flush() in the reduction that closed "
+      "this rank's last window; call acc.flush() (a no-op here) before saving, so that the "
+      "state is the same on every rank");
+  TORCH_CHECK(!(reducer_ && rank_independent && micro_step_ > 0 && reducer_->compressing()),
+      "gradaccum: acc.state_dict(): a rank-independent checkpoint in the middle of a window is not supported "
+      "with comm_dtype (the half-done window would be rounded to the wire's dtype); save at a "
+      "window boundary (micro_step 0), or use acc.state_dict(rank_independent=False)");
+  TORCH_CHECK(!(reducer_ && !rank_independent && window_failed_),
+      "gradaccum: acc.state_dict(rank_independent=False): a micro-step of this window failed on this rank, so the "
+      "window will be dropped on every rank when it closes; a state saved now would resume it as "
+      "if nothing had failed. Save at a window boundary (after the window closes)");
+  if (reducer_ && rank_independent && micro_step_ > 0) {
+    snapshot_window_into(state);
+  } else {
+    copy_window_into(state);
+  }
+  if (reducer_) {
+    const auto progress = reducer_->progress();
+    state.reducer = progress.stats;
+    state.reducer_sequence = progress.sequence;
+    state.reducer_last_weight = progress.last_weight;
+    if (!state.rank_independent && options_.error_feedback()) {
+      state.residuals = reducer_->residuals(); // a rank's own: see AccumulatorState
+    }
+  }
+  return state;
+}
+
+void Accumulator::snapshot_window_into(AccumulatorState& state) {
+  // Sum the half-done window over ranks; each rank keeps 1/world of it, so
+  // any rank's state, loaded everywhere, sums back to the same window.
+  ReductionRequest request;
+  request.weight = window_weight_;
+  request.divide = false;
+  request.abort = window_failed_ ? AbortReason::BackwardFailed : AbortReason::None;
+  if (!window_failed_ && grad_versions() != remembered_) {
+    // Cleared or changed since the last micro-step (optimizer.zero_grad()?):
+    // a snapshot of it would save, and then continue, a silently wrong window.
+    request.abort = AbortReason::GradientsChanged;
+  }
+  ReductionResult result;
+  const auto window = reducer_->progress().sequence;
+  std::vector<at::Tensor> sums;
+  try {
+    sums = reducer_->snapshot(request, &result);
+  } catch (...) {
+    reset_window(); // dropped on every rank: see the error
+    note_dropped_window(window);
+    throw;
+  }
+  const auto world = static_cast<double>(state.world_size);
+  for (const auto& sum : sums) {
+    // In the buckets' dtype: an accumulate_dtype sum stays wide.
+    state.grads.push_back(sum.defined() ? sum.div(world) : at::Tensor());
+  }
+  state.window_weight = result.global_weight / world;
+  remember_gradients(); // bucket views were written back in place
+  check_consistent_cut(window);
+}
+
+void Accumulator::copy_window_into(AccumulatorState& state) const {
+  const bool mid_window = micro_step_ > 0 || window_ready_;
+  if (mid_window) {
+    // A window cleared or replaced since its last micro-step would be saved,
+    // and resumed, without what it lost (no collective here: a local error).
+    check_gradients_untouched("acc.state_dict()", /*allow_in_place=*/window_ready_);
+  }
+  // accumulate_dtype mid-window: the wide sums (in the buckets, or in wide_
+  // in one process) are the window's gradient so far; .grad holds none.
+  std::vector<at::Tensor> wide;
+  if (micro_step_ > 0 && reducer_ && reducer_->accumulating()) {
+    wide = reducer_->accumulated();
+  }
+  for (const auto i : c10::irange(params_.size())) {
+    const auto& p = params_[i];
+    if (!wide.empty() && reducer_->accumulates(i)) {
+      state.grads.push_back(wide[i]);
+    } else if (micro_step_ > 0 && i < wide_.size() && wide_[i].defined()) {
+      state.grads.push_back(wide_has_[i] ? wide_[i].clone() : at::Tensor());
+    } else {
+      // A snapshot: later micro-steps must not change what was saved.
+      state.grads.push_back(mid_window && p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
+    }
+  }
+}
+
+void Accumulator::check_loadable(const AccumulatorState& state) const {
+  const int64_t world = reducer_ ? reducer_->process_group()->getSize() : 1;
+  const int64_t rank = reducer_ ? reducer_->process_group()->getRank() : 0;
+  TORCH_CHECK_VALUE(state.steps == options_.steps(),
+      "gradaccum: acc.load_state_dict(): the state was saved with steps=", state.steps,
+      " but this Accumulator has steps=", options_.steps());
+  TORCH_CHECK_VALUE(state.reduction == options_.reduction(),
+      "gradaccum: acc.load_state_dict(): the state was saved with reduction='", to_string(state.reduction),
+      "' but this Accumulator has reduction='", to_string(options_.reduction()), "'");
+  TORCH_CHECK_VALUE(state.world_size == world,
+      "gradaccum: acc.load_state_dict(): the state was saved with world size ", state.world_size,
+      " but this Accumulator's group has ", world, " rank(s); a half-done window cannot be "
+      "split over another number of ranks (resume at a window boundary, or with ", state.world_size,
+      " ranks)");
+  TORCH_CHECK_VALUE(state.rank_independent || state.rank == rank,
+      "gradaccum: acc.load_state_dict(): this is rank ", state.rank, "'s own state (acc.state_dict(rank_independent="
+      "False)) but this is rank ", rank, "; save with acc.state_dict() (rank-independent) to load "
+      "one rank's state on every rank");
+  TORCH_CHECK_VALUE(state.micro_step >= 0 && state.micro_step < options_.steps(),
+      "gradaccum: acc.load_state_dict(): micro_step=", state.micro_step, " is outside [0, ", options_.steps(), ")");
+  TORCH_CHECK_VALUE(!state.window_ready || state.micro_step == 0,
+      "gradaccum: acc.load_state_dict(): window_ready=true with micro_step=", state.micro_step,
+      " (a closed window has micro_step 0)");
+  TORCH_CHECK_VALUE(std::isfinite(state.window_weight) && state.window_weight >= 0,
+      "gradaccum: acc.load_state_dict(): window_weight=", state.window_weight, " must be >= 0");
+  TORCH_CHECK_VALUE(std::isfinite(state.reducer_last_weight) && state.reducer_last_weight >= 0,
+      "gradaccum: acc.load_state_dict(): reducer_last_weight=", state.reducer_last_weight, " must be >= 0");
+  if (state.micro_step == 0) {
+    TORCH_CHECK_VALUE(state.window_weight == 0,
+        "gradaccum: acc.load_state_dict(): window_weight=", state.window_weight, " with micro_step=0 (no "
+        "micro-step of the window is done, so its weight is 0)");
+  } else if (options_.reduction() != Reduction::Items) {
+    TORCH_CHECK_VALUE(state.window_weight == static_cast<double>(state.micro_step),
+        "gradaccum: acc.load_state_dict(): window_weight=", state.window_weight, " contradicts micro_step=",
+        state.micro_step, " (with reduction '", to_string(options_.reduction()),
+        "' the weight counts the micro-steps)");
+  } else {
+    TORCH_CHECK_VALUE(state.window_weight > 0,
+        "gradaccum: acc.load_state_dict(): window_weight=", state.window_weight, " with micro_step=",
+        state.micro_step, " (the items of the done micro-steps must be > 0)");
+  }
+  TORCH_CHECK_VALUE(!state.epoch_ended || (state.micro_step == 0 && world > 1),
+      "gradaccum: acc.load_state_dict(): epoch_ended=true needs micro_step=0 and a process group");
+  TORCH_CHECK_VALUE((state.loss_scale > 0) == (loss_scale_ > 0) && std::isfinite(state.loss_scale) &&
+          state.loss_scale_growth_tracker >= 0,
+      "gradaccum: acc.load_state_dict(): loss_scale=", state.loss_scale, " does not fit this Accumulator (",
+      loss_scale_ > 0 ? "it has a loss_scaler: the scale must be > 0" : "it has no loss_scaler: 0", ")");
+  TORCH_CHECK_VALUE(state.micro_steps >= 0 && state.optimizer_steps >= 0 &&
+          state.skipped_steps >= 0 && state.windows >= 0 && state.reducer_sequence >= 0,
+      "gradaccum: acc.load_state_dict(): counters must be >= 0");
+  TORCH_CHECK_VALUE(state.grads.size() == params_.size(),
+      "gradaccum: acc.load_state_dict(): the state holds ", state.grads.size(),
+      " gradients but the model has ", params_.size(), " trainable parameters");
+  for (const auto i : c10::irange(params_.size())) {
+    const auto& g = state.grads[i];
+    if (g.defined()) {
+      // Mid-window, a parameter summed in accumulate_dtype takes its sum in
+      // that dtype (or its own, widened).
+      const bool wide = state.micro_step > 0 && accumulates_wide(i) &&
+          g.scalar_type() == *options_.accumulate_dtype();
+      TORCH_CHECK_VALUE(g.sizes() == params_[i].sizes() && (wide || g.scalar_type() == params_[i].scalar_type()),
+          "gradaccum: acc.load_state_dict(): gradient ", i, " is ", g.scalar_type(), " ", g.sizes(),
+          " but the parameter is ", params_[i].scalar_type(), " ", params_[i].sizes(),
+          (accumulates_wide(i) && state.micro_step > 0
+               ? std::string(" (summed in ") + c10::toString(*options_.accumulate_dtype()) + " here)"
+               : std::string()));
+    }
+  }
+  TORCH_CHECK_VALUE(state.residuals.empty() || (reducer_ && !state.rank_independent),
+      "gradaccum: acc.load_state_dict(): the state holds error-feedback residuals, which belong to one rank's "
+      "per-rank state (rank_independent=False) of a data-parallel Accumulator");
+}
+
+void Accumulator::load_state_dict(const AccumulatorState& state) {
+  const CallGuard guard(driver_, "acc.load_state_dict()");
+  check_open("acc.load_state_dict()");
+  check_loadable(state);
+  if (reducer_) {
+    reducer_->set_residuals(state.residuals); // all or nothing; the last check that can fail
+  }
+  clear_gradients();
+  {
+    at::NoGradGuard no_grad;
+    std::vector<size_t> restored;
+    for (const auto i : c10::irange(params_.size())) {
+      const auto& g = state.grads[i];
+      if (!g.defined()) {
+        if (state.window_ready) {
+          params_[i].mutable_grad() = at::Tensor(); // no gradient anywhere: None, not a zero view
+        }
+        continue;
+      }
+      restored.push_back(i);
+      if (state.micro_step > 0 && accumulates_wide(i)) {
+        if (reducer_) {
+          reducer_->load_accumulated(i, g.to(params_[i].device()));
+        } else {
+          wide_[i].copy_(g);
+          wide_has_[i] = 1;
+          wide_touched_ = true;
+        }
+        continue;
+      }
+      auto& grad = params_[i].mutable_grad();
+      if (grad.defined()) {
+        grad.copy_(g); // a bucket view stays a view
+      } else {
+        grad = g.detach().to(params_[i].device()).clone();
+      }
+    }
+    if (reducer_) {
+      reducer_->mark_restored(restored); // these hold a gradient even if no hook fires again
+    }
+  }
+  micro_step_ = state.micro_step;
+  window_ready_ = state.window_ready;
+  window_weight_ = state.window_weight;
+  window_failed_ = false;
+  window_unscaled_ = false;
+  window_known_finite_ = false;
+  epoch_ended_ = state.epoch_ended;
+  stats_.micro_steps = state.micro_steps;
+  stats_.optimizer_steps = state.optimizer_steps;
+  stats_.skipped_steps = state.skipped_steps;
+  stats_.windows = state.windows;
+  loss_scale_ = state.loss_scale;
+  growth_tracker_ = state.loss_scale_growth_tracker;
+  if (reducer_) {
+    reducer_->restore({state.reducer, state.reducer_sequence, state.reducer_last_weight});
+  }
+  remember_gradients();
+}
+
+namespace {
+
+// Scalars of Note [The checkpoint schema] as archive values.
+c10::IValue to_ivalue(int64_t v) { return c10::IValue(v); }
+c10::IValue to_ivalue(double v) { return c10::IValue(v); }
+c10::IValue to_ivalue(bool v) { return c10::IValue(v); }
+c10::IValue to_ivalue(Reduction v) { return c10::IValue(static_cast<int64_t>(v)); }
+void from_ivalue(const c10::IValue& v, int64_t& out) { out = v.toInt(); }
+void from_ivalue(const c10::IValue& v, double& out) { out = v.toDouble(); }
+void from_ivalue(const c10::IValue& v, bool& out) { out = v.toBool(); }
+void from_ivalue(const c10::IValue& v, Reduction& out) { out = static_cast<Reduction>(v.toInt()); }
+
+// A list of tensors, undefined ones included: `count_key`, then per entry
+// `prefix<i>.defined` and `prefix<i>` (an empty tensor where undefined).
+void write_tensors(torch::serialize::OutputArchive& archive, const std::string& count_key,
+                   const std::string& prefix, const std::vector<at::Tensor>& tensors) {
+  archive.write(count_key, c10::IValue(static_cast<int64_t>(tensors.size())));
+  for (const auto i : c10::irange(tensors.size())) {
+    const auto key = prefix + std::to_string(i);
+    archive.write(key + ".defined", c10::IValue(tensors[i].defined()));
+    archive.write(key, tensors[i].defined() ? tensors[i] : at::empty({0}), /*is_buffer=*/true);
+  }
+}
+
+std::vector<at::Tensor> read_tensors(torch::serialize::InputArchive& archive, const std::string& prefix,
+                                     int64_t count) {
+  std::vector<at::Tensor> tensors;
+  c10::IValue defined;
+  for (int64_t i = 0; i < count; ++i) {
+    at::Tensor tensor;
+    const auto key = prefix + std::to_string(i);
+    archive.read(key + ".defined", defined);
+    archive.read(key, tensor, /*is_buffer=*/true);
+    tensors.push_back(defined.toBool() ? tensor : at::Tensor());
+  }
+  return tensors;
+}
+
+} // namespace
+
+void Accumulator::save(torch::serialize::OutputArchive& archive, bool rank_independent) {
+  const auto state = state_dict(rank_independent);
+  for_each_state_field(state, [&](const char* name, const auto& field, bool) {
+    archive.write(std::string("gradaccum.") + name, to_ivalue(field));
+  });
+  write_tensors(archive, "gradaccum.grads", "gradaccum.grad.", state.grads);
+  write_tensors(archive, "gradaccum.residuals", "gradaccum.residual.", state.residuals);
+}
+
+void Accumulator::load(torch::serialize::InputArchive& archive) {
+  AccumulatorState state;
+  c10::IValue value;
+  for_each_state_field(state, [&](const char* name, auto& field, bool required) {
+    const auto key = std::string("gradaccum.") + name;
+    if (required) {
+      archive.read(key, value);
+    } else if (!archive.try_read(key, value)) {
+      return; // an older archive: the field keeps its default
+    }
+    from_ivalue(value, field);
+  });
+  archive.read("gradaccum.grads", value);
+  state.grads = read_tensors(archive, "gradaccum.grad.", value.toInt());
+  if (archive.try_read("gradaccum.residuals", value)) { // older archives have none
+    state.residuals = read_tensors(archive, "gradaccum.residual.", value.toInt());
+  }
+  load_state_dict(state);
+}
+
+} // namespace gradaccum

@@ -1,0 +1,76 @@
+// The Accumulator's checks that a window's gradients are its own: nothing
+// cleared, replaced or written around acc.backward() in the middle of a window.
+#include <gradaccum/accumulator.h>
+
+#include <c10/util/irange.h>
+
+namespace gradaccum {
+
+void Accumulator::check_open(const char* what) const {
+  TORCH_CHECK(!closed_, "gradaccum: ", what, ": this Accumulator was closed");
+}
+
+void Accumulator::remember_gradients() {
+  remembered_ = grad_versions();
+}
+
+void Accumulator::check_gradients_untouched(const char* what, bool allow_in_place) const {
+  check_gradients_untouched(what, allow_in_place, grad_versions());
+}
+
+void Accumulator::check_gradients_untouched(
+    const char* what, bool allow_in_place, const std::vector<GradMark>& now) const {
+  for (const auto i : c10::irange(params_.size())) {
+    // New storage for the same tensor (`.grad.data = t`) is a change in place.
+    const bool replaced = now[i].impl != remembered_[i].impl;
+    const bool changed = replaced || now[i] != remembered_[i];
+    TORCH_CHECK(allow_in_place ? !replaced : !changed,
+        "gradaccum: ", what, ": the gradient of ", names_[i], " was ", now[i].impl ? "changed" : "cleared",
+        " outside the Accumulator in the middle of a window (", micro_step_, " of ",
+        options_.steps(), " micro-steps done", window_ready_ ? ", window closed" : "",
+        "), by optimizer.zero_grad() or model.zero_grad() between micro-steps, or by a backward "
+        "that was not acc.backward() (another loss's backward through these parameters, e.g. a "
+        "GAN's generator step that does not freeze the discriminator)? Clear "
+        "gradients only after acc.step() returns True (acc.step() clears them itself), or call "
+        "acc.zero_grad() to drop the window");
+  }
+}
+
+void Accumulator::check_no_uncounted_backward() const {
+  // At micro-step 0 the gradients are as the last window (or reset) left them;
+  // different ones came from a backward this Accumulator did not count. The
+  // window would never close: step() would return false for good, silently.
+  TORCH_CHECK(grad_versions() == remembered_,
+      "gradaccum: acc.step(): gradients were written since the last window, but no micro-step was "
+      "counted: a plain loss.backward() instead of acc.backward(loss)? Call acc.backward(loss) on "
+      "each micro-batch: it counts the micro-step and synchronises the window's last one, and "
+      "acc.step() then steps once per window. (A plain loss.backward(), inside acc.no_sync() for "
+      "all but the last micro-batch, is the manual path, where you step the optimizer yourself.) "
+      "Nothing was changed: drop these gradients with acc.zero_grad()");
+}
+
+void Accumulator::check_requires_grad() const {
+  for (const auto& [name, p] : frozen_) {
+    TORCH_CHECK(!p.requires_grad(),
+        "gradaccum: acc.backward(): ", name, " was frozen (requires_grad=False) when the Accumulator was "
+        "built and now requires grad: its gradient would be neither scaled, reduced nor "
+        "cleared. Build a new Accumulator after changing requires_grad (close() this one)");
+  }
+}
+
+std::vector<GradMark> Accumulator::grad_versions() const {
+  // Accumulating into .grad either bumps its version (in place) or replaces it.
+  std::vector<GradMark> versions;
+  versions.reserve(params_.size());
+  for (const auto& p : params_) {
+    const auto& g = p.grad();
+    versions.push_back(g.defined()
+        // unsafe_storage(): sparse and opaque tensors have none (nullptr), and never throw.
+        ? GradMark{g.unsafeGetTensorImpl(), g.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(),
+                   g._version()}
+        : GradMark{});
+  }
+  return versions;
+}
+
+} // namespace gradaccum

@@ -1,0 +1,134 @@
+// The end of a window: the gradient hook, unscaling, the non-finite check,
+// clipping, the optimizer and scheduler step, and clearing the gradients.
+#include <gradaccum/accumulator.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+
+#include <cmath>
+
+namespace gradaccum {
+namespace {
+
+// Norms of half-precision gradients in float32 (fp16 squares overflow long
+// before the gradient does); full-precision ones as clip_grad_norm_ does.
+std::optional<at::ScalarType> norm_dtype(const std::vector<at::Tensor>& grads) {
+  bool narrow = false, wide = false;
+  for (const auto& g : grads) {
+    narrow = narrow || g.element_size() < 4;
+    wide = wide || g.scalar_type() == at::kDouble;
+  }
+  if (!narrow) {
+    return std::nullopt;
+  }
+  return wide ? at::kDouble : at::kFloat;
+}
+
+} // namespace
+
+bool Accumulator::finish_window() {
+  // A retry of step() after a failure past the unscale: the scaler already
+  // unscaled this window's gradient and closed its window (see below).
+  const bool retry = window_unscaled_;
+  before_step_ran_ = false;
+  raised_alike_ = false;
+  bool stepped = false;
+  try {
+    stepped = step_window();
+  } catch (...) {
+    // The optimizer step, nonfinite="raise" or the callback itself raised
+    // after before_step_ (GradScaler.unscale_()) ran: after_window_
+    // (GradScaler.update()) must still close the scaler's window, or every
+    // later window's unscale_() fails; the window stays closed, unscaled, and
+    // a retry of step() must not unscale it again. The original error is the
+    // one to see.
+    if (after_window_ && before_step_ran_ && !retry) {
+      try {
+        after_window_();
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+  if (after_window_ && !retry) {
+    after_window_(); // once per closed window, stepped or skipped
+  }
+  return stepped;
+}
+
+// Note [The reducer checks the window's gradient]
+// The non-finite test (nonfinite "skip" or "raise", no clipping) needs only to
+// know whether the window's total norm is finite, and data parallel the
+// reducer writes every reduced gradient back in one pass anyway: asked with
+// ReductionRequest::check_finite, it checks each value in that pass
+// (detail::write_checked) and answers known_finite only when every value is
+// finite and small enough that the norm cannot overflow. Then step_window()
+// skips the norm (no pass over the gradients, no host synchronisation of its
+// own), which would have been finite: the decision is the one the norm gives,
+// on every rank alike. Anything else (clipping, a loss scaler or before_step
+// that rewrites the gradients, a gradient changed in place or replaced since
+// the reduction, which the versions remembered then tell, an unchecked dtype
+// or device, a value that failed) takes the norm, as before, so the skip,
+// raise and ignore behaviours and their messages are unchanged.
+bool Accumulator::reducer_checks_finite() const {
+  return !options_.max_grad_norm() && options_.nonfinite() != NonFinite::Ignore && loss_scale_ == 0 &&
+      !before_step_;
+}
+
+bool Accumulator::step_window() {
+  for (const auto i : c10::irange(params_.size())) {
+    TORCH_CHECK(!params_[i].grad().defined() || !params_[i].grad().is_sparse(),
+        "gradaccum: acc.step(): ", names_[i], " has a sparse gradient (Embedding(sparse=True)?); gradaccum "
+        "supports dense gradients only: use sparse=False");
+  }
+  if (!window_unscaled_) {
+    before_step_ran_ = static_cast<bool>(before_step_);
+    if ((loss_scale_ > 0 && !unscale_and_check()) || (before_step_ && !before_step_())) {
+      ++stats_.skipped_steps; // e.g. a loss scaler found an overflow: it backs off
+      ++stats_.windows;
+      zero_grad();
+      return false;
+    }
+    window_unscaled_ = true; // until the window ends: see finish_window()
+  }
+  const auto max_norm = options_.max_grad_norm();
+  const auto nonfinite = options_.nonfinite();
+  // See Note [The reducer checks the window's gradient].
+  const bool known_finite = !max_norm && window_known_finite_ && grad_versions() == remembered_;
+  if (known_finite) {
+    stats_.last_grad_norm = std::nullopt; // finite: not computed
+  } else if (max_norm || nonfinite != NonFinite::Ignore) {
+    // As torch.nn.utils.clip_grad_norm_ computes it, so the two agree bit for bit.
+    auto grads = defined_grads();
+    at::NoGradGuard no_grad;
+    at::Tensor total = grads.empty()
+        ? at::zeros({}, at::kFloat)
+        : at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2.0, norm_dtype(grads))), 2.0);
+    const double norm = total.item<double>();
+    stats_.last_grad_norm = norm;
+    if (!std::isfinite(norm) && nonfinite != NonFinite::Ignore) {
+      raised_alike_ = nonfinite == NonFinite::Raise; // every rank holds this gradient
+      TORCH_CHECK(nonfinite != NonFinite::Raise,
+          "gradaccum: acc.step(): the window's gradient is not finite (total norm ", norm,
+          "); gradients left in .grad for inspection, call acc.zero_grad() to drop the window");
+      ++stats_.skipped_steps;
+      ++stats_.windows;
+      zero_grad();
+      return false;
+    }
+    if (max_norm && !grads.empty()) {
+      auto coefficient = at::clamp(*max_norm / (total + 1e-6), c10::nullopt, 1.0);
+      at::_foreach_mul_(grads, coefficient);
+    }
+  }
+  optimizer_step_();
+  if (scheduler_step_) {
+    scheduler_step_();
+  }
+  ++stats_.optimizer_steps;
+  ++stats_.windows;
+  reset_window(); // the window was used: its error-feedback residual carries on
+  return true;
+}
+
+} // namespace gradaccum
