@@ -72,7 +72,7 @@ demo: build
 # 15-25 minutes, not part of CI: throttled multi-node links (network namespaces,
 # root) and growth, callgrind instruction counts, then the loopback wall clock.
 bench: build
-	$(PYTHON) benchmarks/bench.py --cpp-bench $(BUILD)/bench/bench_window --readme README.md
+	$(PYTHON) benchmarks/bench.py --cpp-bench $(BUILD)/bench/bench_window --readme benchmarks/RESULTS.md
 
 bench-gpu:
 	$(PYTHON) benchmarks/bench_gpu.py
