@@ -66,13 +66,27 @@ sanitize: deps
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  OMP_NUM_THREADS=1 $(BUILD)/sanitize/tests/cpp/gradaccum_tests
 
-demo: build
-	OMP_NUM_THREADS=2 $(PYTHON) examples/python/digits_demo.py --out $(BUILD)/demo
+# The set-up and the build print their steps, not their output: that goes to
+# $(DEMO_LOG), whose last lines are shown if a step fails. The demo needs the
+# Python package only; `make build` also builds the C++ tests and examples.
+DEMO_LOG := $(BUILD)/demo-build.log
+define quietly
+	@echo "==> $(1)"
+	@$(MAKE) --no-print-directory $(2) >> $(DEMO_LOG) 2>&1 || \
+	  { echo "make $(2) failed; the last lines of $(DEMO_LOG):"; tail -n 40 $(DEMO_LOG); exit 1; }
+endef
+
+demo:
+	@mkdir -p $(BUILD) && : > $(DEMO_LOG)
+	$(call quietly,dependencies (pip and apt; log: $(DEMO_LOG)),deps)
+	$(call quietly,gradaccum: libgradaccum (CMake) and the Python package (pip),install-python)
+	@echo "==> the digits demo"
+	OMP_NUM_THREADS=1 $(PYTHON) examples/python/digits_demo.py --out $(BUILD)/demo
 
 # 15-25 minutes, not part of CI: throttled multi-node links (network namespaces,
 # root) and growth, callgrind instruction counts, then the loopback wall clock.
 bench: build
-	$(PYTHON) benchmarks/bench.py --cpp-bench $(BUILD)/bench/bench_window --readme README.md
+	$(PYTHON) benchmarks/bench.py --cpp-bench $(BUILD)/bench/bench_window --readme benchmarks/RESULTS.md
 
 bench-gpu:
 	$(PYTHON) benchmarks/bench_gpu.py

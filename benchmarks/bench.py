@@ -2,7 +2,7 @@
 
     python benchmarks/bench.py --cpp-bench build/bench/bench_window   (make bench; 15-25 min on 2 cores)
     python benchmarks/bench.py --quick                                 (a few minutes; a smoke test)
-    python benchmarks/bench.py --readme README.md                      (also refresh the README's table)
+    python benchmarks/bench.py --readme benchmarks/RESULTS.md          (also refresh its generated section)
 
 For each model (small: ~0.3M parameters, large: ~11M; Linear/ReLU stacks, SGD,
 micro-batches of 32 rows) and K in {1, 4, 16} micro-batches per optimizer step,
