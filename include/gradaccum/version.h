@@ -3,7 +3,7 @@
 // The one place gradaccum's version is written: CMakeLists.txt and setup.py
 // read these three lines; everything else derives from them.
 #define GRADACCUM_VERSION_MAJOR 0
-#define GRADACCUM_VERSION_MINOR 1
+#define GRADACCUM_VERSION_MINOR 2
 #define GRADACCUM_VERSION_PATCH 0
 
 #define GRADACCUM_STRINGIFY_(x) #x
