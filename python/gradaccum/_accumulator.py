@@ -199,6 +199,58 @@ def _check_launch_has_group() -> None:
             "the Accumulator, or pass process_group=False to train each rank alone on purpose")
 
 
+def _check_options(steps: Any, reduction: Any, nonfinite: Any, max_grad_norm: Any, optimizer: Any,
+                   scheduler: Any, accumulate_dtype: Any, comm_dtype: Any, error_feedback: Any,
+                   grad_scaler: Any) -> None:
+    """Accumulator()'s options, each refused with a gradaccum: error naming it."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
+        raise TypeError(f"gradaccum: Accumulator(): steps must be a positive int, got {steps!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"gradaccum: Accumulator(): invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
+    if nonfinite not in _NONFINITE:
+        raise ValueError(f"gradaccum: Accumulator(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
+    if max_grad_norm is not None and not isinstance(max_grad_norm, numbers.Real):
+        raise TypeError(f"gradaccum: Accumulator(): max_grad_norm must be a number or None, got {max_grad_norm!r}")
+    if optimizer is not None and not callable(getattr(optimizer, "step", None)):
+        raise TypeError(f"gradaccum: Accumulator(): optimizer must have a step() method, got {type(optimizer).__name__}")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise TypeError(f"gradaccum: Accumulator(): scheduler must have a step() method, got {type(scheduler).__name__}")
+    if accumulate_dtype not in (None, torch.float32, torch.float64):
+        raise ValueError(f"gradaccum: Accumulator(): accumulate_dtype must be torch.float32, torch.float64 or None, "
+                         f"got {accumulate_dtype!r}")
+    if comm_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"gradaccum: Accumulator(): comm_dtype must be torch.bfloat16, torch.float16, torch.float32 "
+                         f"or None, got {comm_dtype!r}")
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"gradaccum: Accumulator(): error_feedback must be a bool, got {error_feedback!r}")
+    if error_feedback and comm_dtype is None:
+        raise ValueError("gradaccum: Accumulator(): error_feedback=True needs a comm_dtype: it keeps what compressing "
+                         "the gradients to comm_dtype loses")
+    if grad_scaler is not None:
+        if optimizer is None:
+            raise ValueError("gradaccum: Accumulator(): grad_scaler needs an optimizer (it unscales the optimizer's gradients)")
+        for method in ("scale", "unscale_", "update", "state_dict", "load_state_dict"):
+            if not callable(getattr(grad_scaler, method, None)):
+                raise TypeError(f"gradaccum: Accumulator(): grad_scaler must be a torch.amp.GradScaler, got "
+                                f"{type(grad_scaler).__name__} (no {method}())")
+
+
+def _resolve_group(process_group: Any) -> "tuple[Any, bool]":
+    """(the group to reduce over or None, whether local-only): None means the
+    default group, or local-only when there is none (an error under a
+    multi-rank launch); False means local-only on purpose."""
+    if process_group is True:
+        raise TypeError("gradaccum: Accumulator(): process_group must be a ProcessGroup, None "
+                        "(the default group) or False (local-only), got True")
+    if process_group is None:
+        process_group = _default_group()
+        if process_group is None:
+            _check_launch_has_group()
+    if process_group is False:
+        process_group = None
+    return process_group, process_group is None
+
+
 # Every open Accumulator, closed at interpreter exit (see _close_at_exit).
 _LIVE: "weakref.WeakSet[Accumulator]" = weakref.WeakSet()
 _USED_A_GROUP = False  # some Accumulator was data parallel
@@ -315,51 +367,14 @@ class Accumulator:
         comm_dtype: Optional[torch.dtype] = None,
         error_feedback: bool = False,
     ) -> None:
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
-            raise TypeError(f"gradaccum: Accumulator(): steps must be a positive int, got {steps!r}")
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"gradaccum: Accumulator(): invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
-        if nonfinite not in _NONFINITE:
-            raise ValueError(f"gradaccum: Accumulator(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
-        if max_grad_norm is not None and not isinstance(max_grad_norm, numbers.Real):
-            raise TypeError(f"gradaccum: Accumulator(): max_grad_norm must be a number or None, got {max_grad_norm!r}")
-        if optimizer is not None and not callable(getattr(optimizer, "step", None)):
-            raise TypeError(f"gradaccum: Accumulator(): optimizer must have a step() method, got {type(optimizer).__name__}")
-        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-            raise TypeError(f"gradaccum: Accumulator(): scheduler must have a step() method, got {type(scheduler).__name__}")
-        if accumulate_dtype not in (None, torch.float32, torch.float64):
-            raise ValueError(f"gradaccum: Accumulator(): accumulate_dtype must be torch.float32, torch.float64 or None, "
-                             f"got {accumulate_dtype!r}")
-        if comm_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"gradaccum: Accumulator(): comm_dtype must be torch.bfloat16, torch.float16, torch.float32 "
-                             f"or None, got {comm_dtype!r}")
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"gradaccum: Accumulator(): error_feedback must be a bool, got {error_feedback!r}")
-        if error_feedback and comm_dtype is None:
-            raise ValueError("gradaccum: Accumulator(): error_feedback=True needs a comm_dtype: it keeps what compressing "
-                             "the gradients to comm_dtype loses")
-        if grad_scaler is not None:
-            if optimizer is None:
-                raise ValueError("gradaccum: Accumulator(): grad_scaler needs an optimizer (it unscales the optimizer's gradients)")
-            for method in ("scale", "unscale_", "update", "state_dict", "load_state_dict"):
-                if not callable(getattr(grad_scaler, method, None)):
-                    raise TypeError(f"gradaccum: Accumulator(): grad_scaler must be a torch.amp.GradScaler, got "
-                                    f"{type(grad_scaler).__name__} (no {method}())")
+        _check_options(steps, reduction, nonfinite, max_grad_norm, optimizer, scheduler,
+                       accumulate_dtype, comm_dtype, error_feedback, grad_scaler)
         params, names, buffers = _parameters(model)
         if _scaling(grad_scaler):  # before the C++ side claims the parameters
             _check_scaled_parameters(params, names, isinstance(model, torch.nn.Module), optimizer)
-        if process_group is True:
-            raise TypeError("gradaccum: Accumulator(): process_group must be a ProcessGroup, None "
-                            "(the default group) or False (local-only), got True")
         # A default group that appears after construction: backward() raises.
         self._watch_for_group = process_group is None and not _dist_initialized()
-        if process_group is None:
-            process_group = _default_group()
-            if process_group is None:
-                _check_launch_has_group()
-        local_only = process_group is None or process_group is False
-        if process_group is False:
-            process_group = None
+        process_group, local_only = _resolve_group(process_group)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.process_group = process_group

@@ -1,6 +1,6 @@
 // One process's mixed precision: the built-in loss scaler's check at the
 // window's end, and the window's sums in accumulate_dtype (data parallel, the
-// reducer's buckets hold them; see src/reducer.cpp).
+// reducer's buckets hold them; see src/precision/).
 #include <gradaccum/accumulator.h>
 
 #include <ATen/ATen.h>
