@@ -47,7 +47,7 @@ std::string resolve_backend(const ProcessGroupOptions& options) {
     TORCH_CHECK_VALUE(options.backend() == "gloo" || options.backend() == "nccl",
         "gradaccum: init_process_group_from_env(): invalid backend: '", options.backend(), "' (expected 'gloo', 'nccl' or '')");
     TORCH_CHECK_VALUE(options.backend() != "nccl" || nccl_available(),
-        "backend 'nccl' requested but gradaccum was built without NCCL "
+        "gradaccum: init_process_group_from_env(): backend 'nccl' requested but gradaccum was built without NCCL "
         "(build against a CUDA torch with NCCL headers)");
     return options.backend();
   }

@@ -198,8 +198,9 @@ class Accumulator {
   /// covers. The window's last call synchronises and scales the gradients.
   void backward(const at::Tensor& loss, std::optional<double> num_items = std::nullopt);
   /// At a closed window: clip, check, step the optimizer (and scheduler), clear
-  /// the gradients; returns whether the optimizer stepped. Elsewhere a no-op
-  /// returning false.
+  /// the gradients; returns whether the optimizer stepped. Elsewhere returns
+  /// false, except that gradients written with no micro-step counted (a plain
+  /// loss.backward()) are an error at micro-step 0.
   bool step();
   /// Closes a partial window (end of data) with its own micro-step count and
   /// steps. Data parallel: every rank must call it (a collective).
@@ -278,7 +279,7 @@ class Accumulator {
   bool reduce_partial_window(const std::string& local_failure);
   void reset_window();
   void note_dropped_window(int64_t window);
-  void check_consistent_cut(int64_t window) const;
+  void check_consistent_cut(int64_t window, bool failed_here = false) const;
   void snapshot_window_into(AccumulatorState& state);
   void copy_window_into(AccumulatorState& state) const;
   void check_loadable(const AccumulatorState& state) const;

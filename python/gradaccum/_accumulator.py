@@ -181,6 +181,12 @@ def _dist_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _default_world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
 def _default_group():
     import torch.distributed as dist
 
@@ -189,9 +195,13 @@ def _default_group():
 
 def _check_launch_has_group() -> None:
     """No group under a multi-rank launch: see Note [No group under a
-    multi-rank launch] in src/accumulator.cpp (each rank would train alone)."""
-    world = os.environ.get("WORLD_SIZE", "").strip()
-    if world.isdigit() and int(world) > 1:
+    multi-rank launch] in src/accumulator/accumulator.cpp (each rank would train alone)."""
+    world = os.environ.get("WORLD_SIZE", "")
+    try:
+        ranks = int(world)
+    except ValueError:  # unset or not a number: no launch to speak of (as in C++)
+        return
+    if ranks > 1:
         raise RuntimeError(
             f"gradaccum: Accumulator(): WORLD_SIZE={world} in the environment (a torchrun launch?) "
             "but no process group exists, so each rank would train alone and the ranks would end "
@@ -412,7 +422,7 @@ class Accumulator:
         def call() -> bool:
             target = ref()
             if target is None:  # pragma: no cover - the C++ object dies with it
-                raise RuntimeError("gradaccum: this Accumulator was garbage-collected")
+                raise RuntimeError("gradaccum: a window callback: this Accumulator was garbage-collected")
             return bool(getattr(target, method)())
 
         return call
@@ -482,7 +492,7 @@ class Accumulator:
             if num_items.numel() != 1:
                 raise ValueError(f"gradaccum: acc.backward(): num_items must be a number, got a tensor of shape {tuple(num_items.shape)}")
             num_items = num_items.item()
-        if self._watch_for_group and _dist_initialized():
+        if self._watch_for_group and _dist_initialized() and _default_world_size() > 1:
             raise RuntimeError(
                 "gradaccum: acc.backward(): torch.distributed was initialized after this "
                 "Accumulator was built without a process group, so it reduces nothing and each rank "

@@ -51,7 +51,7 @@ try:
     from lightning.pytorch.utilities.model_helpers import is_overridden
 except ImportError as error:  # pragma: no cover - exercised by a test in a subprocess
     raise ImportError(
-        f"gradaccum.lightning needs Lightning, which is not importable here ({error}). "
+        f"gradaccum: gradaccum.lightning needs Lightning, which is not importable here ({error}). "
         'Install it with: pip install "lightning>=2.6" (or pip install "gradaccum[lightning]"); '
         "pin torch (pip install -c <file with torch==your version>) so that pip keeps your torch"
     ) from error
@@ -269,7 +269,7 @@ class GradaccumStrategy(DDPStrategy):
             )
         if self.reduction != "items" and num_items is not None:
             raise ValueError(
-                f"training_step returned 'num_items' but GradaccumStrategy has reduction="
+                f"gradaccum: GradaccumStrategy: training_step returned 'num_items' but GradaccumStrategy has reduction="
                 f"{self.reduction!r}: pass GradaccumStrategy(reduction='items') for the exact "
                 "per-item mean (and return the loss summed over items)"
             )
@@ -279,7 +279,7 @@ class GradaccumStrategy(DDPStrategy):
         if self.accumulator is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         if self._micro_batch is None:
-            raise RuntimeError("GradaccumStrategy.backward: no loss from training_step to run backward on")
+            raise RuntimeError("gradaccum: GradaccumStrategy.backward(): no loss from training_step to run backward on")
         # Lightning hands over the loss divided by accumulate_grad_batches; the
         # Accumulator takes training_step's own loss and divides by what the
         # window really holds (micro-batches or items, over all ranks).
@@ -310,7 +310,7 @@ class GradaccumStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.accumulate_grad_batches != accumulator.steps:
             raise ValueError(
-                f"accumulate_grad_batches changed from {accumulator.steps} to "
+                f"gradaccum: GradaccumStrategy: accumulate_grad_batches changed from {accumulator.steps} to "
                 f"{trainer.accumulate_grad_batches} during fit (GradientAccumulationScheduler?): "
                 "GradaccumStrategy's window size is fixed when fitting starts"
             )

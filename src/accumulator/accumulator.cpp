@@ -36,7 +36,8 @@ void check_launch_has_group(const AccumulatorOptions& options) {
   const char* world = std::getenv("WORLD_SIZE");
   char* end = nullptr;
   const long ranks = world ? std::strtol(world, &end, 10) : 1;
-  TORCH_CHECK(!world || end == world || ranks <= 1,
+  const bool a_number = world && end != world && *end == '\0';
+  TORCH_CHECK(!a_number || ranks <= 1,
       "gradaccum: Accumulator(): WORLD_SIZE=", world, " in the environment (a torchrun launch?) but "
       "no process group was given, so each rank would train alone and the ranks would end with "
       "different weights. Pass one (options.process_group(gradaccum::init_process_group_from_env())), "
@@ -102,7 +103,7 @@ Accumulator::~Accumulator() {
 
 void Accumulator::set_window_callbacks(std::function<bool()> before_step, std::function<void()> after_window) {
   TORCH_CHECK_VALUE(!options_.loss_scaler() || !before_step,
-      "gradaccum: set_window_callbacks(): this Accumulator has a loss_scaler already (one scaler per window)");
+      "gradaccum: acc.set_window_callbacks(): this Accumulator has a loss_scaler already (one scaler per window)");
   before_step_ = std::move(before_step);
   after_window_ = std::move(after_window);
 }
@@ -276,6 +277,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
     try {
       reducer_->reduce(abort); // throws the dropped window's error, as every rank does
     } catch (...) {
+      remember_gradients(); // dropping zeroed the buckets, and with them any .grad views
       note_dropped_window(window);
       throw;
     }
@@ -433,6 +435,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure) {
     try {
       reducer_->reduce(abort);
     } catch (const c10::Error& e) {
+      remember_gradients(); // dropping zeroed the buckets, and with them any .grad views
       TORCH_CHECK(local_failure.empty(), e.what_without_backtrace(), ". The error on this rank, "
           "stepping the closed window before the flush: ", local_failure);
       throw;

@@ -26,14 +26,24 @@ using detail::CallGuard;
 // window's gradient whatever the cut, so training may go on. A rank at the
 // window boundary saves with no collective; its peers' snapshot then meets its
 // next reduction, and the reducer's consensus fails that window on every rank.
-void Accumulator::check_consistent_cut(int64_t window) const {
-  const auto steps = reducer_->gather(micro_step_);
-  bool same = true;
+void Accumulator::check_consistent_cut(int64_t window, bool failed_here) const {
+  // -1: this rank's snapshot failed after it completed everywhere (an error
+  // of its own follows); it still takes part, so that no peer waits here.
+  const auto steps = reducer_->gather(failed_here ? -1 : micro_step_);
   std::ostringstream each;
+  bool same = true;
+  int64_t failed = -1;
   for (const auto r : c10::irange(steps.size())) {
     same = same && steps[r] == steps[0];
+    failed = steps[r] < 0 && failed < 0 ? static_cast<int64_t>(r) : failed;
     each << (r ? ", " : "") << "rank " << r << ": " << steps[r];
   }
+  if (failed_here) {
+    return;
+  }
+  TORCH_CHECK(failed < 0,
+      "gradaccum: acc.state_dict(): the checkpoint of window ", window, " failed on rank ", failed,
+      " after its snapshot (that rank says why); no rank's state is a checkpoint of the job");
   TORCH_CHECK(same,
       "gradaccum: acc.state_dict(): the ranks are at different micro-steps of window ", window, " (",
       each.str(), "), so no rank's state is a consistent checkpoint of the job. Call acc.state_dict() "
@@ -107,18 +117,28 @@ void Accumulator::snapshot_window_into(AccumulatorState& state) {
   try {
     sums = reducer_->snapshot(request, &result);
   } catch (...) {
-    reset_window(); // dropped on every rank: see the error
+    const auto last = reducer_->last_result();
+    if (last.window == window && !last.dropped) {
+      // Completed on every rank, failed here afterwards: the peers go on to
+      // the cut's check; meet them there (it fails on every rank).
+      try {
+        check_consistent_cut(window, /*failed_here=*/true);
+      } catch (const std::exception&) {
+        // the peers' collective failed too: this rank's own error says why
+      }
+    }
+    reset_window(); // dropped on this rank: see the error
     note_dropped_window(window);
     throw;
   }
+  remember_gradients(); // bucket views were written back in place
+  check_consistent_cut(window);
   const auto world = static_cast<double>(state.world_size);
   for (const auto& sum : sums) {
     // In the buckets' dtype: an accumulate_dtype sum stays wide.
     state.grads.push_back(sum.defined() ? sum.div(world) : at::Tensor());
   }
   state.window_weight = result.global_weight / world;
-  remember_gradients(); // bucket views were written back in place
-  check_consistent_cut(window);
 }
 
 void Accumulator::copy_window_into(AccumulatorState& state) const {

@@ -116,7 +116,7 @@ class Boom(RuntimeError):
 
 @job
 def failing_backward(rank, world_size, *, seed, windows, fail_rank, fail_window, path, equal,
-                     where="hook"):
+                     where="hook", view=False, step_outside=False):
     """`fail_rank` raises inside its synchronising backward of `fail_window`
     (from a tensor hook on a middle parameter, after later buckets launched).
     Every rank catches what it gets and goes on training."""
@@ -125,7 +125,8 @@ def failing_backward(rank, world_size, *, seed, windows, fail_rank, fail_window,
     model = tower(seed, equal)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     acc = gradaccum.Accumulator(model, opt if path == "accumulator" else None, steps=STEPS,
-                                bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002)
+                                bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002,
+                                gradient_as_bucket_view=view)
     state = {"arm": False}
     middle = list(model.parameters())[len(list(model.parameters())) // 2]
 
@@ -148,7 +149,8 @@ def failing_backward(rank, world_size, *, seed, windows, fail_rank, fail_window,
                 loss = (model(x) - y).pow(2).mean()
                 if path == "accumulator":
                     acc.backward(loss)
-                    acc.step()
+                    if not step_outside:
+                        acc.step()
                 elif last:
                     (loss / STEPS).backward()
                     opt.step()
@@ -163,6 +165,8 @@ def failing_backward(rank, world_size, *, seed, windows, fail_rank, fail_window,
                     opt.zero_grad(set_to_none=True)  # drop the window here too
             finally:
                 state["arm"] = False
+            if step_outside:
+                acc.step()  # after a failed micro-step too: no error of its own
     return {"errors": errors, "params": du.params(model), "stats": acc.stats(),
             "buckets": len(acc.bucket_indices),
             "bucket_sizes": [sum(list(model.parameters())[i].numel() for i in b)

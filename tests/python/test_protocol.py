@@ -85,9 +85,12 @@ def test_failed_synchronising_backward_drops_the_window_on_every_rank(tmp_path, 
         assert torch.equal(a, b)
 
 
-def test_failed_no_sync_micro_step_drops_the_window_on_every_rank_when_it_closes(tmp_path):
+@pytest.mark.parametrize("view", [False, True])
+def test_failed_no_sync_micro_step_drops_the_window_on_every_rank_when_it_closes(tmp_path, view):
+    # step() outside the try: after the dropped window (whose bucket views were
+    # zeroed) it must not mistake the drop for a plain loss.backward()
     results = run("failing_backward", 2, tmp_path, seed=3, windows=3, fail_rank=0, fail_window=1,
-                  path="accumulator", equal=False, where="micro")
+                  path="accumulator", equal=False, where="micro", view=view, step_outside=True)
     expected = pj.tower_reference(3, 2, 3, pj.STEPS, False, skip=1)
     (own,) = [e for e in results[0]["errors"] if e["micro"] == 0]
     assert own["window"] == 1 and "injected failure on rank 0" in own["text"]

@@ -93,7 +93,7 @@ std::vector<at::Tensor> tensors_from_list(const py::dict& d, const char* key) {
     } else if (THPVariable_Check(t.ptr())) {
       out.push_back(t.cast<at::Tensor>());
     } else {
-      throw py::value_error(std::string("load_state_dict: '") + key + "' must hold tensors or None");
+      throw py::value_error(std::string("gradaccum: acc.load_state_dict(): '") + key + "' must hold tensors or None");
     }
   }
   return out;
@@ -161,7 +161,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> to_process_group(const py::object& group)
     if (py::hasattr(group, "group_name")) {
       return c10d::resolve_process_group(group.attr("group_name").cast<std::string>());
     }
-    throw py::type_error("process_group must be a torch.distributed.ProcessGroup, got "
+    throw py::type_error("gradaccum: Accumulator(): process_group must be a torch.distributed.ProcessGroup, got "
         + py::str(py::type::of(group)).cast<std::string>());
   }
 }
