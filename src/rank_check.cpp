@@ -1,14 +1,21 @@
-#include "reducer/state.h"
+#include "rank_check.h"
 
-#include <map>
+#include "comm.h"
+#include "consensus/agreement.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
 #include <sstream>
-#include <tuple>
 
-namespace gradaccum {
+namespace gradaccum::detail {
 
 namespace {
 
-constexpr int64_t kMiB = 1024 * 1024;
 // Signature of one parameter for the cross-rank check: dtype, dim, sizes.
 constexpr int64_t kMaxCheckedDims = 8;
 constexpr int64_t kSignatureWidth = 2 + kMaxCheckedDims;
@@ -25,96 +32,56 @@ std::string describe(const at::Tensor& row) {
   return out.str();
 }
 
-} // namespace
-
-namespace detail {
-
-std::vector<at::Tensor> allgather(
-    c10d::ProcessGroup& group,
-    const at::Tensor& input) {
-  std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int r = 0; r < group.getSize(); ++r) {
-    outputs[0].push_back(at::empty_like(input));
+// Another reducer's hooks (torch DDP) on some rank fail every rank alike.
+void check_no_foreign_hooks(const ReducerConfig& config, at::Device device) {
+  const auto foreign = foreign_hooks(config);
+  auto flag = at::full({1}, foreign.empty() ? 0.0 : 1.0, at::kDouble);
+  const auto flags = allgather(*config.group, flag.to(device));
+  TORCH_CHECK_VALUE(foreign.empty(), foreign);
+  for (const auto r : c10::irange(flags.size())) {
+    TORCH_CHECK_VALUE(flags[r].item<double>() == 0,
+        static_cast<int>(r) == config.rank ? foreign
+            : "gradaccum: rank " + std::to_string(r) + "'s parameters carry another reducer's "
+              "gradient hooks (the model is also wrapped in torch DDP there?)");
   }
-  std::vector<at::Tensor> inputs{input};
-  group.allgather(outputs, inputs)->wait();
-  return outputs[0];
 }
 
-std::string message_of(const std::exception& e) {
-  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
-    return error->what_without_backtrace();
+void check_settings_match(const ReducerConfig& config, at::Device device) {
+  std::vector<const Agreement*> compared;
+  for (const auto& agreement : agreements()) {
+    if (agreement.at_construction) {
+      compared.push_back(&agreement);
+    }
   }
-  return e.what();
+  const AgreementInputs inputs{config.rule, config.options, config.params.size()};
+  auto mine = at::empty({static_cast<int64_t>(compared.size())}, at::kDouble);
+  for (const auto i : c10::irange(compared.size())) {
+    mine[static_cast<int64_t>(i)].fill_(compared[i]->value(inputs));
+  }
+  const auto all = allgather(*config.group, mine.to(device));
+  for (const auto i : c10::irange(compared.size())) {
+    std::vector<double> values;
+    for (const auto& theirs : all) {
+      values.push_back(theirs[static_cast<int64_t>(i)].item<double>());
+    }
+    const bool differ = std::any_of(values.begin(), values.end(), [&](double v) { return v != values[0]; });
+    TORCH_CHECK_VALUE(!differ, construction_disagreement(*compared[i], values));
+  }
 }
 
-} // namespace detail
-
-void Reducer::State::check_ranks_match() {
-  const auto device = metadata_device();
-  const auto n = static_cast<int64_t>(params.size());
-  // Options every rank must share, then the parameter count.
-  const std::vector<std::pair<const char*, double>> settings{
-      {"steps", static_cast<double>(rule.steps)},
-      {"reduction", static_cast<double>(static_cast<int>(rule.reduction))},
-      {"bucket_cap_mb", options.bucket_cap_mb()},
-      {"first_bucket_cap_mb", options.first_bucket_cap_mb()},
-      {"gradient_as_bucket_view", options.gradient_as_bucket_view() ? 1.0 : 0.0},
-      {"broadcast_buffers", options.broadcast_buffers() ? 1.0 : 0.0},
-      {"rebuild_buckets", options.rebuild_buckets() ? 1.0 : 0.0},
-      {"accumulate_dtype", rule.accumulate_dtype ? static_cast<double>(*rule.accumulate_dtype) : -1.0},
-      {"comm_dtype", rule.comm_dtype ? static_cast<double>(*rule.comm_dtype) : -1.0},
-      {"error_feedback", rule.error_feedback ? 1.0 : 0.0},
-      {"the number of trainable parameters", static_cast<double>(n)},
-  };
-  // Another reducer's hooks (torch DDP) on some rank fail every rank alike.
-  const auto foreign = foreign_hooks();
-  {
-    auto flag = at::full({1}, foreign.empty() ? 0.0 : 1.0, at::kDouble);
-    const auto flags = allgather(*group, flag.to(device));
-    TORCH_CHECK_VALUE(foreign.empty(), foreign);
-    for (const auto r : c10::irange(flags.size())) {
-      TORCH_CHECK_VALUE(flags[r].item<double>() == 0,
-          static_cast<int>(r) == rank ? foreign
-              : "gradaccum: rank " + std::to_string(r) + "'s parameters carry another reducer's "
-                "gradient hooks (the model is also wrapped in torch DDP there?)");
-    }
-  }
-  auto mine = at::empty({static_cast<int64_t>(settings.size())}, at::kDouble);
-  for (const auto i : c10::irange(settings.size())) {
-    mine[static_cast<int64_t>(i)].fill_(settings[i].second);
-  }
-  const auto all_settings = allgather(*group, mine.to(device));
-  for (const auto i : c10::irange(settings.size())) {
-    std::ostringstream values;
-    bool differ = false;
-    for (const auto r : c10::irange(all_settings.size())) {
-      const double v = all_settings[r][static_cast<int64_t>(i)].item<double>();
-      differ = differ || v != all_settings[0][static_cast<int64_t>(i)].item<double>();
-      values << (r ? ", " : "") << "rank " << r << ": ";
-      if (i == 1) {
-        values << reduction_name(static_cast<int64_t>(v));
-      } else if (std::string(settings[i].first).find("_dtype") != std::string::npos) {
-        values << (v < 0 ? "None" : c10::toString(static_cast<at::ScalarType>(static_cast<int>(v))));
-      } else {
-        values << v;
-      }
-    }
-    TORCH_CHECK_VALUE(!differ,
-        "gradaccum: the ranks disagree on ", settings[i].first, " (", values.str(),
-        "); every rank must build its Accumulator with the same options and model");
-  }
+void check_shapes_match(const ReducerConfig& config, at::Device device) {
+  const auto n = static_cast<int64_t>(config.params.size());
   auto signature = at::full({n, kSignatureWidth}, -1, at::kLong);
   auto rows = signature.accessor<int64_t, 2>();
   for (const auto i : c10::irange(n)) {
-    const auto& p = params[i];
+    const auto& p = config.params[i];
     rows[i][0] = static_cast<int64_t>(p.scalar_type());
     rows[i][1] = p.dim();
     for (int64_t d = 0; d < std::min<int64_t>(p.dim(), kMaxCheckedDims); ++d) {
       rows[i][2 + d] = p.size(d);
     }
   }
-  const auto all = allgather(*group, signature.to(device));
+  const auto all = allgather(*config.group, signature.to(device));
   const auto reference = all[0].cpu();
   for (const auto r : c10::irange<size_t>(1, all.size())) {
     const auto theirs = all[r].cpu();
@@ -122,37 +89,47 @@ void Reducer::State::check_ranks_match() {
     if (differs.numel() > 0) {
       const auto i = differs[0][0].item<int64_t>();
       TORCH_CHECK_VALUE(false,
-          "gradaccum: the model differs across ranks: ", name(i), " is ",
+          "gradaccum: the model differs across ranks: ", config.name(i), " is ",
           describe(theirs[i]), " on rank ", r, " but ", describe(reference[i]),
           " on rank 0");
     }
   }
 }
 
-void Reducer::State::broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
-  // One broadcast per (dtype, device): flatten, broadcast, copy back.
-  using Key = std::tuple<at::ScalarType, at::DeviceType, c10::DeviceIndex>;
-  std::map<Key, std::vector<at::Tensor>> groups;
-  for (const auto& t : tensors) {
-    if (t.defined() && t.numel() > 0) {
-      groups[Key(t.scalar_type(), t.device().type(), t.device().index())].push_back(t);
-    }
-  }
-  at::NoGradGuard no_grad;
-  for (auto& entry : groups) {
-    auto& members = entry.second;
-    std::vector<at::Tensor> flat_members;
-    for (const auto& t : members) {
-      flat_members.push_back(t.reshape(-1));
-    }
-    std::vector<at::Tensor> flat{at::cat(flat_members)};
-    group->broadcast(flat)->wait();
-    int64_t offset = 0;
-    for (auto& t : members) {
-      t.copy_(flat[0].narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
-    }
-  }
+} // namespace
+
+void check_ranks_match(const ReducerConfig& config) {
+  // Three collectives on every rank, in this order, whatever this rank finds.
+  const auto device = config.metadata_device();
+  check_no_foreign_hooks(config, device);
+  check_settings_match(config, device);
+  check_shapes_match(config, device);
 }
 
-} // namespace gradaccum
+std::string foreign_hooks(const ReducerConfig& config) {
+  // torch DDP (and any other reducer) hooks the same gradient accumulators:
+  // the gradient would be reduced twice. Ours are added after this check.
+  for (const auto i : c10::irange(config.params.size())) {
+    const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(config.params[i]);
+    if (!accumulator) {
+      continue;
+    }
+    const auto& hooks = accumulator->post_hooks();
+    // torch DDP's reducer hooks with C++ lambdas; a user's Python node hook is
+    // no reducer and stays allowed.
+    const bool foreign = std::any_of(hooks.begin(), hooks.end(), [](const auto& hook) {
+      return dynamic_cast<const torch::autograd::utils::LambdaPostHook*>(hook.get()) != nullptr;
+    });
+    if (foreign) {
+      return "gradaccum: " + config.name(i) + " already has a post-hook on its gradient accumulator "
+          "that gradaccum did not add: the model is also wrapped in torch "
+          "DistributedDataParallel (accelerator.prepare(model), HF Trainer?) or another "
+          "reducer is attached, and the gradient would be reduced twice. Delete the DDP "
+          "wrapper (del ddp_model; with Accelerate, do not prepare the model) before building "
+          "the Accumulator: gradaccum does the data-parallel reduction";
+    }
+  }
+  return "";
+}
+
+} // namespace gradaccum::detail

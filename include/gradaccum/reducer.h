@@ -209,7 +209,7 @@ class Reducer {
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;
   const ReducerOptions& options() const;
 
-  struct State; ///< shared with the hooks and callbacks; defined in reducer.cpp
+  struct State; ///< shared with the hooks and callbacks; defined in src/reducer/state.h
 
  private:
   std::shared_ptr<State> state_;

@@ -1,8 +1,12 @@
-#include "reducer/state.h"
+#include "buckets/bucket_set.h"
+
+#include "comm.h"
+#include "precision/precision.h"
+
+#include <c10/util/irange.h>
 
 #include <algorithm>
-
-namespace gradaccum {
+#include <string>
 
 // Note [Rebuilding buckets in ready order]
 // The first layout follows reverse registration order (assign_buckets), a
@@ -11,85 +15,45 @@ namespace gradaccum {
 // gradient and nothing launches during backward. So, with
 // ReducerOptions::rebuild_buckets, mark_ready records the order it sees the
 // parameters in, and at the end of the first window reduced on every rank
-// (phase 3 of finish_reduction, which every rank reaches alike: the consensus
-// held; never a dropped window, never a snapshot) every rank takes rank 0's
-// order, by one broadcast, and rebuilds its buckets from it; parameters rank 0
-// did not see keep their relative order, at the end. The layouts stay
-// identical across ranks, so the pairing above holds. A window in which rank 0
-// saw no hook at all (a flush after no_sync micro-steps) tries again at the
-// next. Whether a rebuild is pending travels in every bucket's kKind field
-// (kind_code()), so ranks that disagree (rebuild_buckets differs with
-// check_parameters off) drop the window instead of mis-pairing. Once rank 0
-// sent an order, every rank takes part in an allgather of its outcome (built,
-// same layout, failed: a local failure, out of memory say, is caught, never
-// skips the collective) and every rank keeps the old buckets unless all built
-// (neither it nor the broadcast is a gradient reduction: stats count neither). Done before
-// the write-back, as every collective of phase 3, and applied after it (even
+// (the window's collectives of finish_reduction, which every rank reaches
+// alike: the consensus held; never a dropped window, never a snapshot) every
+// rank takes rank 0's order, by one broadcast, and rebuilds its buckets from
+// it; parameters rank 0 did not see keep their relative order, at the end.
+// The layouts stay identical across ranks, so the pairing holds (Note
+// [Collectives pair by launch order]). A window in which rank 0 saw no hook at
+// all (a flush after no_sync micro-steps) tries again at the next. Whether a
+// rebuild is pending travels in every bucket's kKind field (kind_code()), so
+// ranks that disagree (rebuild_buckets differs with check_parameters off) drop
+// the window instead of mis-pairing. Once rank 0 sent an order, every rank
+// takes part in an allgather of its outcome (built, same layout, failed: a
+// local failure, out of memory say, is caught, never skips the collective)
+// and every rank keeps the old buckets unless all built (neither it nor the
+// broadcast is a gradient reduction: stats count neither). Done before the
+// write-back, as every collective of the window, and applied after it (even
 // if this rank's write-back fails): between windows only.
-//
 
-std::vector<Bucket> Reducer::State::build_buckets(const std::vector<std::vector<size_t>>& layout) const {
-  // The one place buckets are made: construction and the rebuild alike.
-  std::vector<Bucket> built;
-  built.reserve(layout.size());
-  for (const auto& indices : layout) {
-    built.emplace_back(params, indices,
-        BucketConfig{rule.accumulate_dtype, rule.comm_dtype, world, rule.error_feedback});
-  }
-  return built;
-}
+namespace gradaccum::detail {
 
-void Reducer::State::use_buckets(std::vector<Bucket> built) {
-  buckets = std::move(built);
-  locator.assign(params.size(), {0, 0});
-  for (const auto b : c10::irange(buckets.size())) {
-    for (const auto slot : c10::irange(buckets[b].params.size())) {
-      locator[buckets[b].params[slot]] = {b, slot};
-    }
-  }
-  // One modulus for all buckets: the narrowest meta dtype decides.
-  modulus = consensus_modulus(world, at::kDouble);
-  for (const auto& bucket : buckets) {
-    // Digits carry integers below 2^32, so squares of values below 2^16.
-    modulus = std::min(modulus, bucket.encoding == MetaEncoding::kDigits
-        ? int64_t{1} << 16 : consensus_modulus(world, bucket.meta.scalar_type()));
-  }
-  summed_meta.assign(buckets.size(), {});
-  stats.buckets = static_cast<int64_t>(buckets.size());
-}
+namespace {
 
-void Reducer::State::broadcast_parameters_from_rank0() {
-  // The buckets are flat buffers shaped like the parameters: broadcast through
-  // them, one collective per bucket and no temporary copy of the model.
-  at::NoGradGuard no_grad;
-  for (auto& bucket : buckets) {
-    for (const auto slot : c10::irange(bucket.params.size())) {
-      bucket.views[slot].copy_(params[bucket.params[slot]]);
-    }
-    std::vector<at::Tensor> flat{bucket.gradients};
-    group->broadcast(flat)->wait();
-    for (const auto slot : c10::irange(bucket.params.size())) {
-      params[bucket.params[slot]].copy_(bucket.views[slot]);
-    }
-    bucket.gradients.zero_();
-  }
-}
+// What one rank made of rank 0's order.
+enum Outcome { kFailed = 0, kBuilt = 1, kSame = 2 };
 
-std::optional<std::vector<Bucket>> Reducer::State::agree_on_ready_order() {
-  // Every rank runs the broadcast and then the allgather below, whatever fails
-  // locally (a rank that skipped one would pair its next bucket with it).
-  // [how many parameters rank 0 saw ready (-1: it failed), then the order of all]
-  std::vector<int64_t> order(params.size() + 1, 0);
+// [how many parameters this rank saw ready (-1: recording failed), then every
+// parameter: those in ready order first, the others in their bucket order].
+std::vector<int64_t> encode_ready_order(const BucketSet& set, const ReducerConfig& config) {
+  const auto n = config.params.size();
+  std::vector<int64_t> order(n + 1, 0);
   try {
-    std::vector<char> seen(params.size(), 0);
+    std::vector<char> seen(n, 0);
     size_t k = 1;
-    for (const auto i : ready_order) {
-      TORCH_INTERNAL_ASSERT(!seen[i], "gradaccum: the ready order saw ", name(i), " twice");
+    for (const auto i : set.ready_order) {
+      TORCH_INTERNAL_ASSERT(!seen[i], "gradaccum: the ready order saw ", config.name(i), " twice");
       order[k++] = static_cast<int64_t>(i);
       seen[i] = 1;
     }
-    order[0] = static_cast<int64_t>(ready_order.size());
-    for (const auto& bucket : buckets) {
+    order[0] = static_cast<int64_t>(set.ready_order.size());
+    for (const auto& bucket : set.all) {
       for (const auto i : bucket.params) {
         if (!seen[i]) {
           order[k++] = static_cast<int64_t>(i);
@@ -98,51 +62,29 @@ std::optional<std::vector<Bucket>> Reducer::State::agree_on_ready_order() {
     }
     TORCH_INTERNAL_ASSERT(k == order.size());
   } catch (const std::exception& e) {
-    TORCH_WARN("gradaccum: recording backward's ready order failed on rank ", rank, ": ", message_of(e));
-    order.assign(params.size() + 1, 0);
+    TORCH_WARN("gradaccum: recording backward's ready order failed on rank ", config.rank, ": ", message_of(e));
+    order.assign(n + 1, 0);
     order[0] = -1;
   }
-  std::vector<at::Tensor> message{at::tensor(order, at::kLong).to(metadata_device())};
-  group->broadcast(message)->wait();
+  return order;
+}
+
+// Rank 0's encode_ready_order(), on every rank (a collective).
+std::vector<int64_t> broadcast_order(std::vector<int64_t> order, const ReducerConfig& config) {
+  std::vector<at::Tensor> message{at::tensor(order, at::kLong).to(config.metadata_device())};
+  config.group->broadcast(message)->wait();
   const auto agreed = message[0].cpu();
   const auto a = agreed.accessor<int64_t, 1>();
-  if (a[0] == 0) {
-    return std::nullopt; // rank 0 saw no hook this window: try again at the next
+  for (const auto k : c10::irange(order.size())) {
+    order[k] = a[static_cast<int64_t>(k)];
   }
-  buckets_final = true; // on every rank alike: once tried, never again
-  ready_order = {};
-  if (a[0] < 0) {
-    return std::nullopt; // rank 0 could not say (it warned)
-  }
-  // 1: built, 2: the layout would not change, 0: failed here.
-  enum Outcome { kFailed = 0, kBuilt = 1, kSame = 2 };
-  std::optional<std::vector<Bucket>> built;
-  std::string error;
-  Outcome outcome = kFailed;
-  try {
-    std::vector<size_t> ready_by(params.size());
-    for (const auto k : c10::irange(params.size())) {
-      ready_by[k] = static_cast<size_t>(a[static_cast<int64_t>(k) + 1]);
-    }
-    const auto layout = assign_buckets(
-        params,
-        static_cast<int64_t>(options.first_bucket_cap_mb() * kMiB),
-        static_cast<int64_t>(options.bucket_cap_mb() * kMiB),
-        ready_by);
-    const bool same = layout.size() == buckets.size() &&
-        std::equal(layout.begin(), layout.end(), buckets.begin(),
-                   [](const auto& indices, const Bucket& bucket) { return indices == bucket.params; });
-    if (same) {
-      outcome = kSame;
-    } else {
-      built = build_buckets(layout);
-      outcome = kBuilt;
-    }
-  } catch (const std::exception& e) {
-    error = message_of(e);
-  }
-  // Every rank switches, or none does.
-  const auto flags = allgather(*group, at::full({1}, static_cast<double>(outcome), at::kDouble).to(metadata_device()));
+  return order;
+}
+
+// Whether every rank built (kBuilt) or kept (kSame) its layout (a collective).
+bool every_rank_built(const ReducerConfig& config, Outcome outcome, const std::string& error) {
+  const auto flags = allgather(*config.group,
+      at::full({1}, static_cast<double>(outcome), at::kDouble).to(config.metadata_device()));
   int failed = 0;
   int same = 0;
   for (const auto& flag : flags) {
@@ -154,61 +96,70 @@ std::optional<std::vector<Bucket>> Reducer::State::agree_on_ready_order() {
     TORCH_WARN("gradaccum: rebuilding the buckets in backward's order failed on ", failed,
         " rank(s)", error.empty() ? std::string() : " (on this rank: " + error + ")",
         "; every rank keeps the buckets it has");
-    return std::nullopt;
+    return false;
   }
   // The layout follows from rank 0's order alone: the same verdict everywhere.
   TORCH_INTERNAL_ASSERT(same == 0 || same == static_cast<int>(flags.size()),
       "gradaccum: ranks computed different bucket layouts from the same order");
-  return same > 0 ? std::nullopt : std::move(built);
+  return true;
 }
 
-void Reducer::State::switch_buckets(std::vector<Bucket> built) noexcept {
+} // namespace
+
+std::optional<std::vector<Bucket>> BucketSet::agree_on_ready_order(const ReducerConfig& config) {
+  // Every rank runs the broadcast and then the allgather, whatever fails
+  // locally (a rank that skipped one would pair its next bucket with it).
+  const auto agreed = broadcast_order(encode_ready_order(*this, config), config);
+  if (agreed[0] == 0) {
+    return std::nullopt; // rank 0 saw no hook this window: try again at the next
+  }
+  final = true; // on every rank alike: once tried, never again
+  ready_order = {};
+  if (agreed[0] < 0) {
+    return std::nullopt; // rank 0 could not say (it warned)
+  }
+  std::optional<std::vector<Bucket>> built;
+  std::string error;
+  Outcome outcome = kFailed;
+  try {
+    std::vector<size_t> ready_by(agreed.begin() + 1, agreed.end());
+    const auto next = layout(config, ready_by);
+    const bool same = next.size() == all.size() &&
+        std::equal(next.begin(), next.end(), all.begin(),
+                   [](const auto& indices, const Bucket& bucket) { return indices == bucket.params; });
+    if (same) {
+      outcome = kSame;
+    } else {
+      built = build(config, next);
+      outcome = kBuilt;
+    }
+  } catch (const std::exception& e) {
+    error = message_of(e);
+  }
+  if (!every_rank_built(config, outcome, error) || outcome == kSame) {
+    return std::nullopt;
+  }
+  return built;
+}
+
+void BucketSet::switch_to(std::vector<Bucket> built, const ReducerConfig& config) noexcept {
   // Between windows: copy-mode buckets are scratch and accumulating ones are
   // zero, but bucket views are .grad, which holds the window's gradient the
   // user may still read: it moves into the new views.
-  if (options.gradient_as_bucket_view()) {
+  if (config.options.gradient_as_bucket_view()) {
     try {
-      at::NoGradGuard no_grad;
-      for (auto& bucket : built) {
-        for (const auto slot : c10::irange(bucket.params.size())) {
-          auto& grad = params[bucket.params[slot]].mutable_grad();
-          if (grad.defined()) {
-            bucket.views[slot].copy_(grad);
-            grad = view_handle(bucket.views[slot]);
-          }
-        }
-      }
+      point_grads_at_views(built, config.params, /*undefined_too=*/false);
     } catch (const std::exception& e) {
       TORCH_WARN("gradaccum: moving .grad into the rebuilt buckets failed: ", message_of(e));
     }
   }
-  // Error feedback: each parameter's residual moves into its new bucket.
   try {
-    at::NoGradGuard no_grad;
-    const auto slice = [this](const Bucket& bucket, size_t slot) {
-      int64_t offset = 0;
-      for (size_t k = 0; k < slot; ++k) {
-        offset += params[bucket.params[k]].numel();
-      }
-      return bucket.residual.narrow(0, offset, params[bucket.params[slot]].numel());
-    };
-    for (auto& bucket : built) {
-      if (!bucket.residual.defined()) {
-        continue;
-      }
-      for (const auto slot : c10::irange(bucket.params.size())) {
-        const auto [b, old_slot] = locator[bucket.params[slot]];
-        if (buckets[b].residual.defined()) {
-          slice(bucket, slot).copy_(slice(buckets[b], old_slot));
-        }
-      }
-    }
+    move_residuals(all, locator, built);
   } catch (const std::exception& e) {
     TORCH_WARN("gradaccum: moving the error-feedback residuals into the rebuilt buckets failed: ",
                message_of(e));
   }
-  use_buckets(std::move(built));
-  ++stats.bucket_rebuilds;
+  use(std::move(built), config.world);
 }
 
-} // namespace gradaccum
+} // namespace gradaccum::detail

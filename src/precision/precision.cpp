@@ -1,8 +1,10 @@
-#include "reducer/state.h"
+#include "precision/precision.h"
 
-#include <algorithm>
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
-namespace gradaccum {
+namespace gradaccum::detail {
 
 // Note [Scaling before the sum]
 // With comm_dtype bf16/fp16 (Bucket::prescaled), each rank sends its gradient
@@ -17,13 +19,18 @@ namespace gradaccum {
 // sum of differently scaled gradients would be silently wrong): it changes
 // only at a reduction that every rank completed, and restore() sets it on
 // every rank from the checkpoint (Progress::last_weight), so a resumed run
-// scales as the uninterrupted one. write_back() multiplies by E / global weight: exactly 1 for a
-// full "mean" window. Wires as wide as float32 are not scaled.
-void Reducer::State::compress(Bucket& bucket) {
+// scales as the uninterrupted one. decompress() multiplies by E / global
+// weight: exactly 1 for a full "mean" window. Wires as wide as float32 are not
+// scaled.
+double expected_weight(const WindowRule& rule, int world, double last_weight) {
+  return rule.reduction == Reduction::Items && last_weight > 0
+      ? last_weight : static_cast<double>(world) * static_cast<double>(rule.steps);
+}
+
+void compress(Bucket& bucket, double scale) {
   // In place, no temporary: the bucket's gradients are rewritten from the
-  // wire by write_back() (or cleared with a dropped window) in any case.
+  // wire by decompress() (or cleared with a dropped window) in any case.
   at::NoGradGuard no_grad;
-  const double scale = bucket.prescaled ? expected_weight : 1.0;
   if (bucket.residual.defined()) {
     // Error feedback: send what was lost last time too, and keep what is lost
     // now (unscaled: the next window's scale may differ). What overflowed or
@@ -39,37 +46,57 @@ void Reducer::State::compress(Bucket& bucket) {
   }
 }
 
-void Reducer::accumulate_local() {
-  auto& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mutex);
-  TORCH_CHECK(!s.in_flight, "Reducer::accumulate_local() called during a synchronising backward");
+bool decompress(Bucket& bucket, double scale, bool divide, double divisor) {
+  TORCH_INTERNAL_ASSERT(bucket.compressed);
+  // Undo the scale and divide in one pass: exactly 1 for a full "mean" window.
+  bucket.gradients.copy_(bucket.wire_gradients);
+  if (!bucket.prescaled) {
+    return divide;
+  }
+  const double factor = scale / (divide ? divisor : 1.0);
+  if (factor != 1.0) {
+    bucket.gradients.mul_(factor);
+  }
+  return false;
+}
+
+void accumulate_grads(Bucket& bucket, const std::vector<at::Tensor>& params, std::atomic<bool>* touched) {
+  TORCH_INTERNAL_ASSERT(bucket.accumulating);
   at::NoGradGuard no_grad;
-  for (auto& bucket : s.buckets) {
-    if (!bucket.accumulating) {
-      continue;
-    }
-    for (const auto slot : c10::irange(bucket.params.size())) {
-      auto& grad = s.params[bucket.params[slot]].mutable_grad();
-      if (grad.defined()) {
-        add_widened(bucket.views[slot], grad);
-        grad = at::Tensor();
-        s.touched[bucket.params[slot]].store(true, std::memory_order_relaxed);
-      }
+  for (const auto slot : c10::irange(bucket.params.size())) {
+    auto& grad = params[bucket.params[slot]].mutable_grad();
+    if (grad.defined()) {
+      add_widened(bucket.views[slot], grad);
+      grad = at::Tensor();
+      touched[bucket.params[slot]].store(true, std::memory_order_relaxed);
     }
   }
 }
 
-std::vector<at::Tensor> Reducer::accumulated() const {
-  const auto& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mutex);
-  std::vector<at::Tensor> out(s.params.size());
-  for (const auto& bucket : s.buckets) {
+void write_back_wide(Bucket& bucket, const std::vector<at::Tensor>& params, const std::vector<char>& nowhere,
+                     std::optional<double> divisor) {
+  // A CPU double scalar: the division runs in the sum's dtype without
+  // rounding the divisor first.
+  const auto divisor_tensor = at::scalar_tensor(divisor.value_or(1.0), at::kDouble);
+  for (const auto slot : c10::irange(bucket.params.size())) {
+    const auto& p = params[bucket.params[slot]];
+    const auto& sum = bucket.views[slot];
+    p.mutable_grad() = nowhere[slot] ? at::Tensor()
+        : (divisor ? sum.div(divisor_tensor) : sum).to(p.scalar_type());
+  }
+  bucket.gradients.zero_();
+}
+
+std::vector<at::Tensor> accumulated_sums(const std::vector<Bucket>& buckets, size_t parameters,
+                                         const std::atomic<bool>* touched) {
+  std::vector<at::Tensor> out(parameters);
+  for (const auto& bucket : buckets) {
     if (!bucket.accumulating) {
       continue;
     }
     for (const auto slot : c10::irange(bucket.params.size())) {
       const auto i = bucket.params[slot];
-      if (s.touched[i].load(std::memory_order_relaxed)) {
+      if (touched[i].load(std::memory_order_relaxed)) {
         out[i] = bucket.views[slot].clone();
       }
     }
@@ -77,110 +104,101 @@ std::vector<at::Tensor> Reducer::accumulated() const {
   return out;
 }
 
-bool Reducer::accumulates(size_t index) const {
-  TORCH_CHECK_VALUE(index < state_->params.size(), "Reducer::accumulates: no parameter ", index);
-  return state_->buckets[state_->locator[index].first].accumulating;
-}
-
-void Reducer::load_accumulated(size_t index, const at::Tensor& sum) {
-  auto& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mutex);
-  TORCH_CHECK(!s.in_flight, "Reducer::load_accumulated() called during a synchronising backward");
-  TORCH_CHECK_VALUE(index < s.params.size(), "Reducer::load_accumulated: no parameter ", index);
-  const auto [b, slot] = s.locator[index];
-  auto& bucket = s.buckets[b];
-  TORCH_CHECK_VALUE(bucket.accumulating, "Reducer::load_accumulated: ", s.name(index),
-      " is not summed in a wider bucket");
-  TORCH_CHECK_VALUE(sum.sizes() == s.params[index].sizes(), "Reducer::load_accumulated: ",
-      s.name(index), " is ", s.params[index].sizes(), ", the sum ", sum.sizes());
-  at::NoGradGuard no_grad;
-  bucket.views[slot].copy_(sum);
-  s.touched[index].store(true, std::memory_order_relaxed);
-}
-
-bool Reducer::accumulating() const {
-  for (const auto& bucket : state_->buckets) {
-    if (bucket.accumulating) {
-      return true;
-    }
+std::vector<at::Tensor> residual_parts(const Bucket& bucket) {
+  TORCH_INTERNAL_ASSERT(bucket.residual.defined());
+  std::vector<at::Tensor> parts;
+  parts.reserve(bucket.views.size());
+  int64_t offset = 0;
+  for (const auto& view : bucket.views) {
+    parts.push_back(bucket.residual.narrow(0, offset, view.numel()));
+    offset += view.numel();
   }
-  return false;
+  TORCH_INTERNAL_ASSERT(offset == bucket.residual.numel());
+  return parts;
 }
 
-bool Reducer::compressing() const {
-  return std::any_of(state_->buckets.begin(), state_->buckets.end(),
-                     [](const Bucket& b) { return b.compressed; });
-}
-
-std::vector<at::Tensor> Reducer::residuals() const {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  std::vector<at::Tensor> out(state_->params.size());
-  for (const auto& bucket : state_->buckets) {
+std::vector<at::Tensor> residuals(const std::vector<Bucket>& buckets, size_t parameters) {
+  std::vector<at::Tensor> out(parameters);
+  for (const auto& bucket : buckets) {
     if (!bucket.residual.defined()) {
       continue;
     }
-    int64_t offset = 0;
+    const auto parts = residual_parts(bucket);
     for (const auto slot : c10::irange(bucket.params.size())) {
-      const auto& view = bucket.views[slot];
-      out[bucket.params[slot]] = bucket.residual.narrow(0, offset, view.numel()).clone().view(view.sizes());
-      offset += view.numel();
+      out[bucket.params[slot]] = parts[slot].clone().view(bucket.views[slot].sizes());
     }
   }
   return out;
 }
 
-void Reducer::set_residuals(const std::vector<at::Tensor>& residuals) {
-  auto& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mutex);
-  TORCH_CHECK(!s.in_flight, "Reducer::set_residuals() called during a synchronising backward");
-  TORCH_CHECK_VALUE(residuals.empty() || residuals.size() == s.params.size(),
-      "gradaccum: got ", residuals.size(), " error-feedback residuals for ", s.params.size(), " parameters");
+void set_residuals(std::vector<Bucket>& buckets, const ReducerConfig& config,
+                   const std::vector<at::Tensor>& residuals) {
+  TORCH_CHECK_VALUE(residuals.empty() || residuals.size() == config.params.size(),
+      "gradaccum: got ", residuals.size(), " error-feedback residuals for ", config.params.size(), " parameters");
+  const auto entry = [&](size_t i) { return residuals.empty() ? at::Tensor() : residuals[i]; };
   // Every entry is checked before any is written: a rejected state changes nothing.
-  for (const auto& bucket : s.buckets) {
+  for (const auto& bucket : buckets) {
     for (const auto i : bucket.params) {
-      const auto numel = s.params[i].numel();
-      const auto& r = residuals.empty() ? at::Tensor() : residuals[i];
+      const auto numel = config.params[i].numel();
+      const auto r = entry(i);
       if (r.defined()) {
         TORCH_CHECK_VALUE(bucket.residual.defined(),
-            "gradaccum: the state has an error-feedback residual for ", s.name(i),
+            "gradaccum: the state has an error-feedback residual for ", config.name(i),
             " but this Accumulator keeps none (error_feedback=False, or no comm_dtype narrower "
             "than its gradients)");
         TORCH_CHECK_VALUE(r.numel() == numel,
-            "gradaccum: the error-feedback residual of ", s.name(i), " has ", r.numel(),
+            "gradaccum: the error-feedback residual of ", config.name(i), " has ", r.numel(),
             " elements, the parameter ", numel);
       }
     }
   }
   at::NoGradGuard no_grad;
-  for (auto& bucket : s.buckets) {
-    int64_t offset = 0;
+  for (auto& bucket : buckets) {
+    if (!bucket.residual.defined()) {
+      continue;
+    }
+    const auto parts = residual_parts(bucket);
     for (const auto slot : c10::irange(bucket.params.size())) {
-      const auto i = bucket.params[slot];
-      const auto numel = s.params[i].numel();
-      const auto& r = residuals.empty() ? at::Tensor() : residuals[i];
-      if (bucket.residual.defined()) {
-        auto part = bucket.residual.narrow(0, offset, numel);
-        if (r.defined()) {
-          part.copy_(r.reshape(-1));
-        } else {
-          part.zero_();
-        }
+      const auto r = entry(bucket.params[slot]);
+      if (r.defined()) {
+        parts[slot].copy_(r.reshape(-1));
+      } else {
+        parts[slot].zero_();
       }
-      offset += numel;
     }
   }
 }
 
-void Reducer::discard_residuals() {
-  auto& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mutex);
-  TORCH_CHECK(!s.in_flight, "Reducer::discard_residuals() called during a synchronising backward");
+void discard_residuals(std::vector<Bucket>& buckets) {
   at::NoGradGuard no_grad;
-  for (auto& bucket : s.buckets) {
+  for (auto& bucket : buckets) {
     if (bucket.residual.defined()) {
       bucket.residual.zero_();
     }
   }
 }
 
-} // namespace gradaccum
+void move_residuals(const std::vector<Bucket>& from, const std::vector<std::pair<size_t, size_t>>& locator,
+                    std::vector<Bucket>& to) {
+  at::NoGradGuard no_grad;
+  std::vector<std::vector<at::Tensor>> old_parts(from.size());
+  for (const auto b : c10::irange(from.size())) {
+    if (from[b].residual.defined()) {
+      old_parts[b] = residual_parts(from[b]);
+    }
+  }
+  for (auto& bucket : to) {
+    if (!bucket.residual.defined()) {
+      continue;
+    }
+    const auto parts = residual_parts(bucket);
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      const auto [b, old_slot] = locator[bucket.params[slot]];
+      if (!old_parts[b].empty()) {
+        parts[slot].copy_(old_parts[b][old_slot]);
+      }
+    }
+  }
+}
+
+} // namespace gradaccum::detail

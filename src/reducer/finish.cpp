@@ -1,105 +1,154 @@
+// The reduction's end: every bucket launched, the collectives waited for, the
+// headers agreed on, the reduced gradient written back.
+
 #include "reducer/state.h"
+
+#include "comm.h"
+#include "consensus/window_header.h"
+#include "precision/precision.h"
+#include "rank_check.h"
 
 #include <gradaccum/detail/checked_write.h>
 
-#include <algorithm>
-#include <cmath>
+#include <c10/util/irange.h>
+
+#include <sstream>
+
+// Note [Finishing a reduction]
+// finish_reduction() runs three phases, each a call, in this order:
+//  1. complete_buckets(): before the last launch. What fails here is this
+//     rank's alone, and is dropped through the pairing (abort_reduction(),
+//     Note [Dropping a window]), so every rank still ends alike.
+//  2. launch_rest() and agree(): every collective of the reduction is
+//     launched; wait for them, read the summed headers, check the consensus.
+//     What fails here every rank sees alike (a transport error, a rank that
+//     dropped the window, a disagreement): fail() drops the window and raises.
+//  3. complete_snapshot() or complete_window(): every rank agreed, the window
+//     is reduced everywhere; a local failure from here on (say, out of
+//     memory) is reported as such, never as a drop. A window runs its other
+//     collectives first (buffers, the rebuild's order: window_collectives()),
+//     then writes back, then applies the rebuild and ends the reduction, the
+//     last two even when a step before them failed on this rank: every rank
+//     switches buckets and counts the window alike.
 
 namespace gradaccum {
 
-// Note [Dropping a window]
-// When a rank cannot contribute its window (its backward raised, it went on
-// past the end of an epoch that others ended with flush(), its reducer was
-// destroyed mid-backward), it completes the pairing anyway: it launches its
-// remaining buckets with kAbort = 1 (and its rank and the reason), and waits
-// for all of them. Every rank reads the summed header of the last bucket; a
-// non-zero abort count makes every rank drop the window alike: gradients
-// cleared, no optimizer step, the same error raised everywhere, and training
-// can go on from the next window with every replica still identical. The same
-// happens when the ranks disagree on what must be equal (Note [Bucket meta
-// layout]): every rank sees the same sums, so every rank decides alike.
-//
-
 ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapshot) {
-  // Phase 1, before the last launch: anything that fails here is this rank's
-  // alone, and is dropped through the pairing (Note [Dropping a window]).
+  TORCH_INTERNAL_ASSERT(window.in_flight, "gradaccum: finishing a reduction that is not in flight");
+  const auto saved = complete_buckets(snapshot != nullptr);
+  launch_rest();
+  auto reduced = agree();
+  if (snapshot) {
+    return complete_snapshot(reduced, saved, *snapshot);
+  }
+  return complete_window(std::move(reduced));
+}
+
+std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
+  std::string foreign;
   std::vector<at::Tensor> saved;
   try {
-    if (kind == 0) {
-      const auto foreign = foreign_hooks();
-      if (!foreign.empty()) {
-        abort_reduction(AbortReason::ForeignReducer);
-        TORCH_CHECK(false, foreign);
-      }
-    }
+    foreign = window.kind() == 0 ? detail::foreign_hooks(config) : "";
     // A snapshot must leave bucket views (which are .grad) as they are.
-    if (snapshot && (options.gradient_as_bucket_view() ||
-                     std::any_of(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.accumulating; }))) {
-      for (const auto& bucket : buckets) {
+    if (foreign.empty() && snapshot &&
+        (config.options.gradient_as_bucket_view() || buckets.any(&Bucket::accumulating))) {
+      for (const auto& bucket : buckets.all) {
         saved.push_back(bucket.gradients.clone());
       }
     }
     // Whatever backward did not make ready (unused on this rank, or used only
     // in earlier micro-steps) is sent as it is: its accumulated .grad, or
     // zeros flagged as missing.
-    for (size_t b = next_launch; b < buckets.size(); ++b) {
-      auto& bucket = buckets[b];
+    for (size_t b = window.next_launch; foreign.empty() && b < buckets.all.size(); ++b) {
+      auto& bucket = buckets.all[b];
       for (const auto slot : c10::irange(bucket.params.size())) {
-        if (!ready[bucket.params[slot]]) {
+        if (!window.ready[bucket.params[slot]]) {
           copy_into_bucket(bucket, slot);
         }
       }
     }
   } catch (const std::exception& e) {
-    if (in_flight) {
-      const auto local = message_of(e);
-      abort_reduction(AbortReason::BackwardFailed);
-      TORCH_CHECK(false, failure, ". The error on this rank: ", local);
-    }
-    throw;
+    const auto local = detail::message_of(e);
+    abort_reduction(AbortReason::BackwardFailed);
+    TORCH_CHECK(false, window.failure, ". The error on this rank: ", local);
   }
-  launch_rest();
-  // Phase 2: every collective of this reduction is launched on this rank.
+  if (!foreign.empty()) {
+    abort_reduction(AbortReason::ForeignReducer);
+    TORCH_CHECK(false, foreign);
+  }
+  return saved;
+}
+
+detail::Reduced Reducer::State::agree() {
+  detail::Reduced reduced;
   try {
-    wait_all(request.flushing ? "flush" : "synchronising backward");
+    wait_all(window.request.flushing ? "flush" : "synchronising backward");
+    reduced.meta = read_all_meta();
   } catch (const std::exception& e) {
-    fail(e.what());
+    fail(detail::message_of(e));
   }
-
-  // One host read of every bucket's meta (the consensus needs it; it also
-  // gives the global weight and the flags).
-  read_all_meta();
-  auto summed = at::empty({static_cast<int64_t>(buckets.size()), kMetaHeader}, at::kDouble);
-  for (const auto b : c10::irange(buckets.size())) {
-    std::copy_n(summed_meta[b].begin(), kMetaHeader, summed[static_cast<int64_t>(b)].data_ptr<double>());
+  const auto verdict = detail::read_headers(reduced.meta, agreement_inputs(), config.rank, config.world,
+                                            buckets.modulus, where());
+  auto& result = reduced.result;
+  result.window = window.sequence;
+  result.global_weight = verdict.global_weight;
+  result.flushing_ranks = verdict.flushing_ranks;
+  window.last_result = result;
+  window.last_result.dropped = true; // until the consensus holds
+  if (!verdict.error.empty()) {
+    fail(verdict.error);
   }
-  const auto& last = summed_meta.back();
-  ReductionResult result;
-  result.window = sequence;
-  result.global_weight = last[kWeight];
-  result.flushing_ranks = static_cast<int64_t>(std::llround(last[kFlushing]));
-  last_result = result;
-  last_result.dropped = true; // until the consensus holds
-  check_consensus(summed);
-  last_result.dropped = false;
+  window.last_result.dropped = false;
+  return reduced;
+}
 
-  // Phase 3: every rank agreed. From here on the window is reduced everywhere;
-  // a local failure (say, out of memory) is reported as such, never as a drop.
-  struct End {
-    State& s;
-    bool snapshot;
-    ~End() {
-      ++s.sequence;
-      s.end_reduction(/*window_closed=*/!snapshot);
+void Reducer::State::wait_all(const char* what) {
+  for (const auto b : c10::irange(buckets.all.size())) {
+    for (auto& work : buckets.all[b].works) {
+      try {
+        work->wait();
+      } catch (const std::exception& e) {
+        // Wait for nothing else: the group is likely broken. The caller drops
+        // the window (its buffers may hold a half-reduced sum).
+        std::ostringstream message;
+        message << where() << " (" << what << "), rank " << config.rank
+                << ": the all-reduce of bucket " << b << " of " << buckets.all.size()
+                << " failed. Likely cause: a peer process left (crashed or was killed), or "
+                << "the ranks took different paths (flush() on some ranks only, a different "
+                << "number of micro-steps or windows, another collective in between). "
+                << "The original error: " << detail::message_of(e);
+        throw std::runtime_error(message.str());
+      }
     }
-  } end{*this, snapshot != nullptr};
-  if (snapshot) {
-    snapshot->assign(params.size(), at::Tensor());
-    for (const auto b : c10::irange(buckets.size())) {
-      auto& bucket = buckets[b];
+  }
+}
+
+std::vector<std::vector<double>> Reducer::State::read_all_meta() const {
+  // One copy to the host for all buckets (one device synchronisation).
+  std::vector<at::Tensor> metas;
+  for (const auto& bucket : buckets.all) {
+    metas.push_back(bucket.meta.to(at::kDouble));
+  }
+  const auto host = at::cat(metas).cpu().contiguous();
+  const double* data = host.data_ptr<double>();
+  std::vector<std::vector<double>> summed;
+  for (const auto& bucket : buckets.all) {
+    summed.push_back(bucket.decode_meta(data));
+    data += bucket.meta.numel();
+  }
+  return summed;
+}
+
+ReductionResult Reducer::State::complete_snapshot(const detail::Reduced& reduced,
+                                                  const std::vector<at::Tensor>& saved,
+                                                  std::vector<at::Tensor>& sums) {
+  try {
+    sums.assign(config.params.size(), at::Tensor());
+    for (const auto b : c10::irange(buckets.all.size())) {
+      auto& bucket = buckets.all[b];
       for (const auto slot : c10::irange(bucket.params.size())) {
-        if (summed_meta[b][kMetaHeader + slot] != 0) {
-          (*snapshot)[bucket.params[slot]] = bucket.views[slot].clone();
+        if (reduced.meta[b][kMetaHeader + slot] != 0) {
+          sums[bucket.params[slot]] = bucket.views[slot].clone();
         }
       }
       if (!saved.empty()) {
@@ -107,179 +156,71 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
       }
     }
     ++stats.snapshots;
-    return result;
+  } catch (...) {
+    end_reduction(/*window_closed=*/false);
+    throw;
   }
+  end_reduction(/*window_closed=*/false);
+  return reduced.result;
+}
+
+ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
+  auto& result = reduced.result;
   ++stats.windows;
   if (result.global_weight > 0 && result.flushing_ranks == 0) {
-    last_weight = result.global_weight; // Note [Scaling before the sum]
+    window.last_weight = result.global_weight; // Note [Scaling before the sum]
   }
-  // Collectives first: a local failure in write_back must not skip one.
-  if (options.broadcast_buffers() && !buffers.empty()) {
-    broadcast_from_rank0(buffers);
-    ++stats.broadcasts;
-  }
-  // See Note [Rebuilding buckets in ready order]: agreed here, applied once
-  // the write-back below is over (or failed on this rank: every rank switches).
-  struct Switch {
-    State& s;
-    std::optional<std::vector<Bucket>> next;
-    ~Switch() {
-      if (next) {
-        s.switch_buckets(std::move(*next));
-      }
+  std::optional<std::vector<Bucket>> rebuilt;
+  try {
+    rebuilt = window_collectives();
+    const bool divide = window.request.divide && result.global_weight > 0;
+    bool known_finite = window.request.check_finite;
+    for (const auto b : c10::irange(buckets.all.size())) {
+      known_finite = write_back(buckets.all[b], reduced.meta[b], divide, result.global_weight,
+                                window.request.check_finite) && known_finite;
     }
-  } rebuild{*this, buckets_final ? std::nullopt : agree_on_ready_order()};
-  const bool divide = request.divide && result.global_weight > 0;
-  bool known_finite = request.check_finite;
-  for (const auto b : c10::irange(buckets.size())) {
-    known_finite = write_back(buckets[b], summed_meta[b], divide, result.global_weight,
-                              request.check_finite) && known_finite;
+    result.known_finite = window.last_result.known_finite = known_finite;
+  } catch (...) {
+    apply_rebuild(std::move(rebuilt));
+    end_reduction(/*window_closed=*/true);
+    throw;
   }
-  result.known_finite = last_result.known_finite = known_finite;
+  apply_rebuild(std::move(rebuilt));
+  end_reduction(/*window_closed=*/true);
   return result;
 }
 
-void Reducer::State::fail(const std::string& message) {
-  // Every collective of this reduction has completed (or the group is broken):
-  // the pairing is over, so the window can be dropped and the error raised.
-  failure = message;
-  if (last_result.window != sequence) {
-    last_result = ReductionResult{}; // nothing was read from this reduction
+std::optional<std::vector<Bucket>> Reducer::State::window_collectives() {
+  // Before the write-back: a local failure there must not skip one.
+  if (config.options.broadcast_buffers() && !config.buffers.empty()) {
+    detail::broadcast_from_rank0(*config.group, config.buffers);
+    ++stats.broadcasts;
   }
-  last_result.window = sequence;
-  last_result.dropped = true;
-  end_dropped_window();
-  TORCH_CHECK(false, message);
+  // Note [Rebuilding buckets in ready order]: agreed here, applied after the write-back.
+  return buckets.final ? std::nullopt : buckets.agree_on_ready_order(config);
 }
 
-void Reducer::State::end_dropped_window() noexcept {
-  // The pairing is over on this rank: clear the window and count it.
-  try {
-    drop_window();
-  } catch (...) {
+void Reducer::State::apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) noexcept {
+  if (rebuilt) {
+    buckets.switch_to(std::move(*rebuilt), config);
+    stats.buckets = static_cast<int64_t>(buckets.all.size());
+    ++stats.bucket_rebuilds;
   }
-  ++stats.windows;
-  ++stats.dropped_windows;
-  ++sequence;
-  end_reduction();
-}
-
-void Reducer::State::abort_reduction(AbortReason reason) noexcept {
-  // See Note [Dropping a window]. Runs from a failed task's guard (in the
-  // engine, during unwinding) or from backward()/reduce(): never throws.
-  request.abort = reason;
-  aborted_here = true;
-  std::string transport;
-  last_result = ReductionResult{};
-  last_result.window = sequence;
-  last_result.dropped = true;
-  try {
-    launch_rest();
-    wait_all("dropping this rank's window");
-    // Whether others were flushing still matters to this rank's epoch.
-    const auto header = buckets.back().read_meta();
-    last_result.flushing_ranks = static_cast<int64_t>(std::llround(header[kFlushing]));
-  } catch (const std::exception& e) {
-    transport = message_of(e);
-  }
-  failure = "gradaccum: " + window_label() + ": this rank (rank " + std::to_string(rank) +
-      ") could not contribute its window, so the window was dropped on every rank (its "
-      "gradients cleared, no optimizer step); training can go on from the next window";
-  switch (reason) {
-    case AbortReason::WeightTooLarge:
-      failure += ". Why: this rank's window weight " + std::to_string(request.weight) +
-                 " is larger than a bf16/fp16 bucket's meta carries";
-      break;
-    case AbortReason::WeightTooSmall:
-      failure += c10::str(". Why: this rank's window weight ", request.weight,
-                          " is smaller than a bf16/fp16 bucket's meta carries exactly");
-      break;
-    case AbortReason::ClosedWindowNotStepped:
-      failure = "gradaccum: " + window_label() + " (flush): this rank (rank " + std::to_string(rank) +
-          ") could not step the window it had closed before this flush(), while the other ranks "
-          "stepped theirs: the replicas differ from here on, and the flush was dropped on every "
-          "rank. Resume every rank from a checkpoint";
-      break;
-    case AbortReason::GradientsChanged:
-      failure += ". Why: the accumulated gradients were cleared or changed outside the "
-                 "Accumulator in the middle of the window (optimizer.zero_grad() or "
-                 "model.zero_grad() between micro-steps?); clear them only after step() returns "
-                 "True, or drop a window with the Accumulator's zero_grad()";
-      break;
-    case AbortReason::ForeignReducer:
-      failure += ". Why: another reducer's hooks are on this rank's parameters";
-      break;
-    case AbortReason::EpochEnded:
-      failure += ". Why: the other ranks had ended the epoch with flush()";
-      break;
-    default:
-      break;
-  }
-  if (!transport.empty()) {
-    failure += ". Dropping it failed too: " + transport;
-  }
-  end_dropped_window();
-}
-
-void Reducer::State::drop_window() {
-  at::NoGradGuard no_grad;
-  for (auto& bucket : buckets) {
-    bucket.gradients.zero_();
-    if (bucket.residual.defined()) {
-      bucket.residual.zero_(); // it holds part of the dropped window
-    }
-    for (const auto slot : c10::irange(bucket.params.size())) {
-      auto& grad = params[bucket.params[slot]].mutable_grad();
-      if (!options.gradient_as_bucket_view()) {
-        grad = at::Tensor();
-      } else if (!on_view(grad, bucket.views[slot])) {
-        grad = view_handle(bucket.views[slot]);
-      }
-    }
-  }
-  clear_touched();
-}
-
-void Reducer::State::end_reduction(bool window_closed) {
-  stats.last_window_launched_in_backward = static_cast<int64_t>(early_launches);
-  stats.launched_in_backward += static_cast<int64_t>(early_launches);
-  for (auto& bucket : buckets) {
-    bucket.works.clear();
-  }
-  if (window_closed) {
-    clear_touched();
-  }
-  kind = 0;
-  in_flight = false;
-  last_anchor_task = anchor_task;
-  anchor_task = -1;
 }
 
 bool Reducer::State::write_back(Bucket& bucket, const std::vector<double>& meta, bool divide,
                                 double divisor, bool check_finite) {
-  const bool as_view = options.gradient_as_bucket_view();
+  const bool as_view = config.options.gradient_as_bucket_view();
   if (bucket.compressed) {
-    // Back from the wire's dtype; undo the scale and divide in one pass
-    // (Note [Scaling before the sum]): exactly 1 for a full "mean" window.
-    bucket.gradients.copy_(bucket.wire_gradients);
-    if (bucket.prescaled) {
-      const double factor = expected_weight / (divide ? divisor : 1.0);
-      if (factor != 1.0) {
-        bucket.gradients.mul_(factor);
-      }
-      divide = false;
-    }
+    divide = detail::decompress(bucket, window.expected_weight, divide, divisor);
   }
-  // A CPU double scalar: the division runs in the gradients' compute type
-  // without rounding the divisor to a half-precision dtype first.
-  const auto divisor_tensor = at::scalar_tensor(divisor, at::kDouble);
   // The division rides on the pass that writes .grad: in place in the bucket
   // for views, fused into the copy back otherwise; so does the check for the
   // non-finite test (Note [The reducer checks the window's gradient]).
   const auto by = divide ? std::optional<double>(divisor) : std::nullopt;
   // A compressed bucket's values came through the wire's copy above, not
   // through this pass: it never reports itself checked.
-  const int64_t terms = check_finite && !bucket.compressed ? numel : 0;
+  const int64_t terms = check_finite && !bucket.compressed ? config.numel : 0;
   bool bounded = true;
   if (as_view && (divide || check_finite)) {
     bounded = detail::write_checked(bucket.gradients, bucket.gradients, by, terms);
@@ -290,25 +231,16 @@ bool Reducer::State::write_back(Bucket& bucket, const std::vector<double>& meta,
     nowhere[slot] = meta[kMetaHeader + slot] == 0;
   }
   if (bucket.accumulating) {
-    // Rounded once, to the parameter's dtype; the bucket starts the next window at 0.
-    for (const auto slot : c10::irange(bucket.params.size())) {
-      auto& grad = params[bucket.params[slot]].mutable_grad();
-      const auto& p = params[bucket.params[slot]];
-      grad = nowhere[slot] ? at::Tensor()
-          : (divide ? bucket.views[slot].div(divisor_tensor) : bucket.views[slot]).to(p.scalar_type());
-    }
-    bucket.gradients.zero_();
+    detail::write_back_wide(bucket, config.params, nowhere, by);
     return false; // not checked
   }
   for (const auto slot : c10::irange(bucket.params.size())) {
-    auto& grad = params[bucket.params[slot]].mutable_grad();
+    auto& grad = config.params[bucket.params[slot]].mutable_grad();
     const auto& view = bucket.views[slot];
     if (nowhere[slot]) {
       grad = at::Tensor(); // no rank had a gradient: keep it None, as one process would
     } else if (as_view) {
-      if (!on_view(grad, view)) {
-        grad = view_handle(view);
-      }
+      detail::repoint(grad, view);
     } else {
       if (!grad.defined()) {
         grad = at::empty_like(view);

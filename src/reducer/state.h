@@ -1,78 +1,120 @@
 #pragma once
-// Internal: the state a Reducer shares with its hooks and engine callbacks.
+// Internal: the state a Reducer shares with its autograd hooks and engine
+// callbacks. Three parts: the config (fixed), the buckets, and the window (the
+// reduction in flight, and what the last one left); and the layers that work
+// on them, each calling only the ones listed before it:
+//   comm.h, consensus/, precision/, buckets/, rank_check.h   (no State)
+//   the reduction: launch.cpp, finish.cpp, drop.cpp           (State)
+//   the autograd glue: hooks.cpp                              (State)
+//   the Reducer facade: reducer.cpp
+
+#include "buckets/bucket_set.h"
+#include "consensus/agreement.h"
+#include "reducer/config.h"
 
 #include <gradaccum/reducer.h>
 
-#include <ATen/ATen.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <vector>
+
+// Note [Collectives pair by launch order]
+// c10d pairs the n-th collective of one rank with the n-th of every other rank.
+// So every reduction launches every bucket, strictly in index order, on every
+// rank, whatever order the hooks fire in and whatever happens to this rank's
+// backward: a failing rank still launches its remaining buckets (flagged, see
+// Note [Dropping a window]), a rank whose loss touched no parameter launches
+// them all at the end, and a closing micro-step always produces exactly one
+// reduction. Buckets change only between windows, once, identically on every
+// rank (Note [Rebuilding buckets in ready order]). The reducer's other
+// collectives pair by the same rule, so each runs on every rank at the same
+// point, whatever fails locally: the checks at construction
+// (check_ranks_match), the buffers' broadcast and the rebuild's broadcast and
+// allgather after a window every rank reduced (finish.cpp).
+
+// Note [What a window number means]
+// Window::sequence counts the reductions this rank completed, dropped ones and
+// checkpoints' snapshots included, so it is the number of the next one: the
+// "window 3" of errors, ReductionResult::window, Progress::sequence. Every
+// reduction pairs on every rank (Note [Collectives pair by launch order]), so
+// it is the same on every rank; every bucket's header carries it (kWindow)
+// and a difference drops the window. It advances in end_reduction() only,
+// once per reduction whatever its end, and restore() sets it from a
+// checkpoint on every rank alike.
 
 namespace gradaccum {
 namespace detail {
 
-constexpr int64_t kMiB = 1024 * 1024;
+/// The user-level call a reduction runs in (its errors surface there).
+enum class Entry {
+  Backward, ///< acc.backward() (Reducer::backward, or reduce() dropping a window)
+  ManualBackward, ///< a plain loss.backward() outside no_sync (begun by a hook)
+  Flush, ///< acc.flush() (reduce() closing a partial window)
+  StateDict, ///< acc.state_dict() (snapshot() of a half-done window)
+};
 
-std::vector<at::Tensor> allgather(c10d::ProcessGroup& group, const at::Tensor& input);
-int64_t consensus_modulus(int world, at::ScalarType meta_dtype);
-std::string message_of(const std::exception& e);
-const char* reduction_name(int64_t code);
+/// The reduction in flight, and what the last one left. Guarded by
+/// State::mutex; begin_reduction() resets the first part, end_reduction()
+/// ends it.
+struct Window {
+  bool in_flight = false;
+  ReductionRequest request;
+  Entry entry = Entry::Backward;
+  uint64_t sync_id = 0; ///< which reduction the queued callbacks belong to
+  int anchor_task = -1; ///< see Note [Where a synchronising backward ends]
+  std::vector<char> ready; ///< per parameter: its hook fired in this reduction
+  size_t next_launch = 0; ///< the next bucket to launch, in index order
+  size_t hook_launches = 0; ///< buckets this reduction's hooks launched
+  size_t early_launches = 0; ///< of those, launched before the last hook so far
+  /// comm_dtype to bf16/fp16: each rank multiplies its gradients by 1 / this
+  /// before rounding them (so that fp16 cannot overflow in the sum), fixed when
+  /// the reduction begins (Note [Scaling before the sum]).
+  double expected_weight = 1.0;
+
+  // What outlives a reduction.
+  int64_t sequence = 0; ///< Note [What a window number means]
+  /// The global weight of the last full window reduced (the same on every
+  /// rank); 0 before the first. The expected weight of the next items window.
+  double last_weight = 0;
+  int last_anchor_task = -1;
+  bool aborted_here = false; ///< this rank dropped the last reduction itself
+  std::string failure; ///< why the last reduction dropped its window ("" if it did not)
+  ReductionResult last_result;
+
+  /// 0: a window's reduction, 1: a checkpoint's snapshot (kKind).
+  int64_t kind() const {
+    return entry == Entry::StateDict ? 1 : 0;
+  }
+};
+
+/// A finished reduction's summed meta (one per bucket) and its result.
+struct Reduced {
+  std::vector<std::vector<double>> meta;
+  ReductionResult result;
+};
+
+/// Checks a request where it enters (Reducer::backward(), reduce()).
 void check_request(const ReductionRequest& request);
-
-// Note [Bucket views as .grad]
-// With gradient_as_bucket_view, `.grad` is an alias of its bucket view, never
-// the view itself: `p.grad.data = t` (or anything else that swaps a tensor's
-// storage) then moves the alias off the bucket, and the bucket's own view stays
-// put. Whether `.grad` still is the bucket's memory is asked of its storage and
-// place (on_view), not of its identity; one that is not is copied in and
-// re-pointed at a fresh alias (view_handle), as torch DDP does.
-inline at::Tensor view_handle(const at::Tensor& view) {
-  return at::alias(view);
-}
-inline bool on_view(const at::Tensor& grad, const at::Tensor& view) {
-  return grad.defined() && !grad.is_sparse() && grad.is_alias_of(view) &&
-      grad.storage_offset() == view.storage_offset() && grad.sizes() == view.sizes() &&
-      grad.strides() == view.strides();
-}
 
 } // namespace detail
 
-using detail::kMiB;
-using detail::allgather;
-using detail::check_request;
-using detail::consensus_modulus;
-using detail::message_of;
-using detail::on_view;
-using detail::reduction_name;
-using detail::view_handle;
-
 struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
-  // Fixed after construction.
-  std::vector<at::Tensor> params;
-  std::vector<at::Tensor> buffers;
-  std::vector<std::string> names;
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
-  ReducerOptions options;
-  WindowRule rule;
-  int rank = 0;
-  int world = 1;
-  int64_t modulus = 2;
-  int64_t numel = 0; ///< of all parameters: the terms of the window's norm
-  // Set by use_buckets(); rebuilt once, see Note [Rebuilding buckets in ready order].
-  std::vector<Bucket> buckets;
-  std::vector<std::pair<size_t, size_t>> locator; ///< (bucket, slot) of each parameter
+  explicit State(detail::ReducerConfig config);
+
+  const detail::ReducerConfig config;
+
+  // The autograd glue's own (hooks.cpp).
   // shared_ptr<Node> before torch 2.13, intrusive_ptr<Node> since: whatever
   // grad_accumulator() returns.
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::vector<NodePtr> grad_accumulators;
   std::vector<uintptr_t> hook_keys;
-
   std::atomic<bool> expect_hooks{true};
   /// Whether a hook fired for each parameter since the last reduction: with
   /// bucket views .grad is always defined, so this tells "no gradient" apart.
@@ -82,112 +124,76 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   // Everything below is guarded by mutex: CUDA backward runs hooks on device
   // threads, and a failed backward's guard runs wherever torch frees the task.
   mutable std::mutex mutex;
-  bool in_flight = false;
-  ReductionRequest request;
-  uint64_t sync_id = 0; ///< which reduction the queued callbacks belong to
-  int anchor_task = -1; ///< see Note [Where a synchronising backward ends]
-  int last_anchor_task = -1;
-  std::vector<char> ready;
-  size_t next_launch = 0;
-  bool aborted_here = false; ///< this rank dropped the last reduction itself
-  std::string failure; ///< why the last reduction dropped its window ("" if it did not)
-  int64_t sequence = 0; ///< reductions completed: the next one's window number
-  /// comm_dtype to bf16/fp16: each rank multiplies its gradients by 1 / this
-  /// before rounding them (so that fp16 cannot overflow in the sum), fixed when
-  /// the reduction begins (Note [Scaling before the sum]).
-  double expected_weight = 1.0;
-  /// The global weight of the last full window reduced (the same on every
-  /// rank); 0 before the first. The expected weight of the next items window.
-  double last_weight = 0;
-  /// Each bucket's summed meta (Note [Bucket meta layout]), read once per reduction.
-  std::vector<std::vector<double>> summed_meta;
-  bool buckets_final = false; ///< rebuilt in ready order, or never to be
-  size_t hook_launches = 0; ///< buckets this reduction's hooks launched
-  size_t early_launches = 0; ///< of those, launched before the last hook so far
-  std::vector<size_t> ready_order; ///< this reduction's, while !buckets_final
-  ReductionResult last_result;
+  detail::BucketSet buckets;
+  detail::Window window;
   ReducerStats stats;
 
-  const std::string& name(size_t index) const {
-    return names[index];
-  }
-  at::Device metadata_device() const {
-    // NCCL reduces device tensors only; every other backend takes CPU tensors.
-    // A group of per-device backends without one for the CPU gets its metadata
-    // on the parameters' device too.
-    const bool cpu_reachable = reaches(c10::DeviceType::CPU);
-    return group->getBackendType() == c10d::ProcessGroup::BackendType::NCCL || !cpu_reachable
-        ? params.front().device()
-        : at::Device(at::kCPU);
-  }
-  // Whether the group can reduce tensors of `type`. A group that registers no
-  // per-device backends (a wrapper overriding the collectives) is trusted.
-  bool reaches(c10::DeviceType type) const {
-    if (!group->hasBackends()) {
-      return true;
-    }
-    try { // (hasBackendForDeviceType() is newer than torch 2.11)
-      return group->getBackend(type).defined();
-    } catch (const c10::Error&) {
-      return false;
-    }
-  }
-  // A group whose backends are registered per device type (as torch's and
-  // gradaccum's own) must have one for each parameter's device: an NCCL-only
-  // group cannot reduce CPU parameters, and would fail only at the first
-  // synchronising backward, after a window of work.
-  void check_group_reaches(size_t index) const {
-    const auto device = params[index].device();
-    TORCH_CHECK_VALUE(reaches(device.type()),
-        "gradaccum: Accumulator(): the process group (backend '", group->getBackendName(),
-        "') has no backend for ", device.type(), " tensors, and ", name(index), " is on ", device,
-        ": move the model to a device the group reduces (model.to('cuda') under NCCL) or use a "
-        "Gloo group for CPU training");
-  }
-
-  void check_ranks_match();
-  std::vector<Bucket> build_buckets(const std::vector<std::vector<size_t>>& layout) const;
-  void use_buckets(std::vector<Bucket> built);
-  std::optional<std::vector<Bucket>> agree_on_ready_order();
-  void switch_buckets(std::vector<Bucket> built) noexcept;
-  void broadcast_parameters_from_rank0();
-  void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);
-
+  // The autograd glue (hooks.cpp).
   void add_hooks();
+  void remove_hooks() noexcept;
   void mark_ready(size_t index);
-  void clear_touched() {
-    for (const auto i : c10::irange(params.size())) {
-      touched[i].store(false, std::memory_order_relaxed);
-    }
-  }
-  std::string foreign_hooks() const;
-  int64_t kind = 0; ///< of the reduction in flight: 0 window, 1 snapshot
-  void begin_reduction(const ReductionRequest& req, int task);
-  /// kKind's value: the kind, plus 2 while the bucket rebuild is pending.
-  int64_t kind_code() const {
-    return kind + (buckets_final ? 0 : 2);
-  }
+  /// begin_reduction() inside graph task `task` (-1: none), finishing at its end.
+  void begin_in_task(const ReductionRequest& request, int task, detail::Entry entry);
   void queue_end_callback(int task);
   void on_task_end(uint64_t id, int task);
   void on_task_failed(uint64_t id) noexcept;
+  /// Reducer::backward() after loss.backward() raised: drops the window on
+  /// every rank unless that happened already. Returns this rank's own error
+  /// when this rank dropped it ("" when the error raised is every rank's).
+  std::string drop_failed_backward(const ReductionRequest& request, int64_t sequence_before);
+  ReductionResult end_backward(int64_t sequence_before);
+  /// The request of a synchronising backward of the manual path.
+  ReductionRequest manual_request() const;
+
+  // The reduction: beginning and launching (launch.cpp).
+  void begin_reduction(const ReductionRequest& request, int task, detail::Entry entry);
   void copy_into_bucket(Bucket& bucket, size_t slot);
   void launch_ready_buckets();
-  void launch_bucket(size_t index);
   void launch_rest();
-  void wait_all(const char* what);
+  void launch_bucket(size_t index);
+
+  // Finishing, as named phases (finish.cpp: Note [Finishing a reduction]).
   ReductionResult finish_reduction(std::vector<at::Tensor>* snapshot = nullptr);
+  std::vector<at::Tensor> complete_buckets(bool snapshot);
+  detail::Reduced agree();
+  void wait_all(const char* what);
+  std::vector<std::vector<double>> read_all_meta() const;
+  ReductionResult complete_snapshot(const detail::Reduced& reduced, const std::vector<at::Tensor>& saved,
+                                    std::vector<at::Tensor>& sums);
+  ReductionResult complete_window(detail::Reduced reduced);
+  std::optional<std::vector<Bucket>> window_collectives();
+  bool write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor,
+                  bool check_finite);
+  void apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) noexcept;
+
+  // Dropping a window, and ending a reduction (drop.cpp).
   void abort_reduction(AbortReason reason) noexcept;
   [[noreturn]] void fail(const std::string& message);
   void end_dropped_window() noexcept;
-  void check_consensus(const at::Tensor& headers);
   void drop_window();
-  void end_reduction(bool window_closed = true);
-  bool write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor,
-                  bool check_finite);
-  void compress(Bucket& bucket);
-  void read_all_meta();
-  std::string window_label() const {
-    return "window " + std::to_string(sequence);
+  void end_reduction(bool window_closed);
+
+  // Small helpers, also on the hot path (inline).
+  void clear_touched() {
+    for (const auto i : c10::irange(config.params.size())) {
+      touched[i].store(false, std::memory_order_relaxed);
+    }
+  }
+  /// kKind's value: the kind, plus 2 while the bucket rebuild is pending.
+  int64_t kind_code() const {
+    return window.kind() + (buckets.final ? 0 : 2);
+  }
+  /// This rank's values of what the ranks must agree on, for this reduction.
+  detail::AgreementInputs agreement_inputs() const {
+    return {config.rule, config.options, config.params.size(), window.sequence, kind_code()};
+  }
+  /// What every error of this reduction starts with.
+  std::string where() const {
+    return "gradaccum: window " + std::to_string(window.sequence);
+  }
+  /// Raises unless no reduction is in flight: `call` names the caller.
+  void check_idle(const char* call) const {
+    TORCH_CHECK(!window.in_flight, call, " called during a synchronising backward");
   }
 };
 
