@@ -33,12 +33,12 @@ std::vector<std::vector<size_t>> assign_buckets(
 //  - how many ranks closed a partial window with flush() (kFlushing),
 //  - how many ranks drop the window, which one and why (kAbort*; see
 //    Note [Dropping a window]),
-//  - whether every rank agrees on what must be equal (the window sequence
-//    number, steps, the reduction, the bucket's index, the kind of reduction):
-//    each such value v is
+//  - whether every rank agrees on what must be equal (the bucket's index, and
+//    the window number, steps, the reduction and the kind of reduction: Note
+//    [What ranks agree on] in src/consensus/agreement.h): each such value v is
 //    sent as (v mod M, (v mod M)^2); over W ranks the values are all equal iff
 //    W * sum(v^2) == sum(v)^2. M is chosen so both sums stay exact (see
-//    consensus_modulus()).
+//    consensus_modulus() in src/consensus/window_header.cpp).
 //  - which parameters got no gradient on any rank (the flags).
 // How the header travels depends on the wire's dtype (MetaEncoding):
 //  - float32/float64 wires carry the numbers as they are (kPlain).
@@ -50,10 +50,11 @@ std::vector<std::vector<size_t>> assign_buckets(
 //    sum over ranks only has to be told apart from 0.
 //  - A half-precision wire with more ranks than digits allow sends the header
 //    as a float32 tensor of its own, a second collective (kSeparate).
-// The reducer writes the header in launch_bucket() (write_meta()) and reads it
-// back once per reduction (read_meta()); the layout is the same on every rank
-// because the buckets and the options are (checked at construction, or by
-// the index field at the first window).
+// The reducer writes the header in launch_bucket() (encode_header(), then
+// write_meta()) and reads it back once per reduction (decode_meta(), then
+// read_headers()); the layout is the same on every rank because the buckets
+// and the options are (checked at construction, or by the index field at the
+// first window).
 enum MetaField : int64_t {
   kWeight = 0,
   kFlushing,

@@ -213,7 +213,7 @@ class Reducer {
   std::vector<int64_t> gather(int64_t value) const;
   const ReducerOptions& options() const;
 
-  struct State; ///< shared with the hooks and callbacks; defined in reducer.cpp
+  struct State; ///< shared with the hooks and callbacks; defined in src/reducer/state.h
 
  private:
   std::shared_ptr<State> state_;

@@ -1,0 +1,87 @@
+#pragma once
+// Internal: the one table of what every rank must agree on, and the texts of
+// the errors every rank raises when they do not, or when one of them drops a
+// window.
+
+#include <gradaccum/bucket.h>
+#include <gradaccum/reducer.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+// Note [What ranks agree on]
+// Ranks built differently would reduce silently wrong windows, or pair
+// collectives that do not belong together. Every value that must be equal on
+// every rank is listed once, in agreements(): check_ranks_match() compares the
+// ones marked `at_construction` (an allgather when the Accumulator is built,
+// with check_parameters), and every reduction carries the ones with a header
+// `field` in each bucket's meta (Note [Bucket meta layout]), so that a
+// difference construction did not see (check_parameters off, a rank that ran
+// another reduction) drops the window on every rank with the same error. The
+// one value outside the table is the bucket's index: it checks the pairing
+// itself (Note [Collectives pair by launch order]), bucket by bucket.
+
+namespace gradaccum::detail {
+
+/// How a value reads in an error.
+enum class Shown { Number, Reduction, Dtype };
+
+/// Where one rank's values come from.
+struct AgreementInputs {
+  const WindowRule& rule;
+  const ReducerOptions& options;
+  size_t parameters = 0;
+  int64_t window = 0; ///< the reduction's sequence number
+  int64_t kind = 0; ///< the reduction's kind code (State::kind_code())
+};
+
+/// One value every rank must hold alike.
+struct Agreement {
+  const char* what; ///< its name in errors
+  Shown shown;
+  double (*value)(const AgreementInputs& inputs);
+  bool at_construction; ///< compared when the reducer is built
+  MetaField field; ///< carried in every bucket's header; kMetaHeader: not carried
+  /// Its values stay below the consensus modulus: with two ranks, the other
+  /// rank's value can be read back from the sum.
+  bool small;
+  /// What a window's error advises; nullptr: use the same options everywhere.
+  const char* remedy;
+};
+
+/// The table (Note [What ranks agree on]).
+const std::vector<Agreement>& agreements();
+
+/// `value` as an error shows it.
+std::string show(Shown shown, double value);
+
+/// The construction-time error for `agreement`; `values` holds every rank's.
+std::string construction_disagreement(const Agreement& agreement, const std::vector<double>& values);
+
+/// What a window's summed headers tell about one value that differs.
+struct HeaderValues {
+  int64_t mine = 0;
+  int rank = 0;
+  int world = 1;
+  std::optional<int64_t> other; ///< the other rank's (two ranks, small values)
+  double mean = 0; ///< over the ranks (otherwise)
+};
+
+/// A window's error for `agreement`, after `where` ("gradaccum: window 3").
+std::string window_disagreement(const std::string& where, const Agreement& agreement,
+                                const HeaderValues& values);
+
+/// A window's error when bucket `bucket` met another bucket on some rank.
+std::string mispaired(const std::string& where, int64_t bucket);
+
+/// Why the window was dropped, as every rank but the dropping one reads it:
+/// `aborting` ranks dropped it, the only one (when 1) being `who`, for `why`.
+std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_t who, AbortReason why);
+
+/// The error of the rank that dropped the window itself, for `why`; `weight`
+/// is its request's. `rank` is this rank.
+std::string dropped_here(const std::string& where, int rank, AbortReason why, double weight);
+
+} // namespace gradaccum::detail

@@ -1,0 +1,45 @@
+#pragma once
+// Internal: the header every bucket's collective carries (Note [Bucket meta
+// layout]): what one rank writes into it, and what the sums over ranks say.
+
+#include "consensus/agreement.h"
+
+#include <gradaccum/bucket.h>
+#include <gradaccum/reducer.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gradaccum::detail {
+
+/// The modulus M of Note [Bucket meta layout] for `buckets` summed over
+/// `world` ranks: one for all buckets, which the narrowest meta decides.
+int64_t header_modulus(const std::vector<Bucket>& buckets, int world);
+
+/// Bucket `bucket`'s meta as this rank sends it: the header for `request`
+/// (Note [Bucket meta layout]), then `slots` has-gradient flags, all 1.
+std::vector<double> encode_header(const ReductionRequest& request, int rank, const AgreementInputs& mine,
+                                  int64_t bucket, int64_t modulus, size_t slots);
+
+/// Why this rank cannot send `weight` in the headers of `buckets`: digit
+/// encoded meta (kDigits) carries weights up to max_meta_value(kWeight), and
+/// non-zero ones from min_meta_weight() on (a smaller one would round to zero,
+/// the window going undivided). AbortReason::None when it can.
+AbortReason unsendable_weight(const std::vector<Bucket>& buckets, double weight);
+
+/// What every rank reads alike from one reduction's summed headers.
+struct Verdict {
+  double global_weight = 0; ///< kWeight summed: the window's divisor
+  int64_t flushing_ranks = 0;
+  /// Why every rank drops the window ("" when no rank does): some rank
+  /// dropped it, the collectives were mis-paired, or the ranks disagree.
+  std::string error;
+};
+
+/// Reads `summed` (each bucket's summed meta, in launch order). `mine` and
+/// `rank` are this rank's; `where` starts every error ("gradaccum: window 3").
+Verdict read_headers(const std::vector<std::vector<double>>& summed, const AgreementInputs& mine, int rank,
+                     int world, int64_t modulus, const std::string& where);
+
+} // namespace gradaccum::detail

@@ -1,0 +1,204 @@
+#include "precision/precision.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+namespace gradaccum::detail {
+
+// Note [Scaling before the sum]
+// With comm_dtype bf16/fp16 (Bucket::prescaled), each rank sends its gradient
+// sum divided by the expected global weight E, rounded to the wire's dtype,
+// so that the sum over ranks stays near the size of one gradient and fp16
+// does not overflow where float32 would not. E is world * steps, or for
+// reduction "items" the global weight of the last full window (no rank
+// flushing; the same on every rank: it comes from the summed meta); the first
+// "items" window of a run uses world * steps, so gradients far larger than
+// that (many items per micro-step, fp16) can overflow there once: the window
+// is then non-finite on every rank alike. Every rank must use the same E (a
+// sum of differently scaled gradients would be silently wrong): it changes
+// only at a reduction that every rank completed, and restore() sets it on
+// every rank from the checkpoint (Progress::last_weight), so a resumed run
+// scales as the uninterrupted one. decompress() multiplies by E / global
+// weight: exactly 1 for a full "mean" window. Wires as wide as float32 are not
+// scaled.
+double expected_weight(const WindowRule& rule, int world, double last_weight) {
+  return rule.reduction == Reduction::Items && last_weight > 0
+      ? last_weight : static_cast<double>(world) * static_cast<double>(rule.steps);
+}
+
+void compress(Bucket& bucket, double scale) {
+  // In place, no temporary: the bucket's gradients are rewritten from the
+  // wire by decompress() (or cleared with a dropped window) in any case.
+  at::NoGradGuard no_grad;
+  if (bucket.residual.defined()) {
+    // Error feedback: send what was lost last time too, and keep what is lost
+    // now (unscaled: the next window's scale may differ). What overflowed or
+    // was not finite is not kept: it would poison every later window.
+    bucket.residual.add_(bucket.gradients).div_(scale);
+    bucket.wire_gradients.copy_(bucket.residual);
+    bucket.residual.sub_(bucket.wire_gradients).mul_(scale).nan_to_num_(0.0, 0.0, 0.0);
+  } else {
+    if (scale != 1.0) {
+      bucket.gradients.div_(scale);
+    }
+    bucket.wire_gradients.copy_(bucket.gradients);
+  }
+}
+
+bool decompress(Bucket& bucket, double scale, bool divide, double divisor) {
+  TORCH_INTERNAL_ASSERT(bucket.compressed);
+  // Undo the scale and divide in one pass: exactly 1 for a full "mean" window.
+  bucket.gradients.copy_(bucket.wire_gradients);
+  if (!bucket.prescaled) {
+    return divide;
+  }
+  const double factor = scale / (divide ? divisor : 1.0);
+  if (factor != 1.0) {
+    bucket.gradients.mul_(factor);
+  }
+  return false;
+}
+
+void accumulate_grads(Bucket& bucket, const std::vector<at::Tensor>& params, std::atomic<bool>* touched) {
+  TORCH_INTERNAL_ASSERT(bucket.accumulating);
+  at::NoGradGuard no_grad;
+  for (const auto slot : c10::irange(bucket.params.size())) {
+    auto& grad = params[bucket.params[slot]].mutable_grad();
+    if (grad.defined()) {
+      add_widened(bucket.views[slot], grad);
+      grad = at::Tensor();
+      touched[bucket.params[slot]].store(true, std::memory_order_relaxed);
+    }
+  }
+}
+
+void write_back_wide(Bucket& bucket, const std::vector<at::Tensor>& params, const std::vector<char>& nowhere,
+                     std::optional<double> divisor) {
+  // A CPU double scalar: the division runs in the sum's dtype without
+  // rounding the divisor first.
+  const auto divisor_tensor = at::scalar_tensor(divisor.value_or(1.0), at::kDouble);
+  for (const auto slot : c10::irange(bucket.params.size())) {
+    const auto& p = params[bucket.params[slot]];
+    const auto& sum = bucket.views[slot];
+    p.mutable_grad() = nowhere[slot] ? at::Tensor()
+        : (divisor ? sum.div(divisor_tensor) : sum).to(p.scalar_type());
+  }
+  bucket.gradients.zero_();
+}
+
+std::vector<at::Tensor> accumulated_sums(const std::vector<Bucket>& buckets, size_t parameters,
+                                         const std::atomic<bool>* touched) {
+  std::vector<at::Tensor> out(parameters);
+  for (const auto& bucket : buckets) {
+    if (!bucket.accumulating) {
+      continue;
+    }
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      const auto i = bucket.params[slot];
+      if (touched[i].load(std::memory_order_relaxed)) {
+        out[i] = bucket.views[slot].clone();
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> residual_parts(const Bucket& bucket) {
+  TORCH_INTERNAL_ASSERT(bucket.residual.defined());
+  std::vector<at::Tensor> parts;
+  parts.reserve(bucket.views.size());
+  int64_t offset = 0;
+  for (const auto& view : bucket.views) {
+    parts.push_back(bucket.residual.narrow(0, offset, view.numel()));
+    offset += view.numel();
+  }
+  TORCH_INTERNAL_ASSERT(offset == bucket.residual.numel());
+  return parts;
+}
+
+std::vector<at::Tensor> residuals(const std::vector<Bucket>& buckets, size_t parameters) {
+  std::vector<at::Tensor> out(parameters);
+  for (const auto& bucket : buckets) {
+    if (!bucket.residual.defined()) {
+      continue;
+    }
+    const auto parts = residual_parts(bucket);
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      out[bucket.params[slot]] = parts[slot].clone().view(bucket.views[slot].sizes());
+    }
+  }
+  return out;
+}
+
+void set_residuals(std::vector<Bucket>& buckets, const ReducerConfig& config,
+                   const std::vector<at::Tensor>& residuals) {
+  TORCH_CHECK_VALUE(residuals.empty() || residuals.size() == config.params.size(),
+      "gradaccum: got ", residuals.size(), " error-feedback residuals for ", config.params.size(), " parameters");
+  const auto entry = [&](size_t i) { return residuals.empty() ? at::Tensor() : residuals[i]; };
+  // Every entry is checked before any is written: a rejected state changes nothing.
+  for (const auto& bucket : buckets) {
+    for (const auto i : bucket.params) {
+      const auto numel = config.params[i].numel();
+      const auto r = entry(i);
+      if (r.defined()) {
+        TORCH_CHECK_VALUE(bucket.residual.defined(),
+            "gradaccum: the state has an error-feedback residual for ", config.name(i),
+            " but this Accumulator keeps none (error_feedback=False, or no comm_dtype narrower "
+            "than its gradients)");
+        TORCH_CHECK_VALUE(r.numel() == numel,
+            "gradaccum: the error-feedback residual of ", config.name(i), " has ", r.numel(),
+            " elements, the parameter ", numel);
+      }
+    }
+  }
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets) {
+    if (!bucket.residual.defined()) {
+      continue;
+    }
+    const auto parts = residual_parts(bucket);
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      const auto r = entry(bucket.params[slot]);
+      if (r.defined()) {
+        parts[slot].copy_(r.reshape(-1));
+      } else {
+        parts[slot].zero_();
+      }
+    }
+  }
+}
+
+void discard_residuals(std::vector<Bucket>& buckets) {
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets) {
+    if (bucket.residual.defined()) {
+      bucket.residual.zero_();
+    }
+  }
+}
+
+void move_residuals(const std::vector<Bucket>& from, const std::vector<std::pair<size_t, size_t>>& locator,
+                    std::vector<Bucket>& to) {
+  at::NoGradGuard no_grad;
+  std::vector<std::vector<at::Tensor>> old_parts(from.size());
+  for (const auto b : c10::irange(from.size())) {
+    if (from[b].residual.defined()) {
+      old_parts[b] = residual_parts(from[b]);
+    }
+  }
+  for (auto& bucket : to) {
+    if (!bucket.residual.defined()) {
+      continue;
+    }
+    const auto parts = residual_parts(bucket);
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      const auto [b, old_slot] = locator[bucket.params[slot]];
+      if (!old_parts[b].empty()) {
+        parts[slot].copy_(old_parts[b][old_slot]);
+      }
+    }
+  }
+}
+
+} // namespace gradaccum::detail

@@ -1,0 +1,65 @@
+#pragma once
+// Internal: what a bucket does beyond summing in its parameters' dtype: wide
+// accumulation (accumulate_dtype: micro-steps summed in the bucket) and
+// compression to comm_dtype, with its error feedback.
+
+#include "reducer/config.h"
+
+#include <gradaccum/bucket.h>
+
+#include <atomic>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace gradaccum::detail {
+
+/// The expected global weight E of a reduction (Note [Scaling before the
+/// sum]); `last_weight`: the global weight of the last full window (0: none).
+double expected_weight(const WindowRule& rule, int world, double last_weight);
+
+/// Fills the wire of a compressed bucket (Bucket::compressed) from its
+/// gradients, divided by `scale` (E when prescaled, else 1), keeping the
+/// rounding error as the residual with error feedback.
+void compress(Bucket& bucket, double scale);
+
+/// The inverse of compress(), into the bucket's gradients, with the window's
+/// division folded in when the wire was prescaled. Returns whether the
+/// division by `divisor` is still to be done.
+bool decompress(Bucket& bucket, double scale, bool divide, double divisor);
+
+/// Adds each `.grad` of a wide bucket's parameters into the bucket, releases
+/// it and marks the parameter touched (after a no_sync micro-step).
+void accumulate_grads(Bucket& bucket, const std::vector<at::Tensor>& params, std::atomic<bool>* touched);
+
+/// Writes a wide bucket's reduced sums back into `.grad`, rounded once to
+/// each parameter's dtype, divided by `divisor` when given; undefined where
+/// `nowhere`. The bucket starts the next window at zero.
+void write_back_wide(Bucket& bucket, const std::vector<at::Tensor>& params, const std::vector<char>& nowhere,
+                     std::optional<double> divisor);
+
+/// The window's sums so far of the parameters of wide buckets that hold one
+/// (a copy; undefined elsewhere).
+std::vector<at::Tensor> accumulated_sums(const std::vector<Bucket>& buckets, size_t parameters,
+                                         const std::atomic<bool>* touched);
+
+/// Each slot's part of `bucket.residual`, flat (which must be defined).
+std::vector<at::Tensor> residual_parts(const Bucket& bucket);
+
+/// Each parameter's residual (a copy shaped like it; undefined where its
+/// bucket keeps none).
+std::vector<at::Tensor> residuals(const std::vector<Bucket>& buckets, size_t parameters);
+
+/// Restores what residuals() returned (undefined or no entries: zero);
+/// checks every entry before it writes any.
+void set_residuals(std::vector<Bucket>& buckets, const ReducerConfig& config,
+                   const std::vector<at::Tensor>& residuals);
+
+void discard_residuals(std::vector<Bucket>& buckets);
+
+/// Moves each parameter's residual from `from` (where `locator` finds it)
+/// into the rebuilt buckets `to`.
+void move_residuals(const std::vector<Bucket>& from, const std::vector<std::pair<size_t, size_t>>& locator,
+                    std::vector<Bucket>& to);
+
+} // namespace gradaccum::detail

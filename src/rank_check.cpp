@@ -1,0 +1,135 @@
+#include "rank_check.h"
+
+#include "comm.h"
+#include "consensus/agreement.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <sstream>
+
+namespace gradaccum::detail {
+
+namespace {
+
+// Signature of one parameter for the cross-rank check: dtype, dim, sizes.
+constexpr int64_t kMaxCheckedDims = 8;
+constexpr int64_t kSignatureWidth = 2 + kMaxCheckedDims;
+
+std::string describe(const at::Tensor& row) {
+  std::ostringstream out;
+  const auto dtype = static_cast<at::ScalarType>(row[0].item<int64_t>());
+  const auto dim = row[1].item<int64_t>();
+  out << dtype << " [";
+  for (int64_t d = 0; d < std::min(dim, kMaxCheckedDims); ++d) {
+    out << (d ? ", " : "") << row[2 + d].item<int64_t>();
+  }
+  out << (dim > kMaxCheckedDims ? ", ...]" : "]");
+  return out.str();
+}
+
+// Another reducer's hooks (torch DDP) on some rank fail every rank alike.
+void check_no_foreign_hooks(const ReducerConfig& config, at::Device device) {
+  const auto foreign = foreign_hooks(config);
+  auto flag = at::full({1}, foreign.empty() ? 0.0 : 1.0, at::kDouble);
+  const auto flags = allgather(*config.group, flag.to(device));
+  TORCH_CHECK_VALUE(foreign.empty(), foreign);
+  for (const auto r : c10::irange(flags.size())) {
+    TORCH_CHECK_VALUE(flags[r].item<double>() == 0,
+        static_cast<int>(r) == config.rank ? foreign
+            : "gradaccum: rank " + std::to_string(r) + "'s parameters carry another reducer's "
+              "gradient hooks (the model is also wrapped in torch DDP there?)");
+  }
+}
+
+void check_settings_match(const ReducerConfig& config, at::Device device) {
+  std::vector<const Agreement*> compared;
+  for (const auto& agreement : agreements()) {
+    if (agreement.at_construction) {
+      compared.push_back(&agreement);
+    }
+  }
+  const AgreementInputs inputs{config.rule, config.options, config.params.size()};
+  auto mine = at::empty({static_cast<int64_t>(compared.size())}, at::kDouble);
+  for (const auto i : c10::irange(compared.size())) {
+    mine[static_cast<int64_t>(i)].fill_(compared[i]->value(inputs));
+  }
+  const auto all = allgather(*config.group, mine.to(device));
+  for (const auto i : c10::irange(compared.size())) {
+    std::vector<double> values;
+    for (const auto& theirs : all) {
+      values.push_back(theirs[static_cast<int64_t>(i)].item<double>());
+    }
+    const bool differ = std::any_of(values.begin(), values.end(), [&](double v) { return v != values[0]; });
+    TORCH_CHECK_VALUE(!differ, construction_disagreement(*compared[i], values));
+  }
+}
+
+void check_shapes_match(const ReducerConfig& config, at::Device device) {
+  const auto n = static_cast<int64_t>(config.params.size());
+  auto signature = at::full({n, kSignatureWidth}, -1, at::kLong);
+  auto rows = signature.accessor<int64_t, 2>();
+  for (const auto i : c10::irange(n)) {
+    const auto& p = config.params[i];
+    rows[i][0] = static_cast<int64_t>(p.scalar_type());
+    rows[i][1] = p.dim();
+    for (int64_t d = 0; d < std::min<int64_t>(p.dim(), kMaxCheckedDims); ++d) {
+      rows[i][2 + d] = p.size(d);
+    }
+  }
+  const auto all = allgather(*config.group, signature.to(device));
+  const auto reference = all[0].cpu();
+  for (const auto r : c10::irange<size_t>(1, all.size())) {
+    const auto theirs = all[r].cpu();
+    const auto differs = theirs.ne(reference).any(1).nonzero();
+    if (differs.numel() > 0) {
+      const auto i = differs[0][0].item<int64_t>();
+      TORCH_CHECK_VALUE(false,
+          "gradaccum: the model differs across ranks: ", config.name(i), " is ",
+          describe(theirs[i]), " on rank ", r, " but ", describe(reference[i]),
+          " on rank 0");
+    }
+  }
+}
+
+} // namespace
+
+void check_ranks_match(const ReducerConfig& config) {
+  // Three collectives on every rank, in this order, whatever this rank finds.
+  const auto device = config.metadata_device();
+  check_no_foreign_hooks(config, device);
+  check_settings_match(config, device);
+  check_shapes_match(config, device);
+}
+
+std::string foreign_hooks(const ReducerConfig& config) {
+  // torch DDP (and any other reducer) hooks the same gradient accumulators:
+  // the gradient would be reduced twice. Ours are added after this check.
+  for (const auto i : c10::irange(config.params.size())) {
+    const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(config.params[i]);
+    if (!accumulator) {
+      continue;
+    }
+    const auto& hooks = accumulator->post_hooks();
+    // torch DDP's reducer hooks with C++ lambdas; a user's Python node hook is
+    // no reducer and stays allowed.
+    const bool foreign = std::any_of(hooks.begin(), hooks.end(), [](const auto& hook) {
+      return dynamic_cast<const torch::autograd::utils::LambdaPostHook*>(hook.get()) != nullptr;
+    });
+    if (foreign) {
+      return "gradaccum: " + config.name(i) + " already has a post-hook on its gradient accumulator "
+          "that gradaccum did not add: the model is also wrapped in torch "
+          "DistributedDataParallel (accelerator.prepare(model), HF Trainer?) or another "
+          "reducer is attached, and the gradient would be reduced twice. Delete the DDP "
+          "wrapper (del ddp_model; with Accelerate, do not prepare the model) before building "
+          "the Accumulator: gradaccum does the data-parallel reduction";
+    }
+  }
+  return "";
+}
+
+} // namespace gradaccum::detail

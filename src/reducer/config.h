@@ -1,0 +1,46 @@
+#pragma once
+// Internal: what a Reducer is built from, checked where it enters and fixed
+// from then on.
+
+#include <gradaccum/reducer.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gradaccum::detail {
+
+/// A Reducer's parameters, group and options. Every layer of the reducer
+/// reads it; none changes it (the tensors' contents excepted).
+struct ReducerConfig {
+  /// Checks every argument (a ValueError-style c10::Error naming it), then
+  /// names the parameters that `names` leaves unnamed.
+  ReducerConfig(
+      std::vector<at::Tensor> params,
+      c10::intrusive_ptr<c10d::ProcessGroup> group,
+      ReducerOptions options,
+      std::vector<at::Tensor> buffers,
+      std::vector<std::string> names,
+      WindowRule rule);
+
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> buffers;
+  std::vector<std::string> names; ///< one per parameter
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  ReducerOptions options;
+  WindowRule rule;
+  int rank = 0;
+  int world = 1;
+  int64_t numel = 0; ///< of all parameters: the terms of the window's norm
+
+  const std::string& name(size_t index) const {
+    return names[index];
+  }
+  /// Where the reducer's own small collectives put their tensors.
+  at::Device metadata_device() const;
+  /// The bucket caps of ReducerOptions, in bytes.
+  int64_t first_cap_bytes() const;
+  int64_t cap_bytes() const;
+};
+
+} // namespace gradaccum::detail

@@ -1,0 +1,110 @@
+// Dropping a window on every rank, and ending a reduction either way.
+
+#include "reducer/state.h"
+
+#include "comm.h"
+#include "consensus/agreement.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <cmath>
+
+// Note [Dropping a window]
+// When a rank cannot contribute its window (its backward raised, it went on
+// past the end of an epoch that others ended with flush(), its reducer was
+// destroyed mid-backward), it completes the pairing anyway: it launches its
+// remaining buckets with kAbort = 1 (and its rank and the reason), and waits
+// for all of them. Every rank reads the summed header of the last bucket; a
+// non-zero abort count makes every rank drop the window alike: gradients
+// cleared, no optimizer step, the same error raised everywhere, and training
+// can go on from the next window with every replica still identical. The same
+// happens when the ranks disagree on what must be equal (Note [What ranks
+// agree on]): every rank sees the same sums, so every rank decides alike.
+
+namespace gradaccum {
+
+void Reducer::State::abort_reduction(AbortReason reason) noexcept {
+  // See Note [Dropping a window]. Runs from a failed task's guard (in the
+  // engine, during unwinding) or from backward()/reduce(): never throws.
+  window.request.abort = reason;
+  window.aborted_here = true;
+  std::string transport;
+  window.last_result = ReductionResult{};
+  window.last_result.window = window.sequence;
+  window.last_result.dropped = true;
+  try {
+    launch_rest();
+    wait_all("dropping this rank's window");
+    // Whether others were flushing still matters to this rank's epoch.
+    const auto header = buckets.all.back().read_meta();
+    window.last_result.flushing_ranks = static_cast<int64_t>(std::llround(header[kFlushing]));
+  } catch (const std::exception& e) {
+    transport = detail::message_of(e);
+  }
+  window.failure = detail::dropped_here(where(), config.rank, reason, window.request.weight);
+  if (!transport.empty()) {
+    window.failure += ". Dropping it failed too: " + transport;
+  }
+  end_dropped_window();
+}
+
+void Reducer::State::fail(const std::string& message) {
+  // Every collective of this reduction has completed (or the group is broken):
+  // the pairing is over, so the window can be dropped and the error raised.
+  window.failure = message;
+  if (window.last_result.window != window.sequence) {
+    window.last_result = ReductionResult{}; // nothing was read from this reduction
+  }
+  window.last_result.window = window.sequence;
+  window.last_result.dropped = true;
+  end_dropped_window();
+  TORCH_CHECK(false, message);
+}
+
+void Reducer::State::end_dropped_window() noexcept {
+  // The pairing is over on this rank: clear the window and count it.
+  try {
+    drop_window();
+  } catch (...) {
+  }
+  ++stats.windows;
+  ++stats.dropped_windows;
+  end_reduction(/*window_closed=*/true);
+}
+
+void Reducer::State::drop_window() {
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets.all) {
+    bucket.gradients.zero_();
+    if (bucket.residual.defined()) {
+      bucket.residual.zero_(); // it holds part of the dropped window
+    }
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      auto& grad = config.params[bucket.params[slot]].mutable_grad();
+      if (!config.options.gradient_as_bucket_view()) {
+        grad = at::Tensor();
+      } else {
+        detail::repoint(grad, bucket.views[slot]);
+      }
+    }
+  }
+  clear_touched();
+}
+
+void Reducer::State::end_reduction(bool window_closed) {
+  TORCH_INTERNAL_ASSERT(window.in_flight, "gradaccum: ending a reduction that is not in flight");
+  ++window.sequence;
+  stats.last_window_launched_in_backward = static_cast<int64_t>(window.early_launches);
+  stats.launched_in_backward += static_cast<int64_t>(window.early_launches);
+  for (auto& bucket : buckets.all) {
+    bucket.works.clear();
+  }
+  if (window_closed) {
+    clear_touched();
+  }
+  window.in_flight = false;
+  window.last_anchor_task = window.anchor_task;
+  window.anchor_task = -1;
+}
+
+} // namespace gradaccum

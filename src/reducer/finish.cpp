@@ -1,0 +1,254 @@
+// The reduction's end: every bucket launched, the collectives waited for, the
+// headers agreed on, the reduced gradient written back.
+
+#include "reducer/state.h"
+
+#include "comm.h"
+#include "consensus/window_header.h"
+#include "precision/precision.h"
+#include "rank_check.h"
+
+#include <gradaccum/detail/checked_write.h>
+
+#include <c10/util/irange.h>
+
+#include <sstream>
+
+// Note [Finishing a reduction]
+// finish_reduction() runs three phases, each a call, in this order:
+//  1. complete_buckets(): before the last launch. What fails here is this
+//     rank's alone, and is dropped through the pairing (abort_reduction(),
+//     Note [Dropping a window]), so every rank still ends alike.
+//  2. launch_rest() and agree(): every collective of the reduction is
+//     launched; wait for them, read the summed headers, check the consensus.
+//     What fails here every rank sees alike (a transport error, a rank that
+//     dropped the window, a disagreement): fail() drops the window and raises.
+//  3. complete_snapshot() or complete_window(): every rank agreed, the window
+//     is reduced everywhere; a local failure from here on (say, out of
+//     memory) is reported as such, never as a drop. A window runs its other
+//     collectives first (buffers, the rebuild's order: window_collectives()),
+//     then writes back, then applies the rebuild and ends the reduction, the
+//     last two even when a step before them failed on this rank: every rank
+//     switches buckets and counts the window alike.
+
+namespace gradaccum {
+
+ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapshot) {
+  TORCH_INTERNAL_ASSERT(window.in_flight, "gradaccum: finishing a reduction that is not in flight");
+  const auto saved = complete_buckets(snapshot != nullptr);
+  launch_rest();
+  auto reduced = agree();
+  if (snapshot) {
+    return complete_snapshot(reduced, saved, *snapshot);
+  }
+  return complete_window(std::move(reduced));
+}
+
+std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
+  std::string foreign;
+  std::vector<at::Tensor> saved;
+  try {
+    foreign = window.kind() == 0 ? detail::foreign_hooks(config) : "";
+    // A snapshot must leave bucket views (which are .grad) as they are.
+    if (foreign.empty() && snapshot &&
+        (config.options.gradient_as_bucket_view() || buckets.any(&Bucket::accumulating))) {
+      for (const auto& bucket : buckets.all) {
+        saved.push_back(bucket.gradients.clone());
+      }
+    }
+    // Whatever backward did not make ready (unused on this rank, or used only
+    // in earlier micro-steps) is sent as it is: its accumulated .grad, or
+    // zeros flagged as missing.
+    for (size_t b = window.next_launch; foreign.empty() && b < buckets.all.size(); ++b) {
+      auto& bucket = buckets.all[b];
+      for (const auto slot : c10::irange(bucket.params.size())) {
+        if (!window.ready[bucket.params[slot]]) {
+          copy_into_bucket(bucket, slot);
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    const auto local = detail::message_of(e);
+    abort_reduction(AbortReason::BackwardFailed);
+    TORCH_CHECK(false, window.failure, ". The error on this rank: ", local);
+  }
+  if (!foreign.empty()) {
+    abort_reduction(AbortReason::ForeignReducer);
+    TORCH_CHECK(false, foreign);
+  }
+  return saved;
+}
+
+detail::Reduced Reducer::State::agree() {
+  detail::Reduced reduced;
+  try {
+    wait_all(window.request.flushing ? "flush" : "synchronising backward");
+    reduced.meta = read_all_meta();
+  } catch (const std::exception& e) {
+    fail(detail::message_of(e));
+  }
+  const auto verdict = detail::read_headers(reduced.meta, agreement_inputs(), config.rank, config.world,
+                                            buckets.modulus, where());
+  auto& result = reduced.result;
+  result.window = window.sequence;
+  result.global_weight = verdict.global_weight;
+  result.flushing_ranks = verdict.flushing_ranks;
+  window.last_result = result;
+  window.last_result.dropped = true; // until the consensus holds
+  if (!verdict.error.empty()) {
+    fail(verdict.error);
+  }
+  window.last_result.dropped = false;
+  return reduced;
+}
+
+void Reducer::State::wait_all(const char* what) {
+  for (const auto b : c10::irange(buckets.all.size())) {
+    for (auto& work : buckets.all[b].works) {
+      try {
+        work->wait();
+      } catch (const std::exception& e) {
+        // Wait for nothing else: the group is likely broken. The caller drops
+        // the window (its buffers may hold a half-reduced sum).
+        std::ostringstream message;
+        message << where() << " (" << what << "), rank " << config.rank
+                << ": the all-reduce of bucket " << b << " of " << buckets.all.size()
+                << " failed. Likely cause: a peer process left (crashed or was killed), or "
+                << "the ranks took different paths (flush() on some ranks only, a different "
+                << "number of micro-steps or windows, another collective in between). "
+                << "The original error: " << detail::message_of(e);
+        throw std::runtime_error(message.str());
+      }
+    }
+  }
+}
+
+std::vector<std::vector<double>> Reducer::State::read_all_meta() const {
+  // One copy to the host for all buckets (one device synchronisation).
+  std::vector<at::Tensor> metas;
+  for (const auto& bucket : buckets.all) {
+    metas.push_back(bucket.meta.to(at::kDouble));
+  }
+  const auto host = at::cat(metas).cpu().contiguous();
+  const double* data = host.data_ptr<double>();
+  std::vector<std::vector<double>> summed;
+  for (const auto& bucket : buckets.all) {
+    summed.push_back(bucket.decode_meta(data));
+    data += bucket.meta.numel();
+  }
+  return summed;
+}
+
+ReductionResult Reducer::State::complete_snapshot(const detail::Reduced& reduced,
+                                                  const std::vector<at::Tensor>& saved,
+                                                  std::vector<at::Tensor>& sums) {
+  try {
+    sums.assign(config.params.size(), at::Tensor());
+    for (const auto b : c10::irange(buckets.all.size())) {
+      auto& bucket = buckets.all[b];
+      for (const auto slot : c10::irange(bucket.params.size())) {
+        if (reduced.meta[b][kMetaHeader + slot] != 0) {
+          sums[bucket.params[slot]] = bucket.views[slot].clone();
+        }
+      }
+      if (!saved.empty()) {
+        bucket.gradients.copy_(saved[b]);
+      }
+    }
+    ++stats.snapshots;
+  } catch (...) {
+    end_reduction(/*window_closed=*/false);
+    throw;
+  }
+  end_reduction(/*window_closed=*/false);
+  return reduced.result;
+}
+
+ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
+  auto& result = reduced.result;
+  ++stats.windows;
+  if (result.global_weight > 0 && result.flushing_ranks == 0) {
+    window.last_weight = result.global_weight; // Note [Scaling before the sum]
+  }
+  std::optional<std::vector<Bucket>> rebuilt;
+  try {
+    rebuilt = window_collectives();
+    const bool divide = window.request.divide && result.global_weight > 0;
+    bool known_finite = window.request.check_finite;
+    for (const auto b : c10::irange(buckets.all.size())) {
+      known_finite = write_back(buckets.all[b], reduced.meta[b], divide, result.global_weight,
+                                window.request.check_finite) && known_finite;
+    }
+    result.known_finite = window.last_result.known_finite = known_finite;
+  } catch (...) {
+    apply_rebuild(std::move(rebuilt));
+    end_reduction(/*window_closed=*/true);
+    throw;
+  }
+  apply_rebuild(std::move(rebuilt));
+  end_reduction(/*window_closed=*/true);
+  return result;
+}
+
+std::optional<std::vector<Bucket>> Reducer::State::window_collectives() {
+  // Before the write-back: a local failure there must not skip one.
+  if (config.options.broadcast_buffers() && !config.buffers.empty()) {
+    detail::broadcast_from_rank0(*config.group, config.buffers);
+    ++stats.broadcasts;
+  }
+  // Note [Rebuilding buckets in ready order]: agreed here, applied after the write-back.
+  return buckets.final ? std::nullopt : buckets.agree_on_ready_order(config);
+}
+
+void Reducer::State::apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) noexcept {
+  if (rebuilt) {
+    buckets.switch_to(std::move(*rebuilt), config);
+    stats.buckets = static_cast<int64_t>(buckets.all.size());
+    ++stats.bucket_rebuilds;
+  }
+}
+
+bool Reducer::State::write_back(Bucket& bucket, const std::vector<double>& meta, bool divide,
+                                double divisor, bool check_finite) {
+  const bool as_view = config.options.gradient_as_bucket_view();
+  if (bucket.compressed) {
+    divide = detail::decompress(bucket, window.expected_weight, divide, divisor);
+  }
+  // The division rides on the pass that writes .grad: in place in the bucket
+  // for views, fused into the copy back otherwise; so does the check for the
+  // non-finite test (Note [The reducer checks the window's gradient]).
+  const auto by = divide ? std::optional<double>(divisor) : std::nullopt;
+  // A compressed bucket's values came through the wire's copy above, not
+  // through this pass: it never reports itself checked.
+  const int64_t terms = check_finite && !bucket.compressed ? config.numel : 0;
+  bool bounded = true;
+  if (as_view && (divide || check_finite)) {
+    bounded = detail::write_checked(bucket.gradients, bucket.gradients, by, terms);
+  }
+  // A parameter missing here may have a gradient elsewhere: the summed flag says.
+  std::vector<char> nowhere(bucket.params.size(), 0);
+  for (const auto slot : bucket.missing) {
+    nowhere[slot] = meta[kMetaHeader + slot] == 0;
+  }
+  if (bucket.accumulating) {
+    detail::write_back_wide(bucket, config.params, nowhere, by);
+    return false; // not checked
+  }
+  for (const auto slot : c10::irange(bucket.params.size())) {
+    auto& grad = config.params[bucket.params[slot]].mutable_grad();
+    const auto& view = bucket.views[slot];
+    if (nowhere[slot]) {
+      grad = at::Tensor(); // no rank had a gradient: keep it None, as one process would
+    } else if (as_view) {
+      detail::repoint(grad, view);
+    } else {
+      if (!grad.defined()) {
+        grad = at::empty_like(view);
+      }
+      bounded = detail::write_checked(grad, view, by, terms) && bounded;
+    }
+  }
+  return bounded && !bucket.compressed;
+}
+
+} // namespace gradaccum

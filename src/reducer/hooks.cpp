@@ -1,0 +1,302 @@
+// The autograd glue: the post-hook on each parameter's gradient accumulator,
+// the pre-hook on the loss, and the callback queued on the engine that ends a
+// synchronising backward. It calls into the reduction; the reduction never
+// calls back.
+
+#include "reducer/state.h"
+
+#include "comm.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include <functional>
+
+// Note [Where a synchronising backward ends]
+// The reduction finishes in a callback queued on the autograd graph task that
+// started it (the "anchor"): the root's task when run through backward(), else
+// the task of the first hook. Reentrant activation checkpointing runs nested
+// graph tasks inside the outer one; hooks from those are accepted, and if a
+// hook comes from a task older than the anchor (an outer task), that task
+// becomes the anchor, so the reduction finishes when the outermost task seen
+// ends. Each queued callback holds a guard: if the engine destroys the
+// callback without running it, that graph task failed, and the reduction is
+// aborted right there (before the exception reaches the caller).
+
+namespace gradaccum {
+
+namespace {
+
+// Graph-task ids come from one global counter, narrowed to int by torch: order
+// them by a bounded distance so that a wrap after ~2^31 backward calls is fine.
+bool older_task(int a, int b) {
+  const int64_t newer_by = static_cast<int64_t>(b) - a;
+  return newer_by > 0 && newer_by < (int64_t{1} << 30);
+}
+
+// The post-hook on each parameter's gradient accumulator. Its own type, so
+// that foreign_hooks() tells gradaccum's (maybe inert) hooks from others'.
+class ReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  ReadyHook(std::weak_ptr<Reducer::State> state, size_t index)
+      : state_(std::move(state)), index_(index) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto state = state_.lock()) {
+      state->mark_ready(index_);
+    }
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<Reducer::State> state_;
+  size_t index_;
+};
+
+// A pre-hook on the loss's grad_fn: runs first in the root graph task.
+class RootHook : public torch::autograd::FunctionPreHook {
+ public:
+  explicit RootHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    fn_();
+    return grads;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+// Runs the end-of-task callback; if the engine destroys it unrun, the task failed.
+struct TaskGuard {
+  TaskGuard(std::shared_ptr<Reducer::State> state_, uint64_t id_, int task_)
+      : state(std::move(state_)), id(id_), task(task_) {}
+  TaskGuard(const TaskGuard&) = delete;
+  TaskGuard& operator=(const TaskGuard&) = delete;
+  std::shared_ptr<Reducer::State> state;
+  uint64_t id;
+  int task;
+  bool ran = false;
+  ~TaskGuard() {
+    if (!ran) {
+      state->on_task_failed(id);
+    }
+  }
+};
+
+// Adds a RootHook to `root` (the loss's grad_fn) that begins the reduction
+// for `request` when backward reaches it (see Note [Where a synchronising
+// backward ends]).
+torch::autograd::FunctionPreHook* add_root_hook(torch::autograd::Node& root,
+                                                const std::shared_ptr<Reducer::State>& state,
+                                                const ReductionRequest& request) {
+  std::weak_ptr<Reducer::State> weak = state;
+  auto hook = std::make_unique<RootHook>([weak, request] {
+    if (auto s = weak.lock()) {
+      std::lock_guard<std::mutex> lock(s->mutex);
+      if (!s->window.in_flight && !s->closed) {
+        s->begin_in_task(request, torch::autograd::get_current_graph_task_id(), detail::Entry::Backward);
+      }
+    }
+  });
+  auto* added = hook.get();
+  root.add_pre_hook(std::move(hook));
+  return added;
+}
+
+void remove_root_hook(torch::autograd::Node* root, torch::autograd::FunctionPreHook* hook) {
+  if (!hook) {
+    return;
+  }
+  auto& hooks = root->pre_hooks();
+  for (auto it = hooks.begin(); it != hooks.end(); ++it) {
+    if (it->get() == hook) {
+      hooks.erase(it);
+      return;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "gradaccum: the root pre-hook disappeared");
+}
+
+} // namespace
+
+void Reducer::State::add_hooks() {
+  // The hooks hold the state weakly: once the Reducer is gone they do nothing,
+  // and a hook never keeps the parameters' state alive on its own.
+  std::weak_ptr<State> weak = weak_from_this();
+  for (const auto i : c10::irange(config.params.size())) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(config.params[i]);
+    hook_keys.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>(weak, i)));
+    grad_accumulators.push_back(std::move(accumulator));
+  }
+}
+
+void Reducer::State::remove_hooks() noexcept {
+  try {
+    for (const auto i : c10::irange(grad_accumulators.size())) {
+      const bool removed = grad_accumulators[i]->del_post_hook(hook_keys[i]);
+      TORCH_INTERNAL_ASSERT(removed, "gradaccum: the hook of ", config.name(i), " was already removed");
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("gradaccum: removing the reducer's hooks failed: ", e.what());
+  }
+}
+
+void Reducer::State::mark_ready(size_t index) {
+  touched[index].store(true, std::memory_order_relaxed);
+  if (!expect_hooks.load(std::memory_order_relaxed) || closed.load()) {
+    return; // no_sync: the gradient stays in .grad
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (!window.in_flight && task == window.last_anchor_task) {
+    return; // a late hook of a task whose reduction already ended (a device thread after a failure)
+  }
+  if (!window.in_flight) {
+    // See Note [Where a synchronising backward ends]: a task older than the
+    // last anchor is an outer task whose nested (reentrant) backward already
+    // finished a reduction.
+    TORCH_CHECK(window.last_anchor_task < 0 || !older_task(task, window.last_anchor_task),
+        "gradaccum: ", config.name(index), " became ready in an outer backward after a nested "
+        "(reentrant) backward had already reduced the window. With reentrant activation "
+        "checkpointing and a plain loss.backward(), the reduction ends with the first "
+        "graph task that reached a parameter; run the backward through "
+        "Accumulator.backward(), or use torch.utils.checkpoint(..., use_reentrant=False)");
+    begin_in_task(manual_request(), task, detail::Entry::ManualBackward);
+  } else if (task != window.anchor_task && older_task(task, window.anchor_task)) {
+    window.anchor_task = task; // an outer task of a reentrant backward: finish at its end
+    queue_end_callback(task);
+  }
+  TORCH_CHECK(!window.ready[index],
+      "gradaccum: ", config.name(index), " got its gradient twice in one synchronising "
+      "backward (a parameter used both inside and outside a reentrant checkpoint, or a "
+      "second backward over it?); each parameter may be reduced once per window");
+  window.ready[index] = 1;
+  window.early_launches = window.hook_launches; // made before this hook, which may be backward's last
+  if (!buckets.final) {
+    buckets.ready_order.push_back(index);
+  }
+  auto& bucket = buckets.of(index);
+  copy_into_bucket(bucket, buckets.locator[index].second);
+  --bucket.pending;
+  launch_ready_buckets();
+}
+
+ReductionRequest Reducer::State::manual_request() const {
+  ReductionRequest request;
+  request.divide = config.rule.reduction != Reduction::Sum;
+  return request;
+}
+
+void Reducer::State::begin_in_task(const ReductionRequest& request, int task, detail::Entry entry) {
+  begin_reduction(request, task, entry);
+  if (task >= 0) {
+    queue_end_callback(task);
+  }
+}
+
+void Reducer::State::queue_end_callback(int task) {
+  auto guard = std::make_shared<TaskGuard>(shared_from_this(), window.sync_id, task);
+  try {
+    torch::autograd::Engine::get_default_engine().queue_callback([guard] {
+      guard->ran = true;
+      guard->state->on_task_end(guard->id, guard->task);
+    });
+  } catch (...) {
+    guard->ran = true; // its destructor must not abort under our lock
+    throw;
+  }
+}
+
+void Reducer::State::on_task_end(uint64_t id, int task) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!window.in_flight || id != window.sync_id || task != window.anchor_task) {
+    return; // a nested task ended, or this reduction is already over
+  }
+  if (closed) {
+    abort_reduction(AbortReason::Closed);
+    return;
+  }
+  finish_reduction();
+}
+
+void Reducer::State::on_task_failed(uint64_t id) noexcept {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (window.in_flight && id == window.sync_id) {
+    abort_reduction(closed ? AbortReason::Closed : AbortReason::BackwardFailed);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Reducer::backward(): a synchronising backward begun at the loss's root.
+
+ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest& request) {
+  detail::check_request(request);
+  // Held locally: a hook may destroy this Reducer while backward runs.
+  const auto keep = state_;
+  auto& s = *keep;
+  const auto sequence_before = [&] {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    TORCH_CHECK(!s.window.in_flight, "gradaccum: backward() called while a synchronising backward is in flight");
+    return s.window.sequence;
+  }();
+  const bool previous = s.expect_hooks.exchange(true);
+  struct Restore {
+    State& s;
+    bool previous;
+    ~Restore() {
+      s.expect_hooks = previous;
+    }
+  } restore{s, previous};
+
+  // Begin at the root of the graph, in the outermost task (see Note [Where a
+  // synchronising backward ends]); without a root, begin now and finish once
+  // backward returns.
+  const auto root = loss.grad_fn();
+  torch::autograd::FunctionPreHook* root_hook = nullptr;
+  if (root) {
+    root_hook = add_root_hook(*root, keep, request);
+  } else {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.begin_reduction(request, -1, detail::Entry::Backward);
+  }
+  try {
+    loss.backward();
+  } catch (const std::exception& e) {
+    remove_root_hook(root.get(), root_hook);
+    const auto own = s.drop_failed_backward(request, sequence_before);
+    TORCH_CHECK(own.empty(), own, ". The error on this rank: ", detail::message_of(e));
+    throw; // a dropped window's error (every rank raises it), or a transport error
+  }
+  remove_root_hook(root.get(), root_hook);
+  return s.end_backward(sequence_before);
+}
+
+std::string Reducer::State::drop_failed_backward(const ReductionRequest& request, int64_t sequence_before) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (window.in_flight) {
+    // The engine has not freed the failed task yet: drop the window now.
+    abort_reduction(AbortReason::BackwardFailed);
+  } else if (window.sequence == sequence_before) {
+    // Failed before the reduction began on this rank: the others still wait
+    // for one (Note [Collectives pair by launch order]).
+    begin_reduction(request, -1, detail::Entry::Backward);
+    abort_reduction(AbortReason::BackwardFailed);
+  }
+  const bool dropped_here = window.aborted_here && window.sequence == sequence_before + 1;
+  return dropped_here ? window.failure : std::string();
+}
+
+ReductionResult Reducer::State::end_backward(int64_t sequence_before) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (window.in_flight) {
+    return finish_reduction(); // no root: the reduction ends here
+  }
+  TORCH_CHECK(!(window.aborted_here && window.sequence == sequence_before + 1), window.failure);
+  TORCH_INTERNAL_ASSERT(window.sequence == sequence_before + 1,
+      "gradaccum: a synchronising backward ended without its reduction");
+  return window.last_result;
+}
+
+} // namespace gradaccum

@@ -1,0 +1,130 @@
+// The reduction, from its beginning to its last launch: a gradient goes from
+// `.grad` (or the hook) into its bucket, and each bucket, once full, into its
+// all-reduce.
+
+#include "reducer/state.h"
+
+#include "consensus/window_header.h"
+#include "precision/precision.h"
+
+#include <algorithm>
+
+// Note [The last bucket closes the window]
+// Hooks launch each bucket as soon as it is full, except the last: only
+// finish_reduction() (which runs once the whole backward has succeeded) or
+// abort_reduction() launch it. So the last bucket's meta always carries every
+// rank's final word on the window: whether it drops it. A rank whose backward
+// fails after all its gradients were ready still gets to say so.
+
+namespace gradaccum {
+
+void Reducer::State::begin_reduction(const ReductionRequest& request, int task, detail::Entry entry) {
+  TORCH_INTERNAL_ASSERT(!window.in_flight, "gradaccum: a reduction began while another was in flight");
+  window.in_flight = true;
+  window.request = request;
+  window.entry = entry;
+  ++window.sync_id;
+  window.anchor_task = task;
+  window.aborted_here = false;
+  window.failure.clear();
+  std::fill(window.ready.begin(), window.ready.end(), 0);
+  buckets.ready_order.clear();
+  for (auto& bucket : buckets.all) {
+    bucket.pending = bucket.params.size();
+    bucket.missing.clear();
+    bucket.works.clear();
+  }
+  window.next_launch = 0;
+  // See Note [Scaling before the sum]: the same value on every rank.
+  window.expected_weight = detail::expected_weight(config.rule, config.world, window.last_weight);
+  // A weight the meta cannot carry drops the window on every rank (raising
+  // here, before the collectives, would leave the others waiting).
+  if (window.request.abort == AbortReason::None) {
+    window.request.abort = detail::unsendable_weight(buckets.all, window.request.weight);
+  }
+  stats.last_window_collectives = 0;
+  stats.last_window_bytes = 0;
+  window.hook_launches = 0;
+  window.early_launches = 0;
+}
+
+void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
+  const auto index = bucket.params[slot];
+  auto& grad = config.params[index].mutable_grad();
+  auto& view = bucket.views[slot];
+  if (bucket.accumulating) {
+    // The window's sum so far is in the bucket (accumulate_local); add the rest.
+    if (grad.defined()) {
+      TORCH_CHECK(!grad.is_sparse(), "gradaccum: ", config.name(index), " has a sparse "
+          "gradient (nn.Embedding(sparse=True)?); sparse gradients are not supported: use sparse=False");
+      add_widened(view, grad);
+      grad = at::Tensor();
+    } else if (!touched[index].load(std::memory_order_relaxed)) {
+      view.zero_();
+      bucket.missing.push_back(slot);
+    }
+    return;
+  }
+  const bool in_bucket = detail::on_view(grad, view); // Note [Bucket views as .grad]
+  const bool untouched_view = in_bucket && !touched[index].load(std::memory_order_relaxed);
+  if (!grad.defined() || untouched_view) {
+    view.zero_();
+    bucket.missing.push_back(slot);
+    return;
+  }
+  if (in_bucket) {
+    return; // bucket view: backward already accumulated in place
+  }
+  TORCH_CHECK(!grad.is_sparse(), "gradaccum: ", config.name(index), " has a sparse gradient "
+      "(nn.Embedding(sparse=True)?); sparse gradients are not supported: use sparse=False");
+  view.copy_(grad);
+  if (config.options.gradient_as_bucket_view()) {
+    // Someone replaced .grad (zero_grad(set_to_none=True)) or its storage
+    // (.grad.data = t): re-point it.
+    grad = detail::view_handle(view);
+  }
+}
+
+void Reducer::State::launch_ready_buckets() {
+  // Never the last bucket: see Note [The last bucket closes the window].
+  while (window.next_launch + 1 < buckets.all.size() && buckets.all[window.next_launch].pending == 0) {
+    launch_bucket(window.next_launch++);
+    ++window.hook_launches;
+  }
+}
+
+void Reducer::State::launch_rest() {
+  while (window.next_launch < buckets.all.size()) {
+    buckets.all[window.next_launch].pending = 0;
+    launch_bucket(window.next_launch++);
+  }
+}
+
+void Reducer::State::launch_bucket(size_t index) {
+  auto& bucket = buckets.all[index];
+  TORCH_INTERNAL_ASSERT(bucket.works.empty(), "gradaccum: bucket ", index, " launched twice in one reduction");
+  auto meta = detail::encode_header(window.request, config.rank, agreement_inputs(), static_cast<int64_t>(index),
+                                    buckets.modulus, bucket.params.size());
+  for (const auto slot : bucket.missing) {
+    meta[kMetaHeader + slot] = 0;
+  }
+  if (bucket.compressed) {
+    detail::compress(bucket, bucket.prescaled ? window.expected_weight : 1.0);
+  }
+  bucket.write_meta(meta);
+
+  std::vector<at::Tensor> tensors{bucket.wire};
+  bucket.works.push_back(config.group->allreduce(tensors));
+  if (bucket.encoding == MetaEncoding::kSeparate) {
+    std::vector<at::Tensor> meta_tensors{bucket.meta};
+    bucket.works.push_back(config.group->allreduce(meta_tensors));
+  }
+  const auto launches = static_cast<int64_t>(bucket.works.size());
+  TORCH_INTERNAL_ASSERT(launches == bucket.collectives());
+  stats.collectives += launches;
+  stats.last_window_collectives += launches;
+  stats.bytes_reduced += bucket.bytes();
+  stats.last_window_bytes += bucket.bytes();
+}
+
+} // namespace gradaccum

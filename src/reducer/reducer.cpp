@@ -1,0 +1,309 @@
+// The Reducer facade: construction, the public calls, and what they read. The
+// data path itself is launch.cpp -> finish.cpp, driven by hooks.cpp.
+
+#include "reducer/state.h"
+
+#include "comm.h"
+#include "precision/precision.h"
+#include "rank_check.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <cmath>
+
+namespace gradaccum {
+
+namespace detail {
+
+void check_request(const ReductionRequest& request) {
+  TORCH_CHECK_VALUE(request.weight >= 0 && std::isfinite(request.weight),
+      "Reducer: the window weight must be a finite number >= 0, got ", request.weight);
+}
+
+} // namespace detail
+
+Reducer::State::State(detail::ReducerConfig config_) : config(std::move(config_)) {
+  const auto n = config.params.size();
+  touched.reset(new std::atomic<bool>[n]);
+  clear_touched();
+  buckets.use(detail::BucketSet::build(config, detail::BucketSet::layout(config)), config.world);
+  buckets.final = !config.options.rebuild_buckets();
+  if (!buckets.final) {
+    buckets.ready_order.reserve(n);
+  }
+  window.ready.assign(n, 0);
+  stats.buckets = static_cast<int64_t>(buckets.all.size());
+}
+
+Reducer::Reducer(
+    std::vector<at::Tensor> params,
+    c10::intrusive_ptr<c10d::ProcessGroup> group,
+    ReducerOptions options,
+    std::vector<at::Tensor> buffers,
+    std::vector<std::string> names,
+    WindowRule rule) {
+  detail::ReducerConfig config(
+      std::move(params), std::move(group), options, std::move(buffers), std::move(names), rule);
+  // Before any bucket is allocated; a collective with check_parameters.
+  if (config.options.check_parameters()) {
+    detail::check_ranks_match(config);
+  } else {
+    const auto foreign = detail::foreign_hooks(config);
+    TORCH_CHECK_VALUE(foreign.empty(), foreign);
+  }
+  state_ = std::make_shared<State>(std::move(config));
+  auto& s = *state_;
+  s.buckets.broadcast_parameters(s.config);
+  detail::broadcast_from_rank0(*s.config.group, s.config.buffers);
+  if (s.config.options.gradient_as_bucket_view()) {
+    // From now on backward accumulates straight into the buckets.
+    detail::point_grads_at_views(s.buckets.all, s.config.params, /*undefined_too=*/true);
+  }
+  s.add_hooks();
+}
+
+Reducer::~Reducer() {
+  auto& s = *state_;
+  s.closed = true;
+  // Inside a backward on this thread (a hook dropped us), torch may be
+  // iterating the very hook lists we would erase from: leave the hooks in
+  // place, inert (they hold the state weakly, and `closed` is set).
+  if (torch::autograd::get_current_graph_task_id() < 0) {
+    s.remove_hooks();
+  }
+  // A synchronising backward still running holds the state through its
+  // queued callback: it finishes (or aborts) the pairing with the other ranks
+  // there, marked Closed. Nothing here blocks.
+}
+
+// ---------------------------------------------------------------------------
+// Reductions (backward() is in hooks.cpp)
+
+bool Reducer::expect_hooks() const {
+  return state_->expect_hooks.load();
+}
+
+void Reducer::set_expect_hooks(bool expect) {
+  state_->expect_hooks.store(expect);
+}
+
+ReductionRequest Reducer::manual_request() const {
+  return state_->manual_request();
+}
+
+ReductionResult Reducer::reduce(const ReductionRequest& request) {
+  const auto keep = state_;
+  auto& s = *keep;
+  detail::check_request(request);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.check_idle("Reducer::reduce()");
+  s.begin_reduction(request, -1, request.flushing ? detail::Entry::Flush : detail::Entry::Backward);
+  if (request.abort != AbortReason::None) {
+    s.abort_reduction(request.abort);
+    TORCH_CHECK(false, s.window.failure);
+  }
+  return s.finish_reduction();
+}
+
+std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, ReductionResult* result) {
+  const auto keep = state_;
+  auto& s = *keep;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.check_idle("Reducer::snapshot()");
+  TORCH_CHECK(!s.buckets.any(&Bucket::compressed),
+      "gradaccum: a checkpoint in the middle of a window is not supported with comm_dtype (the "
+      "half-done window would be rounded to the wire's dtype); save at a window boundary, or "
+      "use state_dict(rank_independent=False)");
+  s.begin_reduction(request, -1, detail::Entry::StateDict);
+  if (request.abort != AbortReason::None) {
+    s.abort_reduction(request.abort);
+    TORCH_CHECK(false, s.window.failure);
+  }
+  std::vector<at::Tensor> sums;
+  const auto r = s.finish_reduction(&sums);
+  if (result) {
+    *result = r;
+  }
+  return sums;
+}
+
+void Reducer::zero_grad() {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.check_idle("Reducer::zero_grad()");
+  s.clear_touched();
+  const bool as_view = s.config.options.gradient_as_bucket_view();
+  if (!as_view) {
+    for (const auto& p : s.config.params) {
+      p.mutable_grad() = at::Tensor();
+    }
+  }
+  for (auto& bucket : s.buckets.all) {
+    if (as_view || bucket.accumulating) {
+      bucket.gradients.zero_();
+    }
+    for (const auto slot : c10::irange(as_view ? bucket.params.size() : 0)) {
+      detail::repoint(s.config.params[bucket.params[slot]].mutable_grad(), bucket.views[slot]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Wide accumulation and error feedback (precision/)
+
+void Reducer::accumulate_local() {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.check_idle("Reducer::accumulate_local()");
+  for (auto& bucket : s.buckets.all) {
+    if (bucket.accumulating) {
+      detail::accumulate_grads(bucket, s.config.params, s.touched.get());
+    }
+  }
+}
+
+void Reducer::mark_restored(const std::vector<size_t>& indices) {
+  for (const auto i : indices) {
+    TORCH_CHECK_VALUE(i < state_->config.params.size(), "Reducer::mark_restored: no parameter ", i);
+    state_->touched[i].store(true, std::memory_order_relaxed);
+  }
+}
+
+std::vector<at::Tensor> Reducer::accumulated() const {
+  const auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return detail::accumulated_sums(s.buckets.all, s.config.params.size(), s.touched.get());
+}
+
+bool Reducer::accumulates(size_t index) const {
+  TORCH_CHECK_VALUE(index < state_->config.params.size(), "Reducer::accumulates: no parameter ", index);
+  return state_->buckets.of(index).accumulating;
+}
+
+void Reducer::load_accumulated(size_t index, const at::Tensor& sum) {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.check_idle("Reducer::load_accumulated()");
+  TORCH_CHECK_VALUE(index < s.config.params.size(), "Reducer::load_accumulated: no parameter ", index);
+  const auto [b, slot] = s.buckets.locator[index];
+  auto& bucket = s.buckets.all[b];
+  TORCH_CHECK_VALUE(bucket.accumulating, "Reducer::load_accumulated: ", s.config.name(index),
+      " is not summed in a wider bucket");
+  TORCH_CHECK_VALUE(sum.sizes() == s.config.params[index].sizes(), "Reducer::load_accumulated: ",
+      s.config.name(index), " is ", s.config.params[index].sizes(), ", the sum ", sum.sizes());
+  at::NoGradGuard no_grad;
+  bucket.views[slot].copy_(sum);
+  s.touched[index].store(true, std::memory_order_relaxed);
+}
+
+bool Reducer::accumulating() const {
+  return state_->buckets.any(&Bucket::accumulating);
+}
+
+bool Reducer::compressing() const {
+  return state_->buckets.any(&Bucket::compressed);
+}
+
+std::vector<at::Tensor> Reducer::residuals() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return detail::residuals(state_->buckets.all, state_->config.params.size());
+}
+
+void Reducer::set_residuals(const std::vector<at::Tensor>& residuals) {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.check_idle("Reducer::set_residuals()");
+  detail::set_residuals(s.buckets.all, s.config, residuals);
+}
+
+void Reducer::discard_residuals() {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.check_idle("Reducer::discard_residuals()");
+  detail::discard_residuals(s.buckets.all);
+}
+
+// ---------------------------------------------------------------------------
+// Progress, counters and accessors
+
+Reducer::Progress Reducer::progress() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return {state_->stats, state_->window.sequence, state_->window.last_weight};
+}
+
+void Reducer::restore(const Progress& progress) {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.check_idle("Reducer::restore()");
+  // Not in checkpoints: what describes this reducer's buckets and its backwards.
+  const auto now = s.stats;
+  s.stats = progress.stats;
+  s.stats.buckets = now.buckets;
+  s.stats.bucket_rebuilds = now.bucket_rebuilds;
+  s.stats.launched_in_backward = now.launched_in_backward;
+  s.stats.last_window_launched_in_backward = now.last_window_launched_in_backward;
+  s.window.sequence = progress.sequence;
+  // Note [Scaling before the sum]: the same on every rank, as saved (states
+  // from before it was saved hold 0: the first window uses world * steps).
+  s.window.last_weight = progress.last_weight;
+}
+
+int64_t Reducer::windows() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->stats.windows;
+}
+
+ReducerStats Reducer::stats() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->stats;
+}
+
+ReductionResult Reducer::last_result() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->window.last_result;
+}
+
+const std::vector<Bucket>& Reducer::buckets() const {
+  return state_->buckets.all;
+}
+
+const c10::intrusive_ptr<c10d::ProcessGroup>& Reducer::process_group() const {
+  return state_->config.group;
+}
+
+const ReducerOptions& Reducer::options() const {
+  return state_->config.options;
+}
+
+std::vector<int64_t> Reducer::gather(int64_t value) const {
+  const auto& s = *state_;
+  s.check_idle("gradaccum: Reducer::gather()");
+  const auto all = detail::allgather(
+      *s.config.group, at::full({1}, value, at::kLong).to(s.config.metadata_device()));
+  std::vector<int64_t> values;
+  for (const auto& v : all) {
+    values.push_back(v.item<int64_t>());
+  }
+  return values;
+}
+
+NoSync::NoSync(Reducer* reducer) : reducer_(reducer) {
+  if (reducer_) {
+    previous_ = reducer_->expect_hooks();
+    reducer_->set_expect_hooks(false);
+  }
+}
+
+NoSync::~NoSync() {
+  if (reducer_) {
+    reducer_->set_expect_hooks(previous_);
+  }
+}
+
+NoSync::NoSync(NoSync&& other) noexcept
+    : reducer_(other.reducer_), previous_(other.previous_) {
+  other.reducer_ = nullptr;
+}
+
+} // namespace gradaccum

@@ -1,0 +1,200 @@
+#pragma once
+// Internal: the state a Reducer shares with its autograd hooks and engine
+// callbacks. Three parts: the config (fixed), the buckets, and the window (the
+// reduction in flight, and what the last one left); and the layers that work
+// on them, each calling only the ones listed before it:
+//   comm.h, consensus/, precision/, buckets/, rank_check.h   (no State)
+//   the reduction: launch.cpp, finish.cpp, drop.cpp           (State)
+//   the autograd glue: hooks.cpp                              (State)
+//   the Reducer facade: reducer.cpp
+
+#include "buckets/bucket_set.h"
+#include "consensus/agreement.h"
+#include "reducer/config.h"
+
+#include <gradaccum/reducer.h>
+
+#include <c10/util/irange.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+// Note [Collectives pair by launch order]
+// c10d pairs the n-th collective of one rank with the n-th of every other rank.
+// So every reduction launches every bucket, strictly in index order, on every
+// rank, whatever order the hooks fire in and whatever happens to this rank's
+// backward: a failing rank still launches its remaining buckets (flagged, see
+// Note [Dropping a window]), a rank whose loss touched no parameter launches
+// them all at the end, and a closing micro-step always produces exactly one
+// reduction. Buckets change only between windows, once, identically on every
+// rank (Note [Rebuilding buckets in ready order]). The reducer's other
+// collectives pair by the same rule, so each runs on every rank at the same
+// point, whatever fails locally: the checks at construction
+// (check_ranks_match), the buffers' broadcast and the rebuild's broadcast and
+// allgather after a window every rank reduced (finish.cpp).
+
+// Note [What a window number means]
+// Window::sequence counts the reductions this rank completed, dropped ones and
+// checkpoints' snapshots included, so it is the number of the next one: the
+// "window 3" of errors, ReductionResult::window, Progress::sequence. Every
+// reduction pairs on every rank (Note [Collectives pair by launch order]), so
+// it is the same on every rank; every bucket's header carries it (kWindow)
+// and a difference drops the window. It advances in end_reduction() only,
+// once per reduction whatever its end, and restore() sets it from a
+// checkpoint on every rank alike.
+
+namespace gradaccum {
+namespace detail {
+
+/// The user-level call a reduction runs in (its errors surface there).
+enum class Entry {
+  Backward, ///< acc.backward() (Reducer::backward, or reduce() dropping a window)
+  ManualBackward, ///< a plain loss.backward() outside no_sync (begun by a hook)
+  Flush, ///< acc.flush() (reduce() closing a partial window)
+  StateDict, ///< acc.state_dict() (snapshot() of a half-done window)
+};
+
+/// The reduction in flight, and what the last one left. Guarded by
+/// State::mutex; begin_reduction() resets the first part, end_reduction()
+/// ends it.
+struct Window {
+  bool in_flight = false;
+  ReductionRequest request;
+  Entry entry = Entry::Backward;
+  uint64_t sync_id = 0; ///< which reduction the queued callbacks belong to
+  int anchor_task = -1; ///< see Note [Where a synchronising backward ends]
+  std::vector<char> ready; ///< per parameter: its hook fired in this reduction
+  size_t next_launch = 0; ///< the next bucket to launch, in index order
+  size_t hook_launches = 0; ///< buckets this reduction's hooks launched
+  size_t early_launches = 0; ///< of those, launched before the last hook so far
+  /// comm_dtype to bf16/fp16: each rank multiplies its gradients by 1 / this
+  /// before rounding them (so that fp16 cannot overflow in the sum), fixed when
+  /// the reduction begins (Note [Scaling before the sum]).
+  double expected_weight = 1.0;
+
+  // What outlives a reduction.
+  int64_t sequence = 0; ///< Note [What a window number means]
+  /// The global weight of the last full window reduced (the same on every
+  /// rank); 0 before the first. The expected weight of the next items window.
+  double last_weight = 0;
+  int last_anchor_task = -1;
+  bool aborted_here = false; ///< this rank dropped the last reduction itself
+  std::string failure; ///< why the last reduction dropped its window ("" if it did not)
+  ReductionResult last_result;
+
+  /// 0: a window's reduction, 1: a checkpoint's snapshot (kKind).
+  int64_t kind() const {
+    return entry == Entry::StateDict ? 1 : 0;
+  }
+};
+
+/// A finished reduction's summed meta (one per bucket) and its result.
+struct Reduced {
+  std::vector<std::vector<double>> meta;
+  ReductionResult result;
+};
+
+/// Checks a request where it enters (Reducer::backward(), reduce()).
+void check_request(const ReductionRequest& request);
+
+} // namespace detail
+
+struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
+  explicit State(detail::ReducerConfig config);
+
+  const detail::ReducerConfig config;
+
+  // The autograd glue's own (hooks.cpp).
+  // shared_ptr<Node> before torch 2.13, intrusive_ptr<Node> since: whatever
+  // grad_accumulator() returns.
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodePtr> grad_accumulators;
+  std::vector<uintptr_t> hook_keys;
+  std::atomic<bool> expect_hooks{true};
+  /// Whether a hook fired for each parameter since the last reduction: with
+  /// bucket views .grad is always defined, so this tells "no gradient" apart.
+  std::unique_ptr<std::atomic<bool>[]> touched;
+  std::atomic<bool> closed{false}; ///< the Reducer was destroyed: hooks are inert
+
+  // Everything below is guarded by mutex: CUDA backward runs hooks on device
+  // threads, and a failed backward's guard runs wherever torch frees the task.
+  mutable std::mutex mutex;
+  detail::BucketSet buckets;
+  detail::Window window;
+  ReducerStats stats;
+
+  // The autograd glue (hooks.cpp).
+  void add_hooks();
+  void remove_hooks() noexcept;
+  void mark_ready(size_t index);
+  /// begin_reduction() inside graph task `task` (-1: none), finishing at its end.
+  void begin_in_task(const ReductionRequest& request, int task, detail::Entry entry);
+  void queue_end_callback(int task);
+  void on_task_end(uint64_t id, int task);
+  void on_task_failed(uint64_t id) noexcept;
+  /// Reducer::backward() after loss.backward() raised: drops the window on
+  /// every rank unless that happened already. Returns this rank's own error
+  /// when this rank dropped it ("" when the error raised is every rank's).
+  std::string drop_failed_backward(const ReductionRequest& request, int64_t sequence_before);
+  ReductionResult end_backward(int64_t sequence_before);
+  /// The request of a synchronising backward of the manual path.
+  ReductionRequest manual_request() const;
+
+  // The reduction: beginning and launching (launch.cpp).
+  void begin_reduction(const ReductionRequest& request, int task, detail::Entry entry);
+  void copy_into_bucket(Bucket& bucket, size_t slot);
+  void launch_ready_buckets();
+  void launch_rest();
+  void launch_bucket(size_t index);
+
+  // Finishing, as named phases (finish.cpp: Note [Finishing a reduction]).
+  ReductionResult finish_reduction(std::vector<at::Tensor>* snapshot = nullptr);
+  std::vector<at::Tensor> complete_buckets(bool snapshot);
+  detail::Reduced agree();
+  void wait_all(const char* what);
+  std::vector<std::vector<double>> read_all_meta() const;
+  ReductionResult complete_snapshot(const detail::Reduced& reduced, const std::vector<at::Tensor>& saved,
+                                    std::vector<at::Tensor>& sums);
+  ReductionResult complete_window(detail::Reduced reduced);
+  std::optional<std::vector<Bucket>> window_collectives();
+  bool write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor,
+                  bool check_finite);
+  void apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) noexcept;
+
+  // Dropping a window, and ending a reduction (drop.cpp).
+  void abort_reduction(AbortReason reason) noexcept;
+  [[noreturn]] void fail(const std::string& message);
+  void end_dropped_window() noexcept;
+  void drop_window();
+  void end_reduction(bool window_closed);
+
+  // Small helpers, also on the hot path (inline).
+  void clear_touched() {
+    for (const auto i : c10::irange(config.params.size())) {
+      touched[i].store(false, std::memory_order_relaxed);
+    }
+  }
+  /// kKind's value: the kind, plus 2 while the bucket rebuild is pending.
+  int64_t kind_code() const {
+    return window.kind() + (buckets.final ? 0 : 2);
+  }
+  /// This rank's values of what the ranks must agree on, for this reduction.
+  detail::AgreementInputs agreement_inputs() const {
+    return {config.rule, config.options, config.params.size(), window.sequence, kind_code()};
+  }
+  /// What every error of this reduction starts with.
+  std::string where() const {
+    return "gradaccum: window " + std::to_string(window.sequence);
+  }
+  /// Raises unless no reduction is in flight: `call` names the caller.
+  void check_idle(const char* call) const {
+    TORCH_CHECK(!window.in_flight, call, " called during a synchronising backward");
+  }
+};
+
+} // namespace gradaccum
