@@ -1,0 +1,257 @@
+"""Accumulator()'s argument checks, its parameters, its process group and its
+grad_scaler's state: everything gradaccum.Accumulator validates before the C++
+side sees it (each refusal a gradaccum: error naming the call)."""
+import numbers
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+
+_REDUCTIONS = ("mean", "sum", "items")
+_NONFINITE = ("skip", "raise", "ignore")
+
+
+def _wrapper_classes():
+    """Wrappers that reduce gradients themselves: wrapping the model in one of
+    them as well would reduce every gradient twice. Only from modules already
+    imported: a model cannot be wrapped in a class never imported, and importing
+    torch.distributed.fsdp while a group exists keeps that group alive past
+    destroy_process_group() (its Gloo threads then outlive the interpreter and
+    can abort it at exit)."""
+    import sys
+
+    found = []
+    for module_name, names in (("torch.nn.parallel", ("DistributedDataParallel",)),
+                               ("torch.distributed.fsdp", ("FullyShardedDataParallel", "FSDPModule"))):
+        module = sys.modules.get(module_name)
+        for name in names:
+            cls = getattr(module, name, None)
+            if isinstance(cls, type):
+                found.append(cls)
+    return tuple(found)
+
+
+def _check_module(model: torch.nn.Module) -> None:
+    wrappers = _wrapper_classes()
+    for name, module in model.named_modules():
+        if wrappers and isinstance(module, wrappers):
+            where = f"submodule {name!r}" if name else "the model"
+            raise ValueError(
+                f"gradaccum: Accumulator(): {where} is wrapped in {type(module).__name__}, which reduces gradients "
+                "itself: with gradaccum's reduction too, every gradient would be reduced "
+                "twice. Do not wrap the model (with Accelerate, prepare the optimizer and "
+                "data loaders but not the model); if it is wrapped already, take "
+                "ddp_model.module and delete the wrapper (del ddp_model) before building "
+                "the Accumulator: gradaccum does the data-parallel reduction")
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(
+                f"gradaccum: Accumulator(): submodule {name!r} is {type(module).__name__}(sparse=True), which makes "
+                "sparse gradients; gradaccum supports dense gradients only: use sparse=False")
+    for name, p in model.named_parameters():
+        if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
+            raise ValueError(
+                f"gradaccum: Accumulator(): parameter {name!r} is a DTensor (FSDP2 / tensor parallel): gradaccum reduces "
+                "plain replicated parameters; pass the unsharded module")
+
+
+def _parameters(model: Any):
+    """(parameters, names, buffers) of a module or of an iterable of parameters."""
+    if isinstance(model, torch.nn.Module):
+        _check_module(model)
+        named = list(model.named_parameters())
+        return [p for _, p in named], [n for n, _ in named], list(model.buffers())
+    if isinstance(model, torch.Tensor):
+        raise TypeError(
+            "gradaccum: Accumulator(): model must be a torch.nn.Module or an iterable of parameters, got a single "
+            "Tensor (wrap it in a list)"
+        )
+    try:
+        params = list(model)
+    except TypeError:
+        raise TypeError(
+            "gradaccum: Accumulator(): model must be a torch.nn.Module or an iterable of parameters, got "
+            f"{type(model).__name__}"
+        ) from None
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"gradaccum: Accumulator(): model must be a torch.nn.Module or an iterable of parameters; item {i} "
+                f"is a {type(p).__name__}"
+            )
+    return params, [f"parameter {i}" for i in range(len(params))], []
+
+
+def _scaling(grad_scaler: Optional[Any]) -> bool:
+    """Whether grad_scaler really scales: a GradScaler(enabled=False) (the usual
+    ``enabled=use_amp`` switch) scales nothing, so the Accumulator runs as
+    without one (same gradient units, no window callbacks)."""
+    if grad_scaler is None:
+        return False
+    is_enabled = getattr(grad_scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def _check_scaled_parameters(params, names, is_module: bool, optimizer: Any) -> None:
+    """With a GradScaler, every gradient the Accumulator clips and checks must be
+    one GradScaler unscales (the optimizer's), and none may be float16."""
+    def label(name: str) -> str:
+        return f"parameter {name!r}" if is_module else name
+
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        raise TypeError(f"gradaccum: Accumulator(): grad_scaler needs a torch.optim.Optimizer (GradScaler.unscale_ reads its "
+                        f"param_groups), got {type(optimizer).__name__}")
+    optimized = {id(p) for group in groups for p in group["params"]}
+    for p, name in zip(params, names):
+        if not p.requires_grad:  # frozen: the Accumulator does not accumulate it
+            continue
+        if id(p) not in optimized:
+            raise ValueError(
+                f"gradaccum: Accumulator(): grad_scaler: {label(name)} requires grad but is not in the optimizer's "
+                "param_groups. GradScaler unscales (and checks for inf/NaN) only the optimizer's "
+                "gradients, while the Accumulator clips and checks every trainable parameter's: "
+                "this one would stay scaled. Freeze it (requires_grad=False) before building the "
+                "Accumulator, or give the optimizer every trainable parameter")
+        if p.dtype == torch.float16:
+            raise ValueError(
+                f"gradaccum: Accumulator(): grad_scaler: {label(name)} is float16; GradScaler cannot unscale float16 "
+                "gradients (torch refuses them at the first step()). Keep the parameters float32 "
+                "and run the forward under torch.autocast(device_type, dtype=torch.float16) "
+                "(torch's own mixed-precision recipe)")
+
+
+_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _saved_scaled(state_dict: Dict[str, Any]) -> bool:
+    """Whether a state was saved by an Accumulator whose GradScaler scaled (an
+    enabled one's state_dict() is never empty; a disabled one's is {})."""
+    saved = state_dict.get("grad_scaler")
+    return isinstance(saved, dict) and bool(saved)
+
+
+def _held_gradients(state_dict: Dict[str, Any]) -> List[str]:
+    """What gradients a state holds, in words; none at a window boundary
+    without error feedback (the keys are only looked at here; the C++ load
+    checks their types)."""
+    def any_tensor(key: str) -> bool:
+        value = state_dict.get(key)
+        return isinstance(value, (list, tuple)) and any(t is not None for t in value)
+
+    micro_step, window_ready = state_dict.get("micro_step"), state_dict.get("window_ready")
+    held = []
+    if window_ready in (True, 1):
+        held.append(f"a closed window (micro_step={micro_step}, window_ready=True)")
+    elif (isinstance(micro_step, numbers.Real) and micro_step > 0) or any_tensor("grads"):
+        held.append(f"a half-done window (micro_step={micro_step})")
+    if any_tensor("error_feedback_residuals"):
+        held.append("error-feedback residuals")
+    return held
+
+
+def _check_scaler_state(saved: Any) -> None:
+    """What GradScaler.load_state_dict needs; it reads the keys one by one and
+    would be left half-loaded by a bad one."""
+    if not isinstance(saved, dict):
+        raise TypeError(f"gradaccum: acc.load_state_dict(): 'grad_scaler' must be a GradScaler state dict, got "
+                        f"{type(saved).__name__}")
+    for key in _SCALER_KEYS:
+        if key not in saved:
+            raise ValueError(f"gradaccum: acc.load_state_dict(): 'grad_scaler' has no key {key!r}: it must be what "
+                             "GradScaler.state_dict() returns")
+    for key in _SCALER_KEYS:
+        value = saved[key]
+        integral = key in ("growth_interval", "_growth_tracker")
+        kind = numbers.Integral if integral else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise TypeError(f"gradaccum: acc.load_state_dict(): 'grad_scaler' key {key!r} must be "
+                            f"{'an int' if integral else 'a number'}, got {value!r}")
+    if not (0.0 < float(saved["scale"]) < float("inf")):
+        raise ValueError(f"gradaccum: acc.load_state_dict(): 'grad_scaler' scale must be a positive finite number, "
+                         f"got {saved['scale']!r}")
+
+
+def _dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _default_world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+def _default_group():
+    import torch.distributed as dist
+
+    return dist.group.WORLD if _dist_initialized() else None
+
+
+def _check_launch_has_group() -> None:
+    """No group under a multi-rank launch: see Note [No group under a
+    multi-rank launch] in src/accumulator/accumulator.cpp (each rank would train alone)."""
+    world = os.environ.get("WORLD_SIZE", "")
+    try:
+        ranks = int(world)
+    except ValueError:  # unset or not a number: no launch to speak of (as in C++)
+        return
+    if ranks > 1:
+        raise RuntimeError(
+            f"gradaccum: Accumulator(): WORLD_SIZE={world} in the environment (a torchrun launch?) "
+            "but no process group exists, so each rank would train alone and the ranks would end "
+            "with different weights. Call torch.distributed.init_process_group() before building "
+            "the Accumulator, or pass process_group=False to train each rank alone on purpose")
+
+
+def _check_options(steps: Any, reduction: Any, nonfinite: Any, max_grad_norm: Any, optimizer: Any,
+                   scheduler: Any, accumulate_dtype: Any, comm_dtype: Any, error_feedback: Any,
+                   grad_scaler: Any) -> None:
+    """Accumulator()'s options, each refused with a gradaccum: error naming it."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
+        raise TypeError(f"gradaccum: Accumulator(): steps must be a positive int, got {steps!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"gradaccum: Accumulator(): invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
+    if nonfinite not in _NONFINITE:
+        raise ValueError(f"gradaccum: Accumulator(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
+    if max_grad_norm is not None and not isinstance(max_grad_norm, numbers.Real):
+        raise TypeError(f"gradaccum: Accumulator(): max_grad_norm must be a number or None, got {max_grad_norm!r}")
+    if optimizer is not None and not callable(getattr(optimizer, "step", None)):
+        raise TypeError(f"gradaccum: Accumulator(): optimizer must have a step() method, got {type(optimizer).__name__}")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise TypeError(f"gradaccum: Accumulator(): scheduler must have a step() method, got {type(scheduler).__name__}")
+    if accumulate_dtype not in (None, torch.float32, torch.float64):
+        raise ValueError(f"gradaccum: Accumulator(): accumulate_dtype must be torch.float32, torch.float64 or None, "
+                         f"got {accumulate_dtype!r}")
+    if comm_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"gradaccum: Accumulator(): comm_dtype must be torch.bfloat16, torch.float16, torch.float32 "
+                         f"or None, got {comm_dtype!r}")
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"gradaccum: Accumulator(): error_feedback must be a bool, got {error_feedback!r}")
+    if error_feedback and comm_dtype is None:
+        raise ValueError("gradaccum: Accumulator(): error_feedback=True needs a comm_dtype: it keeps what compressing "
+                         "the gradients to comm_dtype loses")
+    if grad_scaler is not None:
+        if optimizer is None:
+            raise ValueError("gradaccum: Accumulator(): grad_scaler needs an optimizer (it unscales the optimizer's gradients)")
+        for method in ("scale", "unscale_", "update", "state_dict", "load_state_dict"):
+            if not callable(getattr(grad_scaler, method, None)):
+                raise TypeError(f"gradaccum: Accumulator(): grad_scaler must be a torch.amp.GradScaler, got "
+                                f"{type(grad_scaler).__name__} (no {method}())")
+
+
+def _resolve_group(process_group: Any) -> "tuple[Any, bool]":
+    """(the group to reduce over or None, whether local-only): None means the
+    default group, or local-only when there is none (an error under a
+    multi-rank launch); False means local-only on purpose."""
+    if process_group is True:
+        raise TypeError("gradaccum: Accumulator(): process_group must be a ProcessGroup, None "
+                        "(the default group) or False (local-only), got True")
+    if process_group is None:
+        process_group = _default_group()
+        if process_group is None:
+            _check_launch_has_group()
+    if process_group is False:
+        process_group = None
+    return process_group, process_group is None
