@@ -20,7 +20,8 @@ README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "TORCHELASTIC_RUN_ID")
-FINAL = re.compile(r"^rank (\d+): final loss ([0-9.]+), (\d+) optimizer steps, (\d+) all-reduces$", re.M)
+# Not anchored to lines: two ranks' prints can land on one line of torchrun's merged output.
+FINAL = re.compile(r"rank (\d+): final loss ([0-9.]+), (\d+) optimizer steps, (\d+) all-reduces")
 
 
 def quickstart() -> str:
