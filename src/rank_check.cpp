@@ -37,12 +37,11 @@ void check_no_foreign_hooks(const ReducerConfig& config, at::Device device) {
   const auto foreign = foreign_hooks(config);
   auto flag = at::full({1}, foreign.empty() ? 0.0 : 1.0, at::kDouble);
   const auto flags = allgather(*config.group, flag.to(device));
-  TORCH_CHECK_VALUE(foreign.empty(), foreign);
+  TORCH_CHECK_VALUE(foreign.empty(), "gradaccum: Accumulator(): ", foreign);
   for (const auto r : c10::irange(flags.size())) {
     TORCH_CHECK_VALUE(flags[r].item<double>() == 0,
-        static_cast<int>(r) == config.rank ? foreign
-            : "gradaccum: rank " + std::to_string(r) + "'s parameters carry another reducer's "
-              "gradient hooks (the model is also wrapped in torch DDP there?)");
+        "gradaccum: Accumulator(): rank ", r, "'s parameters carry another reducer's gradient hooks "
+        "(the model is also wrapped in torch DDP there?)");
   }
 }
 
@@ -65,7 +64,7 @@ void check_settings_match(const ReducerConfig& config, at::Device device) {
       values.push_back(theirs[static_cast<int64_t>(i)].item<double>());
     }
     const bool differ = std::any_of(values.begin(), values.end(), [&](double v) { return v != values[0]; });
-    TORCH_CHECK_VALUE(!differ, construction_disagreement(*compared[i], values));
+    TORCH_CHECK_VALUE(!differ, "gradaccum: Accumulator(): ", construction_disagreement(*compared[i], values));
   }
 }
 
@@ -89,7 +88,7 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
     if (differs.numel() > 0) {
       const auto i = differs[0][0].item<int64_t>();
       TORCH_CHECK_VALUE(false,
-          "gradaccum: the model differs across ranks: ", config.name(i), " is ",
+          "gradaccum: Accumulator(): the model differs across ranks: ", config.name(i), " is ",
           describe(theirs[i]), " on rank ", r, " but ", describe(reference[i]),
           " on rank 0");
     }
@@ -121,7 +120,7 @@ std::string foreign_hooks(const ReducerConfig& config) {
       return dynamic_cast<const torch::autograd::utils::LambdaPostHook*>(hook.get()) != nullptr;
     });
     if (foreign) {
-      return "gradaccum: " + config.name(i) + " already has a post-hook on its gradient accumulator "
+      return config.name(i) + " already has a post-hook on its gradient accumulator "
           "that gradaccum did not add: the model is also wrapped in torch "
           "DistributedDataParallel (accelerator.prepare(model), HF Trainer?) or another "
           "reducer is attached, and the gradient would be reduced twice. Delete the DDP "

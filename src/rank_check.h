@@ -15,7 +15,8 @@ namespace gradaccum::detail {
 void check_ranks_match(const ReducerConfig& config);
 
 /// Why this rank's parameters cannot be reduced here: another reducer (torch
-/// DDP) already hooks their gradient accumulators. "" when none does.
+/// DDP) already hooks their gradient accumulators. "" when none does; the
+/// caller's prefix ("gradaccum: Accumulator(): ") goes before it.
 std::string foreign_hooks(const ReducerConfig& config);
 
 } // namespace gradaccum::detail

@@ -23,10 +23,10 @@ std::vector<std::vector<size_t>> assign_buckets(
   // position[i]: when parameter i becomes ready.
   std::vector<size_t> position(params.size(), params.size());
   TORCH_CHECK_VALUE(order.size() == params.size(),
-      "assign_buckets: the ready order has ", order.size(), " entries for ", params.size(), " parameters");
+      "gradaccum: assign_buckets(): the ready order has ", order.size(), " entries for ", params.size(), " parameters");
   for (const auto k : c10::irange(order.size())) {
     TORCH_CHECK_VALUE(order[k] < params.size() && position[order[k]] == params.size(),
-        "assign_buckets: the ready order is not a permutation of the parameters (entry ", k,
+        "gradaccum: assign_buckets(): the ready order is not a permutation of the parameters (entry ", k,
         " is ", order[k], ")");
     position[order[k]] = k;
   }

@@ -77,7 +77,7 @@ std::string show(Shown shown, double value) {
 
 std::string construction_disagreement(const Agreement& agreement, const std::vector<double>& values) {
   std::ostringstream out;
-  out << "gradaccum: the ranks disagree on " << agreement.what << " (";
+  out << "the ranks disagree on " << agreement.what << " (";
   for (const auto r : c10::irange(values.size())) {
     out << (r ? ", " : "") << "rank " << r << ": " << show(agreement.shown, values[r]);
   }
@@ -108,98 +108,75 @@ std::string mispaired(const std::string& where, int64_t bucket) {
 
 namespace {
 
-// What the others read about the one rank `who` that dropped the window.
-std::string cause_elsewhere(int64_t who, AbortReason why) {
-  std::ostringstream cause;
+// Why `who` ("rank 1", or "this rank (rank 1)") dropped the window: the one
+// text of each reason, whichever rank reads it.
+std::string abort_phrase(AbortReason why, const std::string& who) {
   switch (why) {
     case AbortReason::EpochEnded:
-      cause << "rank " << who << " went on training after other ranks had ended the epoch "
-            << "with flush(); every rank must run the same number of full windows and call "
-            << "flush() at the end of each epoch";
-      break;
+      return who + " went on training after the other ranks had ended the epoch with acc.flush(); "
+          "every rank must run the same number of full windows and call acc.flush() at the end of "
+          "each epoch";
     case AbortReason::WeightTooLarge:
-      cause << "rank " << who << "'s window weight (micro-steps or items) is larger than "
-            << static_cast<int64_t>(Bucket::max_meta_value(kWeight)) << ", the most a bf16/fp16 "
-            << "bucket's meta carries exactly";
-      break;
+      return c10::str(who, "'s window weight (micro-steps or items) is larger than ",
+          static_cast<int64_t>(Bucket::max_meta_value(kWeight)), ", the most a bf16/fp16 bucket's "
+          "meta carries exactly");
     case AbortReason::WeightTooSmall:
-      cause << "rank " << who << "'s window weight (its num_items summed over the window) is "
-            << "below " << Bucket::min_meta_weight() << " (2^-13), too small for a bf16/fp16 "
-            << "bucket's meta to carry exactly; count items in larger units, or use float32 "
-            << "parameters and comm_dtype";
-      break;
+      return c10::str(who, "'s window weight (its num_items summed over the window) is below ",
+          Bucket::min_meta_weight(), " (2^-13), too small for a bf16/fp16 bucket's meta to carry "
+          "exactly; count items in larger units, or use float32 parameters and comm_dtype");
     case AbortReason::GradientsChanged:
-      cause << "on rank " << who << " the accumulated gradients were cleared or changed outside "
-            << "the Accumulator in the middle of the window (optimizer.zero_grad() or "
-            << "model.zero_grad() between micro-steps? clear them only after step() returns True)";
-      break;
+      return "on " + who + " the accumulated gradients were cleared or changed outside the "
+          "Accumulator in the middle of the window (optimizer.zero_grad() or model.zero_grad() "
+          "between micro-steps, or a backward other than acc.backward() through these parameters, "
+          "such as another model's loss?); clear them only after acc.step() returns True, or drop "
+          "a window with acc.zero_grad()";
     case AbortReason::ForeignReducer:
-      cause << "rank " << who << "'s parameters carry another reducer's gradient hooks (the "
-            << "model is also wrapped in torch DDP there?)";
-      break;
+      return who + "'s parameters carry another reducer's gradient hooks (the model is also "
+          "wrapped in torch DDP there?)";
     case AbortReason::Closed:
-      cause << "rank " << who << " destroyed its Accumulator during the synchronising backward";
-      break;
-    default:
-      cause << "the synchronising backward (or a micro-step of the window) failed on rank "
-            << who << " (its own error is raised there)";
+      return who + " destroyed its Accumulator during the synchronising backward";
+    case AbortReason::ClosedWindowNotStepped:
+      return who + " could not step the window it had closed before this acc.flush(), while the "
+          "other ranks stepped theirs";
+    case AbortReason::None:
+    case AbortReason::BackwardFailed:
       break;
   }
-  return cause.str();
+  return "the synchronising backward (or a micro-step of the window) failed on " + who;
+}
+
+// Whether the rank that dropped the window raises an error of its own.
+bool raised_there(AbortReason why) {
+  return why == AbortReason::None || why == AbortReason::BackwardFailed ||
+      why == AbortReason::ClosedWindowNotStepped;
+}
+
+// What a dropped window means for every rank.
+const char* consequence(AbortReason why) {
+  return why == AbortReason::ClosedWindowNotStepped
+      ? ": the replicas differ from here on. Resume every rank from a checkpoint"
+      : ". The window's gradients were cleared on every rank and no optimizer step was taken; "
+        "training can go on from the next window";
 }
 
 } // namespace
 
 std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_t who, AbortReason why) {
-  if (aborting == 1 && why == AbortReason::ClosedWindowNotStepped) {
-    return where + " (flush) was dropped on every rank: rank " + std::to_string(who) +
-        " could not step the window it had closed before this flush() (its own error is raised "
-        "there), while the other ranks stepped theirs: the replicas differ from here on. Resume "
-        "every rank from a checkpoint";
+  if (aborting > 1) {
+    return where + " was dropped on every rank: " + std::to_string(aborting) + " ranks could not "
+        "contribute their window (their synchronising backward failed, or they left the epoch "
+        "early)" + consequence(AbortReason::None);
   }
-  const auto cause = aborting > 1
-      ? std::to_string(aborting) + " ranks could not contribute their window (their synchronising "
-        "backward failed, or they left the epoch early)"
-      : cause_elsewhere(who, why);
-  return where + " was dropped on every rank: " + cause + ". The window's gradients were cleared "
-      "on every rank and no optimizer step was taken; training can go on from the next window";
+  return where + " was dropped on every rank: " + abort_phrase(why, "rank " + std::to_string(who)) +
+      (raised_there(why) ? " (its own error is raised there)" : "") + consequence(why);
 }
 
-std::string dropped_here(const std::string& where, int rank, AbortReason why, double weight) {
-  if (why == AbortReason::ClosedWindowNotStepped) {
-    return where + " (flush): this rank (rank " + std::to_string(rank) + ") could not step the "
-        "window it had closed before this flush(), while the other ranks stepped theirs: the "
-        "replicas differ from here on, and the flush was dropped on every rank. Resume every rank "
-        "from a checkpoint";
-  }
-  auto message = where + ": this rank (rank " + std::to_string(rank) + ") could not contribute its "
-      "window, so the window was dropped on every rank (its gradients cleared, no optimizer "
-      "step); training can go on from the next window";
-  switch (why) {
-    case AbortReason::WeightTooLarge:
-      message += ". Why: this rank's window weight " + std::to_string(weight) +
-          " is larger than a bf16/fp16 bucket's meta carries";
-      break;
-    case AbortReason::WeightTooSmall:
-      message += c10::str(". Why: this rank's window weight ", weight,
-                          " is smaller than a bf16/fp16 bucket's meta carries exactly");
-      break;
-    case AbortReason::GradientsChanged:
-      message += ". Why: the accumulated gradients were cleared or changed outside the "
-          "Accumulator in the middle of the window (optimizer.zero_grad() or "
-          "model.zero_grad() between micro-steps?); clear them only after step() returns "
-          "True, or drop a window with the Accumulator's zero_grad()";
-      break;
-    case AbortReason::ForeignReducer:
-      message += ". Why: another reducer's hooks are on this rank's parameters";
-      break;
-    case AbortReason::EpochEnded:
-      message += ". Why: the other ranks had ended the epoch with flush()";
-      break;
-    default:
-      break;
-  }
-  return message;
+std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
+                         const std::string& transport) {
+  return where + " was dropped on every rank: " +
+      abort_phrase(why, "this rank (rank " + std::to_string(rank) + ")") +
+      (local.empty() ? "" : ": " + local) + consequence(why) +
+      (transport.empty() ? "" : ". Dropping it failed too: " + transport);
 }
 
 } // namespace gradaccum::detail

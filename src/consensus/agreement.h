@@ -57,7 +57,8 @@ const std::vector<Agreement>& agreements();
 /// `value` as an error shows it.
 std::string show(Shown shown, double value);
 
-/// The construction-time error for `agreement`; `values` holds every rank's.
+/// The construction-time error for `agreement` (after "gradaccum:
+/// Accumulator(): "); `values` holds every rank's.
 std::string construction_disagreement(const Agreement& agreement, const std::vector<double>& values);
 
 /// What a window's summed headers tell about one value that differs.
@@ -69,7 +70,8 @@ struct HeaderValues {
   double mean = 0; ///< over the ranks (otherwise)
 };
 
-/// A window's error for `agreement`, after `where` ("gradaccum: window 3").
+/// A window's error for `agreement`; `where` starts it ("gradaccum:
+/// acc.backward(): window 3").
 std::string window_disagreement(const std::string& where, const Agreement& agreement,
                                 const HeaderValues& values);
 
@@ -80,8 +82,11 @@ std::string mispaired(const std::string& where, int64_t bucket);
 /// `aborting` ranks dropped it, the only one (when 1) being `who`, for `why`.
 std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_t who, AbortReason why);
 
-/// The error of the rank that dropped the window itself, for `why`; `weight`
-/// is its request's. `rank` is this rank.
-std::string dropped_here(const std::string& where, int rank, AbortReason why, double weight);
+/// The error of the rank that dropped the window itself (this rank, `rank`),
+/// for `why`: the same text as the others', about "this rank", with what
+/// failed here (`local`, when known) and what failed while dropping it
+/// (`transport`, when anything did).
+std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
+                         const std::string& transport);
 
 } // namespace gradaccum::detail

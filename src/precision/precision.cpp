@@ -61,7 +61,6 @@ bool decompress(Bucket& bucket, double scale, bool divide, double divisor) {
 }
 
 void accumulate_grads(Bucket& bucket, const std::vector<at::Tensor>& params, std::atomic<bool>* touched) {
-  TORCH_INTERNAL_ASSERT(bucket.accumulating);
   at::NoGradGuard no_grad;
   for (const auto slot : c10::irange(bucket.params.size())) {
     auto& grad = params[bucket.params[slot]].mutable_grad();
@@ -134,7 +133,8 @@ std::vector<at::Tensor> residuals(const std::vector<Bucket>& buckets, size_t par
 void set_residuals(std::vector<Bucket>& buckets, const ReducerConfig& config,
                    const std::vector<at::Tensor>& residuals) {
   TORCH_CHECK_VALUE(residuals.empty() || residuals.size() == config.params.size(),
-      "gradaccum: got ", residuals.size(), " error-feedback residuals for ", config.params.size(), " parameters");
+      "gradaccum: acc.load_state_dict(): the state has ", residuals.size(), " error-feedback residuals for ",
+      config.params.size(), " parameters");
   const auto entry = [&](size_t i) { return residuals.empty() ? at::Tensor() : residuals[i]; };
   // Every entry is checked before any is written: a rejected state changes nothing.
   for (const auto& bucket : buckets) {
@@ -143,11 +143,11 @@ void set_residuals(std::vector<Bucket>& buckets, const ReducerConfig& config,
       const auto r = entry(i);
       if (r.defined()) {
         TORCH_CHECK_VALUE(bucket.residual.defined(),
-            "gradaccum: the state has an error-feedback residual for ", config.name(i),
+            "gradaccum: acc.load_state_dict(): the state has an error-feedback residual for ", config.name(i),
             " but this Accumulator keeps none (error_feedback=False, or no comm_dtype narrower "
             "than its gradients)");
         TORCH_CHECK_VALUE(r.numel() == numel,
-            "gradaccum: the error-feedback residual of ", config.name(i), " has ", r.numel(),
+            "gradaccum: acc.load_state_dict(): the error-feedback residual of ", config.name(i), " has ", r.numel(),
             " elements, the parameter ", numel);
       }
     }

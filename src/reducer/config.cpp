@@ -38,12 +38,14 @@ ReducerConfig::ReducerConfig(
       group(std::move(group_)),
       options(options_),
       rule(rule_) {
-  TORCH_CHECK_VALUE(group, "Reducer: process_group is null");
+  // A Reducer built by an Accumulator gets a group, names and the model's
+  // parameters: what only a direct use of Reducer can break names Reducer().
+  TORCH_CHECK_VALUE(group, "gradaccum: Reducer(): process_group is null");
   options.validate();
-  TORCH_CHECK_VALUE(rule.steps >= 1, "Reducer: steps must be >= 1, got ", rule.steps);
-  TORCH_CHECK_VALUE(!params.empty(), "Reducer: the model has no trainable parameters");
+  TORCH_CHECK_VALUE(rule.steps >= 1, "gradaccum: Accumulator(): steps must be >= 1, got ", rule.steps);
+  TORCH_CHECK_VALUE(!params.empty(), "gradaccum: Accumulator(): the model has no trainable parameters");
   TORCH_CHECK_VALUE(names.empty() || names.size() == params.size(),
-      "Reducer: got ", names.size(), " names for ", params.size(), " parameters");
+      "gradaccum: Reducer(): got ", names.size(), " names for ", params.size(), " parameters");
   if (names.empty()) {
     for (const auto i : c10::irange(params.size())) {
       names.push_back("parameter " + std::to_string(i));
@@ -51,10 +53,11 @@ ReducerConfig::ReducerConfig(
   }
   for (const auto i : c10::irange(params.size())) {
     const auto& p = params[i];
-    TORCH_CHECK_VALUE(p.defined(), "Reducer: ", name(i), " is undefined");
+    TORCH_CHECK_VALUE(p.defined(), "gradaccum: Reducer(): ", name(i), " is undefined");
     TORCH_CHECK_VALUE(p.is_leaf() && p.requires_grad(),
-        "Reducer: ", name(i), " must be a leaf tensor that requires grad");
-    TORCH_CHECK_VALUE(!p.is_sparse(), "Reducer: ", name(i), " is sparse; sparse parameters are not supported");
+        "gradaccum: Reducer(): ", name(i), " must be a leaf tensor that requires grad");
+    TORCH_CHECK_VALUE(!p.is_sparse(),
+        "gradaccum: Accumulator(): ", name(i), " is sparse; sparse parameters are not supported");
     check_group_reaches(*group, p, name(i));
     numel += p.numel();
   }

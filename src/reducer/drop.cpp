@@ -28,24 +28,34 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
   // engine, during unwinding) or from backward()/reduce(): never throws.
   window.request.abort = reason;
   window.aborted_here = true;
-  std::string transport;
+  window.own_where = where();
+  window.own_reason = reason;
+  window.own_transport.clear();
   window.last_result = ReductionResult{};
   window.last_result.window = window.sequence;
   window.last_result.dropped = true;
   try {
     launch_rest();
-    wait_all("dropping this rank's window");
+    wait_all();
     // Whether others were flushing still matters to this rank's epoch.
     const auto header = buckets.all.back().read_meta();
     window.last_result.flushing_ranks = static_cast<int64_t>(std::llround(header[kFlushing]));
   } catch (const std::exception& e) {
-    transport = detail::message_of(e);
+    window.own_transport = detail::message_of(e);
   }
-  window.failure = detail::dropped_here(where(), config.rank, reason, window.request.weight);
-  if (!transport.empty()) {
-    window.failure += ". Dropping it failed too: " + transport;
-  }
+  window.failure = own_failure("");
   end_dropped_window();
+}
+
+std::string Reducer::State::own_failure(const std::string& local) const {
+  // What failed here was often raised by this very reduction: name the call
+  // and the window once.
+  auto cause = local;
+  const auto prefix = window.own_where + ": ";
+  if (cause.compare(0, prefix.size(), prefix) == 0) {
+    cause.erase(0, prefix.size());
+  }
+  return detail::dropped_here(window.own_where, config.rank, window.own_reason, cause, window.own_transport);
 }
 
 void Reducer::State::fail(const std::string& message) {

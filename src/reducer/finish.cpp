@@ -70,11 +70,12 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
   } catch (const std::exception& e) {
     const auto local = detail::message_of(e);
     abort_reduction(AbortReason::BackwardFailed);
-    TORCH_CHECK(false, window.failure, ". The error on this rank: ", local);
+    TORCH_CHECK(false, own_failure(local));
   }
   if (!foreign.empty()) {
+    const auto message = where() + ": " + foreign;
     abort_reduction(AbortReason::ForeignReducer);
-    TORCH_CHECK(false, foreign);
+    TORCH_CHECK(false, message);
   }
   return saved;
 }
@@ -82,10 +83,10 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
 detail::Reduced Reducer::State::agree() {
   detail::Reduced reduced;
   try {
-    wait_all(window.request.flushing ? "flush" : "synchronising backward");
+    wait_all();
     reduced.meta = read_all_meta();
   } catch (const std::exception& e) {
-    fail(detail::message_of(e));
+    fail(where() + ", " + detail::message_of(e));
   }
   const auto verdict = detail::read_headers(reduced.meta, agreement_inputs(), config.rank, config.world,
                                             buckets.modulus, where());
@@ -102,17 +103,16 @@ detail::Reduced Reducer::State::agree() {
   return reduced;
 }
 
-void Reducer::State::wait_all(const char* what) {
+void Reducer::State::wait_all() {
   for (const auto b : c10::irange(buckets.all.size())) {
     for (auto& work : buckets.all[b].works) {
       try {
         work->wait();
       } catch (const std::exception& e) {
         // Wait for nothing else: the group is likely broken. The caller drops
-        // the window (its buffers may hold a half-reduced sum).
+        // the window (its buffers may hold a half-reduced sum) and says where.
         std::ostringstream message;
-        message << where() << " (" << what << "), rank " << config.rank
-                << ": the all-reduce of bucket " << b << " of " << buckets.all.size()
+        message << "rank " << config.rank << ": the all-reduce of bucket " << b << " of " << buckets.all.size()
                 << " failed. Likely cause: a peer process left (crashed or was killed), or "
                 << "the ranks took different paths (flush() on some ranks only, a different "
                 << "number of micro-steps or windows, another collective in between). "

@@ -158,18 +158,18 @@ void Reducer::State::mark_ready(size_t index) {
     // last anchor is an outer task whose nested (reentrant) backward already
     // finished a reduction.
     TORCH_CHECK(window.last_anchor_task < 0 || !older_task(task, window.last_anchor_task),
-        "gradaccum: ", config.name(index), " became ready in an outer backward after a nested "
-        "(reentrant) backward had already reduced the window. With reentrant activation "
-        "checkpointing and a plain loss.backward(), the reduction ends with the first "
-        "graph task that reached a parameter; run the backward through "
-        "Accumulator.backward(), or use torch.utils.checkpoint(..., use_reentrant=False)");
+        "gradaccum: loss.backward(): ", config.name(index), " became ready in an outer backward "
+        "after a nested (reentrant) backward had already reduced the window. With reentrant "
+        "activation checkpointing and a plain loss.backward(), the reduction ends with the first "
+        "graph task that reached a parameter; run the backward through acc.backward(), or use "
+        "torch.utils.checkpoint(..., use_reentrant=False)");
     begin_in_task(manual_request(), task, detail::Entry::ManualBackward);
   } else if (task != window.anchor_task && older_task(task, window.anchor_task)) {
     window.anchor_task = task; // an outer task of a reentrant backward: finish at its end
     queue_end_callback(task);
   }
   TORCH_CHECK(!window.ready[index],
-      "gradaccum: ", config.name(index), " got its gradient twice in one synchronising "
+      where(), ": ", config.name(index), " got its gradient twice in one synchronising "
       "backward (a parameter used both inside and outside a reentrant checkpoint, or a "
       "second backward over it?); each parameter may be reduced once per window");
   window.ready[index] = 1;
@@ -232,13 +232,13 @@ void Reducer::State::on_task_failed(uint64_t id) noexcept {
 // Reducer::backward(): a synchronising backward begun at the loss's root.
 
 ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest& request) {
-  detail::check_request(request);
+  detail::check_request(request, detail::Entry::Backward);
   // Held locally: a hook may destroy this Reducer while backward runs.
   const auto keep = state_;
   auto& s = *keep;
   const auto sequence_before = [&] {
     std::lock_guard<std::mutex> lock(s.mutex);
-    TORCH_CHECK(!s.window.in_flight, "gradaccum: backward() called while a synchronising backward is in flight");
+    s.check_idle("acc.backward()");
     return s.window.sequence;
   }();
   const bool previous = s.expect_hooks.exchange(true);
@@ -265,15 +265,16 @@ ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest
     loss.backward();
   } catch (const std::exception& e) {
     remove_root_hook(root.get(), root_hook);
-    const auto own = s.drop_failed_backward(request, sequence_before);
-    TORCH_CHECK(own.empty(), own, ". The error on this rank: ", detail::message_of(e));
+    const auto own = s.drop_failed_backward(request, sequence_before, detail::message_of(e));
+    TORCH_CHECK(own.empty(), own);
     throw; // a dropped window's error (every rank raises it), or a transport error
   }
   remove_root_hook(root.get(), root_hook);
   return s.end_backward(sequence_before);
 }
 
-std::string Reducer::State::drop_failed_backward(const ReductionRequest& request, int64_t sequence_before) {
+std::string Reducer::State::drop_failed_backward(const ReductionRequest& request, int64_t sequence_before,
+                                                 const std::string& local) {
   std::lock_guard<std::mutex> lock(mutex);
   if (window.in_flight) {
     // The engine has not freed the failed task yet: drop the window now.
@@ -285,7 +286,7 @@ std::string Reducer::State::drop_failed_backward(const ReductionRequest& request
     abort_reduction(AbortReason::BackwardFailed);
   }
   const bool dropped_here = window.aborted_here && window.sequence == sequence_before + 1;
-  return dropped_here ? window.failure : std::string();
+  return dropped_here ? own_failure(local) : std::string();
 }
 
 ReductionResult Reducer::State::end_backward(int64_t sequence_before) {

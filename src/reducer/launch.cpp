@@ -55,8 +55,7 @@ void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
   if (bucket.accumulating) {
     // The window's sum so far is in the bucket (accumulate_local); add the rest.
     if (grad.defined()) {
-      TORCH_CHECK(!grad.is_sparse(), "gradaccum: ", config.name(index), " has a sparse "
-          "gradient (nn.Embedding(sparse=True)?); sparse gradients are not supported: use sparse=False");
+      check_dense(grad, index);
       add_widened(view, grad);
       grad = at::Tensor();
     } else if (!touched[index].load(std::memory_order_relaxed)) {
@@ -75,8 +74,7 @@ void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
   if (in_bucket) {
     return; // bucket view: backward already accumulated in place
   }
-  TORCH_CHECK(!grad.is_sparse(), "gradaccum: ", config.name(index), " has a sparse gradient "
-      "(nn.Embedding(sparse=True)?); sparse gradients are not supported: use sparse=False");
+  check_dense(grad, index);
   view.copy_(grad);
   if (config.options.gradient_as_bucket_view()) {
     // Someone replaced .grad (zero_grad(set_to_none=True)) or its storage

@@ -16,9 +16,10 @@ namespace gradaccum {
 
 namespace detail {
 
-void check_request(const ReductionRequest& request) {
+void check_request(const ReductionRequest& request, Entry entry) {
   TORCH_CHECK_VALUE(request.weight >= 0 && std::isfinite(request.weight),
-      "Reducer: the window weight must be a finite number >= 0, got ", request.weight);
+      "gradaccum: ", call_name(entry), ": the window weight must be a finite number >= 0, got ",
+      request.weight);
 }
 
 } // namespace detail
@@ -50,7 +51,7 @@ Reducer::Reducer(
     detail::check_ranks_match(config);
   } else {
     const auto foreign = detail::foreign_hooks(config);
-    TORCH_CHECK_VALUE(foreign.empty(), foreign);
+    TORCH_CHECK_VALUE(foreign.empty(), "gradaccum: Accumulator(): ", foreign);
   }
   state_ = std::make_shared<State>(std::move(config));
   auto& s = *state_;
@@ -95,10 +96,12 @@ ReductionRequest Reducer::manual_request() const {
 ReductionResult Reducer::reduce(const ReductionRequest& request) {
   const auto keep = state_;
   auto& s = *keep;
-  detail::check_request(request);
+  // Accumulator calls it to close a partial window (flush) or to drop one.
+  const auto entry = request.flushing ? detail::Entry::Flush : detail::Entry::Backward;
+  detail::check_request(request, entry);
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.check_idle("Reducer::reduce()");
-  s.begin_reduction(request, -1, request.flushing ? detail::Entry::Flush : detail::Entry::Backward);
+  s.check_idle(detail::call_name(entry));
+  s.begin_reduction(request, -1, entry);
   if (request.abort != AbortReason::None) {
     s.abort_reduction(request.abort);
     TORCH_CHECK(false, s.window.failure);
@@ -110,9 +113,9 @@ std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, Reduc
   const auto keep = state_;
   auto& s = *keep;
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.check_idle("Reducer::snapshot()");
+  s.check_idle("acc.state_dict()");
   TORCH_CHECK(!s.buckets.any(&Bucket::compressed),
-      "gradaccum: a checkpoint in the middle of a window is not supported with comm_dtype (the "
+      "gradaccum: acc.state_dict(): a checkpoint in the middle of a window is not supported with comm_dtype (the "
       "half-done window would be rounded to the wire's dtype); save at a window boundary, or "
       "use state_dict(rank_independent=False)");
   s.begin_reduction(request, -1, detail::Entry::StateDict);
@@ -131,7 +134,7 @@ std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, Reduc
 void Reducer::zero_grad() {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.check_idle("Reducer::zero_grad()");
+  s.check_idle("acc.zero_grad()");
   s.clear_touched();
   const bool as_view = s.config.options.gradient_as_bucket_view();
   if (!as_view) {
@@ -155,7 +158,7 @@ void Reducer::zero_grad() {
 void Reducer::accumulate_local() {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.check_idle("Reducer::accumulate_local()");
+  s.check_idle("acc.backward()");
   for (auto& bucket : s.buckets.all) {
     if (bucket.accumulating) {
       detail::accumulate_grads(bucket, s.config.params, s.touched.get());
@@ -165,7 +168,7 @@ void Reducer::accumulate_local() {
 
 void Reducer::mark_restored(const std::vector<size_t>& indices) {
   for (const auto i : indices) {
-    TORCH_CHECK_VALUE(i < state_->config.params.size(), "Reducer::mark_restored: no parameter ", i);
+    TORCH_CHECK_VALUE(i < state_->config.params.size(), "gradaccum: Reducer::mark_restored(): no parameter ", i);
     state_->touched[i].store(true, std::memory_order_relaxed);
   }
 }
@@ -177,21 +180,21 @@ std::vector<at::Tensor> Reducer::accumulated() const {
 }
 
 bool Reducer::accumulates(size_t index) const {
-  TORCH_CHECK_VALUE(index < state_->config.params.size(), "Reducer::accumulates: no parameter ", index);
+  TORCH_CHECK_VALUE(index < state_->config.params.size(), "gradaccum: Reducer::accumulates(): no parameter ", index);
   return state_->buckets.of(index).accumulating;
 }
 
 void Reducer::load_accumulated(size_t index, const at::Tensor& sum) {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.check_idle("Reducer::load_accumulated()");
-  TORCH_CHECK_VALUE(index < s.config.params.size(), "Reducer::load_accumulated: no parameter ", index);
+  s.check_idle("acc.load_state_dict()");
+  TORCH_CHECK_VALUE(index < s.config.params.size(), "gradaccum: Reducer::load_accumulated(): no parameter ", index);
   const auto [b, slot] = s.buckets.locator[index];
   auto& bucket = s.buckets.all[b];
-  TORCH_CHECK_VALUE(bucket.accumulating, "Reducer::load_accumulated: ", s.config.name(index),
-      " is not summed in a wider bucket");
-  TORCH_CHECK_VALUE(sum.sizes() == s.config.params[index].sizes(), "Reducer::load_accumulated: ",
-      s.config.name(index), " is ", s.config.params[index].sizes(), ", the sum ", sum.sizes());
+  TORCH_CHECK_VALUE(bucket.accumulating, "gradaccum: acc.load_state_dict(): the state has a wide sum for ",
+      s.config.name(index), ", which this Accumulator does not sum in a wider bucket");
+  TORCH_CHECK_VALUE(sum.sizes() == s.config.params[index].sizes(), "gradaccum: acc.load_state_dict(): ",
+      s.config.name(index), " is ", s.config.params[index].sizes(), ", its wide sum in the state ", sum.sizes());
   at::NoGradGuard no_grad;
   bucket.views[slot].copy_(sum);
   s.touched[index].store(true, std::memory_order_relaxed);
@@ -213,14 +216,14 @@ std::vector<at::Tensor> Reducer::residuals() const {
 void Reducer::set_residuals(const std::vector<at::Tensor>& residuals) {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.check_idle("Reducer::set_residuals()");
+  s.check_idle("acc.load_state_dict()");
   detail::set_residuals(s.buckets.all, s.config, residuals);
 }
 
 void Reducer::discard_residuals() {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.check_idle("Reducer::discard_residuals()");
+  s.check_idle("acc.zero_grad()");
   detail::discard_residuals(s.buckets.all);
 }
 
@@ -235,7 +238,7 @@ Reducer::Progress Reducer::progress() const {
 void Reducer::restore(const Progress& progress) {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.check_idle("Reducer::restore()");
+  s.check_idle("acc.load_state_dict()");
   // Not in checkpoints: what describes this reducer's buckets and its backwards.
   const auto now = s.stats;
   s.stats = progress.stats;

@@ -3,7 +3,8 @@
 // callbacks. Three parts: the config (fixed), the buckets, and the window (the
 // reduction in flight, and what the last one left); and the layers that work
 // on them, each calling only the ones listed before it:
-//   comm.h, consensus/, precision/, buckets/, rank_check.h   (no State)
+//   comm.h, reducer/config.h                                  (no State)
+//   consensus/, precision/, buckets/, rank_check.h            (no State)
 //   the reduction: launch.cpp, finish.cpp, drop.cpp           (State)
 //   the autograd glue: hooks.cpp                              (State)
 //   the Reducer facade: reducer.cpp
@@ -59,6 +60,17 @@ enum class Entry {
   StateDict, ///< acc.state_dict() (snapshot() of a half-done window)
 };
 
+/// How errors name `entry`: the call in which they surface.
+inline const char* call_name(Entry entry) {
+  switch (entry) {
+    case Entry::Backward: return "acc.backward()";
+    case Entry::ManualBackward: return "loss.backward()";
+    case Entry::Flush: return "acc.flush()";
+    case Entry::StateDict: return "acc.state_dict()";
+  }
+  return "?";
+}
+
 /// The reduction in flight, and what the last one left. Guarded by
 /// State::mutex; begin_reduction() resets the first part, end_reduction()
 /// ends it.
@@ -85,6 +97,10 @@ struct Window {
   int last_anchor_task = -1;
   bool aborted_here = false; ///< this rank dropped the last reduction itself
   std::string failure; ///< why the last reduction dropped its window ("" if it did not)
+  // When this rank dropped it: own_failure() composes the error from these.
+  std::string own_where;
+  AbortReason own_reason = AbortReason::None;
+  std::string own_transport;
   ReductionResult last_result;
 
   /// 0: a window's reduction, 1: a checkpoint's snapshot (kKind).
@@ -99,8 +115,9 @@ struct Reduced {
   ReductionResult result;
 };
 
-/// Checks a request where it enters (Reducer::backward(), reduce()).
-void check_request(const ReductionRequest& request);
+/// Checks a request where it enters (Reducer::backward(), reduce()), for the
+/// call `entry`.
+void check_request(const ReductionRequest& request, Entry entry);
 
 } // namespace detail
 
@@ -137,10 +154,12 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void queue_end_callback(int task);
   void on_task_end(uint64_t id, int task);
   void on_task_failed(uint64_t id) noexcept;
-  /// Reducer::backward() after loss.backward() raised: drops the window on
-  /// every rank unless that happened already. Returns this rank's own error
-  /// when this rank dropped it ("" when the error raised is every rank's).
-  std::string drop_failed_backward(const ReductionRequest& request, int64_t sequence_before);
+  /// Reducer::backward() after loss.backward() raised `local`: drops the
+  /// window on every rank unless that happened already. Returns this rank's
+  /// own error when this rank dropped it ("" when the error raised is every
+  /// rank's).
+  std::string drop_failed_backward(const ReductionRequest& request, int64_t sequence_before,
+                                   const std::string& local);
   ReductionResult end_backward(int64_t sequence_before);
   /// The request of a synchronising backward of the manual path.
   ReductionRequest manual_request() const;
@@ -156,7 +175,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   ReductionResult finish_reduction(std::vector<at::Tensor>* snapshot = nullptr);
   std::vector<at::Tensor> complete_buckets(bool snapshot);
   detail::Reduced agree();
-  void wait_all(const char* what);
+  /// Waits for every collective launched; throws what failed, naming this rank.
+  void wait_all();
   std::vector<std::vector<double>> read_all_meta() const;
   ReductionResult complete_snapshot(const detail::Reduced& reduced, const std::vector<at::Tensor>& saved,
                                     std::vector<at::Tensor>& sums);
@@ -168,6 +188,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
 
   // Dropping a window, and ending a reduction (drop.cpp).
   void abort_reduction(AbortReason reason) noexcept;
+  /// The error of the window this rank dropped, with what failed here (`local`).
+  std::string own_failure(const std::string& local) const;
   [[noreturn]] void fail(const std::string& message);
   void end_dropped_window() noexcept;
   void drop_window();
@@ -187,13 +209,21 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   detail::AgreementInputs agreement_inputs() const {
     return {config.rule, config.options, config.params.size(), window.sequence, kind_code()};
   }
-  /// What every error of this reduction starts with.
+  /// What every error of this reduction starts with: "gradaccum: acc.flush(): window 3".
   std::string where() const {
-    return "gradaccum: window " + std::to_string(window.sequence);
+    return std::string("gradaccum: ") + detail::call_name(window.entry) + ": window " +
+        std::to_string(window.sequence);
   }
-  /// Raises unless no reduction is in flight: `call` names the caller.
+  /// Raises when a hook meets a sparse gradient (on the hook's path: inline).
+  void check_dense(const at::Tensor& grad, size_t index) const {
+    TORCH_CHECK(!grad.is_sparse(), where(), ": ", config.name(index), " has a sparse gradient "
+        "(nn.Embedding(sparse=True)?); sparse gradients are not supported: use sparse=False");
+  }
+  /// Raises unless no reduction is in flight: `call` names the user's call.
   void check_idle(const char* call) const {
-    TORCH_CHECK(!window.in_flight, call, " called during a synchronising backward");
+    TORCH_CHECK(!window.in_flight, "gradaccum: ", call, ": called during a synchronising backward; "
+        "an Accumulator is not thread-safe: call it from the thread that runs its backward, never "
+        "from a gradient hook or while another thread is inside acc.backward()");
   }
 };
 

@@ -219,16 +219,17 @@ TEST_CASE("a backward that throws on one rank drops the window on every rank", "
       });
       INFO(errors[0].front() << " | " << errors[0].back());
       REQUIRE(errors[0].size() == 1);
-      CHECK_THAT(errors[0][0], Catch::StartsWith("1/1: gradaccum: window 1 was dropped on every rank") &&
+      CHECK_THAT(errors[0][0], Catch::StartsWith("1/1: gradaccum: acc.backward(): window 1 was dropped on every rank") &&
                                    Catch::Contains("failed on rank 1"));
       if (at_micro_step) {
         REQUIRE(errors[1].size() == 2);
         CHECK_THAT(errors[1][0], Catch::StartsWith("1/0: injected failure"));
-        CHECK_THAT(errors[1][1], Catch::StartsWith("1/1: gradaccum: window 1"));
+        CHECK_THAT(errors[1][1], Catch::StartsWith("1/1: gradaccum: acc.backward(): window 1"));
       } else {
         REQUIRE(errors[1].size() == 1);
-        CHECK_THAT(errors[1][0], Catch::StartsWith("1/1: gradaccum: window 1: this rank (rank 1) could not "
-                                                   "contribute its window") &&
+        CHECK_THAT(errors[1][0], Catch::StartsWith("1/1: gradaccum: acc.backward(): window 1 was dropped on "
+                                                   "every rank: the synchronising backward (or a micro-step "
+                                                   "of the window) failed on this rank (rank 1)") &&
                                      Catch::Contains("injected failure"));
       }
       CHECK(dropped == std::vector<int64_t>{1, 1});

@@ -66,16 +66,17 @@ def test_failed_synchronising_backward_drops_the_window_on_every_rank(tmp_path, 
     if equal:
         assert len(set(results[0]["bucket_sizes"])) == 1, results[0]["bucket_sizes"]
     expected = pj.tower_reference(3, 2, windows, pj.STEPS, equal, skip=fail_window)
+    call = "acc.backward()" if path == "accumulator" else "loss.backward()"
     for rank, res in enumerate(results):
         (err,) = res["errors"]
         assert (err["window"], err["micro"]) == (fail_window, pj.STEPS - 1)
         if rank == fail_rank:
             assert "injected failure on rank 1" in err["text"]
             if path == "accumulator":
-                assert "window 1: this rank (rank 1) could not contribute its window, so the " \
-                       "window was dropped on every rank" in err["text"]
+                assert f"gradaccum: {call}: window 1 was dropped on every rank: the synchronising " \
+                       "backward (or a micro-step of the window) failed on this rank (rank 1)" in err["text"]
         else:
-            assert "gradaccum: window 1 was dropped on every rank: the synchronising backward " \
+            assert f"gradaccum: {call}: window 1 was dropped on every rank: the synchronising backward " \
                    "(or a micro-step of the window) failed on rank 1" in err["text"]
             assert err["seconds"] < 5
         assert res["stats"]["dropped_windows"] == 1
@@ -132,7 +133,7 @@ def test_mismatched_options_fail_at_construction_naming_every_rank(tmp_path, cas
 
 def test_flush_on_one_rank_only_is_a_clear_error_on_every_rank(tmp_path):
     results = run("disagree", 2, tmp_path, case="one_sided_flush", check_parameters=False)
-    assert "rank 1 went on training after other ranks had ended the epoch with flush()" \
+    assert "rank 1 went on training after the other ranks had ended the epoch with acc.flush()" \
         in results[0]["error"], results[0]["error"]
     assert "gradaccum: acc.backward(): other ranks ended the epoch with acc.flush() in the reduction that closed this " \
            "rank's last window, but this rank went on training" in results[1]["error"]
@@ -169,7 +170,7 @@ def test_a_killed_peer_is_an_error_on_the_others_within_seconds(tmp_path):
     results = run("peer_killed", 2, tmp_path, allow_death=True, timeout=60)
     assert results[1] is None  # SIGKILLed
     err = results[0]["error"]
-    assert err is not None and "gradaccum: window 0 (synchronising backward), rank 0: the " \
+    assert err is not None and "gradaccum: acc.backward(): window 0, rank 0: the " \
         "all-reduce of bucket" in err and "a peer process left" in err, err
     assert results[0]["seconds"] < 5
 
@@ -182,7 +183,7 @@ def test_a_dropped_window_that_met_a_peers_flush_still_ends_the_epoch(tmp_path):
     results = run("dropped_window_meets_flush", 2, tmp_path)
     assert [e[0] for e in results[0]["errors"]] == ["epoch 0 backward 1"]
     assert [e[0] for e in results[1]["errors"]] == ["epoch 0 flush"]
-    assert "could not contribute its window" in results[0]["errors"][0][2]
+    assert "failed on this rank (rank 0)" in results[0]["errors"][0][2]
     assert "dropped on every rank" in results[1]["errors"][0][2]
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
@@ -226,10 +227,10 @@ def test_flush_that_cannot_step_a_closed_window_on_one_rank_fails_on_every_rank(
     results = du.run_job("flush_after_closed_window_fails_on_one_rank", 2, tmp_path,
                          module="_protocol_jobs", how=how, prior_raise=prior_raise,
                          pg_timeout=30, timeout=90)
-    assert "rank 1 could not step the window it had closed before this flush() (its own error is " \
-        "raised there), while the other ranks stepped theirs: the replicas differ from here on" \
+    assert "rank 1 could not step the window it had closed before this acc.flush(), while the other " \
+        "ranks stepped theirs (its own error is raised there): the replicas differ from here on" \
         in results[0]["error"], results[0]["error"]
-    assert "this rank (rank 1) could not step the window it had closed before this flush()" \
+    assert "this rank (rank 1) could not step the window it had closed before this acc.flush()" \
         in results[1]["error"], results[1]["error"]
     for res in results:
         assert "Resume every rank from a checkpoint" in res["error"]
@@ -246,8 +247,8 @@ def test_a_checkpoint_after_a_midwindow_zero_grad_on_one_rank_drops_the_window_e
                          pg_timeout=30, timeout=90)
     assert "window 0 was dropped on every rank: on rank 1 the accumulated gradients were cleared " \
         "or changed outside the Accumulator" in results[0]["error"], results[0]["error"]
-    assert "window 0: this rank (rank 1) could not contribute its window, so the window was dropped " \
-        "on every rank" in results[1]["error"], results[1]["error"]
+    assert "window 0 was dropped on every rank: on this rank (rank 1) the accumulated gradients were " \
+        "cleared" in results[1]["error"], results[1]["error"]
     assert "the accumulated gradients were cleared or changed outside the Accumulator" in results[1]["error"]
     for res in results:
         assert res["micro_step"] == 0 and res["grad_none"]
