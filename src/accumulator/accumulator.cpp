@@ -224,7 +224,7 @@ double Accumulator::check_micro_step(const at::Tensor& loss, std::optional<doubl
 void Accumulator::fail_after_peers_ended_epoch() {
   // This rank's last window was reduced together with other ranks' flush():
   // for them the epoch is over. Tell them (Note [Dropping a window] in
-  // reducer.cpp), then say what to do here.
+  // src/reducer/drop.cpp), then say what to do here.
   ReductionRequest abort;
   abort.abort = AbortReason::EpochEnded;
   try {
