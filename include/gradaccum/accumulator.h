@@ -22,6 +22,10 @@
 
 namespace gradaccum {
 
+namespace detail {
+class WideSums; // src/precision/wide_sums.h
+} // namespace detail
+
 /// What an Accumulator trains: the trainable parameters (deduplicated, in
 /// registration order), their names for error messages, and the buffers that
 /// a data-parallel Accumulator broadcasts from rank 0.
@@ -330,10 +334,9 @@ class Accumulator {
   std::function<void()> after_window_;
   /// Whether parameter `i`'s window is summed in accumulate_dtype (wider).
   bool accumulates_wide(size_t i) const;
-  /// One process with accumulate_dtype: the window's sums of narrower gradients.
-  std::vector<at::Tensor> wide_;
-  std::vector<char> wide_has_;
-  bool wide_touched_ = false;
+  /// One process with accumulate_dtype: the window's sums of narrower
+  /// gradients (data parallel: in the reducer's buckets).
+  std::unique_ptr<detail::WideSums> wide_;
   std::vector<std::string> names_;
   std::shared_ptr<void> claim_; ///< releases the parameters for another Accumulator
 };

@@ -1,6 +1,7 @@
 #include <gradaccum/accumulator.h>
 
 #include "call_guard.h"
+#include "precision/wide_sums.h"
 #include "parameters.h"
 
 #include <ATen/ATen.h>
@@ -84,12 +85,9 @@ Accumulator::Accumulator(
         WindowRule{options_.steps(), options_.reduction(), options_.accumulate_dtype(),
                    options_.comm_dtype(), options_.error_feedback()});
   } else if (const auto wide = options_.accumulate_dtype()) {
-    // One process: the window's sums of narrower gradients live here.
-    for (const auto& p : params_) {
-      wide_.push_back(at::elementSize(*wide) > p.element_size()
-          ? at::zeros_like(p, p.options().dtype(*wide).requires_grad(false)) : at::Tensor());
-    }
-    wide_has_.assign(params_.size(), 0);
+    // One process: the window's sums of narrower gradients (Note [One
+    // accumulate_dtype path]).
+    wide_ = std::make_unique<detail::WideSums>(params_, *wide);
   }
   if (options_.loss_scaler()) {
     loss_scale_ = options_.loss_scaler()->init_scale();
@@ -473,13 +471,9 @@ void Accumulator::clear_gradients() {
     reducer_->zero_grad();
     return;
   }
-  for (auto& wide : wide_) {
-    if (wide.defined()) {
-      wide.zero_();
-    }
+  if (wide_) {
+    wide_->clear();
   }
-  std::fill(wide_has_.begin(), wide_has_.end(), 0);
-  wide_touched_ = false;
   for (auto& p : params_) {
     p.mutable_grad() = at::Tensor();
   }

@@ -2,6 +2,8 @@
 // window in progress (see AccumulatorState in accumulator.h).
 #include <gradaccum/accumulator.h>
 
+#include "precision/wide_sums.h"
+
 #include "call_guard.h"
 
 #include <ATen/ATen.h>
@@ -153,13 +155,13 @@ void Accumulator::copy_window_into(AccumulatorState& state) const {
   std::vector<at::Tensor> wide;
   if (micro_step_ > 0 && reducer_ && reducer_->accumulating()) {
     wide = reducer_->accumulated();
+  } else if (micro_step_ > 0 && wide_) {
+    wide = wide_->sums();
   }
   for (const auto i : c10::irange(params_.size())) {
     const auto& p = params_[i];
-    if (!wide.empty() && reducer_->accumulates(i)) {
+    if (!wide.empty() && accumulates_wide(i)) {
       state.grads.push_back(wide[i]);
-    } else if (micro_step_ > 0 && i < wide_.size() && wide_[i].defined()) {
-      state.grads.push_back(wide_has_[i] ? wide_[i].clone() : at::Tensor());
     } else {
       // A snapshot: later micro-steps must not change what was saved.
       state.grads.push_back(mid_window && p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
@@ -264,9 +266,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
         if (reducer_) {
           reducer_->load_accumulated(i, g.to(params_[i].device()));
         } else {
-          wide_[i].copy_(g);
-          wide_has_[i] = 1;
-          wide_touched_ = true;
+          wide_->load(i, g.to(params_[i].device()), names_[i], params_[i].sizes());
         }
         continue;
       }

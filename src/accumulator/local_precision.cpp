@@ -3,6 +3,8 @@
 // reducer's buckets hold them; see src/precision/).
 #include <gradaccum/accumulator.h>
 
+#include "precision/wide_sums.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
 
@@ -33,56 +35,33 @@ bool Accumulator::unscale_and_check() {
 }
 
 bool Accumulator::accumulates_wide(size_t i) const {
-  if (reducer_) {
-    return reducer_->accumulates(i);
-  }
-  return i < wide_.size() && wide_[i].defined();
+  return reducer_ ? reducer_->accumulates(i) : wide_ && wide_->holds(i);
 }
 
 void Accumulator::accumulate_wide() {
   // accumulate_dtype: add this micro-step's narrower gradients into the wide
-  // sums and release them (data parallel: into the buckets).
+  // sums and release them (Note [One accumulate_dtype path]).
   if (reducer_) {
     if (reducer_->accumulating()) {
       reducer_->accumulate_local();
     }
-    return;
-  }
-  at::NoGradGuard no_grad;
-  for (const auto i : c10::irange(wide_.size())) {
-    auto& grad = params_[i].mutable_grad();
-    if (wide_[i].defined() && grad.defined()) {
-      add_widened(wide_[i], grad);
-      grad = at::Tensor();
-      wide_has_[i] = 1;
-      wide_touched_ = true;
-    }
+  } else if (wide_ && !wide_->empty()) {
+    wide_->add(params_);
   }
 }
 
 void Accumulator::scale_local_gradients() {
-  if (wide_touched_) {
+  const bool divide = options_.reduction() != Reduction::Sum && window_weight_ != 1.0;
+  if (wide_) {
     // The window's gradient, rounded once to the parameters' dtype.
-    at::NoGradGuard no_grad;
-    const bool divide = options_.reduction() != Reduction::Sum && window_weight_ != 1.0;
-    for (const auto i : c10::irange(wide_.size())) {
-      if (wide_has_[i]) {
-        params_[i].mutable_grad() =
-            (divide ? wide_[i].div(window_weight_) : wide_[i]).to(params_[i].scalar_type());
-      }
-      if (wide_[i].defined()) {
-        wide_[i].zero_();
-      }
-      wide_has_[i] = 0;
-    }
-    wide_touched_ = false;
+    wide_->write_back(params_, divide ? std::optional<double>(window_weight_) : std::nullopt);
   }
-  if (options_.reduction() == Reduction::Sum || window_weight_ == 1.0) {
+  if (!divide) {
     return;
   }
   std::vector<at::Tensor> grads; // the ones summed in their own dtype
   for (const auto i : c10::irange(params_.size())) {
-    if (params_[i].grad().defined() && !(i < wide_.size() && wide_[i].defined())) {
+    if (params_[i].grad().defined() && !accumulates_wide(i)) {
       grads.push_back(params_[i].grad());
     }
   }

@@ -86,6 +86,15 @@ void write_back_wide(Bucket& bucket, const std::vector<at::Tensor>& params, cons
   bucket.gradients.zero_();
 }
 
+void load_wide_sum(Bucket& bucket, size_t slot, const at::Tensor& sum, const std::string& name,
+                   at::IntArrayRef sizes) {
+  TORCH_INTERNAL_ASSERT(bucket.accumulating && slot < bucket.views.size());
+  TORCH_CHECK_VALUE(sum.sizes() == sizes, "gradaccum: acc.load_state_dict(): ", name, " is ", sizes,
+      ", its wide sum in the state ", sum.sizes());
+  at::NoGradGuard no_grad;
+  bucket.views[slot].copy_(sum);
+}
+
 std::vector<at::Tensor> accumulated_sums(const std::vector<Bucket>& buckets, size_t parameters,
                                          const std::atomic<bool>* touched) {
   std::vector<at::Tensor> out(parameters);

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -37,6 +38,11 @@ void accumulate_grads(Bucket& bucket, const std::vector<at::Tensor>& params, std
 /// `nowhere`. The bucket starts the next window at zero.
 void write_back_wide(Bucket& bucket, const std::vector<at::Tensor>& params, const std::vector<char>& nowhere,
                      std::optional<double> divisor);
+
+/// Restores one slot's wide sum from a checkpoint (`name`, `sizes`: its
+/// parameter's, for the error).
+void load_wide_sum(Bucket& bucket, size_t slot, const at::Tensor& sum, const std::string& name,
+                   at::IntArrayRef sizes);
 
 /// The window's sums so far of the parameters of wide buckets that hold one
 /// (a copy; undefined elsewhere).

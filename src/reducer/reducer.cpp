@@ -193,10 +193,7 @@ void Reducer::load_accumulated(size_t index, const at::Tensor& sum) {
   auto& bucket = s.buckets.all[b];
   TORCH_CHECK_VALUE(bucket.accumulating, "gradaccum: acc.load_state_dict(): the state has a wide sum for ",
       s.config.name(index), ", which this Accumulator does not sum in a wider bucket");
-  TORCH_CHECK_VALUE(sum.sizes() == s.config.params[index].sizes(), "gradaccum: acc.load_state_dict(): ",
-      s.config.name(index), " is ", s.config.params[index].sizes(), ", its wide sum in the state ", sum.sizes());
-  at::NoGradGuard no_grad;
-  bucket.views[slot].copy_(sum);
+  detail::load_wide_sum(bucket, slot, sum, s.config.name(index), s.config.params[index].sizes());
   s.touched[index].store(true, std::memory_order_relaxed);
 }
 
