@@ -23,6 +23,7 @@
 namespace gradaccum {
 
 namespace detail {
+class LossScaler; // src/precision/loss_scaler.h
 class WideSums; // src/precision/wide_sums.h
 } // namespace detail
 
@@ -328,9 +329,9 @@ class Accumulator {
   /// This closed window went through the loss scaler / before_step_ already
   /// (a step() that raised after it is retried without them).
   bool window_unscaled_ = false;
-  bool unscale_and_check(); ///< the built-in loss scaler's before_step
-  double loss_scale_ = 0;
-  int64_t growth_tracker_ = 0;
+  /// The built-in loss scaler, installed as the window callbacks (Note [One
+  /// loss scaler path]); null without AccumulatorOptions::loss_scaler.
+  std::unique_ptr<detail::LossScaler> loss_scaler_;
   std::function<void()> after_window_;
   /// Whether parameter `i`'s window is summed in accumulate_dtype (wider).
   bool accumulates_wide(size_t i) const;

@@ -1,6 +1,7 @@
 #include <gradaccum/accumulator.h>
 
 #include "call_guard.h"
+#include "precision/loss_scaler.h"
 #include "precision/wide_sums.h"
 #include "parameters.h"
 
@@ -90,7 +91,10 @@ Accumulator::Accumulator(
     wide_ = std::make_unique<detail::WideSums>(params_, *wide);
   }
   if (options_.loss_scaler()) {
-    loss_scale_ = options_.loss_scaler()->init_scale();
+    // Note [One loss scaler path]: the built-in scaler is the window callbacks.
+    loss_scaler_ = std::make_unique<detail::LossScaler>(*options_.loss_scaler());
+    before_step_ = [this] { return loss_scaler_->unscale(defined_grads(), options_.steps()); };
+    after_window_ = [this] { loss_scaler_->update(); };
   }
   remember_gradients();
 }
@@ -100,8 +104,9 @@ Accumulator::~Accumulator() {
 }
 
 void Accumulator::set_window_callbacks(std::function<bool()> before_step, std::function<void()> after_window) {
-  TORCH_CHECK_VALUE(!options_.loss_scaler() || !before_step,
-      "gradaccum: acc.set_window_callbacks(): this Accumulator has a loss_scaler already (one scaler per window)");
+  TORCH_CHECK_VALUE(!loss_scaler_,
+      "gradaccum: acc.set_window_callbacks(): this Accumulator has a loss_scaler, whose callbacks these would replace "
+      "(one scaler per window)");
   before_step_ = std::move(before_step);
   after_window_ = std::move(after_window);
 }
@@ -159,9 +164,8 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     fail_after_peers_ended_epoch();
   }
   // With the built-in loss scaler: scaled, and by 1/steps so that fp16 sees the
-  // big batch's magnitudes; unscale_and_check() undoes both at the window's end.
-  const at::Tensor scaled = loss_scale_ > 0
-      ? loss * (loss_scale_ / static_cast<double>(options_.steps())) : loss;
+  // big batch's magnitudes; its unscale() undoes both at the window's end.
+  const at::Tensor scaled = loss_scaler_ ? loss_scaler_->scale_loss(loss, options_.steps()) : loss;
   if (!sync_gradients()) {
     local_micro_step(scaled, weight, before);
     return;
@@ -507,8 +511,8 @@ void Accumulator::set_expect_hooks(bool expect) {
 
 AccumulatorStats Accumulator::stats() const {
   auto stats = stats_;
-  if (loss_scale_ > 0) {
-    stats.loss_scale = loss_scale_;
+  if (loss_scaler_) {
+    stats.loss_scale = loss_scaler_->scale();
   }
   if (reducer_) {
     stats.reducer = reducer_->stats();

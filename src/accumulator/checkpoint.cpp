@@ -2,6 +2,7 @@
 // window in progress (see AccumulatorState in accumulator.h).
 #include <gradaccum/accumulator.h>
 
+#include "precision/loss_scaler.h"
 #include "precision/wide_sums.h"
 
 #include "call_guard.h"
@@ -70,8 +71,8 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   state.optimizer_steps = stats_.optimizer_steps;
   state.skipped_steps = stats_.skipped_steps;
   state.windows = stats_.windows;
-  state.loss_scale = loss_scale_;
-  state.loss_scale_growth_tracker = growth_tracker_;
+  state.loss_scale = loss_scaler_ ? loss_scaler_->scale() : 0.0;
+  state.loss_scale_growth_tracker = loss_scaler_ ? loss_scaler_->growth_tracker() : 0;
   TORCH_CHECK(!(reducer_ && rank_independent && epoch_ended_),
       "gradaccum: acc.state_dict(): other ranks ended the epoch with acc.flush() in the reduction that closed "
       "this rank's last window; call acc.flush() (a no-op here) before saving, so that the "
@@ -212,10 +213,10 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
   }
   TORCH_CHECK_VALUE(!state.epoch_ended || (state.micro_step == 0 && world > 1),
       "gradaccum: acc.load_state_dict(): epoch_ended=true needs micro_step=0 and a process group");
-  TORCH_CHECK_VALUE((state.loss_scale > 0) == (loss_scale_ > 0) && std::isfinite(state.loss_scale) &&
+  TORCH_CHECK_VALUE((state.loss_scale > 0) == static_cast<bool>(loss_scaler_) && std::isfinite(state.loss_scale) &&
           state.loss_scale_growth_tracker >= 0,
       "gradaccum: acc.load_state_dict(): loss_scale=", state.loss_scale, " does not fit this Accumulator (",
-      loss_scale_ > 0 ? "it has a loss_scaler: the scale must be > 0" : "it has no loss_scaler: 0", ")");
+      loss_scaler_ ? "it has a loss_scaler: the scale must be > 0" : "it has no loss_scaler: 0", ")");
   TORCH_CHECK_VALUE(state.micro_steps >= 0 && state.optimizer_steps >= 0 &&
           state.skipped_steps >= 0 && state.windows >= 0 && state.reducer_sequence >= 0,
       "gradaccum: acc.load_state_dict(): counters must be >= 0");
@@ -292,8 +293,9 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   stats_.optimizer_steps = state.optimizer_steps;
   stats_.skipped_steps = state.skipped_steps;
   stats_.windows = state.windows;
-  loss_scale_ = state.loss_scale;
-  growth_tracker_ = state.loss_scale_growth_tracker;
+  if (loss_scaler_) {
+    loss_scaler_->restore(state.loss_scale, state.loss_scale_growth_tracker);
+  }
   if (reducer_) {
     reducer_->restore({state.reducer, state.reducer_sequence, state.reducer_last_weight});
   }

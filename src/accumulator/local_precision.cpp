@@ -1,6 +1,5 @@
-// One process's mixed precision: the built-in loss scaler's check at the
-// window's end, and the window's sums in accumulate_dtype (data parallel, the
-// reducer's buckets hold them; see src/precision/).
+// Where the window's sums in accumulate_dtype live (Note [One
+// accumulate_dtype path]), and the window's division of the rest.
 #include <gradaccum/accumulator.h>
 
 #include "precision/wide_sums.h"
@@ -9,30 +8,6 @@
 #include <c10/util/irange.h>
 
 namespace gradaccum {
-
-bool Accumulator::unscale_and_check() {
-  // The reduced window gradient carries scale/steps (see backward()): undo it
-  // and look for an overflow in one fused pass, as GradScaler.unscale_ does.
-  std::vector<at::Tensor> grads = defined_grads();
-  if (grads.empty()) {
-    return true;
-  }
-  auto found_inf = at::zeros({1}, grads.front().options().dtype(at::kFloat));
-  const auto inv_scale = at::full({1}, static_cast<double>(options_.steps()) / loss_scale_,
-                                  grads.front().options().dtype(at::kFloat));
-  at::NoGradGuard no_grad;
-  at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
-  const bool finite = found_inf.item<float>() == 0;
-  const auto& scaler = *options_.loss_scaler();
-  if (!finite) {
-    loss_scale_ *= scaler.backoff_factor();
-    growth_tracker_ = 0;
-  } else if (++growth_tracker_ == scaler.growth_interval()) {
-    loss_scale_ *= scaler.growth_factor();
-    growth_tracker_ = 0;
-  }
-  return finite;
-}
 
 bool Accumulator::accumulates_wide(size_t i) const {
   return reducer_ ? reducer_->accumulates(i) : wide_ && wide_->holds(i);

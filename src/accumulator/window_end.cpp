@@ -71,8 +71,7 @@ bool Accumulator::finish_window() {
 // or device, a value that failed) takes the norm, as before, so the skip,
 // raise and ignore behaviours and their messages are unchanged.
 bool Accumulator::reducer_checks_finite() const {
-  return !options_.max_grad_norm() && options_.nonfinite() != NonFinite::Ignore && loss_scale_ == 0 &&
-      !before_step_;
+  return !options_.max_grad_norm() && options_.nonfinite() != NonFinite::Ignore && !before_step_;
 }
 
 bool Accumulator::step_window() {
@@ -83,7 +82,7 @@ bool Accumulator::step_window() {
   }
   if (!window_unscaled_) {
     before_step_ran_ = static_cast<bool>(before_step_);
-    if ((loss_scale_ > 0 && !unscale_and_check()) || (before_step_ && !before_step_())) {
+    if (before_step_ && !before_step_()) { // Note [One loss scaler path]
       ++stats_.skipped_steps; // e.g. a loss scaler found an overflow: it backs off
       ++stats_.windows;
       zero_grad();

@@ -325,6 +325,33 @@ TEST_CASE("the loss scaler backs off past overflows and then trains like the uns
   }
 }
 
+TEST_CASE("the loss scaler grows after growth_interval finite windows and owns the window callbacks", "[accumulator][loss_scaler]") {
+  // Note [One loss scaler path]: the built-in scaler is the window callbacks;
+  // its scale moves once per closed window, as GradScaler.update() does.
+  const int64_t K = 2;
+  auto net = gradaccum::test::mlp(torch::kFloat32, 3);
+  torch::optim::SGD opt(net->parameters(), 0.01);
+  Accumulator acc(net, opt, AccumulatorOptions(K).loss_scaler(LossScalerOptions().init_scale(4).growth_interval(2)));
+  auto x = torch::randn({3, 6});
+  for (int w = 0; w < 5; ++w) {
+    for (int k = 0; k < K; ++k) {
+      acc.backward(net->forward(x).pow(2).mean());
+      acc.step();
+    }
+    CHECK(*acc.stats().loss_scale == 4.0 * std::ldexp(1.0, (w + 1) / 2));
+  }
+  CHECK(acc.stats().optimizer_steps == 5);
+  CHECK_THROWS_WITH(acc.set_window_callbacks([] { return true; }, nullptr),
+                    Catch::StartsWith("gradaccum: acc.set_window_callbacks(): this Accumulator has a loss_scaler"));
+  CHECK_THROWS_WITH(acc.set_window_callbacks(nullptr, [] {}), Catch::Contains("has a loss_scaler"));
+  // Still its own scaler after the refusals.
+  for (int k = 0; k < K; ++k) {
+    acc.backward(net->forward(x).pow(2).mean());
+    acc.step();
+  }
+  CHECK(*acc.stats().loss_scale == 32.0);
+}
+
 TEST_CASE("a step() retried after the optimizer raised does not unscale the window twice", "[accumulator][loss_scaler]") {
   // The loss scaler unscales the closed window in place and updates its scale;
   // the optimizer then raises once. The retry must step with that gradient, not
