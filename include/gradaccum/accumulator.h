@@ -77,7 +77,9 @@ struct AccumulatorStats {
 /// every rank calls it at the same point): the half-done window is summed over
 /// ranks and each rank's state holds 1/world of the sum and of the weight, so
 /// whichever rank's state is saved (rank 0's, as frameworks do) and loaded on
-/// every rank, the resumed run equals the uninterrupted one.
+/// every rank, the resumed run equals the uninterrupted one. It also loads on
+/// another number of ranks, and at a window boundary with another `steps`
+/// (Note [Resuming on another shape] in src/accumulator/checkpoint.cpp).
 struct AccumulatorState {
   int64_t steps = 0;
   Reduction reduction = Reduction::Mean;

@@ -29,6 +29,23 @@ using detail::CallGuard;
 // window's gradient whatever the cut, so training may go on. A rank at the
 // window boundary saves with no collective; its peers' snapshot then meets its
 // next reduction, and the reducer's consensus fails that window on every rank.
+// Note [Resuming on another shape]
+// A state saved at a window boundary holds no gradient, only counters: it
+// loads on any number of ranks and with any `steps` (the next window uses the
+// new ones). A closed window not yet stepped (window_ready) holds the reduced
+// gradient, the same on every rank: it loads on any number of ranks, with
+// the steps it was saved with. A half-done window saved rank-independent on
+// W ranks holds 1/W of the window's sum over ranks and of its global weight
+// (micro-steps or items). Resumed on W ranks, each rank takes that share, as
+// before. Resumed on W' != W ranks, rank 0 takes all of it (W times the
+// share: W' equal shares of a float32 weight such as 2/3 would not sum back
+// exactly) and the other ranks start the window empty; each rank then runs
+// the window's remaining steps - micro_step micro-steps, and the window
+// closes with the exact mean (or items-weighted mean) of every micro-batch it
+// saw on either side of the resume: its divisor is the saved global weight
+// plus what the new ranks add. A per-rank state of a half-done window, and
+// error-feedback residuals (each rank's rounding of its own share), cannot be
+// split that way: loading them on another world size is an error.
 void Accumulator::check_consistent_cut(int64_t window, bool failed_here) const {
   // -1: this rank's snapshot failed after it completed everywhere (an error
   // of its own follows); it still takes part, so that no peer waits here.
@@ -173,21 +190,41 @@ void Accumulator::copy_window_into(AccumulatorState& state) const {
 void Accumulator::check_loadable(const AccumulatorState& state) const {
   const int64_t world = reducer_ ? reducer_->process_group()->getSize() : 1;
   const int64_t rank = reducer_ ? reducer_->process_group()->getRank() : 0;
-  TORCH_CHECK_VALUE(state.steps == options_.steps(),
+  // See Note [Resuming on another shape].
+  const bool boundary = state.micro_step == 0 && !state.window_ready;
+  TORCH_CHECK_VALUE(state.steps == options_.steps() || boundary,
       "gradaccum: acc.load_state_dict(): the state was saved with steps=", state.steps,
-      " but this Accumulator has steps=", options_.steps());
+      " in the middle of a window (micro_step=", state.micro_step, state.window_ready ? ", closed, not yet stepped" : "",
+      ") but this Accumulator has steps=", options_.steps(), "; resume with steps=", state.steps,
+      ", or save at a window boundary (after acc.step() returned True) to change steps");
   TORCH_CHECK_VALUE(state.reduction == options_.reduction(),
       "gradaccum: acc.load_state_dict(): the state was saved with reduction='", to_string(state.reduction),
       "' but this Accumulator has reduction='", to_string(options_.reduction()), "'");
-  TORCH_CHECK_VALUE(state.world_size == world,
-      "gradaccum: acc.load_state_dict(): the state was saved with world size ", state.world_size,
-      " but this Accumulator's group has ", world, " rank(s); a half-done window cannot be "
-      "split over another number of ranks (resume at a window boundary, or with ", state.world_size,
-      " ranks)");
-  TORCH_CHECK_VALUE(state.rank_independent || state.rank == rank,
-      "gradaccum: acc.load_state_dict(): this is rank ", state.rank, "'s own state (acc.state_dict(rank_independent="
-      "False)) but this is rank ", rank, "; save with acc.state_dict() (rank-independent) to load "
-      "one rank's state on every rank");
+  TORCH_CHECK_VALUE(state.world_size >= 1 && state.rank >= 0 && state.rank < state.world_size,
+      "gradaccum: acc.load_state_dict(): rank=", state.rank, " and world_size=", state.world_size,
+      " do not describe a rank of a group");
+  if (state.world_size != world) {
+    TORCH_CHECK_VALUE(state.rank_independent || state.micro_step == 0,
+        "gradaccum: acc.load_state_dict(): this is rank ", state.rank, "'s own state of a half-done window "
+        "(acc.state_dict(rank_independent=False)), which holds only that rank's part of it, saved with world size ",
+        state.world_size, "; this Accumulator's group has ", world, " rank(s). Save with acc.state_dict() "
+        "(rank-independent) to resume a half-done window on another number of ranks, or resume with ",
+        state.world_size, " ranks");
+    TORCH_CHECK_VALUE(state.residuals.empty(),
+        "gradaccum: acc.load_state_dict(): the state holds rank ", state.rank, "'s error-feedback residuals "
+        "(what rounding to comm_dtype lost of that rank's share), saved with world size ", state.world_size,
+        "; this Accumulator's group has ", world, " rank(s), whose shares differ. Save with acc.state_dict() "
+        "(rank-independent: the residuals start at zero), or resume with ", state.world_size, " ranks");
+    TORCH_CHECK_VALUE(!state.epoch_ended,
+        "gradaccum: acc.load_state_dict(): the state was saved with epoch_ended=true (other ranks had ended "
+        "the epoch with acc.flush()) and world size ", state.world_size, "; call acc.flush() before saving "
+        "to resume on ", world, " rank(s)");
+  } else {
+    TORCH_CHECK_VALUE(state.rank_independent || state.rank == rank,
+        "gradaccum: acc.load_state_dict(): this is rank ", state.rank, "'s own state (acc.state_dict(rank_independent="
+        "False)) but this is rank ", rank, "; save with acc.state_dict() (rank-independent) to load "
+        "one rank's state on every rank");
+  }
   TORCH_CHECK_VALUE(state.micro_step >= 0 && state.micro_step < options_.steps(),
       "gradaccum: acc.load_state_dict(): micro_step=", state.micro_step, " is outside [0, ", options_.steps(), ")");
   TORCH_CHECK_VALUE(!state.window_ready || state.micro_step == 0,
@@ -197,20 +234,12 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
       "gradaccum: acc.load_state_dict(): window_weight=", state.window_weight, " must be >= 0");
   TORCH_CHECK_VALUE(std::isfinite(state.reducer_last_weight) && state.reducer_last_weight >= 0,
       "gradaccum: acc.load_state_dict(): reducer_last_weight=", state.reducer_last_weight, " must be >= 0");
-  if (state.micro_step == 0) {
-    TORCH_CHECK_VALUE(state.window_weight == 0,
-        "gradaccum: acc.load_state_dict(): window_weight=", state.window_weight, " with micro_step=0 (no "
-        "micro-step of the window is done, so its weight is 0)");
-  } else if (options_.reduction() != Reduction::Items) {
-    TORCH_CHECK_VALUE(state.window_weight == static_cast<double>(state.micro_step),
-        "gradaccum: acc.load_state_dict(): window_weight=", state.window_weight, " contradicts micro_step=",
-        state.micro_step, " (with reduction '", to_string(options_.reduction()),
-        "' the weight counts the micro-steps)");
-  } else {
-    TORCH_CHECK_VALUE(state.window_weight > 0,
-        "gradaccum: acc.load_state_dict(): window_weight=", state.window_weight, " with micro_step=",
-        state.micro_step, " (the items of the done micro-steps must be > 0)");
-  }
+  // Mid-window the weight is this rank's share of the micro-steps or items
+  // so far (after a resume on another number of ranks, not a count of its
+  // own), and may be 0 (num_items=0); a window not yet begun has none.
+  TORCH_CHECK_VALUE(state.micro_step > 0 || state.window_weight == 0,
+      "gradaccum: acc.load_state_dict(): window_weight=", state.window_weight, " with micro_step=0 (no "
+      "micro-step of the window is done, so its weight is 0)");
   TORCH_CHECK_VALUE(!state.epoch_ended || (state.micro_step == 0 && world > 1),
       "gradaccum: acc.load_state_dict(): epoch_ended=true needs micro_step=0 and a process group");
   TORCH_CHECK_VALUE((state.loss_scale > 0) == static_cast<bool>(loss_scaler_) && std::isfinite(state.loss_scale) &&
@@ -251,11 +280,17 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
     reducer_->set_residuals(state.residuals); // all or nothing; the last check that can fail
   }
   clear_gradients();
+  const int64_t world = reducer_ ? reducer_->process_group()->getSize() : 1;
+  const int64_t rank = reducer_ ? reducer_->process_group()->getRank() : 0;
+  // See Note [Resuming on another shape].
+  const double share = state.micro_step == 0 || state.world_size == world
+      ? 1.0 : (rank == 0 ? static_cast<double>(state.world_size) : 0.0);
   {
     at::NoGradGuard no_grad;
     std::vector<size_t> restored;
     for (const auto i : c10::irange(params_.size())) {
-      const auto& g = state.grads[i];
+      const auto g = !state.grads[i].defined() || share == 0.0 ? at::Tensor()
+          : share == 1.0 ? state.grads[i] : state.grads[i].mul(share);
       if (!g.defined()) {
         if (state.window_ready) {
           params_[i].mutable_grad() = at::Tensor(); // no gradient anywhere: None, not a zero view
@@ -284,7 +319,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   }
   micro_step_ = state.micro_step;
   window_ready_ = state.window_ready;
-  window_weight_ = state.window_weight;
+  window_weight_ = state.window_weight * share;
   window_failed_ = false;
   window_unscaled_ = false;
   window_known_finite_ = false;
@@ -297,7 +332,10 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
     loss_scaler_->restore(state.loss_scale, state.loss_scale_growth_tracker);
   }
   if (reducer_) {
-    reducer_->restore({state.reducer, state.reducer_sequence, state.reducer_last_weight});
+    // The last full window's global weight, as it would be on this many ranks.
+    const double last_weight = state.reducer_last_weight * static_cast<double>(world) /
+        static_cast<double>(state.world_size);
+    reducer_->restore({state.reducer, state.reducer_sequence, last_weight});
   }
   remember_gradients();
 }

@@ -42,8 +42,8 @@ def test_rank0_checkpoint_resumes_exactly_on_every_rank(tmp_path, world_size, re
         for key in ("micro_steps", "optimizer_steps", "windows", "reductions"):
             assert res["rank0"]["stats"][key] == res["stats"][key], key
         assert res["rank0"]["resumed_stats"]["reductions"] == 1
-        assert "world size 1" in res["other_world"] or f"world size {world_size}" in res["other_world"]
-        assert "saved with world size" in res["other_world"]
+        # rank 0's state of a half-done window loads in one process too (test_resize.py)
+        assert res["other_world"] is None, res["other_world"]
         assert "saved with reduction=" in res["other_reduction"]
         assert "own state" in res["wrong_rank"] and "rank-independent" in res["wrong_rank"]
 

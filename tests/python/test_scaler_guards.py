@@ -221,8 +221,9 @@ def test_rejected_cpp_state_puts_the_scaler_back():
     model, opt, acc = make(True, steps=2)  # the C++ side refuses the steps
     acc.backward(loss_of(model, make_data(1, seed=7)[0]))  # the scaler's scale tensor exists
     grads, scaler_state = snapshot_grads(model), acc.grad_scaler.state_dict()
-    with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): the state was saved with steps=4 but "
-                       r"this Accumulator has steps=2$"):
+    with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): the state was saved with steps=4 in the "
+                       r"middle of a window \(micro_step=\d+\) but this Accumulator has steps=2; resume with steps=4, "
+                       r"or save at a window boundary \(after acc\.step\(\) returned True\) to change steps$"):
         acc.load_state_dict(state)
     assert acc.micro_step == 1
     assert_grads_equal(model, grads)
