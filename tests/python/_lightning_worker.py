@@ -22,10 +22,10 @@ def mlp(dtype):
     return nn.Sequential(nn.Linear(D_IN, D_HID), nn.Tanh(), nn.Linear(D_HID, D_OUT)).to(dtype)
 
 
-def dataset(kind, batches_per_rank, dtype=torch.float64):
-    """WORLD * B * batches_per_rank rows: every rank gets batches_per_rank batches of B."""
+def dataset(kind, batches_per_rank, dtype=torch.float64, world=WORLD):
+    """world * B * batches_per_rank rows: every rank gets batches_per_rank batches of B."""
     g = torch.Generator().manual_seed(1)
-    n = WORLD * B * batches_per_rank
+    n = world * B * batches_per_rank
     if kind == "items":
         x = torch.randn(n, TOKENS, D_IN, generator=g, dtype=dtype)
         y = torch.randn(n, TOKENS, D_OUT, generator=g, dtype=dtype)
@@ -124,6 +124,10 @@ SCENARIOS = {
                        checkpoint=True),
     "ckpt_resume": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
                         resume=True),
+    # the same checkpoint (2 devices, K=3) resumed on 1 device with K=6: the same
+    # global batches (Note [Resuming on another shape]); run by a launch of its own
+    "ckpt_resume_1dev": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=6,
+                             epochs=2, resume=True, devices=1),
     # mismatched reduction and training_step output: clear errors
     "items_without_count": dict(kind="plain", reduction="items", optimizer="sgd", batches_per_rank=2, steps=2,
                                 epochs=1),
@@ -197,14 +201,14 @@ def run(name, out_dir):
     strategy = "ddp" if cfg.get("ddp") else GradaccumStrategy(reduction=reduction,
                                                               **cfg.get("strategy_options", {}))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD, strategy=strategy, precision=cfg.get("precision"),
+        accelerator="cpu", devices=cfg.get("devices", WORLD), strategy=strategy, precision=cfg.get("precision"),
         plugins=[MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 17))]
         if cfg.get("fp16_plugin") else None,
         accumulate_grad_batches=cfg["steps"], max_epochs=cfg["epochs"], gradient_clip_val=cfg.get("clip"),
         logger=False, enable_checkpointing=bool(cfg.get("checkpoint")), callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
-    data = dataset(cfg["kind"], cfg["batches_per_rank"], dtype)
+    data = dataset(cfg["kind"], cfg["batches_per_rank"], dtype, world=cfg.get("devices", WORLD))
     loader = DataLoader(TensorDataset(*data), batch_size=B, shuffle=False)
     model = Net()
     result = {}

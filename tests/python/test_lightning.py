@@ -39,16 +39,22 @@ def runs(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
         env.pop(var, None)
-    cmd = [sys.executable, str(HERE / "_lightning_worker.py"), str(out), *worker.SCENARIOS]
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the Lightning run hung:\n{e.stdout}\n{e.stderr}")
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    def devices(name):
+        return worker.SCENARIOS[name].get("devices", worker.WORLD)
+
+    # One launch per device count, the 2-device one first (it writes the
+    # checkpoint that the 1-device one resumes).
+    for n in sorted({devices(name) for name in worker.SCENARIOS}, reverse=True):
+        names = [name for name in worker.SCENARIOS if devices(name) == n]
+        cmd = [sys.executable, str(HERE / "_lightning_worker.py"), str(out), *names]
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"the Lightning run hung:\n{e.stdout}\n{e.stderr}")
+        assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
     def load(name):
-        results = [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(worker.WORLD)]
-        return results
+        return [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(devices(name))]
 
     return load
 
@@ -176,6 +182,18 @@ def test_checkpoint_at_a_window_boundary_resumes_exactly(runs):
         assert max_rel(r["params"], f["params"]) < 1e-13
         for key in ("micro_steps", "optimizer_steps", "windows"):
             assert r["stats"][key] == f["stats"][key], key
+
+
+def test_a_two_device_checkpoint_resumes_on_one_device_with_twice_the_steps(runs):
+    """devices=2, accumulate_grad_batches=3 -> devices=1, 6: the same global
+    batches, so the same training as the uninterrupted 2-device run."""
+    full = ok(runs("ckpt_full"))
+    (resumed,) = ok(runs("ckpt_resume_1dev"))
+    ref, _ = reference("ckpt_full")
+    assert max_rel(resumed["params"], ref) < F64
+    assert max_rel(resumed["params"], full[0]["params"]) < F64
+    for key in ("optimizer_steps", "windows"):
+        assert resumed["stats"][key] == full[0]["stats"][key], key
 
 
 def test_checkpoint_mid_window_under_data_parallelism_is_rank_independent(runs):
