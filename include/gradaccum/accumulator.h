@@ -212,6 +212,15 @@ class Accumulator {
   /// Closes a partial window (end of data) with its own micro-step count and
   /// steps. Data parallel: every rank must call it (a collective).
   bool flush();
+  /// End of this rank's data when ranks have different amounts (Note
+  /// [Joining] in src/accumulator/join.cpp): closes the partial window, then
+  /// takes part in the other ranks' windows with nothing of its own, stepping
+  /// the optimizer with each window's gradient as they do, until every rank
+  /// has called join(); every rank returns from the same reduction. Active
+  /// ranks pay no extra collective. Data parallel: every rank must end with
+  /// join() (not flush()). One process: flush(). Returns the optimizer steps
+  /// taken. A flush() right after it is a no-op.
+  int64_t join();
   /// Drops the current window: clears gradients and counters of the window.
   void zero_grad();
 
@@ -283,7 +292,8 @@ class Accumulator {
   void local_micro_step(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);
   void reduce_window(const at::Tensor& scaled, double weight);
   bool step_before_flush(std::string* local_failure);
-  bool reduce_partial_window(const std::string& local_failure);
+  bool reduce_partial_window(const std::string& local_failure, bool joined);
+  void check_join_partners(const ReductionResult& result, bool joining);
   void reset_window();
   void note_dropped_window(int64_t window);
   void check_consistent_cut(int64_t window, bool failed_here = false) const;
@@ -313,6 +323,8 @@ class Accumulator {
   /// This rank's last window was reduced with other ranks' flush(): the epoch
   /// is over, and this rank's flush() steps nothing and reduces nothing.
   bool epoch_ended_ = false;
+  /// join() returned and nothing happened since: a flush() has nothing to close.
+  bool joined_epoch_ = false;
   /// The reducer found the closed window's gradient finite as it wrote it back.
   bool window_known_finite_ = false;
   AccumulatorStats stats_;

@@ -30,7 +30,9 @@ std::vector<std::vector<size_t>> assign_buckets(
 // collective sums all of it over ranks, so with no collective of its own
 // every rank learns:
 //  - the window's divisor (kWeight: items or micro-steps, all ranks),
-//  - how many ranks closed a partial window with flush() (kFlushing),
+//  - how many ranks closed a partial window with flush() (kFlushing), and
+//    how many of them have joined: are out of data and shadow the others'
+//    reductions until every rank has (kJoined; Note [Joining]),
 //  - how many ranks drop the window, which one and why (kAbort*; see
 //    Note [Dropping a window]),
 //  - whether every rank agrees on what must be equal (the bucket's index, and
@@ -71,6 +73,7 @@ enum MetaField : int64_t {
   kBucketIndexSquare,
   kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window; +2 while a bucket rebuild is pending
   kKindSquare,
+  kJoined, ///< ranks in Accumulator::join(): out of data, shadowing the others (Note [Joining])
   kMetaHeader, // the header's length
 };
 

@@ -78,6 +78,9 @@ struct ReductionRequest {
   bool divide = true;
   /// This rank closes a partial window (flush()).
   bool flushing = false;
+  /// This rank is out of data and shadows the others' reductions until every
+  /// rank is (Accumulator::join(); with `flushing`).
+  bool joined = false;
   /// Drop the window on every rank (the gradients sent are ignored).
   AbortReason abort = AbortReason::None;
   /// Check the reduced gradient for the non-finite test in the pass that
@@ -90,6 +93,7 @@ struct ReductionResult {
   int64_t window = -1; ///< the reduction's sequence number (the same on every rank)
   double global_weight = 0; ///< request weights summed over ranks
   int64_t flushing_ranks = 0; ///< ranks that closed a partial window with flush()
+  int64_t joined_ranks = 0; ///< of them, ranks in Accumulator::join()
   bool dropped = false; ///< the window was dropped on every rank (an error was raised)
   /// With `check_finite`: every gradient written back is finite and small
   /// enough that the window's total 2-norm is finite too, the same on every

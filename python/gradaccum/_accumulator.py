@@ -280,6 +280,27 @@ class Accumulator:
         parallel: every rank calls it."""
         return self._c.flush()
 
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Ranks with different amounts of data (as torch DDP's ``join()``)::
+
+            with acc.join():
+                for batch in loader:   # any number of batches on each rank
+                    acc.backward(loss_of(batch))
+                    acc.step()
+
+        Leaving the block, this rank closes its partial window and then takes
+        part in the other ranks' windows with nothing of its own, stepping the
+        optimizer with each window's gradient as they do, until every rank has
+        left its block; every rank leaves at the same reduction, so a failure
+        on any rank reaches all of them. The result is the exact mean of the
+        data that exists. Ranks with data pay no extra collective. Data
+        parallel, every rank ends its data this way (not with ``flush()``); a
+        ``flush()`` right after is a no-op. An exception leaves the block at
+        once, as without it."""
+        yield
+        self._c.join()
+
     def zero_grad(self) -> None:
         """Drops the current window's gradients and position."""
         self._c.zero_grad()

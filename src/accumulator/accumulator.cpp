@@ -137,6 +137,16 @@ Accumulator::Accumulator(
 Accumulator::Accumulator(ModelParameters model, AccumulatorOptions options)
     : Accumulator(std::move(model), std::move(options), nullptr, nullptr) {}
 
+namespace {
+
+// Other ranks closed partial windows with flush() in this reduction and
+// leave; ranks in join() flush too, but go on shadowing (Note [Joining]).
+bool peers_ended_epoch(const ReductionResult& result) {
+  return result.flushing_ranks > result.joined_ranks;
+}
+
+} // namespace
+
 bool Accumulator::sync_gradients() const {
   return !window_ready_ && micro_step_ + 1 == options_.steps();
 }
@@ -145,6 +155,7 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
   const CallGuard guard(driver_, "acc.backward()");
   // Every check comes before backward: a rejected call changes nothing.
   const double weight = check_micro_step(loss, num_items);
+  joined_epoch_ = false;
   // One look at the gradients serves the mid-window check here and, should
   // backward fail, the question whether it reached .grad.
   const auto before = grad_versions();
@@ -297,7 +308,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
     if (last.window == window && !last.dropped) {
       // Reduced on every rank; something failed on this rank afterwards.
       // The window stays closed, as on the other ranks.
-      epoch_ended_ = last.flushing_ranks > 0;
+      epoch_ended_ = peers_ended_epoch(last);
       ++stats_.micro_steps;
       micro_step_ = 0;
       window_weight_ = 0;
@@ -311,8 +322,9 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
     throw;
   }
   // A full window reduced with others' partial ones: their epoch is over,
-  // and this rank's flush() must not reduce again.
-  epoch_ended_ = result.flushing_ranks > 0;
+  // and this rank's flush() must not reduce again (ranks in join() go on
+  // shadowing: see Note [Joining]).
+  epoch_ended_ = peers_ended_epoch(result);
   window_known_finite_ = result.known_finite;
 }
 
@@ -320,7 +332,7 @@ void Accumulator::note_dropped_window(int64_t window) {
   // A dropped window still tells whether other ranks were flushing (ended
   // their epoch); this rank, which was not, must then not flush again.
   const auto last = reducer_->last_result();
-  epoch_ended_ = last.window == window && last.flushing_ranks > 0;
+  epoch_ended_ = last.window == window && peers_ended_epoch(last);
 }
 
 void Accumulator::reset_window() {
@@ -385,6 +397,12 @@ bool Accumulator::flush() {
     window_ready_ = true;
     return finish_window();
   }
+  if (joined_epoch_ && micro_step_ == 0 && !window_ready_) {
+    // Right after join(), which every rank left at the same reduction: the
+    // epoch's windows are closed everywhere; no collective to pair.
+    joined_epoch_ = false;
+    return stepped;
+  }
   if (epoch_ended_) {
     // This rank's last window was already reduced together with the other
     // ranks' flush(): nothing is left, and no collective to pair.
@@ -392,7 +410,7 @@ bool Accumulator::flush() {
     epoch_ended_ = false;
     return stepped;
   }
-  return reduce_partial_window(local_failure) || stepped;
+  return reduce_partial_window(local_failure, /*joined=*/false) || stepped;
 }
 
 bool Accumulator::step_before_flush(std::string* local_failure) {
@@ -428,11 +446,12 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
   }
 }
 
-bool Accumulator::reduce_partial_window(const std::string& local_failure) {
+bool Accumulator::reduce_partial_window(const std::string& local_failure, bool joined) {
   if (window_failed_) {
     ReductionRequest abort;
     abort.abort = window_failure_;
     abort.flushing = true;
+    abort.joined = joined;
     reset_window();
     try {
       reducer_->reduce(abort);
@@ -450,6 +469,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure) {
   request.weight = window_weight_;
   request.divide = options_.reduction() != Reduction::Sum;
   request.flushing = true;
+  request.joined = joined;
   request.check_finite = reducer_checks_finite();
   ReductionResult result;
   try {
@@ -458,6 +478,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure) {
     reset_window();
     throw;
   }
+  check_join_partners(result, joined); // Note [Joining]
   if (result.global_weight == 0) {
     reset_window(); // no rank had anything: no step anywhere
     return false;

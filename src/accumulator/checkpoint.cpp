@@ -324,6 +324,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_unscaled_ = false;
   window_known_finite_ = false;
   epoch_ended_ = state.epoch_ended;
+  joined_epoch_ = false;
   stats_.micro_steps = state.micro_steps;
   stats_.optimizer_steps = state.optimizer_steps;
   stats_.skipped_steps = state.skipped_steps;

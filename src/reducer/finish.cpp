@@ -94,6 +94,7 @@ detail::Reduced Reducer::State::agree() {
   result.window = window.sequence;
   result.global_weight = verdict.global_weight;
   result.flushing_ranks = verdict.flushing_ranks;
+  result.joined_ranks = verdict.joined_ranks;
   window.last_result = result;
   window.last_result.dropped = true; // until the consensus holds
   if (!verdict.error.empty()) {

@@ -228,6 +228,7 @@ void init_accumulator(py::module_& m) {
            release(), "Backward on one micro-batch's loss; counts the micro-step.")
       .def("step", &Accumulator::step, release(), "Optimizer step at a closed window.")
       .def("flush", &Accumulator::flush, release(), "Close a partial window and step.")
+      .def("join", &Accumulator::join, release(), "End of this rank's data: shadow the others until all join.")
       .def("zero_grad", &Accumulator::zero_grad, "Drop the current window.")
       .def_property_readonly("sync_gradients", &Accumulator::sync_gradients)
       .def_property_readonly("micro_step", &Accumulator::micro_step)

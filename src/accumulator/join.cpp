@@ -1,0 +1,87 @@
+// Accumulator::join(): ranks that run out of data at different times.
+#include <gradaccum/accumulator.h>
+
+#include "call_guard.h"
+
+namespace gradaccum {
+
+using detail::CallGuard;
+
+// Note [Joining]
+// Ranks may run out of data at different times (uneven shards, by any number
+// of windows). A rank that has no more data calls acc.join(): it closes its
+// partial window as flush() does, then shadows the others: each of their
+// window reductions pairs with one reduction of its own that sends zero
+// gradient and zero weight, and it steps its optimizer with the reduced
+// gradient as they do, so the replicas and the optimizer states stay
+// identical with no broadcast at the end. Its reductions carry kJoined = 1 in
+// the header that every bucket sends anyway (Note [Bucket meta layout]), so
+// the ranks that still have data learn how many have joined at no extra
+// collective (torch's Join all-reduces a flag at every iteration of every
+// active rank). Every rank leaves the loop at the same reduction: the first
+// whose kJoined sum is the world size, in which the last ranks to join close
+// their own partial windows. The divisor is the micro-steps (mean) or items
+// that exist: the result is the exact mean of the data, as one process over
+// all of it. A window dropped while some ranks shadow it (a failed backward
+// anywhere, a disagreement) raises the same error on the shadowing ranks, so
+// a rank that stopped early learns before it returns whether the job's last
+// windows completed everywhere. Ranks must all join or all flush(): a rank
+// that ends its data with flush() while others are joined would leave them
+// waiting; both sides see it in the header (kFlushing > kJoined, or kJoined
+// > 0 at a flush) and raise (check_join_partners()).
+int64_t Accumulator::join() {
+  const CallGuard guard(driver_, "acc.join()");
+  check_open("acc.join()");
+  if (!reducer_) {
+    return flush() ? 1 : 0; // one process: nobody to shadow
+  }
+  TORCH_CHECK(optimizer_step_,
+      "gradaccum: acc.join(): this Accumulator has no optimizer (pass one to the constructor)");
+  if (!window_ready_ && micro_step_ > 0 && !window_failed_ && grad_versions() != remembered_) {
+    // The collective must still run on every rank: drop the window there.
+    window_failed_ = true;
+    window_failure_ = AbortReason::GradientsChanged;
+  }
+  std::string local_failure;
+  int64_t stepped = step_before_flush(&local_failure) ? 1 : 0;
+  if (epoch_ended_) {
+    // This rank's last window was reduced with other ranks' flush() (not
+    // join()): they have left, and nobody would pair with a shadow.
+    epoch_ended_ = false;
+    TORCH_CHECK(false,
+        "gradaccum: acc.join(): other ranks ended their data with acc.flush() in the reduction that closed "
+        "this rank's last window, so they will not shadow this rank's reductions. End the data with "
+        "acc.join() on every rank (any difference in data), or acc.flush() on every rank (less than "
+        "one window of difference)");
+  }
+  const auto world = reducer_->process_group()->getSize();
+  for (;;) {
+    stepped += reduce_partial_window(local_failure, /*joined=*/true) ? 1 : 0;
+    local_failure.clear();
+    if (reducer_->last_result().joined_ranks == world) {
+      break; // every rank has joined: this was the last reduction everywhere
+    }
+  }
+  joined_epoch_ = true;
+  return stepped;
+}
+
+void Accumulator::check_join_partners(const ReductionResult& result, bool joining) {
+  if (joining && result.flushing_ranks > result.joined_ranks) {
+    reset_window();
+    TORCH_CHECK(false,
+        "gradaccum: acc.join(): ", result.flushing_ranks - result.joined_ranks, " rank(s) ended their data "
+        "with acc.flush() while this rank was in acc.join(), so they will not shadow the remaining "
+        "windows; the window was dropped on every rank. End the data with acc.join() on every rank "
+        "(any difference in data), or acc.flush() on every rank (less than one window of difference)");
+  }
+  if (!joining && result.joined_ranks > 0) {
+    reset_window();
+    TORCH_CHECK(false,
+        "gradaccum: acc.flush(): ", result.joined_ranks, " rank(s) are in acc.join() (out of data, "
+        "shadowing the others' windows) and wait for this rank to join too; the window was dropped "
+        "on every rank. End this rank's data with acc.join() as well");
+  }
+}
+
+} // namespace gradaccum

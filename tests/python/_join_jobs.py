@@ -1,0 +1,118 @@
+"""Jobs of test_join.py: ranks with different amounts of data end it with
+`with acc.join():` (Note [Joining] in src/accumulator/join.cpp)."""
+import torch
+
+import _dist_utils as du
+import _protocol_jobs as pj
+from _dist_utils import job
+
+
+class Boom(torch.autograd.Function):
+    """Identity forward; its backward raises (a failed micro-step)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(f"injected failure on rank {torch.distributed.get_rank()}")
+
+
+def _count_allreduces(fn):
+    """Runs fn(); the all-reduces this rank launched (the profiler's count)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if "allreduce" in e.key.lower())
+
+
+@job
+def join_epochs(rank, world_size, *, seed, epochs, reduction, as_view=False, profile_epoch=None):
+    """Several epochs, each rank's shard as `epochs[e][rank]` micro-batches,
+    each epoch's loop inside `with acc.join():`; a flush() after it (a no-op)."""
+    import gradaccum
+
+    model = du.mlp(seed)
+    opt = du.make_optimizer("adam", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=pj.STEPS, reduction=reduction, bucket_cap_mb=0.001,
+                                first_bucket_cap_mb=0.0005, gradient_as_bucket_view=as_view)
+    out = {"collectives": []}
+    for e, shards in enumerate(epochs):
+        mine = [b for window in pj.epoch_windows(seed + e, shards, pj.STEPS) for b in window[rank]]
+        before = acc.stats()
+
+        def epoch():
+            with acc.join():
+                for batch in mine:
+                    loss, n = du.micro_loss(model, batch, reduction)
+                    acc.backward(loss, num_items=n)
+                    acc.step()
+            acc.flush()  # nothing left: no collective
+
+        if e == profile_epoch:
+            out["allreduces"] = _count_allreduces(epoch)
+        else:
+            epoch()
+        after = acc.stats()
+        out["collectives"].append(after["reductions"] - before["reductions"])
+    out["params"] = du.params(model)
+    out["stats"] = acc.stats()
+    acc.close()
+    return out
+
+
+@job
+def join_failure(rank, world_size, *, seed, shards, fail_rank, fail_at):
+    """Rank `fail_rank`'s micro-step `fail_at` raises in backward while other
+    ranks have joined; every rank records the error it got, then stops."""
+    import gradaccum
+
+    model = du.mlp(seed)
+    opt = du.make_optimizer("sgd", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=pj.STEPS)
+    mine = [b for window in pj.epoch_windows(seed, shards, pj.STEPS) for b in window[rank]]
+    out = {"error": None, "where": None}
+    try:
+        with acc.join():
+            for i, batch in enumerate(mine):
+                loss, _ = du.micro_loss(model, batch, "mean")
+                if rank == fail_rank and i == fail_at:
+                    loss = Boom.apply(loss)
+                out["where"] = "acc.backward()"
+                acc.backward(loss)
+                acc.step()
+            out["where"] = "acc.join()"
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["stats"] = acc.stats()
+    acc.close()
+    return out
+
+
+@job
+def join_then_flush(rank, world_size, *, seed, shards):
+    """Rank 0 ends its data with acc.join(), rank 1 with acc.flush(): both get
+    an error, neither hangs."""
+    import gradaccum
+
+    model = du.mlp(seed)
+    opt = du.make_optimizer("sgd", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=pj.STEPS)
+    mine = [b for window in pj.epoch_windows(seed, shards, pj.STEPS) for b in window[rank]]
+    out = {"error": None}
+    try:
+        if rank == 0:
+            with acc.join():
+                for batch in mine:
+                    acc.backward(du.micro_loss(model, batch, "mean")[0])
+                    acc.step()
+        else:
+            for batch in mine:
+                acc.backward(du.micro_loss(model, batch, "mean")[0])
+                acc.step()
+            acc.flush()
+    except (RuntimeError, ValueError) as e:
+        out["error"] = str(e)
+    acc.close()
+    return out

@@ -1,0 +1,70 @@
+"""Uneven data by any number of windows: `with acc.join():` (Note [Joining] in
+src/accumulator/join.cpp), on real Gloo ranks, against one process over the
+data that exists (float64), with the collectives counted."""
+import pytest
+
+import _dist_utils as du
+import _protocol_jobs as pj
+
+M = "_join_jobs"
+
+
+def run(name, world_size, tmp_path, **kwargs):
+    return du.run_job(name, world_size, tmp_path / name, module=M, timeout=240, pg_timeout=30, **kwargs)
+
+
+def assert_params_close(got, expected, what, tol=1e-12):
+    for i, (a, e) in enumerate(zip(got, expected)):
+        diff = (a - e).abs().max().item() / max(1.0, e.abs().max().item())
+        assert diff <= tol, f"{what}: parameter {i} differs by {diff:.3g}"
+
+
+# Micro-batches per rank and epoch (K = 3): 0 to 4 windows of difference,
+# partial windows, empty shards, and an even epoch.
+EPOCHS = {
+    2: [[10, 1], [0, 9], [4, 13], [6, 6]],
+    3: [[12, 2, 7], [0, 0, 5], [3, 11, 0], [9, 9, 9]],
+    4: [[1, 12, 6, 0], [8, 8, 8, 8], [0, 0, 0, 0], [5, 13, 2, 9]],
+}
+
+
+@pytest.mark.parametrize("world_size,reduction", [(2, "mean"), (3, "items"), (4, "mean"), (3, "mean")])
+def test_join_trains_on_the_data_that_exists_with_no_extra_collective(tmp_path, world_size, reduction):
+    epochs = EPOCHS[world_size]
+    last = len(epochs) - 1
+    results = run("join_epochs", world_size, tmp_path, seed=11, epochs=epochs, reduction=reduction,
+                  as_view=world_size == 3, profile_epoch=last)
+    # The same arithmetic as one process over each window's micro-batches
+    # (a rank out of data adds nothing to the windows after its last).
+    expected = pj.epochs_reference(11, epochs, pj.STEPS, reduction, "adam")
+    for rank, res in enumerate(results):
+        assert_params_close(res["params"], expected, f"rank {rank}")
+        assert res["stats"]["dropped_windows"] == 0
+        # One reduction per window of the rank with the most full windows,
+        # plus the one that closes the last partial windows: what that rank
+        # alone would run with flush(); the ranks with data pay nothing for
+        # the others' joining.
+        assert res["collectives"] == [max(n // pj.STEPS for n in shards) + 1 for shards in epochs], rank
+        assert res["allreduces"] == res["collectives"][last] * res["stats"]["buckets"], rank
+    assert len({r["stats"]["optimizer_steps"] for r in results}) == 1
+
+
+def test_a_failure_on_an_active_rank_reaches_the_joined_ranks(tmp_path):
+    # rank 0 joins after 1 window; rank 2 fails in the synchronising backward of its 3rd window
+    results = run("join_failure", 3, tmp_path, seed=4, shards=[3, 12, 12], fail_rank=2, fail_at=8)
+    texts = [r["error"] for r in results]
+    assert all(t is not None for t in texts), texts
+    for rank, res in enumerate(results):
+        # window 2 of the reducer, dropped on every rank, naming rank 2
+        assert "window 2 was dropped on every rank" in res["error"], (rank, res["error"])
+        assert "rank 2" in res["error"], (rank, res["error"])
+        assert res["stats"]["optimizer_steps"] == 2, rank
+    assert results[0]["where"] == "acc.join()"  # it had left its loop: told inside join()
+    assert "injected failure on rank 2" in results[2]["error"]
+
+
+def test_join_on_one_rank_and_flush_on_another_is_an_error_on_both(tmp_path):
+    results = run("join_then_flush", 2, tmp_path, seed=5, shards=[4, 8])
+    assert results[0]["error"].startswith("gradaccum: acc.join(): 1 rank(s) ended their data with acc.flush() "
+                                          "while this rank was in acc.join()"), results[0]["error"]
+    assert results[1]["error"].startswith("gradaccum: acc.flush(): 1 rank(s) are in acc.join()"), results[1]["error"]
