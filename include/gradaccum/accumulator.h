@@ -221,6 +221,13 @@ class Accumulator {
   /// join() (not flush()). One process: flush(). Returns the optimizer steps
   /// taken. A flush() right after it is a no-op.
   int64_t join();
+  /// Takes the model's trainable set again after `requires_grad` changed
+  /// (fine-tuning unfreezes a backbone), at a window boundary only, before the
+  /// next forward (data parallel it broadcasts rank 0's values in place). Data
+  /// parallel, a collective: every rank calls it at the same point, with the
+  /// same set (checked). Counters carry over. See Note [Refreshing the
+  /// parameters] in src/accumulator/refresh.cpp.
+  void refresh_parameters(ModelParameters model);
   /// Drops the current window: clears gradients and counters of the window.
   void zero_grad();
 

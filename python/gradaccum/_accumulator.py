@@ -153,6 +153,8 @@ class Accumulator:
         process_group, local_only = _resolve_group(process_group)
         self.optimizer = optimizer
         self.scheduler = scheduler
+        # refresh_parameters() takes a module's trainable set again.
+        self._module = model if isinstance(model, torch.nn.Module) else None
         self.process_group = process_group
         self._c = _C.Accumulator(
             params, names, buffers, steps=int(steps), reduction=reduction,
@@ -300,6 +302,25 @@ class Accumulator:
         once, as without it."""
         yield
         self._c.join()
+
+    def refresh_parameters(self, parameters: Optional[Any] = None) -> None:
+        """Takes the trainable parameters again after ``requires_grad``
+        changed (fine-tuning unfreezes a backbone), at a window boundary (after
+        ``step()`` returned True, or after ``flush()``) and before the next
+        forward: data parallel it broadcasts rank 0's values of the new set in
+        place, as the constructor does. ``parameters``: the
+        module or parameters to train from now on (default: the module the
+        Accumulator was built from). Data parallel, a collective: every rank
+        calls it at the same point with the same set (checked). Counters carry
+        over; error-feedback residuals start at zero."""
+        source = parameters if parameters is not None else self._module
+        if source is None:
+            raise ValueError("gradaccum: acc.refresh_parameters(): this Accumulator was built from an iterable of "
+                             "parameters, not a module; pass the ones to train: acc.refresh_parameters(params)")
+        params, names, buffers = _parameters(source)
+        if _scaling(self.grad_scaler):
+            _check_scaled_parameters(params, names, isinstance(source, torch.nn.Module), self.optimizer)
+        self._c.refresh_parameters(params, names, buffers)
 
     def zero_grad(self) -> None:
         """Drops the current window's gradients and position."""

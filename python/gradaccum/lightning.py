@@ -140,6 +140,8 @@ class GradaccumStrategy(DDPStrategy):
         self.accumulator: Optional[Accumulator] = None
         # training_step's own loss and item count, for the backward that follows
         self._micro_batch: Optional[Tuple[torch.Tensor, Optional[Any]]] = None
+        # which parameters required grad at the last window boundary (_refresh_if_unfrozen)
+        self._trainable: Optional[Tuple[bool, ...]] = None
         # whether the last window really stepped (step-interval schedulers follow it)
         self._stepped = True
         self._step_schedulers: List[Any] = []
@@ -210,6 +212,7 @@ class GradaccumStrategy(DDPStrategy):
                 is_overridden("on_before_optimizer_step", callback, pl.Callback) for callback in trainer.callbacks):
             self.accumulator._set_gradient_hook(self._before_optimizer_step_hooks)
         self._gate_step_schedulers(module)
+        self._trainable = tuple(p.requires_grad for p in module.parameters())
 
     def _before_optimizer_step_hooks(self) -> None:
         module = self.lightning_module
@@ -250,6 +253,8 @@ class GradaccumStrategy(DDPStrategy):
     # ---------------------------------------------------------------- training
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.accumulator is not None and self.lightning_module is not None:
+            self._refresh_if_unfrozen(self.lightning_module)  # before the forward: it may broadcast
         output = super().training_step(*args, **kwargs)
         if self.accumulator is not None:
             self._micro_batch = self._read_step_output(output)
@@ -293,6 +298,22 @@ class GradaccumStrategy(DDPStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward hooks
         self.post_backward(closure_loss)
         return closure_loss
+
+    def _refresh_if_unfrozen(self, module: "pl.LightningModule") -> None:
+        """A fine-tuning callback (BaseFinetuning) changed which parameters
+        require grad: at a window boundary, before the forward (the refresh
+        broadcasts rank 0's values in place), the Accumulator takes the new set
+        (every rank runs the same callback, so every rank refreshes here alike).
+        Mid-window the Accumulator's own error says what happened."""
+        accumulator = self.accumulator
+        if accumulator.micro_step != 0 or accumulator.window_ready:
+            return
+        trainable = tuple(p.requires_grad for p in module.parameters())
+        if self._trainable is None:
+            self._trainable = trainable
+        elif trainable != self._trainable:
+            accumulator.refresh_parameters(module)
+            self._trainable = trainable
 
     def optimizer_step(
         self,

@@ -58,23 +58,7 @@ Accumulator::Accumulator(
       optimizer_step_(std::move(optimizer_step)),
       scheduler_step_(std::move(scheduler_step)) {
   options_.validate();
-  TORCH_CHECK_VALUE(
-      model.names.empty() || model.names.size() == model.parameters.size(),
-      "gradaccum: Accumulator(): got ", model.names.size(), " names for ",
-      model.parameters.size(), " parameters");
-  TORCH_CHECK_VALUE(model.sparse_modules.empty(),
-      "gradaccum: Accumulator(): ", model.sparse_modules.front(), " makes sparse gradients "
-      "(Embedding(sparse=True)); gradaccum supports dense gradients only: use sparse=False");
-  frozen_ = detail::keep_trainable_once(model);
-  TORCH_CHECK_VALUE(!model.parameters.empty(),
-      "gradaccum: Accumulator(): the model has no trainable parameters (none requires grad)");
-  for (const auto i : c10::irange(model.parameters.size())) {
-    TORCH_CHECK_VALUE(model.parameters[i].is_leaf(),
-        "gradaccum: Accumulator(): ", model.names[i], " is not a leaf tensor; pass the model's parameters");
-    TORCH_CHECK_VALUE(at::isFloatingType(model.parameters[i].scalar_type()),
-        "gradaccum: Accumulator(): ", model.names[i], " has dtype ", model.parameters[i].scalar_type(),
-        "; gradients need a floating-point dtype");
-  }
+  frozen_ = detail::checked_trainable(model, "Accumulator()");
   check_launch_has_group(options_);
   params_ = model.parameters;
   names_ = model.names;

@@ -14,17 +14,17 @@ namespace detail {
 
 // Drops frozen and repeated (tied) parameters: each is hooked and reduced
 // once. Returns the frozen ones, watched in case they are unfrozen later.
-std::vector<std::pair<std::string, at::Tensor>> keep_trainable_once(ModelParameters& model) {
+std::vector<std::pair<std::string, at::Tensor>> keep_trainable_once(ModelParameters& model, const char* what) {
   std::unordered_set<const c10::TensorImpl*> seen;
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
   std::vector<std::pair<std::string, at::Tensor>> frozen;
   for (const auto i : c10::irange(model.parameters.size())) {
     const auto& p = model.parameters[i];
-    TORCH_CHECK_VALUE(p.defined(), "gradaccum: Accumulator(): parameter ", i, " is undefined");
+    TORCH_CHECK_VALUE(p.defined(), "gradaccum: ", what, ": parameter ", i, " is undefined");
     const auto name = model.names.empty() ? "parameter " + std::to_string(i) : model.names[i];
     TORCH_CHECK_VALUE(!p.is_meta(),
-        "gradaccum: Accumulator(): ", name, " is on the meta device (no data); materialise the model "
+        "gradaccum: ", what, ": ", name, " is on the meta device (no data); materialise the model "
         "(e.g. to_empty(device=...) and initialise it) before building the Accumulator");
     if (!seen.insert(p.unsafeGetTensorImpl()).second) {
       continue;
@@ -38,6 +38,25 @@ std::vector<std::pair<std::string, at::Tensor>> keep_trainable_once(ModelParamet
   }
   model.parameters = std::move(params);
   model.names = std::move(names);
+  return frozen;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> checked_trainable(ModelParameters& model, const char* what) {
+  TORCH_CHECK_VALUE(model.names.empty() || model.names.size() == model.parameters.size(),
+      "gradaccum: ", what, ": got ", model.names.size(), " names for ", model.parameters.size(), " parameters");
+  TORCH_CHECK_VALUE(model.sparse_modules.empty(),
+      "gradaccum: ", what, ": ", model.sparse_modules.front(), " makes sparse gradients "
+      "(Embedding(sparse=True)); gradaccum supports dense gradients only: use sparse=False");
+  auto frozen = keep_trainable_once(model, what);
+  TORCH_CHECK_VALUE(!model.parameters.empty(),
+      "gradaccum: ", what, ": the model has no trainable parameters (none requires grad)");
+  for (const auto i : c10::irange(model.parameters.size())) {
+    TORCH_CHECK_VALUE(model.parameters[i].is_leaf(),
+        "gradaccum: ", what, ": ", model.names[i], " is not a leaf tensor; pass the model's parameters");
+    TORCH_CHECK_VALUE(at::isFloatingType(model.parameters[i].scalar_type()),
+        "gradaccum: ", what, ": ", model.names[i], " has dtype ", model.parameters[i].scalar_type(),
+        "; gradients need a floating-point dtype");
+  }
   return frozen;
 }
 

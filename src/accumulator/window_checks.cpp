@@ -54,7 +54,7 @@ void Accumulator::check_requires_grad() const {
     TORCH_CHECK(!p.requires_grad(),
         "gradaccum: acc.backward(): ", name, " was frozen (requires_grad=False) when the Accumulator was "
         "built and now requires grad: its gradient would be neither scaled, reduced nor "
-        "cleared. Build a new Accumulator after changing requires_grad (close() this one)");
+        "cleared. Call acc.refresh_parameters() at a window boundary after changing requires_grad");
   }
 }
 

@@ -65,7 +65,7 @@ def make_optimizer(name, params):
 
 
 def reference(*, kind, reduction, optimizer, batches_per_rank, steps, epochs, dtype=torch.float64,
-              clip=None, skip=(), schedule=False, divide_partial_by_k=False, grad_norms=None):
+              clip=None, skip=(), schedule=False, divide_partial_by_k=False, grad_norms=None, unfreeze_epoch=None):
     """One process, one backward per window on the window's big batch.
     `skip`: (epoch, window) pairs whose window is non-finite (no step at all).
     `divide_partial_by_k`: what Lightning's own accumulation computes for a
@@ -73,9 +73,14 @@ def reference(*, kind, reduction, optimizer, batches_per_rank, steps, epochs, dt
     a list that gets each window's gradient norm before clipping."""
     data = dataset(kind, batches_per_rank, dtype)
     model = mlp(dtype)
-    opt = make_optimizer(optimizer, model.parameters())
+    if unfreeze_epoch is not None:
+        model[0].requires_grad_(False)  # as BaseFinetuning.freeze_before_training
+    opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s) if schedule else None
     for epoch in range(epochs):
+        if epoch == unfreeze_epoch:  # as BaseFinetuning.unfreeze_and_add_param_group
+            model[0].requires_grad_(True)
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": opt.param_groups[0]["lr"] / 10})
         for w, rows in enumerate(windows(batches_per_rank, steps, epoch)):
             if (epoch, w) in skip:
                 continue
@@ -128,6 +133,10 @@ SCENARIOS = {
     # global batches (Note [Resuming on another shape]); run by a launch of its own
     "ckpt_resume_1dev": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=6,
                              epochs=2, resume=True, devices=1),
+    # BaseFinetuning unfreezes the first layer at epoch 1 and adds it to the
+    # optimizer (lr / 10): the strategy refreshes the Accumulator
+    "finetune": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=3, epochs=3,
+                     unfreeze_epoch=1),
     # mismatched reduction and training_step output: clear errors
     "items_without_count": dict(kind="plain", reduction="items", optimizer="sgd", batches_per_rank=2, steps=2,
                                 epochs=1),
@@ -141,7 +150,7 @@ SCENARIOS = {
 
 def run(name, out_dir):
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.callbacks import BaseFinetuning, Callback, ModelCheckpoint
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from gradaccum.lightning import CHECKPOINT_KEY, GradaccumStrategy
@@ -179,7 +188,7 @@ def run(name, out_dir):
             return loss
 
         def configure_optimizers(self):
-            opt = make_optimizer(cfg["optimizer"], self.parameters())
+            opt = make_optimizer(cfg["optimizer"], [p for p in self.parameters() if p.requires_grad])
             if not cfg.get("schedule"):
                 return opt
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
@@ -190,8 +199,16 @@ def run(name, out_dir):
             if batch_idx == cfg["save_at_batch"]:
                 trainer.save_checkpoint(os.path.join(out_dir, f"{name}.ckpt"))
 
+    class Unfreeze(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.net[0])
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == cfg["unfreeze_epoch"]:
+                self.unfreeze_and_add_param_group(pl_module.net[0], optimizer, train_bn=True)
+
     ckpt_dir = os.path.join(out_dir, "ckpt")
-    callbacks = []
+    callbacks = [Unfreeze()] if "unfreeze_epoch" in cfg else []
     if cfg.get("checkpoint"):
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="epoch{epoch}", save_top_k=-1,
                                          every_n_epochs=1, save_on_train_epoch_end=True,

@@ -25,8 +25,9 @@ F64 = 1e-10  # relative, float64
 
 def reference(name, **extra):
     cfg = {k: v for k, v in worker.SCENARIOS[name].items()
-           if k in ("kind", "reduction", "optimizer", "batches_per_rank", "steps", "epochs", "clip", "schedule")}
-    return worker.reference(**cfg, **extra)
+           if k in ("kind", "reduction", "optimizer", "batches_per_rank", "steps", "epochs", "clip", "schedule",
+                    "unfreeze_epoch")}
+    return worker.reference(**dict(cfg, **extra))
 
 
 def max_rel(params, ref):
@@ -182,6 +183,22 @@ def test_checkpoint_at_a_window_boundary_resumes_exactly(runs):
         assert max_rel(r["params"], f["params"]) < 1e-13
         for key in ("micro_steps", "optimizer_steps", "windows"):
             assert r["stats"][key] == f["stats"][key], key
+
+
+def test_a_fine_tuning_callback_unfreezes_the_backbone_mid_fit(runs):
+    """BaseFinetuning unfreezes net[0] at epoch 1 (a new param group at lr /
+    10); the strategy refreshes the Accumulator at that window boundary, so
+    both ranks train it as one process on the global batch does. (Lightning's
+    own DDP strategy never reduces a layer frozen when DDP was built: its
+    replicas drift apart.)"""
+    ref, _ = reference("finetune")
+    never, _ = reference("finetune", unfreeze_epoch=99)  # frozen throughout
+    results = ok(runs("finetune"))
+    for r in results:
+        assert max_rel(r["params"], ref) < F64
+        assert max_rel(r["params"][:2], never[:2]) > 1e-3  # the backbone did train
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
 
 
 def test_a_two_device_checkpoint_resumes_on_one_device_with_twice_the_steps(runs):

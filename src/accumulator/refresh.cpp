@@ -1,0 +1,92 @@
+// Accumulator::refresh_parameters(): the trainable set changes at a boundary.
+#include <gradaccum/accumulator.h>
+
+#include "call_guard.h"
+#include "parameters.h"
+#include "precision/wide_sums.h"
+
+#include <c10/util/irange.h>
+
+#include <unordered_set>
+
+namespace gradaccum {
+
+using detail::CallGuard;
+
+// Note [Refreshing the parameters]
+// Fine-tuning unfreezes a backbone (or freezes a head) mid-fit. An
+// Accumulator reduces, scales and clears the parameters it was built with;
+// refresh_parameters() takes the trainable set again, at a window boundary
+// only (no half-done window to carry over). Data parallel it builds a new
+// reducer over the new set: its construction is a collective that checks
+// every rank has the same parameters and options (a rank that unfroze other
+// layers, or did not refresh, is an error there) and broadcasts rank 0's
+// values, which equal everyone's. The counters and the window number carry
+// over; error-feedback residuals start at zero; the buckets are laid out
+// again (and rebuilt in ready order after the next window, on every rank
+// alike). Parameters that left the set get `.grad = None`, so the optimizer
+// (momentum, weight decay) leaves them alone. Torch DDP never reduces a
+// parameter that was frozen when it was built: its replicas drift apart
+// silently after an unfreeze.
+void Accumulator::refresh_parameters(ModelParameters model) {
+  const CallGuard guard(driver_, "acc.refresh_parameters()");
+  check_open("acc.refresh_parameters()");
+  TORCH_CHECK(micro_step_ == 0 && !window_ready_,
+      "gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=", micro_step_,
+      window_ready_ ? ", closed but not stepped" : "", "); call it at a window boundary: after acc.step() "
+      "returned True, or after acc.flush()");
+  auto frozen = detail::checked_trainable(model, "acc.refresh_parameters()");
+  // The new set overlaps ours: let ours go to claim it, and take ours back
+  // if anything fails (a rejected call changes nothing).
+  claim_.reset();
+  std::shared_ptr<void> claim;
+  std::unique_ptr<Reducer> reducer;
+  std::unique_ptr<detail::WideSums> wide;
+  try {
+    claim = detail::claim(model.parameters, model.names);
+    if (reducer_) {
+      const auto progress = reducer_->progress();
+      reducer = std::make_unique<Reducer>(
+          model.parameters, reducer_->process_group(), options_.reducer(), std::move(model.buffers), model.names,
+          WindowRule{options_.steps(), options_.reduction(), options_.accumulate_dtype(),
+                     options_.comm_dtype(), options_.error_feedback()});
+      reducer->restore(progress);
+    } else if (const auto dtype = options_.accumulate_dtype()) {
+      wide = std::make_unique<detail::WideSums>(model.parameters, *dtype);
+    }
+  } catch (const c10::Error& e) {
+    claim.reset();
+    claim_ = detail::claim(params_, names_);
+    // The reducer's construction checks (every rank alike) speak as the
+    // constructor; here they answer this call.
+    std::string text = e.what_without_backtrace();
+    const std::string ctor = "gradaccum: Accumulator(): ";
+    if (text.rfind(ctor, 0) == 0) {
+      text = "gradaccum: acc.refresh_parameters(): " + text.substr(ctor.size());
+    }
+    TORCH_CHECK_VALUE(!dynamic_cast<const c10::ValueError*>(&e), text);
+    TORCH_CHECK(false, text);
+  } catch (...) {
+    claim.reset();
+    claim_ = detail::claim(params_, names_);
+    throw;
+  }
+  std::unordered_set<const c10::TensorImpl*> kept;
+  for (const auto& p : model.parameters) {
+    kept.insert(p.unsafeGetTensorImpl());
+  }
+  for (auto& p : params_) {
+    if (!kept.count(p.unsafeGetTensorImpl())) {
+      p.mutable_grad() = at::Tensor(); // no longer trained: nothing for the optimizer to act on
+    }
+  }
+  reducer_ = std::move(reducer); // the old one's hooks go with it
+  wide_ = std::move(wide);
+  claim_ = std::move(claim);
+  params_ = std::move(model.parameters);
+  names_ = std::move(model.names);
+  frozen_ = std::move(frozen);
+  remember_gradients();
+}
+
+} // namespace gradaccum

@@ -1,0 +1,65 @@
+"""Jobs of test_refresh.py: the trainable set changes at a window boundary
+(Note [Refreshing the parameters] in src/accumulator/refresh.cpp)."""
+import torch
+
+import _dist_utils as du
+from _dist_utils import job
+
+STEPS = 3
+
+
+def windows(seed, world_size, n_windows):
+    return du.make_windows(seed, du.full_counts(n_windows, world_size, STEPS), 2)
+
+
+def reference(seed, world_size, n_windows, unfreeze_at, reduction):
+    """One process on each window's global batch; the first layer frozen
+    before window `unfreeze_at`."""
+    model = du.mlp(seed)
+    opt = du.make_optimizer("adam", model.parameters())
+    model[0].requires_grad_(False)
+    for w, window in enumerate(windows(seed, world_size, n_windows)):
+        if w == unfreeze_at:
+            model[0].requires_grad_(True)
+        du.global_batch_loss(model, window, reduction).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return du.params(model)
+
+
+@job
+def unfreeze(rank, world_size, *, seed, n_windows, unfreeze_at, reduction, as_view=False, odd_rank=None):
+    """The first layer frozen, unfrozen at window `unfreeze_at` and the
+    Accumulator refreshed; `odd_rank` unfreezes the second layer's bias too."""
+    import gradaccum
+
+    model = du.mlp(seed)
+    opt = du.make_optimizer("adam", model.parameters())  # Adam skips parameters without .grad
+    model[0].requires_grad_(False)
+    acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction, bucket_cap_mb=0.001,
+                                first_bucket_cap_mb=0.0005, gradient_as_bucket_view=as_view)
+    out = {"errors": []}
+    for w, window in enumerate(windows(seed, world_size, n_windows)):
+        for k, batch in enumerate(window[rank]):
+            if w == unfreeze_at and k == 1:
+                try:
+                    acc.refresh_parameters()  # mid-window: refused
+                except RuntimeError as e:
+                    out["errors"].append(str(e))
+            loss, n = du.micro_loss(model, batch, reduction)
+            acc.backward(loss, num_items=n)
+            acc.step()
+        if w + 1 == unfreeze_at:
+            model[0].requires_grad_(True)
+            if rank == odd_rank:
+                model[2].bias.requires_grad_(False)
+            try:
+                acc.refresh_parameters()
+            except (RuntimeError, ValueError) as e:
+                out["errors"].append(str(e))
+                break
+            out["refreshed"] = acc.stats()
+    out["params"] = du.params(model)
+    out["stats"] = acc.stats()
+    acc.close()
+    return out

@@ -1,0 +1,84 @@
+"""acc.refresh_parameters(): the trainable set changes at a window boundary
+(fine-tuning unfreezes a backbone), on real Gloo ranks and in one process,
+against one process on the global batch in float64."""
+import pytest
+import torch
+
+import _dist_utils as du
+import _refresh_jobs as fj
+import gradaccum
+
+M = "_refresh_jobs"
+
+
+def run(name, world_size, tmp_path, **kwargs):
+    return du.run_job(name, world_size, tmp_path / name, module=M, timeout=180, pg_timeout=30, **kwargs)
+
+
+def assert_params_close(got, expected, what, tol=1e-12):
+    for i, (a, e) in enumerate(zip(got, expected)):
+        diff = (a - e).abs().max().item() / max(1.0, e.abs().max().item())
+        assert diff <= tol, f"{what}: parameter {i} differs by {diff:.3g}"
+
+
+MID_WINDOW = (r"gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=1); call it at "
+              r"a window boundary: after acc.step() returned True, or after acc.flush()")
+
+
+@pytest.mark.parametrize("world_size,reduction,as_view", [(2, "mean", False), (2, "items", True), (3, "mean", False)])
+def test_unfreezing_at_a_boundary_trains_as_one_process(tmp_path, world_size, reduction, as_view):
+    results = run("unfreeze", world_size, tmp_path, seed=8, n_windows=5, unfreeze_at=2, reduction=reduction,
+                  as_view=as_view)
+    expected = fj.reference(8, world_size, 5, 2, reduction)
+    frozen_too_long = fj.reference(8, world_size, 5, 99, reduction)  # never unfrozen
+    for rank, res in enumerate(results):
+        assert res["errors"] == [MID_WINDOW], res["errors"]
+        assert_params_close(res["params"], expected, f"rank {rank}")
+        # the first layer did train after the refresh
+        assert (res["params"][0] - frozen_too_long[0]).abs().max() > 1e-4
+        assert res["stats"]["optimizer_steps"] == 5 and res["refreshed"]["optimizer_steps"] == 2
+        assert res["stats"]["reductions"] == 5 and res["stats"]["dropped_windows"] == 0
+
+
+def test_ranks_that_refresh_to_different_sets_all_get_an_error(tmp_path):
+    results = run("unfreeze", 2, tmp_path, seed=8, n_windows=4, unfreeze_at=2, reduction="mean", odd_rank=1)
+    for rank, res in enumerate(results):
+        (error,) = res["errors"]  # at the refresh, on every rank; training stops there
+        assert error == ("gradaccum: acc.refresh_parameters(): the ranks disagree on the number of trainable "
+                         "parameters (rank 0: 6, rank 1: 5); every rank must build its Accumulator with the same "
+                         "options and model"), error
+        assert res["stats"]["optimizer_steps"] == 2
+
+
+def test_one_process_refresh_and_the_error_without_it():
+    torch.manual_seed(0)
+    model = du.mlp(3)
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=2, accumulate_dtype=torch.float64)
+    batch = fj.windows(3, 1, 1)[0][0][0]
+    for _ in range(2):
+        acc.backward(du.micro_loss(model, batch, "mean")[0])
+        acc.step()
+    model[0].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.backward\(\): 0\.weight was frozen \(requires_grad=False\) "
+                       r"when the Accumulator was built and now requires grad.*Call acc\.refresh_parameters\(\) at "
+                       r"a window boundary after changing requires_grad$"):
+        acc.backward(du.micro_loss(model, batch, "mean")[0])
+    acc.refresh_parameters()
+    before = model[0].weight.detach().clone()
+    for _ in range(2):
+        acc.backward(du.micro_loss(model, batch, "mean")[0])
+        acc.step()
+    assert acc.stats()["optimizer_steps"] == 2
+    assert not torch.equal(model[0].weight, before)
+    # freezing again drops the layer from the set: its .grad becomes None
+    model[0].requires_grad_(False)
+    acc.refresh_parameters()
+    assert model[0].weight.grad is None
+    acc.close()
+    params_only = gradaccum.Accumulator(list(model.parameters()), opt, steps=2)
+    with pytest.raises(ValueError, match=r"built from an iterable of parameters, not a module"):
+        params_only.refresh_parameters()
+    params_only.refresh_parameters(model)
+    params_only.close()
