@@ -1,0 +1,78 @@
+"""A rank killed with SIGKILL mid-window, torchrun restarts the job, and it
+resumes from its last checkpoint to the uninterrupted result
+(examples/python/train_restartable.py; Note [Resuming on another shape] for
+the elastic case that comes back with fewer ranks)."""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import _dist_utils as du
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "python" / "train_restartable.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import train_restartable as tr  # noqa: E402
+
+
+
+def env():
+    e = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(var, None)
+    return e
+
+
+def torchrun(*args):
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def check_against_reference(out, windows=8):
+    got = torch.load(out, weights_only=False)
+    expected = tr.reference(tr.parse_args(["--ckpt", "-", "--windows", str(windows)]))
+    diff = max(float((p - e).abs().max()) for p, e in zip(got["params"], expected))
+    assert diff <= 1e-12, diff
+    assert got["stats"]["optimizer_steps"] == windows  # the counters carried over the restart
+    return got
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_a_killed_rank_restarts_and_resumes_exactly(tmp_path, run):
+    port = du.free_port()
+    cmd = torchrun("--nnodes=1", "--nproc_per_node=2", "--max-restarts=1", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=restart{run}", SCRIPT,
+                   "--ckpt", tmp_path / "ckpt.pt", "--kill-rank", "1", "--kill-window", str(3 + run),
+                   "--out", tmp_path / "out.pt")
+    proc = subprocess.run([str(c) for c in cmd], env=env(), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    attempts = [line for line in proc.stdout.splitlines() if line.startswith("attempt")]
+    # killed in window 3+run; the last checkpoint is at the even boundary before it
+    resumed_from = (3 + run) // 2 * 2
+    assert attempts == ["attempt 0: 2 rank(s), K=2, from window 0",
+                        f"attempt 1: 2 rank(s), K=2, from window {resumed_from}"], proc.stdout[-3000:]
+    check_against_reference(tmp_path / "out.pt")
+
+
+def test_a_job_relaunched_on_fewer_ranks_resumes_at_its_last_boundary(tmp_path):
+    """2 ranks, rank 1 killed in window 5 with no restart left (the node is
+    gone); the job launched again on 1 rank resumes the checkpoint of window 4
+    with K doubled (the same global batch) and ends as the uninterrupted run."""
+    port = du.free_port()
+    first = torchrun("--nnodes=1", "--nproc_per_node=2", "--max-restarts=0", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fewer", SCRIPT, "--ckpt", tmp_path / "ckpt.pt",
+                     "--kill-rank", "1", "--kill-window", "5", "--out", tmp_path / "out.pt")
+    proc = subprocess.run([str(c) for c in first], env=env(), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode != 0 and not (tmp_path / "out.pt").exists(), proc.stdout[-2000:]
+    again = torchrun("--standalone", "--nproc_per_node=1", SCRIPT, "--ckpt", tmp_path / "ckpt.pt",
+                     "--out", tmp_path / "out.pt")
+    proc = subprocess.run([str(c) for c in again], env=env(), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "attempt 0: 1 rank(s), K=4, from window 4" in proc.stdout, proc.stdout[-2000:]
+    assert check_against_reference(tmp_path / "out.pt")["world"] == 1
