@@ -65,6 +65,8 @@ struct AccumulatorStats {
   int64_t windows = 0; ///< windows closed (stepped or skipped)
   std::optional<double> last_grad_norm; ///< total norm at the last boundary, if computed
   std::optional<double> loss_scale; ///< the loss scaler's current scale, if any
+  std::optional<double> window_loss; ///< Accumulator::window_loss(), as a number (a host read)
+  double window_items = 0; ///< Accumulator::window_items()
   ReducerStats reducer; ///< all zero without a process group
   bool data_parallel = false; ///< gradients are reduced over a process group
   int64_t world_size = 1; ///< ranks of that group (1 without one)
@@ -204,6 +206,9 @@ class Accumulator {
   /// reduction "items", `num_items` is required: the items the (summed) loss
   /// covers. The window's last call synchronises and scales the gradients.
   void backward(const at::Tensor& loss, std::optional<double> num_items = std::nullopt);
+  /// The same, for a `loss` scaled by someone else (a Python GradScaler):
+  /// `reported` is the unscaled loss that window_loss() reports.
+  void backward(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported);
   /// At a closed window: clip, check, step the optimizer (and scheduler), clear
   /// the gradients; returns whether the optimizer stepped. Elsewhere returns
   /// false, except that gradients written with no micro-step counted (a plain
@@ -230,6 +235,20 @@ class Accumulator {
   void refresh_parameters(ModelParameters model);
   /// Drops the current window: clears gradients and counters of the window.
   void zero_grad();
+
+  /// The last closed window's loss over every micro-batch of every rank,
+  /// weighted as its gradient (mean of the micro-batch losses; total loss /
+  /// total items; their sum): a 0-dim float64 tensor on the loss's device, no
+  /// host synchronisation and no extra collective (Note [The window's loss
+  /// rides in the header] in src/accumulator/window_loss.cpp). From the
+  /// window's closing backward (or flush) until the next window closes; none
+  /// before the first, or with a bf16/fp16 comm_dtype.
+  std::optional<at::Tensor> window_loss() const;
+  /// That window's weight summed over ranks: its items ("items") or
+  /// micro-batches ("mean", "sum"). 0 before the first window closes.
+  double window_items() const {
+    return window_items_;
+  }
 
   /// True when the next backward() closes the window.
   bool sync_gradients() const;
@@ -301,6 +320,9 @@ class Accumulator {
   bool step_before_flush(std::string* local_failure);
   bool reduce_partial_window(const std::string& local_failure, bool joined);
   void check_join_partners(const ReductionResult& result, bool joining);
+  void add_micro_loss(const at::Tensor& loss);
+  void close_window_loss(const ReductionResult& result, const at::Tensor& like);
+  void close_local_window_loss();
   void reset_window();
   void note_dropped_window(int64_t window);
   void check_consistent_cut(int64_t window, bool failed_here = false) const;
@@ -332,6 +354,12 @@ class Accumulator {
   bool epoch_ended_ = false;
   /// join() returned and nothing happened since: a flush() has nothing to close.
   bool joined_epoch_ = false;
+  /// The window's micro-batch losses so far (float64, on their device), and
+  /// with the current micro-step's; the last closed window's loss and weight.
+  at::Tensor window_loss_sum_;
+  at::Tensor pending_loss_sum_;
+  at::Tensor window_loss_;
+  double window_items_ = 0;
   /// The reducer found the closed window's gradient finite as it wrote it back.
   bool window_known_finite_ = false;
   AccumulatorStats stats_;

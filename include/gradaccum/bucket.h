@@ -41,6 +41,8 @@ std::vector<std::vector<size_t>> assign_buckets(
 //    sent as (v mod M, (v mod M)^2); over W ranks the values are all equal iff
 //    W * sum(v^2) == sum(v)^2. M is chosen so both sums stay exact (see
 //    consensus_modulus() in src/consensus/window_header.cpp).
+//  - the window's loss, summed over micro-steps and ranks (kLoss; float32 and
+//    float64 meta only: digit-encoded meta sends 0 there),
 //  - which parameters got no gradient on any rank (the flags).
 // How the header travels depends on the wire's dtype (MetaEncoding):
 //  - float32/float64 wires carry the numbers as they are (kPlain).
@@ -74,6 +76,7 @@ enum MetaField : int64_t {
   kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window; +2 while a bucket rebuild is pending
   kKindSquare,
   kJoined, ///< ranks in Accumulator::join(): out of data, shadowing the others (Note [Joining])
+  kLoss, ///< the window's micro-batch losses summed (Note [The window's loss rides in the header])
   kMetaHeader, // the header's length
 };
 

@@ -86,6 +86,11 @@ struct ReductionRequest {
   /// Check the reduced gradient for the non-finite test in the pass that
   /// writes it back (see ReductionResult::known_finite).
   bool check_finite = false;
+  /// This rank's micro-batch losses of the window, summed (a one-element
+  /// tensor on any device; undefined: 0). Written into the header on the
+  /// device, so no host synchronisation (Note [The window's loss rides in
+  /// the header]).
+  at::Tensor loss_sum;
 };
 
 /// What a completed reduction tells every rank alike.
@@ -94,6 +99,9 @@ struct ReductionResult {
   double global_weight = 0; ///< request weights summed over ranks
   int64_t flushing_ranks = 0; ///< ranks that closed a partial window with flush()
   int64_t joined_ranks = 0; ///< of them, ranks in Accumulator::join()
+  /// The request loss sums summed over ranks; none where digit-encoded meta
+  /// (a bf16/fp16 comm_dtype) cannot carry it.
+  std::optional<double> loss_sum;
   bool dropped = false; ///< the window was dropped on every rank (an error was raised)
   /// With `check_finite`: every gradient written back is finite and small
   /// enough that the window's total 2-norm is finite too, the same on every

@@ -266,11 +266,33 @@ class Accumulator:
                 "Accumulator was built without a process group, so it reduces nothing and each rank "
                 "would train alone. Build the Accumulator after init_process_group(), or pass "
                 "process_group=False to train each rank alone on purpose")
+        reported = None
         if _scaling(self.grad_scaler):
             # Scaled, and divided by steps so that fp16 sees the big batch's
-            # magnitudes; step() unscales and multiplies back.
-            loss = self.grad_scaler.scale(loss) / self.steps
-        self._c.backward(loss, None if num_items is None else float(num_items))
+            # magnitudes; step() unscales and multiplies back. window_loss
+            # reports the loss as given.
+            reported, loss = loss, self.grad_scaler.scale(loss) / self.steps
+        self._c.backward(loss, None if num_items is None else float(num_items), reported)
+
+    @property
+    def window_loss(self) -> Optional[torch.Tensor]:
+        """The last closed window's loss over every micro-batch of every rank,
+        weighted as its gradient: the mean of the micro-batch losses
+        (``"mean"``), total loss / total items (``"items"``), their sum
+        (``"sum"``). A 0-dim float64 tensor on the loss's device: reading it
+        forces no synchronisation (``float(acc.window_loss)`` does), and data
+        parallel it costs no extra collective (it rides in the bucket
+        header). Set by the window's closing ``backward()`` (or ``flush()``,
+        ``join()``) until the next window closes, so it can be read before or
+        after ``step()``; ``None`` before the first window closes and with a
+        bf16/fp16 ``comm_dtype``."""
+        return self._c.window_loss
+
+    @property
+    def window_items(self) -> float:
+        """The weight of the window ``window_loss`` describes, summed over
+        ranks: its items (``"items"``) or micro-batches (``"mean"``, ``"sum"``)."""
+        return self._c.window_items
 
     def step(self) -> bool:
         """At a closed window: clip, check, step the optimizer (and scheduler),

@@ -136,10 +136,17 @@ bool Accumulator::sync_gradients() const {
 }
 
 void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_items) {
+  backward(loss, num_items, at::Tensor());
+}
+
+void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported) {
   const CallGuard guard(driver_, "acc.backward()");
   // Every check comes before backward: a rejected call changes nothing.
   const double weight = check_micro_step(loss, num_items);
+  TORCH_CHECK_VALUE(!reported.defined() || reported.numel() == 1,
+      "gradaccum: acc.backward(): the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
   joined_epoch_ = false;
+  add_micro_loss(reported.defined() ? reported : loss); // Note [The window's loss rides in the header]
   // One look at the gradients serves the mid-window check here and, should
   // backward fail, the question whether it reached .grad.
   const auto before = grad_versions();
@@ -178,11 +185,14 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     }
     window_weight_ += weight;
     accumulate_wide();
+    window_loss_sum_ = pending_loss_sum_;
+    close_local_window_loss();
     scale_local_gradients();
   }
   ++stats_.micro_steps;
   micro_step_ = 0;
   window_weight_ = 0;
+  window_loss_sum_ = at::Tensor();
   window_ready_ = true;
   remember_gradients();
 }
@@ -261,6 +271,7 @@ void Accumulator::local_micro_step(const at::Tensor& scaled, double weight,
   window_weight_ += weight;
   ++micro_step_;
   ++stats_.micro_steps;
+  window_loss_sum_ = pending_loss_sum_;
   accumulate_wide();
   remember_gradients();
 }
@@ -284,6 +295,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
   request.weight = window_weight_ + weight;
   request.divide = options_.reduction() != Reduction::Sum;
   request.check_finite = reducer_checks_finite();
+  request.loss_sum = pending_loss_sum_;
   ReductionResult result;
   try {
     result = reducer_->backward(scaled, request);
@@ -296,6 +308,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
       ++stats_.micro_steps;
       micro_step_ = 0;
       window_weight_ = 0;
+      window_loss_sum_ = at::Tensor();
       window_ready_ = true;
       window_known_finite_ = false; // the write-back may not have finished here
       remember_gradients();
@@ -310,6 +323,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
   // shadowing: see Note [Joining]).
   epoch_ended_ = peers_ended_epoch(result);
   window_known_finite_ = result.known_finite;
+  close_window_loss(result, scaled);
 }
 
 void Accumulator::note_dropped_window(int64_t window) {
@@ -325,6 +339,7 @@ void Accumulator::reset_window() {
   window_ready_ = false;
   window_unscaled_ = false;
   window_weight_ = 0;
+  window_loss_sum_ = at::Tensor();
   window_failed_ = false;
   window_known_finite_ = false;
   remember_gradients();
@@ -376,8 +391,10 @@ bool Accumulator::flush() {
     if (micro_step_ == 0) {
       return stepped;
     }
+    close_local_window_loss();
     scale_local_gradients();
     micro_step_ = 0;
+    window_loss_sum_ = at::Tensor();
     window_ready_ = true;
     return finish_window();
   }
@@ -455,6 +472,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
   request.flushing = true;
   request.joined = joined;
   request.check_finite = reducer_checks_finite();
+  request.loss_sum = window_loss_sum_;
   ReductionResult result;
   try {
     result = reducer_->reduce(request);
@@ -467,8 +485,10 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
     reset_window(); // no rank had anything: no step anywhere
     return false;
   }
+  close_window_loss(result, window_loss_sum_);
   micro_step_ = 0;
   window_weight_ = 0;
+  window_loss_sum_ = at::Tensor();
   window_ready_ = true;
   window_known_finite_ = result.known_finite;
   remember_gradients(); // what the reducer checked, as step_window() compares
@@ -519,6 +539,10 @@ AccumulatorStats Accumulator::stats() const {
   if (loss_scaler_) {
     stats.loss_scale = loss_scaler_->scale();
   }
+  if (window_loss_.defined()) {
+    stats.window_loss = window_loss_.item<double>();
+  }
+  stats.window_items = window_items_;
   if (reducer_) {
     stats.reducer = reducer_->stats();
     stats.data_parallel = true;

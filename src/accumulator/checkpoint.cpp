@@ -325,6 +325,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_known_finite_ = false;
   epoch_ended_ = state.epoch_ended;
   joined_epoch_ = false;
+  window_loss_sum_ = at::Tensor(); // not in checkpoints: the resumed window's loss counts from here
   stats_.micro_steps = state.micro_steps;
   stats_.optimizer_steps = state.optimizer_steps;
   stats_.skipped_steps = state.skipped_steps;

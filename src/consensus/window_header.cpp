@@ -57,6 +57,7 @@ std::vector<double> encode_header(const ReductionRequest& request, int rank, con
   meta[kWeight] = aborting ? 0 : request.weight;
   meta[kFlushing] = request.flushing ? 1 : 0;
   meta[kJoined] = request.joined ? 1 : 0;
+  meta[kLoss] = 0; // launch_bucket() writes the loss on its device
   meta[kAbort] = aborting ? 1 : 0;
   meta[kAbortRank] = aborting ? rank : 0;
   meta[kAbortReason] = static_cast<double>(static_cast<int64_t>(request.abort));
@@ -103,6 +104,7 @@ Verdict read_headers(const std::vector<std::vector<double>>& summed, const Agree
   verdict.global_weight = last[kWeight];
   verdict.flushing_ranks = rounded(last[kFlushing]);
   verdict.joined_ranks = rounded(last[kJoined]);
+  verdict.loss_sum = last[kLoss];
   for (const auto b : c10::irange(summed.size())) {
     if (!all_equal(summed[b], kBucketIndex)) {
       verdict.error = mispaired(where, static_cast<int64_t>(b));

@@ -33,6 +33,7 @@ struct Verdict {
   double global_weight = 0; ///< kWeight summed: the window's divisor
   int64_t flushing_ranks = 0;
   int64_t joined_ranks = 0;
+  double loss_sum = 0;
   /// Why every rank drops the window ("" when no rank does): some rank
   /// dropped it, the collectives were mis-paired, or the ranks disagree.
   std::string error;

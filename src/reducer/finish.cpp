@@ -95,6 +95,9 @@ detail::Reduced Reducer::State::agree() {
   result.global_weight = verdict.global_weight;
   result.flushing_ranks = verdict.flushing_ranks;
   result.joined_ranks = verdict.joined_ranks;
+  if (buckets.all.back().encoding != MetaEncoding::kDigits) {
+    result.loss_sum = verdict.loss_sum;
+  }
   window.last_result = result;
   window.last_result.dropped = true; // until the consensus holds
   if (!verdict.error.empty()) {

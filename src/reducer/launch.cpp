@@ -110,6 +110,10 @@ void Reducer::State::launch_bucket(size_t index) {
     detail::compress(bucket, bucket.prescaled ? window.expected_weight : 1.0);
   }
   bucket.write_meta(meta);
+  if (window.request.loss_sum.defined() && bucket.encoding != MetaEncoding::kDigits) {
+    // Note [The window's loss rides in the header]: device to device.
+    bucket.meta.narrow(0, kLoss, 1).copy_(window.request.loss_sum.reshape({1}));
+  }
 
   std::vector<at::Tensor> tensors{bucket.wire};
   bucket.works.push_back(config.group->allreduce(tensors));

@@ -58,6 +58,8 @@ py::dict stats_to_dict(const AccumulatorStats& s) {
   d["windows"] = s.windows;
   d["last_grad_norm"] = s.last_grad_norm ? py::cast(*s.last_grad_norm) : py::none();
   d["loss_scale"] = s.loss_scale ? py::cast(*s.loss_scale) : py::none();
+  d["window_loss"] = s.window_loss ? py::cast(*s.window_loss) : py::none();
+  d["window_items"] = s.window_items;
   d["buckets"] = s.reducer.buckets;
   d["reductions"] = s.reducer.windows;
   d["dropped_windows"] = s.reducer.dropped_windows;
@@ -224,8 +226,15 @@ void init_accumulator(py::module_& m) {
            py::arg("accumulate_dtype"), py::arg("comm_dtype"), py::arg("error_feedback"),
            py::arg("optimizer_step"), py::arg("scheduler_step"),
            "See gradaccum.Accumulator.")
-      .def("backward", &Accumulator::backward, py::arg("loss"), py::arg("num_items") = py::none(),
+      .def("backward",
+           [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
+              std::optional<at::Tensor> reported) {
+             acc.backward(loss, num_items, reported.value_or(at::Tensor()));
+           },
+           py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
            release(), "Backward on one micro-batch's loss; counts the micro-step.")
+      .def_property_readonly("window_loss", &Accumulator::window_loss)
+      .def_property_readonly("window_items", &Accumulator::window_items)
       .def("step", &Accumulator::step, release(), "Optimizer step at a closed window.")
       .def("flush", &Accumulator::flush, release(), "Close a partial window and step.")
       .def("join", &Accumulator::join, release(), "End of this rank's data: shadow the others until all join.")

@@ -1,0 +1,61 @@
+// The window's loss: what the window's micro-batches scored, weighted as the
+// gradient, over every rank.
+#include <gradaccum/accumulator.h>
+
+#include <ATen/ATen.h>
+
+namespace gradaccum {
+
+// Note [The window's loss rides in the header]
+// A training loop logs a loss; under data parallel accumulation the one that
+// was optimised is the window's, over every micro-batch of every rank,
+// weighted as the gradient: the mean of the micro-batch losses (mean), total
+// loss over total items (items), or their sum (sum). Frameworks pay an extra
+// all-reduce and a host synchronisation for it, or log rank 0's number. Here
+// each rank keeps its window's loss sum on the loss's device (detached,
+// float64: no synchronisation), and the synchronising reduction writes it into
+// the header of every bucket on the device (kLoss), so the all-reduce that
+// already carries the weight sums it too: no extra collective. The reducer
+// reads the summed header to the host anyway, so the window's loss is known
+// when the window closes, divided by the same global weight as the gradient.
+// Digit-encoded meta (a bf16/fp16 comm_dtype) carries integers only: there
+// the window's loss is not available (None). One process: the local sum over
+// the window's weight, on the device.
+
+void Accumulator::add_micro_loss(const at::Tensor& loss) {
+  const auto value = loss.detach().to(at::kDouble).reshape({});
+  pending_loss_sum_ = window_loss_sum_.defined() ? window_loss_sum_ + value : value;
+}
+
+void Accumulator::close_window_loss(const ReductionResult& result, const at::Tensor& like) {
+  window_items_ = result.global_weight;
+  if (!result.loss_sum) {
+    window_loss_ = at::Tensor();
+    return;
+  }
+  const bool divide = options_.reduction() != Reduction::Sum && result.global_weight > 0;
+  const double value = *result.loss_sum / (divide ? result.global_weight : 1.0);
+  window_loss_ = at::scalar_tensor(value, at::TensorOptions().dtype(at::kDouble));
+  if (like.defined() && !like.device().is_cpu()) {
+    window_loss_ = window_loss_.to(like.device(), /*non_blocking=*/true);
+  }
+}
+
+void Accumulator::close_local_window_loss() {
+  window_items_ = window_weight_;
+  if (!window_loss_sum_.defined()) {
+    window_loss_ = at::Tensor();
+    return;
+  }
+  const bool divide = options_.reduction() != Reduction::Sum && window_weight_ > 0;
+  window_loss_ = divide ? window_loss_sum_ / window_weight_ : window_loss_sum_.clone();
+}
+
+std::optional<at::Tensor> Accumulator::window_loss() const {
+  if (!window_loss_.defined()) {
+    return std::nullopt;
+  }
+  return window_loss_;
+}
+
+} // namespace gradaccum

@@ -1,0 +1,56 @@
+"""acc.window_loss: the window's loss over every micro-batch of every rank,
+weighted as its gradient, at no extra collective (Note [The window's loss
+rides in the header]), against one process's big-batch loss in float64."""
+import pytest
+import torch
+
+import _dist_utils as du
+import _loss_jobs as lj
+import gradaccum
+
+M = "_loss_jobs"
+
+
+def run(name, world_size, tmp_path, **kwargs):
+    return du.run_job(name, world_size, tmp_path / name, module=M, timeout=180, pg_timeout=30, **kwargs)
+
+
+@pytest.mark.parametrize("world_size,reduction", [(1, "mean"), (1, "items"), (2, "mean"), (2, "items"),
+                                                  (2, "sum"), (4, "items")])
+def test_window_loss_is_the_big_batch_loss(tmp_path, world_size, reduction):
+    n_windows, last = 3, 2  # and a partial last window (flush)
+    results = run("window_losses", world_size, tmp_path, seed=6, n_windows=n_windows, last=last,
+                  reduction=reduction)
+    expected = lj.reference(6, world_size, n_windows, last, reduction)
+    for rank, res in enumerate(results):
+        assert res["before_first"] is None
+        for w, (got, want) in enumerate(zip(res["losses"], expected)):
+            assert abs(got - want) <= 1e-12 * max(1.0, abs(want)), (rank, w, got, want)
+        assert res["stats_loss"] == res["losses"][-1]
+        assert res["mid"].dtype == torch.float64 and res["mid"].dim() == 0
+        if reduction != "items":  # micro-batches over all ranks
+            assert res["items"] == [world_size * lj.STEPS] * n_windows + [world_size * last], res["items"]
+        if world_size > 1:
+            # one all-reduce per bucket per window: the loss costs nothing
+            assert res["collectives"] == [res["buckets"]] * (n_windows + 1), res["collectives"]
+
+
+def test_a_half_precision_wire_has_no_window_loss(tmp_path):
+    (res, _) = run("window_losses", 2, tmp_path, seed=6, n_windows=1, last=0, reduction="mean",
+                   comm_dtype="bfloat16")
+    assert res["losses"] == [None]
+
+
+def test_window_loss_reports_the_loss_a_grad_scaler_scales():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    acc = gradaccum.Accumulator(model, opt, steps=2, grad_scaler=scaler)
+    xs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+    losses = [model(x).pow(2).mean() for x in xs]
+    for loss in losses:
+        acc.backward(loss)
+    assert abs(float(acc.window_loss) - sum(l.item() for l in losses) / 2) <= 1e-15
+    acc.step()
+    acc.close()
