@@ -27,8 +27,10 @@ NonFinite nonfinite_from_string(const std::string& name) {
   if (name == "skip") return NonFinite::Skip;
   if (name == "raise") return NonFinite::Raise;
   if (name == "ignore") return NonFinite::Ignore;
+  if (name == "skip_micro_batch") return NonFinite::SkipMicroBatch;
   TORCH_CHECK_VALUE(false,
-      "gradaccum: Accumulator(): invalid nonfinite: '", name, "' (expected 'skip', 'raise' or 'ignore')");
+      "gradaccum: Accumulator(): invalid nonfinite: '", name,
+      "' (expected 'skip', 'raise', 'ignore' or 'skip_micro_batch')");
 }
 
 std::string to_string(NonFinite mode) {
@@ -36,6 +38,7 @@ std::string to_string(NonFinite mode) {
     case NonFinite::Skip: return "skip";
     case NonFinite::Raise: return "raise";
     case NonFinite::Ignore: return "ignore";
+    case NonFinite::SkipMicroBatch: return "skip_micro_batch";
   }
   TORCH_INTERNAL_ASSERT(false, "unknown NonFinite");
 }

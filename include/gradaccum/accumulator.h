@@ -61,7 +61,8 @@ struct ModelParameters {
 struct AccumulatorStats {
   int64_t micro_steps = 0; ///< backward() calls
   int64_t optimizer_steps = 0; ///< real optimizer steps
-  int64_t skipped_steps = 0; ///< windows dropped for non-finite gradients
+  int64_t skipped_steps = 0; ///< windows dropped for non-finite gradients (or no items anywhere)
+  int64_t skipped_micro_batches = 0; ///< left out by nonfinite="skip_micro_batch"
   int64_t windows = 0; ///< windows closed (stepped or skipped)
   std::optional<double> last_grad_norm; ///< total norm at the last boundary, if computed
   std::optional<double> loss_scale; ///< the loss scaler's current scale, if any
@@ -362,6 +363,9 @@ class Accumulator {
   double window_items_ = 0;
   /// The reducer found the closed window's gradient finite as it wrote it back.
   bool window_known_finite_ = false;
+  /// The closed window's weight is 0 on every rank (every micro-batch left
+  /// out, or no items anywhere): step_window() skips it.
+  bool window_empty_ = false;
   AccumulatorStats stats_;
   /// Frozen when built: an error if one becomes trainable (it would be untracked).
   std::vector<std::pair<std::string, at::Tensor>> frozen_;

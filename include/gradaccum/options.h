@@ -28,12 +28,17 @@ enum class NonFinite {
   Raise,
   /// Step anyway (no check, no host synchronisation).
   Ignore,
+  /// Leave out each micro-batch whose loss is not finite: no backward, its
+  /// weight not counted (a host synchronisation per micro-batch to read the
+  /// loss); the window is the mean over the micro-batches kept, on every rank
+  /// alike. A window gradient that is still not finite is skipped as by Skip.
+  SkipMicroBatch,
 };
 
 /// Parses "mean" / "sum" / "items"; throws a ValueError-style error otherwise.
 Reduction reduction_from_string(const std::string& name);
 std::string to_string(Reduction reduction);
-/// Parses "skip" / "raise" / "ignore".
+/// Parses "skip" / "raise" / "ignore" / "skip_micro_batch".
 NonFinite nonfinite_from_string(const std::string& name);
 std::string to_string(NonFinite mode);
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 _REDUCTIONS = ("mean", "sum", "items")
-_NONFINITE = ("skip", "raise", "ignore")
+_NONFINITE = ("skip", "raise", "ignore", "skip_micro_batch")
 
 
 def _wrapper_classes():

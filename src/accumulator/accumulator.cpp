@@ -142,11 +142,23 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
 void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported) {
   const CallGuard guard(driver_, "acc.backward()");
   // Every check comes before backward: a rejected call changes nothing.
-  const double weight = check_micro_step(loss, num_items);
+  double weight = check_micro_step(loss, num_items);
   TORCH_CHECK_VALUE(!reported.defined() || reported.numel() == 1,
       "gradaccum: acc.backward(): the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
   joined_epoch_ = false;
-  add_micro_loss(reported.defined() ? reported : loss); // Note [The window's loss rides in the header]
+  const auto& value = reported.defined() ? reported : loss;
+  // nonfinite="skip_micro_batch": a non-finite loss is left out of the window
+  // (no backward, no weight); the micro-step still counts, so that every rank
+  // closes its windows together (a host read of the loss).
+  const bool keep = options_.nonfinite() != NonFinite::SkipMicroBatch ||
+      std::isfinite(value.detach().to(at::kDouble).item<double>());
+  if (keep) {
+    add_micro_loss(value); // Note [The window's loss rides in the header]
+  } else {
+    weight = 0;
+    pending_loss_sum_ = window_loss_sum_;
+    ++stats_.skipped_micro_batches;
+  }
   // One look at the gradients serves the mid-window check here and, should
   // backward fail, the question whether it reached .grad.
   const auto before = grad_versions();
@@ -167,7 +179,8 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
   }
   // With the built-in loss scaler: scaled, and by 1/steps so that fp16 sees the
   // big batch's magnitudes; its unscale() undoes both at the window's end.
-  const at::Tensor scaled = loss_scaler_ ? loss_scaler_->scale_loss(loss, options_.steps()) : loss;
+  // Undefined for a micro-batch left out: no backward.
+  const at::Tensor scaled = !keep ? at::Tensor() : loss_scaler_ ? loss_scaler_->scale_loss(loss, options_.steps()) : loss;
   if (!sync_gradients()) {
     local_micro_step(scaled, weight, before);
     return;
@@ -176,7 +189,9 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     reduce_window(scaled, weight);
   } else {
     try {
-      scaled.backward();
+      if (scaled.defined()) {
+        scaled.backward();
+      }
     } catch (...) {
       if (grad_versions() != before) {
         reset_window();
@@ -184,6 +199,7 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
       throw;
     }
     window_weight_ += weight;
+    window_empty_ = window_weight_ == 0;
     accumulate_wide();
     window_loss_sum_ = pending_loss_sum_;
     close_local_window_loss();
@@ -216,8 +232,10 @@ double Accumulator::check_micro_step(const at::Tensor& loss, std::optional<doubl
   if (options_.reduction() == Reduction::Items) {
     TORCH_CHECK_VALUE(num_items.has_value(),
         "gradaccum: acc.backward(): num_items is required with reduction='items'");
-    TORCH_CHECK_VALUE(std::isfinite(*num_items) && *num_items > 0,
-        "gradaccum: acc.backward(): num_items must be a positive number, got ", *num_items);
+    // 0: a micro-batch with no valid item (all prompt); its loss carries no
+    // gradient, and a window with no items on any rank steps nothing.
+    TORCH_CHECK_VALUE(std::isfinite(*num_items) && *num_items >= 0,
+        "gradaccum: acc.backward(): num_items must be a number >= 0, got ", *num_items);
     weight = *num_items;
   } else {
     TORCH_CHECK_VALUE(!num_items.has_value(),
@@ -252,7 +270,9 @@ void Accumulator::local_micro_step(const at::Tensor& scaled, double weight,
                                    const std::vector<GradMark>& before) {
   NoSync local(reducer_.get());
   try {
-    scaled.backward();
+    if (scaled.defined()) {
+      scaled.backward();
+    }
   } catch (...) {
     if (reducer_) {
       // The window can no longer be what the other ranks expect: it is
@@ -298,7 +318,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
   request.loss_sum = pending_loss_sum_;
   ReductionResult result;
   try {
-    result = reducer_->backward(scaled, request);
+    result = scaled.defined() ? reducer_->backward(scaled, request) : reducer_->reduce(request);
   } catch (...) {
     const auto last = reducer_->last_result();
     if (last.window == window && !last.dropped) {
@@ -323,7 +343,8 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
   // shadowing: see Note [Joining]).
   epoch_ended_ = peers_ended_epoch(result);
   window_known_finite_ = result.known_finite;
-  close_window_loss(result, scaled);
+  window_empty_ = result.global_weight == 0;
+  close_window_loss(result, pending_loss_sum_);
 }
 
 void Accumulator::note_dropped_window(int64_t window) {
@@ -342,6 +363,7 @@ void Accumulator::reset_window() {
   window_loss_sum_ = at::Tensor();
   window_failed_ = false;
   window_known_finite_ = false;
+  window_empty_ = false;
   remember_gradients();
 }
 
@@ -392,6 +414,7 @@ bool Accumulator::flush() {
       return stepped;
     }
     close_local_window_loss();
+    window_empty_ = window_weight_ == 0;
     scale_local_gradients();
     micro_step_ = 0;
     window_loss_sum_ = at::Tensor();

@@ -323,6 +323,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_failed_ = false;
   window_unscaled_ = false;
   window_known_finite_ = false;
+  window_empty_ = false; // a restored closed window steps as saved
   epoch_ended_ = state.epoch_ended;
   joined_epoch_ = false;
   window_loss_sum_ = at::Tensor(); // not in checkpoints: the resumed window's loss counts from here

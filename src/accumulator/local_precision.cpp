@@ -26,7 +26,8 @@ void Accumulator::accumulate_wide() {
 }
 
 void Accumulator::scale_local_gradients() {
-  const bool divide = options_.reduction() != Reduction::Sum && window_weight_ != 1.0;
+  // A window of weight 0 (nothing kept, no items) is skipped unstepped.
+  const bool divide = options_.reduction() != Reduction::Sum && window_weight_ != 1.0 && window_weight_ > 0;
   if (wide_) {
     // The window's gradient, rounded once to the parameters' dtype.
     wide_->write_back(params_, divide ? std::optional<double>(window_weight_) : std::nullopt);

@@ -30,6 +30,7 @@ bool Accumulator::finish_window() {
   // A retry of step() after a failure past the unscale: the scaler already
   // unscaled this window's gradient and closed its window (see below).
   const bool retry = window_unscaled_;
+  const bool empty = window_empty_; // skipped before any callback: none closes
   before_step_ran_ = false;
   raised_alike_ = false;
   bool stepped = false;
@@ -50,7 +51,7 @@ bool Accumulator::finish_window() {
     }
     throw;
   }
-  if (after_window_ && !retry) {
+  if (after_window_ && !retry && !empty) {
     after_window_(); // once per closed window, stepped or skipped
   }
   return stepped;
@@ -79,6 +80,14 @@ bool Accumulator::step_window() {
     TORCH_CHECK(!params_[i].grad().defined() || !params_[i].grad().is_sparse(),
         "gradaccum: acc.step(): ", names_[i], " has a sparse gradient (Embedding(sparse=True)?); gradaccum "
         "supports dense gradients only: use sparse=False");
+  }
+  if (window_empty_) {
+    // No micro-batch kept and no item on any rank (the same on every rank):
+    // nothing to step.
+    ++stats_.skipped_steps;
+    ++stats_.windows;
+    zero_grad();
+    return false;
   }
   if (!window_unscaled_) {
     before_step_ran_ = static_cast<bool>(before_step_);

@@ -239,8 +239,8 @@ TEST_CASE("bad input is rejected and leaves accumulated gradients alone", "[accu
   for (auto& p : model->parameters()) grads.push_back(p.grad().clone());
 
   CHECK_THROWS_WITH(acc.backward(model->forward(x).sum()), Catch::Contains("num_items is required"));
-  CHECK_THROWS_WITH(acc.backward(model->forward(x).sum(), 0.0), Catch::Contains("num_items must be a positive"));
-  CHECK_THROWS_WITH(acc.backward(model->forward(x).sum(), -1.0), Catch::Contains("num_items must be a positive"));
+  CHECK_THROWS_WITH(acc.backward(model->forward(x).sum(), -1.0), Catch::Contains("num_items must be a number >= 0"));
+  CHECK_THROWS_WITH(acc.backward(model->forward(x).sum(), std::nan("")), Catch::Contains("num_items must be a number >= 0"));
   CHECK_THROWS_WITH(acc.backward(model->forward(x), 1.0), Catch::Contains("loss must be a scalar"));
   CHECK_THROWS_WITH(acc.backward(torch::ones({}), 1.0), Catch::Contains("does not require grad"));
   CHECK_THROWS_WITH(acc.backward(at::Tensor(), 1.0), Catch::Contains("undefined"));

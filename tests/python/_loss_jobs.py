@@ -57,3 +57,55 @@ def window_losses(rank, world_size, *, seed, n_windows, last, reduction, comm_dt
     out["stats_loss"] = acc.stats()["window_loss"]
     acc.close()
     return out
+
+
+def bad_schedule(seed, world_size, n_windows, nan_at=(), empty_at=()):
+    """Full windows; micro-batches at (window, rank, k) in `nan_at` get a NaN
+    loss, those in `empty_at` no valid item (mask all False)."""
+    windows = du.make_windows(seed, du.full_counts(n_windows, world_size, STEPS), 2)
+    for (w, r, k) in empty_at:
+        x, y, mask = windows[w][r][k]
+        windows[w][r][k] = (x, y, mask & False)
+    return windows
+
+
+def bad_reference(seed, world_size, n_windows, reduction, nan_at=(), empty_at=()):
+    """One process: each window's big batch over the micro-batches kept (a NaN
+    one left out; an empty one holds no item); a window with nothing steps not."""
+    model = du.mlp(seed)
+    opt = du.make_optimizer("adam", model.parameters())
+    skipped = 0
+    for w, window in enumerate(bad_schedule(seed, world_size, n_windows, nan_at, empty_at)):
+        kept = [[b for k, b in enumerate(micro) if (w, r, k) not in nan_at] for r, micro in enumerate(window)]
+        if sum(len(m) for m in kept) == 0 or (reduction == "items" and
+                                              sum(int(b[2].sum()) for m in kept for b in m) == 0):
+            skipped += 1
+            continue
+        du.global_batch_loss(model, kept, reduction).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return du.params(model), skipped
+
+
+@job
+def bad_micro_batches(rank, world_size, *, seed, n_windows, reduction, nan_at=(), empty_at=()):
+    import gradaccum
+
+    nan_at = {tuple(t) for t in nan_at}
+    empty_at = {tuple(t) for t in empty_at}
+    model = du.mlp(seed)
+    opt = du.make_optimizer("adam", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction, nonfinite="skip_micro_batch",
+                                process_group=None if world_size > 1 else False)
+    stepped = []
+    for w, window in enumerate(bad_schedule(seed, world_size, n_windows, nan_at, empty_at)):
+        for k, batch in enumerate(window[rank]):
+            loss, n = du.micro_loss(model, batch, reduction)
+            if (w, rank, k) in nan_at:
+                loss = loss * float("nan")
+            acc.backward(loss, num_items=n)
+            if acc.window_ready:
+                stepped.append(acc.step())
+    out = {"params": du.params(model), "stats": acc.stats(), "stepped": stepped}
+    acc.close()
+    return out

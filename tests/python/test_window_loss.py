@@ -54,3 +54,34 @@ def test_window_loss_reports_the_loss_a_grad_scaler_scales():
     assert abs(float(acc.window_loss) - sum(l.item() for l in losses) / 2) <= 1e-15
     acc.step()
     acc.close()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_skip_micro_batch_leaves_out_only_the_bad_micro_batch(tmp_path, world_size):
+    # a NaN on the last rank in window 1 (a no_sync micro-step), and on rank 0
+    # in window 2's synchronising micro-step; window 3: every micro-batch NaN
+    last = world_size - 1
+    nan_at = [(1, last, 0), (2, 0, lj.STEPS - 1)] + [(3, r, k) for r in range(world_size) for k in range(lj.STEPS)]
+    results = run("bad_micro_batches", world_size, tmp_path, seed=9, n_windows=4, reduction="mean", nan_at=nan_at)
+    expected, skipped = lj.bad_reference(9, world_size, 4, "mean", nan_at={tuple(t) for t in nan_at})
+    assert skipped == 1
+    for rank, res in enumerate(results):
+        for i, (a, e) in enumerate(zip(res["params"], expected)):
+            assert (a - e).abs().max().item() <= 1e-12, (rank, i)
+        assert res["stepped"] == [True, True, True, False]
+        mine = sum(1 for (w, r, k) in nan_at if r == rank)
+        assert res["stats"]["skipped_micro_batches"] == mine
+        assert res["stats"]["skipped_steps"] == 1 and res["stats"]["optimizer_steps"] == 3
+
+
+def test_micro_batches_with_no_items_count_for_nothing(tmp_path):
+    # rank 1 has no valid item in all of window 1; window 2 has none anywhere
+    empty_at = [(1, 1, k) for k in range(lj.STEPS)] + [(2, r, k) for r in range(2) for k in range(lj.STEPS)]
+    results = run("bad_micro_batches", 2, tmp_path, seed=10, n_windows=4, reduction="items", empty_at=empty_at)
+    expected, skipped = lj.bad_reference(10, 2, 4, "items", empty_at={tuple(t) for t in empty_at})
+    assert skipped == 1
+    for rank, res in enumerate(results):
+        for i, (a, e) in enumerate(zip(res["params"], expected)):
+            assert (a - e).abs().max().item() <= 1e-12, (rank, i)
+        assert res["stepped"] == [True, True, False, True]
+        assert res["stats"]["skipped_steps"] == 1 and res["stats"]["dropped_windows"] == 0

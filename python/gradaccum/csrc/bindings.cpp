@@ -55,6 +55,7 @@ py::dict stats_to_dict(const AccumulatorStats& s) {
   d["micro_steps"] = s.micro_steps;
   d["optimizer_steps"] = s.optimizer_steps;
   d["skipped_steps"] = s.skipped_steps;
+  d["skipped_micro_batches"] = s.skipped_micro_batches;
   d["windows"] = s.windows;
   d["last_grad_norm"] = s.last_grad_norm ? py::cast(*s.last_grad_norm) : py::none();
   d["loss_scale"] = s.loss_scale ? py::cast(*s.loss_scale) : py::none();
