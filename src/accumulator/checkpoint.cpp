@@ -187,19 +187,20 @@ void Accumulator::copy_window_into(AccumulatorState& state) const {
   }
 }
 
-void Accumulator::check_loadable(const AccumulatorState& state) const {
-  const int64_t world = reducer_ ? reducer_->process_group()->getSize() : 1;
-  const int64_t rank = reducer_ ? reducer_->process_group()->getRank() : 0;
+namespace {
+
+// Whether `state` fits this shape: steps, reduction, world size and rank.
+void check_shape(const AccumulatorState& state, const AccumulatorOptions& options, int64_t world, int64_t rank) {
   // See Note [Resuming on another shape].
   const bool boundary = state.micro_step == 0 && !state.window_ready;
-  TORCH_CHECK_VALUE(state.steps == options_.steps() || boundary,
+  TORCH_CHECK_VALUE(state.steps == options.steps() || boundary,
       "gradaccum: acc.load_state_dict(): the state was saved with steps=", state.steps,
       " in the middle of a window (micro_step=", state.micro_step, state.window_ready ? ", closed, not yet stepped" : "",
-      ") but this Accumulator has steps=", options_.steps(), "; resume with steps=", state.steps,
+      ") but this Accumulator has steps=", options.steps(), "; resume with steps=", state.steps,
       ", or save at a window boundary (after acc.step() returned True) to change steps");
-  TORCH_CHECK_VALUE(state.reduction == options_.reduction(),
+  TORCH_CHECK_VALUE(state.reduction == options.reduction(),
       "gradaccum: acc.load_state_dict(): the state was saved with reduction='", to_string(state.reduction),
-      "' but this Accumulator has reduction='", to_string(options_.reduction()), "'");
+      "' but this Accumulator has reduction='", to_string(options.reduction()), "'");
   TORCH_CHECK_VALUE(state.world_size >= 1 && state.rank >= 0 && state.rank < state.world_size,
       "gradaccum: acc.load_state_dict(): rank=", state.rank, " and world_size=", state.world_size,
       " do not describe a rank of a group");
@@ -225,6 +226,14 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
         "False)) but this is rank ", rank, "; save with acc.state_dict() (rank-independent) to load "
         "one rank's state on every rank");
   }
+}
+
+} // namespace
+
+void Accumulator::check_loadable(const AccumulatorState& state) const {
+  const int64_t world = reducer_ ? reducer_->process_group()->getSize() : 1;
+  const int64_t rank = reducer_ ? reducer_->process_group()->getRank() : 0;
+  check_shape(state, options_, world, rank);
   TORCH_CHECK_VALUE(state.micro_step >= 0 && state.micro_step < options_.steps(),
       "gradaccum: acc.load_state_dict(): micro_step=", state.micro_step, " is outside [0, ", options_.steps(), ")");
   TORCH_CHECK_VALUE(!state.window_ready || state.micro_step == 0,
