@@ -99,7 +99,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         acc.step()
         # The window's mean loss over every rank's micro-batches: it rode in
         # the gradient all-reduce's header, no collective of its own.
-        final_loss = float(acc.window_loss)
+        window_loss = acc.window_loss
+        assert window_loss is not None  # float32 parameters: the header carries it
+        final_loss = float(window_loss)
         if rank == 0:
             print(f"window {w:3d}  loss {final_loss:.6f}  all-reduces {stats['last_window_collectives']}"
                   f"  bytes {stats['last_window_bytes']}", flush=True)

@@ -13,9 +13,9 @@ each loads the last checkpoint and goes on from the next window. The data of
 window w is a function of w alone: a global batch of `--global-micro`
 micro-batches, rank r taking every WORLD_SIZE-th one from r, so K =
 global-micro / WORLD_SIZE. The global batch is then the same on any number of
-ranks, and a restart on fewer ranks (an elastic `--nnodes=1:2` job that lost a
-node) resumes at the boundary with a larger K (Note [Resuming on another
-shape]).
+ranks, and a job relaunched on fewer ranks resumes at the boundary with a
+larger K (Note [Resuming on another shape]). One node: the store prefix comes
+from TORCHELASTIC_RESTART_COUNT, which each agent counts on its own.
 
 Rendezvous: `--rdzv-backend=c10d` with a fixed endpoint. Each restart is a new
 rendezvous round on the agent's store, and the ranks take their process group
@@ -32,11 +32,12 @@ import os
 import signal
 import sys
 from datetime import timedelta
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 import gradaccum
 
@@ -62,16 +63,17 @@ def make_model(seed: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
 
 
-def micro_batch(seed: int, window: int, index: int, rows: int):
+def micro_batch(seed: int, window: int, index: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Micro-batch `index` of window `window`: the same on any number of ranks."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + window * 1009 + index)
     return torch.randn(rows, 6, generator=g, dtype=torch.float64), torch.randn(rows, 3, generator=g,
                                                                               dtype=torch.float64)
 
 
-def loss_of(model: nn.Module, batch) -> torch.Tensor:
+def loss_of(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
-    return (model(x) - y).pow(2).mean()
+    out: torch.Tensor = model(x)
+    return (out - y).pow(2).mean()
 
 
 def reference(args: argparse.Namespace) -> List[torch.Tensor]:
@@ -82,13 +84,13 @@ def reference(args: argparse.Namespace) -> List[torch.Tensor]:
         batches = [micro_batch(args.seed, w, i, args.micro_batch) for i in range(args.global_micro)]
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
-        loss_of(model, (x, y)).backward()
+        torch.autograd.backward(loss_of(model, (x, y)))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return [p.detach().clone() for p in model.parameters()]
 
 
-def save_atomically(state: dict, path: str) -> None:
+def save_atomically(state: Dict[str, Any], path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -104,10 +106,10 @@ def init_group() -> None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group("gloo", timeout=timeout)
         return
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"gradaccum/attempt_{attempt}", store),
+    dist.init_process_group("gloo", store=PrefixStore(f"gradaccum/attempt_{attempt}", store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                             timeout=timeout)
 

@@ -225,7 +225,7 @@ class Accumulator {
   /// has called join(); every rank returns from the same reduction. Active
   /// ranks pay no extra collective. Data parallel: every rank must end with
   /// join() (not flush()). One process: flush(). Returns the optimizer steps
-  /// taken. A flush() right after it is a no-op.
+  /// taken.
   int64_t join();
   /// Takes the model's trainable set again after `requires_grad` changed
   /// (fine-tuning unfreezes a backbone), at a window boundary only, before the
@@ -243,7 +243,9 @@ class Accumulator {
   /// host synchronisation and no extra collective (Note [The window's loss
   /// rides in the header] in src/accumulator/window_loss.cpp). From the
   /// window's closing backward (or flush) until the next window closes; none
-  /// before the first, or with a bf16/fp16 comm_dtype.
+  /// before the first, on a bf16/fp16 wire (comm_dtype, or such parameters
+  /// without accumulate_dtype), for a window of weight 0, and for the window
+  /// a mid-window checkpoint cut.
   std::optional<at::Tensor> window_loss() const;
   /// That window's weight summed over ranks: its items ("items") or
   /// micro-batches ("mean", "sum"). 0 before the first window closes.
@@ -353,14 +355,14 @@ class Accumulator {
   /// This rank's last window was reduced with other ranks' flush(): the epoch
   /// is over, and this rank's flush() steps nothing and reduces nothing.
   bool epoch_ended_ = false;
-  /// join() returned and nothing happened since: a flush() has nothing to close.
-  bool joined_epoch_ = false;
   /// The window's micro-batch losses so far (float64, on their device), and
   /// with the current micro-step's; the last closed window's loss and weight.
   at::Tensor window_loss_sum_;
   at::Tensor pending_loss_sum_;
   at::Tensor window_loss_;
   double window_items_ = 0;
+  /// This window was resumed mid-way from a checkpoint: its loss is unknown.
+  bool window_loss_cut_ = false;
   /// The reducer found the closed window's gradient finite as it wrote it back.
   bool window_known_finite_ = false;
   /// The closed window's weight is 0 on every rank (every micro-batch left

@@ -284,8 +284,10 @@ class Accumulator:
         parallel it costs no extra collective (it rides in the bucket
         header). Set by the window's closing ``backward()`` (or ``flush()``,
         ``join()``) until the next window closes, so it can be read before or
-        after ``step()``; ``None`` before the first window closes and with a
-        bf16/fp16 ``comm_dtype``."""
+        after ``step()``; ``None`` before the first window closes, on a
+        bf16/fp16 wire (``comm_dtype``, or such parameters without
+        ``accumulate_dtype``), for a window with no weight, and for the window a
+        mid-window checkpoint cut (the losses before the save are not in it)."""
         return self._c.window_loss
 
     @property
@@ -319,9 +321,10 @@ class Accumulator:
         left its block; every rank leaves at the same reduction, so a failure
         on any rank reaches all of them. The result is the exact mean of the
         data that exists. Ranks with data pay no extra collective. Data
-        parallel, every rank ends its data this way (not with ``flush()``); a
-        ``flush()`` right after is a no-op. An exception leaves the block at
-        once, as without it."""
+        parallel, every rank ends its data this way (not with ``flush()``: a
+        mix is an error on every rank); the epoch's windows are then closed,
+        no ``flush()`` is needed. An exception leaves the block at once, as
+        without it. Buffers are not broadcast while some ranks have joined."""
         yield
         self._c.join()
 

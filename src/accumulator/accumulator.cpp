@@ -145,7 +145,6 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
   double weight = check_micro_step(loss, num_items);
   TORCH_CHECK_VALUE(!reported.defined() || reported.numel() == 1,
       "gradaccum: acc.backward(): the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
-  joined_epoch_ = false;
   const auto& value = reported.defined() ? reported : loss;
   // nonfinite="skip_micro_batch": a non-finite loss is left out of the window
   // (no backward, no weight); the micro-step still counts, so that every rank
@@ -325,6 +324,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
       // Reduced on every rank; something failed on this rank afterwards.
       // The window stays closed, as on the other ranks.
       epoch_ended_ = peers_ended_epoch(last);
+      window_empty_ = last.global_weight == 0;
       ++stats_.micro_steps;
       micro_step_ = 0;
       window_weight_ = 0;
@@ -341,6 +341,15 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
   // A full window reduced with others' partial ones: their epoch is over,
   // and this rank's flush() must not reduce again (ranks in join() go on
   // shadowing: see Note [Joining]).
+  if (result.joined_ranks > 0 && peers_ended_epoch(result)) {
+    // Some ranks flushed while others joined (Note [Joining]): they raise;
+    // so does this rank, instead of waiting for them in its next window.
+    reset_window();
+    TORCH_CHECK(false, "gradaccum: acc.backward(): in window ", result.window, " ",
+        result.flushing_ranks - result.joined_ranks, " rank(s) ended their data with acc.flush() while ",
+        result.joined_ranks, " rank(s) were in acc.join(); the window was dropped on every rank. End the data "
+        "with acc.join() on every rank (any difference in data), or acc.flush() on every rank");
+  }
   epoch_ended_ = peers_ended_epoch(result);
   window_known_finite_ = result.known_finite;
   window_empty_ = result.global_weight == 0;
@@ -355,6 +364,7 @@ void Accumulator::note_dropped_window(int64_t window) {
 }
 
 void Accumulator::reset_window() {
+  window_loss_cut_ = false;
   clear_gradients();
   micro_step_ = 0;
   window_ready_ = false;
@@ -420,12 +430,6 @@ bool Accumulator::flush() {
     window_loss_sum_ = at::Tensor();
     window_ready_ = true;
     return finish_window();
-  }
-  if (joined_epoch_ && micro_step_ == 0 && !window_ready_) {
-    // Right after join(), which every rank left at the same reduction: the
-    // epoch's windows are closed everywhere; no collective to pair.
-    joined_epoch_ = false;
-    return stepped;
   }
   if (epoch_ended_) {
     // This rank's last window was already reduced together with the other

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -258,10 +259,15 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
   TORCH_CHECK_VALUE(state.micro_steps >= 0 && state.optimizer_steps >= 0 &&
           state.skipped_steps >= 0 && state.windows >= 0 && state.reducer_sequence >= 0,
       "gradaccum: acc.load_state_dict(): counters must be >= 0");
-  TORCH_CHECK_VALUE(state.grads.size() == params_.size(),
+  // At a boundary a state holds no gradient, so it fits another trainable set
+  // too (a fine-tuning run saved after unfreezing, resumed frozen: Note
+  // [Refreshing the parameters]).
+  const bool no_gradient = std::none_of(state.grads.begin(), state.grads.end(),
+                                        [](const at::Tensor& g) { return g.defined(); });
+  TORCH_CHECK_VALUE(state.grads.size() == params_.size() || (no_gradient && state.micro_step == 0),
       "gradaccum: acc.load_state_dict(): the state holds ", state.grads.size(),
       " gradients but the model has ", params_.size(), " trainable parameters");
-  for (const auto i : c10::irange(params_.size())) {
+  for (const auto i : c10::irange(std::min(params_.size(), state.grads.size()))) {
     const auto& g = state.grads[i];
     if (g.defined()) {
       // Mid-window, a parameter summed in accumulate_dtype takes its sum in
@@ -298,7 +304,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
     at::NoGradGuard no_grad;
     std::vector<size_t> restored;
     for (const auto i : c10::irange(params_.size())) {
-      const auto g = !state.grads[i].defined() || share == 0.0 ? at::Tensor()
+      const auto g = i >= state.grads.size() || !state.grads[i].defined() || share == 0.0 ? at::Tensor()
           : share == 1.0 ? state.grads[i] : state.grads[i].mul(share);
       if (!g.defined()) {
         if (state.window_ready) {
@@ -334,8 +340,12 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_known_finite_ = false;
   window_empty_ = false; // a restored closed window steps as saved
   epoch_ended_ = state.epoch_ended;
-  joined_epoch_ = false;
-  window_loss_sum_ = at::Tensor(); // not in checkpoints: the resumed window's loss counts from here
+  // Not in checkpoints: the loss of a window cut by the save is not known
+  // (window_loss is None for it); the last closed window's is gone too.
+  window_loss_sum_ = at::Tensor();
+  window_loss_cut_ = state.micro_step > 0;
+  window_loss_ = at::Tensor();
+  window_items_ = 0;
   stats_.micro_steps = state.micro_steps;
   stats_.optimizer_steps = state.optimizer_steps;
   stats_.skipped_steps = state.skipped_steps;

@@ -56,13 +56,32 @@ int64_t Accumulator::join() {
   }
   const auto world = reducer_->process_group()->getSize();
   for (;;) {
-    stepped += reduce_partial_window(local_failure, /*joined=*/true) ? 1 : 0;
+    const auto window = reducer_->progress().sequence;
+    try {
+      stepped += reduce_partial_window(local_failure, /*joined=*/true) ? 1 : 0;
+    } catch (const std::exception& e) {
+      // Reduced on every rank, then stepping it failed here only (the
+      // optimizer, a hook, the scaler): the peers with data go on to their
+      // next window. Keep pairing and drop that one on every rank, naming
+      // this failure, as flush() does. Anything else raised alike everywhere.
+      const auto last = reducer_->last_result();
+      const bool here_only = last.window == window && !last.dropped && last.joined_ranks != world &&
+          last.flushing_ranks == last.joined_ranks;
+      if (!here_only) {
+        throw;
+      }
+      const auto* error = dynamic_cast<const c10::Error*>(&e);
+      local_failure = error ? error->what_without_backtrace() : e.what();
+      reset_window();
+      window_failed_ = true;
+      window_failure_ = AbortReason::ClosedWindowNotStepped;
+      continue;
+    }
     local_failure.clear();
     if (reducer_->last_result().joined_ranks == world) {
       break; // every rank has joined: this was the last reduction everywhere
     }
   }
-  joined_epoch_ = true;
   return stepped;
 }
 

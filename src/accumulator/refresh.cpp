@@ -20,8 +20,10 @@ using detail::CallGuard;
 // only (no half-done window to carry over). Data parallel it builds a new
 // reducer over the new set: its construction is a collective that checks
 // every rank has the same parameters and options (a rank that unfroze other
-// layers, or did not refresh, is an error there) and broadcasts rank 0's
-// values, which equal everyone's. The counters and the window number carry
+// layers is an error on every rank there; every rank must call it at the
+// same point, like every collective: a rank that does not refresh would pair
+// its next window with the check) and broadcasts rank 0's values, which
+// equal everyone's. The counters and the window number carry
 // over; error-feedback residuals start at zero; the buckets are laid out
 // again (and rebuilt in ready order after the next window, on every rank
 // alike). Parameters that left the set get `.grad = None`, so the optimizer
@@ -86,6 +88,7 @@ void Accumulator::refresh_parameters(ModelParameters model) {
   params_ = std::move(model.parameters);
   names_ = std::move(model.names);
   frozen_ = std::move(frozen);
+  window_loss_ = at::Tensor(); // the last window's loss was of the old set; the counters stay
   remember_gradients();
 }
 

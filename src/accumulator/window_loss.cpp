@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <utility>
+
 namespace gradaccum {
 
 // Note [The window's loss rides in the header]
@@ -18,9 +20,11 @@ namespace gradaccum {
 // already carries the weight sums it too: no extra collective. The reducer
 // reads the summed header to the host anyway, so the window's loss is known
 // when the window closes, divided by the same global weight as the gradient.
-// Digit-encoded meta (a bf16/fp16 comm_dtype) carries integers only: there
-// the window's loss is not available (None). One process: the local sum over
-// the window's weight, on the device.
+// Digit-encoded meta (a bf16/fp16 wire: comm_dtype, or bf16/fp16 parameters
+// without accumulate_dtype) carries integers only: there the window's loss is
+// not available (None). Nor for a window of weight 0, or one a mid-window
+// checkpoint cut (the losses before the save are not in it). One process: the
+// local sum over the window's weight, on the device.
 
 void Accumulator::add_micro_loss(const at::Tensor& loss) {
   const auto value = loss.detach().to(at::kDouble).reshape({});
@@ -29,7 +33,10 @@ void Accumulator::add_micro_loss(const at::Tensor& loss) {
 
 void Accumulator::close_window_loss(const ReductionResult& result, const at::Tensor& like) {
   window_items_ = result.global_weight;
-  if (!result.loss_sum) {
+  const bool cut = std::exchange(window_loss_cut_, false);
+  // No loss for a window of weight 0 (nothing kept anywhere) or one a
+  // checkpoint cut (its first part's losses were not saved).
+  if (!result.loss_sum || result.global_weight == 0 || cut) {
     window_loss_ = at::Tensor();
     return;
   }
@@ -43,7 +50,8 @@ void Accumulator::close_window_loss(const ReductionResult& result, const at::Ten
 
 void Accumulator::close_local_window_loss() {
   window_items_ = window_weight_;
-  if (!window_loss_sum_.defined()) {
+  const bool cut = std::exchange(window_loss_cut_, false);
+  if (!window_loss_sum_.defined() || window_weight_ == 0 || cut) {
     window_loss_ = at::Tensor();
     return;
   }

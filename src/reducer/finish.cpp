@@ -176,7 +176,7 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   }
   std::optional<std::vector<Bucket>> rebuilt;
   try {
-    rebuilt = window_collectives();
+    rebuilt = window_collectives(/*broadcast=*/result.joined_ranks == 0);
     const bool divide = window.request.divide && result.global_weight > 0;
     bool known_finite = window.request.check_finite;
     for (const auto b : c10::irange(buckets.all.size())) {
@@ -194,9 +194,11 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   return result;
 }
 
-std::optional<std::vector<Bucket>> Reducer::State::window_collectives() {
-  // Before the write-back: a local failure there must not skip one.
-  if (config.options.broadcast_buffers() && !config.buffers.empty()) {
+std::optional<std::vector<Bucket>> Reducer::State::window_collectives(bool broadcast) {
+  // Before the write-back: a local failure there must not skip one. Not
+  // while some ranks have joined (the same on every rank: it is in the
+  // header): rank 0 may be one of them, its buffers stale (Note [Joining]).
+  if (broadcast && config.options.broadcast_buffers() && !config.buffers.empty()) {
     detail::broadcast_from_rank0(*config.group, config.buffers);
     ++stats.broadcasts;
   }

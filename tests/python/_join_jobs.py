@@ -30,7 +30,7 @@ def _count_allreduces(fn):
 @job
 def join_epochs(rank, world_size, *, seed, epochs, reduction, as_view=False, profile_epoch=None):
     """Several epochs, each rank's shard as `epochs[e][rank]` micro-batches,
-    each epoch's loop inside `with acc.join():`; a flush() after it (a no-op)."""
+    each epoch's loop inside `with acc.join():`."""
     import gradaccum
 
     model = du.mlp(seed)
@@ -48,7 +48,6 @@ def join_epochs(rank, world_size, *, seed, epochs, reduction, as_view=False, pro
                     loss, n = du.micro_loss(model, batch, reduction)
                     acc.backward(loss, num_items=n)
                     acc.step()
-            acc.flush()  # nothing left: no collective
 
         if e == profile_epoch:
             out["allreduces"] = _count_allreduces(epoch)
@@ -114,5 +113,43 @@ def join_then_flush(rank, world_size, *, seed, shards):
             acc.flush()
     except (RuntimeError, ValueError) as e:
         out["error"] = str(e)
+    acc.close()
+    return out
+
+
+class FailOnce:
+    """An optimizer whose `fail_at`-th step raises (on the rank that has one)."""
+
+    def __init__(self, opt, fail_at):
+        self.opt, self.fail_at, self.calls = opt, fail_at, 0
+
+    def step(self):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError(f"injected optimizer failure on rank {torch.distributed.get_rank()}")
+        self.opt.step()
+
+
+@job
+def join_step_failure(rank, world_size, *, seed, shards):
+    """Rank 0 joins after its data; its optimizer raises at its 2nd step, a
+    shadow step of a window the others stepped: every rank must get an error
+    at the next window, none may wait."""
+    import gradaccum
+
+    model = du.mlp(seed)
+    opt = du.make_optimizer("sgd", model.parameters())
+    wrapped = FailOnce(opt, 2 if rank == 0 else 0)
+    acc = gradaccum.Accumulator(model, wrapped, steps=pj.STEPS)
+    mine = [b for window in pj.epoch_windows(seed, shards, pj.STEPS) for b in window[rank]]
+    out = {"error": None}
+    try:
+        with acc.join():
+            for batch in mine:
+                acc.backward(du.micro_loss(model, batch, "mean")[0])
+                acc.step()
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["stats"] = acc.stats()
     acc.close()
     return out

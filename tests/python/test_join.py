@@ -68,3 +68,12 @@ def test_join_on_one_rank_and_flush_on_another_is_an_error_on_both(tmp_path):
     assert results[0]["error"].startswith("gradaccum: acc.join(): 1 rank(s) ended their data with acc.flush() "
                                           "while this rank was in acc.join()"), results[0]["error"]
     assert results[1]["error"].startswith("gradaccum: acc.flush(): 1 rank(s) are in acc.join()"), results[1]["error"]
+
+
+def test_a_step_that_fails_on_a_joined_rank_reaches_every_rank(tmp_path):
+    # rank 0: 1 window, then shadows; its optimizer raises on window 1's step
+    results = run("join_step_failure", 2, tmp_path, seed=6, shards=[3, 12])
+    for rank, res in enumerate(results):
+        assert res["error"] is not None and res["error"].startswith("gradaccum: "), (rank, res["error"])
+        assert "window 2 was dropped on every rank" in res["error"], (rank, res["error"])
+    assert "injected optimizer failure on rank 0" in results[0]["error"]

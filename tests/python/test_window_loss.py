@@ -85,3 +85,37 @@ def test_micro_batches_with_no_items_count_for_nothing(tmp_path):
             assert (a - e).abs().max().item() <= 1e-12, (rank, i)
         assert res["stepped"] == [True, True, False, True]
         assert res["stats"]["skipped_steps"] == 1 and res["stats"]["dropped_windows"] == 0
+
+
+def test_the_window_a_checkpoint_cut_has_no_loss_and_a_boundary_state_fits_another_set():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    acc.backward(model(x).pow(2).mean())
+    acc.step()
+    acc.backward(model(x).pow(2).mean())
+    assert acc.step() and acc.window_loss is not None
+    acc.backward(model(x).pow(2).mean())
+    mid = acc.state_dict()
+    acc.close()
+    resumed = gradaccum.Accumulator(model, opt, steps=2)
+    resumed.load_state_dict(mid)
+    assert resumed.window_loss is None
+    resumed.backward(model(x).pow(2).mean())
+    assert resumed.window_ready and resumed.window_loss is None  # its first half was not saved
+    resumed.step()
+    resumed.backward(model(x).pow(2).mean())
+    resumed.backward(model(x).pow(2).mean())
+    assert resumed.window_loss is not None
+    boundary = resumed.state_dict()
+    resumed.close()
+    # saved with every layer trainable, resumed with the first one frozen (BaseFinetuning's resume)
+    model[0].requires_grad_(False)
+    frozen = gradaccum.Accumulator(model, opt, steps=2)
+    frozen.load_state_dict(boundary)
+    assert frozen.stats()["optimizer_steps"] == 2
+    with pytest.raises(ValueError, match=r"the state holds 4 gradients but the model has 2 trainable parameters"):
+        frozen.load_state_dict(mid)
+    frozen.close()
