@@ -109,13 +109,14 @@ def test_the_window_a_checkpoint_cut_has_no_loss_and_a_boundary_state_fits_anoth
     resumed.backward(model(x).pow(2).mean())
     resumed.backward(model(x).pow(2).mean())
     assert resumed.window_loss is not None
+    assert resumed.step()
     boundary = resumed.state_dict()
     resumed.close()
     # saved with every layer trainable, resumed with the first one frozen (BaseFinetuning's resume)
     model[0].requires_grad_(False)
     frozen = gradaccum.Accumulator(model, opt, steps=2)
     frozen.load_state_dict(boundary)
-    assert frozen.stats()["optimizer_steps"] == 2
+    assert frozen.stats()["optimizer_steps"] == 3
     with pytest.raises(ValueError, match=r"the state holds 4 gradients but the model has 2 trainable parameters"):
         frozen.load_state_dict(mid)
     frozen.close()
