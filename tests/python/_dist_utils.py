@@ -213,6 +213,13 @@ def grads(model):
     return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
 
 
+def assert_params_close(got, expected, what, tol=1e-12):
+    """Each parameter within `tol`, relative to max(1, its largest value)."""
+    for i, (a, e) in enumerate(zip(got, expected)):
+        diff = (a - e).abs().max().item() / max(1.0, e.abs().max().item())
+        assert diff <= tol, f"{what}: parameter {i} differs by {diff:.3g}"
+
+
 def params(model):
     return [p.detach().clone() for p in model.parameters()]
 

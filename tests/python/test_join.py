@@ -13,12 +13,6 @@ def run(name, world_size, tmp_path, **kwargs):
     return du.run_job(name, world_size, tmp_path / name, module=M, timeout=240, pg_timeout=30, **kwargs)
 
 
-def assert_params_close(got, expected, what, tol=1e-12):
-    for i, (a, e) in enumerate(zip(got, expected)):
-        diff = (a - e).abs().max().item() / max(1.0, e.abs().max().item())
-        assert diff <= tol, f"{what}: parameter {i} differs by {diff:.3g}"
-
-
 # Micro-batches per rank and epoch (K = 3): 0 to 4 windows of difference,
 # partial windows, empty shards, and an even epoch.
 EPOCHS = {
@@ -38,7 +32,7 @@ def test_join_trains_on_the_data_that_exists_with_no_extra_collective(tmp_path, 
     # (a rank out of data adds nothing to the windows after its last).
     expected = pj.epochs_reference(11, epochs, pj.STEPS, reduction, "adam")
     for rank, res in enumerate(results):
-        assert_params_close(res["params"], expected, f"rank {rank}")
+        du.assert_params_close(res["params"], expected, f"rank {rank}")
         assert res["stats"]["dropped_windows"] == 0
         # One reduction per window of the rank with the most full windows,
         # plus the one that closes the last partial windows: what that rank

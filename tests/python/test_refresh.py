@@ -15,12 +15,6 @@ def run(name, world_size, tmp_path, **kwargs):
     return du.run_job(name, world_size, tmp_path / name, module=M, timeout=180, pg_timeout=30, **kwargs)
 
 
-def assert_params_close(got, expected, what, tol=1e-12):
-    for i, (a, e) in enumerate(zip(got, expected)):
-        diff = (a - e).abs().max().item() / max(1.0, e.abs().max().item())
-        assert diff <= tol, f"{what}: parameter {i} differs by {diff:.3g}"
-
-
 MID_WINDOW = (r"gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=1); call it at "
               r"a window boundary: after acc.step() returned True, or after acc.flush()")
 
@@ -33,7 +27,7 @@ def test_unfreezing_at_a_boundary_trains_as_one_process(tmp_path, world_size, re
     frozen_too_long = fj.reference(8, world_size, 5, 99, reduction)  # never unfrozen
     for rank, res in enumerate(results):
         assert res["errors"] == [MID_WINDOW], res["errors"]
-        assert_params_close(res["params"], expected, f"rank {rank}")
+        du.assert_params_close(res["params"], expected, f"rank {rank}")
         # the first layer did train after the refresh
         assert (res["params"][0] - frozen_too_long[0]).abs().max() > 1e-4
         assert res["stats"]["optimizer_steps"] == 5 and res["refreshed"]["optimizer_steps"] == 2

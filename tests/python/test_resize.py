@@ -18,12 +18,6 @@ def run(name, world_size, tmp_path, **kwargs):
     return du.run_job(name, world_size, tmp_path / name, module=M, timeout=180, pg_timeout=30, **kwargs)
 
 
-def assert_params_close(got, expected, what, tol=1e-12):
-    for i, (a, e) in enumerate(zip(got, expected)):
-        diff = (a - e).abs().max().item() / max(1.0, e.abs().max().item())
-        assert diff <= tol, f"{what}: parameter {i} differs by {diff:.3g}"
-
-
 # (W, W', reduction, steps, steps at the boundary resume): 2 -> 1 with steps
 # doubled keeps the global batch (Lightning's devices=2 -> 1 with
 # accumulate_grad_batches doubled).
@@ -48,7 +42,7 @@ def test_a_run_resumes_on_another_number_of_ranks(tmp_path, world, world2, reduc
         expected = rj.reference(seed, reduction, windows, total)
         for rank, res in enumerate(results):
             got = res[cut]
-            assert_params_close(got["params"], expected, f"{cut} resume, rank {rank}")
+            du.assert_params_close(got["params"], expected, f"{cut} resume, rank {rank}")
             assert got["micro_step"] == 0
             assert got["stepped"] == len(windows) - windows_before
             # the counters carry over: every window of the schedule was stepped once
