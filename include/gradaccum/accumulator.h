@@ -227,6 +227,35 @@ class Accumulator {
   /// join() (not flush()). One process: flush(). Returns the optimizer steps
   /// taken.
   int64_t join();
+  /// One part of a micro-step too big for memory at once (Python's acc.run()
+  /// splits a micro-batch that ran out of memory and runs its parts here):
+  /// backward on `loss` into the window locally (no collective, never the
+  /// synchronising backward), without counting a micro-step. `share` is the
+  /// part's share of the micro-batch (its rows over the micro-batch's, in
+  /// (0, 1]). With reduction "mean" the loss is a mean over the part's rows and
+  /// is scaled by `share`, so that the parts add up to the micro-batch's mean;
+  /// with "sum" it is a sum over them and adds as it is; with "items" it is a
+  /// sum and `num_items` counts the part's items. A part that raises having changed no gradient did
+  /// not happen (run it again, smaller); one that reached .grad fails the
+  /// micro-step (Note [Micro-steps in parts] in src/accumulator/parts.cpp).
+  void backward_part(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported,
+                     double share);
+  /// Ends the micro-step that backward_part() calls made and counts it; at the
+  /// window's end it synchronises (after the backward: not overlapped).
+  /// `failed`: the micro-batch could not run (an error that was not retried):
+  /// the micro-step fails as a failed backward() does (data parallel: the
+  /// window is dropped on every rank, at once if this was its closing
+  /// micro-step; one process: dropped if a part reached .grad);
+  /// `out_of_memory` says why to the other ranks. The errors of both name
+  /// acc.run(), the call built on them.
+  void end_micro_step(bool failed = false, bool out_of_memory = false);
+  /// backward_part() ran and end_micro_step() is still due.
+  bool parts_open() const {
+    return parts_open_;
+  }
+  /// backward() for a micro-batch that Python's acc.run() runs whole: the
+  /// same, but its errors (and the reductions') name acc.run().
+  void backward_whole(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported);
   /// Takes the model's trainable set again after `requires_grad` changed
   /// (fine-tuning unfreezes a backbone), at a window boundary only, before the
   /// next forward (data parallel it broadcasts rank 0's values in place). Data
@@ -314,9 +343,25 @@ class Accumulator {
   void check_gradients_untouched(const char* what, bool allow_in_place,
                                  const std::vector<GradMark>& now) const;
   void remember_gradients();
-  void check_requires_grad() const;
+  void check_requires_grad(const char* what) const;
+  void check_no_open_parts(const char* what) const;
+  void backward_as(const char* call, const at::Tensor& loss, std::optional<double> num_items,
+                   const at::Tensor& reported);
+  /// A request naming the public call in progress (for the reducer's errors).
+  ReductionRequest new_request() const {
+    ReductionRequest request;
+    request.call = call_;
+    return request;
+  }
+  const char* call_name() const {
+    return call_ ? call_ : "acc.backward()";
+  }
+  void check_window_gradients(const char* what, const std::vector<GradMark>& before);
+  bool keep_micro_batch(const at::Tensor& value);
+  void close_window(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);
+  void fail_micro_step(AbortReason why);
   void check_no_uncounted_backward() const;
-  double check_micro_step(const at::Tensor& loss, std::optional<double> num_items) const;
+  double check_micro_step(const at::Tensor& loss, std::optional<double> num_items, const char* what) const;
   void fail_after_peers_ended_epoch();
   void local_micro_step(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);
   void reduce_window(const at::Tensor& scaled, double weight);
@@ -351,6 +396,10 @@ class Accumulator {
   /// A micro-step of this window failed on this rank: when the window closes,
   /// it is dropped on every rank (data parallel only).
   bool window_failed_ = false;
+  /// backward_part() ran in this micro-step; end_micro_step() counts it.
+  bool parts_open_ = false;
+  double parts_weight_ = 0; ///< the open parts' weight (kept shares, or items)
+  bool parts_skipped_ = false; ///< a part was left out (nonfinite="skip_micro_batch")
   AbortReason window_failure_ = AbortReason::BackwardFailed;
   /// This rank's last window was reduced with other ranks' flush(): the epoch
   /// is over, and this rank's flush() steps nothing and reduces nothing.
@@ -376,6 +425,9 @@ class Accumulator {
   bool closed_ = false;
   /// The thread inside a public call, if any (Note [One thread drives an Accumulator]).
   std::atomic<std::thread::id> driver_{};
+  /// The outermost public call in progress that runs reductions (set by its
+  /// CallGuard); null between calls.
+  const char* call_ = nullptr;
   std::function<bool()> before_step_;
   bool before_step_ran_ = false; ///< in this window's step_window(): see finish_window()
   /// step_window() raised a decision every rank makes alike (nonfinite="raise"

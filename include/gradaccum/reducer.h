@@ -68,6 +68,9 @@ enum class AbortReason : int64_t {
   /// flush() at a closed window: this rank could not step it (its .grad was
   /// replaced, its optimizer raised) while the others did before the flush.
   ClosedWindowNotStepped = 8,
+  /// This rank ran out of memory in acc.run() on a micro-batch it could not
+  /// split further (one row) or run again (part of it had reached .grad).
+  OutOfMemory = 9,
 };
 
 /// One reduction, asked for as a value: what this rank contributes.
@@ -91,6 +94,10 @@ struct ReductionRequest {
   /// device, so no host synchronisation (Note [The window's loss rides in
   /// the header]).
   at::Tensor loss_sum;
+  /// The user's call this reduction runs in, as its errors name it (a
+  /// string with static storage: "acc.join()"); null: acc.backward(), or
+  /// acc.flush() with `flushing`.
+  const char* call = nullptr;
 };
 
 /// What a completed reduction tells every rank alike.

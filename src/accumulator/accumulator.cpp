@@ -140,41 +140,28 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
 }
 
 void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported) {
-  const CallGuard guard(driver_, "acc.backward()");
+  backward_as("acc.backward()", loss, num_items, reported);
+}
+
+void Accumulator::backward_whole(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported) {
+  backward_as("acc.run()", loss, num_items, reported);
+}
+
+void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::optional<double> num_items,
+                              const at::Tensor& reported) {
+  const CallGuard guard(driver_, call, &call_);
+  check_no_open_parts(call);
   // Every check comes before backward: a rejected call changes nothing.
-  double weight = check_micro_step(loss, num_items);
+  double weight = check_micro_step(loss, num_items, call);
   TORCH_CHECK_VALUE(!reported.defined() || reported.numel() == 1,
-      "gradaccum: acc.backward(): the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
-  const auto& value = reported.defined() ? reported : loss;
-  // nonfinite="skip_micro_batch": a non-finite loss is left out of the window
-  // (no backward, no weight); the micro-step still counts, so that every rank
-  // closes its windows together (a host read of the loss).
-  const bool keep = options_.nonfinite() != NonFinite::SkipMicroBatch ||
-      std::isfinite(value.detach().to(at::kDouble).item<double>());
-  if (keep) {
-    add_micro_loss(value); // Note [The window's loss rides in the header]
-  } else {
-    weight = 0;
-    pending_loss_sum_ = window_loss_sum_;
-    ++stats_.skipped_micro_batches;
-  }
+      "gradaccum: ", call, ": the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
   // One look at the gradients serves the mid-window check here and, should
   // backward fail, the question whether it reached .grad.
   const auto before = grad_versions();
-  if (micro_step_ > 0 && !window_failed_) {
-    if (reducer_) {
-      // Data parallel, the window must still close on every rank together:
-      // it is dropped on every rank then, each naming this rank's mistake.
-      if (before != remembered_) {
-        window_failed_ = true;
-        window_failure_ = AbortReason::GradientsChanged;
-      }
-    } else {
-      check_gradients_untouched("acc.backward()", /*allow_in_place=*/false, before);
-    }
-  }
-  if (epoch_ended_) {
-    fail_after_peers_ended_epoch();
+  check_window_gradients(call, before);
+  const bool keep = keep_micro_batch(reported.defined() ? reported : loss);
+  if (!keep) {
+    weight = 0;
   }
   // With the built-in loss scaler: scaled, and by 1/steps so that fp16 sees the
   // big batch's magnitudes; its unscale() undoes both at the window's end.
@@ -184,6 +171,43 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
     local_micro_step(scaled, weight, before);
     return;
   }
+  close_window(scaled, weight, before);
+}
+
+bool Accumulator::keep_micro_batch(const at::Tensor& value) {
+  // nonfinite="skip_micro_batch": a non-finite loss is left out of the window
+  // (no backward, no weight); the micro-step still counts, so that every rank
+  // closes its windows together (a host read of the loss).
+  const bool keep = options_.nonfinite() != NonFinite::SkipMicroBatch ||
+      std::isfinite(value.detach().to(at::kDouble).item<double>());
+  if (keep) {
+    add_micro_loss(value); // Note [The window's loss rides in the header]
+  } else {
+    pending_loss_sum_ = window_loss_sum_;
+    ++stats_.skipped_micro_batches;
+  }
+  return keep;
+}
+
+void Accumulator::check_window_gradients(const char* what, const std::vector<GradMark>& before) {
+  if ((micro_step_ > 0 || parts_open_) && !window_failed_) {
+    if (reducer_) {
+      // Data parallel, the window must still close on every rank together:
+      // it is dropped on every rank then, each naming this rank's mistake.
+      if (before != remembered_) {
+        window_failed_ = true;
+        window_failure_ = AbortReason::GradientsChanged;
+      }
+    } else {
+      check_gradients_untouched(what, /*allow_in_place=*/false, before);
+    }
+  }
+  if (epoch_ended_) {
+    fail_after_peers_ended_epoch();
+  }
+}
+
+void Accumulator::close_window(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before) {
   if (reducer_) {
     reduce_window(scaled, weight);
   } else {
@@ -212,36 +236,37 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
   remember_gradients();
 }
 
-double Accumulator::check_micro_step(const at::Tensor& loss, std::optional<double> num_items) const {
-  check_open("acc.backward()");
+double Accumulator::check_micro_step(
+    const at::Tensor& loss, std::optional<double> num_items, const char* what) const {
+  check_open(what);
   TORCH_CHECK(!window_ready_,
-      "gradaccum: acc.backward(): the window closed at the previous acc.backward(); call acc.step() "
+      "gradaccum: ", what, ": the window closed at the previous acc.backward(); call acc.step() "
       "(or acc.zero_grad() to drop it) before the next micro-step");
   TORCH_CHECK(!reducer_ || reducer_->expect_hooks(),
-      "gradaccum: acc.backward(): called inside acc.no_sync(). acc.backward() decides by itself "
+      "gradaccum: ", what, ": called inside acc.no_sync(). acc.backward() decides by itself "
       "which micro-step synchronises; acc.no_sync() is for the manual path (a plain "
       "loss.backward() inside it)");
-  TORCH_CHECK_VALUE(loss.defined(), "gradaccum: acc.backward(): loss is undefined");
+  TORCH_CHECK_VALUE(loss.defined(), "gradaccum: ", what, ": loss is undefined");
   TORCH_CHECK_VALUE(loss.numel() == 1,
-      "gradaccum: acc.backward(): loss must be a scalar, got a tensor of shape ", loss.sizes());
+      "gradaccum: ", what, ": loss must be a scalar, got a tensor of shape ", loss.sizes());
   TORCH_CHECK_VALUE(loss.requires_grad(),
-      "gradaccum: acc.backward(): loss does not require grad (computed under no_grad, or from "
+      "gradaccum: ", what, ": loss does not require grad (computed under no_grad, or from "
       "no trainable parameter?)");
   double weight = 1.0;
   if (options_.reduction() == Reduction::Items) {
     TORCH_CHECK_VALUE(num_items.has_value(),
-        "gradaccum: acc.backward(): num_items is required with reduction='items'");
+        "gradaccum: ", what, ": num_items is required with reduction='items'");
     // 0: a micro-batch with no valid item (all prompt); its loss carries no
     // gradient, and a window with no items on any rank steps nothing.
     TORCH_CHECK_VALUE(std::isfinite(*num_items) && *num_items >= 0,
-        "gradaccum: acc.backward(): num_items must be a number >= 0, got ", *num_items);
+        "gradaccum: ", what, ": num_items must be a number >= 0, got ", *num_items);
     weight = *num_items;
   } else {
     TORCH_CHECK_VALUE(!num_items.has_value(),
-        "gradaccum: acc.backward(): num_items is only used with reduction='items' (reduction is '",
+        "gradaccum: ", what, ": num_items is only used with reduction='items' (reduction is '",
         to_string(options_.reduction()), "')");
   }
-  check_requires_grad();
+  check_requires_grad(what);
   return weight;
 }
 
@@ -249,7 +274,7 @@ void Accumulator::fail_after_peers_ended_epoch() {
   // This rank's last window was reduced together with other ranks' flush():
   // for them the epoch is over. Tell them (Note [Dropping a window] in
   // src/reducer/drop.cpp), then say what to do here.
-  ReductionRequest abort;
+  auto abort = new_request();
   abort.abort = AbortReason::EpochEnded;
   try {
     reducer_->reduce(abort);
@@ -259,7 +284,7 @@ void Accumulator::fail_after_peers_ended_epoch() {
   epoch_ended_ = false;
   reset_window();
   TORCH_CHECK(false,
-      "gradaccum: acc.backward(): other ranks ended the epoch with acc.flush() in the reduction that "
+      "gradaccum: ", call_name(), ": other ranks ended the epoch with acc.flush() in the reduction that "
       "closed this rank's last window, but this rank went on training. Every rank must run the "
       "same number of full windows and call acc.flush() at the end of each epoch (here it "
       "steps nothing and runs no collective). The window was dropped on every rank");
@@ -298,7 +323,7 @@ void Accumulator::local_micro_step(const at::Tensor& scaled, double weight,
 void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
   const auto window = reducer_->progress().sequence;
   if (window_failed_) {
-    ReductionRequest abort;
+    auto abort = new_request();
     abort.abort = window_failure_;
     reset_window();
     try {
@@ -310,7 +335,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
     }
     TORCH_INTERNAL_ASSERT(false, "gradaccum: an aborted reduction returned");
   }
-  ReductionRequest request;
+  auto request = new_request();
   request.weight = window_weight_ + weight;
   request.divide = options_.reduction() != Reduction::Sum;
   request.check_finite = reducer_checks_finite();
@@ -345,7 +370,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
     // Some ranks flushed while others joined (Note [Joining]): they raise;
     // so does this rank, instead of waiting for them in its next window.
     reset_window();
-    TORCH_CHECK(false, "gradaccum: acc.backward(): in window ", result.window, " ",
+    TORCH_CHECK(false, "gradaccum: ", call_name(), ": in window ", result.window, " ",
         result.flushing_ranks - result.joined_ranks, " rank(s) ended their data with acc.flush() while ",
         result.joined_ranks, " rank(s) were in acc.join(); the window was dropped on every rank. End the data "
         "with acc.join() on every rank (any difference in data), or acc.flush() on every rank");
@@ -372,6 +397,7 @@ void Accumulator::reset_window() {
   window_weight_ = 0;
   window_loss_sum_ = at::Tensor();
   window_failed_ = false;
+  parts_open_ = false;
   window_known_finite_ = false;
   window_empty_ = false;
   remember_gradients();
@@ -390,6 +416,7 @@ std::vector<at::Tensor> Accumulator::defined_grads() const {
 bool Accumulator::step() {
   const CallGuard guard(driver_, "acc.step()");
   check_open("acc.step()");
+  check_no_open_parts("acc.step()");
   TORCH_CHECK(optimizer_step_,
       "gradaccum: acc.step(): this Accumulator has no optimizer (pass one to the constructor; "
       "without one, acc.backward() leaves the window's gradient in .grad)");
@@ -404,8 +431,9 @@ bool Accumulator::step() {
 }
 
 bool Accumulator::flush() {
-  const CallGuard guard(driver_, "acc.flush()");
+  const CallGuard guard(driver_, "acc.flush()", &call_);
   check_open("acc.flush()");
+  check_no_open_parts("acc.flush()");
   TORCH_CHECK(optimizer_step_,
       "gradaccum: acc.flush(): this Accumulator has no optimizer (pass one to the constructor)");
   if (!window_ready_ && micro_step_ > 0 && !window_failed_) {
@@ -476,7 +504,7 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
 
 bool Accumulator::reduce_partial_window(const std::string& local_failure, bool joined) {
   if (window_failed_) {
-    ReductionRequest abort;
+    auto abort = new_request();
     abort.abort = window_failure_;
     abort.flushing = true;
     abort.joined = joined;
@@ -493,7 +521,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
   }
   // A collective even with nothing accumulated here, so that ranks whose data
   // ran out at a window's end still pair with the others.
-  ReductionRequest request;
+  auto request = new_request();
   request.weight = window_weight_;
   request.divide = options_.reduction() != Reduction::Sum;
   request.flushing = true;

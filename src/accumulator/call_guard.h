@@ -19,11 +19,18 @@ namespace gradaccum::detail {
 // may call in again (step() drops a skipped window through zero_grad()).
 class CallGuard {
  public:
-  CallGuard(std::atomic<std::thread::id>& driver, const char* what) : driver_(driver) {
+  /// `call`, if given, holds the outermost call's name while it runs (what
+  /// the reductions it starts name in their errors).
+  CallGuard(std::atomic<std::thread::id>& driver, const char* what, const char** call = nullptr)
+      : driver_(driver) {
     const auto me = std::this_thread::get_id();
     std::thread::id current{};
     if (driver_.compare_exchange_strong(current, me, std::memory_order_acquire)) {
       owner_ = true;
+      if (call) {
+        call_ = call;
+        *call_ = what;
+      }
       return;
     }
     TORCH_CHECK(current == me,
@@ -35,12 +42,16 @@ class CallGuard {
   CallGuard& operator=(const CallGuard&) = delete;
   ~CallGuard() {
     if (owner_) {
+      if (call_) {
+        *call_ = nullptr;
+      }
       driver_.store(std::thread::id{}, std::memory_order_release);
     }
   }
 
  private:
   std::atomic<std::thread::id>& driver_;
+  const char** call_ = nullptr;
   bool owner_ = false;
 };
 

@@ -75,6 +75,7 @@ void Accumulator::check_consistent_cut(int64_t window, bool failed_here) const {
 AccumulatorState Accumulator::state_dict(bool rank_independent) {
   const CallGuard guard(driver_, "acc.state_dict()");
   check_open("acc.state_dict()");
+  check_no_open_parts("acc.state_dict()");
   AccumulatorState state;
   state.steps = options_.steps();
   state.reduction = options_.reduction();
@@ -290,6 +291,7 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
 void Accumulator::load_state_dict(const AccumulatorState& state) {
   const CallGuard guard(driver_, "acc.load_state_dict()");
   check_open("acc.load_state_dict()");
+  check_no_open_parts("acc.load_state_dict()");
   check_loadable(state);
   if (reducer_) {
     reducer_->set_residuals(state.residuals); // all or nothing; the last check that can fail

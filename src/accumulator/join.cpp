@@ -30,8 +30,9 @@ using detail::CallGuard;
 // waiting; both sides see it in the header (kFlushing > kJoined, or kJoined
 // > 0 at a flush) and raise (check_join_partners()).
 int64_t Accumulator::join() {
-  const CallGuard guard(driver_, "acc.join()");
+  const CallGuard guard(driver_, "acc.join()", &call_);
   check_open("acc.join()");
+  check_no_open_parts("acc.join()");
   if (!reducer_) {
     return flush() ? 1 : 0; // one process: nobody to shadow
   }

@@ -33,6 +33,7 @@ using detail::CallGuard;
 void Accumulator::refresh_parameters(ModelParameters model) {
   const CallGuard guard(driver_, "acc.refresh_parameters()");
   check_open("acc.refresh_parameters()");
+  check_no_open_parts("acc.refresh_parameters()");
   TORCH_CHECK(micro_step_ == 0 && !window_ready_,
       "gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=", micro_step_,
       window_ready_ ? ", closed but not stepped" : "", "); call it at a window boundary: after acc.step() "

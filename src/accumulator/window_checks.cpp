@@ -49,10 +49,10 @@ void Accumulator::check_no_uncounted_backward() const {
       "Nothing was changed: drop these gradients with acc.zero_grad()");
 }
 
-void Accumulator::check_requires_grad() const {
+void Accumulator::check_requires_grad(const char* what) const {
   for (const auto& [name, p] : frozen_) {
     TORCH_CHECK(!p.requires_grad(),
-        "gradaccum: acc.backward(): ", name, " was frozen (requires_grad=False) when the Accumulator was "
+        "gradaccum: ", what, ": ", name, " was frozen (requires_grad=False) when the Accumulator was "
         "built and now requires grad: its gradient would be neither scaled, reduced nor "
         "cleared. Call acc.refresh_parameters() at a window boundary after changing requires_grad");
   }

@@ -138,6 +138,9 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
     case AbortReason::ClosedWindowNotStepped:
       return who + " could not step the window it had closed before this acc.flush(), while the "
           "other ranks stepped theirs";
+    case AbortReason::OutOfMemory:
+      return who + " ran out of memory in acc.run() on a micro-batch it could not split further (one row) "
+          "or run again (part of its gradient had reached .grad)";
     case AbortReason::None:
     case AbortReason::BackwardFailed:
       break;
@@ -148,7 +151,7 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
 // Whether the rank that dropped the window raises an error of its own.
 bool raised_there(AbortReason why) {
   return why == AbortReason::None || why == AbortReason::BackwardFailed ||
-      why == AbortReason::ClosedWindowNotStepped;
+      why == AbortReason::ClosedWindowNotStepped || why == AbortReason::OutOfMemory;
 }
 
 // What a dropped window means for every rank.

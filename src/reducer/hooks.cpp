@@ -238,7 +238,7 @@ ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest
   auto& s = *keep;
   const auto sequence_before = [&] {
     std::lock_guard<std::mutex> lock(s.mutex);
-    s.check_idle("acc.backward()");
+    s.check_idle(detail::call_name(detail::Entry::Backward, request));
     return s.window.sequence;
   }();
   const bool previous = s.expect_hooks.exchange(true);

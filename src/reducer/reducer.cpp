@@ -18,7 +18,7 @@ namespace detail {
 
 void check_request(const ReductionRequest& request, Entry entry) {
   TORCH_CHECK_VALUE(request.weight >= 0 && std::isfinite(request.weight),
-      "gradaccum: ", call_name(entry), ": the window weight must be a finite number >= 0, got ",
+      "gradaccum: ", call_name(entry, request), ": the window weight must be a finite number >= 0, got ",
       request.weight);
 }
 
@@ -100,7 +100,7 @@ ReductionResult Reducer::reduce(const ReductionRequest& request) {
   const auto entry = request.flushing ? detail::Entry::Flush : detail::Entry::Backward;
   detail::check_request(request, entry);
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.check_idle(detail::call_name(entry));
+  s.check_idle(detail::call_name(entry, request));
   s.begin_reduction(request, -1, entry);
   if (request.abort != AbortReason::None) {
     s.abort_reduction(request.abort);

@@ -71,6 +71,11 @@ inline const char* call_name(Entry entry) {
   return "?";
 }
 
+/// The same, unless the request names the user's call itself.
+inline const char* call_name(Entry entry, const ReductionRequest& request) {
+  return request.call ? request.call : call_name(entry);
+}
+
 /// The reduction in flight, and what the last one left. Guarded by
 /// State::mutex; begin_reduction() resets the first part, end_reduction()
 /// ends it.
@@ -211,7 +216,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   }
   /// What every error of this reduction starts with: "gradaccum: acc.flush(): window 3".
   std::string where() const {
-    return std::string("gradaccum: ") + detail::call_name(window.entry) + ": window " +
+    return std::string("gradaccum: ") + detail::call_name(window.entry, window.request) + ": window " +
         std::to_string(window.sequence);
   }
   /// Raises when a hook meets a sparse gradient (on the hook's path: inline).

@@ -479,3 +479,65 @@ TEST_CASE("a step with gradients but no counted micro-step is an error", "[accum
   acc.zero_grad();
   CHECK_FALSE(acc.step()); // nothing written since: not an error
 }
+
+TEST_CASE("a micro-step run in parts equals the micro-batch run whole", "[accumulator][parts]") {
+  // What acc.run() does after an out-of-memory (Note [Micro-steps in parts]):
+  // the parts' backwards accumulate locally, weighted by their share of the
+  // rows ("mean") or adding up ("sum", "items"); the micro-step counts once.
+  const int64_t K = 2, rows = 6;
+  auto d = data(rows * K, torch::kFloat64);
+  for (auto reduction : {Reduction::Mean, Reduction::Sum, Reduction::Items}) {
+    DYNAMIC_SECTION("reduction " << to_string(reduction)) {
+      auto whole = mlp(torch::kFloat64), split = mlp(torch::kFloat64);
+      Accumulator a(whole.ptr(), AccumulatorOptions(K).reduction(reduction));
+      Accumulator b(split.ptr(), AccumulatorOptions(K).reduction(reduction));
+      const auto loss = [&](torch::nn::Sequential& m, const at::Tensor& x, const at::Tensor& y) {
+        auto per_row = (m->forward(x) - y).pow(2).sum(1);
+        return reduction == Reduction::Mean ? per_row.mean() : per_row.sum();
+      };
+      const auto items = [&](const at::Tensor& x) {
+        return reduction == Reduction::Items ? std::optional<double>(x.size(0)) : std::nullopt;
+      };
+      for (int64_t k = 0; k < K; ++k) {
+        auto x = d.x.narrow(0, k * rows, rows), y = d.y.narrow(0, k * rows, rows);
+        a.backward(loss(whole, x, y), items(x));
+        // parts of 4 and 2 rows
+        b.backward_part(loss(split, x.narrow(0, 0, 4), y.narrow(0, 0, 4)), items(x.narrow(0, 0, 4)), {}, 4.0 / 6);
+        CHECK(b.parts_open());
+        CHECK(b.micro_step() == k);
+        b.backward_part(loss(split, x.narrow(0, 4, 2), y.narrow(0, 4, 2)), items(x.narrow(0, 4, 2)), {}, 2.0 / 6);
+        b.end_micro_step();
+        CHECK_FALSE(b.parts_open());
+      }
+      CHECK(b.window_ready());
+      CHECK(b.stats().micro_steps == K);
+      CHECK(b.window_items() == a.window_items());
+      std::vector<at::Tensor> ga, gb;
+      for (auto& p : whole->parameters()) ga.push_back(p.grad());
+      for (auto& p : split->parameters()) gb.push_back(p.grad());
+      CHECK(max_rel_diff(gb, ga) <= 1e-14);
+      CHECK(std::abs(b.window_loss()->item<double>() - a.window_loss()->item<double>()) <= 1e-14);
+    }
+  }
+}
+
+TEST_CASE("an open micro-step in parts refuses other calls; failed drops it", "[accumulator][parts]") {
+  auto model = mlp(torch::kFloat64);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  Accumulator acc(model.ptr(), opt, AccumulatorOptions(2));
+  auto d = data(4, torch::kFloat64);
+  const auto loss = [&] { return (model->forward(d.x) - d.y).pow(2).mean(); };
+  acc.backward_part(loss(), std::nullopt, {}, 0.5);
+  CHECK_THROWS_WITH(acc.step(), Catch::Contains("gradaccum: acc.step(): a micro-step run in parts"));
+  CHECK_THROWS_WITH(acc.backward(loss()), Catch::Contains("gradaccum: acc.backward(): a micro-step run in parts"));
+  CHECK_THROWS_WITH(acc.state_dict(), Catch::Contains("gradaccum: acc.state_dict(): a micro-step run in parts"));
+  CHECK_THROWS_WITH(acc.backward_part(loss(), std::nullopt, {}, 1.5),
+                    Catch::Contains("a part's share of its micro-batch must be in (0, 1], got 1.5"));
+  CHECK(acc.parts_open());
+  // One process, a part in .grad: a failed micro-step drops the window.
+  acc.end_micro_step(/*failed=*/true);
+  CHECK_FALSE(acc.parts_open());
+  CHECK(acc.micro_step() == 0);
+  for (auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());
+  CHECK_THROWS_WITH(acc.end_micro_step(), Catch::Contains("gradaccum: acc.run(): acc.end_micro_step() without"));
+}

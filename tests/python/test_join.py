@@ -54,6 +54,8 @@ def test_a_failure_on_an_active_rank_reaches_the_joined_ranks(tmp_path):
         assert "rank 2" in res["error"], (rank, res["error"])
         assert res["stats"]["optimizer_steps"] == 2, rank
     assert results[0]["where"] == "acc.join()"  # it had left its loop: told inside join()
+    # and the error names that call (the reduction request carries it)
+    assert results[0]["error"].startswith("gradaccum: acc.join(): window 2 was dropped on every rank"), texts[0]
     assert "injected failure on rank 2" in results[2]["error"]
 
 

@@ -234,6 +234,24 @@ void init_accumulator(py::module_& m) {
            },
            py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
            release(), "Backward on one micro-batch's loss; counts the micro-step.")
+      .def("backward_whole",
+           [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
+              std::optional<at::Tensor> reported) {
+             acc.backward_whole(loss, num_items, reported.value_or(at::Tensor()));
+           },
+           py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
+           release(), "backward() for a micro-batch acc.run() runs whole (errors name acc.run()).")
+      .def("backward_part",
+           [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
+              std::optional<at::Tensor> reported, double share) {
+             acc.backward_part(loss, num_items, reported.value_or(at::Tensor()), share);
+           },
+           py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
+           py::arg("share") = 1.0, release(), "One part of a micro-step run in parts (acc.run()).")
+      .def("end_micro_step", &Accumulator::end_micro_step, py::arg("failed") = false,
+           py::arg("out_of_memory") = false, release(),
+           "Count the micro-step the parts made; synchronises at the window's end.")
+      .def_property_readonly("parts_open", &Accumulator::parts_open)
       .def_property_readonly("window_loss", &Accumulator::window_loss)
       .def_property_readonly("window_items", &Accumulator::window_items)
       .def("step", &Accumulator::step, release(), "Optimizer step at a closed window.")

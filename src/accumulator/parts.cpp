@@ -1,0 +1,160 @@
+// A micro-step in parts: what acc.run() does with a micro-batch that ran out
+// of memory.
+#include <gradaccum/accumulator.h>
+
+#include "call_guard.h"
+#include "precision/loss_scaler.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <string>
+
+namespace gradaccum {
+
+using detail::CallGuard;
+
+// Note [Micro-steps in parts]
+// acc.run() splits a micro-batch that ran out of memory and runs the parts as
+// one micro-step: each part's backward accumulates locally (no collective),
+// adding its weight (its share of the rows, or its items) and its loss to the
+// window, and end_micro_step() counts the micro-step once; at the window's end
+// it runs the synchronising reduction (after the backward: such a window's
+// all-reduce is not overlapped, the price of not running out of memory).
+// Nothing about the split crosses ranks: the window divides by the weight it
+// holds, which rides in the header, so one rank may split while its peers do
+// not, and no rank ever waits for another's decision (no deadlock).
+//
+// A part that raised without changing any .grad did not happen (out of memory
+// in its forward, or in its backward before any gradient reached .grad): the
+// caller runs it again in smaller parts. One that changed some gradients
+// cannot be undone (a float sum is not reversible): the micro-step fails as a
+// failed backward() does. Data parallel, a failed micro-step that does not
+// close the window counts (every rank closes its windows together) and the
+// window is dropped on every rank when it closes; in the closing micro-step the
+// window is dropped on every rank at once. One process: the window is dropped.
+
+void Accumulator::check_no_open_parts(const char* what) const {
+  TORCH_CHECK(!parts_open_,
+      "gradaccum: ", what, ": a micro-step run in parts (acc.backward_part()) is still open; end it with "
+      "acc.end_micro_step() first (or drop the window with acc.zero_grad())");
+}
+
+void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> num_items,
+                                const at::Tensor& reported, double share) {
+  const CallGuard guard(driver_, "acc.run()", &call_);
+  // Every check comes before backward: a rejected call changes nothing.
+  double weight = check_micro_step(loss, num_items, "acc.run()");
+  TORCH_CHECK_VALUE(std::isfinite(share) && share > 0 && share <= 1,
+      "gradaccum: acc.run(): a part's share of its micro-batch must be in (0, 1], got ", share);
+  TORCH_CHECK_VALUE(!reported.defined() || reported.numel() == 1,
+      "gradaccum: acc.run(): the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
+  // Mean: the part's loss is a mean over its rows, weighted by their share;
+  // sum and items: a sum over its rows, which adds as it is.
+  const bool items = options_.reduction() == Reduction::Items;
+  const double scale = options_.reduction() == Reduction::Mean ? share : 1.0;
+  const auto before = grad_versions();
+  check_window_gradients("acc.run()", before);
+  const auto& value = reported.defined() ? reported : loss;
+  const bool keep = keep_micro_batch(scale == 1.0 ? value : value.detach() * scale);
+  weight = !keep ? 0 : items ? weight : share;
+  at::Tensor scaled;
+  if (keep) {
+    scaled = scale == 1.0 ? loss : loss * scale;
+    if (loss_scaler_) {
+      scaled = loss_scaler_->scale_loss(scaled, options_.steps());
+    }
+  }
+  try {
+    NoSync local(reducer_.get());
+    if (scaled.defined()) {
+      scaled.backward();
+    }
+  } catch (const std::exception& e) {
+    if (grad_versions() == before) {
+      throw; // nothing reached .grad: the part did not happen
+    }
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    const std::string what = error ? error->what_without_backtrace() : e.what();
+    const bool oom = dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr;
+    bool dropped_now = false;
+    try {
+      fail_micro_step(oom ? AbortReason::OutOfMemory : AbortReason::BackwardFailed);
+    } catch (const c10::Error&) {
+      // Data parallel in the closing micro-step: dropped on every rank now;
+      // the others' error names this rank, this rank's says what happened.
+      dropped_now = true;
+    }
+    TORCH_CHECK(false, "gradaccum: acc.run(): a part of the micro-batch failed in its backward after some of its "
+        "gradient had reached .grad, which cannot be undone: ",
+        !reducer_ ? "the window was dropped" : dropped_now ? "the window was dropped on every rank"
+                                                          : "the window will be dropped on every rank when it closes",
+        ". The error: ", what);
+  } catch (...) {
+    if (grad_versions() != before) {
+      fail_micro_step(AbortReason::BackwardFailed);
+    }
+    throw;
+  }
+  if (!parts_open_) {
+    parts_open_ = true;
+    parts_weight_ = 0;
+    parts_skipped_ = false;
+  }
+  parts_weight_ += weight;
+  parts_skipped_ = parts_skipped_ || !keep;
+  window_loss_sum_ = pending_loss_sum_;
+  accumulate_wide();
+  remember_gradients();
+}
+
+void Accumulator::end_micro_step(bool failed, bool out_of_memory) {
+  const CallGuard guard(driver_, "acc.run()", &call_);
+  check_open("acc.run()");
+  if (failed) {
+    // Data parallel the failed micro-step takes its place even with nothing
+    // of it in .grad, so that every rank closes its windows together.
+    if (parts_open_ || reducer_) {
+      fail_micro_step(out_of_memory ? AbortReason::OutOfMemory : AbortReason::BackwardFailed);
+    }
+    return;
+  }
+  TORCH_CHECK(parts_open_,
+      "gradaccum: acc.run(): acc.end_micro_step() without an open micro-step in parts (call acc.backward_part() first)");
+  parts_open_ = false;
+  // Mean and sum: a micro-batch whose parts all count weighs exactly 1 (the
+  // shares' float sum may not be); a part left out takes its share with it.
+  const bool whole = options_.reduction() != Reduction::Items && !parts_skipped_;
+  window_weight_ += whole ? 1.0 : parts_weight_;
+  if (!sync_gradients()) {
+    ++micro_step_;
+    ++stats_.micro_steps;
+    return;
+  }
+  // The parts' weight and loss are in the window now: the closing reduction
+  // adds nothing of its own.
+  pending_loss_sum_ = window_loss_sum_;
+  close_window(at::Tensor(), 0, grad_versions());
+}
+
+void Accumulator::fail_micro_step(AbortReason why) {
+  parts_open_ = false;
+  if (!reducer_) {
+    reset_window(); // part of the micro-batch reached .grad: the window is wrong
+    return;
+  }
+  if (!window_failed_) {
+    window_failed_ = true;
+    window_failure_ = why;
+  }
+  if (sync_gradients()) {
+    // The others wait in this window's reduction: drop it there now.
+    reduce_window(at::Tensor(), 0);
+    TORCH_INTERNAL_ASSERT(false, "gradaccum: a failed window's reduction returned");
+  }
+  ++micro_step_;
+  ++stats_.micro_steps;
+  remember_gradients();
+}
+
+} // namespace gradaccum
