@@ -5,11 +5,11 @@ import numbers
 import os
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 
-from gradaccum import _C
+from gradaccum import _C, _run
 
 from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list, lightning.py reads it here)
     _NONFINITE,
@@ -176,6 +176,7 @@ class Accumulator:
         self.steps = int(steps)
         self.reduction = reduction
         self._no_sync_depth = 0
+        self._run_state = _run.RunState()
         self.grad_scaler = grad_scaler
         self._gradient_hook: Optional[Callable[[], None]] = None
         if _scaling(grad_scaler):
@@ -237,32 +238,29 @@ class Accumulator:
             self._gradient_hook()
         return not found_inf
 
-    def backward(self, loss: torch.Tensor, num_items: Union[None, int, float, torch.Tensor] = None) -> None:
-        """Backward on one micro-batch's loss; the window's last call synchronises.
-
-        With ``reduction="items"``, ``loss`` is summed over items and
-        ``num_items`` (a number or a one-element tensor) counts them.
-        """
+    def _micro_batch(self, what: str, loss: Any, num_items: Any) -> Tuple[torch.Tensor, Optional[float], Optional[torch.Tensor]]:
+        """The checks backward() and run() share; returns the loss to run
+        backward on, num_items as a float, and the loss window_loss reports."""
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"gradaccum: acc.backward(): loss must be a torch.Tensor, got {type(loss).__name__}")
+            raise TypeError(f"gradaccum: {what}: loss must be a torch.Tensor, got {type(loss).__name__}")
         if self._no_sync_depth:  # data parallel, C++ says the same; here for one process too
             raise RuntimeError(
-                "gradaccum: acc.backward(): called inside acc.no_sync(). acc.backward() decides by itself "
+                f"gradaccum: {what}: called inside acc.no_sync(). {what} decides by itself "
                 "which micro-step synchronises; acc.no_sync() is for the manual path (a plain "
                 "loss.backward() inside it)")
         if isinstance(num_items, bool) or (
                 isinstance(num_items, torch.Tensor) and num_items.dtype == torch.bool):
-            raise TypeError(f"gradaccum: acc.backward(): num_items must be a count of items, got {num_items!r}")
+            raise TypeError(f"gradaccum: {what}: num_items must be a count of items, got {num_items!r}")
         if num_items is not None and not isinstance(num_items, (numbers.Real, torch.Tensor)):
-            raise TypeError(f"gradaccum: acc.backward(): num_items must be a number or a one-element "
+            raise TypeError(f"gradaccum: {what}: num_items must be a number or a one-element "
                             f"tensor, got {num_items!r} ({type(num_items).__name__})")
         if isinstance(num_items, torch.Tensor):
             if num_items.numel() != 1:
-                raise ValueError(f"gradaccum: acc.backward(): num_items must be a number, got a tensor of shape {tuple(num_items.shape)}")
+                raise ValueError(f"gradaccum: {what}: num_items must be a number, got a tensor of shape {tuple(num_items.shape)}")
             num_items = num_items.item()
         if self._watch_for_group and _dist_initialized() and _default_world_size() > 1:
             raise RuntimeError(
-                "gradaccum: acc.backward(): torch.distributed was initialized after this "
+                f"gradaccum: {what}: torch.distributed was initialized after this "
                 "Accumulator was built without a process group, so it reduces nothing and each rank "
                 "would train alone. Build the Accumulator after init_process_group(), or pass "
                 "process_group=False to train each rank alone on purpose")
@@ -272,7 +270,44 @@ class Accumulator:
             # magnitudes; step() unscales and multiplies back. window_loss
             # reports the loss as given.
             reported, loss = loss, self.grad_scaler.scale(loss) / self.steps
-        self._c.backward(loss, None if num_items is None else float(num_items), reported)
+        return loss, None if num_items is None else float(num_items), reported
+
+    def backward(self, loss: torch.Tensor, num_items: Union[None, int, float, torch.Tensor] = None) -> None:
+        """Backward on one micro-batch's loss; the window's last call synchronises.
+
+        With ``reduction="items"``, ``loss`` is summed over items and
+        ``num_items`` (a number or a one-element tensor) counts them.
+        """
+        self._c.backward(*self._micro_batch("acc.backward()", loss, num_items))
+
+    def _backward_part(self, loss: Any, num_items: Any, share: float) -> None:
+        """One part of a micro-step run in parts (run())."""
+        loss, items, reported = self._micro_batch("acc.run()", loss, num_items)
+        self._c.backward_part(loss, items, reported, share)
+
+    def run(self, fn: Callable[[Any], Any], batch: Any) -> Any:
+        """One micro-step that survives running out of memory: ``fn(batch)``
+        computes the micro-batch's loss (forward only; ``run`` runs the
+        backward) and returns it: with ``reduction="mean"`` its mean over the
+        batch's rows (torch losses' default), with ``"sum"`` its sum over them,
+        with ``"items"`` ``(loss_sum, num_items)``, so that the parts of a
+        split batch add up to it. Returns what ``fn`` returned for
+        the whole micro-batch, detached (from its parts when it was split).
+
+        On ``torch.OutOfMemoryError`` in ``fn`` or in the backward, before any
+        gradient reached ``.grad``, the micro-batch is split in two along dim
+        0 (``gradaccum.split``) and the halves run as parts of the same
+        micro-step (accumulated locally; the window synchronises once, as
+        always); later micro-batches are split to the size that fit, and
+        after ``GROW_AFTER`` (100) micro-steps without running out of memory
+        the parts grow back. No rank needs to agree with another: one rank may
+        split while its peers do not. An out-of-memory that cannot be retried
+        (a part of one row, or in a backward after some gradient reached
+        ``.grad``, or in the window's synchronising backward) fails the
+        micro-step: the window is dropped on every rank with one error. A
+        split window's all-reduce runs after its backward (not overlapped).
+        ``stats()`` counts ``oom_retries`` and shows ``run_max_rows``."""
+        return _run.run(self, fn, batch)
 
     @property
     def window_loss(self) -> Optional[torch.Tensor]:
@@ -382,7 +417,10 @@ class Accumulator:
     def stats(self) -> Dict[str, Any]:
         """Counters: micro_steps, optimizer_steps, skipped_steps, windows, and the
         reducer's buckets, collectives, bytes_reduced (in all and last window)."""
-        return self._c.stats()
+        stats = self._c.stats()
+        stats["oom_retries"] = self._run_state.oom_retries
+        stats["run_max_rows"] = self._run_state.max_rows
+        return stats
 
     def state_dict(self, rank_independent: bool = True) -> Dict[str, Any]:
         """Position, counters and the half-done window's gradients.

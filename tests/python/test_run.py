@@ -1,0 +1,212 @@
+"""acc.run(fn, batch): a micro-batch that runs out of memory is split and run
+in parts of the same micro-step (Note [Micro-steps in parts]), on the ranks
+that need it only, against one process's big batch in float64."""
+import pytest
+import torch
+
+import _dist_utils as du
+import _run_jobs as rj
+import gradaccum
+
+M = "_run_jobs"
+
+
+def run(name, world_size, tmp_path, **kwargs):
+    return du.run_job(name, world_size, tmp_path / name, module=M, timeout=180, pg_timeout=30, **kwargs)
+
+
+def check_against_reference(results, world_size, n_windows, last, reduction):
+    expected = rj.reference(11, world_size, n_windows, last, reduction)
+    for rank, res in enumerate(results):
+        du.assert_params_close(res["params"], expected["params"], f"rank {rank}")
+        for w, (got, want) in enumerate(zip(res["losses"], expected["losses"])):
+            assert abs(got - want) <= 1e-12 * max(1.0, abs(want)), (rank, w, got, want)
+        assert res["optimizer_steps"] == n_windows + (1 if last else 0)
+
+
+@pytest.mark.parametrize("world_size,reduction,where", [
+    (1, "mean", "forward"), (1, "items", "backward"), (2, "mean", "forward"), (2, "items", "forward"),
+    (2, "sum", "backward"), (3, "items", "forward")])
+def test_only_one_rank_runs_out_of_memory_and_the_result_is_the_big_batch(tmp_path, world_size, reduction, where):
+    # The last rank cannot hold more than 3 rows (8-row micro-batches: parts of
+    # 2); its peers never run out. No rank agrees with another on anything.
+    n_windows, last = 3, 2
+    oom_rank = world_size - 1
+    results = run("oom_run", world_size, tmp_path, seed=11, n_windows=n_windows, last=last,
+                  reduction=reduction, oom_ranks=[oom_rank], oom_rows=3, where=where)
+    check_against_reference(results, world_size, n_windows, last, reduction)
+    micro_batches = rj.STEPS * n_windows + last
+    for rank, res in enumerate(results):
+        assert res["micro_steps"] == micro_batches
+        if rank == oom_rank:
+            # 8 rows fail, 4 fail, 2 fit: the first micro-batch tries 8, 4, 2, 2,
+            # then the other half 4, 2, 2; later ones go straight to 2-row parts.
+            assert res["calls"][:7] == [8, 4, 2, 2, 4, 2, 2], res["calls"]
+            assert res["calls"][7:] == [2] * 4 * (micro_batches - 1)
+            assert res["oom_retries"] == 3  # 8, then each 4-row half once
+            assert res["max_rows"] == [2] * micro_batches
+        else:
+            assert res["calls"] == [rj.ROWS] * micro_batches
+            assert res["oom_retries"] == 0 and res["max_rows"] == [None] * micro_batches
+    if world_size > 1:
+        # Still one all-reduce per bucket per window, split or not.
+        for res in results:
+            assert res["collectives"] == [res["buckets"]] * (n_windows + 1), res["collectives"]
+
+
+def test_the_returned_loss_is_the_whole_micro_batch_loss():
+    torch.manual_seed(0)
+    model = du.mlp(3)
+    acc = gradaccum.Accumulator(model, None, steps=2, reduction="mean", process_group=False)
+    (batch,) = du.make_windows(5, [[1]], 8)[0][0]
+    calls = []
+    fn = rj.loss_fn(model, "mean", 0, [0], 3, calls)
+    got = acc.run(fn, batch)
+    with torch.no_grad():
+        want = du.micro_loss(model, batch, "mean")[0]
+    assert abs(got.item() - want.item()) <= 1e-15 and not got.requires_grad
+    assert acc.micro_step == 1 and calls == [8, 4, 2, 2, 4, 2, 2]
+
+
+def test_parts_grow_back_after_a_run_without_out_of_memory(tmp_path):
+    # GROW_AFTER=2: after two clean micro-steps in 2-row parts, run() tries
+    # 4-row parts again, which still do not fit here, and falls back to 2.
+    (res,) = run("oom_run", 1, tmp_path, seed=11, n_windows=3, last=0, reduction="mean",
+                 oom_ranks=[0], oom_rows=3, grow_after=2)
+    check_against_reference([res], 1, 3, 0, "mean")
+    assert res["max_rows"][:5] == [2, 4, 2, 4, 2], res["max_rows"]
+    assert res["calls"][7:15] == [2, 2, 2, 2, 4, 2, 2, 4], res["calls"]
+
+
+@pytest.mark.parametrize("world_size,micro_step,where", [
+    (2, 0, "one_row"), (2, 2, "one_row"), (2, 1, "mid_backward"), (2, 2, "mid_backward"), (3, 1, "one_row")])
+def test_an_out_of_memory_that_cannot_be_retried_drops_the_window_on_every_rank(tmp_path, world_size,
+                                                                               micro_step, where):
+    oom_rank = world_size - 1
+    results = run("unrecoverable", world_size, tmp_path, seed=11, reduction="mean", oom_rank=oom_rank,
+                  micro_step=micro_step, where=where)
+    own = ("out of memory on a part of one row: it cannot be split further" if where == "one_row" else
+           "a part of the micro-batch failed in its backward after some of its gradient had reached .grad")
+    why = ("ran out of memory in acc.run() on a micro-batch it could not split further" if where == "one_row" else
+           "(or a micro-step of the window) failed on")
+    dropped = "gradaccum: acc.run(): window 0 was dropped on every rank: "
+    closing = micro_step == rj.STEPS - 1
+    for rank, res in enumerate(results):
+        # The first window is dropped everywhere; the second steps everywhere.
+        assert res["optimizer_steps"] == 1 and res["windows"] == 1, res
+        errors = res["errors"]
+        if rank == oom_rank:
+            # its own error at once; the dropped window's when it closes
+            assert errors[0][:2] == (0, micro_step) and own in errors[0][3], errors
+            assert errors[0][3].startswith("gradaccum: acc.run(): "), errors
+            assert len(errors) == (1 if closing else 2), errors
+            peers = errors[1:]
+        else:
+            peers = errors
+            assert len(errors) == 1, errors
+        for (w, k, kind, text) in peers:
+            assert (w, k, kind) == (0, rj.STEPS - 1, "RuntimeError")
+            assert text.startswith(dropped) and why in text and f"rank {oom_rank}" in text, text
+    if world_size > 1:
+        du.assert_params_close(results[0]["params"], results[-1]["params"], "replicas", tol=0)
+
+
+def test_one_process_out_of_memory_on_one_row_leaves_the_window_as_it_was():
+    model = du.mlp(3)
+    acc = gradaccum.Accumulator(model, None, steps=3, reduction="items", process_group=False)
+    (a, b) = du.make_windows(5, [[2]], 4)[0][0]
+    acc.run(rj.loss_fn(model, "items", 0, [], 0, []), a)
+    before = du.grads(model)
+    one_row = tuple(t[:1] for t in b)
+    with pytest.raises(RuntimeError, match="out of memory on a part of one row: it cannot be split further, so "
+                       "this micro-step failed and nothing of it reached .grad: the window goes on without it"):
+        acc.run(rj.loss_fn(model, "items", 0, [0], 0, []), one_row)
+    du.assert_params_close(du.grads(model), before, "window", tol=0)
+    assert acc.micro_step == 1 and not acc._c.parts_open
+
+
+def test_one_process_failure_after_a_part_reached_grad_drops_the_window():
+    model = du.mlp(3)
+    acc = gradaccum.Accumulator(model, None, steps=3, reduction="mean", process_group=False)
+    (a, b) = du.make_windows(5, [[2]], 8)[0][0]
+    acc.run(rj.loss_fn(model, "mean", 0, [], 0, []), a)
+    calls = []
+    inner = rj.loss_fn(model, "mean", 0, [0], 4, calls)
+
+    def fn(batch):  # the first 4-row half runs; the second raises a user error
+        if len(calls) == 2:
+            raise ValueError("a bad sample")
+        return inner(batch)
+
+    with pytest.raises(ValueError, match="a bad sample"):
+        acc.run(fn, b)
+    assert calls == [8, 4]
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
+    assert not acc._c.parts_open
+
+
+def test_run_checks_what_fn_returns():
+    model = du.mlp(3)
+    (a,) = du.make_windows(5, [[1]], 4)[0][0]
+    acc = gradaccum.Accumulator(model, None, steps=2, reduction="items", process_group=False)
+    with pytest.raises(TypeError, match=r"gradaccum: acc.run\(\): with reduction='items', fn\(batch\) must "
+                       r"return \(loss_sum, num_items\)"):
+        acc.run(lambda batch: du.micro_loss(model, batch, "mean")[0], a)
+    acc2 = gradaccum.Accumulator(du.mlp(3), None, steps=2, process_group=False)
+    with pytest.raises(TypeError, match=r"gradaccum: acc.run\(\): fn\(batch\) must return the micro-batch's loss"):
+        acc2.run(lambda batch: (1.0, 2), a)
+    with acc2.no_sync(), pytest.raises(RuntimeError, match=r"gradaccum: acc.run\(\): called inside acc.no_sync\(\)"):
+        acc2.run(lambda batch: batch[0].sum(), a)
+    assert acc.micro_step == 0 and acc2.micro_step == 0
+
+
+def test_open_parts_refuse_other_calls():
+    model = du.mlp(3)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2,
+                                process_group=False)
+    (a,) = du.make_windows(5, [[1]], 4)[0][0]
+    acc._c.backward_part(du.micro_loss(model, a, "mean")[0], None, None, 0.5)
+    for call, name in [(lambda: acc.step(), "acc.step()"), (lambda: acc.flush(), "acc.flush()"),
+                       (lambda: acc.state_dict(), "acc.state_dict()"),
+                       (lambda: acc.backward(du.micro_loss(model, a, "mean")[0]), "acc.backward()")]:
+        with pytest.raises(RuntimeError, match=rf"gradaccum: {name.replace('(', '[(]').replace(')', '[)]')}: "
+                           r"a micro-step run in parts \(acc.backward_part\(\)\) is still open"):
+            call()
+    acc._c.backward_part(du.micro_loss(model, a, "mean")[0], None, None, 0.5)
+    acc._c.end_micro_step()
+    assert acc.micro_step == 1 and acc.stats()["micro_steps"] == 1
+    with pytest.raises(ValueError, match=r"a part's share of its micro-batch must be in \(0, 1\], got 0"):
+        acc._c.backward_part(du.micro_loss(model, a, "mean")[0], None, None, 0.0)
+
+
+def test_the_resilient_example_under_torchrun():
+    """examples/python/train_resilient.py: one rank splits every micro-batch,
+    a NaN micro-batch and one with no label are left out, the progress bar
+    shows the global window loss; the result equals one process's big batch
+    over what was kept (the example checks itself and exits 1 if not)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(repo / "examples" / "python" / "train_resilient.py"), "--windows", "4"]
+    try:
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun hung: {e.stdout}\n{e.stderr}")
+    out = proc.stdout
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    diff = re.search(r"^max \|param - reference\|: ([0-9.eE+-]+)", out, re.M)
+    assert diff and float(diff.group(1)) <= 1e-10, out
+    ranks = dict(re.findall(r"^rank (\d): (.*)$", out, re.M))
+    # 16-row micro-batches, at most 5 rows on rank 1: parts of 4 (16 -> 8 -> 4).
+    assert "out-of-memory retries 3, parts of at most 4 rows" in ranks["1"], out
+    assert "out-of-memory retries 0, parts of at most None rows" in ranks["0"], out
+    assert "skipped micro-batches 1" in ranks["0"] and "skipped micro-batches 0" in ranks["1"], out
+    assert "optimizer steps 4" in ranks["0"] and "optimizer steps 4" in ranks["1"], out
+    # the progress bar's last state: the global window loss
+    assert re.search(r"windows: 100%.*items=\d+, loss=[0-9.]+, skipped=1", out), out
