@@ -23,7 +23,10 @@ Lightning's own accumulation:
   non-finite window is skipped on every rank alike (``nonfinite=``), and
   step-interval LR schedulers step only after a real optimizer step;
 - the Accumulator's state goes into Lightning's checkpoints and comes back on
-  resume.
+  resume;
+- each window's global loss (over every micro-batch of every rank, weighted as
+  the gradient) is logged as ``train_loss`` (``log_loss=``) at each optimizer
+  step, with no ``sync_dist`` and no collective of its own.
 
 Precision: ``32-true``, ``64-true``, ``bf16-mixed``, ``16-mixed`` (the precision
 plugin's GradScaler becomes the Accumulator's ``grad_scaler``; once per window
@@ -78,6 +81,11 @@ class GradaccumStrategy(DDPStrategy):
             scheduler step), ``"raise"``-d, or ``"ignore"``-d.
         bucket_cap_mb, first_bucket_cap_mb, gradient_as_bucket_view,
         broadcast_buffers, check_parameters: passed to the Accumulator.
+        log_loss: the name under which each window's global loss
+            (``acc.window_loss``: over every micro-batch of every rank,
+            weighted as the gradient; it rode in the gradient all-reduce, so
+            no ``sync_dist`` is needed) is logged at each optimizer step, on
+            the progress bar too; ``None`` logs nothing.
         process_group_backend, timeout, start_method, accelerator,
         parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
         as for Lightning's ``DDPStrategy``.
@@ -110,6 +118,7 @@ class GradaccumStrategy(DDPStrategy):
         cluster_environment: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
+        log_loss: Optional[str] = "train_loss",
     ) -> None:
         if reduction not in _REDUCTIONS:
             raise ValueError(f"gradaccum: GradaccumStrategy(): invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
@@ -125,8 +134,11 @@ class GradaccumStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
         )
+        if log_loss is not None and not (isinstance(log_loss, str) and log_loss):
+            raise ValueError(f"gradaccum: GradaccumStrategy(): log_loss must be a metric name or None, got {log_loss!r}")
         self.reduction = reduction
         self.nonfinite = nonfinite
+        self.log_loss = log_loss
         self._accumulator_options: Dict[str, Any] = dict(
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
@@ -339,6 +351,10 @@ class GradaccumStrategy(DDPStrategy):
         # on_before_optimizer_step hooks: from inside step()/flush(), on the
         # window's final gradient (_before_optimizer_step_hooks).
         self._stepped = accumulator.step() if accumulator.window_ready else accumulator.flush()
+        loss = accumulator.window_loss
+        if self.log_loss is not None and loss is not None and self.lightning_module is not None:
+            # The same value on every rank already: no sync_dist.
+            self.lightning_module.log(self.log_loss, loss, on_step=True, on_epoch=False, prog_bar=True)
         return result
 
     # ------------------------------------------------------------- checkpoints

@@ -65,12 +65,14 @@ def make_optimizer(name, params):
 
 
 def reference(*, kind, reduction, optimizer, batches_per_rank, steps, epochs, dtype=torch.float64,
-              clip=None, skip=(), schedule=False, divide_partial_by_k=False, grad_norms=None, unfreeze_epoch=None):
+              clip=None, skip=(), schedule=False, divide_partial_by_k=False, grad_norms=None, unfreeze_epoch=None,
+              losses=None):
     """One process, one backward per window on the window's big batch.
     `skip`: (epoch, window) pairs whose window is non-finite (no step at all).
     `divide_partial_by_k`: what Lightning's own accumulation computes for a
     partial window of n < K batches: its mean loss times n / K. `grad_norms`:
-    a list that gets each window's gradient norm before clipping."""
+    a list that gets each window's gradient norm before clipping; `losses`:
+    each window's loss, as (epoch, window, loss)."""
     data = dataset(kind, batches_per_rank, dtype)
     model = mlp(dtype)
     if unfreeze_epoch is not None:
@@ -85,6 +87,8 @@ def reference(*, kind, reduction, optimizer, batches_per_rank, steps, epochs, dt
             if (epoch, w) in skip:
                 continue
             loss = window_loss(model, data, rows, reduction)
+            if losses is not None:
+                losses.append((epoch, w, loss.item()))
             if divide_partial_by_k:
                 loss = loss * (len(rows) // (WORLD * B)) / steps
             loss.backward()
@@ -232,8 +236,13 @@ def run(name, out_dir):
     try:
         ckpt_path = os.path.join(ckpt_dir, "epoch0.ckpt") if cfg.get("resume") else None
         accumulator = {}
+        logged_losses = result["logged_losses"] = []
 
         class Grab(Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                logged = trainer.callback_metrics.get("train_loss")
+                logged_losses.append((trainer.current_epoch, batch_idx, None if logged is None else float(logged)))
+
             def on_train_end(self, trainer, pl_module):
                 acc = getattr(trainer.strategy, "accumulator", None)
                 if acc is not None:

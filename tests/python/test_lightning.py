@@ -104,6 +104,25 @@ def test_items_is_the_exact_per_item_mean_with_no_extra_collective(runs):
         assert stats["collectives"] == stats["reductions"] * stats["buckets"] == 4
 
 
+@pytest.mark.parametrize("name", ["partial", "items"])
+def test_train_loss_is_each_windows_global_loss(runs, name):
+    """The strategy logs acc.window_loss as train_loss at each optimizer step:
+    the loss of the window's big batch over both ranks (the partial window's
+    too), the same on every rank, with no sync_dist and no extra collective."""
+    losses = []
+    reference(name, losses=losses)
+    steps = worker.SCENARIOS[name]["steps"]
+    per_rank = worker.SCENARIOS[name]["batches_per_rank"]
+    for r in ok(runs(name)):
+        ends = {(epoch, (w + 1) * steps - 1 if (w + 1) * steps <= per_rank else per_rank - 1): loss
+                for epoch, w, loss in losses}
+        logged = {(epoch, batch): value for epoch, batch, value in r["logged_losses"] if (epoch, batch) in ends}
+        assert len(logged) == len(ends) == 4, r["logged_losses"]
+        for key, want in ends.items():
+            assert abs(logged[key] - want) <= 1e-12 * max(1.0, abs(want)), (key, logged[key], want)
+        assert r["stats"]["collectives"] == r["stats"]["reductions"] * r["stats"]["buckets"]
+
+
 def test_nonfinite_window_skipped_clipped_once_scheduler_only_on_real_steps(runs):
     # a NaN on rank 1 in epoch 0's first window: skipped on both ranks; the
     # other three windows clipped once (to 0.05) and stepped, LambdaLR with them
