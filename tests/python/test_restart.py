@@ -76,3 +76,38 @@ def test_a_job_relaunched_on_fewer_ranks_resumes_at_its_last_boundary(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "attempt 0: 1 rank(s), K=4, from window 4" in proc.stdout, proc.stdout[-2000:]
     assert check_against_reference(tmp_path / "out.pt")["world"] == 1
+
+
+def test_a_lost_node_comes_back_as_a_smaller_elastic_job(tmp_path):
+    """Two torchrun agents (`--nnodes=1:2`, one rank each) on one c10d
+    rendezvous; in window 5 the second node dies (its rank kills its agent,
+    then itself). The surviving agent's rank gets the broken all-reduce's
+    error, the agent restarts it, the rendezvous closes with the one node
+    left, and the job resumes the checkpoint of window 4 on 1 rank with K
+    doubled: the same global batches, the uninterrupted result."""
+    port = du.free_port()
+    common = ["--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
+              # wait 5 s for the second node at the start; notice a dead node within ~2 s
+              "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
+              "--monitor-interval=0.5"]
+    survivor = subprocess.Popen([str(c) for c in torchrun(*common, SCRIPT, "--ckpt", tmp_path / "ckpt.pt",
+                                                          "--out", tmp_path / "out.pt")],
+                                env=env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lost = subprocess.Popen([str(c) for c in torchrun(*common, SCRIPT, "--ckpt", tmp_path / "ckpt.pt",
+                                                      "--kill-node", "--kill-window", "5")],
+                            env=env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = survivor.communicate(timeout=240)
+        lost_out, _ = lost.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        survivor.kill()
+        lost.kill()
+        pytest.fail("the elastic restart hung")
+    assert survivor.returncode == 0, out[-3000:] + err[-5000:]
+    assert lost.returncode == -9  # SIGKILL: the node is gone
+    # rank 0 of the first attempt may have been on either node
+    attempts = sorted(line for line in (out + lost_out).splitlines() if line.startswith("attempt"))
+    assert attempts == ["attempt 0: 2 rank(s), K=2, from window 0",
+                        "attempt 1: 1 rank(s), K=4, from window 4"], out[-3000:]
+    assert check_against_reference(tmp_path / "out.pt")["world"] == 1
