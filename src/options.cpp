@@ -83,6 +83,15 @@ void AccumulatorOptions::validate() const {
                       *comm_dtype_ == at::kFloat,
         "gradaccum: Accumulator(): invalid comm_dtype: ", *comm_dtype_, " (bfloat16, float16 or float32)");
   }
+  TORCH_CHECK_VALUE(static_cast<int64_t>(metrics_.size()) <= kMaxWindowMetrics,
+      "gradaccum: Accumulator(): at most ", kMaxWindowMetrics, " metrics, got ", metrics_.size());
+  for (size_t i = 0; i < metrics_.size(); ++i) {
+    TORCH_CHECK_VALUE(!metrics_[i].empty(), "gradaccum: Accumulator(): a metric's name is empty");
+    for (size_t j = 0; j < i; ++j) {
+      TORCH_CHECK_VALUE(metrics_[i] != metrics_[j], "gradaccum: Accumulator(): the metric '", metrics_[i],
+          "' is named twice");
+    }
+  }
   TORCH_CHECK_VALUE(!error_feedback_ || comm_dtype_,
       "gradaccum: Accumulator(): error_feedback=True needs a comm_dtype: it keeps what compressing the gradients to "
       "comm_dtype loses");

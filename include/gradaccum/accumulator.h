@@ -210,6 +210,12 @@ class Accumulator {
   /// The same, for a `loss` scaled by someone else (a Python GradScaler):
   /// `reported` is the unscaled loss that window_loss() reports.
   void backward(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported);
+  /// The same with this micro-batch's user metrics: a tensor of one value per
+  /// AccumulatorOptions::metrics name (on any device; undefined: zeros),
+  /// summed over the window and every rank (window_metrics()). A micro-batch
+  /// left out by nonfinite="skip_micro_batch" adds none.
+  void backward(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported,
+                const at::Tensor& metrics);
   /// At a closed window: clip, check, step the optimizer (and scheduler), clear
   /// the gradients; returns whether the optimizer stepped. Elsewhere returns
   /// false, except that gradients written with no micro-step counted (a plain
@@ -238,8 +244,9 @@ class Accumulator {
   /// sum and `num_items` counts the part's items. A part that raises having changed no gradient did
   /// not happen (run it again, smaller); one that reached .grad fails the
   /// micro-step (Note [Micro-steps in parts] in src/accumulator/parts.cpp).
+  /// `metrics` as for backward(): the parts' metrics add up.
   void backward_part(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported,
-                     double share);
+                     double share, const at::Tensor& metrics = {});
   /// Ends the micro-step that backward_part() calls made and counts it; at the
   /// window's end it synchronises (after the backward: not overlapped).
   /// `failed`: the micro-batch could not run (an error that was not retried):
@@ -255,7 +262,8 @@ class Accumulator {
   }
   /// backward() for a micro-batch that Python's acc.run() runs whole: the
   /// same, but its errors (and the reductions') name acc.run().
-  void backward_whole(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported);
+  void backward_whole(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported,
+                      const at::Tensor& metrics = {});
   /// Takes the model's trainable set again after `requires_grad` changed
   /// (fine-tuning unfreezes a backbone), at a window boundary only, before the
   /// next forward (data parallel it broadcasts rank 0's values in place). Data
@@ -276,6 +284,12 @@ class Accumulator {
   /// without accumulate_dtype), for a window of weight 0, and for the window
   /// a mid-window checkpoint cut.
   std::optional<at::Tensor> window_loss() const;
+  /// That window's user metrics (AccumulatorOptions::metrics), each summed
+  /// over its micro-batches and every rank, not divided: a 1-D float64 tensor
+  /// in the names' order, on the loss's device, no host synchronisation and no
+  /// extra collective. None without metric names, on a bf16/fp16 wire, and
+  /// for the window a mid-window checkpoint cut.
+  std::optional<at::Tensor> window_metrics() const;
   /// That window's weight summed over ranks: its items ("items") or
   /// micro-batches ("mean", "sum"). 0 before the first window closes.
   double window_items() const {
@@ -346,7 +360,8 @@ class Accumulator {
   void check_requires_grad(const char* what) const;
   void check_no_open_parts(const char* what) const;
   void backward_as(const char* call, const at::Tensor& loss, std::optional<double> num_items,
-                   const at::Tensor& reported);
+                   const at::Tensor& reported, const at::Tensor& metrics);
+  void check_metrics(const at::Tensor& metrics, const char* what) const;
   /// A request naming the public call in progress (for the reducer's errors).
   ReductionRequest new_request() const {
     ReductionRequest request;
@@ -357,7 +372,7 @@ class Accumulator {
     return call_ ? call_ : "acc.backward()";
   }
   void check_window_gradients(const char* what, const std::vector<GradMark>& before);
-  bool keep_micro_batch(const at::Tensor& value);
+  bool keep_micro_batch(const at::Tensor& value, const at::Tensor& metrics);
   void close_window(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);
   void fail_micro_step(AbortReason why);
   void check_no_uncounted_backward() const;
@@ -368,7 +383,7 @@ class Accumulator {
   bool step_before_flush(std::string* local_failure);
   bool reduce_partial_window(const std::string& local_failure, bool joined);
   void check_join_partners(const ReductionResult& result, bool joining);
-  void add_micro_loss(const at::Tensor& loss);
+  void add_micro_loss(const at::Tensor& loss, const at::Tensor& metrics);
   void close_window_loss(const ReductionResult& result, const at::Tensor& like);
   void close_local_window_loss();
   void reset_window();
@@ -404,11 +419,13 @@ class Accumulator {
   /// This rank's last window was reduced with other ranks' flush(): the epoch
   /// is over, and this rank's flush() steps nothing and reduces nothing.
   bool epoch_ended_ = false;
-  /// The window's micro-batch losses so far (float64, on their device), and
-  /// with the current micro-step's; the last closed window's loss and weight.
+  /// The window's micro-batch losses so far, then its metrics (1-D float64,
+  /// on the loss's device), and with the current micro-step's; the last
+  /// closed window's loss and weight.
   at::Tensor window_loss_sum_;
   at::Tensor pending_loss_sum_;
   at::Tensor window_loss_;
+  at::Tensor window_metrics_; ///< the last closed window's metric sums (window_metrics())
   double window_items_ = 0;
   /// This window was resumed mid-way from a checkpoint: its loss is unknown.
   bool window_loss_cut_ = false;

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <gradaccum/options.h>
+
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -41,8 +43,9 @@ std::vector<std::vector<size_t>> assign_buckets(
 //    sent as (v mod M, (v mod M)^2); over W ranks the values are all equal iff
 //    W * sum(v^2) == sum(v)^2. M is chosen so both sums stay exact (see
 //    consensus_modulus() in src/consensus/window_header.cpp).
-//  - the window's loss, summed over micro-steps and ranks (kLoss; float32 and
-//    float64 meta only: digit-encoded meta sends 0 there),
+//  - the window's loss, summed over micro-steps and ranks (kLoss), and its user
+//    metrics after it (kMetric0...; float32 and float64 meta only:
+//    digit-encoded meta sends 0 there),
 //  - which parameters got no gradient on any rank (the flags).
 // How the header travels depends on the wire's dtype (MetaEncoding):
 //  - float32/float64 wires carry the numbers as they are (kPlain).
@@ -77,7 +80,8 @@ enum MetaField : int64_t {
   kKindSquare,
   kJoined, ///< ranks in Accumulator::join(): out of data, shadowing the others (Note [Joining])
   kLoss, ///< the window's micro-batch losses summed (Note [The window's loss rides in the header])
-  kMetaHeader, // the header's length
+  kMetric0, ///< then the window's user metrics summed, kMaxWindowMetrics of them (unused ones 0)
+  kMetaHeader = kMetric0 + kMaxWindowMetrics, // the header's length
 };
 
 /// `sum += grad` for a wider `sum` (accumulate_dtype). On the CPU, torch's

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace gradaccum {
 
@@ -83,6 +84,10 @@ struct LossScalerOptions {
   void validate() const;
 };
 
+/// The most user metrics a window carries (AccumulatorOptions::metrics): the
+/// room the bucket header keeps for them (Note [Bucket meta layout]).
+constexpr int64_t kMaxWindowMetrics = 8;
+
 /// Options of an `Accumulator`.
 ///
 /// Example:
@@ -128,6 +133,12 @@ struct AccumulatorOptions {
   /// next window's gradient before rounding, so no part of a gradient is lost
   /// for good. The residual is per rank; per-rank checkpoints keep it.
   TORCH_ARG(bool, error_feedback) = false;
+  /// Names of the window's user metrics (at most kMaxWindowMetrics): small
+  /// scalars each backward() may add (`metrics`, in this order), summed over
+  /// the window and every rank in the gradient all-reduce's header, like the
+  /// window's loss (Accumulator::window_metrics()). Every rank builds with the
+  /// same names. Example: `AccumulatorOptions(8).metrics({"correct", "tokens"})`.
+  TORCH_ARG(std::vector<std::string>, metrics) = {};
   /// A dynamic loss scaler (fp16). Example:
   /// `AccumulatorOptions(8).loss_scaler(LossScalerOptions().init_scale(1024))`.
   TORCH_ARG(std::optional<LossScalerOptions>, loss_scaler) = std::nullopt;

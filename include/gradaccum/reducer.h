@@ -89,10 +89,10 @@ struct ReductionRequest {
   /// Check the reduced gradient for the non-finite test in the pass that
   /// writes it back (see ReductionResult::known_finite).
   bool check_finite = false;
-  /// This rank's micro-batch losses of the window, summed (a one-element
-  /// tensor on any device; undefined: 0). Written into the header on the
-  /// device, so no host synchronisation (Note [The window's loss rides in
-  /// the header]).
+  /// This rank's micro-batch losses of the window, summed, then its metrics
+  /// summed (a tensor of 1 + up to kMaxWindowMetrics values on any device;
+  /// undefined: 0). Written into the header on the device, so no host
+  /// synchronisation (Note [The window's loss rides in the header]).
   at::Tensor loss_sum;
   /// The user's call this reduction runs in, as its errors name it (a
   /// string with static storage: "acc.join()"); null: acc.backward(), or
@@ -109,6 +109,8 @@ struct ReductionResult {
   /// The request loss sums summed over ranks; none where digit-encoded meta
   /// (a bf16/fp16 comm_dtype) cannot carry it.
   std::optional<double> loss_sum;
+  /// Likewise the metric sums (kMaxWindowMetrics; empty where loss_sum is none).
+  std::vector<double> metric_sums;
   bool dropped = false; ///< the window was dropped on every rank (an error was raised)
   /// With `check_finite`: every gradient written back is finite and small
   /// enough that the window's total 2-norm is finite too, the same on every

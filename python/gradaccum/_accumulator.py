@@ -119,6 +119,12 @@ class Accumulator:
             trainable parameter (GradScaler unscales only its gradients) and
             none may be float16 (float32 parameters under ``torch.autocast``);
             a disabled one (``enabled=False``) works as no grad_scaler.
+        metrics: names of small per-window user metrics (at most 8), e.g.
+            ``("correct", "tokens")``: ``backward(loss, metrics={...})`` adds
+            each micro-batch's values, and ``window_metrics`` gives each
+            window's sums over its micro-batches and every rank, riding in the
+            gradient all-reduce's header (no extra collective). Every rank
+            builds with the same names.
     """
 
     def __init__(
@@ -142,9 +148,11 @@ class Accumulator:
         grad_scaler: Optional[Any] = None,
         comm_dtype: Optional[torch.dtype] = None,
         error_feedback: bool = False,
+        metrics: Iterable[str] = (),
     ) -> None:
+        metrics = tuple(metrics) if isinstance(metrics, (list, tuple)) else metrics
         _check_options(steps, reduction, nonfinite, max_grad_norm, optimizer, scheduler,
-                       accumulate_dtype, comm_dtype, error_feedback, grad_scaler)
+                       accumulate_dtype, comm_dtype, error_feedback, grad_scaler, metrics)
         params, names, buffers = _parameters(model)
         if _scaling(grad_scaler):  # before the C++ side claims the parameters
             _check_scaled_parameters(params, names, isinstance(model, torch.nn.Module), optimizer)
@@ -164,7 +172,7 @@ class Accumulator:
             gradient_as_bucket_view=bool(gradient_as_bucket_view),
             broadcast_buffers=bool(broadcast_buffers), check_parameters=bool(check_parameters),
             rebuild_buckets=bool(rebuild_buckets), accumulate_dtype=accumulate_dtype,
-            comm_dtype=comm_dtype, error_feedback=error_feedback,
+            comm_dtype=comm_dtype, error_feedback=error_feedback, metrics=list(metrics),
             # Looked up at each call: an LR scheduler created later wraps optimizer.step.
             optimizer_step=(lambda: optimizer.step()) if optimizer is not None else None,
             scheduler_step=(lambda: scheduler.step()) if scheduler is not None else None,
@@ -175,6 +183,7 @@ class Accumulator:
             _USED_A_GROUP = True
         self.steps = int(steps)
         self.reduction = reduction
+        self.metrics = tuple(metrics)
         self._no_sync_depth = 0
         self._run_state = _run.RunState()
         self.grad_scaler = grad_scaler
@@ -238,6 +247,32 @@ class Accumulator:
             self._gradient_hook()
         return not found_inf
 
+    def _metric_values(self, what: str, metrics: Any, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """A ``{name: value}`` dict as the tensor the C++ side takes (the
+        constructor's names' order; a name left out is 0)."""
+        if metrics is None:
+            return None
+        if not isinstance(metrics, dict):
+            raise TypeError(f"gradaccum: {what}: metrics must be a dict of name: value, got {type(metrics).__name__}")
+        unknown = [name for name in metrics if name not in self.metrics]
+        if unknown:
+            raise ValueError(f"gradaccum: {what}: unknown metric(s) {unknown}: the Accumulator was built with "
+                             f"metrics={list(self.metrics)}")
+        values = []
+        for name in self.metrics:
+            value = metrics.get(name, 0.0)
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(f"gradaccum: {what}: metric {name!r} must be a scalar, got a tensor of shape "
+                                     f"{tuple(value.shape)}")
+                values.append(value.detach().reshape(()).to(device=like.device, dtype=torch.float64))
+            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+                values.append(torch.tensor(float(value), dtype=torch.float64, device=like.device))
+            else:
+                raise TypeError(f"gradaccum: {what}: metric {name!r} must be a number or a one-element tensor, "
+                                f"got {value!r}")
+        return torch.stack(values)
+
     def _micro_batch(self, what: str, loss: Any, num_items: Any) -> Tuple[torch.Tensor, Optional[float], Optional[torch.Tensor]]:
         """The checks backward() and run() share; returns the loss to run
         backward on, num_items as a float, and the loss window_loss reports."""
@@ -272,18 +307,23 @@ class Accumulator:
             reported, loss = loss, self.grad_scaler.scale(loss) / self.steps
         return loss, None if num_items is None else float(num_items), reported
 
-    def backward(self, loss: torch.Tensor, num_items: Union[None, int, float, torch.Tensor] = None) -> None:
+    def backward(self, loss: torch.Tensor, num_items: Union[None, int, float, torch.Tensor] = None,
+                 metrics: Optional[Dict[str, Any]] = None) -> None:
         """Backward on one micro-batch's loss; the window's last call synchronises.
 
         With ``reduction="items"``, ``loss`` is summed over items and
         ``num_items`` (a number or a one-element tensor) counts them.
+        ``metrics``: this micro-batch's values of the metrics named at
+        construction (numbers or one-element tensors, kept on their device),
+        summed into ``window_metrics``.
         """
-        self._c.backward(*self._micro_batch("acc.backward()", loss, num_items))
+        loss, items, reported = self._micro_batch("acc.backward()", loss, num_items)
+        self._c.backward(loss, items, reported, self._metric_values("acc.backward()", metrics, loss))
 
-    def _backward_part(self, loss: Any, num_items: Any, share: float) -> None:
+    def _backward_part(self, loss: Any, num_items: Any, share: float, metrics: Any = None) -> None:
         """One part of a micro-step run in parts (run())."""
         loss, items, reported = self._micro_batch("acc.run()", loss, num_items)
-        self._c.backward_part(loss, items, reported, share)
+        self._c.backward_part(loss, items, reported, share, self._metric_values("acc.run()", metrics, loss))
 
     def run(self, fn: Callable[[Any], Any], batch: Any) -> Any:
         """One micro-step that survives running out of memory: ``fn(batch)``
@@ -324,6 +364,20 @@ class Accumulator:
         ``accumulate_dtype``), for a window with no weight, and for the window a
         mid-window checkpoint cut (the losses before the save are not in it)."""
         return self._c.window_loss
+
+    @property
+    def window_metrics(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The window ``window_loss`` describes: each metric named at
+        construction summed over its micro-batches and every rank, not
+        divided (``{"correct": 0-dim float64 tensor}``; divide by
+        ``window_items`` or by a count metric yourself). No synchronisation,
+        no extra collective. ``None`` without metric names, before the first
+        window, on a bf16/fp16 wire, and for the window a mid-window checkpoint
+        cut."""
+        sums = self._c.window_metrics
+        if sums is None:
+            return None
+        return {name: sums[i] for i, name in enumerate(self.metrics)}
 
     @property
     def window_items(self) -> float:

@@ -207,7 +207,7 @@ def _check_launch_has_group() -> None:
 
 def _check_options(steps: Any, reduction: Any, nonfinite: Any, max_grad_norm: Any, optimizer: Any,
                    scheduler: Any, accumulate_dtype: Any, comm_dtype: Any, error_feedback: Any,
-                   grad_scaler: Any) -> None:
+                   grad_scaler: Any, metrics: Any = ()) -> None:
     """Accumulator()'s options, each refused with a gradaccum: error naming it."""
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
         raise TypeError(f"gradaccum: Accumulator(): steps must be a positive int, got {steps!r}")
@@ -232,6 +232,9 @@ def _check_options(steps: Any, reduction: Any, nonfinite: Any, max_grad_norm: An
     if error_feedback and comm_dtype is None:
         raise ValueError("gradaccum: Accumulator(): error_feedback=True needs a comm_dtype: it keeps what compressing "
                          "the gradients to comm_dtype loses")
+    if isinstance(metrics, str) or not isinstance(metrics, (list, tuple)) or \
+            not all(isinstance(name, str) for name in metrics):
+        raise TypeError(f"gradaccum: Accumulator(): metrics must be a list or tuple of names, got {metrics!r}")
     if grad_scaler is not None:
         if optimizer is None:
             raise ValueError("gradaccum: Accumulator(): grad_scaler needs an optimizer (it unscales the optimizer's gradients)")

@@ -140,26 +140,33 @@ void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_ite
 }
 
 void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported) {
-  backward_as("acc.backward()", loss, num_items, reported);
+  backward_as("acc.backward()", loss, num_items, reported, at::Tensor());
 }
 
-void Accumulator::backward_whole(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported) {
-  backward_as("acc.run()", loss, num_items, reported);
+void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported,
+                           const at::Tensor& metrics) {
+  backward_as("acc.backward()", loss, num_items, reported, metrics);
+}
+
+void Accumulator::backward_whole(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported,
+                                 const at::Tensor& metrics) {
+  backward_as("acc.run()", loss, num_items, reported, metrics);
 }
 
 void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::optional<double> num_items,
-                              const at::Tensor& reported) {
+                              const at::Tensor& reported, const at::Tensor& metrics) {
   const CallGuard guard(driver_, call, &call_);
   check_no_open_parts(call);
   // Every check comes before backward: a rejected call changes nothing.
   double weight = check_micro_step(loss, num_items, call);
   TORCH_CHECK_VALUE(!reported.defined() || reported.numel() == 1,
       "gradaccum: ", call, ": the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
+  check_metrics(metrics, call);
   // One look at the gradients serves the mid-window check here and, should
   // backward fail, the question whether it reached .grad.
   const auto before = grad_versions();
   check_window_gradients(call, before);
-  const bool keep = keep_micro_batch(reported.defined() ? reported : loss);
+  const bool keep = keep_micro_batch(reported.defined() ? reported : loss, metrics);
   if (!keep) {
     weight = 0;
   }
@@ -172,39 +179,6 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
     return;
   }
   close_window(scaled, weight, before);
-}
-
-bool Accumulator::keep_micro_batch(const at::Tensor& value) {
-  // nonfinite="skip_micro_batch": a non-finite loss is left out of the window
-  // (no backward, no weight); the micro-step still counts, so that every rank
-  // closes its windows together (a host read of the loss).
-  const bool keep = options_.nonfinite() != NonFinite::SkipMicroBatch ||
-      std::isfinite(value.detach().to(at::kDouble).item<double>());
-  if (keep) {
-    add_micro_loss(value); // Note [The window's loss rides in the header]
-  } else {
-    pending_loss_sum_ = window_loss_sum_;
-    ++stats_.skipped_micro_batches;
-  }
-  return keep;
-}
-
-void Accumulator::check_window_gradients(const char* what, const std::vector<GradMark>& before) {
-  if ((micro_step_ > 0 || parts_open_) && !window_failed_) {
-    if (reducer_) {
-      // Data parallel, the window must still close on every rank together:
-      // it is dropped on every rank then, each naming this rank's mistake.
-      if (before != remembered_) {
-        window_failed_ = true;
-        window_failure_ = AbortReason::GradientsChanged;
-      }
-    } else {
-      check_gradients_untouched(what, /*allow_in_place=*/false, before);
-    }
-  }
-  if (epoch_ended_) {
-    fail_after_peers_ended_epoch();
-  }
 }
 
 void Accumulator::close_window(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before) {

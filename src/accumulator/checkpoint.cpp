@@ -347,6 +347,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_loss_sum_ = at::Tensor();
   window_loss_cut_ = state.micro_step > 0;
   window_loss_ = at::Tensor();
+  window_metrics_ = at::Tensor();
   window_items_ = 0;
   stats_.micro_steps = state.micro_steps;
   stats_.optimizer_steps = state.optimizer_steps;

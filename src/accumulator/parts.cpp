@@ -41,7 +41,7 @@ void Accumulator::check_no_open_parts(const char* what) const {
 }
 
 void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> num_items,
-                                const at::Tensor& reported, double share) {
+                                const at::Tensor& reported, double share, const at::Tensor& metrics) {
   const CallGuard guard(driver_, "acc.run()", &call_);
   // Every check comes before backward: a rejected call changes nothing.
   double weight = check_micro_step(loss, num_items, "acc.run()");
@@ -49,6 +49,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
       "gradaccum: acc.run(): a part's share of its micro-batch must be in (0, 1], got ", share);
   TORCH_CHECK_VALUE(!reported.defined() || reported.numel() == 1,
       "gradaccum: acc.run(): the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
+  check_metrics(metrics, "acc.run()");
   // Mean: the part's loss is a mean over its rows, weighted by their share;
   // sum and items: a sum over its rows, which adds as it is.
   const bool items = options_.reduction() == Reduction::Items;
@@ -56,7 +57,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
   const auto before = grad_versions();
   check_window_gradients("acc.run()", before);
   const auto& value = reported.defined() ? reported : loss;
-  const bool keep = keep_micro_batch(scale == 1.0 ? value : value.detach() * scale);
+  const bool keep = keep_micro_batch(scale == 1.0 ? value : value.detach() * scale, metrics);
   weight = !keep ? 0 : items ? weight : share;
   at::Tensor scaled;
   if (keep) {

@@ -90,6 +90,7 @@ void Accumulator::refresh_parameters(ModelParameters model) {
   names_ = std::move(model.names);
   frozen_ = std::move(frozen);
   window_loss_ = at::Tensor(); // the last window's loss was of the old set; the counters stay
+  window_metrics_ = at::Tensor();
   remember_gradients();
 }
 

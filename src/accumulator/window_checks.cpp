@@ -58,6 +58,24 @@ void Accumulator::check_requires_grad(const char* what) const {
   }
 }
 
+void Accumulator::check_window_gradients(const char* what, const std::vector<GradMark>& before) {
+  if ((micro_step_ > 0 || parts_open_) && !window_failed_) {
+    if (reducer_) {
+      // Data parallel, the window must still close on every rank together:
+      // it is dropped on every rank then, each naming this rank's mistake.
+      if (before != remembered_) {
+        window_failed_ = true;
+        window_failure_ = AbortReason::GradientsChanged;
+      }
+    } else {
+      check_gradients_untouched(what, /*allow_in_place=*/false, before);
+    }
+  }
+  if (epoch_ended_) {
+    fail_after_peers_ended_epoch();
+  }
+}
+
 std::vector<GradMark> Accumulator::grad_versions() const {
   // Accumulating into .grad either bumps its version (in place) or replaces it.
   std::vector<GradMark> versions;

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 #include <utility>
 
 namespace gradaccum {
@@ -24,16 +26,47 @@ namespace gradaccum {
 // without accumulate_dtype) carries integers only: there the window's loss is
 // not available (None). Nor for a window of weight 0, or one a mid-window
 // checkpoint cut (the losses before the save are not in it). One process: the
-// local sum over the window's weight, on the device.
+// local sum over the window's weight, on the device. User metrics
+// (AccumulatorOptions::metrics) ride the same way, after the loss (kMetric0):
+// the header keeps room for kMaxWindowMetrics of them in every bucket, so
+// their number changes no layout; they are summed, never divided.
 
-void Accumulator::add_micro_loss(const at::Tensor& loss) {
-  const auto value = loss.detach().to(at::kDouble).reshape({});
+// The window's sums are one float64 tensor: the loss, then the user metrics
+// (AccumulatorOptions::metrics), which ride in the header after it (kMetric0).
+
+void Accumulator::check_metrics(const at::Tensor& metrics, const char* what) const {
+  if (!metrics.defined()) {
+    return;
+  }
+  const auto n = static_cast<int64_t>(options_.metrics().size());
+  TORCH_CHECK_VALUE(n > 0, "gradaccum: ", what, ": metrics were given, but the Accumulator was built without "
+      "metric names (Accumulator(metrics=...); C++: AccumulatorOptions::metrics)");
+  TORCH_CHECK_VALUE(metrics.dim() <= 1 && metrics.numel() == n,
+      "gradaccum: ", what, ": metrics must hold ", n, " value(s), one per metric name, got a tensor of shape ",
+      metrics.sizes());
+}
+
+void Accumulator::add_micro_loss(const at::Tensor& loss, const at::Tensor& metrics) {
+  const auto options = loss.options().dtype(at::kDouble);
+  auto value = loss.detach().to(at::kDouble).reshape({1});
+  if (const auto n = static_cast<int64_t>(options_.metrics().size()); n > 0) {
+    value = at::cat({value, metrics.defined() ? metrics.detach().to(options).reshape({n}) : at::zeros({n}, options)});
+  }
   pending_loss_sum_ = window_loss_sum_.defined() ? window_loss_sum_ + value : value;
 }
 
 void Accumulator::close_window_loss(const ReductionResult& result, const at::Tensor& like) {
   window_items_ = result.global_weight;
   const bool cut = std::exchange(window_loss_cut_, false);
+  window_metrics_ = at::Tensor();
+  const auto n = static_cast<int64_t>(options_.metrics().size());
+  if (result.loss_sum && !cut && n > 0) {
+    window_metrics_ = at::tensor(std::vector<double>(result.metric_sums.begin(), result.metric_sums.begin() + n),
+                                 at::TensorOptions().dtype(at::kDouble));
+    if (like.defined() && !like.device().is_cpu()) {
+      window_metrics_ = window_metrics_.to(like.device(), /*non_blocking=*/true);
+    }
+  }
   // No loss for a window of weight 0 (nothing kept anywhere) or one a
   // checkpoint cut (its first part's losses were not saved).
   if (!result.loss_sum || result.global_weight == 0 || cut) {
@@ -51,12 +84,41 @@ void Accumulator::close_window_loss(const ReductionResult& result, const at::Ten
 void Accumulator::close_local_window_loss() {
   window_items_ = window_weight_;
   const bool cut = std::exchange(window_loss_cut_, false);
+  const auto n = static_cast<int64_t>(options_.metrics().size());
+  window_metrics_ = at::Tensor();
+  if (n > 0 && !cut) {
+    window_metrics_ = window_loss_sum_.defined() ? window_loss_sum_.narrow(0, 1, n).clone()
+                                                 : at::zeros({n}, at::TensorOptions().dtype(at::kDouble));
+  }
   if (!window_loss_sum_.defined() || window_weight_ == 0 || cut) {
     window_loss_ = at::Tensor();
     return;
   }
   const bool divide = options_.reduction() != Reduction::Sum && window_weight_ > 0;
-  window_loss_ = divide ? window_loss_sum_ / window_weight_ : window_loss_sum_.clone();
+  const auto loss = window_loss_sum_[0];
+  window_loss_ = divide ? loss / window_weight_ : loss.clone();
+}
+
+bool Accumulator::keep_micro_batch(const at::Tensor& value, const at::Tensor& metrics) {
+  // nonfinite="skip_micro_batch": a non-finite loss is left out of the window
+  // (no backward, no weight); the micro-step still counts, so that every rank
+  // closes its windows together (a host read of the loss).
+  const bool keep = options_.nonfinite() != NonFinite::SkipMicroBatch ||
+      std::isfinite(value.detach().to(at::kDouble).item<double>());
+  if (keep) {
+    add_micro_loss(value, metrics); // Note [The window's loss rides in the header]
+  } else {
+    pending_loss_sum_ = window_loss_sum_;
+    ++stats_.skipped_micro_batches;
+  }
+  return keep;
+}
+
+std::optional<at::Tensor> Accumulator::window_metrics() const {
+  if (!window_metrics_.defined()) {
+    return std::nullopt;
+  }
+  return window_metrics_;
 }
 
 std::optional<at::Tensor> Accumulator::window_loss() const {

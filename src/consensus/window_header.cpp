@@ -57,7 +57,8 @@ std::vector<double> encode_header(const ReductionRequest& request, int rank, con
   meta[kWeight] = aborting ? 0 : request.weight;
   meta[kFlushing] = request.flushing ? 1 : 0;
   meta[kJoined] = request.joined ? 1 : 0;
-  meta[kLoss] = 0; // launch_bucket() writes the loss on its device
+  // launch_bucket() writes the loss and the metrics on their device.
+  std::fill(meta.begin() + kLoss, meta.begin() + kMetaHeader, 0.0);
   meta[kAbort] = aborting ? 1 : 0;
   meta[kAbortRank] = aborting ? rank : 0;
   meta[kAbortReason] = static_cast<double>(static_cast<int64_t>(request.abort));
@@ -105,6 +106,7 @@ Verdict read_headers(const std::vector<std::vector<double>>& summed, const Agree
   verdict.flushing_ranks = rounded(last[kFlushing]);
   verdict.joined_ranks = rounded(last[kJoined]);
   verdict.loss_sum = last[kLoss];
+  verdict.metric_sums.assign(last.begin() + kMetric0, last.begin() + kMetaHeader);
   for (const auto b : c10::irange(summed.size())) {
     if (!all_equal(summed[b], kBucketIndex)) {
       verdict.error = mispaired(where, static_cast<int64_t>(b));

@@ -34,6 +34,7 @@ struct Verdict {
   int64_t flushing_ranks = 0;
   int64_t joined_ranks = 0;
   double loss_sum = 0;
+  std::vector<double> metric_sums; ///< kMaxWindowMetrics of them
   /// Why every rank drops the window ("" when no rank does): some rank
   /// dropped it, the collectives were mis-paired, or the ranks disagree.
   std::string error;

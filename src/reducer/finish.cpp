@@ -97,6 +97,7 @@ detail::Reduced Reducer::State::agree() {
   result.joined_ranks = verdict.joined_ranks;
   if (buckets.all.back().encoding != MetaEncoding::kDigits) {
     result.loss_sum = verdict.loss_sum;
+    result.metric_sums = verdict.metric_sums;
   }
   window.last_result = result;
   window.last_result.dropped = true; // until the consensus holds

@@ -111,8 +111,10 @@ void Reducer::State::launch_bucket(size_t index) {
   }
   bucket.write_meta(meta);
   if (window.request.loss_sum.defined() && bucket.encoding != MetaEncoding::kDigits) {
-    // Note [The window's loss rides in the header]: device to device.
-    bucket.meta.narrow(0, kLoss, 1).copy_(window.request.loss_sum.reshape({1}));
+    // Note [The window's loss rides in the header]: device to device, the
+    // loss and then the metrics.
+    const auto sums = window.request.loss_sum.reshape({-1});
+    bucket.meta.narrow(0, kLoss, sums.numel()).copy_(sums);
   }
 
   std::vector<at::Tensor> tensors{bucket.wire};

@@ -541,3 +541,29 @@ TEST_CASE("an open micro-step in parts refuses other calls; failed drops it", "[
   for (auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());
   CHECK_THROWS_WITH(acc.end_micro_step(), Catch::Contains("gradaccum: acc.run(): acc.end_micro_step() without"));
 }
+
+TEST_CASE("window metrics are summed over the window's micro-batches", "[accumulator][metrics]") {
+  auto model = mlp(torch::kFloat64);
+  Accumulator acc(model.ptr(), AccumulatorOptions(3).metrics({"rows", "err"}));
+  auto d = data(9, torch::kFloat64);
+  double err = 0;
+  for (int64_t k = 0; k < 3; ++k) {
+    auto x = d.x.narrow(0, 3 * k, 3), y = d.y.narrow(0, 3 * k, 3);
+    auto sq = (model->forward(x) - y).pow(2).sum();
+    err += sq.item<double>();
+    acc.backward(sq, std::nullopt, {}, torch::tensor({3.0, sq.item<double>()}));
+  }
+  const auto sums = acc.window_metrics();
+  REQUIRE(sums.has_value());
+  CHECK(sums->dtype() == torch::kFloat64);
+  CHECK((*sums)[0].item<double>() == 9.0);
+  CHECK(std::abs((*sums)[1].item<double>() - err) <= 1e-12 * err);
+  acc.zero_grad(); // drops the closed window; its metrics stay readable
+  CHECK(acc.window_metrics().has_value());
+  CHECK_THROWS_WITH(acc.backward(torch::ones({}, torch::requires_grad()), std::nullopt, {}, torch::ones({3})),
+                    Catch::Contains("metrics must hold 2 value(s), one per metric name"));
+  Accumulator plain(mlp(torch::kFloat64).ptr(), AccumulatorOptions(1));
+  CHECK_FALSE(plain.window_metrics().has_value());
+  CHECK_THROWS_WITH(AccumulatorOptions(1).metrics({"a", "a"}).validate(),
+                    Catch::Contains("the metric 'a' is named twice"));
+}

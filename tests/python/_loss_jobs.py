@@ -1,5 +1,7 @@
 """Jobs of test_window_loss.py: acc.window_loss against the big batch's loss
 (Note [The window's loss rides in the header])."""
+import torch
+
 import _dist_utils as du
 from _dist_utils import job
 
@@ -12,15 +14,28 @@ def schedule(seed, world_size, n_windows, last):
     return du.make_windows(seed, counts, 2)
 
 
-def reference(seed, world_size, n_windows, last, reduction):
+def metric_values(model, batch):
+    """The user metrics each micro-batch reports: its summed squared error
+    and its valid items."""
+    x, y, mask = batch
+    with_grad = (model(x) - y).pow(2).sum(-1)
+    return {"sq_err": (with_grad * mask).sum(), "items": int(mask.sum())}
+
+
+def reference(seed, world_size, n_windows, last, reduction, metrics=None):
     """Each window's big-batch loss (one forward over all its micro-batches)
-    before its step, one process, float64."""
+    before its step, one process, float64. `metrics`: a list that gets each
+    window's metric sums over all its micro-batches."""
     model = du.mlp(seed)
     opt = du.make_optimizer("adam", model.parameters())
     losses = []
     for window in schedule(seed, world_size, n_windows, last):
         loss = du.global_batch_loss(model, window, reduction)
         losses.append(loss.item())
+        if metrics is not None:
+            with torch.no_grad():
+                parts = [metric_values(model, b) for micro in window for b in micro]
+            metrics.append({k: float(sum(p[k] for p in parts)) for k in ("sq_err", "items")})
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -37,13 +52,13 @@ def window_losses(rank, world_size, *, seed, n_windows, last, reduction, comm_dt
     acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction, bucket_cap_mb=0.001,
                                 first_bucket_cap_mb=0.0005,
                                 comm_dtype=getattr(torch, comm_dtype) if comm_dtype else None,
-                                process_group=None if world_size > 1 else False)
-    out = {"losses": [], "items": [], "collectives": [], "before_first": acc.window_loss}
+                                process_group=None if world_size > 1 else False, metrics=("sq_err", "items"))
+    out = {"losses": [], "items": [], "collectives": [], "metrics": [], "before_first": acc.window_loss}
     windows = schedule(seed, world_size, n_windows, last)
     for w, window in enumerate(windows):
         for batch in window[rank]:
             loss, n = du.micro_loss(model, batch, reduction)
-            acc.backward(loss, num_items=n)
+            acc.backward(loss, num_items=n, metrics=metric_values(model, batch))
             if acc.window_ready:
                 out["mid"] = acc.window_loss  # readable before step()
             acc.step()
@@ -52,6 +67,8 @@ def window_losses(rank, world_size, *, seed, n_windows, last, reduction, comm_dt
         wl = acc.window_loss
         out["losses"].append(None if wl is None else float(wl))
         out["items"].append(acc.window_items)
+        wm = acc.window_metrics
+        out["metrics"].append(None if wm is None else {k: float(v) for k, v in wm.items()})
         out["collectives"].append(acc.stats()["last_window_collectives"] if world_size > 1 else 0)
     out["buckets"] = acc.stats()["buckets"]
     out["stats_loss"] = acc.stats()["window_loss"]

@@ -21,9 +21,14 @@ def test_window_loss_is_the_big_batch_loss(tmp_path, world_size, reduction):
     n_windows, last = 3, 2  # and a partial last window (flush)
     results = run("window_losses", world_size, tmp_path, seed=6, n_windows=n_windows, last=last,
                   reduction=reduction)
-    expected = lj.reference(6, world_size, n_windows, last, reduction)
+    metrics = []
+    expected = lj.reference(6, world_size, n_windows, last, reduction, metrics=metrics)
     for rank, res in enumerate(results):
         assert res["before_first"] is None
+        # the user metrics ride in the same header: summed over the window and every rank
+        for w, (got, want) in enumerate(zip(res["metrics"], metrics)):
+            for name in want:
+                assert abs(got[name] - want[name]) <= 1e-12 * max(1.0, abs(want[name])), (rank, w, name, got, want)
         for w, (got, want) in enumerate(zip(res["losses"], expected)):
             assert abs(got - want) <= 1e-12 * max(1.0, abs(want)), (rank, w, got, want)
         assert res["stats_loss"] == res["losses"][-1]
@@ -39,6 +44,32 @@ def test_a_half_precision_wire_has_no_window_loss(tmp_path):
     (res, _) = run("window_losses", 2, tmp_path, seed=6, n_windows=1, last=0, reduction="mean",
                    comm_dtype="bfloat16")
     assert res["losses"] == [None]
+    assert res["metrics"] == [None]
+
+
+def test_metrics_are_checked_before_anything_changes():
+    model = du.mlp(1)
+    acc = gradaccum.Accumulator(model, None, steps=2, reduction="items", process_group=False,
+                                metrics=("correct",))
+    (batch,) = du.make_windows(2, [[1]], 2)[0][0]
+    loss, n = du.micro_loss(model, batch, "items")
+    with pytest.raises(ValueError, match=r"gradaccum: acc.backward\(\): unknown metric\(s\) \['wrong'\]: the "
+                       r"Accumulator was built with metrics=\['correct'\]"):
+        acc.backward(loss, n, metrics={"wrong": 1})
+    with pytest.raises(TypeError, match=r"metric 'correct' must be a number or a one-element tensor"):
+        acc.backward(loss, n, metrics={"correct": "3"})
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
+    acc.backward(loss, n, metrics={"correct": torch.tensor(3)})
+    acc.backward(*du.micro_loss(model, batch, "items"))  # a micro-batch with none: zeros
+    assert {k: float(v) for k, v in acc.window_metrics.items()} == {"correct": 3.0}
+    with pytest.raises(TypeError, match=r"gradaccum: Accumulator\(\): metrics must be a list or tuple of names"):
+        gradaccum.Accumulator(du.mlp(1), steps=2, process_group=False, metrics="correct")
+    with pytest.raises(ValueError, match=r"gradaccum: Accumulator\(\): at most 8 metrics, got 9"):
+        gradaccum.Accumulator(du.mlp(1), steps=2, process_group=False, metrics=[f"m{i}" for i in range(9)])
+    with pytest.raises(ValueError, match=r"gradaccum: Accumulator\(\): the metric 'a' is named twice"):
+        gradaccum.Accumulator(du.mlp(1), steps=2, process_group=False, metrics=["a", "a"])
+    plain = gradaccum.Accumulator(du.mlp(1), steps=1, process_group=False)
+    assert plain.window_metrics is None
 
 
 def test_window_loss_reports_the_loss_a_grad_scaler_scales():

@@ -189,6 +189,7 @@ std::unique_ptr<Accumulator> make_accumulator(
     std::optional<at::ScalarType> accumulate_dtype,
     std::optional<at::ScalarType> comm_dtype,
     bool error_feedback,
+    std::vector<std::string> metrics,
     Accumulator::StepFunction optimizer_step,
     Accumulator::StepFunction scheduler_step) {
   auto options = AccumulatorOptions(steps)
@@ -199,6 +200,7 @@ std::unique_ptr<Accumulator> make_accumulator(
                      .accumulate_dtype(accumulate_dtype)
                      .comm_dtype(comm_dtype)
                      .error_feedback(error_feedback)
+                     .metrics(std::move(metrics))
                      .reducer(ReducerOptions()
                                   .bucket_cap_mb(bucket_cap_mb)
                                   .first_bucket_cap_mb(first_bucket_cap_mb)
@@ -225,34 +227,35 @@ void init_accumulator(py::module_& m) {
            py::arg("first_bucket_cap_mb"), py::arg("gradient_as_bucket_view"),
            py::arg("broadcast_buffers"), py::arg("check_parameters"), py::arg("rebuild_buckets"),
            py::arg("accumulate_dtype"), py::arg("comm_dtype"), py::arg("error_feedback"),
-           py::arg("optimizer_step"), py::arg("scheduler_step"),
+           py::arg("metrics"), py::arg("optimizer_step"), py::arg("scheduler_step"),
            "See gradaccum.Accumulator.")
       .def("backward",
            [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
-              std::optional<at::Tensor> reported) {
-             acc.backward(loss, num_items, reported.value_or(at::Tensor()));
+              std::optional<at::Tensor> reported, std::optional<at::Tensor> metrics) {
+             acc.backward(loss, num_items, reported.value_or(at::Tensor()), metrics.value_or(at::Tensor()));
            },
            py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
-           release(), "Backward on one micro-batch's loss; counts the micro-step.")
+           py::arg("metrics") = py::none(), release(), "Backward on one micro-batch's loss; counts the micro-step.")
       .def("backward_whole",
            [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
-              std::optional<at::Tensor> reported) {
-             acc.backward_whole(loss, num_items, reported.value_or(at::Tensor()));
+              std::optional<at::Tensor> reported, std::optional<at::Tensor> metrics) {
+             acc.backward_whole(loss, num_items, reported.value_or(at::Tensor()), metrics.value_or(at::Tensor()));
            },
            py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
-           release(), "backward() for a micro-batch acc.run() runs whole (errors name acc.run()).")
+           py::arg("metrics") = py::none(), release(), "backward() for a micro-batch acc.run() runs whole (errors name acc.run()).")
       .def("backward_part",
            [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
-              std::optional<at::Tensor> reported, double share) {
-             acc.backward_part(loss, num_items, reported.value_or(at::Tensor()), share);
+              std::optional<at::Tensor> reported, double share, std::optional<at::Tensor> metrics) {
+             acc.backward_part(loss, num_items, reported.value_or(at::Tensor()), share, metrics.value_or(at::Tensor()));
            },
            py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
-           py::arg("share") = 1.0, release(), "One part of a micro-step run in parts (acc.run()).")
+           py::arg("share") = 1.0, py::arg("metrics") = py::none(), release(), "One part of a micro-step run in parts (acc.run()).")
       .def("end_micro_step", &Accumulator::end_micro_step, py::arg("failed") = false,
            py::arg("out_of_memory") = false, release(),
            "Count the micro-step the parts made; synchronises at the window's end.")
       .def_property_readonly("parts_open", &Accumulator::parts_open)
       .def_property_readonly("window_loss", &Accumulator::window_loss)
+      .def_property_readonly("window_metrics", &Accumulator::window_metrics)
       .def_property_readonly("window_items", &Accumulator::window_items)
       .def("step", &Accumulator::step, release(), "Optimizer step at a closed window.")
       .def("flush", &Accumulator::flush, release(), "Close a partial window and step.")
