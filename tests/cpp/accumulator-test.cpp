@@ -551,7 +551,7 @@ TEST_CASE("window metrics are summed over the window's micro-batches", "[accumul
     auto x = d.x.narrow(0, 3 * k, 3), y = d.y.narrow(0, 3 * k, 3);
     auto sq = (model->forward(x) - y).pow(2).sum();
     err += sq.item<double>();
-    acc.backward(sq, std::nullopt, {}, torch::tensor({3.0, sq.item<double>()}));
+    acc.backward(sq, std::nullopt, {}, torch::tensor({3.0, sq.item<double>()}, torch::kFloat64));
   }
   const auto sums = acc.window_metrics();
   REQUIRE(sums.has_value());
