@@ -88,13 +88,15 @@ def test_a_lost_node_comes_back_as_a_smaller_elastic_job(tmp_path):
     port = du.free_port()
     common = ["--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=1", "--rdzv-backend=c10d",
               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
-              # wait 5 s for the second node at the start; notice a dead node within ~2 s
-              "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
               "--monitor-interval=0.5"]
-    survivor = subprocess.Popen([str(c) for c in torchrun(*common, SCRIPT, "--ckpt", tmp_path / "ckpt.pt",
+    # wait 5 s for the second node at the start; notice a dead node within ~2 s
+    conf = "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,is_host="
+    # The rendezvous store lives in one agent: the surviving node hosts it (a
+    # lost host takes the store and the job with it, whichever agent bound first).
+    survivor = subprocess.Popen([str(c) for c in torchrun(*common, conf + "1", SCRIPT, "--ckpt", tmp_path / "ckpt.pt",
                                                           "--out", tmp_path / "out.pt")],
                                 env=env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lost = subprocess.Popen([str(c) for c in torchrun(*common, SCRIPT, "--ckpt", tmp_path / "ckpt.pt",
+    lost = subprocess.Popen([str(c) for c in torchrun(*common, conf + "0", SCRIPT, "--ckpt", tmp_path / "ckpt.pt",
                                                       "--kill-node", "--kill-window", "5")],
                             env=env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
