@@ -49,7 +49,7 @@ class _Run:
         self.opt = torch.optim.SGD(self.net.parameters(), lr=fm.LR[s["reduction"]], momentum=s["momentum"])
         caps = ({"bucket_cap_mb": 0.0005, "first_bucket_cap_mb": 0.0002} if s.get("buckets") == "many" else {})
         self.acc = gradaccum.Accumulator(self.net, self.opt, steps=s["steps"], reduction=s["reduction"],
-                                         nonfinite=s["nonfinite"],
+                                         nonfinite=s["nonfinite"], max_grad_norm=s.get("max_grad_norm"),
                                          gradient_as_bucket_view=bool(s.get("as_view")), **caps)
 
     def backward(self, e, t, spec):
@@ -129,7 +129,13 @@ class _Run:
                                 if arg == rank:
                                     self.opt.zero_grad()
                             elif kind == "acc_zero_grad":
-                                self.acc.zero_grad()
+                                if arg is None or arg == rank:
+                                    self.acc.zero_grad()
+                            elif kind == "flush":
+                                try:
+                                    obs[f"x/{e}/{t}"] = self.flush()
+                                except Exception as err:  # noqa: BLE001
+                                    obs[f"x/{e}/{t}"] = _err(err)
                             else:
                                 self.checkpoint(e, t, arg, obs)
                         except Exception as err:  # noqa: BLE001

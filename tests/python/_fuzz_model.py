@@ -19,7 +19,8 @@ A micro-batch's spec is "ok", "nan" (its loss times NaN), "zero"
 backward raises on that rank). An event at `t` happens on every rank after
 its t-th micro-batch of the epoch and its `acc.step()`:
 "opt_zero_grad" (`optimizer.zero_grad()` on rank `arg` only), "acc_zero_grad"
-(`acc.zero_grad()` on every rank) or "checkpoint" (every rank calls
+(`acc.zero_grad()` on every rank, or on rank `arg` alone: not generated, the
+docs do not say), "flush" (`acc.flush()` on every rank) or "checkpoint" (every rank calls
 `acc.state_dict()`; rank `arg`'s state, model and optimizer are loaded by
 every rank into a fresh model, optimizer and Accumulator).
 
@@ -29,7 +30,7 @@ acc.backward(loss, num_items); acc.step()`, then events at len(mine), then
 inside `with acc.join():` (no events there; an error ends the epoch).
 
 Observation keys (one namespace per rank): "b/e/t" backward, "s/e/t" step,
-"f/e" flush, "j/e" leaving join, "c/e/t" state_dict, "l/e/t" the resume.
+"f/e" flush, "x/e/t" a mid-epoch flush, "j/e" leaving join, "c/e/t" state_dict, "l/e/t" the resume.
 """
 import math
 import random
@@ -164,6 +165,13 @@ class Model:
                 total = w.grad if total is None else [a + b for a, b in zip(total, w.grad)]
         div = 1.0 if self.red == "sum" else weight
         grad = [g / div for g in total]
+        clip = self.s.get("max_grad_norm")
+        if clip is not None:  # clip_grad_norm_'s arithmetic, once per window
+            norm = math.sqrt(sum(float((g * g).sum()) for g in grad))
+            coef = min(1.0, clip / (norm + 1e-6))
+            grad = [g * coef for g in grad]
+            if coef < 1.0:
+                self.seen.add("window clipped")
         mom = self.s["momentum"]
         if self.buf is None or mom == 0:
             self.buf = [g.clone() for g in grad]
@@ -223,9 +231,9 @@ class Model:
             lst = []
             for t in range(n[r] + 1):
                 for kind, arg in at.get(t, []):
-                    if kind == "opt_zero_grad" and arg != r:
+                    if kind in ("opt_zero_grad", "acc_zero_grad") and arg is not None and arg != r:
                         continue
-                    lst.append((kind, t, arg))
+                    lst.append(("flush_now" if kind == "flush" else kind, t, arg))
                 if t < n[r]:
                     lst.append(("micro", t, ep["micros"][r][t]))
             if ep["end"] == "flush":
@@ -273,10 +281,10 @@ class Model:
                         exp[f"c/{e}/{t}"] = ("ok", None)
                         exp[f"l/{e}/{t}"] = ("ok", None)
                         self.seen.add("checkpoint at a boundary")
-                    elif kind == "flush":
+                    elif kind in ("flush", "flush_now"):
                         if not epoch_over[r]:
                             break
-                        exp[f"f/{e}"] = ("ok", False)  # its last window met the flush: no collective
+                        exp[_flush_key(e, kind, t)] = ("ok", False)  # its window met a flush: no collective
                     else:  # end
                         break
                     cur[r] += 1
@@ -286,6 +294,8 @@ class Model:
                 break
             if "end" in kinds:
                 raise InvalidSchedule("a rank would wait in a reduction its peers never run")
+            if "flush_now" in kinds and len(kinds) != 1:
+                raise InvalidSchedule("a mid-epoch flush() where the ranks are not at one point")
             if "checkpoint" in kinds:
                 if kinds != {"checkpoint"} or len({p[1] for p in points}) != 1 or len(set(mine)) != 1:
                     raise InvalidSchedule("a checkpoint where the ranks are not at one point")
@@ -318,20 +328,24 @@ class Model:
                         self.seen.add("window dropped (several ranks)")
                 else:
                     stepped, loss = self._close()
+                if "flush_now" in kinds:
+                    self.seen.add("flush() mid-epoch")
                 if "flush" in kinds:
                     self.seen.add("flush" + (" meets closing ranks" if "micro" in kinds else "")
                                   + (" of unequal partial windows" if len(set(mine)) > 1 else ""))
                 for r, (kind, t, arg) in enumerate(points):
                     exp = self.exp[r]
                     if kind == "micro":
-                        exp[f"b/{e}/{t}"] = (self._dropped_error(r, culprits, own_boom=arg == "boom" and r not in before)
+                        own = arg == "boom" and r not in before
+                        exp[f"b/{e}/{t}"] = (self._dropped_error(r, culprits, own_boom=own)
                                              if culprits else ("ok", None))
                         exp[f"s/{e}/{t}"] = ("ok", stepped, loss) if stepped else ("ok", False)
                         if "flush" in kinds:
                             epoch_over[r] = True
                     else:
-                        exp[f"f/{e}"] = (self._dropped_error(r, culprits) if culprits
-                                         else (("ok", True, loss) if stepped else ("ok", False)))
+                        exp[_flush_key(e, kind, t)] = (
+                            self._dropped_error(r, culprits) if culprits
+                            else (("ok", True, loss) if stepped else ("ok", False)))
                 self._reset()
                 mine = [0] * W
             for r in range(W):
@@ -400,6 +414,10 @@ class Model:
         for r in range(W):
             self.exp[r][f"j/{e}"] = ("ok", None)
         del m0
+
+
+def _flush_key(e, kind, t):
+    return f"f/{e}" if kind == "flush" else f"x/{e}/{t}"
 
 
 def expect(sched):
@@ -480,7 +498,7 @@ def check(sched, results, tol=1e-12):
 
 def _order(key):
     parts = key.split("/")
-    return tuple(int(p) for p in parts[1:]) + ("zcblsjf".index(parts[0]),)
+    return tuple(int(p) for p in parts[1:]) + ("zcxblsjf".index(parts[0]),)
 
 
 def _show(obs):
@@ -506,7 +524,7 @@ def _specs(rng, count, reduction, boom_p, closing=None):
             out.append("boom")
         elif u < boom_p + 0.08:
             out.append("nan")
-        elif u < boom_p + 0.20 and reduction == "items":
+        elif u < boom_p + 0.25 and reduction == "items":
             out.append("zero")
         else:
             out.append("ok")
@@ -520,7 +538,8 @@ def _try_generate(rng, seed):
     sched = {"seed": seed, "world": W, "steps": K, "reduction": red,
              "nonfinite": rng.choice(["skip", "skip_micro_batch"]),
              "net": rng.choice(["linear", "mlp"]), "momentum": rng.choice([0.0, 0.9]),
-             "buckets": rng.choice(["one", "many"]), "as_view": rng.random() < 0.3, "epochs": []}
+             "buckets": rng.choice(["one", "many"]), "as_view": rng.random() < 0.3,
+             "max_grad_norm": rng.choice([None, None, 0.5, 3.0]), "epochs": []}
     m = 0
     for _ in range(rng.randint(1, 3)):
         end = rng.choices(["flush", "join", "none"], [5, 3, 2])[0]
@@ -538,8 +557,8 @@ def _try_generate(rng, seed):
                 n = [rng.randint(0, 2 * K + 1)] * W
             micros = [_specs(rng, n[r], red, 0.04) for r in range(W)]
             for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
-                kind = rng.choices(["checkpoint", "opt_zero_grad", "acc_zero_grad"], [5, 4, 1])[0]
-                arg = rng.randrange(W) if kind != "acc_zero_grad" else None
+                kind = rng.choices(["checkpoint", "opt_zero_grad", "acc_zero_grad", "flush"], [5, 4, 1, 1])[0]
+                arg = rng.randrange(W) if kind in ("checkpoint", "opt_zero_grad") else None
                 events.append([rng.randint(0, min(n)), kind, arg])
             events.sort(key=lambda ev: ev[0])
             m = 0 if end == "flush" else (m + n[0]) % K  # ignoring acc_zero_grad: retried if invalid
@@ -566,7 +585,8 @@ def size(sched):
             + 6 * len(eps) + 3 * sched["world"] + sched["steps"]
             + sum(s != "ok" for ep in eps for x in ep["micros"] for s in x)
             + (sched["net"] == "mlp") + (sched["momentum"] != 0)
-            + (sched.get("buckets") == "many") + bool(sched.get("as_view")))
+            + (sched.get("buckets") == "many") + bool(sched.get("as_view"))
+            + (sched.get("max_grad_norm") is not None))
 
 
 def _copy(sched):
@@ -617,9 +637,10 @@ def shrink_candidates(sched):
         c["world"] = 2
         for ep in c["epochs"]:
             ep["micros"] = ep["micros"][:2]
-            ep["events"] = [ev for ev in ep["events"] if not (ev[1] != "acc_zero_grad" and ev[2] == 2)]
+            ep["events"] = [ev for ev in ep["events"] if ev[2] != 2]
         cands.append(c)
-    for key, small in (("net", "linear"), ("momentum", 0.0), ("buckets", "one"), ("as_view", False)):
+    for key, small in (("net", "linear"), ("momentum", 0.0), ("buckets", "one"), ("as_view", False),
+                       ("max_grad_norm", None)):
         if sched.get(key, small) != small:
             c = _copy(sched)
             c[key] = small
