@@ -131,6 +131,13 @@ class _Run:
                             elif kind == "acc_zero_grad":
                                 if arg is None or arg == rank:
                                     self.acc.zero_grad()
+                            elif kind == "state_dict":  # on rank `arg` alone, at this point
+                                if arg == rank:
+                                    try:
+                                        self.acc.state_dict()
+                                        obs[f"c/{e}/{t}"] = ["ok", None]
+                                    except Exception as err:  # noqa: BLE001
+                                        obs[f"c/{e}/{t}"] = _err(err)
                             elif kind == "flush":
                                 try:
                                     obs[f"x/{e}/{t}"] = self.flush()

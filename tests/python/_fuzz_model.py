@@ -20,7 +20,9 @@ backward raises on that rank). An event at `t` happens on every rank after
 its t-th micro-batch of the epoch and its `acc.step()`:
 "opt_zero_grad" (`optimizer.zero_grad()` on rank `arg` only), "acc_zero_grad"
 (`acc.zero_grad()` on every rank, or on rank `arg` alone: not generated, the
-docs do not say), "flush" (`acc.flush()` on every rank) or "checkpoint" (every rank calls
+docs do not say), "flush" (`acc.flush()` on every rank), "state_dict" (`acc.state_dict()` on rank `arg`
+alone, mid-window; each rank has one such event in the same window, maybe at
+another micro-step: a cut that is not consistent) or "checkpoint" (every rank calls
 `acc.state_dict()`; rank `arg`'s state, model and optimizer are loaded by
 every rank into a fresh model, optimizer and Accumulator).
 
@@ -231,7 +233,7 @@ class Model:
             lst = []
             for t in range(n[r] + 1):
                 for kind, arg in at.get(t, []):
-                    if kind in ("opt_zero_grad", "acc_zero_grad") and arg is not None and arg != r:
+                    if kind in ("opt_zero_grad", "acc_zero_grad", "state_dict") and arg is not None and arg != r:
                         continue
                     lst.append(("flush_now" if kind == "flush" else kind, t, arg))
                 if t < n[r]:
@@ -281,6 +283,10 @@ class Model:
                         exp[f"c/{e}/{t}"] = ("ok", None)
                         exp[f"l/{e}/{t}"] = ("ok", None)
                         self.seen.add("checkpoint at a boundary")
+                    elif kind == "state_dict":
+                        if mine[r] == 0:
+                            raise InvalidSchedule("a per-rank-timed state_dict() at a boundary")
+                        break  # mid-window: a collective
                     elif kind in ("flush", "flush_now"):
                         if not epoch_over[r]:
                             break
@@ -296,7 +302,28 @@ class Model:
                 raise InvalidSchedule("a rank would wait in a reduction its peers never run")
             if "flush_now" in kinds and len(kinds) != 1:
                 raise InvalidSchedule("a mid-epoch flush() where the ranks are not at one point")
-            if "checkpoint" in kinds:
+            if "state_dict" in kinds:
+                if kinds != {"state_dict"}:
+                    raise InvalidSchedule("a state_dict() some ranks call in another window")
+                culprits = self._culprits()
+                if len(set(mine)) == 1:  # one consistent cut (not resumed)
+                    if culprits:
+                        for r, (_, t, _) in enumerate(points):
+                            self.exp[r][f"c/{e}/{t}"] = self._dropped_error(r, culprits)
+                        self._reset()
+                        mine = [0] * W
+                    else:
+                        for r, (_, t, _) in enumerate(points):
+                            self.exp[r][f"c/{e}/{t}"] = ("ok", None)
+                else:
+                    # checkpoints.md: "Ranks that call state_dict() at different micro-steps
+                    # of a window ... get an error on every rank"; the window goes on.
+                    if culprits:
+                        raise InvalidSchedule("a skewed state_dict() of a failed window")
+                    self.seen.add("state_dict() at different micro-steps")
+                    for r, (_, t, _) in enumerate(points):
+                        self.exp[r][f"c/{e}/{t}"] = ("err", ["different micro-steps"], [], True)
+            elif "checkpoint" in kinds:
                 if kinds != {"checkpoint"} or len({p[1] for p in points}) != 1 or len(set(mine)) != 1:
                     raise InvalidSchedule("a checkpoint where the ranks are not at one point")
                 t = points[0][1]
@@ -560,6 +587,11 @@ def _try_generate(rng, seed):
                 kind = rng.choices(["checkpoint", "opt_zero_grad", "acc_zero_grad", "flush"], [5, 4, 1, 1])[0]
                 arg = rng.randrange(W) if kind in ("checkpoint", "opt_zero_grad") else None
                 events.append([rng.randint(0, min(n)), kind, arg])
+            starts = [t for t in range((K - m) % K, min(n), K) if t + K - 1 <= min(n)]
+            if K > 1 and starts and rng.random() < 0.3:  # every rank saves, at its own micro-step
+                t0 = rng.choice(starts)
+                for r in range(W):
+                    events.append([t0 + rng.randint(1, K - 1), "state_dict", r])
             events.sort(key=lambda ev: ev[0])
             m = 0 if end == "flush" else (m + n[0]) % K  # ignoring acc_zero_grad: retried if invalid
         sched["epochs"].append({"end": end, "micros": micros, "events": events})
