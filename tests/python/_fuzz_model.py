@@ -377,10 +377,9 @@ class Model:
                 mine = [0] * W
             for r in range(W):
                 cur[r] += 1
-        if ep["end"] == "flush":
-            self.m = 0
-        else:
-            self.m = mine[0]
+        if ep["end"] != "flush" and len(set(mine)) != 1:
+            raise InvalidSchedule("the ranks end the epoch at different micro-steps")
+        self.m = 0 if ep["end"] == "flush" else mine[0]
 
     def _join_epoch(self, e, ep):
         """design.md, Joining: window w holds every rank's w-th chunk of its data
@@ -400,7 +399,6 @@ class Model:
             cs.append(data)  # the partial (maybe empty) window closed when leaving join()
             chunks.append(cs)
         rounds = max(full) + 1
-        m0 = self.m
         for w in range(rounds):
             closing = {}
             for r in range(W):
@@ -440,7 +438,6 @@ class Model:
                 return  # the error leaves join() on every rank: the epoch ends
         for r in range(W):
             self.exp[r][f"j/{e}"] = ("ok", None)
-        del m0
 
 
 def _flush_key(e, kind, t):

@@ -136,13 +136,19 @@ def test_training_on_after_a_peers_flush_fails_on_every_rank_without_a_hang(tmp_
                    "None at a window boundary (optimizer.zero_grad()) loses its half-window when every rank "
                    "calls acc.state_dict() mid-window: state_dict() leaves that rank's .grad zero, the window "
                    "closes without its earlier micro-batches, alike on every rank, with no error")
-def test_a_midwindow_state_dict_keeps_a_rank_whose_grad_left_its_bucket_view(tmp_path):
-    # Found by the fuzzer (seed 1311, shrunk): rank 0 calls optimizer.zero_grad()
-    # before the window (not "between micro-steps": allowed), then both ranks
-    # save at micro-step 1 of 2 and train on without loading. Rank 0's first
-    # micro-batch is missing from the window's gradient (1% off here).
-    sched = {"seed": 1311, "world": 2, "steps": 2, "reduction": "sum", "nonfinite": "skip", "net": "linear",
+@pytest.mark.parametrize("saves", [[1, 1], [1, 2]], ids=["same_micro_step", "refused_cut"])
+def test_a_midwindow_state_dict_keeps_a_rank_whose_grad_left_its_bucket_view(tmp_path, saves):
+    # Found by the fuzzer (seeds 1311 and 447173538, shrunk): rank 0 calls
+    # optimizer.zero_grad() before the window (not "between micro-steps":
+    # allowed), then every rank calls acc.state_dict() mid-window and trains on
+    # without loading. Rank 0's micro-batches before the save are missing from
+    # the window's gradient (1% off here). With the saves at different
+    # micro-steps the state_dict() is refused on every rank, as documented,
+    # saying "Nothing was lost: training can go on", and still loses them (a
+    # NaN half-window lost that way turned a skipped window into a step).
+    sched = {"seed": 1311, "world": 2, "steps": 3, "reduction": "sum", "nonfinite": "skip", "net": "linear",
              "momentum": 0.0, "buckets": "one", "as_view": True, "max_grad_norm": None,
-             "epochs": [{"end": "flush", "micros": [["ok"], ["ok"]],
-                         "events": [[0, "opt_zero_grad", 0], [1, "state_dict", 0], [1, "state_dict", 1]]}]}
+             "epochs": [{"end": "flush", "micros": [["ok"] * 3, ["ok"] * 3],
+                         "events": [[0, "opt_zero_grad", 0], [saves[0], "state_dict", 0],
+                                    [saves[1], "state_dict", 1]]}]}
     assert_schedules_pass([sched], tmp_path)
