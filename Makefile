@@ -15,7 +15,7 @@ CMAKE_FLAGS := $(GEN) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER_LAUNCHER=c
 export PATH     := /usr/lib/ccache:$(PATH)
 export MAX_JOBS := $(JOBS)
 
-.PHONY: all deps build install-python build-cpp test test-cpp test-python test-gpu check-cuda sanitize demo bench bench-gpu clean
+.PHONY: all deps build install-python build-cpp test test-cpp test-python test-gpu check-cuda sanitize demo bench bench-gpu clean fuzz
 
 all: build
 
@@ -55,6 +55,13 @@ test-cpp:
 
 test-python:
 	OMP_NUM_THREADS=1 GRADACCUM_BUILD=$(CURDIR)/$(BUILD) $(PYTHON) -m pytest tests/python -q -rs
+
+# The model-based protocol fuzzer's long run: random schedules on real Gloo
+# ranks against tests/python/_fuzz_model.py, FUZZ_SECONDS long (default 1800);
+# each failure is shrunk and printed as a regression test. `make test` runs a
+# fixed-seed budget of it (tests/python/test_fuzz.py).
+fuzz:
+	OMP_NUM_THREADS=1 $(PYTHON) tools/fuzz.py
 
 # The library and the Catch2 tests (the multi-rank ones included: real Gloo
 # groups, one thread per rank) under AddressSanitizer + UBSan. libtorch itself

@@ -1,0 +1,288 @@
+"""The fuzzer's rank-side driver (job `fuzz_schedules`) and its parent-side
+runner and shrinker, shared by test_fuzz.py and tools/fuzz.py.
+
+One launch (du.run_job, real Gloo ranks on loopback) runs many schedules in
+sequence, each with a fresh model, optimizer and Accumulator; each rank
+records what every call returned or raised, and its parameters after each
+epoch. The parent holds them against _fuzz_model (the reference model).
+"""
+import os
+import time
+import traceback
+
+import torch
+
+import _dist_utils as du
+import _fuzz_model as fm
+from _dist_utils import job
+
+
+class Boom(torch.autograd.Function):
+    """Identity forward; its backward raises (a failed micro-step)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(f"injected failure on rank {torch.distributed.get_rank()}")
+
+
+def _err(e):
+    return ["err", [c.__name__ for c in type(e).__mro__], str(e)[:4000]]
+
+
+class _Run:
+    """One rank's side of one schedule."""
+
+    def __init__(self, rank, sched, ctl):
+        self.rank, self.s, self.ctl = rank, sched, ctl
+        self.net = self.opt = self.acc = None
+        self._build()
+
+    def _build(self):
+        import gradaccum
+
+        s = self.s
+        self.net = fm.make_net(s["net"], s["seed"])
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=fm.LR[s["reduction"]], momentum=s["momentum"])
+        caps = ({"bucket_cap_mb": 0.0005, "first_bucket_cap_mb": 0.0002} if s.get("buckets") == "many" else {})
+        self.acc = gradaccum.Accumulator(self.net, self.opt, steps=s["steps"], reduction=s["reduction"],
+                                         nonfinite=s["nonfinite"], max_grad_norm=s.get("max_grad_norm"),
+                                         gradient_as_bucket_view=bool(s.get("as_view")), **caps)
+
+    def backward(self, e, t, spec):
+        batch = fm.micro_data(self.s["seed"], e, self.rank, t, spec)
+        loss, n = fm.micro_loss(self.net, batch, self.s["reduction"], spec)
+        if spec == "boom":
+            loss = Boom.apply(loss)
+        self.acc.backward(loss, num_items=n)
+
+    def _stepped(self, v):
+        if not v:
+            return ["ok", v]
+        wl = self.acc.window_loss
+        return ["ok", v, None if wl is None else float(wl)]
+
+    def step(self):
+        return self._stepped(self.acc.step())
+
+    def flush(self):
+        return self._stepped(self.acc.flush())
+
+    def checkpoint(self, e, t, src, obs):
+        """Every rank saves; rank `src`'s state is loaded everywhere, into a
+        fresh model, optimizer and Accumulator."""
+        import torch.distributed as dist
+
+        try:
+            state = self.acc.state_dict()
+            obs[f"c/{e}/{t}"] = ["ok", None]
+        except Exception as err:  # noqa: BLE001 - recorded, judged by the parent
+            obs[f"c/{e}/{t}"] = _err(err)
+            state = None
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, state is not None, group=self.ctl)
+        if not all(flags):
+            return  # nobody resumes (the parent judges the errors)
+        blob = [{"acc": state, "model": self.net.state_dict(), "opt": self.opt.state_dict()}
+                if self.rank == src else None]
+        dist.broadcast_object_list(blob, src=src, group=self.ctl)
+        try:
+            self.acc.close()
+            self._build()
+            self.net.load_state_dict(blob[0]["model"])
+            self.opt.load_state_dict(blob[0]["opt"])
+            self.acc.load_state_dict(blob[0]["acc"])
+            obs[f"l/{e}/{t}"] = ["ok", None]
+        except Exception as err:  # noqa: BLE001
+            obs[f"l/{e}/{t}"] = _err(err)
+
+    def run(self):
+        obs, trace = {}, []
+        rank = self.rank
+        for e, ep in enumerate(self.s["epochs"]):
+            mine = ep["micros"][rank]
+            if ep["end"] == "join":
+                where = None
+                try:
+                    with self.acc.join():
+                        for t, spec in enumerate(mine):
+                            where = f"b/{e}/{t}"
+                            self.backward(e, t, spec)
+                            obs[where] = ["ok", None]
+                            where = f"s/{e}/{t}"
+                            obs[where] = self.step()
+                        where = f"j/{e}"
+                    obs[f"j/{e}"] = ["ok", None]
+                except Exception as err:  # noqa: BLE001
+                    obs[where] = _err(err)
+            else:
+                at = {}
+                for t, kind, arg in ep["events"]:
+                    at.setdefault(t, []).append((kind, arg))
+                for t in range(len(mine) + 1):
+                    for kind, arg in at.get(t, []):
+                        try:
+                            if kind == "opt_zero_grad":
+                                if arg == rank:
+                                    self.opt.zero_grad()
+                            elif kind == "acc_zero_grad":
+                                if arg is None or arg == rank:
+                                    self.acc.zero_grad()
+                            elif kind == "state_dict":  # on rank `arg` alone, at this point
+                                if arg == rank:
+                                    try:
+                                        self.acc.state_dict()
+                                        obs[f"c/{e}/{t}"] = ["ok", None]
+                                    except Exception as err:  # noqa: BLE001
+                                        obs[f"c/{e}/{t}"] = _err(err)
+                            elif kind == "flush":
+                                try:
+                                    obs[f"x/{e}/{t}"] = self.flush()
+                                except Exception as err:  # noqa: BLE001
+                                    obs[f"x/{e}/{t}"] = _err(err)
+                            else:
+                                self.checkpoint(e, t, arg, obs)
+                        except Exception as err:  # noqa: BLE001
+                            obs[f"z/{e}/{t}"] = _err(err)
+                    if t == len(mine):
+                        break
+                    for key, call in ((f"b/{e}/{t}", lambda: self.backward(e, t, mine[t]) or ["ok", None]),
+                                      (f"s/{e}/{t}", self.step)):
+                        try:
+                            obs[key] = call()
+                        except Exception as err:  # noqa: BLE001
+                            obs[key] = _err(err)
+                if ep["end"] == "flush":
+                    try:
+                        obs[f"f/{e}"] = self.flush()
+                    except Exception as err:  # noqa: BLE001
+                        obs[f"f/{e}"] = _err(err)
+            trace.append(du.params(self.net))
+        out = {"obs": obs, "trace": trace, "micro_step": self.acc.micro_step,
+               "window_ready": self.acc.window_ready,
+               "optimizer_steps": self.acc.stats()["optimizer_steps"]}
+        self.acc.close()
+        return out
+
+
+@job
+def fuzz_schedules(rank, world_size, *, schedules):
+    """Runs each schedule in turn on this rank; a list of results, one per schedule."""
+    import torch.distributed as dist
+
+    ctl = dist.new_group(backend="gloo")  # the driver's own traffic, apart from gradaccum's
+    out = []
+    for sched in schedules:
+        dist.barrier(group=ctl)
+        run = None
+        try:
+            run = _Run(rank, sched, ctl)
+            out.append(run.run())
+        except Exception:  # noqa: BLE001
+            out.append({"crash": traceback.format_exc()[-3000:]})
+            if run is not None and run.acc is not None:
+                try:
+                    run.acc.close()
+                except Exception:  # noqa: BLE001
+                    pass
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Parent side
+# --------------------------------------------------------------------------- #
+
+PG_TIMEOUT = 20  # a collective that waits this long fails (a hang shows as an error)
+
+
+def _launch(schedules, out_dir, timeout=None):
+    """One launch; per schedule, its problems. Raises when the launch itself
+    fails (a hang past the deadline, a rank that died or raised)."""
+    world = schedules[0]["world"]
+    assert all(s["world"] == world for s in schedules)
+    timeout = timeout or 60 + 4 * len(schedules)
+    results = du.run_job("fuzz_schedules", world, out_dir, module="_fuzz_jobs", timeout=timeout,
+                         pg_timeout=PG_TIMEOUT, schedules=schedules)
+    return [fm.check(s, [results[r][i] for r in range(world)]) for i, s in enumerate(schedules)]
+
+
+_launches = [0]
+
+
+def verdicts(schedules, tmp_dir, batch=30):
+    """Problems of each schedule (a list per schedule; [] passes), grouped by
+    world size into launches of up to `batch`. After a failing schedule the
+    rest of its launch runs again in a new one (a failure may leave the ranks
+    out of step); a launch that fails as a whole is rerun one schedule per
+    launch."""
+    out = [None] * len(schedules)
+    pending = list(range(len(schedules)))
+    while pending:
+        world = schedules[pending[0]]["world"]
+        idx = [i for i in pending if schedules[i]["world"] == world][:batch]
+        _launches[0] += 1
+        out_dir = os.path.join(str(tmp_dir), f"launch{_launches[0]}")
+        try:
+            probs = _launch([schedules[i] for i in idx], out_dir)
+        except Exception as exc:  # noqa: BLE001 - a hang or a crash
+            what = f"the launch failed: {type(exc).__name__}: {str(exc)[-1500:]}"
+            if len(idx) == 1:
+                out[idx[0]] = [what]
+                pending.remove(idx[0])
+            else:
+                for i in idx:  # one per launch
+                    out[i] = verdicts([schedules[i]], tmp_dir)[0]
+                    pending.remove(i)
+            continue
+        for i, p in zip(idx, probs):
+            out[i] = p
+            pending.remove(i)
+            if p:
+                break  # the rest of this launch runs again
+    return out
+
+
+def signature(problems):
+    """Coarse kinds of a failure, so that shrinking keeps to the same bug."""
+    kinds = set()
+    for p in problems:
+        if "launch failed" in p or "escaped the driver" in p or "no result" in p:
+            kinds.add("launch")
+        elif "parameters after" in p:
+            kinds.add("params")
+        elif "window_loss" in p:
+            kinds.add("loss")
+        elif "micro_step" in p or "optimizer_steps" in p:
+            kinds.add("state")
+        else:
+            kinds.add("calls")
+    return kinds
+
+
+def shrink(sched, problems, tmp_dir, budget_s=300, log=None, chunk=8):
+    """Greedy: the smallest candidate that still fails the same way, repeated
+    while one does and the budget lasts. Returns (schedule, problems)."""
+    deadline = time.monotonic() + budget_s
+    best, best_p = sched, problems
+    sig = signature(problems)
+    while time.monotonic() < deadline:
+        cands = fm.shrink_candidates(best)
+        found = False
+        for start in range(0, len(cands), chunk):
+            if time.monotonic() >= deadline:
+                break
+            part = cands[start:start + chunk]
+            vs = verdicts(part, tmp_dir, batch=chunk)
+            failing = [(c, p) for c, p in zip(part, vs) if p and signature(p) & sig]
+            if failing:
+                best, best_p = min(failing, key=lambda cp: fm.size(cp[0]))
+                if log:
+                    log(f"  shrunk to size {fm.size(best)}: {best_p[0][:160]}")
+                found = True
+                break
+        if not found:
+            break
+    return best, best_p

@@ -1,0 +1,701 @@
+"""The fuzzer's reference model of gradaccum's documented protocol.
+
+Written from README.md, docs/design.md and docs/checkpoints.md, not from the
+implementation: plain Python and float64 torch arithmetic on one process, no
+torch.distributed. Given a schedule (every rank's calls, see `generate`), it
+says what every rank must observe at each call (a return value, or an error
+with its key words) and what every rank's parameters must be after each epoch.
+
+A schedule is a plain dict (JSON-able, so a failing one pastes into a test):
+
+    {"seed", "world", "steps", "reduction", "nonfinite", "net", "momentum",
+     "buckets": "one" | "many", "as_view": bool (options that change no arithmetic),
+     "epochs": [{"end": "flush" | "join" | "none",
+                 "micros": [[spec, ...] per rank],
+                 "events": [[t, kind, arg], ...]}]}
+
+A micro-batch's spec is "ok", "nan" (its loss times NaN), "zero"
+(`num_items=0`: no valid item, `reduction="items"` only) or "boom" (its
+backward raises on that rank). An event at `t` happens on every rank after
+its t-th micro-batch of the epoch and its `acc.step()`:
+"opt_zero_grad" (`optimizer.zero_grad()` on rank `arg` only), "acc_zero_grad"
+(`acc.zero_grad()` on every rank, or on rank `arg` alone: not generated, the
+docs do not say), "flush" (`acc.flush()` on every rank), "state_dict" (`acc.state_dict()` on rank `arg`
+alone, mid-window; each rank has one such event in the same window, maybe at
+another micro-step: a cut that is not consistent) or "checkpoint" (every rank calls
+`acc.state_dict()`; rank `arg`'s state, model and optimizer are loaded by
+every rank into a fresh model, optimizer and Accumulator).
+
+Each rank runs, per epoch: `for t, spec in enumerate(mine): events at t;
+acc.backward(loss, num_items); acc.step()`, then events at len(mine), then
+`acc.flush()` ("flush"), or nothing ("none"); "join" epochs run the loop
+inside `with acc.join():` (no events there; an error ends the epoch).
+
+Observation keys (one namespace per rank): "b/e/t" backward, "s/e/t" step,
+"f/e" flush, "x/e/t" a mid-epoch flush, "j/e" leaving join, "c/e/t" state_dict, "l/e/t" the resume.
+"""
+import math
+import random
+
+import torch
+import torch.nn as nn
+
+import _dist_utils as du
+
+MICRO = 2  # rows per micro-batch (each du.TOKENS tokens)
+LR = {"mean": 0.05, "items": 0.02, "sum": 0.0005}  # SGD's lr: no blow-up in a few steps
+SPECS = ("ok", "nan", "zero", "boom")
+DROPPED = "dropped on every rank"  # the window-drop error's key words (README, design.md)
+
+
+class InvalidSchedule(Exception):
+    """A schedule outside what the model covers (or what the docs allow)."""
+
+
+# --------------------------------------------------------------------------- #
+# Data and networks, shared with the ranks (_fuzz_jobs.py)
+# --------------------------------------------------------------------------- #
+
+def make_net(kind, seed):
+    if kind == "linear":
+        torch.manual_seed(seed)
+        return nn.Linear(du.D_IN, du.D_OUT).double()
+    return du.mlp(seed)
+
+
+def micro_data(seed, epoch, rank, t, spec):
+    """Rank `rank`'s t-th micro-batch of `epoch`: (x, y, mask) as du.make_windows."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 10_007 + rank * 101 + t) % (2 ** 62))
+    x = torch.randn(MICRO, du.TOKENS, du.D_IN, generator=g, dtype=torch.float64)
+    y = torch.randn(MICRO, du.TOKENS, du.D_OUT, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, du.TOKENS + 1, (MICRO,), generator=g)
+    mask = torch.arange(du.TOKENS)[None, :] < lengths[:, None]
+    if spec == "zero":
+        mask = torch.zeros_like(mask)
+    return x, y, mask
+
+
+def micro_loss(net, batch, reduction, spec):
+    """(loss, num_items) exactly as a rank passes them to acc.backward()."""
+    loss, n = du.micro_loss(net, batch, reduction)
+    if spec == "nan":
+        loss = loss * float("nan")  # its gradient is NaN too
+    return loss, n
+
+
+# --------------------------------------------------------------------------- #
+# The model
+# --------------------------------------------------------------------------- #
+
+class _Window:
+    """One rank's part of the current window."""
+
+    def __init__(self):
+        self.grad = None     # the sum of its micro-batches' gradients (backwards that ran)
+        self.weight = 0.0    # micro-batches kept ("mean", "sum") or items ("items")
+        self.loss = 0.0      # the sum of the kept losses
+        self.kept = 0        # micro-batches whose backward ran
+        self.nan = False     # a backward with a NaN gradient ran ("skip")
+        self.culprits = {}   # rank -> "boom" | "cleared": the window must be dropped
+        self.cut = False     # a checkpoint resumed it mid-window (its loss is not saved)
+
+
+class Model:
+    def __init__(self, sched):
+        self.s = sched
+        self.W, self.K = sched["world"], sched["steps"]
+        self.red, self.nonfinite = sched["reduction"], sched["nonfinite"]
+        self.net = make_net(sched["net"], sched["seed"])
+        self.params = [p.detach().clone() for p in self.net.parameters()]
+        self.buf = None
+        self.optimizer_steps = 0
+        self.m = 0  # micro-step, alike on every rank outside an epoch's last window
+        self.win = [_Window() for _ in range(self.W)]
+        self.exp = [dict() for _ in range(self.W)]
+        self.trace = []  # parameters at each epoch's end
+        self.seen = set()  # what the schedule exercised (coverage tags)
+
+    # ---- arithmetic ----------------------------------------------------- #
+
+    def _grad_of(self, e, r, t, spec):
+        """(gradient, loss value, items) of one micro-batch at the window's parameters."""
+        with torch.no_grad():
+            for p, v in zip(self.net.parameters(), self.params):
+                p.copy_(v)
+                p.grad = None
+        loss, n = micro_loss(self.net, micro_data(self.s["seed"], e, r, t, spec), self.red, "ok")
+        loss.backward()
+        return [p.grad.detach().clone() for p in self.net.parameters()], loss.item(), n
+
+    def _contribute(self, e, r, t, spec):
+        """The local effect of rank r's backward of micro-batch t (no reduction)."""
+        w = self.win[r]
+        if spec == "boom":
+            w.culprits.setdefault(r, "boom")
+            return
+        if spec == "nan":
+            if self.nonfinite == "skip_micro_batch":
+                self.seen.add("micro-batch left out")
+                return  # left out: no backward, no weight
+            w.nan = True
+            w.kept += 1
+            w.weight += 1.0 if self.red != "items" else 0.0  # its items do not matter: skipped
+            if w.grad is None:
+                w.grad = [torch.zeros_like(p) for p in self.params]
+            return
+        g, loss, n = self._grad_of(e, r, t, spec)
+        w.grad = g if w.grad is None else [a + b for a, b in zip(w.grad, g)]
+        w.loss += loss
+        w.kept += 1
+        w.weight += float(n) if self.red == "items" else 1.0
+
+    def _close(self):
+        """The window's reduction, no culprit: returns (stepped, window_loss or None)."""
+        wins = self.win
+        if any(w.nan for w in wins) and self.nonfinite == "skip":
+            self.seen.add("nonfinite window skipped")
+            return False, None  # a non-finite window is skipped, alike on every rank
+        weight = sum(w.weight for w in wins)
+        kept = sum(w.kept for w in wins)
+        if weight == 0 or kept == 0:
+            if kept:
+                self.seen.add("window with no items")
+            return False, None  # nothing kept (or no items) anywhere: no step
+        total = None
+        for w in wins:
+            if w.grad is not None:
+                total = w.grad if total is None else [a + b for a, b in zip(total, w.grad)]
+        div = 1.0 if self.red == "sum" else weight
+        grad = [g / div for g in total]
+        clip = self.s.get("max_grad_norm")
+        if clip is not None:  # clip_grad_norm_'s arithmetic, once per window
+            norm = math.sqrt(sum(float((g * g).sum()) for g in grad))
+            coef = min(1.0, clip / (norm + 1e-6))
+            grad = [g * coef for g in grad]
+            if coef < 1.0:
+                self.seen.add("window clipped")
+        mom = self.s["momentum"]
+        if self.buf is None or mom == 0:
+            self.buf = [g.clone() for g in grad]
+        else:
+            self.buf = [mom * b + g for b, g in zip(self.buf, grad)]
+        self.params = [p - LR[self.red] * b for p, b in zip(self.params, self.buf)]
+        self.optimizer_steps += 1
+        loss = sum(w.loss for w in wins) / div
+        return True, (None if any(w.cut for w in wins) else loss)
+
+    def _reset(self):
+        self.win = [_Window() for _ in range(self.W)]
+        self.m = 0
+
+    def _culprits(self):
+        out = {}
+        for w in self.win:
+            out.update(w.culprits)
+        return out
+
+    def _dropped_error(self, r, culprits, own_boom=False):
+        all_of = [DROPPED]
+        if all(v == "cleared" for v in culprits.values()):
+            all_of.append("cleared")
+        if own_boom and culprits.get(r) == "boom":  # its first reason is the one told
+            all_of.append("injected failure")
+        # with several culprits the error counts them ("2 ranks could not contribute")
+        any_of = [f"rank {c}" for c in sorted(culprits)] if len(culprits) == 1 else []
+        return ("err", all_of, any_of, True)
+
+    # ---- epochs ----------------------------------------------------------- #
+
+    def run(self):
+        for e, ep in enumerate(self.s["epochs"]):
+            if len(ep["micros"]) != self.W:
+                raise InvalidSchedule("micros per rank")
+            if ep["end"] == "join":
+                self._join_epoch(e, ep)
+            else:
+                self._plain_epoch(e, ep)
+            self.trace.append([p.clone() for p in self.params])
+        return self
+
+    def _plain_epoch(self, e, ep):
+        W, K = self.W, self.K
+        n = [len(x) for x in ep["micros"]]
+        if ep["end"] == "none" and len(set(n)) != 1:
+            raise InvalidSchedule("an epoch without flush() needs equal shards")
+        lock = min(n)
+        at = {}
+        for t, kind, arg in ep["events"]:
+            if not 0 <= t <= lock:
+                raise InvalidSchedule("events only where every rank has data")
+            at.setdefault(t, []).append((kind, arg))
+        ops = []
+        for r in range(W):
+            lst = []
+            for t in range(n[r] + 1):
+                for kind, arg in at.get(t, []):
+                    if kind in ("opt_zero_grad", "acc_zero_grad", "state_dict") and arg is not None and arg != r:
+                        continue
+                    lst.append(("flush_now" if kind == "flush" else kind, t, arg))
+                if t < n[r]:
+                    lst.append(("micro", t, ep["micros"][r][t]))
+            if ep["end"] == "flush":
+                lst.append(("flush", None, None))
+            lst.append(("end", None, None))
+            ops.append(lst)
+        cur = [0] * W
+        epoch_over = [False] * W
+        mine = [self.m] * W  # each rank's micro-step (they differ only in the last window)
+        while True:
+            points = []
+            for r in range(W):
+                while True:
+                    kind, t, arg = ops[r][cur[r]]
+                    exp = self.exp[r]
+                    if kind == "micro":
+                        if epoch_over[r]:
+                            raise InvalidSchedule("a rank trains on after a peer's flush() ended the epoch")
+                        if mine[r] + 1 == K:
+                            break  # a reduction point
+                        self._contribute(e, r, t, arg)
+                        mine[r] += 1
+                        exp[f"b/{e}/{t}"] = (("err", ["injected failure"], [], False) if arg == "boom"
+                                             else ("ok", None))
+                        exp[f"s/{e}/{t}"] = ("ok", False)
+                    elif kind == "opt_zero_grad":
+                        if mine[r] == 0:
+                            cur[r] += 1
+                            continue  # at a boundary: nothing to clear
+                        # README: optimizer.zero_grad() between micro-steps is an error
+                        # (the window is dropped on every rank, naming the rank). With no
+                        # backward run yet in the window there may be nothing to clear
+                        # (.grad None): whether that is seen is not documented.
+                        if self.win[r].grad is None and not self.win[r].culprits:
+                            raise InvalidSchedule("optimizer.zero_grad() with nothing accumulated")
+                        self.win[r].culprits.setdefault(r, "cleared")
+                    elif kind == "acc_zero_grad":
+                        if mine[r]:
+                            self.seen.add("acc.zero_grad() mid-window")
+                        self.win[r] = _Window()
+                        mine[r] = 0
+                    elif kind == "checkpoint":
+                        if mine[r] > 0:
+                            break
+                        exp[f"c/{e}/{t}"] = ("ok", None)
+                        exp[f"l/{e}/{t}"] = ("ok", None)
+                        self.seen.add("checkpoint at a boundary")
+                    elif kind == "state_dict":
+                        if mine[r] == 0:
+                            raise InvalidSchedule("a per-rank-timed state_dict() at a boundary")
+                        break  # mid-window: a collective
+                    elif kind in ("flush", "flush_now"):
+                        if not epoch_over[r]:
+                            break
+                        exp[_flush_key(e, kind, t)] = ("ok", False)  # its window met a flush: no collective
+                    else:  # end
+                        break
+                    cur[r] += 1
+                points.append(ops[r][cur[r]])
+            kinds = {p[0] for p in points}
+            if kinds == {"end"}:
+                break
+            if "end" in kinds:
+                raise InvalidSchedule("a rank would wait in a reduction its peers never run")
+            if "flush_now" in kinds and len(kinds) != 1:
+                raise InvalidSchedule("a mid-epoch flush() where the ranks are not at one point")
+            if "state_dict" in kinds:
+                if kinds != {"state_dict"}:
+                    raise InvalidSchedule("a state_dict() some ranks call in another window")
+                culprits = self._culprits()
+                if len(set(mine)) == 1:  # one consistent cut (not resumed)
+                    if culprits:
+                        for r, (_, t, _) in enumerate(points):
+                            self.exp[r][f"c/{e}/{t}"] = self._dropped_error(r, culprits)
+                        self._reset()
+                        mine = [0] * W
+                    else:
+                        for r, (_, t, _) in enumerate(points):
+                            self.exp[r][f"c/{e}/{t}"] = ("ok", None)
+                else:
+                    # checkpoints.md: "Ranks that call state_dict() at different micro-steps
+                    # of a window ... get an error on every rank"; the window goes on.
+                    if culprits:
+                        raise InvalidSchedule("a skewed state_dict() of a failed window")
+                    self.seen.add("state_dict() at different micro-steps")
+                    for r, (_, t, _) in enumerate(points):
+                        self.exp[r][f"c/{e}/{t}"] = ("err", ["different micro-steps"], [], True)
+            elif "checkpoint" in kinds:
+                if kinds != {"checkpoint"} or len({p[1] for p in points}) != 1 or len(set(mine)) != 1:
+                    raise InvalidSchedule("a checkpoint where the ranks are not at one point")
+                t = points[0][1]
+                culprits = self._culprits()
+                self.seen.add("checkpoint mid-window" + (" of a failed window" if culprits else ""))
+                if culprits:
+                    # checkpoints.md: a rank-independent state_dict() of a window that is
+                    # silently wrong drops the window on every rank with that reason
+                    for r in range(W):
+                        self.exp[r][f"c/{e}/{t}"] = self._dropped_error(r, culprits)
+                    self._reset()
+                    mine = [0] * W
+                else:
+                    for r in range(W):
+                        self.exp[r][f"c/{e}/{t}"] = ("ok", None)
+                        self.exp[r][f"l/{e}/{t}"] = ("ok", None)
+                        self.win[r].cut = True
+            else:
+                # closing backwards and flushes pair in one reduction
+                before = self._culprits()
+                for r, (kind, t, arg) in enumerate(points):
+                    if kind == "micro":
+                        self._contribute(e, r, t, arg)
+                culprits = self._culprits()
+                if culprits:
+                    stepped, loss = False, None
+                    self.seen.update(f"window dropped ({v})" for v in culprits.values())
+                    if len(culprits) > 1:
+                        self.seen.add("window dropped (several ranks)")
+                else:
+                    stepped, loss = self._close()
+                if "flush_now" in kinds:
+                    self.seen.add("flush() mid-epoch")
+                if "flush" in kinds:
+                    self.seen.add("flush" + (" meets closing ranks" if "micro" in kinds else "")
+                                  + (" of unequal partial windows" if len(set(mine)) > 1 else ""))
+                for r, (kind, t, arg) in enumerate(points):
+                    exp = self.exp[r]
+                    if kind == "micro":
+                        own = arg == "boom" and r not in before
+                        exp[f"b/{e}/{t}"] = (self._dropped_error(r, culprits, own_boom=own)
+                                             if culprits else ("ok", None))
+                        exp[f"s/{e}/{t}"] = ("ok", stepped, loss) if stepped else ("ok", False)
+                        if "flush" in kinds:
+                            epoch_over[r] = True
+                    else:
+                        exp[_flush_key(e, kind, t)] = (
+                            self._dropped_error(r, culprits) if culprits
+                            else (("ok", True, loss) if stepped else ("ok", False)))
+                self._reset()
+                mine = [0] * W
+            for r in range(W):
+                cur[r] += 1
+        if ep["end"] != "flush" and len(set(mine)) != 1:
+            raise InvalidSchedule("the ranks end the epoch at different micro-steps")
+        self.m = 0 if ep["end"] == "flush" else mine[0]
+
+    def _join_epoch(self, e, ep):
+        """design.md, Joining: window w holds every rank's w-th chunk of its data
+        (the first chunk fills the current window); a rank out of data closes
+        its partial window and shadows (weight 0) until every rank has joined."""
+        W, K = self.W, self.K
+        if ep["events"]:
+            raise InvalidSchedule("no events inside join()")
+        chunks, full = [], []
+        for r in range(W):
+            data = list(enumerate(ep["micros"][r]))
+            cs, cap = [], K - self.m
+            while len(data) >= cap:
+                cs.append(data[:cap])
+                data, cap = data[cap:], K
+            full.append(len(cs))
+            cs.append(data)  # the partial (maybe empty) window closed when leaving join()
+            chunks.append(cs)
+        rounds = max(full) + 1
+        for w in range(rounds):
+            closing = {}
+            for r in range(W):
+                if w >= len(chunks[r]):
+                    continue
+                chunk = chunks[r][w]
+                for i, (t, spec) in enumerate(chunk):
+                    is_close = w < full[r] and i == len(chunk) - 1
+                    if is_close:
+                        closing[r] = (t, spec)
+                        continue
+                    if spec == "boom":
+                        raise InvalidSchedule("in join(), a backward fails only at a window's close")
+                    self._contribute(e, r, t, spec)
+                    self.exp[r][f"b/{e}/{t}"] = ("ok", None)
+                    self.exp[r][f"s/{e}/{t}"] = ("ok", False)
+            before = self._culprits()
+            for r, (t, spec) in closing.items():
+                self._contribute(e, r, t, spec)
+            culprits = self._culprits()
+            stepped, loss = (False, None) if culprits else self._close()
+            self.seen.add("join" + (": window dropped" if culprits else "")
+                          + (", shadowed" if any(w > full[r] for r in range(W)) else ""))
+            for r in range(W):
+                exp = self.exp[r]
+                if r in closing:
+                    t, spec = closing[r]
+                    if culprits:
+                        exp[f"b/{e}/{t}"] = self._dropped_error(r, culprits, own_boom=spec == "boom" and r not in before)
+                    else:
+                        exp[f"b/{e}/{t}"] = ("ok", None)
+                        exp[f"s/{e}/{t}"] = ("ok", stepped, loss) if stepped else ("ok", False)
+                elif culprits:  # out of data: told inside join()
+                    exp[f"j/{e}"] = self._dropped_error(r, culprits)
+            self._reset()
+            if culprits:
+                return  # the error leaves join() on every rank: the epoch ends
+        for r in range(W):
+            self.exp[r][f"j/{e}"] = ("ok", None)
+
+
+def _flush_key(e, kind, t):
+    return f"f/{e}" if kind == "flush" else f"x/{e}/{t}"
+
+
+def expect(sched):
+    """The model's prediction, or InvalidSchedule."""
+    return Model(sched).run()
+
+
+# --------------------------------------------------------------------------- #
+# Checking what the ranks observed
+# --------------------------------------------------------------------------- #
+
+def _close(a, b, tol):
+    return abs(a - b) <= tol * max(1.0, abs(b))
+
+
+def check(sched, results, tol=1e-12):
+    """Problems (strings) between the ranks' results and the model; [] when all agree."""
+    model = expect(sched)
+    problems = []
+    for r, res in enumerate(results):
+        if res is None:
+            problems.append(f"rank {r}: no result")
+            continue
+        if res.get("crash"):
+            problems.append(f"rank {r}: unexpected exception escaped the driver: {res['crash']}")
+            continue
+        got, exp = res["obs"], model.exp[r]
+        for key in sorted(set(got) | set(exp), key=_order):
+            g, x = got.get(key), exp.get(key)
+            if x is None:
+                problems.append(f"rank {r} {key}: not expected, got {_show(g)}")
+            elif g is None:
+                problems.append(f"rank {r} {key}: expected {_show(x)}, the rank never got there")
+            elif x[0] == "err":
+                _, all_of, any_of, prefixed = x
+                if g[0] != "err":
+                    problems.append(f"rank {r} {key}: expected an error with {all_of} "
+                                    f"and one of {any_of}, got {_show(g)}")
+                    continue
+                _, mro, text = g
+                bad = [w for w in all_of if w not in text]
+                if any_of and not any(w in text for w in any_of):
+                    bad.append(f"one of {any_of}")
+                if "RuntimeError" not in mro:
+                    bad.append(f"class RuntimeError (got {mro[0]})")
+                if prefixed and not text.startswith("gradaccum: "):
+                    bad.append("the 'gradaccum: ' prefix")
+                if bad:
+                    problems.append(f"rank {r} {key}: error lacks {bad}: {text[:300]}")
+            else:
+                if g[0] != "ok":
+                    problems.append(f"rank {r} {key}: expected {_show(x)}, got {_show(g)}")
+                elif g[1] != x[1]:
+                    problems.append(f"rank {r} {key}: returned {g[1]!r}, expected {x[1]!r}")
+                elif x[1] is True and len(x) > 2:
+                    wl, want = g[2], x[2]
+                    if want is None and wl is not None:
+                        problems.append(f"rank {r} {key}: window_loss {wl!r}, expected None "
+                                        "(a window cut by a checkpoint)")
+                    elif want is not None and (wl is None or not _close(wl, want, tol)):
+                        problems.append(f"rank {r} {key}: window_loss {wl!r}, expected {want!r}")
+        for e, (got_p, want_p) in enumerate(zip(res["trace"], model.trace)):
+            worst = max(((a - b).abs().max().item() / max(1.0, b.abs().max().item())
+                         for a, b in zip(got_p, want_p)), default=0.0)
+            if not worst <= tol:
+                problems.append(f"rank {r}: parameters after epoch {e} differ by {worst:.3g} (relative)")
+                break
+        if len(res["trace"]) != len(model.trace):
+            problems.append(f"rank {r}: {len(res['trace'])} epochs ran, expected {len(model.trace)}")
+        if res["micro_step"] != model.m or res["window_ready"]:
+            problems.append(f"rank {r}: ends at micro_step {res['micro_step']} (window_ready "
+                            f"{res['window_ready']}), expected {model.m}")
+        if res["optimizer_steps"] != model.optimizer_steps:
+            problems.append(f"rank {r}: stats()['optimizer_steps'] {res['optimizer_steps']}, "
+                            f"expected {model.optimizer_steps}")
+    return problems
+
+
+def _order(key):
+    parts = key.split("/")
+    return tuple(int(p) for p in parts[1:]) + ("zcxblsjf".index(parts[0]),)
+
+
+def _show(obs):
+    if obs is None:
+        return "nothing"
+    if obs[0] == "err":
+        if isinstance(obs[1], list) and obs[1] and isinstance(obs[1][0], str) and len(obs) == 3 \
+                and isinstance(obs[2], str):
+            return f"{obs[1][0]}: {obs[2][:300]}"
+        return f"an error with {obs[1]}"
+    return f"returned {obs[1]!r}"
+
+
+# --------------------------------------------------------------------------- #
+# Generating and shrinking schedules
+# --------------------------------------------------------------------------- #
+
+def _specs(rng, count, reduction, boom_p, closing=None):
+    out = []
+    for i in range(count):
+        u = rng.random()
+        if u < boom_p and (closing is None or closing(i)):
+            out.append("boom")
+        elif u < boom_p + 0.08:
+            out.append("nan")
+        elif u < boom_p + 0.25 and reduction == "items":
+            out.append("zero")
+        else:
+            out.append("ok")
+    return out
+
+
+def _try_generate(rng, seed):
+    W = rng.choice([2, 2, 3])
+    K = rng.randint(1, 4)
+    red = rng.choice(["mean", "sum", "items"])
+    sched = {"seed": seed, "world": W, "steps": K, "reduction": red,
+             "nonfinite": rng.choice(["skip", "skip_micro_batch"]),
+             "net": rng.choice(["linear", "mlp"]), "momentum": rng.choice([0.0, 0.9]),
+             "buckets": rng.choice(["one", "many"]), "as_view": rng.random() < 0.3,
+             "max_grad_norm": rng.choice([None, None, 0.5, 3.0]), "epochs": []}
+    m = 0
+    for _ in range(rng.randint(1, 3)):
+        end = rng.choices(["flush", "join", "none"], [5, 3, 2])[0]
+        events = []
+        if end == "join":
+            n = [rng.randint(0, 3 * K) for _ in range(W)]
+            micros = [_specs(rng, n[r], red, 0.06, closing=lambda i, m=m: (m + i + 1) % K == 0)
+                      for r in range(W)]
+            m = 0
+        else:
+            if end == "flush":
+                lock = (K - m) % K + rng.randint(0, 2) * K
+                n = [lock + rng.randint(0, K) for _ in range(W)]
+            else:
+                n = [rng.randint(0, 2 * K + 1)] * W
+            micros = [_specs(rng, n[r], red, 0.04) for r in range(W)]
+            for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+                kind = rng.choices(["checkpoint", "opt_zero_grad", "acc_zero_grad", "flush"], [5, 4, 1, 1])[0]
+                arg = rng.randrange(W) if kind in ("checkpoint", "opt_zero_grad") else None
+                events.append([rng.randint(0, min(n)), kind, arg])
+            starts = [t for t in range((K - m) % K, min(n), K) if t + K - 1 <= min(n)]
+            if K > 1 and starts and rng.random() < 0.3:  # every rank saves, at its own micro-step
+                t0 = rng.choice(starts)
+                for r in range(W):
+                    events.append([t0 + rng.randint(1, K - 1), "state_dict", r])
+            events.sort(key=lambda ev: ev[0])
+            m = 0 if end == "flush" else (m + n[0]) % K  # ignoring acc_zero_grad: retried if invalid
+        sched["epochs"].append({"end": end, "micros": micros, "events": events})
+    return sched
+
+
+def generate(seed):
+    """A valid random schedule, a function of `seed` alone."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        sched = _try_generate(rng, seed)
+        try:
+            expect(sched)
+            return sched
+        except InvalidSchedule:
+            continue
+    raise RuntimeError(f"no valid schedule from seed {seed}")
+
+
+def size(sched):
+    eps = sched["epochs"]
+    return (sum(len(x) for ep in eps for x in ep["micros"]) + 4 * sum(len(ep["events"]) for ep in eps)
+            + 6 * len(eps) + 3 * sched["world"] + sched["steps"]
+            + sum(s != "ok" for ep in eps for x in ep["micros"] for s in x)
+            + (sched["net"] == "mlp") + (sched["momentum"] != 0)
+            + (sched.get("buckets") == "many") + bool(sched.get("as_view"))
+            + (sched.get("max_grad_norm") is not None))
+
+
+def _copy(sched):
+    import copy
+    return copy.deepcopy(sched)
+
+
+def shrink_candidates(sched):
+    """Smaller schedules than `sched` that the model still covers, smallest first."""
+    cands = []
+    eps = sched["epochs"]
+    for e in range(len(eps)):  # drop an epoch
+        if len(eps) > 1:
+            c = _copy(sched)
+            del c["epochs"][e]
+            cands.append(c)
+    for e, ep in enumerate(eps):
+        for j in range(len(ep["events"])):  # drop an event
+            c = _copy(sched)
+            del c["epochs"][e]["events"][j]
+            cands.append(c)
+        n = [len(x) for x in ep["micros"]]
+        if min(n) >= sched["steps"]:  # drop the epoch's first window on every rank
+            K = sched["steps"]
+            c = _copy(sched)
+            cep = c["epochs"][e]
+            cep["micros"] = [x[K:] for x in cep["micros"]]
+            cep["events"] = [[t - K, k, a] for t, k, a in cep["events"] if t >= K]
+            cands.append(c)
+        for r in range(len(n)):  # one micro-batch less on one rank (its last)
+            if n[r] > 0:
+                c = _copy(sched)
+                cep = c["epochs"][e]
+                cep["micros"][r] = cep["micros"][r][:-1]
+                if cep["end"] == "none":
+                    cep["micros"] = [x[:n[r] - 1] for x in cep["micros"]]
+                lock = min(len(x) for x in cep["micros"])
+                cep["events"] = [ev for ev in cep["events"] if ev[0] <= lock]
+                cands.append(c)
+        for r, specs in enumerate(ep["micros"]):  # a bad micro-batch made good
+            for t, s in enumerate(specs):
+                if s != "ok":
+                    c = _copy(sched)
+                    c["epochs"][e]["micros"][r][t] = "ok"
+                    cands.append(c)
+    if sched["world"] == 3:  # two ranks
+        c = _copy(sched)
+        c["world"] = 2
+        for ep in c["epochs"]:
+            ep["micros"] = ep["micros"][:2]
+            ep["events"] = [ev for ev in ep["events"] if ev[2] != 2]
+        cands.append(c)
+    for key, small in (("net", "linear"), ("momentum", 0.0), ("buckets", "one"), ("as_view", False),
+                       ("max_grad_norm", None)):
+        if sched.get(key, small) != small:
+            c = _copy(sched)
+            c[key] = small
+            cands.append(c)
+    if sched["steps"] > 1 and all(ep["end"] != "join" for ep in eps):
+        c = _copy(sched)
+        c["steps"] -= 1
+        cands.append(c)
+    valid = []
+    for c in cands:
+        try:
+            expect(c)
+        except InvalidSchedule:
+            continue
+        valid.append(c)
+    valid.sort(key=size)
+    return valid
+
+
+def regression_test(sched, problems, name=None):
+    """A ready-to-paste pytest regression test for test_fuzz.py."""
+    import json
+    name = name or f"test_fuzz_seed_{sched['seed']}"
+    text = json.dumps(sched, separators=(",", ":"))
+    first = problems[0].replace('"', "'")[:160] if problems else "fails"
+    return (f'@pytest.mark.xfail(strict=True, reason="{first}")\n'
+            f"def {name}(tmp_path):\n"
+            f"    sched = json.loads({text!r})\n"
+            f"    assert_schedules_pass([sched], tmp_path)\n")
