@@ -256,6 +256,11 @@ class Accumulator {
   /// `out_of_memory` says why to the other ranks. The errors of both name
   /// acc.run(), the call built on them.
   void end_micro_step(bool failed = false, bool out_of_memory = false);
+  /// The checks of a micro-step that need no loss (the Accumulator is open, its
+  /// window not closed, not inside no_sync()), naming `what`: acc.run() makes
+  /// them before it runs its function, so that a micro-step it would fail is
+  /// one that could run.
+  void check_micro_step_state(const char* what) const;
   /// backward_part() ran and end_micro_step() is still due.
   bool parts_open() const {
     return parts_open_;

@@ -45,6 +45,9 @@ struct WindowRule {
   std::optional<at::ScalarType> comm_dtype;
   /// Keep what compression to `comm_dtype` lost and add it to the next window.
   bool error_feedback = false;
+  /// The names of the user metrics the window's loss sum carries after the
+  /// loss (AccumulatorOptions::metrics), in order.
+  std::vector<std::string> metrics;
 };
 
 /// Why a rank drops the window it is reducing (see Note [Dropping a window]).

@@ -331,8 +331,11 @@ class Accumulator:
         backward) and returns it: with ``reduction="mean"`` its mean over the
         batch's rows (torch losses' default), with ``"sum"`` its sum over them,
         with ``"items"`` ``(loss_sum, num_items)``, so that the parts of a
-        split batch add up to it. Returns what ``fn`` returned for
-        the whole micro-batch, detached (from its parts when it was split).
+        split batch add up to it; or a dict ``{"loss": ..., "num_items": ...
+        (items only), "metrics": {name: value}}`` to pass metrics as
+        ``backward(metrics=)`` does (summed over the parts). Returns what
+        ``fn`` returned for the whole micro-batch, detached (from its parts
+        when it was split).
 
         On ``torch.OutOfMemoryError`` in ``fn`` or in the backward, before any
         gradient reached ``.grad``, the micro-batch is split in two along dim
@@ -344,8 +347,17 @@ class Accumulator:
         split while its peers do not. An out-of-memory that cannot be retried
         (a part of one row, or in a backward after some gradient reached
         ``.grad``, or in the window's synchronising backward) fails the
-        micro-step: the window is dropped on every rank with one error. A
-        split window's all-reduce runs after its backward (not overlapped).
+        micro-step: the window is dropped on every rank with one error. Any
+        other error from ``fn`` or the backward fails the micro-step too:
+        data parallel it still takes its place, so every rank closes its
+        windows together and drops this one (one process: the window goes on
+        without it unless parts of it reached ``.grad``). After running out of
+        memory, a window's closing micro-step runs whole (its all-reduce
+        overlapped with its backward) only at a size that ran whole since;
+        otherwise in parts, its all-reduce after the backward. With
+        ``"skip_micro_batch"``, each part's loss is checked on its own: a
+        non-finite part leaves out its rows, not the whole micro-batch, and
+        counts in ``skipped_micro_batches``.
         ``stats()`` counts ``oom_retries`` and shows ``run_max_rows``."""
         return _run.run(self, fn, batch)
 

@@ -7,7 +7,7 @@ and nothing about a split crosses ranks.
 import collections
 import gc
 import math
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,6 +25,18 @@ class RunState:
         self.max_rows: Optional[int] = None  # parts of at most this many rows; None: whole micro-batches
         self.clean = 0  # micro-steps since the last out-of-memory
         self.oom_retries = 0  # parts that ran out of memory and were run again in halves
+        # The most rows that ran whole since the last out-of-memory: a window's
+        # closing micro-step runs whole (overlapped) only at a size known to
+        # fit, since running out of memory there drops the window.
+        self.proven = 0
+
+    def shrink(self, rows: Optional[int]) -> None:
+        """Ran out of memory on ``rows``: later parts take at most half."""
+        if rows is not None and rows > 1:
+            half = math.ceil(rows / 2)
+            self.max_rows = half if self.max_rows is None else min(self.max_rows, half)
+        self.clean = 0
+        self.proven = 0
 
 
 def _rows(batch: Any) -> Optional[int]:
@@ -49,19 +61,40 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _loss_of(reduction: str, out: Any) -> Tuple[torch.Tensor, Any]:
+# The text of the error backward_part() raises after failing the micro-step
+# itself (a part's backward failed after reaching .grad; src/accumulator/parts.cpp).
+_REACHED_GRAD = "failed in its backward after some of its gradient had reached .grad"
+
+
+def _is_oom(error: BaseException) -> bool:
+    """Out of memory, also when the reducer's error carries it as text (its
+    own error wraps the failed backward's: "CUDA out of memory", the CPU
+    allocator's "not enough memory")."""
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "not enough memory" in text
+
+
+def _loss_of(reduction: str, out: Any) -> Tuple[torch.Tensor, Any, Any]:
+    """fn's result as (loss, num_items, metrics)."""
+    if isinstance(out, dict):
+        unknown = sorted(set(out) - {"loss", "num_items", "metrics"})
+        if "loss" not in out or unknown or ("num_items" in out) != (reduction == "items"):
+            raise TypeError(
+                "gradaccum: acc.run(): a dict from fn(batch) holds 'loss', 'metrics' (optional) and, with "
+                f"reduction='items' only, 'num_items'; got the keys {sorted(out)} with reduction={reduction!r}")
+        return out["loss"], out.get("num_items"), out.get("metrics")
     if reduction == "items":
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError(
                 "gradaccum: acc.run(): with reduction='items', fn(batch) must return (loss_sum, num_items): "
                 f"the loss summed over the batch's items and their count, got {type(out).__name__}")
-        return out[0], out[1]
+        return out[0], out[1], None
     if not isinstance(out, torch.Tensor):
         raise TypeError(
             f"gradaccum: acc.run(): fn(batch) must return the micro-batch's loss (a tensor: its "
             f"{'mean' if reduction == 'mean' else 'sum'} over the batch's rows) with reduction={reduction!r}, "
             f"got {type(out).__name__}")
-    return out, None
+    return out, None, None
 
 
 class _Total:
@@ -72,69 +105,133 @@ class _Total:
         self.mean = reduction == "mean"
         self.loss: Optional[torch.Tensor] = None
         self.num_items: Any = 0
+        self.metrics: Optional[Dict[str, Any]] = None  # fn returned a dict: the parts' metrics add up
 
-    def add(self, loss: torch.Tensor, num_items: Any, share: float) -> None:
+    def add(self, loss: torch.Tensor, num_items: Any, share: float, metrics: Any, as_dict: bool) -> None:
         value = loss.detach() * share if self.mean else loss.detach()
         self.loss = value if self.loss is None else self.loss + value
         if self.items:
             self.num_items = self.num_items + num_items
+        if as_dict:
+            self.metrics = self.metrics or {}
+            for name, v in (metrics or {}).items():
+                v = v.detach() if isinstance(v, torch.Tensor) else v
+                self.metrics[name] = v if name not in self.metrics else self.metrics[name] + v
 
     def result(self) -> Any:
+        if self.metrics is not None:
+            out = {"loss": self.loss, "metrics": self.metrics}
+            if self.items:
+                out["num_items"] = self.num_items
+            return out
         return (self.loss, self.num_items) if self.items else self.loss
+
+
+def _fail(acc: Any, error: BaseException) -> None:
+    """The micro-step could not run (an error not retried, from ``fn`` or
+    left over from parts): its parts in .grad drop the window; data parallel
+    it takes its place and fails, so every rank still closes its windows
+    together (at once, on every rank, if it closes the window)."""
+    if not (acc._c.parts_open or acc.process_group is not None):
+        return  # one process, nothing of it in .grad: the window goes on without it
+    try:
+        acc._c.end_micro_step(failed=True, out_of_memory=_is_oom(error))
+    except RuntimeError as dropped:
+        error.add_note(str(dropped))
 
 
 def run(acc: Any, fn: Callable[[Any], Any], batch: Any) -> Any:
     """The body of Accumulator.run (see its docstring)."""
     state: RunState = acc._run_state
+    acc._c.check_micro_step_state()  # a micro-step that could not run must be one that could
     items = acc.reduction == "items"
     rows = _rows(batch)
     parts = 1 if state.max_rows is None or rows is None else max(1, math.ceil(rows / state.max_rows))
-    if parts == 1 and acc._c.sync_gradients and acc.process_group is not None:
-        # The window's closing micro-step, whole: the ordinary synchronising
-        # backward, its buckets overlapped with it. Out of memory in the
-        # forward is retried in parts; in this backward the reducer drops the
-        # window on every rank, as for any failed synchronising backward.
+    fits = state.max_rows is None or (rows is not None and rows <= state.proven)
+    if parts == 1 and fits and acc._c.sync_gradients and acc.process_group is not None:
+        # The window's closing micro-step, whole, at a size known to fit: the
+        # ordinary synchronising backward, its buckets overlapped with it. Out
+        # of memory in the forward is retried in parts; in this backward the
+        # reducer drops the window on every rank, as for any failed
+        # synchronising backward, and later closing micro-steps run in parts.
         out_of_memory = False
         try:
             out = fn(batch)
         except torch.OutOfMemoryError:
             out_of_memory = True
+        except BaseException as error:
+            _fail(acc, error)
+            raise
         if not out_of_memory:
-            loss, num_items = _loss_of(acc.reduction, out)
+            try:
+                loss, num_items, metrics = _loss_of(acc.reduction, out)
+            except BaseException as error:
+                _fail(acc, error)
+                raise
+            as_dict = isinstance(out, dict)
             del out
-            acc._c.backward_whole(*acc._micro_batch("acc.run()", loss, num_items))
-            _count_clean(state)
-            return (loss.detach(), num_items) if items else loss.detach()
+            try:
+                acc._c.backward_whole(*acc._micro_batch("acc.run()", loss, num_items),
+                                      acc._metric_values("acc.run()", metrics, loss))
+            except BaseException as error:
+                if _is_oom(error):
+                    state.shrink(rows)
+                raise
+            _count_clean(state, rows)
+            total = _Total(acc.reduction)
+            total.add(loss, num_items, 1.0, metrics, as_dict)
+            return total.result()
         _free_memory()
         queue = _halves(acc, state, batch, rows)
     else:
         queue = collections.deque([(batch, rows)] if parts == 1 else [(p, _rows(p)) for p in split(batch, parts)])
     total = _Total(acc.reduction)
+    whole = len(queue) == 1
     try:
         while queue:
             part, part_rows = queue.popleft()
             share = 1.0 if rows is None or part_rows is None else part_rows / rows
             out_of_memory = False
             try:
-                loss, num_items = _loss_of(acc.reduction, fn(part))
-                acc._backward_part(loss, num_items, share)
+                out = fn(part)
+                loss, num_items, metrics = _loss_of(acc.reduction, out)
+                as_dict = isinstance(out, dict)
+                out = None
             except torch.OutOfMemoryError:
                 out_of_memory = True  # handled below, once the exception and its frames are gone
+            except BaseException as error:
+                _fail(acc, error)  # fn's own error: not a retry
+                raise
+            if not out_of_memory:
+                try:
+                    acc._backward_part(loss, num_items, share, metrics)
+                except torch.OutOfMemoryError:
+                    # Raised as it was: nothing reached .grad (one that did
+                    # comes back as gradaccum's RuntimeError)
+                    out_of_memory = True
+                except BaseException as error:
+                    # Raised as it was, nothing of it in .grad: fail the
+                    # micro-step here; one that reached .grad the C++ side
+                    # has failed (Note [Micro-steps in parts]).
+                    if _REACHED_GRAD not in str(error):
+                        _fail(acc, error)
+                    raise
             if out_of_memory:
-                loss = num_items = None
+                whole = False
+                loss = num_items = metrics = None
                 _free_memory()
                 queue.extendleft(reversed(_halves(acc, state, part, part_rows)))
                 continue
-            total.add(loss, num_items, share)
-            loss = num_items = None
-    except BaseException:
-        # The micro-batch did not run whole: its parts in .grad (or, data
-        # parallel, its missing place in the window) fail the micro-step.
+            total.add(loss, num_items, share, metrics, as_dict)
+            loss = num_items = metrics = None
+    except BaseException as error:
+        # The micro-batch did not run whole: its parts in .grad fail the
+        # micro-step (data parallel the C++ side has counted a failed part).
         if acc._c.parts_open:
-            acc._c.end_micro_step(failed=True)
+            _fail(acc, error)
         raise
     acc._c.end_micro_step()
-    _count_clean(state)
+    _count_clean(state, rows if whole else None)
     return total.result()
 
 
@@ -160,16 +257,17 @@ def _halves(acc: Any, state: RunState, part: Any, part_rows: Optional[int]) -> D
         except RuntimeError as dropped:
             raise RuntimeError(message) from dropped
         raise RuntimeError(message)
-    half = math.ceil(part_rows / 2)
-    state.max_rows = half if state.max_rows is None else min(state.max_rows, half)
-    state.clean = 0
+    state.shrink(part_rows)
     state.oom_retries += 1
     return collections.deque((p, _rows(p)) for p in split(part, 2))
 
 
-def _count_clean(state: RunState) -> None:
+def _count_clean(state: RunState, whole_rows: Optional[int]) -> None:
+    """A micro-step ran; ``whole_rows``: its rows when it ran as one part."""
     if state.max_rows is None:
         return
+    if whole_rows is not None:
+        state.proven = max(state.proven, whole_rows)
     state.clean += 1
     if state.clean >= GROW_AFTER:
         state.clean = 0

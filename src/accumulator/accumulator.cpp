@@ -68,7 +68,7 @@ Accumulator::Accumulator(
         params_, options_.process_group(), options_.reducer(),
         std::move(model.buffers), std::move(model.names),
         WindowRule{options_.steps(), options_.reduction(), options_.accumulate_dtype(),
-                   options_.comm_dtype(), options_.error_feedback()});
+                   options_.comm_dtype(), options_.error_feedback(), options_.metrics()});
   } else if (const auto wide = options_.accumulate_dtype()) {
     // One process: the window's sums of narrower gradients (Note [One
     // accumulate_dtype path]).
@@ -210,8 +210,7 @@ void Accumulator::close_window(const at::Tensor& scaled, double weight, const st
   remember_gradients();
 }
 
-double Accumulator::check_micro_step(
-    const at::Tensor& loss, std::optional<double> num_items, const char* what) const {
+void Accumulator::check_micro_step_state(const char* what) const {
   check_open(what);
   TORCH_CHECK(!window_ready_,
       "gradaccum: ", what, ": the window closed at the previous acc.backward(); call acc.step() "
@@ -220,6 +219,11 @@ double Accumulator::check_micro_step(
       "gradaccum: ", what, ": called inside acc.no_sync(). acc.backward() decides by itself "
       "which micro-step synchronises; acc.no_sync() is for the manual path (a plain "
       "loss.backward() inside it)");
+}
+
+double Accumulator::check_micro_step(
+    const at::Tensor& loss, std::optional<double> num_items, const char* what) const {
+  check_micro_step_state(what);
   TORCH_CHECK_VALUE(loss.defined(), "gradaccum: ", what, ": loss is undefined");
   TORCH_CHECK_VALUE(loss.numel() == 1,
       "gradaccum: ", what, ": loss must be a scalar, got a tensor of shape ", loss.sizes());

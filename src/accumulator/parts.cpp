@@ -14,6 +14,18 @@ namespace gradaccum {
 
 using detail::CallGuard;
 
+namespace {
+
+// Out of memory: c10's error, or its text (torch.OutOfMemoryError raised in
+// Python code of the backward reaches C++ as a python_error with its message:
+// "CUDA out of memory", the CPU allocator's "not enough memory").
+bool out_of_memory(const std::exception& e, const std::string& what) {
+  return dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr ||
+      what.find("out of memory") != std::string::npos || what.find("not enough memory") != std::string::npos;
+}
+
+} // namespace
+
 // Note [Micro-steps in parts]
 // acc.run() splits a micro-batch that ran out of memory and runs the parts as
 // one micro-step: each part's backward accumulates locally (no collective),
@@ -25,9 +37,12 @@ using detail::CallGuard;
 // holds, which rides in the header, so one rank may split while its peers do
 // not, and no rank ever waits for another's decision (no deadlock).
 //
-// A part that raised without changing any .grad did not happen (out of memory
-// in its forward, or in its backward before any gradient reached .grad): the
-// caller runs it again in smaller parts. One that changed some gradients
+// A part that ran out of memory without changing any .grad did not happen
+// (in its forward, or in its backward before any gradient reached .grad): the
+// caller runs it again in smaller parts. Any other error that reached no
+// .grad is raised as it was, and the caller fails the micro-step with
+// end_micro_step(failed=true) (data parallel every rank must still close its
+// windows together; one process, parts before it drop the window). One that changed some gradients
 // cannot be undone (a float sum is not reversible): the micro-step fails as a
 // failed backward() does. Data parallel, a failed micro-step that does not
 // close the window counts (every rank closes its windows together) and the
@@ -72,12 +87,12 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
       scaled.backward();
     }
   } catch (const std::exception& e) {
-    if (grad_versions() == before) {
-      throw; // nothing reached .grad: the part did not happen
-    }
     const auto* error = dynamic_cast<const c10::Error*>(&e);
     const std::string what = error ? error->what_without_backtrace() : e.what();
-    const bool oom = dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr;
+    const bool oom = out_of_memory(e, what);
+    if (grad_versions() == before) {
+      throw; // nothing reached .grad: the caller runs it again smaller, or fails it (end_micro_step)
+    }
     bool dropped_now = false;
     try {
       fail_micro_step(oom ? AbortReason::OutOfMemory : AbortReason::BackwardFailed);
@@ -113,6 +128,11 @@ void Accumulator::end_micro_step(bool failed, bool out_of_memory) {
   const CallGuard guard(driver_, "acc.run()", &call_);
   check_open("acc.run()");
   if (failed) {
+    if (!parts_open_) {
+      // A micro-step that takes its place must be one that could run (a
+      // closed window is not counted into; no_sync() is the manual path).
+      check_micro_step_state("acc.run()");
+    }
     // Data parallel the failed micro-step takes its place even with nothing
     // of it in .grad, so that every rank closes its windows together.
     if (parts_open_ || reducer_) {

@@ -60,7 +60,7 @@ void Accumulator::close_window_loss(const ReductionResult& result, const at::Ten
   const bool cut = std::exchange(window_loss_cut_, false);
   window_metrics_ = at::Tensor();
   const auto n = static_cast<int64_t>(options_.metrics().size());
-  if (result.loss_sum && !cut && n > 0) {
+  if (result.loss_sum && !cut && n > 0 && result.global_weight != 0) {
     window_metrics_ = at::tensor(std::vector<double>(result.metric_sums.begin(), result.metric_sums.begin() + n),
                                  at::TensorOptions().dtype(at::kDouble));
     if (like.defined() && !like.device().is_cpu()) {

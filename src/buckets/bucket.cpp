@@ -82,10 +82,12 @@ int digit_bits_for(at::ScalarType dtype, int world) {
 }
 
 // Fixed-point bits of each header field: the weight may be fractional (items,
-// a checkpoint's 1/world share); every other field is an integer below 2^32.
+// a checkpoint's 1/world share); every other field is an integer below 2^32,
+// except the loss and the metrics, which digits do not carry (no bits: they
+// are 0 and take no room on the wire).
 constexpr int kWeightFractionBits = 32;
 int field_bits(int64_t field) {
-  return field == kWeight ? 63 : 32;
+  return field == kWeight ? 63 : field >= kLoss ? 0 : 32;
 }
 int field_fraction_bits(int64_t field) {
   return field == kWeight ? kWeightFractionBits : 0;

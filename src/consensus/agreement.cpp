@@ -3,7 +3,10 @@
 #include <c10/util/irange.h>
 
 #include <cmath>
+#include <cstdint>
 #include <sstream>
+#include <string>
+#include <vector>
 
 namespace gradaccum::detail {
 
@@ -11,6 +14,18 @@ namespace {
 
 double dtype_code(const std::optional<at::ScalarType>& dtype) {
   return dtype ? static_cast<double>(*dtype) : -1.0;
+}
+
+// The metric names as one number: FNV-1a over the names and their order, cut
+// to 48 bits (exact in a double); 0 for none.
+double names_code(const std::vector<std::string>& names) {
+  uint64_t hash = 1469598103934665603ULL;
+  for (const auto& name : names) {
+    for (const unsigned char c : name + '\0') {
+      hash = (hash ^ c) * 1099511628211ULL;
+    }
+  }
+  return names.empty() ? 0.0 : static_cast<double>(hash >> 16);
 }
 
 } // namespace
@@ -49,6 +64,8 @@ const std::vector<Agreement>& agreements() {
        true, kMetaHeader, false, nullptr},
       {"error_feedback", Shown::Number, [](const I& in) { return in.rule.error_feedback ? 1.0 : 0.0; },
        true, kMetaHeader, false, nullptr},
+      {"the metric names (AccumulatorOptions::metrics, as a hash of the names in their order)", Shown::Number,
+       [](const I& in) { return names_code(in.rule.metrics); }, true, kMetaHeader, false, nullptr},
       {"the number of trainable parameters", Shown::Number,
        [](const I& in) { return static_cast<double>(in.parameters); }, true, kMetaHeader, false, nullptr},
   };

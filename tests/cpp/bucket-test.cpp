@@ -75,7 +75,8 @@ TEST_CASE("half-precision wires carry the meta as exact digits, in one collectiv
       for (int r = 0; r < world; ++r) {
         std::vector<double> values(gradaccum::kMetaHeader + 2, 0.0);
         values[gradaccum::kWeight] = 4093.5 + r * 1e6 + 0.25;
-        for (int64_t f = 1; f < gradaccum::kMetaHeader; ++f) {
+        // The integer fields; digits carry no loss or metrics (0, no room).
+        for (int64_t f = 1; f < gradaccum::kLoss; ++f) {
           values[f] = static_cast<double>((f * 65521 + r * 977) % (int64_t{1} << 31));
         }
         values[gradaccum::kMetaHeader] = r == 0 ? 1 : 0; // a flag set on one rank only

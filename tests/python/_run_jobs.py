@@ -14,16 +14,18 @@ def schedule(seed, world_size, n_windows, last):
     return du.make_windows(seed, counts, ROWS)
 
 
-def reference(seed, world_size, n_windows, last, reduction):
+def reference(seed, world_size, n_windows, last, reduction, dropped=()):
     """One process, float64: each window's big batch (one forward and backward
     over all its micro-batches of every rank), its loss before the step, then
-    one optimizer step; the final parameters."""
+    one optimizer step; the final parameters. Windows in `dropped` are left out."""
     import torch
 
     model = du.mlp(seed)
     opt = du.make_optimizer("adam", model.parameters())
     losses = []
-    for window in schedule(seed, world_size, n_windows, last):
+    for w, window in enumerate(schedule(seed, world_size, n_windows, last)):
+        if w in dropped:
+            continue
         loss = du.global_batch_loss(model, window, reduction)
         losses.append(loss.item())
         loss.backward()
@@ -47,7 +49,9 @@ def loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where="forward")
 
         @staticmethod
         def backward(ctx, g):
-            raise torch.OutOfMemoryError(f"injected in backward: {rows} rows")
+            if where == "backward_error":
+                raise ValueError(f"a bad gradient: {rows} rows")
+            raise torch.OutOfMemoryError(f"out of memory (injected in backward: {rows} rows)")
 
     def fn(batch):
         nonlocal rows
@@ -56,13 +60,15 @@ def loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where="forward")
         calls.append(rows)
         oom = rank in oom_ranks and rows > oom_rows
         if oom and where == "forward":
-            raise torch.OutOfMemoryError(f"injected: {rows} rows")
+            raise torch.OutOfMemoryError(f"out of memory (injected: {rows} rows)")
+        if oom and where == "user_error":
+            raise ValueError(f"a bad sample: {rows} rows")
         if oom and where == "mid_backward":
             hidden = model[:4](x)
             out = model[4](Gate.apply(hidden))
         else:
             out = model(x)
-        if oom and where == "backward":
+        if oom and where in ("backward", "backward_error"):
             out = Gate.apply(out)
         err = (out - y).pow(2)
         if reduction == "mean":
@@ -77,7 +83,7 @@ def loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where="forward")
 
 @job
 def oom_run(rank, world_size, *, seed, n_windows, last, reduction, oom_ranks, oom_rows, where="forward",
-            grow_after=None, catch=False):
+            grow_after=None, catch=False, first_oom=0):
     import torch
     import gradaccum
     from gradaccum import _run
@@ -89,11 +95,16 @@ def oom_run(rank, world_size, *, seed, n_windows, last, reduction, oom_ranks, oo
     acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction, bucket_cap_mb=0.001,
                                 first_bucket_cap_mb=0.0005, process_group=None if world_size > 1 else False)
     calls = []
-    fn = loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where)
+    active = []  # the out-of-memory ranks from micro-step `first_oom` on
+    fn = loss_fn(model, reduction, rank, active, oom_rows, calls, where)
     out = {"losses": [], "returned": [], "collectives": [], "max_rows": [], "errors": []}
     windows = schedule(seed, world_size, n_windows, last)
+    k = 0
     for w, window in enumerate(windows):
         for batch in window[rank]:
+            if k == first_oom:
+                active.extend(oom_ranks)
+            k += 1
             try:
                 got = acc.run(fn, batch)
             except RuntimeError as e:
@@ -144,15 +155,56 @@ def unrecoverable(rank, world_size, *, seed, reduction, oom_rank, micro_step, wh
             if bad and where == "one_row":
                 batch = tuple(t[:1] for t in batch)
             fn = loss_fn(model, reduction, rank, [oom_rank] if bad else [], 0 if where == "one_row" else 2,
-                         calls, "forward" if where == "one_row" else "mid_backward")
+                         calls, "forward" if where == "one_row" else where)
             if bad and where == "mid_backward":
                 acc._run_state.max_rows = 4  # parts of 4 rows, whose backward fails half-way
             try:
                 acc.run(fn, batch)
                 acc.step()
-            except RuntimeError as e:
-                errors.append((w, k, type(e).__name__, str(e)))
+            except (RuntimeError, ValueError) as e:
+                errors.append((w, k, type(e).__name__, str(e), getattr(e, "__notes__", [])))
     stats = acc.stats()
     acc.close()
     return {"errors": errors, "optimizer_steps": stats["optimizer_steps"], "windows": stats["windows"],
             "params": du.params(model)}
+
+
+@job
+def cuda_oom(rank, world_size, *, seed, reduction, n_windows):
+    """On cuda:0, fn runs out of memory for real: it allocates 0.3 of the
+    device's memory per row, so 8 and 4 rows fail in the CUDA caching allocator
+    and 2 fit. Against one process's big batch on the CPU in float64."""
+    import torch
+    import gradaccum
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    per_row = int(0.3 * torch.cuda.get_device_properties(device).total_memory)
+    model = du.mlp(seed).to(device)
+    opt = du.make_optimizer("adam", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction, bucket_cap_mb=0.001,
+                                first_bucket_cap_mb=0.0005)
+    calls = []
+
+    def fn(batch):
+        x, y, mask = (t.to(device) for t in batch)
+        calls.append(x.shape[0])
+        scratch = torch.empty(x.shape[0] * per_row, dtype=torch.uint8, device=device)
+        del scratch
+        err = (model(x) - y).pow(2)
+        if reduction == "mean":
+            return err.mean()
+        return (err.sum(-1) * mask).sum(), int(mask.sum())
+
+    losses = []
+    for window in schedule(seed, world_size, n_windows, 0):
+        for batch in window[rank]:
+            acc.run(fn, batch)
+            acc.step()
+        losses.append(float(acc.window_loss))
+    stats = acc.stats()
+    out = {"params": [p.detach().cpu() for p in model.parameters()], "calls": calls, "losses": losses,
+           "oom_retries": stats["oom_retries"], "max_rows": stats["run_max_rows"],
+           "optimizer_steps": stats["optimizer_steps"], "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    acc.close()
+    return out

@@ -116,3 +116,26 @@ def test_cuda_comm_dtype_halves_the_bytes(tmp_path):
 
     check_comm_bytes(du.run_job("comm_bytes", 2, tmp_path, module="_mixed_jobs", seed=4,
                                 device="cuda:0"))
+
+
+@cuda
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="torch built without NCCL")
+@pytest.mark.parametrize("reduction", ["mean", "items"])
+def test_run_survives_a_real_cuda_out_of_memory(tmp_path, reduction):
+    """acc.run() on cuda:0 with NCCL (world size 1: the data-parallel path,
+    closing micro-steps included): fn's allocation of 0.3 of the device per
+    row fails in the caching allocator at 8 and 4 rows, and run() goes on in
+    2-row parts; the result is the CPU big batch (test_run.py is its CPU twin)."""
+    import _run_jobs as rj
+
+    (res,) = du.run_job("cuda_oom", 1, tmp_path, module="_run_jobs", backend="nccl", seed=11,
+                        reduction=reduction, n_windows=2)
+    expected = rj.reference(11, 1, 2, 0, reduction)
+    for got, want in zip(res["params"], expected["params"]):
+        torch.testing.assert_close(got.double(), want, rtol=1e-9, atol=1e-9)
+    for got, want in zip(res["losses"], expected["losses"]):
+        assert abs(got - want) <= 1e-9 * max(1.0, abs(want)), (got, want)
+    micro_batches = rj.STEPS * 2
+    assert res["calls"][:7] == [8, 4, 2, 2, 4, 2, 2], res["calls"]
+    assert res["calls"][7:] == [2] * 4 * (micro_batches - 1), res["calls"]
+    assert res["oom_retries"] == 3 and res["max_rows"] == 2 and res["optimizer_steps"] == 2

@@ -124,6 +124,9 @@ def test_mismatched_options_fail_in_the_first_reduction_on_every_rank(tmp_path, 
 @pytest.mark.parametrize("case,text", [
     ("steps", "the ranks disagree on steps (rank 0: 4, rank 1: 2)"),
     ("reduction", "the ranks disagree on reduction (rank 0: mean, rank 1: sum)"),
+    # the same names in another order would sum one metric into the other
+    ("metrics", "the ranks disagree on the metric names (AccumulatorOptions::metrics, as a hash of the names "
+                "in their order) (rank 0: "),
 ])
 def test_mismatched_options_fail_at_construction_naming_every_rank(tmp_path, case, text):
     results = run("disagree", 2, tmp_path, case=case, check_parameters=True)

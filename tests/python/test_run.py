@@ -87,8 +87,10 @@ def test_an_out_of_memory_that_cannot_be_retried_drops_the_window_on_every_rank(
                   micro_step=micro_step, where=where)
     own = ("out of memory on a part of one row: it cannot be split further" if where == "one_row" else
            "a part of the micro-batch failed in its backward after some of its gradient had reached .grad")
-    why = ("ran out of memory in acc.run() on a micro-batch it could not split further" if where == "one_row" else
-           "(or a micro-step of the window) failed on")
+    # the peers learn why: out of memory in both (the C++ side tells it by
+    # c10's error type, or by the text a Python backward's error carries)
+    why = ("ran out of memory in acc.run() on a micro-batch it could not split further (one row) or run again "
+           "(part of its gradient had reached .grad)")
     dropped = "gradaccum: acc.run(): window 0 was dropped on every rank: "
     closing = micro_step == rj.STEPS - 1
     for rank, res in enumerate(results):
@@ -104,11 +106,101 @@ def test_an_out_of_memory_that_cannot_be_retried_drops_the_window_on_every_rank(
         else:
             peers = errors
             assert len(errors) == 1, errors
-        for (w, k, kind, text) in peers:
+        for (w, k, kind, text, _) in peers:
             assert (w, k, kind) == (0, rj.STEPS - 1, "RuntimeError")
             assert text.startswith(dropped) and why in text and f"rank {oom_rank}" in text, text
     if world_size > 1:
         du.assert_params_close(results[0]["params"], results[-1]["params"], "replicas", tol=0)
+
+
+@pytest.mark.parametrize("where", ["user_error", "backward_error"])
+@pytest.mark.parametrize("micro_step", [1, rj.STEPS - 1])
+def test_any_error_in_run_fails_the_micro_step_on_every_rank(tmp_path, where, micro_step):
+    """An error run() does not retry (fn's own, or in a backward before any
+    gradient reached .grad) still takes its micro-step's place: every rank
+    closes window 0 together and drops it with one error; window 1 steps."""
+    results = run("unrecoverable", 2, tmp_path, seed=11, reduction="mean", oom_rank=1,
+                  micro_step=micro_step, where=where)
+    own = "a bad sample: 8 rows" if where == "user_error" else "a bad gradient: 8 rows"
+    dropped = "gradaccum: acc.run(): window 0 was dropped on every rank: "
+    closing = micro_step == rj.STEPS - 1
+    for rank, res in enumerate(results):
+        assert res["optimizer_steps"] == 1 and res["windows"] == 1, res
+        errors = res["errors"]
+        if rank == 1:
+            assert errors[0][:2] == (0, micro_step) and own in errors[0][3] + "".join(errors[0][4]), errors
+            if closing:  # dropped at once: this rank's error says so too
+                assert len(errors) == 1 and dropped in errors[0][3] + "".join(errors[0][4]), errors
+            else:
+                assert len(errors) == 2 and errors[1][:3] == (0, rj.STEPS - 1, "RuntimeError"), errors
+                assert errors[1][3].startswith(dropped) and "rank 1" in errors[1][3], errors
+        else:
+            assert len(errors) == 1 and errors[0][:3] == (0, rj.STEPS - 1, "RuntimeError"), errors
+            assert errors[0][3].startswith(dropped) and "rank 1" in errors[0][3], errors
+    du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)
+
+
+def test_out_of_memory_in_a_closing_backward_splits_the_later_closing_steps(tmp_path):
+    """Rank 1 first runs out of memory in the backward of window 0's closing
+    micro-step, run whole (overlapped): that window is dropped on every rank;
+    from then on rank 1 runs its micro-batches, closing ones included, in
+    parts that fit, and the windows after equal the big batch."""
+    n_windows = 3
+    results = run("oom_run", 2, tmp_path, seed=11, n_windows=n_windows, last=0, reduction="mean",
+                  oom_ranks=[1], oom_rows=4, where="backward", first_oom=rj.STEPS - 1, catch=True)
+    expected = rj.reference(11, 2, n_windows, 0, "mean", dropped={0})
+    for rank, res in enumerate(results):
+        du.assert_params_close(res["params"], expected["params"], f"rank {rank}")
+        assert res["optimizer_steps"] == n_windows - 1
+        assert [w for w, _ in res["errors"]] == [0], res["errors"]
+        for got, want in zip(res["losses"][1:], expected["losses"]):
+            assert abs(got - want) <= 1e-12 * max(1.0, abs(want)), (rank, got, want)
+        assert res["collectives"][1:] == [res["buckets"]] * (n_windows - 1)
+    peer, oom = results
+    assert "window 0 was dropped on every rank" in peer["errors"][0][1] and "rank 1" in peer["errors"][0][1]
+    assert oom["calls"] == [8, 8, 8] + [4] * 2 * rj.STEPS * (n_windows - 1), oom["calls"]
+    assert oom["max_rows"] == [None, None] + [4] * rj.STEPS * (n_windows - 1), oom["max_rows"]
+
+
+def test_run_refuses_a_micro_step_that_could_not_run():
+    model = du.mlp(3)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=1, process_group=False)
+    (a, b) = du.make_windows(5, [[2]], 4)[0][0]
+    acc.run(rj.loss_fn(model, "mean", 0, [], 0, []), a)  # closes the window
+    calls = []
+    closed = r"gradaccum: acc.run\(\): the window closed at the previous acc.backward\(\); call acc.step\(\)"
+    with pytest.raises(RuntimeError, match=closed):
+        acc.run(rj.loss_fn(model, "mean", 0, [], 0, calls), b)
+    with pytest.raises(RuntimeError, match=closed):
+        acc._c.end_micro_step(failed=True)
+    assert calls == [] and acc.stats()["micro_steps"] == 1
+
+
+def test_run_takes_metrics_in_a_dict_and_adds_up_the_parts():
+    model = du.mlp(3)
+    acc = gradaccum.Accumulator(model, None, steps=2, reduction="items", process_group=False,
+                                metrics=("rows", "hits"))
+    windows = du.make_windows(5, [[2]], 8)[0][0]
+    inner = rj.loss_fn(model, "items", 0, [0], 3, [])  # parts of 2 rows
+
+    def fn(batch):
+        loss, n = inner(batch)
+        return {"loss": loss, "num_items": n, "metrics": {"rows": batch[0].shape[0]}}
+
+    got = [acc.run(fn, b) for b in windows]
+    for out, b in zip(got, windows):
+        with torch.no_grad():
+            loss, n = du.micro_loss(model, b, "items")
+        assert set(out) == {"loss", "num_items", "metrics"} and out["metrics"] == {"rows": 8}
+        assert out["num_items"] == int(n) and abs(out["loss"].item() - loss.item()) <= 1e-13
+    assert {k: float(v) for k, v in acc.window_metrics.items()} == {"rows": 16.0, "hits": 0.0}
+    assert acc.stats()["oom_retries"] == 3
+    acc.zero_grad()
+    with pytest.raises(TypeError, match=r"gradaccum: acc.run\(\): a dict from fn\(batch\) holds 'loss', "
+                       r"'metrics' \(optional\) and, with reduction='items' only, 'num_items'; got the keys "
+                       r"\['loss', 'rows'\]"):
+        acc.run(lambda batch: {"loss": inner(batch)[0], "rows": 1}, windows[0])
+    assert acc.micro_step == 0
 
 
 def test_one_process_out_of_memory_on_one_row_leaves_the_window_as_it_was():
@@ -202,7 +294,8 @@ def test_the_resilient_example_under_torchrun():
     assert proc.returncode == 0, f"rc={proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
     diff = re.search(r"^max \|param - reference\|: ([0-9.eE+-]+)", out, re.M)
     assert diff and float(diff.group(1)) <= 1e-10, out
-    ranks = dict(re.findall(r"^rank (\d): (.*)$", out, re.M))
+    # (rank 1's line may land after rank 0's progress bar on the same line)
+    ranks = dict(re.findall(r"rank (\d): (micro-steps [^\n]*)", out))
     # 16-row micro-batches, at most 5 rows on rank 1: parts of 4 (16 -> 8 -> 4).
     assert "out-of-memory retries 3, parts of at most 4 rows" in ranks["1"], out
     assert "out-of-memory retries 0, parts of at most None rows" in ranks["0"], out
