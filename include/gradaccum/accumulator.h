@@ -424,6 +424,10 @@ class Accumulator {
   /// This rank's last window was reduced with other ranks' flush(): the epoch
   /// is over, and this rank's flush() steps nothing and reduces nothing.
   bool epoch_ended_ = false;
+  /// This rank raised that it went on training after the others ended the
+  /// epoch (fail_after_peers_ended_epoch()): its own flush() that ends the
+  /// epoch pairs with nothing and runs no collective.
+  bool epoch_ended_raised_ = false;
   /// The window's micro-batch losses so far, then its metrics (1-D float64,
   /// on the loss's device), and with the current micro-step's; the last
   /// closed window's loss and weight.

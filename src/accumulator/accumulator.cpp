@@ -17,6 +17,7 @@
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 namespace gradaccum {
 namespace {
@@ -260,12 +261,14 @@ void Accumulator::fail_after_peers_ended_epoch() {
     // Always throws: the window is dropped everywhere; the error below says why.
   }
   epoch_ended_ = false;
+  epoch_ended_raised_ = true;
   reset_window();
   TORCH_CHECK(false,
       "gradaccum: ", call_name(), ": other ranks ended the epoch with acc.flush() in the reduction that "
       "closed this rank's last window, but this rank went on training. Every rank must run the "
-      "same number of full windows and call acc.flush() at the end of each epoch (here it "
-      "steps nothing and runs no collective). The window was dropped on every rank");
+      "same number of full windows and call acc.flush() at the end of each epoch (this rank's "
+      "acc.flush() for this epoch steps nothing and runs no collective; the other ranks learn of this "
+      "error in their next reduction). The window was dropped on every rank");
 }
 
 void Accumulator::local_micro_step(const at::Tensor& scaled, double weight,
@@ -442,6 +445,12 @@ bool Accumulator::flush() {
     // ranks' flush(): nothing is left, and no collective to pair.
     TORCH_INTERNAL_ASSERT(micro_step_ == 0, "gradaccum: micro-steps after the epoch ended");
     epoch_ended_ = false;
+    return stepped;
+  }
+  if (std::exchange(epoch_ended_raised_, false) && micro_step_ == 0) {
+    // This rank raised that it went on training after the others' flush():
+    // its epoch ended with theirs; its flush() has nobody to pair with (the
+    // error's announcement already paired with their next reduction).
     return stepped;
   }
   return reduce_partial_window(local_failure, /*joined=*/false) || stepped;

@@ -342,6 +342,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_known_finite_ = false;
   window_empty_ = false; // a restored closed window steps as saved
   epoch_ended_ = state.epoch_ended;
+  epoch_ended_raised_ = false;
   // Not in checkpoints: the loss of a window cut by the save is not known
   // (window_loss is None for it); the last closed window's is gone too.
   window_loss_sum_ = at::Tensor();

@@ -71,6 +71,7 @@ void Accumulator::check_window_gradients(const char* what, const std::vector<Gra
       check_gradients_untouched(what, /*allow_in_place=*/false, before);
     }
   }
+  epoch_ended_raised_ = false; // a micro-step after that error: a new epoch, its flush() pairs again
   if (epoch_ended_) {
     fail_after_peers_ended_epoch();
   }

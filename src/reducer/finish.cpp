@@ -49,13 +49,6 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
   std::vector<at::Tensor> saved;
   try {
     foreign = window.kind() == 0 ? detail::foreign_hooks(config) : "";
-    // A snapshot must leave bucket views (which are .grad) as they are.
-    if (foreign.empty() && snapshot &&
-        (config.options.gradient_as_bucket_view() || buckets.any(&Bucket::accumulating))) {
-      for (const auto& bucket : buckets.all) {
-        saved.push_back(bucket.gradients.clone());
-      }
-    }
     // Whatever backward did not make ready (unused on this rank, or used only
     // in earlier micro-steps) is sent as it is: its accumulated .grad, or
     // zeros flagged as missing.
@@ -65,6 +58,20 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
         if (!window.ready[bucket.params[slot]]) {
           copy_into_bucket(bucket, slot);
         }
+      }
+    }
+    // A snapshot must leave the window's local sums where they are: bucket
+    // views (which are .grad) and wide sums are overwritten by the
+    // all-reduce, so they are kept, and kept after the copy-in above, which
+    // may have moved a .grad into its bucket (a .grad that had left its view,
+    // say optimizer.zero_grad() at the window's start, is re-pointed at it;
+    // a wide bucket takes .grad and clears it): kept before it, that part of
+    // the window would be lost.
+    if (foreign.empty() && snapshot &&
+        (config.options.gradient_as_bucket_view() || buckets.any(&Bucket::accumulating))) {
+      TORCH_INTERNAL_ASSERT(window.next_launch == 0, "gradaccum: a snapshot's bucket was launched early");
+      for (const auto& bucket : buckets.all) {
+        saved.push_back(bucket.gradients.clone());
       }
     }
   } catch (const std::exception& e) {
