@@ -261,6 +261,12 @@ class Accumulator {
   /// them before it runs its function, so that a micro-step it would fail is
   /// one that could run.
   void check_micro_step_state(const char* what) const;
+  /// How far this rank has gone: the micro-steps it counted plus the
+  /// reductions it ran (dropped ones too). acc.run() compares it around a
+  /// call that raised: unchanged, the call took no micro-step's place (data
+  /// parallel, run() then fails the micro-step so that every rank still
+  /// closes its windows together).
+  int64_t progress_marker() const;
   /// backward_part() ran and end_micro_step() is still due.
   bool parts_open() const {
     return parts_open_;

@@ -61,9 +61,9 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# The text of the error backward_part() raises after failing the micro-step
-# itself (a part's backward failed after reaching .grad; src/accumulator/parts.cpp).
-_REACHED_GRAD = "failed in its backward after some of its gradient had reached .grad"
+# The reducer's own-failure phrase (src/consensus/agreement.cpp): the drop's
+# error on the rank whose backward failed, which carries that error's text.
+_FAILED_HERE = "failed on this rank"
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -127,27 +127,44 @@ class _Total:
         return (self.loss, self.num_items) if self.items else self.loss
 
 
-def _fail(acc: Any, error: BaseException) -> None:
-    """The micro-step could not run (an error not retried, from ``fn`` or
-    left over from parts): its parts in .grad drop the window; data parallel
-    it takes its place and fails, so every rank still closes its windows
+def _fail(acc: Any, error: BaseException, marker: int) -> None:
+    """An error run() does not retry: unless the call that raised took the
+    micro-step's place already (``acc._c.progress_marker`` moved on: it
+    counted a failed micro-step, or ran a reduction that dropped the window),
+    the micro-step fails here: its parts in .grad drop the window; data
+    parallel it takes its place, so every rank still closes its windows
     together (at once, on every rank, if it closes the window)."""
+    if acc._c.progress_marker != marker:
+        return
     if not (acc._c.parts_open or acc.process_group is not None):
         return  # one process, nothing of it in .grad: the window goes on without it
     try:
         acc._c.end_micro_step(failed=True, out_of_memory=_is_oom(error))
     except RuntimeError as dropped:
-        error.add_note(str(dropped))
+        _add_note(error, str(dropped))
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    add_note = getattr(error, "add_note", None)  # Python 3.11+
+    if add_note is not None:
+        add_note(note)
+    else:
+        try:
+            error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
 
 
 def run(acc: Any, fn: Callable[[Any], Any], batch: Any) -> Any:
     """The body of Accumulator.run (see its docstring)."""
     state: RunState = acc._run_state
     acc._c.check_micro_step_state()  # a micro-step that could not run must be one that could
+    marker = acc._c.progress_marker
     items = acc.reduction == "items"
     rows = _rows(batch)
     parts = 1 if state.max_rows is None or rows is None else max(1, math.ceil(rows / state.max_rows))
     fits = state.max_rows is None or (rows is not None and rows <= state.proven)
+    total = _Total(acc.reduction)
     if parts == 1 and fits and acc._c.sync_gradients and acc.process_group is not None:
         # The window's closing micro-step, whole, at a size known to fit: the
         # ordinary synchronising backward, its buckets overlapped with it. Out
@@ -160,32 +177,29 @@ def run(acc: Any, fn: Callable[[Any], Any], batch: Any) -> Any:
         except torch.OutOfMemoryError:
             out_of_memory = True
         except BaseException as error:
-            _fail(acc, error)
+            _fail(acc, error, marker)
             raise
         if not out_of_memory:
             try:
                 loss, num_items, metrics = _loss_of(acc.reduction, out)
-            except BaseException as error:
-                _fail(acc, error)
-                raise
-            as_dict = isinstance(out, dict)
-            del out
-            try:
+                as_dict = isinstance(out, dict)
+                del out
                 acc._c.backward_whole(*acc._micro_batch("acc.run()", loss, num_items),
                                       acc._metric_values("acc.run()", metrics, loss))
             except BaseException as error:
-                if _is_oom(error):
+                # This rank's own out-of-memory (the drop's error here carries
+                # its text; a peer's says that rank ran out of memory).
+                if isinstance(error, torch.OutOfMemoryError) or (_FAILED_HERE in str(error) and _is_oom(error)):
                     state.shrink(rows)
+                _fail(acc, error, marker)
                 raise
             _count_clean(state, rows)
-            total = _Total(acc.reduction)
             total.add(loss, num_items, 1.0, metrics, as_dict)
             return total.result()
         _free_memory()
         queue = _halves(acc, state, batch, rows)
     else:
         queue = collections.deque([(batch, rows)] if parts == 1 else [(p, _rows(p)) for p in split(batch, parts)])
-    total = _Total(acc.reduction)
     whole = len(queue) == 1
     try:
         while queue:
@@ -197,38 +211,22 @@ def run(acc: Any, fn: Callable[[Any], Any], batch: Any) -> Any:
                 loss, num_items, metrics = _loss_of(acc.reduction, out)
                 as_dict = isinstance(out, dict)
                 out = None
+                acc._backward_part(loss, num_items, share, metrics)
             except torch.OutOfMemoryError:
-                out_of_memory = True  # handled below, once the exception and its frames are gone
-            except BaseException as error:
-                _fail(acc, error)  # fn's own error: not a retry
-                raise
-            if not out_of_memory:
-                try:
-                    acc._backward_part(loss, num_items, share, metrics)
-                except torch.OutOfMemoryError:
-                    # Raised as it was: nothing reached .grad (one that did
-                    # comes back as gradaccum's RuntimeError)
-                    out_of_memory = True
-                except BaseException as error:
-                    # Raised as it was, nothing of it in .grad: fail the
-                    # micro-step here; one that reached .grad the C++ side
-                    # has failed (Note [Micro-steps in parts]).
-                    if _REACHED_GRAD not in str(error):
-                        _fail(acc, error)
-                    raise
+                # From fn, or from a backward that reached no .grad (one that
+                # did comes back as gradaccum's RuntimeError): run it again in
+                # halves, once the exception and its frames are gone.
+                out_of_memory = True
             if out_of_memory:
                 whole = False
-                loss = num_items = metrics = None
+                out = loss = num_items = metrics = None
                 _free_memory()
                 queue.extendleft(reversed(_halves(acc, state, part, part_rows)))
                 continue
             total.add(loss, num_items, share, metrics, as_dict)
             loss = num_items = metrics = None
     except BaseException as error:
-        # The micro-batch did not run whole: its parts in .grad fail the
-        # micro-step (data parallel the C++ side has counted a failed part).
-        if acc._c.parts_open:
-            _fail(acc, error)
+        _fail(acc, error, marker)  # the micro-batch did not run whole
         raise
     acc._c.end_micro_step()
     _count_clean(state, rows if whole else None)

@@ -3,6 +3,9 @@
 
 #include "call_guard.h"
 
+#include <string>
+#include <utility>
+
 namespace gradaccum {
 
 using detail::CallGuard;
@@ -45,6 +48,11 @@ int64_t Accumulator::join() {
   }
   std::string local_failure;
   int64_t stepped = step_before_flush(&local_failure) ? 1 : 0;
+  if (std::exchange(epoch_ended_raised_, false) && micro_step_ == 0) {
+    // This rank raised that it went on training after the others' flush():
+    // they have left the epoch, and nobody would pair with a shadow.
+    return stepped;
+  }
   if (epoch_ended_) {
     // This rank's last window was reduced with other ranks' flush() (not
     // join()): they have left, and nobody would pair with a shadow.

@@ -49,6 +49,10 @@ bool out_of_memory(const std::exception& e, const std::string& what) {
 // window is dropped on every rank when it closes; in the closing micro-step the
 // window is dropped on every rank at once. One process: the window is dropped.
 
+int64_t Accumulator::progress_marker() const {
+  return stats_.micro_steps + (reducer_ ? reducer_->progress().sequence : 0);
+}
+
 void Accumulator::check_no_open_parts(const char* what) const {
   TORCH_CHECK(!parts_open_,
       "gradaccum: ", what, ": a micro-step run in parts (acc.backward_part()) is still open; end it with "

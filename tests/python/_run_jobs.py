@@ -71,6 +71,8 @@ def loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where="forward")
         if oom and where in ("backward", "backward_error"):
             out = Gate.apply(out)
         err = (out - y).pow(2)
+        if oom and where == "bad_loss":
+            return err  # not a scalar: acc.run() rejects it
         if reduction == "mean":
             return err.mean()
         if reduction == "sum":
@@ -208,3 +210,33 @@ def cuda_oom(rank, world_size, *, seed, reduction, n_windows):
            "optimizer_steps": stats["optimizer_steps"], "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     acc.close()
     return out
+
+
+@job
+def one_sided_run(rank, world_size, *, seed):
+    """steps=2 through acc.run(): epoch 0 gives rank 0 one micro-batch and
+    rank 1 three (rank 0's flush() meets rank 1's first window, then rank 1
+    trains on); epoch 1 gives each two. Each rank records its errors."""
+    import time
+
+    import gradaccum
+
+    model = du.mlp(seed)
+    opt = du.make_optimizer("sgd", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=2, reduction="mean")
+    fn = loss_fn(model, "mean", rank, [], 0, [])
+    batches = du.make_windows(seed, [[3, 3]], ROWS)[0][rank]
+    errors = []
+    start = time.monotonic()
+    for epoch, count in enumerate(([1, 3][rank], 2)):
+        for k, batch in enumerate(batches[:count]):
+            try:
+                acc.run(fn, batch)
+                acc.step()
+            except RuntimeError as e:
+                errors.append((epoch, k, str(e)))
+        acc.flush()
+    stats = acc.stats()
+    acc.close()
+    return {"errors": errors, "params": du.params(model), "seconds": time.monotonic() - start,
+            "micro_step": stats["micro_steps"]}

@@ -113,15 +113,17 @@ def test_an_out_of_memory_that_cannot_be_retried_drops_the_window_on_every_rank(
         du.assert_params_close(results[0]["params"], results[-1]["params"], "replicas", tol=0)
 
 
-@pytest.mark.parametrize("where", ["user_error", "backward_error"])
+@pytest.mark.parametrize("where", ["user_error", "backward_error", "bad_loss"])
 @pytest.mark.parametrize("micro_step", [1, rj.STEPS - 1])
 def test_any_error_in_run_fails_the_micro_step_on_every_rank(tmp_path, where, micro_step):
-    """An error run() does not retry (fn's own, or in a backward before any
-    gradient reached .grad) still takes its micro-step's place: every rank
-    closes window 0 together and drops it with one error; window 1 steps."""
+    """An error run() does not retry (fn's own, in a backward before any
+    gradient reached .grad, or a loss run() rejects) still takes its
+    micro-step's place: every rank closes window 0 together and drops it with
+    one error; window 1 steps."""
     results = run("unrecoverable", 2, tmp_path, seed=11, reduction="mean", oom_rank=1,
                   micro_step=micro_step, where=where)
-    own = "a bad sample: 8 rows" if where == "user_error" else "a bad gradient: 8 rows"
+    own = {"user_error": "a bad sample: 8 rows", "backward_error": "a bad gradient: 8 rows",
+           "bad_loss": "gradaccum: acc.run(): loss must be a scalar"}[where]
     dropped = "gradaccum: acc.run(): window 0 was dropped on every rank: "
     closing = micro_step == rj.STEPS - 1
     for rank, res in enumerate(results):
@@ -160,6 +162,20 @@ def test_out_of_memory_in_a_closing_backward_splits_the_later_closing_steps(tmp_
     assert "window 0 was dropped on every rank" in peer["errors"][0][1] and "rank 1" in peer["errors"][0][1]
     assert oom["calls"] == [8, 8, 8] + [4] * 2 * rj.STEPS * (n_windows - 1), oom["calls"]
     assert oom["max_rows"] == [None, None] + [4] * rj.STEPS * (n_windows - 1), oom["max_rows"]
+
+
+def test_training_on_after_a_peers_flush_through_run_fails_once_without_a_hang(tmp_path):
+    """Rank 1 trains on after rank 0's flush() ended epoch 0: its run() raises
+    the "went on training" error (announced to rank 0, who raises it in its
+    next window), fails nothing twice, and its flush() runs no collective; the
+    even epoch after it trains on, replicas equal, in seconds (no timeout)."""
+    results = run("one_sided_run", 2, tmp_path, seed=4)
+    assert [e[:2] for e in results[1]["errors"]] == [(0, 2)], results[1]["errors"]
+    assert "but this rank went on training" in results[1]["errors"][0][2]
+    assert [e[:2] for e in results[0]["errors"]] == [(1, 1)], results[0]["errors"]
+    assert "rank 1 went on training after the other ranks had ended the epoch" in results[0]["errors"][0][2]
+    du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)
+    assert all(res["seconds"] < 20 for res in results), [res["seconds"] for res in results]
 
 
 def test_run_refuses_a_micro_step_that_could_not_run():

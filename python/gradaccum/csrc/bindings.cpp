@@ -255,6 +255,7 @@ void init_accumulator(py::module_& m) {
            "Count the micro-step the parts made; synchronises at the window's end.")
       .def("check_micro_step_state", [](const Accumulator& acc) { acc.check_micro_step_state("acc.run()"); },
            "The checks acc.run() makes before it runs its function.")
+      .def_property_readonly("progress_marker", &Accumulator::progress_marker)
       .def_property_readonly("parts_open", &Accumulator::parts_open)
       .def_property_readonly("window_loss", &Accumulator::window_loss)
       .def_property_readonly("window_metrics", &Accumulator::window_metrics)
