@@ -150,7 +150,7 @@ def _add_note(error: BaseException, note: str) -> None:
         add_note(note)
     else:
         try:
-            error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+            error.__notes__ = [*getattr(error, "__notes__", []), note]
         except AttributeError:
             pass
 
