@@ -168,6 +168,40 @@ class _Run:
         return out
 
 
+def _without_group(rank, world_size, sched, relaunch):
+    """A torchrun launch that forgot init_process_group(): the default group is
+    destroyed, WORLD_SIZE and RANK are set as torchrun sets them, and an
+    Accumulator is built with the default process_group; then the group comes
+    back on the same store. Returns the construction's observation and the
+    driver's new control group."""
+    from datetime import timedelta
+
+    import gradaccum
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    store, backend = c10d._get_default_store(), dist.get_backend()
+    dist.destroy_process_group()  # the control group goes with it
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank))
+    try:
+        net = fm.make_net(sched["net"], sched["seed"])
+        acc = gradaccum.Accumulator(net, torch.optim.SGD(net.parameters(), lr=0.1), steps=sched["steps"])
+        acc.close()
+        seen = ["ok", None]
+    except Exception as err:  # noqa: BLE001 - recorded, judged by the parent
+        seen = _err(err)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        dist.init_process_group(backend, store=dist.PrefixStore(f"relaunch{relaunch}", store), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT))
+    return seen, dist.new_group(backend="gloo")
+
+
 @job
 def fuzz_schedules(rank, world_size, *, schedules):
     """Runs each schedule in turn on this rank; a list of results, one per schedule."""
@@ -175,12 +209,17 @@ def fuzz_schedules(rank, world_size, *, schedules):
 
     ctl = dist.new_group(backend="gloo")  # the driver's own traffic, apart from gradaccum's
     out = []
-    for sched in schedules:
+    for i, sched in enumerate(schedules):
         dist.barrier(group=ctl)
         run = None
         try:
+            launch = None
+            if sched.get("launch") == "no_group":
+                launch, ctl = _without_group(rank, world_size, sched, i)
             run = _Run(rank, sched, ctl)
             out.append(run.run())
+            if launch is not None:
+                out[-1]["obs"]["g"] = launch
         except Exception:  # noqa: BLE001
             out.append({"crash": traceback.format_exc()[-3000:]})
             if run is not None and run.acc is not None:

@@ -207,6 +207,12 @@ class Model:
     # ---- epochs ----------------------------------------------------------- #
 
     def run(self):
+        if self.s.get("launch") == "no_group":
+            # README: under a multi-rank launch without a process group the
+            # Accumulator refuses to build (each rank would train alone).
+            self.seen.add("launched without a group")
+            for r in range(self.W):
+                self.exp[r]["g"] = ("err", ["no process group exists", "would train alone"], [], True)
         for e, ep in enumerate(self.s["epochs"]):
             if len(ep["micros"]) != self.W:
                 raise InvalidSchedule("micros per rank")
@@ -522,7 +528,7 @@ def check(sched, results, tol=1e-12):
 
 def _order(key):
     parts = key.split("/")
-    return tuple(int(p) for p in parts[1:]) + ("zcxblsjf".index(parts[0]),)
+    return tuple(int(p) for p in parts[1:]) + ("gzcxblsjf".index(parts[0]),)
 
 
 def _show(obs):
@@ -592,6 +598,8 @@ def _try_generate(rng, seed):
             events.sort(key=lambda ev: ev[0])
             m = 0 if end == "flush" else (m + n[0]) % K  # ignoring acc_zero_grad: retried if invalid
         sched["epochs"].append({"end": end, "micros": micros, "events": events})
+    if rng.random() < 0.05:  # drawn last: the other draws stay as they were
+        sched["launch"] = "no_group"
     return sched
 
 
@@ -626,6 +634,10 @@ def _copy(sched):
 def shrink_candidates(sched):
     """Smaller schedules than `sched` that the model still covers, smallest first."""
     cands = []
+    if sched.get("launch"):  # a launch with its group
+        c = _copy(sched)
+        del c["launch"]
+        cands.append(c)
     eps = sched["epochs"]
     for e in range(len(eps)):  # drop an epoch
         if len(eps) > 1:
