@@ -33,6 +33,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_example(script, *args, timeout=150):
+    """examples/python/`script` under torchrun (2 ranks, Gloo on loopback);
+    its stdout. A hang or a non-zero exit fails the test, with the output."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(repo / "examples" / "python" / script), *map(str, args)]
+    try:
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun hung: {e.stdout}\n{e.stderr}")
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
 def _entry(rank, world_size, port, name, out_dir, pg_timeout, backend, kwargs, module=None):
     import faulthandler
 

@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with Gloo"
 )
 
-REPO = Path(__file__).resolve().parents[2]
 SEED = 1234
 
 
@@ -417,16 +415,7 @@ def test_broadcast_buffers_at_each_window_end(jobs):
 # --------------------------------------------------------------------------- #
 
 def test_torchrun_example():
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "examples" / "python" / "train_ddp.py"),
-           "--steps", "4", "--windows", "5", "--micro-batch", "8", "--dtype", "float64"]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun hung: {e.stdout}\n{e.stderr}")
-    out = proc.stdout
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    out = du.run_example("train_ddp.py", "--steps", 4, "--windows", 5, "--micro-batch", 8, "--dtype", "float64")
     windows = re.findall(r"^window\s+(\d+).*loss ([0-9.eE+-]+).*all-reduces (\d+)", out, re.M)
     assert len(windows) == 5, out
     buckets = re.search(r"(\d+) buckets", out)

@@ -292,22 +292,9 @@ def test_the_resilient_example_under_torchrun():
     a NaN micro-batch and one with no label are left out, the progress bar
     shows the global window loss; the result equals one process's big batch
     over what was kept (the example checks itself and exits 1 if not)."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(repo / "examples" / "python" / "train_resilient.py"), "--windows", "4"]
-    try:
-        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=150)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun hung: {e.stdout}\n{e.stderr}")
-    out = proc.stdout
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    out = du.run_example("train_resilient.py", "--windows", 4)
     diff = re.search(r"^max \|param - reference\|: ([0-9.eE+-]+)", out, re.M)
     assert diff and float(diff.group(1)) <= 1e-10, out
     # (rank 1's line may land after rank 0's progress bar on the same line)
