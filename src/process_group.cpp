@@ -87,6 +87,9 @@ LaunchEnvironment LaunchEnvironment::from_env() {
       "gradaccum: init_process_group_from_env(): MASTER_PORT=", env.master_port, " is not a port");
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   env.agent_store = agent && std::string(agent) == "True";
+  env.restart_count = env_int("TORCHELASTIC_RESTART_COUNT", 0, "0");
+  env.max_restarts = env_int("TORCHELASTIC_MAX_RESTARTS", 0, "0");
+  env.agents = env_int("GROUP_WORLD_SIZE", 1, "1");
   return env;
 }
 
@@ -142,6 +145,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.local_rank));
   }
 #endif
+  // A store shared across attempts (see the header): one agent's count is
+  // every rank's; several agents' counts may differ, and their ranks would
+  // wait for each other under different keys until the timeout.
+  TORCH_CHECK_VALUE(!env.agent_store || env.agents == 1 || env.max_restarts == 0,
+      "gradaccum: init_process_group_from_env(): ", env.agents, " torchrun agents share one store across restarts "
+      "(--max-restarts=", env.max_restarts, ") and count their restarts each on its own, so a restarted job could "
+      "wait for ranks under another attempt's keys: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every agent's "
+      "environment (each attempt then gets a store of its own)");
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(env.master_port);
   // Under torchrun the agent already serves MASTER_PORT; everyone is a client.
@@ -149,8 +160,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group_from_env(
   store_options.numWorkers = env.world_size;
   store_options.timeout = options.timeout();
   auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+  const std::string prefix = env.agent_store ? "gradaccum/attempt_" + std::to_string(env.restart_count) : "gradaccum";
   return new_process_group(
-      c10::make_intrusive<c10d::PrefixStore>("gradaccum", store),
+      c10::make_intrusive<c10d::PrefixStore>(prefix, store),
       env.rank, env.world_size, std::move(options));
 }
 

@@ -14,16 +14,21 @@ window w is a function of w alone: a global batch of `--global-micro`
 micro-batches, rank r taking every WORLD_SIZE-th one from r, so K =
 global-micro / WORLD_SIZE. The global batch is then the same on any number of
 ranks, and a job relaunched on fewer ranks resumes at the boundary with a
-larger K (Note [Resuming on another shape]). One node: the store prefix comes
-from TORCHELASTIC_RESTART_COUNT, which each agent counts on its own.
+larger K (Note [Resuming on another shape]).
 
-Rendezvous: `--rdzv-backend=c10d` with a fixed endpoint. Each restart is a new
-rendezvous round on the agent's store, and the ranks take their process group
-from that store (torchrun's default), so a restart never waits for a port the
-killed ranks held: every restart came back in the tests (test_restart.py).
+Rendezvous: `--rdzv-backend=c10d` with a fixed endpoint, and
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in every agent's environment. With it,
+each attempt's rank 0 serves a new store on a new port (MASTER_PORT): nothing
+the killed attempt wrote can be read by the next. Without it the agents share
+one store across attempts; on one node this script then keys its process
+group by TORCHELASTIC_RESTART_COUNT, but with several nodes it refuses to
+start, because each agent counts its restarts on its own (an agent whose
+ranks were healthy restarts them for the membership change without
+counting), so ranks would look for each other under different keys until
+the timeout. Both ways every restart came back in the tests (test_restart.py).
 
 `--kill-rank R --kill-window W` kills rank R with SIGKILL in the middle of
-window W on the first attempt (TORCHELASTIC_RESTART_COUNT=0): a test's
+window W, once (a file next to the checkpoint remembers it): a test's
 stand-in for a lost GPU; `--kill-node` (given to one node's agent only) kills
 that node's agent as well: a lost node. Rank 0 writes the final parameters to `--out`.
 """
@@ -97,21 +102,39 @@ def save_atomically(state: Dict[str, Any], path: str) -> None:
 
 
 def init_group() -> None:
-    """The process group of this attempt. Under torchrun the ranks meet in the
-    agent's store, which outlives a restart: keys that the killed attempt left
-    there (each rank's Gloo address) would be read by the next attempt, whose
-    ranks then dial dead ports (`Gloo connectFullMesh failed ... Connection
-    refused`). A prefix per attempt keeps each attempt's keys its own."""
+    """The process group of this attempt (the module's docstring says why)."""
     timeout = timedelta(seconds=60)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # No torchrun, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 serves
+        # a store of this attempt's own on MASTER_PORT.
         dist.init_process_group("gloo", timeout=timeout)
         return
+    # The agents' shared store outlives a restart: the killed attempt's keys
+    # (each rank's Gloo address) are still there, and a restarted rank that
+    # read them would dial dead ports (`Gloo connectFullMesh failed ...
+    # Connection refused`). A prefix per attempt keeps each attempt's keys
+    # apart, but only one agent's restart count is sure to be every rank's.
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise SystemExit(
+            "train_restartable.py: several torchrun agents share one store across restarts, and their restart "
+            "counts may differ: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every agent's environment")
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+                     int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group("gloo", store=PrefixStore(f"gradaccum/attempt_{attempt}", store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                             timeout=timeout)
+
+
+def kill_now(args: argparse.Namespace, rank: int) -> bool:
+    """Whether this rank dies here (--kill-rank, --kill-node): once per job."""
+    if not (rank == args.kill_rank or args.kill_node):
+        return False
+    marker = f"{args.ckpt}.killed{rank}"
+    if os.path.exists(marker):
+        return False
+    open(marker, "w").close()
+    return True
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -136,8 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"attempt {attempt}: {world} rank(s), K={steps}, from window {start}", flush=True)
     for w in range(start, args.windows):
         for k in range(steps):
-            if attempt == 0 and w == args.kill_window and k == steps // 2 and (
-                    rank == args.kill_rank or args.kill_node):
+            if w == args.kill_window and k == steps // 2 and kill_now(args, rank):
                 if args.kill_node:
                     os.kill(os.getppid(), signal.SIGKILL)  # the agent: the node is gone
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-window, as a lost GPU

@@ -27,9 +27,14 @@ struct LaunchEnvironment {
   int master_port = 0;
   /// torchrun's agent already serves the store on MASTER_PORT.
   bool agent_store = false;
+  /// torchrun's TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and
+  /// GROUP_WORLD_SIZE (agents, one per node); 0, 0 and 1 without them.
+  int restart_count = 0;
+  int max_restarts = 0;
+  int agents = 1;
 
   /// Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (and
-  /// TORCHELASTIC_USE_AGENT_STORE); throws naming a missing or malformed one.
+  /// torchrun's elastic variables); throws naming a missing or malformed one.
   static LaunchEnvironment from_env();
 
   /// Whether any of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is
@@ -38,6 +43,13 @@ struct LaunchEnvironment {
 };
 
 /// Creates the TCPStore and a Gloo or NCCL group from torchrun's variables.
+/// Under torchrun's shared agent store, which outlives a restart, the group's
+/// keys take the attempt's TORCHELASTIC_RESTART_COUNT as a prefix, so that a
+/// restarted attempt never reads the Gloo/NCCL addresses a killed one left.
+/// Several agents count restarts each on their own, so with several agents
+/// and restarts allowed that is an error: set
+/// TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every agent (each attempt then
+/// gets a new store; docs/integrations.md, "Restarts after a failure").
 /// Launched without any of them (`LaunchEnvironment::launched()` is false),
 /// returns no group (a null pointer: local-only accumulation) and says so once
 /// on stderr, so that the same binary runs as one plain process. Some of them

@@ -96,6 +96,14 @@ TEST_CASE("torchrun's variables are read and checked", "[process_group]") {
     CHECK(e.agent_store);
   }
   {
+    EnvGuard env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"},
+                  {"TORCHELASTIC_RESTART_COUNT", "3"}, {"TORCHELASTIC_MAX_RESTARTS", "5"}, {"GROUP_WORLD_SIZE", "2"}});
+    auto e = LaunchEnvironment::from_env();
+    CHECK(e.restart_count == 3);
+    CHECK(e.max_restarts == 5);
+    CHECK(e.agents == 2);
+  }
+  {
     EnvGuard env({{"RANK", ""}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
     CHECK_THROWS_WITH(LaunchEnvironment::from_env(), Catch::Contains("RANK is not set"));
   }
@@ -152,4 +160,16 @@ TEST_CASE("parameters on a device the group has no backend for are refused when 
                       "tensors, and 0.weight is on cpu"));
   // the same model under the group's own CPU backend is fine
   CHECK_NOTHROW(Accumulator(net.ptr(), opt, AccumulatorOptions(2).process_group(gloo)));
+}
+
+TEST_CASE("several agents sharing a store across restarts are refused before they meet", "[process_group][errors]") {
+  // Their restart counts may differ: the ranks would wait for each other
+  // under different keys. Refused before any store is dialled.
+  EnvGuard env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"MASTER_ADDR", "127.0.0.1"},
+                {"MASTER_PORT", "1"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"GROUP_WORLD_SIZE", "2"},
+                {"TORCHELASTIC_MAX_RESTARTS", "1"}, {"TORCHELASTIC_RESTART_COUNT", "0"}});
+  CHECK_THROWS_WITH(init_process_group_from_env(),
+                    Catch::Contains("gradaccum: init_process_group_from_env(): 2 torchrun agents share one store "
+                                    "across restarts (--max-restarts=1)") &&
+                        Catch::Contains("set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every agent's environment"));
 }
