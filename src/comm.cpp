@@ -25,7 +25,7 @@ std::vector<at::Tensor> allgather(c10d::ProcessGroup& group, const at::Tensor& i
   return outputs[0];
 }
 
-void broadcast_from_rank0(c10d::ProcessGroup& group, const std::vector<at::Tensor>& tensors) {
+void broadcast_from(c10d::ProcessGroup& group, const std::vector<at::Tensor>& tensors, int root) {
   using Key = std::tuple<at::ScalarType, at::DeviceType, c10::DeviceIndex>;
   std::map<Key, std::vector<at::Tensor>> groups;
   for (const auto& t : tensors) {
@@ -41,13 +41,24 @@ void broadcast_from_rank0(c10d::ProcessGroup& group, const std::vector<at::Tenso
       flat_members.push_back(t.reshape(-1));
     }
     std::vector<at::Tensor> flat{at::cat(flat_members)};
-    group.broadcast(flat)->wait();
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    group.broadcast(flat, options)->wait();
     int64_t offset = 0;
     for (auto& t : members) {
       t.copy_(flat[0].narrow(0, offset, t.numel()).view(t.sizes()));
       offset += t.numel();
     }
   }
+}
+
+int lowest_rank_where(c10d::ProcessGroup& group, bool here, const at::Device& device) {
+  std::vector<at::Tensor> candidate{
+      at::full({1}, here ? group.getRank() : group.getSize(), at::TensorOptions().dtype(at::kLong).device(device))};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MIN;
+  group.allreduce(candidate, options)->wait();
+  return static_cast<int>(candidate[0].item<int64_t>());
 }
 
 bool group_reaches(c10d::ProcessGroup& group, c10::DeviceType type) {

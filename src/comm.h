@@ -17,9 +17,13 @@ std::string message_of(const std::exception& e);
 /// Every rank's `input`, in rank order (a collective; waits).
 std::vector<at::Tensor> allgather(c10d::ProcessGroup& group, const at::Tensor& input);
 
-/// Gives every rank rank 0's values of `tensors`: one broadcast per (dtype,
+/// Gives every rank `root`'s values of `tensors`: one broadcast per (dtype,
 /// device), through a flat copy (a collective; waits).
-void broadcast_from_rank0(c10d::ProcessGroup& group, const std::vector<at::Tensor>& tensors);
+void broadcast_from(c10d::ProcessGroup& group, const std::vector<at::Tensor>& tensors, int root = 0);
+
+/// The lowest rank whose `here` is true, or the group's size if none is (an
+/// all-reduce MIN of one integer on `device`; a collective, waits).
+int lowest_rank_where(c10d::ProcessGroup& group, bool here, const at::Device& device);
 
 /// Whether `group` can reduce tensors of `type`. A group that registers no
 /// per-device backends (a wrapper overriding the collectives) is trusted.

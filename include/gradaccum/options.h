@@ -53,8 +53,10 @@ struct ReducerOptions {
   TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
   /// Make each `.grad` a view into its bucket: no second copy of the gradients.
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
-  /// Broadcast rank 0's buffers (batch-norm statistics…) at each window's end.
-  TORCH_ARG(bool, broadcast_buffers) = false;
+  /// Broadcast rank 0's buffers (batch-norm statistics…) at each window's
+  /// end, as DDP does (before each forward): one broadcast per window and
+  /// buffer dtype, none for a model without buffers. False keeps them per rank.
+  TORCH_ARG(bool, broadcast_buffers) = true;
   /// Check at construction that every rank has the same parameters.
   TORCH_ARG(bool, check_parameters) = true;
   /// Rebuild the buckets once, after the first window, in the order that

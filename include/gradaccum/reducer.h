@@ -28,6 +28,10 @@ struct ReducerStats {
   /// its last gradient hook; the rest launch at its end): overlapped with it.
   int64_t launched_in_backward = 0;
   int64_t last_window_launched_in_backward = 0;
+  /// Windows reduced after their backward returned because the engine ran
+  /// none of the reducer's hooks (compiled autograd; Note [Compiled
+  /// autograd]): the same collectives, not overlapped with backward.
+  int64_t hookless_windows = 0;
   /// Times the buckets were rebuilt in backward's order (0 or 1; see
   /// ReducerOptions::rebuild_buckets). Not saved in checkpoints, like `buckets`.
   int64_t bucket_rebuilds = 0;

@@ -105,7 +105,7 @@ class GradaccumStrategy(DDPStrategy):
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         gradient_as_bucket_view: bool = False,
-        broadcast_buffers: bool = False,
+        broadcast_buffers: bool = True,
         check_parameters: bool = True,
         accumulate_dtype: Optional[torch.dtype] = None,
         comm_dtype: Optional[torch.dtype] = None,

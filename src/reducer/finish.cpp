@@ -184,7 +184,7 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   }
   std::optional<std::vector<Bucket>> rebuilt;
   try {
-    rebuilt = window_collectives(/*broadcast=*/result.joined_ranks == 0);
+    rebuilt = window_collectives(result.joined_ranks);
     const bool divide = window.request.divide && result.global_weight > 0;
     bool known_finite = window.request.check_finite;
     for (const auto b : c10::irange(buckets.all.size())) {
@@ -202,13 +202,22 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   return result;
 }
 
-std::optional<std::vector<Bucket>> Reducer::State::window_collectives(bool broadcast) {
-  // Before the write-back: a local failure there must not skip one. Not
-  // while some ranks have joined (the same on every rank: it is in the
-  // header): rank 0 may be one of them, its buffers stale (Note [Joining]).
-  if (broadcast && config.options.broadcast_buffers() && !config.buffers.empty()) {
-    detail::broadcast_from_rank0(*config.group, config.buffers);
-    ++stats.broadcasts;
+std::optional<std::vector<Bucket>> Reducer::State::window_collectives(int64_t joined_ranks) {
+  // Before the write-back: a local failure there must not skip one. The
+  // buffers come from rank 0, or, while some ranks have joined, from the
+  // lowest rank that ran micro-batches in this window: a rank shadowing the
+  // others ran no forward, its buffers are stale (Note [Joining]). Whether
+  // some ranks joined is in the header, the same on every rank, so every
+  // rank takes the same branch, and the ranks pay the extra all-reduce only
+  // in the join's tail.
+  if (config.options.broadcast_buffers() && !config.buffers.empty()) {
+    const int root = joined_ranks == 0
+        ? 0
+        : detail::lowest_rank_where(*config.group, window.request.weight > 0, config.buffers.front().device());
+    if (root < config.world) { // (none: nobody ran a forward since the last broadcast)
+      detail::broadcast_from(*config.group, config.buffers, root);
+      ++stats.broadcasts;
+    }
   }
   // Note [Rebuilding buckets in ready order]: agreed here, applied after the write-back.
   return buckets.final ? std::nullopt : buckets.agree_on_ready_order(config);

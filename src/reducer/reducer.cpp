@@ -56,7 +56,7 @@ Reducer::Reducer(
   state_ = std::make_shared<State>(std::move(config));
   auto& s = *state_;
   s.buckets.broadcast_parameters(s.config);
-  detail::broadcast_from_rank0(*s.config.group, s.config.buffers);
+  detail::broadcast_from(*s.config.group, s.config.buffers);
   if (s.config.options.gradient_as_bucket_view()) {
     // From now on backward accumulates straight into the buckets.
     detail::point_grads_at_views(s.buckets.all, s.config.params, /*undefined_too=*/true);
@@ -243,6 +243,7 @@ void Reducer::restore(const Progress& progress) {
   s.stats.bucket_rebuilds = now.bucket_rebuilds;
   s.stats.launched_in_backward = now.launched_in_backward;
   s.stats.last_window_launched_in_backward = now.last_window_launched_in_backward;
+  s.stats.hookless_windows = now.hookless_windows;
   s.window.sequence = progress.sequence;
   // Note [Scaling before the sum]: the same on every rank, as saved (states
   // from before it was saved hold 0: the first window uses world * steps).

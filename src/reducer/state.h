@@ -186,7 +186,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   ReductionResult complete_snapshot(const detail::Reduced& reduced, const std::vector<at::Tensor>& saved,
                                     std::vector<at::Tensor>& sums);
   ReductionResult complete_window(detail::Reduced reduced);
-  std::optional<std::vector<Bucket>> window_collectives(bool broadcast);
+  std::optional<std::vector<Bucket>> window_collectives(int64_t joined_ranks);
   bool write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor,
                   bool check_finite);
   void apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) noexcept;

@@ -602,14 +602,14 @@ def broadcast(rank, world_size, *, steps):
     import gradaccum
 
     out = {}
-    for bcast in (False, True):
+    for bcast in (False, True, None):  # None: the default
         model = bn_model(100 + rank)  # a different init on every rank
         with torch.no_grad():
             model[1].running_mean.fill_(float(rank + 1))
             model[1].num_batches_tracked.fill_(10 * (rank + 1))
         before = {"params": params(model), "buffers": [b.clone() for b in model.buffers()]}
-        acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                    steps=steps, broadcast_buffers=bcast)
+        option = {} if bcast is None else {"broadcast_buffers": bcast}
+        acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=steps, **option)
         after = {"params": params(model), "buffers": [b.clone() for b in model.buffers()]}
         # One window on rank-specific data: the BatchNorm statistics diverge.
         g = torch.Generator().manual_seed(7 + rank)

@@ -153,3 +153,30 @@ def join_step_failure(rank, world_size, *, seed, shards):
     out["stats"] = acc.stats()
     acc.close()
     return out
+
+
+@job
+def join_buffers(rank, world_size, *, counts):
+    """A BatchNorm model, `counts[rank]` micro-batches of rank-specific data,
+    the loop inside `with acc.join():`, buffers broadcast by default. Records
+    the buffers before each closing micro-step's backward (this rank's own,
+    from its forwards), after each step, and at the end."""
+    import gradaccum
+
+    model = du.bn_model(11)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=pj.STEPS)
+    g = torch.Generator().manual_seed(100 + rank)
+    out = {"own": [], "after": []}
+    with acc.join():
+        for i in range(counts[rank]):
+            x = torch.randn(4, 6, generator=g) * (rank + 1) + rank
+            loss = model(x).pow(2).mean()
+            if acc.sync_gradients or i + 1 == counts[rank]:
+                out["own"].append([b.clone() for b in model.buffers()])
+            acc.backward(loss)
+            if acc.step():
+                out["after"].append([b.clone() for b in model.buffers()])
+    out["final"] = [b.clone() for b in model.buffers()]
+    out["stats"] = acc.stats()
+    acc.close()
+    return out

@@ -381,7 +381,7 @@ def test_flush_partial_window_matches_one_process(jobs, world_size):
 
 def test_construction_broadcasts_rank0_parameters_and_buffers(jobs):
     results = jobs("broadcast", 2)
-    for bcast in (False, True):
+    for bcast in (False, True, None):
         rank0 = results[0][bcast]["before"]
         other = results[1][bcast]["before"]
         # The ranks really started different.
@@ -396,17 +396,21 @@ def test_construction_broadcasts_rank0_parameters_and_buffers(jobs):
 
 
 def test_broadcast_buffers_at_each_window_end(jobs):
+    """On (the default, as DDP) and off: BatchNorm statistics equal rank 0's
+    after every window, or stay per rank."""
     results = jobs("broadcast", 2)
     for w in range(2):
-        rank0 = results[0][True]["windows"][w]["buffers"]
-        rank1 = results[1][True]["windows"][w]["buffers"]
-        for i, (a, b) in enumerate(zip(rank1, rank0)):
-            assert torch.equal(a, b), f"window {w} buffer {i} differs from rank 0's"
+        for on in (True, None):
+            rank0 = results[0][on]["windows"][w]["buffers"]
+            rank1 = results[1][on]["windows"][w]["buffers"]
+            for i, (a, b) in enumerate(zip(rank1, rank0)):
+                assert torch.equal(a, b), f"window {w} buffer {i} differs from rank 0's ({on})"
         # Without broadcast_buffers the BatchNorm statistics stay per rank.
         off0 = results[0][False]["windows"][w]["buffers"]
         off1 = results[1][False]["windows"][w]["buffers"]
         assert not torch.equal(off0[0], off1[0])
     assert results[0][True]["stats"]["buffer_broadcasts"] == 2
+    assert results[0][None]["stats"]["buffer_broadcasts"] == 2
     assert results[0][False]["stats"]["buffer_broadcasts"] == 0
 
 

@@ -2,6 +2,7 @@
 src/accumulator/join.cpp), on real Gloo ranks, against one process over the
 data that exists (float64), with the collectives counted."""
 import pytest
+import torch
 
 import _dist_utils as du
 import _protocol_jobs as pj
@@ -73,3 +74,22 @@ def test_a_step_that_fails_on_a_joined_rank_reaches_every_rank(tmp_path):
         assert res["error"] is not None and res["error"].startswith("gradaccum: "), (rank, res["error"])
         assert "window 2 was dropped on every rank" in res["error"], (rank, res["error"])
     assert "injected optimizer failure on rank 0" in results[0]["error"]
+
+
+def test_buffers_come_from_the_lowest_rank_with_data(tmp_path):
+    """BatchNorm statistics under join(), broadcast by default: each window's
+    come from the lowest rank that ran micro-batches in it (rank 0 has joined
+    after window 0: its buffers are stale), and every rank ends equal."""
+    rank0, rank1, rank2 = run("join_buffers", 3, tmp_path, counts=[3, 6, 8])  # K = 3
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+
+    for res in (rank0, rank1, rank2):  # window 0: all had data, rank 0's
+        assert same(res["after"][0], rank0["own"][0])
+    for res in (rank1, rank2):  # window 1: rank 0 joined, rank 1's
+        assert same(res["after"][1], rank1["own"][1])
+        assert not same(res["after"][1], rank0["own"][0])
+    for res in (rank0, rank1, rank2):  # rank 2's partial window closed as all joined
+        assert same(res["final"], rank2["own"][2])
+        assert res["stats"]["buffer_broadcasts"] == 3
