@@ -49,6 +49,11 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
     }
     return outputs;
   }
+  // Note [Compiled autograd]: torch's compiled autograd asks each hook to
+  // register itself in the graph it traces, and raises for a C++ hook that
+  // does not. Ours register nothing: the traced graph runs without them, and
+  // Reducer::backward() reduces the window after backward returns instead.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
 
  private:
   std::weak_ptr<Reducer::State> state_;
@@ -63,6 +68,7 @@ class RootHook : public torch::autograd::FunctionPreHook {
     fn_();
     return grads;
   }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {} // Note [Compiled autograd]
 
  private:
   std::function<void()> fn_;
@@ -270,7 +276,7 @@ ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest
     throw; // a dropped window's error (every rank raises it), or a transport error
   }
   remove_root_hook(root.get(), root_hook);
-  return s.end_backward(sequence_before);
+  return s.end_backward(request, sequence_before);
 }
 
 std::string Reducer::State::drop_failed_backward(const ReductionRequest& request, int64_t sequence_before,
@@ -289,10 +295,19 @@ std::string Reducer::State::drop_failed_backward(const ReductionRequest& request
   return dropped_here ? own_failure(local) : std::string();
 }
 
-ReductionResult Reducer::State::end_backward(int64_t sequence_before) {
+ReductionResult Reducer::State::end_backward(const ReductionRequest& request, int64_t sequence_before) {
   std::lock_guard<std::mutex> lock(mutex);
   if (window.in_flight) {
     return finish_reduction(); // no root: the reduction ends here
+  }
+  if (window.sequence == sequence_before && !window.aborted_here) {
+    // Backward returned, yet the root hook never ran: the engine ran none of
+    // our hooks (compiled autograd, Note [Compiled autograd]). The window's
+    // sum is in .grad: reduce it now, as flush() does, every bucket after
+    // backward instead of overlapped with it; the same collectives.
+    ++stats.hookless_windows;
+    begin_reduction(request, -1, detail::Entry::Backward);
+    return finish_reduction();
   }
   TORCH_CHECK(!(window.aborted_here && window.sequence == sequence_before + 1), window.failure);
   TORCH_INTERNAL_ASSERT(window.sequence == sequence_before + 1,

@@ -165,7 +165,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// rank's).
   std::string drop_failed_backward(const ReductionRequest& request, int64_t sequence_before,
                                    const std::string& local);
-  ReductionResult end_backward(int64_t sequence_before);
+  ReductionResult end_backward(const ReductionRequest& request, int64_t sequence_before);
   /// The request of a synchronising backward of the manual path.
   ReductionRequest manual_request() const;
 

@@ -72,6 +72,7 @@ py::dict stats_to_dict(const AccumulatorStats& s) {
   d["snapshots"] = s.reducer.snapshots;
   d["launched_in_backward"] = s.reducer.launched_in_backward;
   d["last_window_launched_in_backward"] = s.reducer.last_window_launched_in_backward;
+  d["hookless_windows"] = s.reducer.hookless_windows;
   d["bucket_rebuilds"] = s.reducer.bucket_rebuilds;
   d["data_parallel"] = s.data_parallel;
   d["world_size"] = s.world_size;
