@@ -307,7 +307,10 @@ class Accumulator {
     return window_items_;
   }
 
-  /// True when the next backward() closes the window.
+  /// As Accelerate's `sync_gradients`: true through the window's closing
+  /// micro-step, from before its backward() (the next one closes the window)
+  /// until step(). Code run after a backward() under `if sync_gradients`
+  /// (clipping, logging) sees the window's reduced gradients.
   bool sync_gradients() const;
   /// Position in the current window, 0..steps-1.
   int64_t micro_step() const {
@@ -370,6 +373,8 @@ class Accumulator {
   void remember_gradients();
   void check_requires_grad(const char* what) const;
   void check_no_open_parts(const char* what) const;
+  /// The next backward() (or micro-step in parts) closes the window.
+  bool closes_window_next() const;
   void backward_as(const char* call, const at::Tensor& loss, std::optional<double> num_items,
                    const at::Tensor& reported, const at::Tensor& metrics);
   void check_metrics(const at::Tensor& metrics, const char* what) const;

@@ -132,8 +132,12 @@ bool peers_ended_epoch(const ReductionResult& result) {
 
 } // namespace
 
-bool Accumulator::sync_gradients() const {
+bool Accumulator::closes_window_next() const {
   return !window_ready_ && micro_step_ + 1 == options_.steps();
+}
+
+bool Accumulator::sync_gradients() const {
+  return window_ready_ || closes_window_next();
 }
 
 void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_items) {
@@ -175,7 +179,7 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
   // big batch's magnitudes; its unscale() undoes both at the window's end.
   // Undefined for a micro-batch left out: no backward.
   const at::Tensor scaled = !keep ? at::Tensor() : loss_scaler_ ? loss_scaler_->scale_loss(loss, options_.steps()) : loss;
-  if (!sync_gradients()) {
+  if (!closes_window_next()) {
     local_micro_step(scaled, weight, before);
     return;
   }

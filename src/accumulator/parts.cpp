@@ -151,7 +151,7 @@ void Accumulator::end_micro_step(bool failed, bool out_of_memory) {
   // shares' float sum may not be); a part left out takes its share with it.
   const bool whole = options_.reduction() != Reduction::Items && !parts_skipped_;
   window_weight_ += whole ? 1.0 : parts_weight_;
-  if (!sync_gradients()) {
+  if (!closes_window_next()) {
     ++micro_step_;
     ++stats_.micro_steps;
     return;
@@ -172,7 +172,7 @@ void Accumulator::fail_micro_step(AbortReason why) {
     window_failed_ = true;
     window_failure_ = why;
   }
-  if (sync_gradients()) {
+  if (closes_window_next()) {
     // The others wait in this window's reduction: drop it there now.
     reduce_window(at::Tensor(), 0);
     TORCH_INTERNAL_ASSERT(false, "gradaccum: a failed window's reduction returned");

@@ -151,8 +151,10 @@ TEST_CASE("window bookkeeping", "[accumulator]") {
   CHECK(acc.sync_gradients());
   acc.backward(model->forward(x).sum());
   CHECK(acc.window_ready());
+  CHECK(acc.sync_gradients()); // as Accelerate's: until step()
   CHECK_THROWS_WITH(acc.backward(model->forward(x).sum()), Catch::Contains("call acc.step()"));
   CHECK(acc.step());
+  CHECK_FALSE(acc.sync_gradients());
   CHECK_FALSE(acc.window_ready());
   for (auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());
   auto s = acc.stats();
