@@ -44,7 +44,7 @@ def _check_torch() -> None:
 
 _check_torch()
 
-from gradaccum._accumulator import Accumulator  # noqa: E402
+from gradaccum._accumulator import Accumulator, Optimizer  # noqa: E402
 from gradaccum._split import split  # noqa: E402
 from gradaccum import _C  # noqa: E402
 
@@ -55,4 +55,4 @@ __version__: str = _C.__version__
 #: finds this installation's headers, library and ``gradaccum::gradaccum``.
 cmake_prefix_path: str = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "lib", "cmake")
 
-__all__ = ["Accumulator", "split", "cmake_prefix_path", "__version__"]
+__all__ = ["Accumulator", "Optimizer", "split", "cmake_prefix_path", "__version__"]

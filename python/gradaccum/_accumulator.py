@@ -5,7 +5,7 @@ import numbers
 import os
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Protocol, Tuple, Union
 
 import torch
 
@@ -73,6 +73,15 @@ def _close_at_exit() -> None:
         time.sleep(0.1)  # releases the GIL
 
 
+class Optimizer(Protocol):
+    """What the Accumulator needs of an optimizer: ``step()``. A
+    ``torch.optim.Optimizer`` is one; so is any object with ``step()`` (a
+    ZeRO wrapper, a custom optimizer). ``grad_scaler`` needs ``param_groups``
+    too, as GradScaler does."""
+
+    def step(self) -> Any: ...
+
+
 class Accumulator:
     """Gradient accumulation over windows of ``steps`` micro-batches.
 
@@ -95,7 +104,8 @@ class Accumulator:
             once per window, in buckets overlapped with backward.
         bucket_cap_mb / first_bucket_cap_mb: bucket sizes (as torch DDP).
         gradient_as_bucket_view: ``.grad`` tensors are views of the buckets.
-        broadcast_buffers: broadcast rank 0's buffers at each window's end.
+        broadcast_buffers: broadcast rank 0's buffers at each window's end (the
+            default, as DDP; one broadcast per window when the model has buffers).
         check_parameters: at construction, check all ranks have the same
             parameters (a collective) and fail naming the first mismatch.
         rebuild_buckets: after the first window, rebuild the buckets once in
@@ -130,7 +140,7 @@ class Accumulator:
     def __init__(
         self,
         model: Union[torch.nn.Module, Iterable[torch.Tensor]],
-        optimizer: Optional[torch.optim.Optimizer] = None,
+        optimizer: Optional[Optimizer] = None,
         steps: int = 1,
         reduction: str = "mean",
         max_grad_norm: Optional[float] = None,
@@ -141,7 +151,7 @@ class Accumulator:
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         gradient_as_bucket_view: bool = False,
-        broadcast_buffers: bool = False,
+        broadcast_buffers: bool = True,
         check_parameters: bool = True,
         rebuild_buckets: bool = True,
         accumulate_dtype: Optional[torch.dtype] = None,
@@ -159,7 +169,7 @@ class Accumulator:
         # A default group that appears after construction: backward() raises.
         self._watch_for_group = process_group is None and not _dist_initialized()
         process_group, local_only = _resolve_group(process_group)
-        self.optimizer = optimizer
+        self.optimizer: Any = optimizer  # an Optimizer; grad_scaler reads its param_groups too
         self.scheduler = scheduler
         # refresh_parameters() takes a module's trainable set again.
         self._module = model if isinstance(model, torch.nn.Module) else None
@@ -454,7 +464,10 @@ class Accumulator:
 
     @property
     def sync_gradients(self) -> bool:
-        """True when the next ``backward()`` closes the window."""
+        """As Accelerate's: True through the window's closing micro-step,
+        from before its ``backward()`` until ``step()``. Under
+        ``if acc.sync_gradients:`` after a backward (clipping, logging) the
+        gradients are the window's reduced ones."""
         return self._c.sync_gradients
 
     @property

@@ -14,6 +14,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import textwrap
 import sys
 import sysconfig
 import zipfile
@@ -94,6 +95,41 @@ def test_stub_names_what_the_module_has():
 def test_examples_pass_mypy_strict(tmp_path):
     pytest.importorskip("mypy", reason="make deps installs mypy")
     run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", tmp_path, "examples/python"], cwd=REPO)
+
+
+@pytest.mark.slow
+def test_any_object_with_step_types_as_an_optimizer(tmp_path):
+    """`optimizer` is typed as a Protocol with step(): a custom optimizer
+    passes `mypy --strict`, and it trains."""
+    pytest.importorskip("mypy", reason="make deps installs mypy")
+    script = tmp_path / "custom_optimizer.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import gradaccum
+
+
+        class Sign:
+            def __init__(self, params: list[torch.nn.Parameter]) -> None:
+                self.params = params
+
+            def step(self) -> None:
+                with torch.no_grad():
+                    for p in self.params:
+                        if p.grad is not None:
+                            p -= 0.5 * p.grad.sign()
+
+
+        model = torch.nn.Linear(2, 1)
+        before = float(model.bias)
+        acc = gradaccum.Accumulator(model, Sign(list(model.parameters())), steps=2, process_group=False)
+        for _ in range(2):
+            acc.backward(model(torch.ones(3, 2)).sum())
+        assert acc.step()
+        assert abs(before - float(model.bias) - 0.5) < 1e-6  # d(sum)/d(bias) = 3 > 0: one signed step
+    """))
+    run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", tmp_path / "cache", script], cwd=tmp_path)
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 @pytest.mark.slow
