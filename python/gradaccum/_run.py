@@ -11,7 +11,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from gradaccum._split import _flatten, split
+from gradaccum._split import _flatten, _Leaves, split
 
 #: Micro-steps in a row without running out of memory before run() tries parts
 #: twice as big again.
@@ -41,15 +41,14 @@ class RunState:
 
 def _rows(batch: Any) -> Optional[int]:
     """The batch's rows (dim 0 of its tensors), or None if it cannot be split."""
-    leaves: List[torch.Tensor] = []
-    try:
-        _flatten(batch, leaves)
-    except TypeError:
+    leaves = _Leaves()
+    _flatten(batch, leaves)
+    if not leaves.tensors or any(t.dim() == 0 for t in leaves.tensors):
         return None
-    if not leaves or any(t.dim() == 0 for t in leaves):
+    rows = leaves.tensors[0].shape[0]
+    if any(t.shape[0] != rows for t in leaves.tensors) or any(len(v) != rows for v in leaves.samples):
         return None
-    rows = leaves[0].shape[0]
-    return rows if all(t.shape[0] == rows for t in leaves) else None
+    return rows
 
 
 def _free_memory() -> None:

@@ -1,53 +1,133 @@
 """gradaccum.split: one batch into micro-batches."""
-from typing import Any, List
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 
 from gradaccum import _C
 
 
-def _flatten(batch: Any, leaves: List[torch.Tensor]) -> Any:
-    """Collects the tensors of a nested batch; returns a template to rebuild it."""
+class _Tensor(NamedTuple):
+    index: int  # into the tensors
+
+
+class _Samples(NamedTuple):
+    index: int  # into the per-sample lists
+
+
+class _Same(NamedTuple):
+    value: Any  # repeated in every micro-batch
+
+
+class _Leaves:
+    """What a batch holds to split: tensors (along dim 0) and lists of
+    per-sample values (strings, ids...), with where each came from."""
+
+    def __init__(self) -> None:
+        self.tensors: List[torch.Tensor] = []
+        self.samples: List[list] = []
+        self.paths: List[str] = []  # of the samples, for errors
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _flatten(batch: Any, leaves: _Leaves, path: str = "batch") -> Any:
+    """Collects what a nested batch holds to split; returns a template to
+    rebuild it (see split() for the rules)."""
     if isinstance(batch, torch.Tensor):
-        leaves.append(batch)
-        return len(leaves) - 1
+        leaves.tensors.append(batch)
+        return _Tensor(len(leaves.tensors) - 1)
     if isinstance(batch, dict):
-        return {key: _flatten(value, leaves) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        parts = [_flatten(value, leaves) for value in batch]
+        return {key: _flatten(value, leaves, f"{path}[{key!r}]") for key, value in batch.items()}
+    if hasattr(batch, "__array__") and hasattr(batch, "shape"):
+        # Rows of its own, but not a tensor: repeating it whole would be wrong.
+        raise TypeError(f"gradaccum: split(): cannot split a {type(batch).__name__} ({path}); convert it to a "
+                        "tensor (torch.as_tensor)")
+    if isinstance(batch, list) and batch and not _holds_tensor(batch):
+        leaves.samples.append(batch)
+        leaves.paths.append(path)
+        return _Samples(len(leaves.samples) - 1)
+    if isinstance(batch, (list, tuple)) and _holds_tensor(batch):
+        parts = [_flatten(value, leaves, f"{path}[{i}]") for i, value in enumerate(batch)]
         if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
             return type(batch)(*parts)
         return type(batch)(parts)
-    raise TypeError(
-        f"gradaccum: split(): cannot split a {type(batch).__name__}; a batch is a tensor, or "
-        "tuples, lists and dicts of tensors"
-    )
+    return _Same(batch)
 
 
-def _rebuild(template: Any, leaves: List[torch.Tensor]) -> Any:
-    if isinstance(template, int):
-        return leaves[template]
+def _rebuild(template: Any, tensors: List[torch.Tensor], samples: List[list]) -> Any:
+    if isinstance(template, _Tensor):
+        return tensors[template.index]
+    if isinstance(template, _Samples):
+        return samples[template.index]
+    if isinstance(template, _Same):
+        return template.value
     if isinstance(template, dict):
-        return {key: _rebuild(value, leaves) for key, value in template.items()}
-    parts = [_rebuild(value, leaves) for value in template]
+        return {key: _rebuild(value, tensors, samples) for key, value in template.items()}
+    parts = [_rebuild(value, tensors, samples) for value in template]
     if isinstance(template, tuple) and hasattr(template, "_fields"):
         return type(template)(*parts)
     return type(template)(parts)
 
 
+def _rows(leaves: _Leaves) -> Optional[int]:
+    """The batch's rows: dim 0 of its tensors, else its lists' length."""
+    if leaves.tensors:
+        first = leaves.tensors[0]
+        return first.shape[0] if first.dim() > 0 else None
+    return len(leaves.samples[0]) if leaves.samples else None
+
+
 def split(batch: Any, steps: int) -> list:
     """Splits a batch along dim 0 into `steps` micro-batches.
 
-    `batch` is a tensor, or tuples/lists/dicts of tensors (nested), all with the
-    same size along dim 0. Micro-batch sizes differ by at most one. The parts are
-    views, not copies.
+    `batch` is a tensor, or tuples/lists/dicts of them (nested), all with the
+    same size along dim 0. Micro-batch sizes differ by at most one (the first
+    ones take the extra rows); tensor parts are views, not copies. Other
+    fields, as a Hugging Face batch carries them, pass through:
+
+    - a list holding no tensor (strings, ids: one value per sample) is split
+      alongside the tensors, into lists of the same sizes; its length must be
+      the batch's rows (a ValueError names it otherwise);
+    - anything else that holds no tensor (a string, a number, None, a tuple
+      such as an image size) is repeated in every micro-batch.
 
     >>> x, y = torch.randn(10, 3), torch.randn(10)
     >>> [tuple(m[0].shape) for m in gradaccum.split((x, y), 3)]
     [(4, 3), (3, 3), (3, 3)]
+    >>> [m["text"] for m in gradaccum.split({"ids": torch.arange(3), "text": ["a", "b", "c"]}, 2)]
+    [['a', 'b'], ['c']]
     """
     if isinstance(steps, bool) or not isinstance(steps, int):
         raise TypeError(f"gradaccum: split(): steps must be an int, got {type(steps).__name__}")
-    leaves: List[torch.Tensor] = []
+    leaves = _Leaves()
     template = _flatten(batch, leaves)
-    return [_rebuild(template, parts) for parts in _C.split(leaves, steps)]
+    if not leaves.tensors and not leaves.samples:
+        raise ValueError("gradaccum: split(): the batch holds no tensor and no list of samples to split")
+    if leaves.tensors:
+        tensor_parts = _C.split(leaves.tensors, steps)  # checks the tensors and steps
+        sizes = [int(part[0].shape[0]) for part in tensor_parts]
+    else:
+        rows = len(leaves.samples[0])
+        if steps <= 0 or steps > rows:
+            raise ValueError(f"gradaccum: split(): cannot split {rows} rows into {steps} micro-batches"
+                             if steps > 0 else f"gradaccum: split(): steps must be positive, got {steps}")
+        sizes = [rows // steps + (1 if k < rows % steps else 0) for k in range(steps)]
+        tensor_parts = [[] for _ in sizes]
+    rows = sum(sizes)
+    for values, path in zip(leaves.samples, leaves.paths):
+        if len(values) != rows:
+            raise ValueError(
+                f"gradaccum: split(): {path} is a list of {len(values)} values, but the batch has {rows} rows: "
+                "a list without tensors is split alongside them, one value per row (make it a tuple to repeat "
+                "it in every micro-batch)")
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    return [_rebuild(template, list(tensors), [values[start:start + size] for values in leaves.samples])
+            for tensors, start, size in zip(tensor_parts, starts, sizes)]

@@ -139,3 +139,38 @@ def test_steps_one_returns_whole_batch_view():
     (part,) = gradaccum.split(x, 1)
     assert torch.equal(part, x)
     assert part.data_ptr() == x.data_ptr()
+
+
+def test_non_tensor_fields_pass_through():
+    """A Hugging Face-style batch: lists of per-sample values are split
+    alongside the tensors, everything else without a tensor is repeated."""
+    rows = 5
+    batch = {
+        "input_ids": torch.arange(rows * 2).reshape(rows, 2),
+        "text": [f"sample {i}" for i in range(rows)],
+        "ids": list(range(100, 100 + rows)),
+        "task": "lm",
+        "scale": 0.5,
+        "image_size": (32, 32),
+        "extra": None,
+        "pair": Batch(torch.arange(rows), ["x"] * rows),
+    }
+    parts = gradaccum.split(batch, 2)
+    assert [p["text"] for p in parts] == [[f"sample {i}" for i in range(3)], ["sample 3", "sample 4"]]
+    assert [p["ids"] for p in parts] == [[100, 101, 102], [103, 104]]
+    start = 0
+    for part, size in zip(parts, expected_sizes(rows, 2)):
+        assert torch.equal(part["input_ids"], batch["input_ids"][start:start + size])
+        assert (part["task"], part["scale"], part["image_size"], part["extra"]) == ("lm", 0.5, (32, 32), None)
+        assert type(part["pair"]) is Batch and part["pair"].y == ["x"] * size
+        assert torch.equal(part["pair"].x, torch.arange(start, start + size))
+        start += size
+    # A tensor next to plain values in a tuple: the values are repeated.
+    assert [p[1] for p in gradaccum.split((torch.randn(4), 3), 2)] == [3, 3]
+
+
+def test_lists_alone_are_split():
+    parts = gradaccum.split({"text": ["a", "b", "c"], "lang": "en"}, 2)
+    assert parts == [{"text": ["a", "b"], "lang": "en"}, {"text": ["c"], "lang": "en"}]
+    with pytest.raises(ValueError, match="cannot split 3 rows into 4 micro-batches"):
+        gradaccum.split(["a", "b", "c"], 4)
