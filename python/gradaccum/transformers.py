@@ -278,6 +278,13 @@ class Trainer(transformers.Trainer):
             self.accumulator._set_gradient_hook(self._pre_optimizer_step_callbacks)
         self._loss_windows = 0
 
+    @property
+    def _acc(self) -> Accumulator:
+        acc = self.accumulator
+        if acc is None:
+            raise RuntimeError("gradaccum: Trainer: no Accumulator: it exists only while train() runs")
+        return acc
+
     def _pre_optimizer_step_callbacks(self) -> None:
         self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
 
@@ -339,9 +346,7 @@ class Trainer(transformers.Trainer):
         """One micro-batch: forward (``compute_loss``) and ``acc.backward``.
         ``num_items_in_batch`` is ignored: each micro-batch's own count goes to
         the Accumulator, which divides by the window's total."""
-        acc = self.accumulator
-        if acc is None:
-            raise RuntimeError("gradaccum: Trainer.training_step(): no Accumulator (called outside train())")
+        acc = self._acc
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
@@ -366,7 +371,7 @@ class Trainer(transformers.Trainer):
         """One pass over this rank's shard: a backward per micro-batch, the
         window's bookkeeping when the Accumulator closes it, and ``flush()`` of
         the partial window at the end (every rank)."""
-        acc = self.accumulator
+        acc = self._acc
         args = self.args
         step = -1
         rng_to_sync = False
@@ -421,7 +426,7 @@ class Trainer(transformers.Trainer):
         out and some rank's shard does not end on a window boundary (or the
         shards differ), or the epoch was stopped in the middle of a window
         (every rank stops at the same point)."""
-        acc = self.accumulator
+        acc = self._acc
         if not exhausted:
             return acc.micro_step > 0 or acc.window_ready
         lengths = self._shard_lengths
@@ -437,7 +442,7 @@ class Trainer(transformers.Trainer):
     def _end_window(self, close, *, model, epoch, step, steps_in_epoch, trial, ignore_keys_for_eval, start_time):
         """Closes a window (``acc.step`` at a full one, ``acc.flush`` at the
         epoch's end) and does the Trainer's per-step work if one closed."""
-        acc = self.accumulator
+        acc = self._acc
         windows = acc.stats()["windows"]
         learning_rate = self._get_learning_rate()  # the rate this step uses, before the scheduler moves it
         stepped = close()
