@@ -26,6 +26,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+pytestmark = pytest.mark.slow  # launches torchrun
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
