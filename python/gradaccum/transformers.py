@@ -1,0 +1,498 @@
+"""gradaccum.transformers: a Hugging Face ``Trainer`` that accumulates with gradaccum.
+
+    from gradaccum.transformers import Trainer   # instead of transformers.Trainer
+
+    args = TrainingArguments(output_dir, per_device_train_batch_size=4, gradient_accumulation_steps=8, ...)
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=valid)
+    trainer.train()                               # torchrun --nproc_per_node=N train.py
+
+A subclass of ``transformers.Trainer`` with the same arguments (and three
+keyword-only ones, below). Logging, evaluation, callbacks, ``save_steps``
+checkpoints, ``resume_from_checkpoint`` and the learning-rate schedule work as
+in the Trainer; what changes is how a window of ``gradient_accumulation_steps``
+(K) micro-batches becomes one optimizer step. A :class:`gradaccum.Accumulator`
+over the model's parameters runs every micro-batch's backward and the window's
+step; under torchrun it all-reduces the gradients once per window (the model is
+never wrapped in DDP), and the window's gradient is that of the big batch:
+
+- **Per-token mean, counted right.** A model whose loss takes
+  ``num_items_in_batch`` (``**kwargs`` in ``forward``: every HF model with a
+  built-in loss), or a ``compute_loss_func``, trains with
+  ``reduction="items"``: each micro-batch's loss is computed as the Trainer does
+  (``compute_loss``), normalised by the micro-batch's own count ``n``, and
+  ``acc.backward(loss * n, num_items=n)`` adds its summed loss; the window
+  divides by the items of all its micro-batches on all ranks. The counts ride in
+  the gradient all-reduce's header: no all-gather of counts
+  (``average_tokens_across_devices`` is turned off in this Trainer's copy of the
+  arguments; its ``loss * world_size`` rescaling would be wrong here). ``n``
+  counts the real targets: for a causal LM (a model in
+  ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, or whose loss is ``ForCausalLMLoss``)
+  the shifted labels, ``(labels[..., 1:] != -100).sum()`` (the stock Trainer
+  5.23 counts every position of ``labels`` for e.g. ``GPT2LMHeadModel``, whose
+  ``loss_type`` is unset), ``shift_labels`` when the batch has them, otherwise
+  ``(labels != -100).sum()``. Override :meth:`Trainer.count_items` for other
+  targets. Evaluation uses the same count. Other models (and
+  ``reduction="mean"``) train with the mean of the micro-batch losses.
+- **No duplicated samples, partial windows weighted by what they hold.** The
+  training data loader is sharded without Accelerate's ``even_batches``
+  padding (which repeats the first samples to even out the last batches): rank
+  r gets batches r, r + world, ..., so ranks differ by at most one batch. At the
+  end of each epoch every rank calls ``acc.flush()``, which closes the partial
+  window with its own count (``items`` or micro-batches over all ranks). The
+  number of optimizer steps per epoch is that of the rank with the most batches
+  (one all-gather of the ranks' loader lengths when training starts), so every
+  rank has the same ``max_steps`` and LR schedule.
+- **One optimizer step per window.** ``args.max_grad_norm`` > 0 clips the
+  window's reduced gradient once, inside the Accumulator (the Trainer's own
+  ``clip_grad_norm_`` at every window end, even with ``max_grad_norm=0``, would
+  rewrite ``.grad`` behind its back). The LR scheduler steps only after a real
+  optimizer step (not after a window skipped as non-finite;
+  ``ReduceLROnPlateau``/``GreedyLR`` step at evaluation, as in the Trainer).
+  ``state.global_step`` counts windows: every closed window, a skipped one too
+  (as the Trainer counts a step its fp16 scaler skipped), so ``max_steps``,
+  ``save_steps`` and the data skipped on resume stay in step on every rank.
+- **Logged loss.** ``loss`` in the logs is the mean over the logged windows of
+  ``acc.window_loss``: each window's global loss (every micro-batch of every
+  rank, weighted as its gradient: total loss / total items with ``items``),
+  with no all-gather. ``grad_norm`` is the window's gradient norm before
+  clipping (``stats()["last_grad_norm"]``), when the Accumulator computed it.
+  ``on_pre_optimizer_step`` callbacks run on the window's final gradient
+  (reduced and divided, before clipping); ``on_optimizer_step`` after a real
+  step.
+- **Checkpoints.** ``acc.state_dict()`` is written beside the optimizer's state
+  (``gradaccum_accumulator.pt``, by the process that saves) and loaded on
+  ``resume_from_checkpoint``. The Trainer saves at window boundaries only
+  (after a step or at the epoch's end), so the state is rank-independent and
+  resuming on the same world size reproduces the uninterrupted run.
+- Non-finite windows are skipped on every rank (``nonfinite="skip"``, the
+  Accumulator's default); ``bf16``/``fp16`` work through Accelerate's autocast
+  (the model is prepared with ``evaluation_mode=True``: autocast, no DDP), and
+  with ``fp16`` Accelerate's GradScaler becomes the Accumulator's
+  ``grad_scaler`` (unscale, overflow skip, update once per window). Only float32
+  and float64 are tested.
+
+Keyword-only arguments besides the Trainer's:
+
+- ``reduction``: ``None`` (the default: ``"items"`` as above, else ``"mean"``),
+  or ``"items"``, ``"mean"``, ``"sum"`` to force one;
+- ``nonfinite``: ``"skip"`` (default), ``"raise"`` or ``"ignore"``;
+- ``accumulator_options``: a dict of further :class:`gradaccum.Accumulator`
+  options (``bucket_cap_mb``, ``gradient_as_bucket_view``, ``comm_dtype``, ...).
+
+The Accumulator is ``trainer.accumulator`` while training; it is closed when
+``train()`` returns (its hooks leave the model), and its last ``stats()`` are
+``trainer.accumulator_stats``.
+
+Not supported (refused when training starts): DeepSpeed, FSDP, tensor /
+context / sequence parallelism, ``nn.DataParallel`` (several GPUs in one
+process), SageMaker model parallelism, XLA. Iterable datasets whose shards
+differ by a window or more are not handled (``flush()`` assumes ranks differ by
+less than a window, or end one full window apart).
+
+transformers is an optional dependency, imported only by this module.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+try:
+    import transformers
+    from accelerate import skip_first_batches
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.optimization import GreedyLR
+    from transformers.trainer_callback import TrainerCallback
+    from transformers.trainer_utils import has_length
+except ImportError as error:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        f"gradaccum: gradaccum.transformers needs transformers and accelerate, which are not importable here "
+        f"({error}). Install them with: pip install transformers accelerate"
+    ) from error
+
+from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+
+__all__ = ["Trainer", "CHECKPOINT_NAME"]
+
+#: The file, in a Trainer checkpoint folder, that holds ``acc.state_dict()``.
+CHECKPOINT_NAME = "gradaccum_accumulator.pt"
+
+_METRIC_SCHEDULERS = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
+
+
+class _Longest:
+    """A data loader that reports another length (the longest rank's), for
+    the Trainer's step arithmetic; everything else is the loader's."""
+
+    def __init__(self, loader: Any, length: int) -> None:
+        self._loader, self._length = loader, length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def _own_args(args: "transformers.TrainingArguments") -> "transformers.TrainingArguments":
+    """A copy of the arguments with what this Trainer changes (the caller's
+    object is left alone): no all-gathered token counts, no padded shards."""
+    args = copy.copy(args)
+    args.average_tokens_across_devices = False
+    config = args.accelerator_config
+    if dataclasses.is_dataclass(config):
+        args.accelerator_config = dataclasses.replace(config, even_batches=False)
+    elif isinstance(config, dict):  # pragma: no cover - __post_init__ converts it
+        args.accelerator_config = dict(config, even_batches=False)
+    return args
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` whose gradient accumulation (and data-parallel
+    reduction) is a :class:`gradaccum.Accumulator`: see the module docstring."""
+
+    def __init__(self, model: Any = None, args: Any = None, *positional: Any, reduction: Optional[str] = None,
+                 nonfinite: str = "skip", accumulator_options: Optional[Dict[str, Any]] = None,
+                 **kwargs: Any) -> None:
+        if reduction is not None and reduction not in _REDUCTIONS:
+            raise ValueError(f"gradaccum: Trainer(): invalid reduction: {reduction!r} "
+                             f"(expected None or one of {_REDUCTIONS})")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"gradaccum: Trainer(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
+        self._reduction_option = reduction
+        self.nonfinite = nonfinite
+        self.accumulator_options = dict(accumulator_options or {})
+        self.accumulator: Optional[Accumulator] = None
+        self.accumulator_stats: Optional[Dict[str, Any]] = None
+        self.reduction: Optional[str] = None
+        self._shard_lengths: Optional[list] = None
+        self._loss_windows = 0
+        super().__init__(model, _own_args(args) if args is not None else None, *positional, **kwargs)
+
+    # ------------------------------------------------------------------ set-up
+
+    def create_accelerator_and_postprocess(self) -> None:
+        if self.args.average_tokens_across_devices or getattr(self.args.accelerator_config, "even_batches", False):
+            self.args = _own_args(self.args)  # Trainer(args=None): its own default arguments
+        super().create_accelerator_and_postprocess()
+
+    def _check_supported(self) -> None:
+        args = self.args
+        refused = []
+        if self.is_deepspeed_enabled:
+            refused.append("DeepSpeed")
+        if self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False) or args.fsdp:
+            refused.append("FSDP")
+        if args.n_gpu > 1:
+            refused.append(f"nn.DataParallel over {args.n_gpu} GPUs in one process (launch one process per GPU)")
+        for what, size in (("tensor", self.get_tp_size()), ("context", self.get_cp_size()),
+                           ("sequence", self.get_sp_size())):
+            if size > 1:
+                refused.append(f"{what} parallelism")
+        if getattr(self, "is_distributed_loading_by_transformers", False):
+            refused.append("a model sharded at load time")
+        from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+        if is_sagemaker_mp_enabled():
+            refused.append("SageMaker model parallelism")
+        if is_torch_xla_available():
+            refused.append("XLA")
+        if refused:
+            raise ValueError("gradaccum: gradaccum.transformers.Trainer does not support " + ", ".join(refused)
+                             + ": it reduces gradients itself, once per window; use transformers.Trainer there")
+
+    def _choose_reduction(self) -> str:
+        if self._reduction_option is not None:
+            return self._reduction_option
+        return "items" if (self.model_accepts_loss_kwargs or self.compute_loss_func is not None) else "mean"
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
+        """The Trainer's arithmetic over the longest rank's loader: ranks differ
+        by at most a batch, and the one with the most sets the number of
+        windows (steps) per epoch, on every rank alike."""
+        self._shard_lengths = None
+        if has_length(dataloader) and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            device = self.args.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+            mine = torch.tensor([len(dataloader)], dtype=torch.int64, device=device)
+            every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(every, mine)  # once, when training starts
+            self._shard_lengths = [int(t.item()) for t in every]
+            dataloader = _Longest(dataloader, max(self._shard_lengths))
+        elif has_length(dataloader):
+            self._shard_lengths = [len(dataloader)]
+        return super().set_initial_training_values(args, dataloader)
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Optional[str]):
+        """The Trainer's, without DDP: Accelerate prepares the model for
+        evaluation (device, autocast, compile; no DDP wrap); the optimizer
+        stays a plain torch optimizer (the Accumulator steps it once per
+        window); then the Accumulator is built, and restored on resume."""
+        self._check_supported()
+        if self.accumulator is not None:
+            self._close_accumulator()
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        self.create_optimizer()
+        model = self.accelerator.prepare_model(self.model, evaluation_mode=True)
+        self.create_scheduler(num_training_steps=max_steps)
+        self.model_wrapped = model
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+            self._load_scaler(resume_from_checkpoint)
+        self._build_accumulator()
+        if resume_from_checkpoint is not None:
+            path = os.path.join(resume_from_checkpoint, CHECKPOINT_NAME)
+            if os.path.isfile(path):
+                self.accumulator.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return model, train_dataloader
+
+    def _build_accumulator(self) -> None:
+        self.reduction = self._choose_reduction()
+        scheduler = self.lr_scheduler if not isinstance(self.lr_scheduler, _METRIC_SCHEDULERS) else None
+        options = dict(self.accumulator_options)
+        if getattr(self.accelerator, "scaler", None) is not None:
+            options.setdefault("grad_scaler", self.accelerator.scaler)
+        clip = self.args.max_grad_norm
+        self.accumulator = Accumulator(
+            self.model,
+            self.optimizer,
+            steps=self.args.gradient_accumulation_steps,
+            reduction=self.reduction,
+            max_grad_norm=float(clip) if clip is not None and clip > 0 else None,
+            nonfinite=self.nonfinite,
+            scheduler=scheduler,
+            **options,
+        )
+        if any(type(cb).on_pre_optimizer_step is not TrainerCallback.on_pre_optimizer_step
+               for cb in self.callback_handler.callbacks):
+            # On the window's final gradient, a flushed partial window's too.
+            self.accumulator._set_gradient_hook(self._pre_optimizer_step_callbacks)
+        self._loss_windows = 0
+
+    @property
+    def _acc(self) -> Accumulator:
+        acc = self.accumulator
+        if acc is None:
+            raise RuntimeError("gradaccum: Trainer: no Accumulator: it exists only while train() runs")
+        return acc
+
+    def _pre_optimizer_step_callbacks(self) -> None:
+        self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+
+    def _close_accumulator(self) -> None:
+        acc, self.accumulator = self.accumulator, None
+        if acc is not None and not acc.closed:
+            self.accumulator_stats = acc.stats()
+            acc.close()
+
+    def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any) -> Any:
+        try:
+            return super()._finalize_training(trial, num_train_samples, start_time)
+        finally:
+            self._close_accumulator()
+
+    # ---------------------------------------------------------------- counting
+
+    def _shifts_labels(self) -> bool:
+        model = self.accelerator.unwrap_model(self.model)
+        config = getattr(model, "config", None)
+        if getattr(config, "is_encoder_decoder", False):
+            return False
+        if getattr(self, "_loss_shifts_labels", False):
+            return True
+        if type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+            return True
+        loss_type = getattr(model, "loss_type", None)
+        return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss or getattr(model, "_loss_function", None) is ForCausalLMLoss
+
+    def count_items(self, inputs: Dict[str, Any]) -> torch.Tensor:
+        """The number of real targets in one micro-batch (a 0-dim int64 tensor):
+        ``shift_labels`` != -100 when the batch has them, else for a causal LM
+        ``labels[..., 1:]`` != -100, else ``labels`` != -100. Override for
+        other targets."""
+        if "shift_labels" in inputs:
+            labels = inputs["shift_labels"]
+        elif "labels" in inputs:
+            labels = inputs["labels"][..., 1:] if self._shifts_labels() else inputs["labels"]
+        else:
+            raise ValueError("gradaccum: Trainer(reduction='items'): the batch has no 'labels' to count items in; "
+                             "override Trainer.count_items(inputs), or pass reduction='mean'")
+        return labels.ne(-100).sum()
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """Evaluation's count (prediction_step): the real targets, as in training."""
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        if count is None:
+            return None
+        try:
+            total = sum(self.count_items(batch) for batch in batch_samples)
+        except (TypeError, AttributeError, ValueError):
+            return count
+        return total.to(device) if torch.is_tensor(total) else total
+
+    # ---------------------------------------------------------------- training
+
+    def training_step(self, model: torch.nn.Module, inputs: Dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        """One micro-batch: forward (``compute_loss``) and ``acc.backward``.
+        ``num_items_in_batch`` is ignored: each micro-batch's own count goes to
+        the Accumulator, which divides by the window's total."""
+        acc = self._acc
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        if self.reduction == "items":
+            count = self.count_items(inputs)
+            divisor = count.clamp(min=1)  # no targets: a zero loss sum, not 0 / 0
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, inputs, num_items_in_batch=divisor)
+            del inputs
+            acc.backward(loss * divisor.to(loss.device, loss.dtype), num_items=count)
+        else:
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, inputs)
+            del inputs
+            acc.backward(loss)
+        return loss.detach()
+
+    def _run_epoch(self, model, epoch, train_dataloader, steps_in_epoch, num_update_steps_per_epoch, trial,
+                   ignore_keys_for_eval, start_time, resume_from_checkpoint, epochs_trained,
+                   steps_trained_in_current_epoch):
+        """One pass over this rank's shard: a backward per micro-batch, the
+        window's bookkeeping when the Accumulator closes it, and ``flush()`` of
+        the partial window at the end (every rank)."""
+        acc = self._acc
+        args = self.args
+        step = -1
+        rng_to_sync = False
+        if self._tr_loss.dtype != torch.float64:
+            self._tr_loss = self._tr_loss.to(torch.float64)
+        if epoch == epochs_trained and resume_from_checkpoint is not None:
+            if steps_trained_in_current_epoch > 0 and not args.ignore_data_skip:
+                train_dataloader = skip_first_batches(train_dataloader, steps_trained_in_current_epoch)
+                step = steps_trained_in_current_epoch - 1
+                rng_to_sync = True
+            elif steps_trained_in_current_epoch == 0:
+                self._load_rng_state(resume_from_checkpoint)
+        if hasattr(train_dataloader, "set_epoch"):
+            train_dataloader.set_epoch(epoch)
+        shard_wrapper = getattr(train_dataloader, "batch_sampler", None)
+        underlying_sampler = getattr(shard_wrapper, "batch_sampler", None)
+        if hasattr(underlying_sampler, "set_epoch"):
+            underlying_sampler.set_epoch(epoch)
+
+        window = dict(model=model, epoch=epoch, steps_in_epoch=steps_in_epoch, trial=trial,
+                      ignore_keys_for_eval=ignore_keys_for_eval, start_time=start_time)
+        exhausted = True
+        for inputs in train_dataloader:
+            if rng_to_sync:  # as the Trainer: after the skipped batches were drawn
+                self._load_rng_state(resume_from_checkpoint)
+                rng_to_sync = False
+            step += 1
+            if acc.micro_step == 0 and not acc.window_ready:
+                self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            self.training_step(model, inputs)
+            self.current_flos += float(self.floating_point_ops(inputs))
+            self._track_num_input_tokens(inputs)
+            if acc.window_ready:
+                self._end_window(acc.step, step=step, **window)
+            else:
+                self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
+            if self.control.should_epoch_stop or self.control.should_training_stop:
+                exhausted = False
+                break
+
+        if self._needs_flush(exhausted):
+            self._end_window(acc.flush, step=step, **window)
+
+        if step < 0:
+            self.control.should_training_stop = True
+        self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+        self._maybe_log_save_evaluate(self._tr_loss, self._grad_norm(), model, trial, epoch,
+                                      ignore_keys_for_eval, start_time, learning_rate=None)
+
+    def _needs_flush(self, exhausted: bool) -> bool:
+        """Whether this epoch ends with a flush() on every rank: its data ran
+        out and some rank's shard does not end on a window boundary (or the
+        shards differ), or the epoch was stopped in the middle of a window
+        (every rank stops at the same point)."""
+        acc = self._acc
+        if not exhausted:
+            return acc.micro_step > 0 or acc.window_ready
+        lengths = self._shard_lengths
+        if lengths is None:  # unknown lengths: flush on every rank
+            return True
+        return len(set(lengths)) > 1 or lengths[0] % acc.steps != 0
+
+    def _grad_norm(self) -> Optional[float]:
+        if self.accumulator is None:
+            return None
+        return self.accumulator.stats().get("last_grad_norm")
+
+    def _end_window(self, close, *, model, epoch, step, steps_in_epoch, trial, ignore_keys_for_eval, start_time):
+        """Closes a window (``acc.step`` at a full one, ``acc.flush`` at the
+        epoch's end) and does the Trainer's per-step work if one closed."""
+        acc = self._acc
+        windows = acc.stats()["windows"]
+        learning_rate = self._get_learning_rate()  # the rate this step uses, before the scheduler moves it
+        stepped = close()
+        stats = acc.stats()
+        if stats["windows"] == windows:
+            return  # nothing to close anywhere
+        if stepped:
+            self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
+        loss = acc.window_loss
+        if loss is not None and not (self.args.logging_nan_inf_filter and not torch.isfinite(loss)):
+            self._tr_loss += loss.to(self._tr_loss.device, self._tr_loss.dtype)
+            self._loss_windows += 1
+        self.state.global_step += 1
+        self.state.epoch = epoch + (step + 1) / steps_in_epoch
+        self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+        self._maybe_log_save_evaluate(self._tr_loss, stats.get("last_grad_norm"), model, trial, epoch,
+                                      ignore_keys_for_eval, start_time, learning_rate=learning_rate)
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                                 learning_rate=None):
+        """The Trainer's, with the loss logged as the mean of the windows'
+        global losses since the last log (no all-gather: every rank has it)."""
+        if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
+            total = float(tr_loss)
+            tr_loss -= tr_loss
+            logs: Dict[str, float] = {}
+            if self._loss_windows:
+                logs["loss"] = total / self._loss_windows
+            if grad_norm is not None:
+                logs["grad_norm"] = float(grad_norm)
+            logs["learning_rate"] = learning_rate if learning_rate is not None else self._get_learning_rate()
+            # train_loss (at the end) is the total over optimizer steps: count
+            # a window without a loss as the mean of those with one.
+            steps = self.state.global_step - self._globalstep_last_logged
+            self._total_loss_scalar += total / self._loss_windows * steps if self._loss_windows else 0.0
+            self._loss_windows = 0
+            self._globalstep_last_logged = self.state.global_step
+            self.store_flos()
+            self.log(logs, start_time)
+            self.control.should_log = False
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                                         learning_rate=learning_rate)
+
+    # ------------------------------------------------------------- checkpoints
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.accumulator is not None:
+            # Every rank gets here; at a window boundary this is no collective,
+            # mid-window (a user's own save) it is one, on every rank alike.
+            state = self.accumulator.state_dict()
+            if self.args.should_save:
+                torch.save(state, os.path.join(output_dir, CHECKPOINT_NAME))

@@ -1,0 +1,180 @@
+"""gradaccum.transformers.Trainer under torchrun (2 Gloo ranks, float64)
+against a one-process big-batch reference computed with torch alone.
+
+examples/python/train_hf_trainer.py trains a tiny randomly initialised GPT-2
+(SGD with momentum, linear LR decay, K=3 micro-batches of 2 sequences per rank)
+in three cases: `even` (full-length sequences, whole windows), `partial` (the
+epoch's last window partial, its last micro-batch one sequence; clipping at
+0.3), `uneven` (right padding with -100 labels: micro-batches and ranks hold
+different numbers of tokens; checkpoints every 2 steps). The reference takes
+each window's global batch (the Trainer's sequential order, rank r taking
+batches r, r + 2, ...: a window is 6 consecutive batches) and steps on the
+per-token mean cross-entropy over all its real next-token targets. Each
+optimizer step's logged loss and the final parameters must agree to 1e-12,
+with one all-reduce per window. Stock transformers.Trainer is shown off in the
+`uneven` case (it counts position 0 of GPT-2's labels, and DDP averages), and
+a resume from the mid-epoch checkpoint-4 equals the uninterrupted run.
+"""
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.slow  # launches torchrun
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "python" / "train_hf_trainer.py"
+WORLD, K, B, LR, SEED = 2, 3, 2, 0.5, 0
+TOL = 1e-12
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_hf_trainer", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ex = _example()
+
+
+def torchrun(out, *args, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           str(EXAMPLE), "--out", str(out), "--accum", str(K), "--batch", str(B), "--lr", str(LR),
+           "--seed", str(SEED), *map(str, args)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun hung: {e.stdout}\n{e.stderr}")
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+def reference(case, world=WORLD):
+    """One process, one backward per window's global batch, torch only."""
+    n, epochs, _, clip, _ = ex.CASES[case]
+    rows = ex.make_data(case, SEED)
+    model = ex.make_model(SEED)
+    batches = [rows[i:i + B] for i in range(0, n, B)]
+    windows = [batches[i:i + K * world] for i in range(0, len(batches), K * world)]
+    total = epochs * len(windows)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: max(0.0, (total - t) / total))
+    losses = []
+    for _ in range(epochs):
+        for window in windows:
+            group = [r for batch in window for r in batch]
+            ids, mask, labels = (torch.stack([r[key] for r in group]) for key in ("input_ids", "attention_mask", "labels"))
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            assert logits.dtype == torch.float64
+            targets = labels[:, 1:]
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, ex.VOCAB), targets.reshape(-1), ignore_index=-100,
+                                   reduction="sum") / (targets != -100).sum()
+            loss.backward()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.detach() for k, v in model.named_parameters()}}
+
+
+def differences(got, ref):
+    assert len(got["losses"]) == len(ref["losses"]), (got["steps"], ref["losses"])
+    loss = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
+    assert set(got["params"]) == set(ref["params"])
+    param = max((got["params"][k] - ref["params"][k]).abs().max().item() for k in ref["params"])
+    return loss, param
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    stdout = torchrun(out, "--case", "even,partial,uneven")
+    return out, stdout
+
+
+@pytest.mark.parametrize("case", ["even", "partial", "uneven"])
+def test_trainer_equals_big_batch_reference(runs, case):
+    out, stdout = runs
+    got = torch.load(out / f"{case}.pt", weights_only=False)
+    ref = reference(case)
+    n, epochs, *_ = ex.CASES[case]
+    windows = epochs * math.ceil(math.ceil(n / B) / (K * WORLD))
+    assert got["world_size"] == WORLD
+    assert got["global_step"] == windows and got["steps"] == list(range(1, windows + 1)), stdout
+    loss, param = differences(got, ref)
+    print(f"{case}: {windows} steps, max |loss - ref| {loss:.3g}, max |param - ref| {param:.3g}")
+    assert loss <= TOL, (case, got["losses"], ref["losses"])
+    assert param <= TOL, (case, param)
+    # One all-reduce per window (one bucket: the model is tiny), no DDP.
+    stats = got["stats"]
+    assert stats["data_parallel"] and stats["world_size"] == WORLD
+    assert stats["buckets"] == 1
+    assert stats["windows"] == stats["optimizer_steps"] == windows
+    assert stats["collectives"] == windows, stats
+    assert stats["last_window_collectives"] == 1
+
+
+def test_stock_trainer_is_off_with_uneven_tokens(runs, tmp_path):
+    """transformers.Trainer 5.x on the same run: its num_items_in_batch counts
+    every non -100 label of GPT-2 (position 0 too: GPT2LMHeadModel's loss_type
+    is unset), so each window's gradient is scaled by the wrong count."""
+    out, _ = runs
+    torchrun(out, "--case", "uneven", "--stock")
+    stock = torch.load(out / "uneven-stock.pt", weights_only=False)
+    ours = torch.load(out / "uneven.pt", weights_only=False)
+    ref = reference("uneven")
+    loss, param = differences(stock, ref)
+    print(f"stock transformers.Trainer, uneven: max |loss - ref| {loss:.3g}, max |param - ref| {param:.3g}")
+    assert param > 1e-4, param
+    assert max(differences(ours, ref)) <= TOL
+
+
+def test_resume_from_mid_run_checkpoint(runs):
+    out, _ = runs
+    checkpoint = out / "uneven" / "checkpoint-4"
+    assert (checkpoint / "gradaccum_accumulator.pt").is_file(), sorted(os.listdir(checkpoint))
+    torchrun(out, "--case", "uneven", "--resume-from", 4)
+    resumed = torch.load(out / "uneven-resumed-4.pt", weights_only=False)
+    full = torch.load(out / "uneven.pt", weights_only=False)
+    assert resumed["steps"] == full["steps"] == [1, 2, 3, 4, 5, 6]
+    loss, param = differences(resumed, full)
+    print(f"resumed from checkpoint-4 (mid epoch 2): max |loss - full| {loss:.3g}, max |param - full| {param:.3g}")
+    assert loss <= TOL and param <= TOL
+    stats = resumed["stats"]  # counters resumed from the checkpoint
+    assert stats["windows"] == stats["optimizer_steps"] == 6, stats
+
+
+def test_single_process(tmp_path, monkeypatch):
+    """Without torchrun: local accumulation, the partial case against its
+    one-process reference (windows of K batches)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    opts = ex.parse_args(["--accum", str(K), "--batch", str(B), "--lr", str(LR), "--seed", str(SEED)])
+    got = ex.run_case("partial", opts, str(tmp_path))
+    assert got["world_size"] == 1 and not got["stats"]["data_parallel"]
+    loss, param = differences(got, reference("partial", world=1))
+    print(f"one process, partial: max |loss - ref| {loss:.3g}, max |param - ref| {param:.3g}")
+    assert loss <= TOL and param <= TOL
+
+
+def test_invalid_options():
+    from gradaccum.transformers import Trainer
+
+    with pytest.raises(ValueError, match="invalid reduction"):
+        Trainer(model=ex.make_model(SEED), reduction="tokens")
+    with pytest.raises(ValueError, match="invalid nonfinite"):
+        Trainer(model=ex.make_model(SEED), nonfinite="nan")
