@@ -178,20 +178,19 @@ class _GradaccumOptimizer(AcceleratedOptimizer):
         if closure is not None:
             raise ValueError("gradaccum: optimizer.step(closure): a closure is not supported; the Accumulator "
                              "steps the optimizer once per window")
-        stepped, boundary = False, False
+        steps, boundary = 0, False
         loader = accelerator._training_loader_at_end()
         if loader is not None:
             loader._gradaccum_flushed = True
             boundary = True
-            stepped = accelerator._flush()
+            steps = accelerator._end_epoch(loader)
         elif acc.window_ready:
             boundary = True
-            stepped = bool(acc.step())
+            steps = int(bool(acc.step()))
             accelerator._after_window()
         if boundary:
-            self._is_overflow = not stepped
-            if stepped:
-                self.real_steps += 1
+            self._is_overflow = steps == 0
+            self.real_steps += steps
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         if self._acc() is None:
@@ -199,36 +198,40 @@ class _GradaccumOptimizer(AcceleratedOptimizer):
 
 
 class _GradaccumScheduler(AcceleratedScheduler):
-    """Steps after each real optimizer step of its optimizer(s), as many times
-    as Accelerate's own scheduler would (``num_processes`` unless
-    ``split_batches``); between them it does nothing."""
-
-    def __init__(self, scheduler: Any, optimizers: Any, step_with_optimizer: bool = True,
-                 split_batches: bool = False) -> None:
-        super().__init__(scheduler, optimizers, step_with_optimizer=step_with_optimizer,
-                         split_batches=split_batches)
-        self._seen = {id(opt): getattr(opt, "real_steps", 0) for opt in self.optimizers}
+    """The prepared scheduler. Linked to the prepared optimizer (Accelerate's
+    ``step_scheduler_with_optimizer``, the default), the Accumulator steps it
+    right after each real optimizer step, ``num_processes`` times (once with
+    ``split_batches``) as Accelerate's own does, and the script's
+    ``scheduler.step()`` does nothing: a rank whose last batch closes a window
+    and then flushes the other ranks' partial one steps the optimizer twice in
+    one micro-step, with the scheduler stepped in between, as on the others."""
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
-            return
-        stepped = False
-        for opt in self.optimizers:
-            now = getattr(opt, "real_steps", None)
-            if now is None:  # not one of ours: Accelerate's rule
-                stepped = stepped or (self.gradient_state.sync_gradients and not opt.step_was_skipped)
-            elif now > self._seen.get(id(opt), 0):
-                stepped = True
-                self._seen[id(opt)] = now
-        if not stepped:
-            if self.gradient_state.adjust_scheduler and not self.gradient_state.sync_gradients:
-                self.scheduler._step_count += 1
-            return
+
+    def _after_optimizer_step(self) -> None:
         for _ in range(1 if self.split_batches else AcceleratorState().num_processes):
             if hasattr(self.scheduler, "total_steps") and self.scheduler._step_count > self.scheduler.total_steps:
                 break
-            self.scheduler.step(*args, **kwargs)
+            self.scheduler.step()
+
+
+class _SchedulerDriver:
+    """The Accumulator's ``scheduler``: its ``step()`` runs after each real
+    optimizer step and steps the prepared schedulers linked to the optimizer
+    (prepared before or after the Accumulator was built)."""
+
+    def __init__(self, accelerator: "Accelerator") -> None:
+        self._accelerator = weakref.ref(accelerator)
+
+    def step(self) -> None:
+        accelerator = self._accelerator()
+        if accelerator is None:
+            return
+        for scheduler in accelerator._schedulers:
+            if isinstance(scheduler, _GradaccumScheduler) and scheduler.step_with_optimizer:
+                scheduler._after_optimizer_step()
 
 
 class Accelerator(_accelerate.Accelerator):
@@ -349,6 +352,7 @@ class Accelerator(_accelerate.Accelerator):
         scaler = self.scaler if (self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()) else None
         self.accumulator = Accumulator(models[0], inner, steps=self.gradient_accumulation_steps,
                                        reduction=self.reduction, nonfinite=self.nonfinite, grad_scaler=scaler,
+                                       scheduler=_SchedulerDriver(self),
                                        **self._accumulator_options)
         self.register_for_checkpointing(_AccumulatorCheckpoint(self))
         if self._pending_state is not None:
@@ -376,6 +380,8 @@ class Accelerator(_accelerate.Accelerator):
             train = owner is not None and owner._training_mode()
             loader._gradaccum_train = train
             loader._gradaccum_flushed = False
+            acc = None if owner is None else owner.accumulator
+            loader._gradaccum_start = None if acc is None or acc.window_ready else acc.micro_step
             if shard is not None and owner is not None:
                 shard.even_batches = False if train else owner._eval_even_batches
             begin()
@@ -386,11 +392,13 @@ class Accelerator(_accelerate.Accelerator):
                 if (owner is not None and loader._gradaccum_train and not loader._gradaccum_flushed
                         and owner.accumulator is not None):
                     loader._gradaccum_flushed = True
-                    owner._flush()
+                    owner._end_epoch(loader)
             finally:
                 end()
 
         loader._gradaccum_watched = True
+        loader._gradaccum_shard = shard
+        loader._gradaccum_start = None
         loader._gradaccum_train = False
         loader._gradaccum_flushed = False
         loader.begin = gradaccum_begin
@@ -406,14 +414,42 @@ class Accelerator(_accelerate.Accelerator):
             return loader
         return None
 
-    def _flush(self) -> bool:
+    def _end_epoch(self, loader: Any) -> int:
+        """Closes this rank's epoch on `loader`: steps a closed window, then
+        flushes the partial one (a collective every rank reaches), unless every
+        rank's shard is known to end on a window boundary (no partial window
+        anywhere: no collective). Returns the optimizer steps taken (0 to 2)."""
         acc = self.accumulator
         assert acc is not None
         try:
-            stepped = bool(acc.flush())
+            steps = int(bool(acc.step())) if acc.window_ready else 0
+            if not self._every_rank_ends_on_a_boundary(loader):
+                steps += int(bool(acc.flush()))
         finally:
             self._after_window()
-        return stepped
+        return steps
+
+    def _every_rank_ends_on_a_boundary(self, loader: Any) -> bool:
+        """From the shard's sampler, which every rank has alike: whether each
+        rank's iteration (started at micro-step `_gradaccum_start`, the same on
+        every rank) ends on a window boundary. False when not known."""
+        shard = getattr(loader, "_gradaccum_shard", None)
+        start = getattr(loader, "_gradaccum_start", None)
+        if shard is None or start is None or shard.split_batches:
+            return False
+        try:
+            total = len(shard.batch_sampler)
+        except TypeError:
+            return False
+        world = shard.num_processes
+        skip = int(getattr(loader, "skip_batches", 0) or 0)
+        sampler = getattr(loader, "batch_sampler", None)
+        while sampler is not None and sampler is not shard:
+            skip += int(getattr(sampler, "skip_batches", 0) or 0)
+            sampler = getattr(sampler, "batch_sampler", None)
+        counts = [total // world + (0 if shard.drop_last else int(r < total % world)) for r in range(world)]
+        steps = self.gradient_accumulation_steps
+        return all(c >= skip and (start + c - skip) % steps == 0 for c in counts)
 
     # ----------------------------------------------------------- accumulation
 

@@ -91,7 +91,7 @@ def reference(case, world_size):
     model = make_model(kind)
     opt, sched = make_optimizer(model)
     window = world_size * K * ROWS
-    steps = 0
+    steps, losses = 0, []
     for _ in range(EPOCHS):
         for start in range(0, n, window):
             batch = data[start:start + window]
@@ -100,13 +100,15 @@ def reference(case, world_size):
             else:
                 loss_sum, items = batch_loss(kind, model, batch, "items")
                 loss = loss_sum / items
+            losses.append(float(loss))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             for _ in range(world_size):
                 sched.step()
             steps += 1
-    return {"params": [p.detach().clone() for p in model.parameters()], "steps": steps}
+    return {"params": [p.detach().clone() for p in model.parameters()], "steps": steps, "losses": losses,
+            "lr": sched.get_last_lr()[0]}
 
 
 # --------------------------------------------------------------------------- runs (under accelerate launch)
@@ -122,7 +124,9 @@ def train(accelerator_cls, case, *, stop_after=None, resume_from=None, save_to=N
     from torch.profiler import ProfilerActivity, profile
 
     kind, n, reduction = CASES[case]
-    accelerator = accelerator_cls(gradient_accumulation_steps=K, **kwargs)
+    # cpu=True: gloo ranks on CPU under `accelerate launch --multi_gpu` (without it, a torch with no
+    # CUDA gives every process DistributedType.NO)
+    accelerator = accelerator_cls(gradient_accumulation_steps=K, cpu=True, **kwargs)
     model = make_model(kind, init_seed)
     opt, sched = make_optimizer(model)
     loader = torch.utils.data.DataLoader(make_data(kind, n), batch_size=ROWS, shuffle=False)
@@ -132,7 +136,7 @@ def train(accelerator_cls, case, *, stop_after=None, resume_from=None, save_to=N
     if resume_from is not None:
         accelerator.load_state(resume_from[0])
         start_epoch, skip = resume_from[1], resume_from[2]
-    losses, sync_flags, clip_norms, batches = [], [], [], 0
+    losses, sync_flags, clip_norms, batches, lrs = [], [], [], 0, []
     model.train()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for epoch in range(start_epoch, EPOCHS):
@@ -157,6 +161,7 @@ def train(accelerator_cls, case, *, stop_after=None, resume_from=None, save_to=N
                     sched.step()
                     opt.zero_grad()
                 batches += 1
+                lrs.append(sched.get_last_lr()[0])
                 if ours and accelerator.sync_gradients and accelerator.window_loss is not None:
                     losses.append(float(accelerator.window_loss))
     out = {
@@ -166,6 +171,7 @@ def train(accelerator_cls, case, *, stop_after=None, resume_from=None, save_to=N
         "sync_flags": sync_flags,
         "clip_norms": [float(c) if c is not None else None for c in clip_norms],
         "lr": sched.get_last_lr()[0],
+        "lrs": lrs,
         "gathered": accelerator.gather(torch.tensor([float(accelerator.process_index)])).tolist(),
         "reduced": float(accelerator.reduce(torch.tensor(1.0), reduction="sum")),
     }
