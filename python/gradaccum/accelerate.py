@@ -274,6 +274,7 @@ class Accelerator(_accelerate.Accelerator):
         self.accumulator: Optional[Accumulator] = None
         self._pending_state: Optional[Dict[str, Any]] = None
         self._deferred_clips: List[Any] = []
+        self._micro_step_clips: List[Any] = []
         self._warned_mid_window_clip = False
         self._eval_even_batches = self.dataloader_config.even_batches
 
@@ -424,6 +425,12 @@ class Accelerator(_accelerate.Accelerator):
         try:
             steps = int(bool(acc.step())) if acc.window_ready else 0
             if not self._every_rank_ends_on_a_boundary(loader):
+                if not self._deferred_clips and self._micro_step_clips:
+                    # This rank's last batch closed a full window (clipped by
+                    # the script); the flush closes the other ranks' partial
+                    # one: clipped alike, as on the ranks that clip it there.
+                    for apply, parameters in self._micro_step_clips:
+                        self._defer_clip(apply, parameters)
                 steps += int(bool(acc.flush()))
         finally:
             self._after_window()
@@ -472,6 +479,7 @@ class Accelerator(_accelerate.Accelerator):
             raise TypeError(f"gradaccum: accelerator.backward(): keyword argument(s) {sorted(unsupported)} are not "
                             "supported (the Accumulator runs the backward); pass num_items= and metrics= only")
         acc = self._ensure_accumulator("accelerator.backward()")
+        self._micro_step_clips = []
         self.gradient_state._set_sync_gradients(self._closing(acc))
         acc.backward(loss, num_items=num_items, metrics=metrics)
 
@@ -490,6 +498,9 @@ class Accelerator(_accelerate.Accelerator):
     def _clip(self, what: str, apply: Any, parameters: List[Any]) -> Optional[torch.Tensor]:
         acc = self._ensure_accumulator(what)
         if acc.window_ready and not self._scaling():
+            # Also for the window a flush may close after this one in the
+            # same micro-step (_end_epoch).
+            self._micro_step_clips.append((apply, parameters))
             return apply()
         if not self._closing(acc):
             if not self._warned_mid_window_clip:
@@ -500,6 +511,11 @@ class Accelerator(_accelerate.Accelerator):
             return None
         # The window's gradient exists only inside optimizer.step() (a flushed
         # partial window, or unscaled there): clip it there, before the step.
+        return self._defer_clip(apply, parameters)
+
+    def _defer_clip(self, apply: Any, parameters: List[Any]) -> torch.Tensor:
+        acc = self.accumulator
+        assert acc is not None
         first = next((p for p in parameters if isinstance(p, torch.Tensor)), None)
         like = first if first is not None and first.is_floating_point() else torch.empty((), dtype=torch.float32)
         result = torch.full((), math.nan, dtype=like.dtype, device=like.device)

@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.nn as nn
 
-K, ROWS, EPOCHS, LR, GAMMA = 3, 2, 2, 0.1, 0.9
+K, ROWS, EPOCHS, LR, GAMMA, CLIP = 3, 2, 2, 0.1, 0.9, 0.8
 D_IN, D_HID, D_OUT = 5, 8, 3
 VOCAB, T = 50, 8
 
@@ -83,15 +83,15 @@ def reference(case, world_size):
     """One process, float64: each window is one big batch of the samples the
     ranks' windows hold together (batches go to the ranks in turn, so a window
     is world_size * K * ROWS consecutive samples; the epoch's last is what is
-    left); the loss is their mean (per token for "tokens"); one SGD step per
-    window, the LR schedule stepped world_size times per step (Accelerate's
+    left); the loss is their mean (per token for "tokens"); clipped to norm
+    CLIP; one SGD step per window, the LR schedule stepped world_size times per step (Accelerate's
     convention)."""
     kind, n, reduction = CASES[case]
     data = make_data(kind, n)
     model = make_model(kind)
     opt, sched = make_optimizer(model)
     window = world_size * K * ROWS
-    steps, losses = 0, []
+    steps, losses, norms = 0, [], []
     for _ in range(EPOCHS):
         for start in range(0, n, window):
             batch = data[start:start + window]
@@ -100,14 +100,15 @@ def reference(case, world_size):
             else:
                 loss_sum, items = batch_loss(kind, model, batch, "items")
                 loss = loss_sum / items
-            losses.append(float(loss))
+            losses.append(loss.item())
             loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             opt.step()
             opt.zero_grad(set_to_none=True)
             for _ in range(world_size):
                 sched.step()
             steps += 1
-    return {"params": [p.detach().clone() for p in model.parameters()], "steps": steps, "losses": losses,
+    return {"params": [p.detach().clone() for p in model.parameters()], "steps": steps, "losses": losses, "norms": norms,
             "lr": sched.get_last_lr()[0]}
 
 
@@ -155,7 +156,7 @@ def train(accelerator_cls, case, *, stop_after=None, resume_from=None, save_to=N
                         accelerator.backward(loss)
                     sync_flags.append(bool(accelerator.sync_gradients))
                     if accelerator.sync_gradients:
-                        norm = accelerator.clip_grad_norm_(model.parameters(), 1e6)  # large: no effect
+                        norm = accelerator.clip_grad_norm_(model.parameters(), CLIP)
                         clip_norms.append(norm)
                     opt.step()
                     sched.step()
