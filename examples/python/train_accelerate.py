@@ -18,6 +18,7 @@ ranks on CPU: a torch without CUDA otherwise gives each process
 ``DistributedType.NO``.
 """
 import argparse
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,14 +29,14 @@ from gradaccum.accelerate import Accelerator  # was: from accelerate import Acce
 VOCAB, T = 50, 8
 
 
-def build_model():
+def build_model() -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config).double()
 
 
-def build_data(n):
+def build_data(n: int) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (n, T), generator=g)
     lengths = torch.randint(2, T + 1, (n,), generator=g)
@@ -43,7 +44,8 @@ def build_data(n):
     return torch.utils.data.TensorDataset(ids, labels)
 
 
-def token_loss(model, ids, labels):
+def token_loss(model: torch.nn.Module, ids: torch.Tensor,
+               labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(loss summed over the valid next-token targets, their count)."""
     logits = model(input_ids=ids).logits[:, :-1]
     targets = labels[:, 1:]
@@ -51,7 +53,7 @@ def token_loss(model, ids, labels):
     return loss, (targets != -100).sum()
 
 
-def main():
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3, help="micro-batches per window (K)")
     parser.add_argument("--batch", type=int, default=2, help="rows per micro-batch")
@@ -79,9 +81,12 @@ def main():
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-        accelerator.print(f"epoch {epoch}: last window's per-token loss {float(accelerator.window_loss):.6f} "
+        window_loss = accelerator.window_loss
+        assert window_loss is not None
+        accelerator.print(f"epoch {epoch}: last window's per-token loss {float(window_loss):.6f} "
                           "(every rank's tokens)")
 
+    assert accelerator.accumulator is not None
     stats = accelerator.accumulator.stats()
     print(f"rank {accelerator.process_index}: {stats['windows']} windows, {stats['optimizer_steps']} optimizer "
           f"steps, {stats['collectives']} all-reduces", flush=True)
@@ -97,7 +102,7 @@ def main():
         for _ in range(args.epochs):
             for start in range(0, args.samples, window):
                 loss_sum, n = token_loss(reference, *data[start:start + window])
-                (loss_sum / n).backward()
+                torch.autograd.backward(loss_sum / n)
                 torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
                 ref_opt.step()
                 ref_opt.zero_grad()
