@@ -22,7 +22,7 @@ from typing import Tuple
 
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel  # type: ignore[import-not-found, unused-ignore]
 
 from gradaccum.accelerate import Accelerator  # was: from accelerate import Accelerator
 
