@@ -64,10 +64,17 @@ always):
   step, and the tensor ``clip_grad_norm_`` returned (NaN until then) is
   filled in place. On a micro-step that closes no window (Accelerate clips
   local, partial sums there) they do nothing and return None (warned once).
-- A scheduler from ``prepare`` steps only after a real optimizer step (not
-  mid-window, not after a window skipped for a non-finite gradient); like
-  Accelerate's, it steps ``num_processes`` times per optimizer step unless
-  ``split_batches=True``, so the same schedule as stock Accelerate.
+- A scheduler from ``prepare`` is stepped by the Accumulator right after each
+  real optimizer step (not mid-window, not after a window skipped for a
+  non-finite gradient); like Accelerate's, ``num_processes`` times per
+  optimizer step unless ``split_batches=True``, so the same schedule as stock
+  Accelerate. The script's ``scheduler.step()`` then does nothing: a rank
+  whose last batch closes a full window and then flushes the others' partial
+  one steps the optimizer twice in one micro-step, and the schedule must
+  advance in between, as on the other ranks (with
+  ``step_scheduler_with_optimizer=False`` it steps as called).
+- A rank whose last batch closed a full window (clipped by the script) clips
+  the partial window the following flush closes alike.
 - ``save_state``/``load_state`` carry the Accumulator's state (a registered
   checkpoint object; rank 0's copy resumes every rank, also from the middle
   of a window). ``accelerator.window_loss`` is ``acc.window_loss``: the last
