@@ -1,0 +1,565 @@
+"""gradaccum.accelerate: Hugging Face Accelerate's ``Accelerator``, accumulating with gradaccum.
+
+A drop-in subclass: an Accelerate script changes its import line (and may pass
+``reduction=``) and keeps its shape::
+
+    from gradaccum.accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=8, reduction="items")
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss_sum, n = ...                       # summed over the batch's tokens, and their count
+            accelerator.backward(loss_sum, num_items=n)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+What changes underneath (Accelerate launches and sets up the process group as
+always):
+
+- ``prepare(model)`` places the model and applies Accelerate's mixed precision
+  (autocast) and ``torch.compile`` as Accelerate does, but never wraps it in
+  ``DistributedDataParallel``. The first ``prepare`` that has seen both the
+  model and the optimizer (or the first ``accumulate()``/``backward()``)
+  builds ``accelerator.accumulator``: a :class:`gradaccum.Accumulator` over
+  the model with the prepared optimizer, ``steps = gradient_accumulation_steps``
+  and ``reduction``. It all-reduces the gradients once per window.
+- ``accelerator.backward(loss, num_items=None)`` is ``acc.backward``: no
+  ``loss / K``; with ``reduction="items"`` pass the loss summed over items and
+  their count: the window's gradient is that of total loss / total items over
+  the window and every rank (the count rides in the gradient all-reduce).
+  ``"mean"`` (the default) averages the micro-batch losses, as Accelerate's own
+  accumulation does for full windows.
+- ``sync_gradients`` is True through the window's closing micro-step, from
+  ``accumulate()`` on (before its backward), as in Accelerate; the micro-step
+  that ends a training loader's iteration closes the window too.
+- The prepared optimizer's ``step()`` steps only at a closed window
+  (``acc.step()``, which clears the gradients); ``zero_grad()`` does nothing
+  while the Accumulator exists (it clears them itself).
+- At the end of a training loader's iteration (Accelerate's
+  ``end_of_dataloader``) ``optimizer.step()`` closes the epoch's partial window
+  with its own weight on every rank (``acc.flush()``): the big batch's
+  gradient, where Accelerate divides a partial window's losses by K anyway. A
+  rank that never reaches such a step (no batch of its own, or a loop that
+  does not call ``optimizer.step()`` on the last batch) flushes when its
+  loader's iteration ends, so every rank takes part.
+- Data loaders: a training iteration (one that starts while the model is in
+  training mode) is sharded with ``even_batches=False``: every sample once,
+  no copies of the first samples to fill the last batches (Accelerate's
+  default fills them, which weights those samples twice). Batches go to the
+  ranks in turn, so ranks differ by at most one batch: less than a window for
+  K >= 2, and one more full window with nothing after it for K = 1, both of
+  which ``flush()`` closes exactly. An iteration that starts in eval mode
+  keeps Accelerate's ``even_batches`` setting (default True), so
+  ``gather_for_metrics`` still lines up on every rank and drops the copies.
+  Loaders returned by ``skip_first_batches`` behave alike.
+- ``clip_grad_norm_``/``clip_grad_value_`` at a closed window clip the
+  reduced, divided gradient (every rank alike) and return the norm. At a
+  flushed partial window (and with an fp16 GradScaler, whose unscale happens
+  inside the step) the gradient is reduced only inside ``optimizer.step()``:
+  the clip is applied there, on the final gradient, before the optimizer
+  step, and the tensor ``clip_grad_norm_`` returned (NaN until then) is
+  filled in place. On a micro-step that closes no window (Accelerate clips
+  local, partial sums there) they do nothing and return None (warned once).
+- A scheduler from ``prepare`` is stepped by the Accumulator right after each
+  real optimizer step (not mid-window, not after a window skipped for a
+  non-finite gradient); like Accelerate's, ``num_processes`` times per
+  optimizer step unless ``split_batches=True``, so the same schedule as stock
+  Accelerate. The script's ``scheduler.step()`` then does nothing: a rank
+  whose last batch closes a full window and then flushes the others' partial
+  one steps the optimizer twice in one micro-step, and the schedule must
+  advance in between, as on the other ranks (with
+  ``step_scheduler_with_optimizer=False`` it steps as called).
+- A rank whose last batch closed a full window (clipped by the script) clips
+  the partial window the following flush closes alike.
+- ``save_state``/``load_state`` carry the Accumulator's state (a registered
+  checkpoint object; rank 0's copy resumes every rank, also from the middle
+  of a window). ``accelerator.window_loss`` is ``acc.window_loss``: the last
+  window's loss over every micro-batch of every rank, weighted as its
+  gradient, with no collective of its own. ``gather``, ``reduce``,
+  ``gather_for_metrics`` are Accelerate's.
+- ``fp16`` mixed precision: Accelerate's GradScaler becomes the
+  Accumulator's ``grad_scaler`` (scaled backward, unscale, overflow skip and
+  update once per window); ``bf16`` is autocast only.
+
+Not supported (refused when built): DeepSpeed, FSDP, Megatron-LM, XLA,
+tensor/context parallelism, several trained models or optimizers under one
+Accelerator, a closure in ``optimizer.step``, ``backward`` keyword arguments
+other than ``num_items`` and ``metrics``. ``GradientAccumulationPlugin``'s
+``sync_each_batch`` has no effect (the Accumulator decides when to reduce).
+Not covered by the tests: iterable datasets and ``dispatch_batches=True``
+(Accelerate pads those shards itself), fp16 on CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+import weakref
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+try:
+    import accelerate as _accelerate
+    from accelerate.data_loader import BatchSamplerShard
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+except ImportError as error:  # pragma: no cover - exercised without accelerate
+    raise ImportError(
+        f"gradaccum: gradaccum.accelerate needs Hugging Face Accelerate, which is not importable here ({error}). "
+        'Install it with: pip install "accelerate>=1.0" (pin torch, pip install -c <file with torch==your version>, '
+        "so that pip keeps your torch)"
+    ) from error
+
+from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+
+__all__ = ["Accelerator"]
+
+_SUPPORTED = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+              "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON"}
+
+
+def _find_shard_sampler(loader: Any) -> Optional[BatchSamplerShard]:
+    """The BatchSamplerShard under a prepared loader (through a SkipBatchSampler)."""
+    seen = 0
+    for start in ("batch_sampler", "sampler"):
+        obj = getattr(loader, start, None)
+        while obj is not None and seen < 8:
+            seen += 1
+            if isinstance(obj, BatchSamplerShard):
+                return obj
+            obj = getattr(obj, "batch_sampler", None)
+    return None
+
+
+class _AccumulatorCheckpoint:
+    """What ``register_for_checkpointing`` saves: the Accumulator's state
+    (a collective mid-window: Accelerate calls it on every rank)."""
+
+    def __init__(self, accelerator: "Accelerator") -> None:
+        self._accelerator = weakref.ref(accelerator)
+
+    def state_dict(self) -> Dict[str, Any]:
+        accelerator = self._accelerator()
+        acc = None if accelerator is None else accelerator.accumulator
+        return {} if acc is None else {"accumulator": acc.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        accelerator = self._accelerator()
+        if accelerator is None or "accumulator" not in state:
+            return
+        if accelerator.accumulator is None:
+            accelerator._pending_state = state["accumulator"]
+        else:
+            accelerator.accumulator.load_state_dict(state["accumulator"])
+
+
+class _GradaccumOptimizer(AcceleratedOptimizer):
+    """The prepared optimizer: ``step()`` is the window's step (or the end of
+    a training loader's flush), ``zero_grad()`` is left to the Accumulator."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: "Accelerator",
+                 device_placement: bool = True) -> None:
+        super().__init__(optimizer, device_placement=device_placement, scaler=None)
+        self._accelerator_ref = weakref.ref(accelerator)
+        self.real_steps = 0  # optimizer steps taken (schedulers follow them)
+
+    def _acc(self) -> Optional[Accumulator]:
+        accelerator = self._accelerator_ref()
+        return None if accelerator is None else accelerator.accumulator
+
+    def step(self, closure: Any = None) -> None:
+        accelerator = self._accelerator_ref()
+        acc = self._acc()
+        if accelerator is None or acc is None:
+            if accelerator is not None and accelerator._models:
+                acc = accelerator._ensure_accumulator("optimizer.step()")
+            else:
+                return super().step(closure)
+        if closure is not None:
+            raise ValueError("gradaccum: optimizer.step(closure): a closure is not supported; the Accumulator "
+                             "steps the optimizer once per window")
+        steps, boundary = 0, False
+        loader = accelerator._training_loader_at_end()
+        if loader is not None:
+            loader._gradaccum_flushed = True
+            boundary = True
+            steps = accelerator._end_epoch(loader)
+        elif acc.window_ready:
+            boundary = True
+            steps = int(bool(acc.step()))
+            accelerator._after_window()
+        if boundary:
+            self._is_overflow = steps == 0
+            self.real_steps += steps
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        if self._acc() is None:
+            super().zero_grad(set_to_none)
+
+
+class _GradaccumScheduler(AcceleratedScheduler):
+    """The prepared scheduler. Linked to the prepared optimizer (Accelerate's
+    ``step_scheduler_with_optimizer``, the default), the Accumulator steps it
+    right after each real optimizer step, ``num_processes`` times (once with
+    ``split_batches``) as Accelerate's own does, and the script's
+    ``scheduler.step()`` does nothing: a rank whose last batch closes a window
+    and then flushes the other ranks' partial one steps the optimizer twice in
+    one micro-step, with the scheduler stepped in between, as on the others."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+
+    def _after_optimizer_step(self) -> None:
+        for _ in range(1 if self.split_batches else AcceleratorState().num_processes):
+            if hasattr(self.scheduler, "total_steps") and self.scheduler._step_count > self.scheduler.total_steps:
+                break
+            self.scheduler.step()
+
+
+class _SchedulerDriver:
+    """The Accumulator's ``scheduler``: its ``step()`` runs after each real
+    optimizer step and steps the prepared schedulers linked to the optimizer
+    (prepared before or after the Accumulator was built)."""
+
+    def __init__(self, accelerator: "Accelerator") -> None:
+        self._accelerator = weakref.ref(accelerator)
+
+    def step(self) -> None:
+        accelerator = self._accelerator()
+        if accelerator is None:
+            return
+        for scheduler in accelerator._schedulers:
+            if isinstance(scheduler, _GradaccumScheduler) and scheduler.step_with_optimizer:
+                scheduler._after_optimizer_step()
+
+
+class Accelerator(_accelerate.Accelerator):
+    """``accelerate.Accelerator`` whose gradient accumulation and data-parallel
+    reduction are a :class:`gradaccum.Accumulator` (see the module's docstring).
+
+    Args:
+        reduction: ``"mean"`` (the mean of the micro-batch losses), ``"sum"``,
+            or ``"items"`` (``backward(loss_sum, num_items=n)``: the exact
+            per-item mean over the window and every rank).
+        nonfinite: a NaN/inf window gradient is ``"skip"``-ped on every rank (no
+            optimizer or scheduler step), ``"raise"``-d or ``"ignore"``-d.
+        accumulator_options: more ``gradaccum.Accumulator`` keyword arguments
+            (``bucket_cap_mb``, ``max_grad_norm``, ``accumulate_dtype``, ...).
+        Everything else: as for ``accelerate.Accelerator``;
+        ``gradient_accumulation_steps`` is the window's K.
+    """
+
+    def __init__(self, *args: Any, reduction: str = "mean", nonfinite: str = "skip",
+                 accumulator_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"gradaccum: Accelerator(): invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"gradaccum: Accelerator(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
+        super().__init__(*args, **kwargs)
+        kind = getattr(self.distributed_type, "value", str(self.distributed_type))
+        if kind not in _SUPPORTED or (self.parallelism_config is not None and (
+                self.parallelism_config.tp_enabled or self.parallelism_config.cp_enabled)):
+            raise ValueError(
+                f"gradaccum: Accelerator(): distributed type {kind} is not supported: gradaccum replaces DDP's "
+                "gradient reduction and works with plain data parallelism (one process per device) or one process; "
+                "use accelerate.Accelerator for DeepSpeed, FSDP, Megatron-LM, XLA or tensor parallelism")
+        self.reduction = reduction
+        self.nonfinite = nonfinite
+        self._accumulator_options = dict(accumulator_options or {})
+        for name in ("steps", "reduction", "nonfinite", "scheduler", "grad_scaler"):
+            if name in self._accumulator_options:
+                raise ValueError(f"gradaccum: Accelerator(): accumulator_options may not set {name!r} "
+                                 "(it is an Accelerator argument, or set by prepare)")
+        self.accumulator: Optional[Accumulator] = None
+        self._pending_state: Optional[Dict[str, Any]] = None
+        self._deferred_clips: List[Any] = []
+        self._micro_step_clips: List[Any] = []
+        self._warned_mid_window_clip = False
+        self._eval_even_batches = self.dataloader_config.even_batches
+
+    # ------------------------------------------------------------------ prepare
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        # Device placement, autocast and torch.compile as Accelerate does, never
+        # the DDP wrapper: the Accumulator reduces instead.
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("gradaccum: Accelerator.prepare(): the model is DDP-wrapped; pass the plain module "
+                             "(gradaccum reduces the gradients itself)")
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
+        if getattr(optimizer, "_is_accelerate_prepared", False):
+            if optimizer not in self._optimizers:
+                self._optimizers.append(optimizer)
+            return optimizer
+        if device_placement is None:
+            device_placement = self.device_placement
+        prepared = _GradaccumOptimizer(optimizer, self, device_placement=device_placement)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        if getattr(scheduler, "_is_accelerate_prepared", False):
+            if scheduler not in self._schedulers:
+                self._schedulers.append(scheduler)
+            return scheduler
+        optimizer: Any = self._optimizers
+        for opt in self._optimizers:
+            if getattr(scheduler, "optimizer", None) is opt.optimizer:
+                optimizer = opt
+                break
+        prepared = _GradaccumScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                       split_batches=self.split_batches)
+        self._schedulers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, data_loader: Any, device_placement: Optional[bool] = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        already = getattr(data_loader, "_is_accelerate_prepared", False)
+        prepared = super().prepare_data_loader(data_loader, device_placement=device_placement,
+                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
+        if not already:
+            self._watch_loader(prepared)
+        return prepared
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        skipped = super().skip_first_batches(dataloader, num_batches=num_batches)
+        if skipped is not dataloader:
+            self._watch_loader(skipped)
+        return skipped
+
+    def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
+        result = super().prepare(*args, device_placement=device_placement)
+        if self.accumulator is None and self._trained_models() and self._optimizers:
+            self._ensure_accumulator("Accelerator.prepare()")
+        return result
+
+    def _trained_models(self) -> List[torch.nn.Module]:
+        return [m for m in self._models if any(p.requires_grad for p in m.parameters())]
+
+    def _ensure_accumulator(self, what: str) -> Accumulator:
+        if self.accumulator is not None:
+            return self.accumulator
+        models, optimizers = self._trained_models(), self._optimizers
+        if len(models) != 1 or len(optimizers) != 1:
+            raise ValueError(
+                f"gradaccum: {what}: the Accumulator needs exactly one prepared model with trainable parameters and "
+                f"one prepared optimizer; prepared so far: {len(models)} trained model(s), {len(optimizers)} "
+                "optimizer(s). Pass the model and its optimizer to accelerator.prepare()")
+        optimizer = optimizers[0]
+        inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+        scaler = self.scaler if (self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()) else None
+        self.accumulator = Accumulator(models[0], inner, steps=self.gradient_accumulation_steps,
+                                       reduction=self.reduction, nonfinite=self.nonfinite, grad_scaler=scaler,
+                                       scheduler=_SchedulerDriver(self),
+                                       **self._accumulator_options)
+        self.register_for_checkpointing(_AccumulatorCheckpoint(self))
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.accumulator.load_state_dict(state)
+        return self.accumulator
+
+    # ------------------------------------------------------------ data loaders
+
+    def _training_mode(self) -> bool:
+        models = self._trained_models()
+        return all(m.training for m in models) if models else True
+
+    def _watch_loader(self, loader: Any) -> None:
+        """A training iteration of `loader` shards without copies and ends by
+        closing the epoch's window on every rank."""
+        if getattr(loader, "_gradaccum_watched", False) or not hasattr(loader, "begin"):
+            return
+        shard = _find_shard_sampler(loader)
+        begin, end = loader.begin, loader.end
+        accelerator = weakref.ref(self)
+
+        def gradaccum_begin() -> None:
+            owner = accelerator()
+            train = owner is not None and owner._training_mode()
+            loader._gradaccum_train = train
+            loader._gradaccum_flushed = False
+            acc = None if owner is None else owner.accumulator
+            loader._gradaccum_start = None if acc is None or acc.window_ready else acc.micro_step
+            if shard is not None and owner is not None:
+                shard.even_batches = False if train else owner._eval_even_batches
+            begin()
+
+        def gradaccum_end() -> None:
+            try:
+                owner = accelerator()
+                if (owner is not None and loader._gradaccum_train and not loader._gradaccum_flushed
+                        and owner.accumulator is not None):
+                    loader._gradaccum_flushed = True
+                    owner._end_epoch(loader)
+            finally:
+                end()
+
+        loader._gradaccum_watched = True
+        loader._gradaccum_shard = shard
+        loader._gradaccum_start = None
+        loader._gradaccum_train = False
+        loader._gradaccum_flushed = False
+        loader.begin = gradaccum_begin
+        loader.end = gradaccum_end
+
+    def _training_loader_at_end(self) -> Any:
+        """The training loader whose last batch this is (its window closes with
+        it), or None."""
+        state = self.gradient_state
+        loader = state.active_dataloader
+        if (loader is not None and state.sync_with_dataloader and getattr(loader, "_gradaccum_train", False)
+                and not getattr(loader, "_gradaccum_flushed", True) and state.end_of_dataloader):
+            return loader
+        return None
+
+    def _end_epoch(self, loader: Any) -> int:
+        """Closes this rank's epoch on `loader`: steps a closed window, then
+        flushes the partial one (a collective every rank reaches), unless every
+        rank's shard is known to end on a window boundary (no partial window
+        anywhere: no collective). Returns the optimizer steps taken (0 to 2)."""
+        acc = self.accumulator
+        assert acc is not None
+        try:
+            steps = int(bool(acc.step())) if acc.window_ready else 0
+            if not self._every_rank_ends_on_a_boundary(loader):
+                if not self._deferred_clips and self._micro_step_clips:
+                    # This rank's last batch closed a full window (clipped by
+                    # the script); the flush closes the other ranks' partial
+                    # one: clipped alike, as on the ranks that clip it there.
+                    for apply, parameters in self._micro_step_clips:
+                        self._defer_clip(apply, parameters)
+                steps += int(bool(acc.flush()))
+        finally:
+            self._after_window()
+        return steps
+
+    def _every_rank_ends_on_a_boundary(self, loader: Any) -> bool:
+        """From the shard's sampler, which every rank has alike: whether each
+        rank's iteration (started at micro-step `_gradaccum_start`, the same on
+        every rank) ends on a window boundary. False when not known."""
+        shard = getattr(loader, "_gradaccum_shard", None)
+        start = getattr(loader, "_gradaccum_start", None)
+        if shard is None or start is None or shard.split_batches:
+            return False
+        try:
+            total = len(shard.batch_sampler)
+        except TypeError:
+            return False
+        world = shard.num_processes
+        skip = int(getattr(loader, "skip_batches", 0) or 0)
+        sampler = getattr(loader, "batch_sampler", None)
+        while sampler is not None and sampler is not shard:
+            skip += int(getattr(sampler, "skip_batches", 0) or 0)
+            sampler = getattr(sampler, "batch_sampler", None)
+        counts = [total // world + (0 if shard.drop_last else int(r < total % world)) for r in range(world)]
+        steps = self.gradient_accumulation_steps
+        return all(c >= skip and (start + c - skip) % steps == 0 for c in counts)
+
+    # ----------------------------------------------------------- accumulation
+
+    def _closing(self, acc: Accumulator) -> bool:
+        """Whether the current micro-step closes its window (Accelerate's
+        sync_gradients): valid before and after its backward."""
+        return bool(acc.window_ready or acc.micro_step + 1 == acc.steps
+                    or self._training_loader_at_end() is not None)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        acc = self._ensure_accumulator("accelerator.accumulate()")
+        self.gradient_state._set_sync_gradients(self._closing(acc))
+        yield
+
+    def backward(self, loss: torch.Tensor, num_items: Any = None, **kwargs: Any) -> None:
+        metrics = kwargs.pop("metrics", None)
+        unsupported = {k: v for k, v in kwargs.items() if v is not None}
+        if unsupported:
+            raise TypeError(f"gradaccum: accelerator.backward(): keyword argument(s) {sorted(unsupported)} are not "
+                            "supported (the Accumulator runs the backward); pass num_items= and metrics= only")
+        acc = self._ensure_accumulator("accelerator.backward()")
+        self._micro_step_clips = []
+        self.gradient_state._set_sync_gradients(self._closing(acc))
+        acc.backward(loss, num_items=num_items, metrics=metrics)
+
+    @property
+    def window_loss(self) -> Optional[torch.Tensor]:
+        """The last closed window's loss over every micro-batch of every rank
+        (``acc.window_loss``); None before the first window closes."""
+        return None if self.accumulator is None else self.accumulator.window_loss
+
+    # ---------------------------------------------------------------- clipping
+
+    def _scaling(self) -> bool:
+        acc = self.accumulator
+        return acc is not None and acc.grad_scaler is not None and acc.grad_scaler.is_enabled()
+
+    def _clip(self, what: str, apply: Any, parameters: List[Any]) -> Optional[torch.Tensor]:
+        acc = self._ensure_accumulator(what)
+        if acc.window_ready and not self._scaling():
+            # Also for the window a flush may close after this one in the
+            # same micro-step (_end_epoch).
+            self._micro_step_clips.append((apply, parameters))
+            return apply()
+        if not self._closing(acc):
+            if not self._warned_mid_window_clip:
+                self._warned_mid_window_clip = True
+                warnings.warn(f"gradaccum: {what} on a micro-step that closes no window does nothing (the gradients "
+                              "are this rank's partial sums); call it when accelerator.sync_gradients is True",
+                              stacklevel=3)
+            return None
+        # The window's gradient exists only inside optimizer.step() (a flushed
+        # partial window, or unscaled there): clip it there, before the step.
+        return self._defer_clip(apply, parameters)
+
+    def _defer_clip(self, apply: Any, parameters: List[Any]) -> torch.Tensor:
+        acc = self.accumulator
+        assert acc is not None
+        first = next((p for p in parameters if isinstance(p, torch.Tensor)), None)
+        like = first if first is not None and first.is_floating_point() else torch.empty((), dtype=torch.float32)
+        result = torch.full((), math.nan, dtype=like.dtype, device=like.device)
+        self._deferred_clips.append((apply, result))
+        acc._set_gradient_hook(self._run_deferred_clips)
+        return result
+
+    def _run_deferred_clips(self) -> None:
+        clips, self._deferred_clips = self._deferred_clips, []
+        for apply, result in clips:
+            norm = apply()
+            if norm is not None:
+                result.copy_(norm.detach().to(result.device, result.dtype))
+
+    def _after_window(self) -> None:
+        if self._deferred_clips or (self.accumulator is not None and self.accumulator._gradient_hook is not None):
+            self._deferred_clips = []
+            if self.accumulator is not None and not self.accumulator.closed:
+                self.accumulator._set_gradient_hook(None)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Optional[torch.Tensor]:
+        parameters = list(parameters)
+        return self._clip("accelerator.clip_grad_norm_()", lambda: torch.nn.utils.clip_grad_norm_(
+            parameters, max_norm, norm_type=norm_type), parameters)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        parameters = list(parameters)
+        self._clip("accelerator.clip_grad_value_()",
+                   lambda: torch.nn.utils.clip_grad_value_(parameters, clip_value), parameters)
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        # The Accumulator unscales once per window, inside its step.
+        if self.accumulator is None:
+            super().unscale_gradients(optimizer)
+
+    def free_memory(self, *objects: Any) -> Any:
+        if self.accumulator is not None:
+            self.accumulator.close()
+            self.accumulator = None
+        return super().free_memory(*objects)

@@ -1,0 +1,182 @@
+"""gradaccum.accelerate.Accelerator under `accelerate launch`: 2 Gloo ranks on
+CPU (`--multi_gpu --num_processes 2`; the scripts pass `cpu=True`) and one
+process, against one process on the big batches (float64), and against stock
+`accelerate.Accelerator` on the same script.
+
+Every case runs in one launch of `_accelerate_jobs.py` per world size
+(importing torch, Accelerate and transformers is the slow part); each test
+reads its case's per-rank results. The data: 2-row micro-batches, K = 3, two
+epochs, SGD with momentum, a LambdaLR schedule, clipping to norm 1.2 (it bites
+in some GPT-2 windows, a flushed partial one among them):
+
+- even: 24 samples, 2 ranks: 2 full windows an epoch on each rank;
+- partial: 30 samples, 2 ranks: 8 and 7 batches (windows 3, 3, 2 and 3, 3, 1);
+- partial_b: 34 samples, 2 ranks: 9 and 8 batches (one rank ends on a full
+  window); 1 process: 17 batches, windows of 3 and a last one of 2;
+- tokens: a tiny GPT-2, 26 padded sequences (labels -100 past each end),
+  reduction="items" with num_items = valid next-token targets: the per-token
+  mean over each window; 2 ranks: 7 and 6 batches.
+"""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+import _accelerate_jobs as jobs  # noqa: E402
+from _dist_utils import free_port  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+F64 = 1e-12
+CASES = {
+    2: ["even", "partial", "partial_b", "tokens", "resume", "stock_even", "stock_partial"],
+    1: ["even", "partial_b", "tokens", "resume", "stock_even", "stock_partial_b"],
+}
+
+
+def launch(script, args, processes, cwd, timeout=240):
+    """`accelerate launch` (its own launcher, as a user runs it); stdout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "python"), env.get("PYTHONPATH")]))
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if processes > 1:
+        cmd += ["--multi_gpu", "--main_process_port", str(free_port())]
+    cmd += [str(script), *args]
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"accelerate launch hung:\n{e.stdout}\n{e.stderr}")
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    results = {}
+    for world, cases in CASES.items():
+        out = tmp_path_factory.mktemp(f"accelerate{world}")
+        launch(HERE / "_accelerate_jobs.py", ["--out", str(out), "--cases", ",".join(cases)], world, out)
+        per_rank = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        for case in cases:
+            results[world, case] = [r[case] for r in per_rank]
+    return lambda world, case: results[world, case]
+
+
+def max_diff(params, ref):
+    return max(float((p - r).abs().max()) for p, r in zip(params, ref))
+
+
+REFERENCES = {}
+
+
+def reference(case, world):
+    if (case, world) not in REFERENCES:
+        REFERENCES[case, world] = jobs.reference(case, world)
+    return REFERENCES[case, world]
+
+
+WORLDS_CASES = [(w, c) for w in (2, 1) for c in ("even", "partial", "partial_b", "tokens") if c in CASES[w]]
+
+
+@pytest.mark.parametrize("world,case", WORLDS_CASES)
+def test_equals_one_process_on_the_big_batches(runs, world, case):
+    ref = reference(case, world)
+    for rank, r in enumerate(runs(world, case)):
+        diff = max_diff(r["params"], ref["params"])
+        assert diff <= F64, f"rank {rank}: {diff:.3g}"
+        assert abs(r["lr"] - ref["lr"]) <= F64  # the schedule stepped after each real step
+        assert r["gathered"] == [float(i) for i in range(world)] and r["reduced"] == world  # gather/reduce work
+    first = runs(world, case)[0]
+    # rank 0 sees every window close (it holds the most batches): the norm the
+    # clip returned, the global window loss
+    assert len(first["clip_norms"]) == len(ref["norms"]) == ref["steps"]
+    for got, want in zip(first["clip_norms"], ref["norms"]):
+        assert abs(got - want) <= F64 * max(1.0, want), (first["clip_norms"], ref["norms"])
+    for got, want in zip(first["window_losses"], ref["losses"]):
+        assert abs(got - want) <= F64 * max(1.0, want), (first["window_losses"], ref["losses"])
+    assert len(first["window_losses"]) == ref["steps"]
+
+
+@pytest.mark.parametrize("world,case", WORLDS_CASES)
+def test_one_allreduce_per_window(runs, world, case):
+    ref = reference(case, world)
+    for r in runs(world, case):
+        stats = r["stats"]
+        assert stats["buckets"] == (1 if world > 1 else 0)  # one process: no buckets
+        assert stats["optimizer_steps"] == stats["windows"] == ref["steps"]
+        if world == 1:
+            assert r["allreduces"] == stats["collectives"] == 0
+        else:
+            # counted by torch.profiler over the whole run (gloo:all_reduce) and by the Accumulator
+            assert r["allreduces"] == stats["collectives"] == ref["steps"]
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_stock_accelerate_agrees_on_even_windows(runs, world):
+    """Full windows everywhere: Accelerate's own accumulation (loss / K, DDP
+    with no_sync) is right, and gradaccum gives the same, with as many
+    all-reduces (one a window) and the same sync_gradients micro-steps."""
+    ref = reference("even", world)
+    for stock, ours in zip(runs(world, "stock_even"), runs(world, "even")):
+        assert max_diff(stock["params"], ref["params"]) <= F64
+        assert max_diff(stock["params"], ours["params"]) <= F64
+        assert stock["sync_flags"] == ours["sync_flags"]
+        assert stock["allreduces"] == ours["allreduces"] == (ref["steps"] if world > 1 else 0)
+
+
+@pytest.mark.parametrize("world,case", [(2, "partial"), (1, "partial_b")])
+def test_stock_accelerate_misses_the_partial_window(runs, world, case):
+    """Why the adapter exists: stock Accelerate divides the last, partial
+    window's losses by K and (2 ranks, even_batches=True) fills the shorter
+    shard with copies of the first samples; it is measurably off."""
+    ref = reference(case, world)
+    for stock in runs(world, f"stock_{case}"):
+        assert max_diff(stock["params"], ref["params"]) > 1e-3
+    if world == 2:  # 15 batches: stock gives both ranks 8 (one a copy), gradaccum 8 and 7
+        assert [r["batches"] for r in runs(world, f"stock_{case}")] == [16, 16]
+        assert [r["batches"] for r in runs(world, case)] == [16, 14]
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_save_state_mid_window_resumes_exactly(runs, world):
+    """save_state after 4 batches of epoch 1 (the middle of a window: the
+    Accumulator's half-done window goes into the checkpoint), then a fresh
+    model (other weights), optimizer, scheduler and Accelerator, load_state,
+    skip_first_batches(4): equal to the uninterrupted run."""
+    ref = reference("partial", world)
+    uninterrupted = runs(world, "partial") if world == 2 else None
+    for rank, r in enumerate(runs(world, "resume")):
+        assert max_diff(r["params"], ref["params"]) <= F64
+        if uninterrupted is not None:
+            assert max_diff(r["params"], uninterrupted[rank]["params"]) <= F64
+        assert r["stats"]["optimizer_steps"] == ref["steps"]  # counters came back too
+        assert abs(r["lr"] - ref["lr"]) <= F64
+
+
+def test_example_trains_gpt2_per_token_on_two_ranks(tmp_path):
+    out = launch(REPO / "examples" / "python" / "train_accelerate.py", [], 2, tmp_path)
+    assert "max parameter difference vs one process on the big batches" in out, out
+    assert "rank 0: 6 windows, 6 optimizer steps, 6 all-reduces" in out, out
+    assert "rank 1: 6 windows, 6 optimizer steps, 6 all-reduces" in out, out
+
+
+def test_bad_arguments_are_refused_before_accelerate_starts():
+    from gradaccum.accelerate import Accelerator
+
+    with pytest.raises(ValueError, match="gradaccum: Accelerator\\(\\): invalid reduction"):
+        Accelerator(reduction="median")
+    with pytest.raises(ValueError, match="invalid nonfinite"):
+        Accelerator(nonfinite="maybe")
