@@ -20,11 +20,12 @@ export MAX_JOBS := $(JOBS)
 all: build
 
 # torch is pinned to the CPU 2.13.0 build on disk; nothing may pull another:
-# the constraints file holds it while pip installs Lightning (which needs torch).
+# the constraints file holds it while pip installs Lightning, Accelerate and
+# transformers (which need torch); the adapters are tested against these versions.
 deps: $(BUILD)/.deps
 $(BUILD)/.deps: Makefile $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) torch==2.13.0 pytest numpy scikit-learn tqdm matplotlib mypy \
-	  "setuptools>=70.1" "lightning>=2.6"
+	  "setuptools>=70.1" "lightning>=2.6" "accelerate==1.15.*" "transformers==5.23.*"
 	@if ! dpkg -s catch2 ccache valgrind iproute2 >/dev/null 2>&1; then \
 	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q catch2 ccache valgrind iproute2; fi
 	@mkdir -p $(BUILD) && touch $@
