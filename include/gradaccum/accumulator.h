@@ -327,6 +327,10 @@ class Accumulator {
   void set_expect_hooks(bool expect);
 
   AccumulatorStats stats() const;
+  /// When the parts of the last reduction happened: each gradient's hook,
+  /// each bucket's fill, launch and completion, the end of backward (see
+  /// WindowTimeline). Empty without a process group.
+  WindowTimeline last_window_timeline() const;
   /// Data parallel with `rank_independent` (the default), a collective when
   /// mid-window: every rank must call it at the same point.
   AccumulatorState state_dict(bool rank_independent = true);

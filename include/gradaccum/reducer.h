@@ -37,6 +37,25 @@ struct ReducerStats {
   int64_t bucket_rebuilds = 0;
 };
 
+/// When the parts of the last reduction happened, in seconds from its
+/// beginning (the synchronising backward's first step, or flush()'s call):
+/// what a bucket schedule had to work with and what it did. A clock read per
+/// gradient and per bucket (Note [The window's timeline]).
+struct WindowTimeline {
+  struct BucketTimes {
+    int64_t bytes = 0; ///< handed to the all-reduce
+    double ready = -1; ///< its last gradient arrived (or backward ended)
+    double launched = -1; ///< its all-reduce was launched
+    double completed = -1; ///< the all-reduce completed (-1: the backend cannot say)
+  };
+  /// Per parameter, when its gradient hook ran (-1: not in this backward,
+  /// e.g. unused, or a reduction with no hooks: flush(), compiled autograd).
+  std::vector<double> gradients;
+  std::vector<BucketTimes> buckets; ///< in index (launch) order
+  double backward_end = -1; ///< backward over: the last buckets launch
+  double finished = -1; ///< every bucket waited for and written back
+};
+
 /// What every rank's windows must agree on. Carried in every reduction (and
 /// compared at construction), so that ranks configured differently get a clear
 /// error at the first window instead of silently mixing windows.
@@ -231,6 +250,8 @@ class Reducer {
   /// Number of reductions completed (synchronising backwards and reduce()).
   int64_t windows() const;
   ReducerStats stats() const;
+  /// When the parts of the last reduction happened (see WindowTimeline).
+  WindowTimeline last_timeline() const;
   /// The last completed reduction's result (window -1 before the first).
   ReductionResult last_result() const;
   const std::vector<Bucket>& buckets() const;

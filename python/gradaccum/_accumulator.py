@@ -501,6 +501,15 @@ class Accumulator:
         stats["run_max_rows"] = self._run_state.max_rows
         return stats
 
+    def last_window_timeline(self) -> Dict[str, Any]:
+        """When the parts of the last reduction happened, in seconds from its
+        beginning (the synchronising backward's first step): ``gradients``
+        (per parameter, when its hook ran; -1 if not), ``buckets`` (per
+        bucket in launch order: ``bytes``, ``ready``, ``launched``,
+        ``completed``; -1 if unknown), ``backward_end`` and ``finished``.
+        Empty lists and -1 without a process group."""
+        return self._c.last_window_timeline()
+
     def state_dict(self, rank_independent: bool = True) -> Dict[str, Any]:
         """Position, counters and the half-done window's gradients.
 

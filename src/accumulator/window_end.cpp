@@ -139,4 +139,8 @@ bool Accumulator::step_window() {
   return true;
 }
 
+WindowTimeline Accumulator::last_window_timeline() const {
+  return reducer_ ? reducer_->last_timeline() : WindowTimeline{};
+}
+
 } // namespace gradaccum

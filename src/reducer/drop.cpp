@@ -110,6 +110,11 @@ void Reducer::State::end_reduction(bool window_closed) {
   for (auto& bucket : buckets.all) {
     bucket.works.clear();
   }
+  window.timeline.finished = window.elapsed();
+  window.last_timeline = std::move(window.timeline);
+  window.last_completed_ns = std::move(window.completed_ns);
+  window.timeline = WindowTimeline{};
+  window.completed_ns.clear();
   if (window_closed) {
     clear_touched();
   }

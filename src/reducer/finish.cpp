@@ -35,6 +35,7 @@ namespace gradaccum {
 
 ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapshot) {
   TORCH_INTERNAL_ASSERT(window.in_flight, "gradaccum: finishing a reduction that is not in flight");
+  window.timeline.backward_end = window.elapsed();
   const auto saved = complete_buckets(snapshot != nullptr);
   launch_rest();
   auto reduced = agree();

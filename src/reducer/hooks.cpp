@@ -179,13 +179,16 @@ void Reducer::State::mark_ready(size_t index) {
       "backward (a parameter used both inside and outside a reentrant checkpoint, or a "
       "second backward over it?); each parameter may be reduced once per window");
   window.ready[index] = 1;
+  window.timeline.gradients[index] = window.elapsed(); // Note [The window's timeline]
   window.early_launches = window.hook_launches; // made before this hook, which may be backward's last
   if (!buckets.final) {
     buckets.ready_order.push_back(index);
   }
   auto& bucket = buckets.of(index);
   copy_into_bucket(bucket, buckets.locator[index].second);
-  --bucket.pending;
+  if (--bucket.pending == 0) {
+    window.timeline.buckets[buckets.locator[index].first].ready = window.timeline.gradients[index];
+  }
   launch_ready_buckets();
 }
 

@@ -46,6 +46,12 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
   stats.last_window_bytes = 0;
   window.hook_launches = 0;
   window.early_launches = 0;
+  // Note [The window's timeline]
+  window.origin = std::chrono::steady_clock::now();
+  window.timeline = WindowTimeline{};
+  window.timeline.gradients.assign(config.params.size(), -1.0);
+  window.timeline.buckets.assign(buckets.all.size(), WindowTimeline::BucketTimes{});
+  window.completed_ns.assign(buckets.all.size(), nullptr);
 }
 
 void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
@@ -117,18 +123,49 @@ void Reducer::State::launch_bucket(size_t index) {
     bucket.meta.narrow(0, kLoss, sums.numel()).copy_(sums);
   }
 
+  auto& times = window.timeline.buckets[index];
+  times.launched = window.elapsed();
+  if (times.ready < 0) {
+    times.ready = times.launched; // completed at the end of backward
+  }
+  times.bytes = bucket.bytes();
   std::vector<at::Tensor> tensors{bucket.wire};
   bucket.works.push_back(config.group->allreduce(tensors));
   if (bucket.encoding == MetaEncoding::kSeparate) {
     std::vector<at::Tensor> meta_tensors{bucket.meta};
     bucket.works.push_back(config.group->allreduce(meta_tensors));
   }
+  stamp_completion(index);
   const auto launches = static_cast<int64_t>(bucket.works.size());
   TORCH_INTERNAL_ASSERT(launches == bucket.collectives());
   stats.collectives += launches;
   stats.last_window_collectives += launches;
   stats.bytes_reduced += bucket.bytes();
   stats.last_window_bytes += bucket.bytes();
+}
+
+// Note [The window's timeline]
+// The reducer stamps what a bucket schedule works with and what it does: when
+// each gradient's hook ran, when each bucket filled, launched and completed,
+// when backward ended and when the window was written back, in seconds from
+// the reduction's beginning. A steady-clock read per gradient and per bucket,
+// and one future callback per bucket (its completion: Gloo and NCCL complete
+// futures on their own threads, so a stamp may land after wait() returned;
+// Reducer::last_timeline() reads them then). Benchmarks derive the schedule
+// bound from it (benchmarks/bench_net.py); stats() stays counters.
+void Reducer::State::stamp_completion(size_t index) {
+  auto& work = buckets.all[index].works.back();
+  auto stamp = std::make_shared<std::atomic<int64_t>>(-1);
+  window.completed_ns[index] = stamp;
+  const auto origin = window.origin;
+  try {
+    work->getFuture()->addCallback([stamp, origin](c10::ivalue::Future& /*future*/) {
+      stamp->store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::steady_clock::now() - origin).count());
+    });
+  } catch (const std::exception&) {
+    // A backend without futures: the completion stays unknown (-1).
+  }
 }
 
 } // namespace gradaccum

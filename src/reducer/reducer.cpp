@@ -260,6 +260,17 @@ ReducerStats Reducer::stats() const {
   return state_->stats;
 }
 
+WindowTimeline Reducer::last_timeline() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  auto timeline = state_->window.last_timeline;
+  const auto& stamps = state_->window.last_completed_ns;
+  for (const auto b : c10::irange(std::min(stamps.size(), timeline.buckets.size()))) {
+    const auto ns = stamps[b] ? stamps[b]->load() : -1;
+    timeline.buckets[b].completed = ns < 0 ? -1.0 : static_cast<double>(ns) * 1e-9;
+  }
+  return timeline;
+}
+
 ReductionResult Reducer::last_result() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   return state_->window.last_result;

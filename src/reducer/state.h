@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -94,8 +95,20 @@ struct Window {
   /// the reduction begins (Note [Scaling before the sum]).
   double expected_weight = 1.0;
 
+  /// Note [The window's timeline]: times from `origin`, the reduction's
+  /// beginning; each bucket's completion is stamped by a callback on its
+  /// all-reduce's future (which may run after wait() returned: read late).
+  std::chrono::steady_clock::time_point origin;
+  WindowTimeline timeline;
+  std::vector<std::shared_ptr<std::atomic<int64_t>>> completed_ns;
+  double elapsed() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - origin).count();
+  }
+
   // What outlives a reduction.
   int64_t sequence = 0; ///< Note [What a window number means]
+  WindowTimeline last_timeline; ///< the last completed reduction's (completions unresolved)
+  std::vector<std::shared_ptr<std::atomic<int64_t>>> last_completed_ns;
   /// The global weight of the last full window reduced (the same on every
   /// rank); 0 before the first. The expected weight of the next items window.
   double last_weight = 0;
@@ -175,6 +188,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void launch_ready_buckets();
   void launch_rest();
   void launch_bucket(size_t index);
+  void stamp_completion(size_t index);
 
   // Finishing, as named phases (finish.cpp: Note [Finishing a reduction]).
   ReductionResult finish_reduction(std::vector<at::Tensor>* snapshot = nullptr);

@@ -277,6 +277,24 @@ void init_accumulator(py::module_& m) {
       .def_property_readonly("window_ready", &Accumulator::window_ready)
       .def_property("expect_hooks", &Accumulator::expect_hooks, &Accumulator::set_expect_hooks)
       .def("stats", [](const Accumulator& a) { return stats_to_dict(a.stats()); })
+      .def("last_window_timeline", [](const Accumulator& a) {
+        const auto t = a.last_window_timeline();
+        py::list buckets;
+        for (const auto& b : t.buckets) {
+          py::dict d;
+          d["bytes"] = b.bytes;
+          d["ready"] = b.ready;
+          d["launched"] = b.launched;
+          d["completed"] = b.completed;
+          buckets.append(d);
+        }
+        py::dict out;
+        out["gradients"] = t.gradients;
+        out["buckets"] = buckets;
+        out["backward_end"] = t.backward_end;
+        out["finished"] = t.finished;
+        return out;
+      })
       .def("state_dict", [](Accumulator& a, bool rank_independent) {
              AccumulatorState state;
              {
