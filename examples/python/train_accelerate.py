@@ -13,9 +13,9 @@ process on the same windows as big batches and prints the largest parameter
 difference (``--check``, on by default), and every rank prints its counts:
 one all-reduce per window.
 
-``--cpu`` (the default here) makes ``accelerate launch --multi_gpu`` start Gloo
-ranks on CPU: a torch without CUDA otherwise gives each process
-``DistributedType.NO``.
+On a machine without GPUs, ``accelerate launch --multi_gpu`` still gives Gloo
+ranks on CPU: the adapter passes ``cpu=True`` there (stock Accelerate would
+leave each process alone).
 """
 import argparse
 from typing import Tuple
@@ -63,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    accelerator = Accelerator(gradient_accumulation_steps=args.steps, reduction="items", cpu=True)
+    accelerator = Accelerator(gradient_accumulation_steps=args.steps, reduction="items")
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.95 ** s)

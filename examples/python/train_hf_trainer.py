@@ -27,7 +27,6 @@ stats(), and with `--out` saves them with the final parameters to
 them and compares with a one-process reference computed with torch alone).
 """
 import argparse
-import importlib
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -36,6 +35,8 @@ import torch.nn as nn
 
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, default_data_collator
+
+from gradaccum.transformers import Trainer  # was: from transformers import Trainer
 
 VOCAB, SEQ = 50, 12
 
@@ -108,10 +109,7 @@ def training_args(case: str, opts: argparse.Namespace, output_dir: str) -> Train
 
 
 def run_case(case: str, opts: argparse.Namespace, out: str) -> Dict[str, Any]:
-    trainer_cls: Any = transformers.Trainer
-    if not opts.stock:
-        # gradaccum.transformers.Trainer (by name: mypy checks this example, not transformers' own typing)
-        trainer_cls = importlib.import_module("gradaccum.transformers").Trainer
+    trainer_cls: Any = transformers.Trainer if opts.stock else Trainer
     tag = case + ("-stock" if opts.stock else "")
     resume = None
     output_dir = os.path.join(out, tag)

@@ -85,6 +85,11 @@ always):
   Accumulator's ``grad_scaler`` (scaled backward, unscale, overflow skip and
   update once per window); ``bf16`` is autocast only.
 
+Launched on CPUs (``accelerate launch --multi_gpu --num_processes 2`` where
+torch sees no GPU), the processes form a Gloo group: the adapter passes
+``cpu=True`` unless the script set ``cpu`` (stock Accelerate leaves each
+process alone there, and gradaccum would refuse to train alone).
+
 Not supported (refused when built): DeepSpeed, FSDP, Megatron-LM, XLA,
 tensor/context parallelism, several trained models or optimizers under one
 Accelerator, a closure in ``optimizer.step``, ``backward`` keyword arguments
@@ -97,6 +102,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional
@@ -241,6 +247,16 @@ class _SchedulerDriver:
                 scheduler._after_optimizer_step()
 
 
+def _launched_without_accelerator() -> bool:
+    """Several processes launched (WORLD_SIZE > 1) where torch sees no GPU."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    return world > 1 and not torch.cuda.is_available() and not (
+        hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
 class Accelerator(_accelerate.Accelerator):
     """``accelerate.Accelerator`` whose gradient accumulation and data-parallel
     reduction are a :class:`gradaccum.Accumulator` (see the module's docstring).
@@ -263,6 +279,11 @@ class Accelerator(_accelerate.Accelerator):
             raise ValueError(f"gradaccum: Accelerator(): invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
         if nonfinite not in _NONFINITE:
             raise ValueError(f"gradaccum: Accelerator(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
+        if "cpu" not in kwargs and _launched_without_accelerator():
+            # `accelerate launch --multi_gpu --num_processes N` on a machine
+            # without GPUs starts N processes that stock Accelerate leaves
+            # each alone (DistributedType.NO): Gloo on CPU, as they meant.
+            kwargs["cpu"] = True
         super().__init__(*args, **kwargs)
         kind = getattr(self.distributed_type, "value", str(self.distributed_type))
         if kind not in _SUPPORTED or (self.parallelism_config is not None and (

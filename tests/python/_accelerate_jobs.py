@@ -125,9 +125,10 @@ def train(accelerator_cls, case, *, stop_after=None, resume_from=None, save_to=N
     from torch.profiler import ProfilerActivity, profile
 
     kind, n, reduction = CASES[case]
-    # cpu=True: gloo ranks on CPU under `accelerate launch --multi_gpu` (without it, a torch with no
-    # CUDA gives every process DistributedType.NO)
-    accelerator = accelerator_cls(gradient_accumulation_steps=K, cpu=True, **kwargs)
+    # Stock Accelerate needs cpu=True for Gloo ranks under `accelerate launch --multi_gpu` on a torch
+    # without CUDA (else every process is DistributedType.NO, alone); the adapter sets it itself.
+    cpu = {} if accelerator_cls.__module__.startswith("gradaccum") else {"cpu": True}
+    accelerator = accelerator_cls(gradient_accumulation_steps=K, **cpu, **kwargs)
     model = make_model(kind, init_seed)
     opt, sched = make_optimizer(model)
     loader = torch.utils.data.DataLoader(make_data(kind, n), batch_size=ROWS, shuffle=False)

@@ -1,5 +1,5 @@
 """gradaccum.accelerate.Accelerator under `accelerate launch`: 2 Gloo ranks on
-CPU (`--multi_gpu --num_processes 2`; the scripts pass `cpu=True`) and one
+CPU (`--multi_gpu --num_processes 2`; the adapter sets `cpu=True` itself there) and one
 process, against one process on the big batches (float64), and against stock
 `accelerate.Accelerator` on the same script.
 
@@ -47,7 +47,6 @@ CASES = {
 def launch(script, args, processes, cwd, timeout=240):
     """`accelerate launch` (its own launcher, as a user runs it); stdout."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "python"), env.get("PYTHONPATH")]))
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
         env.pop(var, None)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),

@@ -48,8 +48,7 @@ ex = _example()
 
 
 def torchrun(out, *args, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            str(EXAMPLE), "--out", str(out), "--accum", str(K), "--batch", str(B), "--lr", str(LR),
            "--seed", str(SEED), *map(str, args)]
