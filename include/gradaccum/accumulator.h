@@ -377,6 +377,9 @@ class Accumulator {
   void remember_gradients();
   void check_requires_grad(const char* what) const;
   void check_no_open_parts(const char* what) const;
+  /// After a local backward that ran no gradient hook (compiled autograd):
+  /// tells the reducer which gradients it changed (Note [Compiled autograd]).
+  void note_hookless_backward(uint64_t hooks_before, const std::vector<GradMark>& before);
   /// The next backward() (or micro-step in parts) closes the window.
   bool closes_window_next() const;
   void backward_as(const char* call, const at::Tensor& loss, std::optional<double> num_items,

@@ -223,6 +223,9 @@ class Reducer {
   /// Marks parameters whose `.grad` was restored from a checkpoint as holding
   /// a gradient of this window (bucket views cannot tell otherwise).
   void mark_restored(const std::vector<size_t>& indices);
+  /// Gradient hooks run so far: unchanged over a backward that changed
+  /// gradients, the engine ran none (compiled autograd).
+  uint64_t hook_calls() const;
   /// Whether some bucket sums in a wider dtype than its parameters.
   bool accumulating() const;
   /// With an accumulation dtype, mid-window: the window's sum so far of each

@@ -278,6 +278,7 @@ void Accumulator::fail_after_peers_ended_epoch() {
 void Accumulator::local_micro_step(const at::Tensor& scaled, double weight,
                                    const std::vector<GradMark>& before) {
   NoSync local(reducer_.get());
+  const auto hooks = reducer_ ? reducer_->hook_calls() : 0;
   try {
     if (scaled.defined()) {
       scaled.backward();
@@ -297,6 +298,7 @@ void Accumulator::local_micro_step(const at::Tensor& scaled, double weight,
     } // else nothing changed: the micro-step simply did not happen
     throw;
   }
+  note_hookless_backward(hooks, before);
   window_weight_ += weight;
   ++micro_step_;
   ++stats_.micro_steps;

@@ -85,6 +85,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
       scaled = loss_scaler_->scale_loss(scaled, options_.steps());
     }
   }
+  const auto hooks = reducer_ ? reducer_->hook_calls() : 0;
   try {
     NoSync local(reducer_.get());
     if (scaled.defined()) {
@@ -116,6 +117,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
     }
     throw;
   }
+  note_hookless_backward(hooks, before);
   if (!parts_open_) {
     parts_open_ = true;
     parts_weight_ = 0;

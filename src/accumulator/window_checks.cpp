@@ -92,4 +92,18 @@ std::vector<GradMark> Accumulator::grad_versions() const {
   return versions;
 }
 
+void Accumulator::note_hookless_backward(uint64_t hooks_before, const std::vector<GradMark>& before) {
+  if (!reducer_ || reducer_->hook_calls() != hooks_before) {
+    return;
+  }
+  const auto after = grad_versions();
+  std::vector<size_t> changed;
+  for (const auto i : c10::irange(after.size())) {
+    if (after[i] != before[i]) {
+      changed.push_back(i);
+    }
+  }
+  reducer_->mark_restored(changed);
+}
+
 } // namespace gradaccum

@@ -53,6 +53,9 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   // register itself in the graph it traces, and raises for a C++ hook that
   // does not. Ours register nothing: the traced graph runs without them, and
   // Reducer::backward() reduces the window after backward returns instead.
+  // Without the hooks nothing marks the gradients a backward reached: the
+  // Accumulator marks those whose .grad changed (note_hookless_backward()),
+  // and the closing backward takes every defined one.
   void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
 
  private:
@@ -150,6 +153,7 @@ void Reducer::State::remove_hooks() noexcept {
 }
 
 void Reducer::State::mark_ready(size_t index) {
+  hook_calls.fetch_add(1, std::memory_order_relaxed);
   touched[index].store(true, std::memory_order_relaxed);
   if (!expect_hooks.load(std::memory_order_relaxed) || closed.load()) {
     return; // no_sync: the gradient stays in .grad
@@ -309,6 +313,14 @@ ReductionResult Reducer::State::end_backward(const ReductionRequest& request, in
     // sum is in .grad: reduce it now, as flush() does, every bucket after
     // backward instead of overlapped with it; the same collectives.
     ++stats.hookless_windows;
+    // No hook said which gradients this backward reached: take every one
+    // that exists (bucket views, always defined, are sent as they are; a
+    // parameter unused everywhere ends with zeros, not None).
+    for (const auto i : c10::irange(config.params.size())) {
+      if (config.params[i].grad().defined()) {
+        touched[i].store(true, std::memory_order_relaxed);
+      }
+    }
     begin_reduction(request, -1, detail::Entry::Backward);
     return finish_reduction();
   }

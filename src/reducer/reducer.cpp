@@ -173,6 +173,10 @@ void Reducer::mark_restored(const std::vector<size_t>& indices) {
   }
 }
 
+uint64_t Reducer::hook_calls() const {
+  return state_->hook_calls.load(std::memory_order_relaxed);
+}
+
 std::vector<at::Tensor> Reducer::accumulated() const {
   const auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);

@@ -154,6 +154,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// Whether a hook fired for each parameter since the last reduction: with
   /// bucket views .grad is always defined, so this tells "no gradient" apart.
   std::unique_ptr<std::atomic<bool>[]> touched;
+  /// Gradient hooks run, in all: a backward that changed gradients without
+  /// running one ran none (Note [Compiled autograd]).
+  std::atomic<uint64_t> hook_calls{0};
   std::atomic<bool> closed{false}; ///< the Reducer was destroyed: hooks are inert
 
   // Everything below is guarded by mutex: CUDA backward runs hooks on device

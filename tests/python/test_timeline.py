@@ -21,7 +21,7 @@ def test_the_timeline_of_a_window_is_ordered_and_complete(tmp_path):
         # Backward runs the last layer first: its gradients are ready first.
         assert t["gradients"][-1] < t["gradients"][0]
         buckets = t["buckets"]
-        assert len(buckets) == res["stats"]["buckets"] >= 3
+        assert len(buckets) == res["stats"]["buckets"] >= 2
         assert sum(b["bytes"] for b in buckets) == res["stats"]["last_window_bytes"]
         for b in buckets:
             assert 0 <= b["ready"] <= b["launched"] <= b["completed"] <= t["finished"], b
