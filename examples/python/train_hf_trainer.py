@@ -66,7 +66,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                    **kwargs: object) -> torch.Tensor:
     """transformers' ForCausalLMLoss without its `logits.float()`, which would
     round a float64 model's logits to float32: next-token cross-entropy, summed
-    and divided by `num_items_in_batch` when given, else the mean."""
+    and divided by `num_items_in_batch` when given, else the mean. Only the
+    `--stock` run needs it (gradaccum's Trainer keeps a float64 model's loss in
+    float64 itself), so that the comparison is not about rounding."""
     shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = nn.functional.cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device),
@@ -78,9 +80,7 @@ def make_model(seed: int) -> GPT2LMHeadModel:
     config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0,
                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config).double()
-    model.loss_function = causal_lm_loss
-    return model
+    return GPT2LMHeadModel(config).double()
 
 
 def make_data(case: str, seed: int) -> List[Dict[str, torch.Tensor]]:
@@ -118,6 +118,8 @@ def run_case(case: str, opts: argparse.Namespace, out: str) -> Dict[str, Any]:
         tag += f"-resumed-{opts.resume_from}"
         output_dir = os.path.join(out, tag)
     model = make_model(opts.seed)
+    if opts.stock:
+        model.loss_function = causal_lm_loss
     trainer = trainer_cls(model=model, args=training_args(case, opts, output_dir), train_dataset=make_data(case, opts.seed),
                           data_collator=default_data_collator)
     trainer.train(resume_from_checkpoint=resume)

@@ -125,6 +125,26 @@ CHECKPOINT_NAME = "gradaccum_accumulator.pt"
 _METRIC_SCHEDULERS = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
 
 
+def _float64_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                            num_items_in_batch: Any = None, ignore_index: int = -100,
+                            shift_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` for a float64 model, whose logits it
+    would round to float32 (``logits.float()``): the same next-token
+    cross-entropy, in float64. Other dtypes go to ``ForCausalLMLoss``."""
+    if logits.dtype != torch.float64:
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                               ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device), ignore_index=ignore_index,
+        reduction="sum" if num_items_in_batch is not None else "mean")
+    if num_items_in_batch is not None:
+        divisor = num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+        loss = loss / divisor
+    return loss
+
+
 class _Longest:
     """A data loader that reports another length (the longest rank's), for
     the Trainer's step arithmetic; everything else is the loader's."""
@@ -255,7 +275,18 @@ class Trainer(transformers.Trainer):
         self.callback_handler.train_dataloader = train_dataloader
         return model, train_dataloader
 
+    def _keep_float64_loss(self) -> None:
+        """A float64 model with transformers' causal-LM loss trains on a
+        float64 loss (``ForCausalLMLoss`` rounds logits to float32), so that
+        windows equal a float64 big batch; restored when training ends."""
+        model = self.accelerator.unwrap_model(self.model)
+        if (getattr(model, "loss_function", None) is ForCausalLMLoss
+                and any(p.dtype == torch.float64 for p in model.parameters())):
+            model.loss_function = _float64_causal_lm_loss
+            self._float64_loss_model = model
+
     def _build_accumulator(self) -> None:
+        self._keep_float64_loss()
         self.reduction = self._choose_reduction()
         scheduler = self.lr_scheduler if not isinstance(self.lr_scheduler, _METRIC_SCHEDULERS) else None
         options = dict(self.accumulator_options)
@@ -289,6 +320,9 @@ class Trainer(transformers.Trainer):
         self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
 
     def _close_accumulator(self) -> None:
+        model, self._float64_loss_model = getattr(self, "_float64_loss_model", None), None
+        if model is not None and getattr(model, "_loss_function", None) is _float64_causal_lm_loss:
+            del model._loss_function
         acc, self.accumulator = self.accumulator, None
         if acc is not None and not acc.closed:
             self.accumulator_stats = acc.stats()
@@ -312,7 +346,8 @@ class Trainer(transformers.Trainer):
         if type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
             return True
         loss_type = getattr(model, "loss_type", None)
-        return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss or getattr(model, "_loss_function", None) is ForCausalLMLoss
+        return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss or getattr(model, "_loss_function", None) in (
+            ForCausalLMLoss, _float64_causal_lm_loss)
 
     def count_items(self, inputs: Dict[str, Any]) -> torch.Tensor:
         """The number of real targets in one micro-batch (a 0-dim int64 tensor):

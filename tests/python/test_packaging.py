@@ -116,7 +116,7 @@ def test_any_object_with_step_types_as_an_optimizer(tmp_path):
                 with torch.no_grad():
                     for p in self.params:
                         if p.grad is not None:
-                            p -= 0.5 * p.grad.sign()
+                            p.add_(p.grad.sign(), alpha=-0.5)
 
 
         model = torch.nn.Linear(2, 1)
