@@ -81,6 +81,9 @@ always):
   window's loss over every micro-batch of every rank, weighted as its
   gradient, with no collective of its own. ``gather``, ``reduce``,
   ``gather_for_metrics`` are Accelerate's.
+- A float64 model whose loss is transformers' ``ForCausalLMLoss`` (which
+  rounds logits to float32) gets the same loss computed in float64, so that
+  ``outputs.loss`` windows equal a float64 big batch.
 - ``fp16`` mixed precision: Accelerate's GradScaler becomes the
   Accumulator's ``grad_scaler`` (scaled backward, unscale, overflow skip and
   update once per window); ``bf16`` is autocast only.
@@ -124,6 +127,7 @@ except ImportError as error:  # pragma: no cover - exercised without accelerate
     ) from error
 
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+from gradaccum._hf import keep_float64_causal_lm_loss
 
 __all__ = ["Accelerator"]
 
@@ -315,7 +319,9 @@ class Accelerator(_accelerate.Accelerator):
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("gradaccum: Accelerator.prepare(): the model is DDP-wrapped; pass the plain module "
                              "(gradaccum reduces the gradients itself)")
-        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        keep_float64_causal_lm_loss(self.unwrap_model(prepared))
+        return prepared
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
         if getattr(optimizer, "_is_accelerate_prepared", False):

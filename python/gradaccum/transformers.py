@@ -116,6 +116,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     ) from error
 
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+from gradaccum._hf import _float64_causal_lm_loss, keep_float64_causal_lm_loss
 
 __all__ = ["Trainer", "CHECKPOINT_NAME"]
 
@@ -123,26 +124,6 @@ __all__ = ["Trainer", "CHECKPOINT_NAME"]
 CHECKPOINT_NAME = "gradaccum_accumulator.pt"
 
 _METRIC_SCHEDULERS = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
-
-
-def _float64_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                            num_items_in_batch: Any = None, ignore_index: int = -100,
-                            shift_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
-    """transformers' ``ForCausalLMLoss`` for a float64 model, whose logits it
-    would round to float32 (``logits.float()``): the same next-token
-    cross-entropy, in float64. Other dtypes go to ``ForCausalLMLoss``."""
-    if logits.dtype != torch.float64:
-        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
-                               ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
-    if shift_labels is None:
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device), ignore_index=ignore_index,
-        reduction="sum" if num_items_in_batch is not None else "mean")
-    if num_items_in_batch is not None:
-        divisor = num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
-        loss = loss / divisor
-    return loss
 
 
 class _Longest:
@@ -280,9 +261,7 @@ class Trainer(transformers.Trainer):
         float64 loss (``ForCausalLMLoss`` rounds logits to float32), so that
         windows equal a float64 big batch; restored when training ends."""
         model = self.accelerator.unwrap_model(self.model)
-        if (getattr(model, "loss_function", None) is ForCausalLMLoss
-                and any(p.dtype == torch.float64 for p in model.parameters())):
-            model.loss_function = _float64_causal_lm_loss
+        if keep_float64_causal_lm_loss(model):
             self._float64_loss_model = model
 
     def _build_accumulator(self) -> None:

@@ -177,3 +177,38 @@ def test_invalid_options():
         Trainer(model=ex.make_model(SEED), reduction="tokens")
     with pytest.raises(ValueError, match="invalid nonfinite"):
         Trainer(model=ex.make_model(SEED), nonfinite="nan")
+
+
+def test_a_float64_causal_lm_keeps_its_loss_in_float64():
+    """transformers' ForCausalLMLoss rounds logits to float32; both adapters
+    give a float64 model the same loss in float64 (gradaccum._hf)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from gradaccum._hf import keep_float64_causal_lm_loss
+
+    torch.set_grad_enabled(False)
+    try:
+        _check_float64_loss(ForCausalLMLoss, keep_float64_causal_lm_loss)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _check_float64_loss(ForCausalLMLoss, keep_float64_causal_lm_loss):
+    model = ex.make_model(SEED)
+    rows = ex.make_data("uneven", SEED)[:4]
+    ids, labels = torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows])
+    logits = model(input_ids=ids).logits
+    targets = labels[:, 1:]
+    n = (targets != -100).sum()
+    exact = F.cross_entropy(logits[:, :-1].reshape(-1, ex.VOCAB), targets.reshape(-1), ignore_index=-100,
+                            reduction="sum") / n
+    stock = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+    assert abs(float(stock) - float(exact)) > 1e-12  # rounded through float32
+    assert keep_float64_causal_lm_loss(model)
+    kept = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+    assert kept.dtype == torch.float64 and abs(float(kept) - float(exact)) < 1e-15
+    assert abs(float(model(input_ids=ids, labels=labels).loss) - float(F.cross_entropy(
+        logits[:, :-1].reshape(-1, ex.VOCAB), targets.reshape(-1), ignore_index=-100))) < 1e-15
+    del model._loss_function
+    assert model.loss_function is ForCausalLMLoss
+    assert not keep_float64_causal_lm_loss(ex.make_model(SEED).float())  # float32: left alone
