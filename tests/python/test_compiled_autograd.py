@@ -13,8 +13,8 @@ M = "_compiled_jobs"
 WINDOWS = 3
 
 
-@pytest.mark.parametrize("world_size,reduction,as_view", [(1, "mean", False), (2, "mean", False),
-                                                         (2, "items", False), (2, "mean", True)])
+@pytest.mark.parametrize("world_size,reduction,as_view", [(1, "mean", False), (2, "items", False),
+                                                         (2, "mean", True)])
 def test_compiled_autograd_trains_as_eager(tmp_path, world_size, reduction, as_view):
     """Full windows and a flushed partial one; with bucket views too (the
     compiled graph accumulates into them, and no hook says which it reached)."""
