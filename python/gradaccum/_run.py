@@ -42,7 +42,10 @@ class RunState:
 def _rows(batch: Any) -> Optional[int]:
     """The batch's rows (dim 0 of its tensors), or None if it cannot be split."""
     leaves = _Leaves()
-    _flatten(batch, leaves)
+    try:
+        _flatten(batch, leaves)
+    except TypeError:
+        return None  # run whole: only a split needs to know
     if not leaves.tensors or any(t.dim() == 0 for t in leaves.tensors):
         return None
     rows = leaves.tensors[0].shape[0]

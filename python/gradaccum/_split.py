@@ -1,5 +1,5 @@
 """gradaccum.split: one batch into micro-batches."""
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple
 
 import torch
 
@@ -46,7 +46,7 @@ def _flatten(batch: Any, leaves: _Leaves, path: str = "batch") -> Any:
         return _Tensor(len(leaves.tensors) - 1)
     if isinstance(batch, dict):
         return {key: _flatten(value, leaves, f"{path}[{key!r}]") for key, value in batch.items()}
-    if hasattr(batch, "__array__") and hasattr(batch, "shape"):
+    if hasattr(batch, "__array__") and len(getattr(batch, "shape", ())) > 0:
         # Rows of its own, but not a tensor: repeating it whole would be wrong.
         raise TypeError(f"gradaccum: split(): cannot split a {type(batch).__name__} ({path}); convert it to a "
                         "tensor (torch.as_tensor)")
@@ -75,14 +75,6 @@ def _rebuild(template: Any, tensors: List[torch.Tensor], samples: List[list]) ->
     if isinstance(template, tuple) and hasattr(template, "_fields"):
         return type(template)(*parts)
     return type(template)(parts)
-
-
-def _rows(leaves: _Leaves) -> Optional[int]:
-    """The batch's rows: dim 0 of its tensors, else its lists' length."""
-    if leaves.tensors:
-        first = leaves.tensors[0]
-        return first.shape[0] if first.dim() > 0 else None
-    return len(leaves.samples[0]) if leaves.samples else None
 
 
 def split(batch: Any, steps: int) -> list:

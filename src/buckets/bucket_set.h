@@ -51,6 +51,8 @@ struct BucketSet {
   int64_t modulus = 2; ///< the consensus modulus of all buckets (header_modulus())
   bool final = false; ///< rebuilt in ready order, or never to be
   std::vector<size_t> ready_order; ///< the parameters in this window's hook order, while !final
+  /// A window ran no hooks (compiled autograd): rank 0 gives the rebuild up.
+  bool hookless = false;
 
   /// The layout of `config`'s parameters in ready order `order` (empty: the
   /// usual guess, reverse registration order): see assign_buckets().

@@ -52,7 +52,8 @@ std::vector<int64_t> encode_ready_order(const BucketSet& set, const ReducerConfi
       order[k++] = static_cast<int64_t>(i);
       seen[i] = 1;
     }
-    order[0] = static_cast<int64_t>(set.ready_order.size());
+    // -2 when no hook ran (compiled autograd): no order will come; give up.
+    order[0] = set.hookless ? -2 : static_cast<int64_t>(set.ready_order.size());
     for (const auto& bucket : set.all) {
       for (const auto i : bucket.params) {
         if (!seen[i]) {

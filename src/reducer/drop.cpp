@@ -112,9 +112,9 @@ void Reducer::State::end_reduction(bool window_closed) {
   }
   window.timeline.finished = window.elapsed();
   window.last_timeline = std::move(window.timeline);
-  window.last_completed_ns = std::move(window.completed_ns);
+  window.last_completed = std::move(window.completed);
   window.timeline = WindowTimeline{};
-  window.completed_ns.clear();
+  window.completed.clear();
   if (window_closed) {
     clear_touched();
   }

@@ -55,8 +55,17 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   // Reducer::backward() reduces the window after backward returns instead.
   // Without the hooks nothing marks the gradients a backward reached: the
   // Accumulator marks those whose .grad changed (note_hookless_backward()),
-  // and the closing backward takes every defined one.
-  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
+  // and so does Reducer::backward() for the closing one. The manual path (a
+  // plain loss.backward() outside no_sync()) has no such place: only a hook
+  // could begin its reduction, so it is refused here, before any collective
+  // and alike on every rank that runs it.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    const auto state = state_.lock();
+    TORCH_CHECK(!state || state->closed.load() || !state->expect_hooks.load() || state->in_backward.load(),
+        "gradaccum: loss.backward(): under compiled autograd the reducer's gradient hooks do not run, so a plain "
+        "loss.backward() (the manual path) cannot reduce the window; call acc.backward(loss), which reduces "
+        "after a compiled backward, or turn compiled autograd off");
+  }
 
  private:
   std::weak_ptr<Reducer::State> state_;
@@ -255,13 +264,23 @@ ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest
     return s.window.sequence;
   }();
   const bool previous = s.expect_hooks.exchange(true);
+  s.in_backward = true;
   struct Restore {
     State& s;
     bool previous;
     ~Restore() {
       s.expect_hooks = previous;
+      s.in_backward = false;
     }
   } restore{s, previous};
+  // Note [Compiled autograd]: which gradients this backward changes, should
+  // no hook run to say so (one read of each .grad's version).
+  std::vector<std::pair<const void*, int64_t>> versions;
+  versions.reserve(s.config.params.size());
+  for (const auto& p : s.config.params) {
+    const auto& g = p.grad();
+    versions.emplace_back(g.defined() ? g.unsafeGetTensorImpl() : nullptr, g.defined() ? g._version() : -1);
+  }
 
   // Begin at the root of the graph, in the outermost task (see Note [Where a
   // synchronising backward ends]); without a root, begin now and finish once
@@ -283,7 +302,7 @@ ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest
     throw; // a dropped window's error (every rank raises it), or a transport error
   }
   remove_root_hook(root.get(), root_hook);
-  return s.end_backward(request, sequence_before);
+  return s.end_backward(request, sequence_before, versions);
 }
 
 std::string Reducer::State::drop_failed_backward(const ReductionRequest& request, int64_t sequence_before,
@@ -302,22 +321,26 @@ std::string Reducer::State::drop_failed_backward(const ReductionRequest& request
   return dropped_here ? own_failure(local) : std::string();
 }
 
-ReductionResult Reducer::State::end_backward(const ReductionRequest& request, int64_t sequence_before) {
+ReductionResult Reducer::State::end_backward(const ReductionRequest& request, int64_t sequence_before,
+                                             const std::vector<std::pair<const void*, int64_t>>& versions_before) {
   std::lock_guard<std::mutex> lock(mutex);
   if (window.in_flight) {
     return finish_reduction(); // no root: the reduction ends here
   }
-  if (window.sequence == sequence_before && !window.aborted_here) {
+  if (window.sequence == sequence_before) {
     // Backward returned, yet the root hook never ran: the engine ran none of
     // our hooks (compiled autograd, Note [Compiled autograd]). The window's
     // sum is in .grad: reduce it now, as flush() does, every bucket after
     // backward instead of overlapped with it; the same collectives.
     ++stats.hookless_windows;
-    // No hook said which gradients this backward reached: take every one
-    // that exists (bucket views, always defined, are sent as they are; a
-    // parameter unused everywhere ends with zeros, not None).
+    buckets.hookless = true; // no ready order to rebuild the buckets by
+    // No hook said which gradients this backward reached: those whose .grad
+    // changed (a bucket view's version moves when backward adds into it).
     for (const auto i : c10::irange(config.params.size())) {
-      if (config.params[i].grad().defined()) {
+      const auto& g = config.params[i].grad();
+      const std::pair<const void*, int64_t> now(g.defined() ? g.unsafeGetTensorImpl() : nullptr,
+                                                g.defined() ? g._version() : -1);
+      if (g.defined() && now != versions_before[i]) {
         touched[i].store(true, std::memory_order_relaxed);
       }
     }

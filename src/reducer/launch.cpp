@@ -51,7 +51,7 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
   window.timeline = WindowTimeline{};
   window.timeline.gradients.assign(config.params.size(), -1.0);
   window.timeline.buckets.assign(buckets.all.size(), WindowTimeline::BucketTimes{});
-  window.completed_ns.assign(buckets.all.size(), nullptr);
+  window.completed.assign(buckets.all.size(), nullptr);
 }
 
 void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
@@ -149,22 +149,38 @@ void Reducer::State::launch_bucket(size_t index) {
 // each gradient's hook ran, when each bucket filled, launched and completed,
 // when backward ended and when the window was written back, in seconds from
 // the reduction's beginning. A steady-clock read per gradient and per bucket,
-// and one future callback per bucket (its completion: Gloo and NCCL complete
-// futures on their own threads, so a stamp may land after wait() returned;
-// Reducer::last_timeline() reads them then). Benchmarks derive the schedule
-// bound from it (benchmarks/bench_net.py); stats() stays counters.
+// and a callback on each all-reduce's future: Gloo completes them on its own
+// threads, so a stamp may land after wait() returned (Reducer::last_timeline()
+// reads them later). NCCL marks its future complete once the work is queued on
+// the stream, which says nothing of when it ran: CUDA buckets get no
+// completion time (-1). Benchmarks derive the schedule bound from it
+// (benchmarks/bench_net.py); stats() stays counters.
 void Reducer::State::stamp_completion(size_t index) {
-  auto& work = buckets.all[index].works.back();
-  auto stamp = std::make_shared<std::atomic<int64_t>>(-1);
-  window.completed_ns[index] = stamp;
+  auto& bucket = buckets.all[index];
+  if (bucket.wire.is_cuda()) {
+    return; // NCCL completes a future once the work is queued: no time to read (-1)
+  }
+  auto completion = std::make_shared<detail::Completion>();
+  completion->pending = static_cast<int>(bucket.works.size());
+  window.completed[index] = completion;
   const auto origin = window.origin;
-  try {
-    work->getFuture()->addCallback([stamp, origin](c10::ivalue::Future& /*future*/) {
-      stamp->store(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                       std::chrono::steady_clock::now() - origin).count());
-    });
-  } catch (const std::exception&) {
-    // A backend without futures: the completion stays unknown (-1).
+  for (auto& work : bucket.works) {
+    try {
+      const auto future = work->getFuture();
+      if (!future) {
+        continue; // stays pending: unknown (-1)
+      }
+      future->addCallback([completion, origin](c10::ivalue::Future& /*future*/) {
+        const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+            std::chrono::steady_clock::now() - origin).count();
+        auto latest = completion->latest_ns.load();
+        while (latest < now && !completion->latest_ns.compare_exchange_weak(latest, now)) {
+        }
+        completion->pending.fetch_sub(1);
+      });
+    } catch (const std::exception&) {
+      // A backend without futures: the completion stays unknown (-1).
+    }
   }
 }
 

@@ -267,9 +267,9 @@ ReducerStats Reducer::stats() const {
 WindowTimeline Reducer::last_timeline() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   auto timeline = state_->window.last_timeline;
-  const auto& stamps = state_->window.last_completed_ns;
+  const auto& stamps = state_->window.last_completed;
   for (const auto b : c10::irange(std::min(stamps.size(), timeline.buckets.size()))) {
-    const auto ns = stamps[b] ? stamps[b]->load() : -1;
+    const auto ns = stamps[b] && stamps[b]->pending.load() == 0 ? stamps[b]->latest_ns.load() : -1;
     timeline.buckets[b].completed = ns < 0 ? -1.0 : static_cast<double>(ns) * 1e-9;
   }
   return timeline;

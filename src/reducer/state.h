@@ -77,6 +77,13 @@ inline const char* call_name(Entry entry, const ReductionRequest& request) {
   return request.call ? request.call : call_name(entry);
 }
 
+/// A bucket's all-reduces completing (Note [The window's timeline]): the
+/// latest completion, once none is pending.
+struct Completion {
+  std::atomic<int64_t> latest_ns{-1};
+  std::atomic<int> pending{0};
+};
+
 /// The reduction in flight, and what the last one left. Guarded by
 /// State::mutex; begin_reduction() resets the first part, end_reduction()
 /// ends it.
@@ -100,7 +107,7 @@ struct Window {
   /// all-reduce's future (which may run after wait() returned: read late).
   std::chrono::steady_clock::time_point origin;
   WindowTimeline timeline;
-  std::vector<std::shared_ptr<std::atomic<int64_t>>> completed_ns;
+  std::vector<std::shared_ptr<Completion>> completed;
   double elapsed() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - origin).count();
   }
@@ -108,7 +115,7 @@ struct Window {
   // What outlives a reduction.
   int64_t sequence = 0; ///< Note [What a window number means]
   WindowTimeline last_timeline; ///< the last completed reduction's (completions unresolved)
-  std::vector<std::shared_ptr<std::atomic<int64_t>>> last_completed_ns;
+  std::vector<std::shared_ptr<Completion>> last_completed;
   /// The global weight of the last full window reduced (the same on every
   /// rank); 0 before the first. The expected weight of the next items window.
   double last_weight = 0;
@@ -157,6 +164,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// Gradient hooks run, in all: a backward that changed gradients without
   /// running one ran none (Note [Compiled autograd]).
   std::atomic<uint64_t> hook_calls{0};
+  /// Reducer::backward() (acc.backward()) is running: a compiled backward
+  /// without hooks is then reduced after it (Note [Compiled autograd]).
+  std::atomic<bool> in_backward{false};
   std::atomic<bool> closed{false}; ///< the Reducer was destroyed: hooks are inert
 
   // Everything below is guarded by mutex: CUDA backward runs hooks on device
@@ -181,7 +191,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// rank's).
   std::string drop_failed_backward(const ReductionRequest& request, int64_t sequence_before,
                                    const std::string& local);
-  ReductionResult end_backward(const ReductionRequest& request, int64_t sequence_before);
+  ReductionResult end_backward(const ReductionRequest& request, int64_t sequence_before,
+                               const std::vector<std::pair<const void*, int64_t>>& versions_before);
   /// The request of a synchronising backward of the manual path.
   ReductionRequest manual_request() const;
 

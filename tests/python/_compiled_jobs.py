@@ -38,20 +38,25 @@ def compiled_autograd(on):
 
 
 @job
-def train(rank, world_size, *, seed, n_windows, reduction, compiled, as_view=False, partial=0):
-    """Full windows, then a partial one closed by flush()."""
+def train(rank, world_size, *, seed, n_windows, reduction, compiled, as_view=False, partial=0, unused=False):
+    """Full windows, then a partial one closed by flush(); `unused`: the
+    model holds a parameter its forward never uses."""
     import gradaccum
 
     model = du.mlp(seed)
+    if unused:
+        model.register_parameter("unused", torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float64)))
     opt = du.make_optimizer("adam", model.parameters())
     acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction, bucket_cap_mb=0.001,
                                 first_bucket_cap_mb=0.0005, gradient_as_bucket_view=as_view)
-    collectives = []
+    collectives, unused_grads = [], []
     with compiled_autograd(compiled):
         for w, window in enumerate(windows(seed, world_size, n_windows, partial)):
             for batch in window[rank]:
                 loss, n = du.micro_loss(model, batch, reduction)
                 acc.backward(loss, num_items=n)
+            if unused:
+                unused_grads.append(None if model.unused.grad is None else model.unused.grad.clone())
             if w == n_windows:
                 assert acc.flush()
             else:
@@ -59,7 +64,70 @@ def train(rank, world_size, *, seed, n_windows, reduction, compiled, as_view=Fal
             collectives.append(acc.stats()["last_window_collectives"])
     from torch._dynamo.utils import counters
 
-    out = {"params": du.params(model), "stats": acc.stats(), "collectives": collectives,
+    out = {"params": [p.detach().clone() for name, p in model.named_parameters() if name != "unused"], "stats": acc.stats(), "collectives": collectives,
+           "unused_grads": unused_grads,
            "captures": counters["compiled_autograd"]["captures"]}
+    acc.close()
+    return out
+
+
+class Boom(torch.autograd.Function):
+    """Identity forward; its backward raises (a failed micro-step)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in backward")
+
+
+@job
+def dropped_then_trained(rank, world_size, *, seed):
+    """Compiled autograd; rank 1's closing backward of window 0 fails (the
+    window is dropped on every rank), window 1 trains."""
+    import gradaccum
+
+    model = du.mlp(seed)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("adam", model.parameters()), steps=STEPS,
+                                bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+    out = {"errors": []}
+    with compiled_autograd(True):
+        for w, window in enumerate(windows(seed, world_size, 2)):
+            try:
+                for k, batch in enumerate(window[rank]):
+                    loss, _ = du.micro_loss(model, batch, "mean")
+                    if w == 0 and rank == 1 and k == STEPS - 1:
+                        loss = Boom.apply(loss)
+                    acc.backward(loss)
+                out["stepped"] = acc.step()
+            except RuntimeError as e:
+                out["errors"].append(str(e))
+    out["params"] = du.params(model)
+    out["stats"] = acc.stats()
+    acc.close()
+    return out
+
+
+@job
+def manual_path(rank, world_size, *, seed):
+    """Compiled autograd and DDP's manual path: no_sync() backwards work, the
+    plain closing loss.backward() is refused (no hook would reduce it)."""
+    import gradaccum
+
+    model = du.mlp(seed)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=STEPS)
+    batches = windows(seed, world_size, 1)[0][rank]
+    out = {}
+    with compiled_autograd(True):
+        with acc.no_sync():
+            du.micro_loss(model, batches[0], "mean")[0].backward()
+        try:
+            du.micro_loss(model, batches[1], "mean")[0].backward()
+            out["error"] = None
+        except RuntimeError as e:
+            out["error"] = str(e)
+    out["stats"] = acc.stats()
     acc.close()
     return out

@@ -17,18 +17,24 @@ WINDOWS = 3
                                                          (2, "mean", True)])
 def test_compiled_autograd_trains_as_eager(tmp_path, world_size, reduction, as_view):
     """Full windows and a flushed partial one; with bucket views too (the
-    compiled graph accumulates into them, and no hook says which it reached)."""
+    compiled graph accumulates into them, and no hook says which it reached),
+    and a parameter the forward never uses."""
     expected = cj.reference(5, world_size, WINDOWS, reduction, partial=2)
     runs = {}
     for compiled in (False, True):
         runs[compiled] = du.run_job("train", world_size, tmp_path / str(compiled), module=M, timeout=240,
                                     seed=5, n_windows=WINDOWS, reduction=reduction, compiled=compiled,
-                                    as_view=as_view, partial=2)
+                                    as_view=as_view, partial=2, unused=as_view)
     for rank in range(world_size):
         eager, compiled = runs[False][rank], runs[True][rank]
         du.assert_params_close(compiled["params"], expected, f"compiled, rank {rank}")
         du.assert_params_close(compiled["params"], eager["params"], f"compiled vs eager, rank {rank}")
         assert compiled["captures"] > 0  # the backward really ran compiled
+        # Bucket views share one version counter per bucket, so without hooks
+        # a parameter unused everywhere cannot be told apart: it ends the
+        # window with zeros (as torch DDP leaves it), not None as in eager.
+        for a, b in zip(compiled["unused_grads"], eager["unused_grads"]):
+            assert (a is None and b is None) or (b is None and not a.any()) or torch.equal(a, b)
         assert eager["captures"] == 0
         # The same collectives per window; compiled ones after backward.
         assert compiled["collectives"] == eager["collectives"]
@@ -53,3 +59,28 @@ def test_compiled_autograd_without_a_group():
         results.append(du.params(model))
     du.assert_params_close(results[1], results[0], "compiled vs eager")
     du.assert_params_close(results[0], cj.reference(3, 1, 2, "mean"), "eager vs one backward")
+
+
+def test_a_dropped_window_then_the_next_trains(tmp_path):
+    """Rank 1's closing backward fails under compiled autograd: every rank
+    gets the drop error naming rank 1; the next window reduces (after its
+    backward) and trains as one process on that window alone."""
+    results = du.run_job("dropped_then_trained", 2, tmp_path, module=M, timeout=240, seed=9)
+    windows = cj.windows(9, 2, 2)
+    model = du.mlp(9)
+    opt = du.make_optimizer("adam", model.parameters())
+    du.global_batch_loss(model, windows[1], "mean").backward()
+    opt.step()
+    for rank, res in enumerate(results):
+        assert len(res["errors"]) == 1 and res["errors"][0].startswith("gradaccum: "), res["errors"]
+        assert "rank 1" in res["errors"][0], res["errors"]
+        assert res["stepped"] is True
+        assert res["stats"]["optimizer_steps"] == 1 and res["stats"]["dropped_windows"] == 1
+        du.assert_params_close(res["params"], du.params(model), f"rank {rank}")
+
+
+def test_the_manual_path_is_refused_under_compiled_autograd(tmp_path):
+    for res in du.run_job("manual_path", 2, tmp_path, module=M, timeout=240, seed=4):
+        assert res["error"] is not None and "gradaccum: loss.backward(): under compiled autograd" in res["error"], \
+            res["error"]
+        assert res["stats"]["windows"] == 0

@@ -174,3 +174,15 @@ def test_lists_alone_are_split():
     assert parts == [{"text": ["a", "b"], "lang": "en"}, {"text": ["c"], "lang": "en"}]
     with pytest.raises(ValueError, match="cannot split 3 rows into 4 micro-batches"):
         gradaccum.split(["a", "b", "c"], 4)
+
+
+def test_numpy_scalars_are_repeated_and_run_takes_numpy_fields_whole():
+    import numpy as np
+
+    from gradaccum._run import _rows
+
+    parts = gradaccum.split({"x": torch.arange(4), "step": np.int64(3)}, 2)
+    assert [int(p["step"]) for p in parts] == [3, 3]
+    # run() only asks how many rows a batch has; one it cannot split runs whole.
+    assert _rows({"x": torch.zeros(4, 2), "np": np.zeros(4)}) is None
+    assert _rows({"x": torch.zeros(4, 2), "text": ["a", "b", "c", "d"]}) == 4
