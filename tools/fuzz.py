@@ -26,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
 
 import _fuzz_jobs as fj  # noqa: E402
+import _fuzz_gen as fg  # noqa: E402
 import _fuzz_model as fm  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def main():
             break
         else:
             seeds = [rng.randrange(2 ** 31) for _ in range(batch)]
-        scheds = [fm.generate(s) for s in seeds]
+        scheds = [fg.generate(s) for s in seeds]
         for s in scheds:
             seen.update(fm.expect(s).seen)
         verdicts = fj.verdicts(scheds, tmp, batch=batch)
@@ -55,7 +56,7 @@ def main():
         for sched, problems in zip(scheds, verdicts):
             if not problems:
                 continue
-            print(f"\nFAIL seed {sched['seed']} (size {fm.size(sched)}):", flush=True)
+            print(f"\nFAIL seed {sched['seed']} (size {fg.size(sched)}):", flush=True)
             for p in problems[:10]:
                 print(f"  {p}")
             small, small_p = sched, problems
@@ -63,11 +64,11 @@ def main():
             if shrink_s > 0 and left > 30:
                 small, small_p = fj.shrink(sched, problems, tmp, budget_s=min(shrink_s, left),
                                            log=lambda m: print(m, flush=True))
-                print(f"smallest failing schedule (size {fm.size(small)}):")
+                print(f"smallest failing schedule (size {fg.size(small)}):")
                 for p in small_p[:10]:
                     print(f"  {p}")
             print("\n# ready-to-paste regression test (tests/python/test_fuzz.py):")
-            print(fm.regression_test(small, small_p), flush=True)
+            print(fg.regression_test(small, small_p), flush=True)
             failures.append(sched["seed"])
         elapsed = time.monotonic() - start
         print(f"[{elapsed:6.0f} s] {ran} schedules, {len(failures)} failing", flush=True)

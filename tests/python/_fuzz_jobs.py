@@ -13,6 +13,7 @@ import traceback
 import torch
 
 import _dist_utils as du
+import _fuzz_gen as fg
 import _fuzz_model as fm
 from _dist_utils import job
 
@@ -308,7 +309,7 @@ def shrink(sched, problems, tmp_dir, budget_s=300, log=None, chunk=8):
     best, best_p = sched, problems
     sig = signature(problems)
     while time.monotonic() < deadline:
-        cands = fm.shrink_candidates(best)
+        cands = fg.shrink_candidates(best)
         found = False
         for start in range(0, len(cands), chunk):
             if time.monotonic() >= deadline:
@@ -317,9 +318,9 @@ def shrink(sched, problems, tmp_dir, budget_s=300, log=None, chunk=8):
             vs = verdicts(part, tmp_dir, batch=chunk)
             failing = [(c, p) for c, p in zip(part, vs) if p and signature(p) & sig]
             if failing:
-                best, best_p = min(failing, key=lambda cp: fm.size(cp[0]))
+                best, best_p = min(failing, key=lambda cp: fg.size(cp[0]))
                 if log:
-                    log(f"  shrunk to size {fm.size(best)}: {best_p[0][:160]}")
+                    log(f"  shrunk to size {fg.size(best)}: {best_p[0][:160]}")
                 found = True
                 break
         if not found:

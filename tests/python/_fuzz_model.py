@@ -2,7 +2,8 @@
 
 Written from README.md, docs/design.md and docs/checkpoints.md, not from the
 implementation: plain Python and float64 torch arithmetic on one process, no
-torch.distributed. Given a schedule (every rank's calls, see `generate`), it
+torch.distributed. Given a schedule (every rank's calls, see
+_fuzz_gen.generate), it
 says what every rank must observe at each call (a return value, or an error
 with its key words) and what every rank's parameters must be after each epoch.
 
@@ -35,7 +36,6 @@ Observation keys (one namespace per rank): "b/e/t" backward, "s/e/t" step,
 "f/e" flush, "x/e/t" a mid-epoch flush, "j/e" leaving join, "c/e/t" state_dict, "l/e/t" the resume.
 """
 import math
-import random
 
 import torch
 import torch.nn as nn
@@ -540,174 +540,3 @@ def _show(obs):
             return f"{obs[1][0]}: {obs[2][:300]}"
         return f"an error with {obs[1]}"
     return f"returned {obs[1]!r}"
-
-
-# --------------------------------------------------------------------------- #
-# Generating and shrinking schedules
-# --------------------------------------------------------------------------- #
-
-def _specs(rng, count, reduction, boom_p, closing=None):
-    out = []
-    for i in range(count):
-        u = rng.random()
-        if u < boom_p and (closing is None or closing(i)):
-            out.append("boom")
-        elif u < boom_p + 0.08:
-            out.append("nan")
-        elif u < boom_p + 0.25 and reduction == "items":
-            out.append("zero")
-        else:
-            out.append("ok")
-    return out
-
-
-def _try_generate(rng, seed):
-    W = rng.choice([2, 2, 3])
-    K = rng.randint(1, 4)
-    red = rng.choice(["mean", "sum", "items"])
-    sched = {"seed": seed, "world": W, "steps": K, "reduction": red,
-             "nonfinite": rng.choice(["skip", "skip_micro_batch"]),
-             "net": rng.choice(["linear", "mlp"]), "momentum": rng.choice([0.0, 0.9]),
-             "buckets": rng.choice(["one", "many"]), "as_view": rng.random() < 0.3,
-             "max_grad_norm": rng.choice([None, None, 0.5, 3.0]), "epochs": []}
-    m = 0
-    for _ in range(rng.randint(1, 3)):
-        end = rng.choices(["flush", "join", "none"], [5, 3, 2])[0]
-        events = []
-        if end == "join":
-            n = [rng.randint(0, 3 * K) for _ in range(W)]
-            micros = [_specs(rng, n[r], red, 0.06, closing=lambda i, m=m: (m + i + 1) % K == 0)
-                      for r in range(W)]
-            m = 0
-        else:
-            if end == "flush":
-                lock = (K - m) % K + rng.randint(0, 2) * K
-                n = [lock + rng.randint(0, K) for _ in range(W)]
-            else:
-                n = [rng.randint(0, 2 * K + 1)] * W
-            micros = [_specs(rng, n[r], red, 0.04) for r in range(W)]
-            for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
-                kind = rng.choices(["checkpoint", "opt_zero_grad", "acc_zero_grad", "flush"], [5, 4, 1, 1])[0]
-                arg = rng.randrange(W) if kind in ("checkpoint", "opt_zero_grad") else None
-                events.append([rng.randint(0, min(n)), kind, arg])
-            starts = [t for t in range((K - m) % K, min(n), K) if t + K - 1 <= min(n)]
-            if K > 1 and starts and rng.random() < 0.3:  # every rank saves, at its own micro-step
-                t0 = rng.choice(starts)
-                for r in range(W):
-                    events.append([t0 + rng.randint(1, K - 1), "state_dict", r])
-            events.sort(key=lambda ev: ev[0])
-            m = 0 if end == "flush" else (m + n[0]) % K  # ignoring acc_zero_grad: retried if invalid
-        sched["epochs"].append({"end": end, "micros": micros, "events": events})
-    if rng.random() < 0.05:  # drawn last: the other draws stay as they were
-        sched["launch"] = "no_group"
-    return sched
-
-
-def generate(seed):
-    """A valid random schedule, a function of `seed` alone."""
-    rng = random.Random(seed)
-    for _ in range(100):
-        sched = _try_generate(rng, seed)
-        try:
-            expect(sched)
-            return sched
-        except InvalidSchedule:
-            continue
-    raise RuntimeError(f"no valid schedule from seed {seed}")
-
-
-def size(sched):
-    eps = sched["epochs"]
-    return (sum(len(x) for ep in eps for x in ep["micros"]) + 4 * sum(len(ep["events"]) for ep in eps)
-            + 6 * len(eps) + 3 * sched["world"] + sched["steps"]
-            + sum(s != "ok" for ep in eps for x in ep["micros"] for s in x)
-            + (sched["net"] == "mlp") + (sched["momentum"] != 0)
-            + (sched.get("buckets") == "many") + bool(sched.get("as_view"))
-            + (sched.get("max_grad_norm") is not None))
-
-
-def _copy(sched):
-    import copy
-    return copy.deepcopy(sched)
-
-
-def shrink_candidates(sched):
-    """Smaller schedules than `sched` that the model still covers, smallest first."""
-    cands = []
-    if sched.get("launch"):  # a launch with its group
-        c = _copy(sched)
-        del c["launch"]
-        cands.append(c)
-    eps = sched["epochs"]
-    for e in range(len(eps)):  # drop an epoch
-        if len(eps) > 1:
-            c = _copy(sched)
-            del c["epochs"][e]
-            cands.append(c)
-    for e, ep in enumerate(eps):
-        for j in range(len(ep["events"])):  # drop an event
-            c = _copy(sched)
-            del c["epochs"][e]["events"][j]
-            cands.append(c)
-        n = [len(x) for x in ep["micros"]]
-        if min(n) >= sched["steps"]:  # drop the epoch's first window on every rank
-            K = sched["steps"]
-            c = _copy(sched)
-            cep = c["epochs"][e]
-            cep["micros"] = [x[K:] for x in cep["micros"]]
-            cep["events"] = [[t - K, k, a] for t, k, a in cep["events"] if t >= K]
-            cands.append(c)
-        for r in range(len(n)):  # one micro-batch less on one rank (its last)
-            if n[r] > 0:
-                c = _copy(sched)
-                cep = c["epochs"][e]
-                cep["micros"][r] = cep["micros"][r][:-1]
-                if cep["end"] == "none":
-                    cep["micros"] = [x[:n[r] - 1] for x in cep["micros"]]
-                lock = min(len(x) for x in cep["micros"])
-                cep["events"] = [ev for ev in cep["events"] if ev[0] <= lock]
-                cands.append(c)
-        for r, specs in enumerate(ep["micros"]):  # a bad micro-batch made good
-            for t, s in enumerate(specs):
-                if s != "ok":
-                    c = _copy(sched)
-                    c["epochs"][e]["micros"][r][t] = "ok"
-                    cands.append(c)
-    if sched["world"] == 3:  # two ranks
-        c = _copy(sched)
-        c["world"] = 2
-        for ep in c["epochs"]:
-            ep["micros"] = ep["micros"][:2]
-            ep["events"] = [ev for ev in ep["events"] if ev[2] != 2]
-        cands.append(c)
-    for key, small in (("net", "linear"), ("momentum", 0.0), ("buckets", "one"), ("as_view", False),
-                       ("max_grad_norm", None)):
-        if sched.get(key, small) != small:
-            c = _copy(sched)
-            c[key] = small
-            cands.append(c)
-    if sched["steps"] > 1 and all(ep["end"] != "join" for ep in eps):
-        c = _copy(sched)
-        c["steps"] -= 1
-        cands.append(c)
-    valid = []
-    for c in cands:
-        try:
-            expect(c)
-        except InvalidSchedule:
-            continue
-        valid.append(c)
-    valid.sort(key=size)
-    return valid
-
-
-def regression_test(sched, problems, name=None):
-    """A ready-to-paste pytest regression test for test_fuzz.py."""
-    import json
-    name = name or f"test_fuzz_seed_{sched['seed']}"
-    text = json.dumps(sched, separators=(",", ":"))
-    first = problems[0].replace('"', "'")[:160] if problems else "fails"
-    return (f'@pytest.mark.xfail(strict=True, reason="{first}")\n'
-            f"def {name}(tmp_path):\n"
-            f"    sched = json.loads({text!r})\n"
-            f"    assert_schedules_pass([sched], tmp_path)\n")

@@ -16,6 +16,7 @@ import torch
 
 import _dist_utils as du
 import _fuzz_jobs as fj
+import _fuzz_gen as fg
 import _fuzz_model as fm
 
 SEEDS = range(250)  # about 45 s on 2 cores (0.15 s a schedule, 2 launches)
@@ -57,10 +58,10 @@ def test_the_model_is_the_big_batch_on_plain_windows():
 
 def test_the_generator_is_deterministic_and_the_checker_bites():
     for seed in range(20):
-        sched = fm.generate(seed)
-        assert fm.generate(seed) == sched
+        sched = fg.generate(seed)
+        assert fg.generate(seed) == sched
         json.loads(json.dumps(sched))  # pastes into a test
-    sched = fm.generate(3)
+    sched = fg.generate(3)
     model = fm.expect(sched)
     perfect = [{"obs": {k: list(v) for k, v in model.exp[r].items()}, "trace": model.trace,
                 "micro_step": model.m, "window_ready": False, "optimizer_steps": model.optimizer_steps}
@@ -76,8 +77,8 @@ def test_the_generator_is_deterministic_and_the_checker_bites():
 
 
 def test_shrink_candidates_are_smaller_and_valid():
-    sched = fm.generate(11)
-    for cand in fm.shrink_candidates(sched):
+    sched = fg.generate(11)
+    for cand in fg.shrink_candidates(sched):
         fm.expect(cand)
         assert cand != sched
 
@@ -87,7 +88,7 @@ def test_shrink_candidates_are_smaller_and_valid():
 # --------------------------------------------------------------------------- #
 
 def test_fuzz_fixed_seeds(tmp_path):
-    assert_schedules_pass([fm.generate(seed) for seed in SEEDS], tmp_path)
+    assert_schedules_pass([fg.generate(seed) for seed in SEEDS], tmp_path)
 
 
 # --------------------------------------------------------------------------- #
