@@ -132,14 +132,6 @@ bool peers_ended_epoch(const ReductionResult& result) {
 
 } // namespace
 
-bool Accumulator::closes_window_next() const {
-  return !window_ready_ && micro_step_ + 1 == options_.steps();
-}
-
-bool Accumulator::sync_gradients() const {
-  return window_ready_ || closes_window_next();
-}
-
 void Accumulator::backward(const at::Tensor& loss, std::optional<double> num_items) {
   backward(loss, num_items, at::Tensor());
 }

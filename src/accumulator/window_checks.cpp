@@ -92,6 +92,15 @@ std::vector<GradMark> Accumulator::grad_versions() const {
   return versions;
 }
 
+bool Accumulator::closes_window_next() const {
+  return !window_ready_ && micro_step_ + 1 == options_.steps();
+}
+
+// As Accelerate's: through the closing micro-step, until step().
+bool Accumulator::sync_gradients() const {
+  return window_ready_ || closes_window_next();
+}
+
 void Accumulator::note_hookless_backward(uint64_t hooks_before, const std::vector<GradMark>& before) {
   if (!reducer_ || reducer_->hook_calls() != hooks_before) {
     return;
