@@ -565,7 +565,7 @@ def main():
     load_before = os.getloadavg()[0]
     extra = {}
     base = os.path.join(args.out_dir, name)
-    args.trace_base = base  # bench_net's traces and bucket-timeline plot: {base}-trace-MODEL.json, {base}-bound.png
+    args.trace_base = base  # bench_net's traces and bucket-timeline plot: {base}-trace-MODEL.json, {base}-timeline.png
     if not args.no_net:
         log("throttled multi-node links (bench_net.py)")
         extra["net"] = bench_net.run(args)

@@ -8,6 +8,14 @@ with tc (benchmarks/_netns.py), one torchrun per node, `--nnodes=N
 --nproc_per_node=1 --rdzv-backend=c10d`. Everything is set up and removed here;
 without namespaces it says why and writes nothing.
 
+0. Against the schedule bound (--bound-models gpt,large; empty to skip): on 2
+   nodes at 1 Gbit/s, the GPT-style transformer (8 sequences of 128 tokens)
+   and the large MLP (1024 rows), where one backward is about as long as the
+   all-reduce, K=4: the hidden fraction of DDP + no_sync and gradaccum
+   (Python and C++), and the largest fraction any bucket order could hide,
+   from gradaccum's timeline of the synchronising backward (benchmarks/
+   _bound.py); with --out (or from bench.py) a Chrome trace of one window per
+   model and a plot of its buckets, BASE-trace-MODEL.json and BASE-timeline.png.
 1. Hidden fraction. The large model, K in {1, 4, 16}, micro-batches of 128 rows,
    on 2 nodes at 1 and 10 Gbit/s (and 4 nodes behind a bridge at 1 Gbit/s):
    window time of DDP + no_sync, gradaccum from Python and from C++, and the
@@ -344,7 +352,7 @@ def write_bound_outputs(bnd, base, quick):
                        "lines": [f"this window: hidden {tw['hidden']:.2f}, bound {tw['bound']:.2f} "
                                  f"(buckets {tw['bucket_bound']:.2f})"]})
     if panels:
-        png = f"{base}-bound.png"
+        png = f"{base}-timeline.png"
         _bound.plot(panels, png, f"The synchronising backward's buckets against the schedule bound, "
                                  f"2 nodes at {bnd['rate']} (Gloo, tbf), bucket caps {bnd['bucket_cap_mb']:g} / "
                                  f"{bnd['first_bucket_cap_mb']:g} MiB{', quick run' if quick else ''}")
