@@ -330,6 +330,7 @@ def write_bound_outputs(bnd, base, quick):
     if not bnd or bnd.get("skipped") or not base:
         return
     panels, files = [], {}
+    os.makedirs(os.path.dirname(os.path.abspath(base)), exist_ok=True)
     for model, res in bnd["models"].items():
         tw = res.get("trace_window")
         if not tw:
