@@ -86,6 +86,34 @@ def combine(ranks, param_bytes):
             "rank0_buckets": own}
 
 
+def layout(ready, param_bytes, cap, first_cap):
+    """The buckets gradaccum would build with these caps, in the ready order
+    (its layout after the rebuild; src/buckets/bucket.cpp): parameters in the
+    order their gradients became ready, a bucket closed once it holds at least
+    its cap (the first bucket first_cap); the rest is the last bucket.
+    ready: [(time, index)]. Returns [(ready, bytes)] per bucket: its last
+    gradient's time."""
+    out, cur, size, t, first = [], 0, 0, 0.0, True
+    for when, j in sorted(ready):
+        cur += 1
+        size += param_bytes[j]
+        t = max(t, when)
+        if size >= (first_cap if first else cap):
+            out.append((t, size))
+            cur, size, t, first = 0, 0, 0.0, False
+    if cur:
+        out.append((t, size))
+    return out
+
+
+def cap_bounds(c, rate, caps, first_cap=2**20):
+    """The bound with the buckets as units for other bucket caps (bytes),
+    from the same gradient ready times (c: combine()'s result)."""
+    order = [(t, j) for j, (t, _) in enumerate(c["gradients"])]
+    pb = [b for _, b in c["gradients"]]
+    return {cap: bound(layout(order, pb, cap, first_cap), c["backward_end"], rate) for cap in caps}
+
+
 def rel(rank, t, t0):
     return -1.0 if t is None or t < 0 else rank["origin"] + t - t0
 

@@ -11,7 +11,7 @@ without namespaces it says why and writes nothing.
 0. Against the schedule bound (--bound-models gpt,large; empty to skip): on 2
    nodes at 1 Gbit/s, the GPT-style transformer (8 sequences of 128 tokens)
    and the large MLP (1024 rows), where one backward is about as long as the
-   all-reduce, K=4: the hidden fraction of DDP + no_sync and gradaccum
+   all-reduce, K in {1, 4}: the hidden fraction of DDP + no_sync and gradaccum
    (Python and C++), and the largest fraction any bucket order could hide,
    from gradaccum's timeline of the synchronising backward (benchmarks/
    _bound.py); with --out (or from bench.py) a Chrome trace of one window per
@@ -190,6 +190,10 @@ def link_runs(args, configs, ks):
     return out
 
 
+# Bucket caps (MiB) whose layout's bound the bound part derives from the same timelines.
+CAPS_MB = [1, 2, 4, 8, 16, 25]
+
+
 def spread(xs):
     xs = [x for x in xs if x == x]
     return {"median": median(xs), "min": min(xs), "max": max(xs)} if xs else None
@@ -229,6 +233,8 @@ def bound_cells(m, k, rate, contenders, cpp=None):
         per["backward_end_ms"].append(a["backward_end_ms"])
         per["done_by_end"].append(a["done_by_end"])
         per["launched_in_backward"].append(a["buckets_launched_in_backward"])
+        for cap, v in _bound.cap_bounds(a["combined"], rate, [c * 2**20 for c in CAPS_MB]).items():
+            per.setdefault(f"cap_bound_{cap / 2**20:g}", []).append(v)
         # The call-to-return time of the synchronising acc.backward() less the
         # timeline's span: how far the clock marks are off the reducer's.
         per["lag_ms"].append(max(1e3 * (r["marks"][-1][2] - r["marks"][-1][1] - r["timeline"]["finished"])
@@ -273,7 +279,7 @@ def bound_runs(args):
            "GRADACCUM_BENCH_COMPUTE_NICE": str(args.compute_nice)}
     contenders = ["local", "ddp_nosync", "gradaccum_py"]
     blocks = 1 if args.quick else args.bound_blocks
-    micro = 1 if args.quick else max(ks)
+    micro = 1 if args.quick else max(4, max(ks))  # micro-steps per timed command: 4 windows of K=1, 1 of K=4
     out = {"rate": args.bound_rate, "nodes": 2, "ks": ks, "bucket_cap_mb": cap,
            "first_bucket_cap_mb": args.first_bucket_cap_mb, "models": {}}
     log(f"schedule bound: 2 nodes, {args.bound_rate}, models {', '.join(models)}, K {args.bound_ks}, "
@@ -551,6 +557,17 @@ def bound_markdown(bnd, rel):
                          f"{sp(c.get('bucket_bound'))} | {sp(ga.get('hidden'))} | {sp(ga.get('ratio'))} | "
                          f"{sp(dd.get('hidden'))} | {sp(dd.get('ratio'))} | {sp(cc.get('hidden'))} | "
                          f"{sp(cc.get('ratio'))} | {sp(c.get('done_by_end'))} |")
+    lines += ["", "The bound with the buckets as units for other bucket caps (first bucket 1 MiB), from the "
+                  "same timelines: the layout gradaccum builds (parameters in ready order, a bucket closed once "
+                  "it holds its cap), each bucket ready with its last gradient; median over blocks:", "",
+              "| model | K | " + " | ".join(f"{c:g} MiB" for c in CAPS_MB) + " |",
+              "|---|---:|" + "---:|" * len(CAPS_MB)]
+    for model, r in bnd["models"].items():
+        label = "transformer" if model in TRANSFORMERS else f"MLP {model}"
+        for k, c in r["cells"].items():
+            lines.append(f"| {label} | {k} | " + " | ".join(
+                f"{c[f'cap_bound_{cap:g}']['median']:.2f}" if c.get(f"cap_bound_{cap:g}") else "—"
+                for cap in CAPS_MB) + " |")
     lines.append("")
     files = bnd.get("files") or {}
     if files.get("png"):
@@ -653,7 +670,7 @@ def add_arguments(p):
                    help="NODES:RATE,... (default 2:1gbit,2:10gbit,4:1gbit; --quick: 2:1gbit; none: no link runs)")
     p.add_argument("--bound-models", default="gpt,large",
                    help="models of the schedule-bound part, on 2 nodes (empty: skip it)")
-    p.add_argument("--bound-ks", default="4", help="values of K of the schedule-bound part")
+    p.add_argument("--bound-ks", default="1,4", help="values of K of the schedule-bound part")
     p.add_argument("--bound-blocks", type=int, default=5, help="blocks of the schedule-bound part")
     p.add_argument("--bound-budget-s", type=float, default=150, help="stop adding blocks after this, per model")
     p.add_argument("--bound-rate", default="1gbit", help="link rate of the schedule-bound part")
