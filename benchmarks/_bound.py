@@ -235,8 +235,8 @@ def plot(panels, path, suptitle):
             if bt["launched"] >= 0 and bt["completed"] >= 0:
                 ax.barh(b, 1e3 * (bt["completed"] - bt["launched"]), left=1e3 * bt["launched"], height=0.6,
                         color="tab:blue", alpha=0.7)
-            if bt["ready"] >= 0:
-                ax.plot(1e3 * bt["ready"], b, "k|", ms=12)
+            if b < len(c["buckets"]):
+                ax.plot(1e3 * c["buckets"][b][0], b, "k|", ms=14, mew=2)
             ax.text(1e3 * max(bt["completed"], bt["launched"]), b, f" {bt['bytes'] / 2**20:.1f} MiB", va="center",
                     fontsize=7)
         ax.axvline(1e3 * end, color="k", lw=1)
@@ -244,7 +244,8 @@ def plot(panels, path, suptitle):
         ax.set_ylim(nb - 0.5, -0.5)
         ax.set_yticks(range(nb))
         ax.set_ylabel("bucket (launch order)")
-        ax.set_xlabel("ms from the synchronising backward's start (rank 0's buckets; |: ready on every rank)")
+        ax.set_xlabel("ms from the later rank's backward start (bars: rank 0's launch to completion; "
+                      "|: ready on every rank)", fontsize=8)
         ax.grid(True, alpha=0.3)
         for i, line in enumerate(p.get("lines", [])):
             axes[0][col].text(0.99, 0.03 + 0.06 * i, line, transform=axes[0][col].transAxes, ha="right",

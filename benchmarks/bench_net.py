@@ -290,7 +290,8 @@ def bound_runs(args):
         cpps = {}
         if args.cpp_bench and not args.bound_no_cpp:
             for model in models:
-                cpps[model] = run_cpp(cluster, args, ks, 1, blocks, env, f"bound-cpp-{model}", model=model)
+                cpps[model] = run_cpp(cluster, args, ks, max(1, micro // max(ks)), blocks, env, f"bound-cpp-{model}",
+                                      model=model)
         out.update(shaper=cluster.shaper, delay_emulated=cluster.delay_emulated)
     for model in models:
         m = py["models"][model]
