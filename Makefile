@@ -91,8 +91,9 @@ demo:
 	@echo "==> the digits demo"
 	OMP_NUM_THREADS=1 $(PYTHON) examples/python/digits_demo.py --out $(BUILD)/demo
 
-# 15-25 minutes, not part of CI: throttled multi-node links (network namespaces,
-# root) and growth, callgrind instruction counts, then the loopback wall clock.
+# 20-30 minutes, not part of CI: throttled multi-node links (network namespaces,
+# root): the schedule bound (transformer and MLP), overlap and growth; callgrind
+# instruction counts; then the loopback wall clock.
 bench: build
 	$(PYTHON) benchmarks/bench.py --cpp-bench $(BUILD)/bench/bench_window --readme benchmarks/RESULTS.md
 

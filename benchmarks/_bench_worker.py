@@ -25,6 +25,7 @@ OMP_NUM_THREADS=1 in the environment. Two modes:
 Every answer is one stdout line "@@ {json}".
 """
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -49,17 +50,70 @@ MODELS = {
     "m3": [1024, 1024, 1024, 1024, 256],  # 3,411,200
     "xl": [2048, 4096, 4096, 4096, 2048],  # 50,350,080
 }
-MICRO_BATCH = int(os.environ.get("GRADACCUM_BENCH_MICRO_BATCH", "32"))  # rows per micro-batch
+# The transformer: a GPT-style decoder (token and position embeddings, causal
+# self-attention + MLP blocks with LayerNorm, the output head tied to the
+# token embedding), trained as a language model on random tokens.
+# bench_window.cpp builds the same one (--model gpt).
+TRANSFORMERS = {
+    "gpt": {"vocab": 4096, "seq": 128, "d": 384, "layers": 6, "heads": 6},  # 12,269,568 parameters
+}
+MODEL_NAMES = sorted(MODELS) + sorted(TRANSFORMERS)
+MICRO_BATCH = int(os.environ.get("GRADACCUM_BENCH_MICRO_BATCH", "32"))  # rows per micro-batch (MLPs)
+# Sequences of TRANSFORMERS[...]["seq"] tokens per micro-batch of the transformer.
+GPT_MICRO_BATCH = int(os.environ.get("GRADACCUM_BENCH_GPT_MICRO_BATCH", "2"))
 POOL = 16  # distinct micro-batches cycled through
 # Bucket cap (MiB) for DDP and gradaccum alike: the libraries' default, 25, or
 # GRADACCUM_BENCH_BUCKET_CAP_MB (bench_net.py; bench_window.cpp reads it too).
 BUCKET_CAP_MB = float(os.environ.get("GRADACCUM_BENCH_BUCKET_CAP_MB", "25"))
+# gradaccum's first bucket cap (MiB): the default, 1, or GRADACCUM_BENCH_FIRST_BUCKET_CAP_MB
+# (torch DDP's is fixed at 1 MiB).
+FIRST_BUCKET_CAP_MB = float(os.environ.get("GRADACCUM_BENCH_FIRST_BUCKET_CAP_MB", "1"))
 LR = 1e-4
 
 CONTENDERS = ("ddp_nosync", "ddp_every", "gradaccum_py", "local")
 
 
+class Block(torch.nn.Module):
+    """Pre-LayerNorm decoder block: causal self-attention, then a 4x MLP."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.proj = torch.nn.Linear(d, d)
+        self.ln2 = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, 4 * d)
+        self.out = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    """Token + position embeddings, blocks, final LayerNorm, head tied to wte."""
+
+    def __init__(self, vocab, seq, d, layers, heads):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.wpe = torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln_f = torch.nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.wte.weight)  # tied output head
+
+
 def build_model(name):
+    if name in TRANSFORMERS:
+        return GPT(**TRANSFORMERS[name])
     widths = MODELS[name]
     layers = []
     for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
@@ -70,8 +124,40 @@ def build_model(name):
 
 
 def num_parameters(name):
+    if name in TRANSFORMERS:
+        c = TRANSFORMERS[name]
+        d = c["d"]
+        block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+        return c["vocab"] * d + c["seq"] * d + c["layers"] * block + 2 * d
     w = MODELS[name]
     return sum(a * b + b for a, b in zip(w[:-1], w[1:]))
+
+
+def make_data(name, generator, pool=None):
+    """`pool` micro-batches (inputs, targets) of model `name`, from `generator`."""
+    pool = pool or POOL
+    if name in TRANSFORMERS:
+        c = TRANSFORMERS[name]
+        shape = (GPT_MICRO_BATCH, c["seq"])
+        return [(torch.randint(0, c["vocab"], shape, generator=generator),
+                 torch.randint(0, c["vocab"], shape, generator=generator)) for _ in range(pool)]
+    w = MODELS[name]
+    return [(torch.randn(MICRO_BATCH, w[0], generator=generator),
+             torch.randn(MICRO_BATCH, w[-1], generator=generator)) for _ in range(pool)]
+
+
+def loss_of(model, x, y):
+    """The micro-batch's loss: MSE for the MLPs, next-token cross-entropy for the transformer."""
+    out = model(x)
+    if out.dim() == 3:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return F.mse_loss(out, y)
+
+
+def micro_batch_desc(name):
+    if name in TRANSFORMERS:
+        return f"{GPT_MICRO_BATCH} sequences of {TRANSFORMERS[name]['seq']} tokens"
+    return f"{MICRO_BATCH} rows"
 
 
 def peak_rss_kib():
@@ -99,10 +185,10 @@ class Bench:
         self.nonfinite = nonfinite
         torch.manual_seed(0)  # the same initial weights on every rank
         self.base = build_model(model_name)
-        w = MODELS[model_name]
         g = torch.Generator().manual_seed(1 + self.rank)
-        self.data = [(torch.randn(MICRO_BATCH, w[0], generator=g),
-                      torch.randn(MICRO_BATCH, w[-1], generator=g)) for _ in range(POOL)]
+        self.data = make_data(model_name, g)
+        # Set to a list by batch(): each window then appends its marks (see window()).
+        self.marks = None
         self._ddp = None
         self._local = None
         self._acc = {}
@@ -128,39 +214,58 @@ class Bench:
             model = copy.deepcopy(self.base)
             opt = torch.optim.SGD(model.parameters(), lr=LR)
             acc = gradaccum.Accumulator(model, opt, steps=k, nonfinite=self.nonfinite,
-                                        gradient_as_bucket_view=self.bucket_view, bucket_cap_mb=BUCKET_CAP_MB)
+                                        gradient_as_bucket_view=self.bucket_view, bucket_cap_mb=BUCKET_CAP_MB,
+                                        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB)
             self._acc[k] = (model, acc)
         return self._acc[k]
 
     # -- one window (K micro-batches, one optimizer step) of each contender --
     def window(self, contender, k, start=0):
+        """One window. With self.marks a list (batch mode), the window's
+        micro-steps' clock marks replace it: per micro-step (start, forward
+        done, backward returned, step done), perf_counter seconds; the last
+        micro-step's "step done" includes the optimizer step."""
         data, n = self.data, len(self.data)
+        clock = time.perf_counter
+        marks = [] if self.marks is not None else None
         if contender == "gradaccum_py":
             model, acc = self.accumulator(k)
             for i in range(k):
                 x, y = data[(start + i) % n]
-                acc.backward(F.mse_loss(model(x), y))
+                t0 = clock()
+                loss = loss_of(model, x, y)
+                t1 = clock()
+                acc.backward(loss)
+                t2 = clock()
                 acc.step()
+                if marks is not None:
+                    marks.append((t0, t1, t2, clock()))
+            if marks is not None:
+                self.marks = marks
             return
         if contender in ("ddp_nosync", "ddp_every"):
             model, opt = self.ddp()
-            for i in range(k):
-                x, y = data[(start + i) % n]
-                if contender == "ddp_nosync" and i < k - 1:
-                    with model.no_sync():
-                        (F.mse_loss(model(x), y) / k).backward()
-                else:
-                    (F.mse_loss(model(x), y) / k).backward()
         elif contender == "local":
             model, opt = self.local()
-            for i in range(k):
-                x, y = data[(start + i) % n]
-                (F.mse_loss(model(x), y) / k).backward()
         else:
             raise ValueError(f"unknown contender {contender!r}")
+        for i in range(k):
+            x, y = data[(start + i) % n]
+            # DDP's forward must run inside no_sync() too (it prepares the reducer).
+            with model.no_sync() if contender == "ddp_nosync" and i < k - 1 else contextlib.nullcontext():
+                t0 = clock()
+                loss = loss_of(model, x, y) / k
+                t1 = clock()
+                loss.backward()
+                t2 = clock()
+            if marks is not None:
+                marks.append([t0, t1, t2, t2])
         opt.step()
         # Bucket views must stay views: zero them instead of dropping them.
         opt.zero_grad(set_to_none=not self.bucket_view)
+        if marks is not None:
+            marks[-1][3] = clock()
+            self.marks = marks
 
     def time(self, contender, k, windows):
         dist.barrier()
@@ -223,7 +328,7 @@ def backward_alone(bench, reps):
     x, y = bench.data[0]
     times = []
     for _ in range(reps):
-        loss = F.mse_loss(model(x), y)
+        loss = loss_of(model, x, y)
         t0 = time.perf_counter()
         loss.backward()
         times.append(time.perf_counter() - t0)
@@ -244,6 +349,11 @@ def batch(args):
             for c in contenders:
                 bench.window(c, k)
         times = {k: {c: [] for c in contenders} for k in ks}
+        # Per K and contender, per block: the clock marks of the last timed
+        # window's micro-steps, and gradaccum's timeline of its synchronising
+        # backward (acc.last_window_timeline(), where the package has it).
+        traces = {k: {c: [] for c in contenders} for k in ks}
+        bench.marks = []
         t_model = time.perf_counter()
         for b in range(args.blocks):
             # Rank 0's clock decides, so every rank runs the same commands.
@@ -258,14 +368,29 @@ def batch(args):
                     order.reverse()
                 for c in order:
                     times[k][c].append(statistics.median(bench.time(c, k, per_k[k])["times"]))
+                    trace = {"marks": [list(m) for m in bench.marks]}
+                    if c == "gradaccum_py" and hasattr(bench._acc[k][1], "last_window_timeline"):
+                        trace["timeline"] = bench._acc[k][1].last_window_timeline()
+                    traces[k][c].append(trace)
         ar = bench.allreduce(args.allreduce_reps)
         bwd = backward_alone(bench, 5)
+        bench.marks = None
         stats = {k: bench._acc[k][1].stats() for k in ks if k in bench._acc}
+        acc_model = next(iter(bench._acc.values()))[0] if bench._acc else bench.base
+        params = [(n, p) for n, p in acc_model.named_parameters() if p.requires_grad]
         out["models"][model_name] = {
             "parameters": num_parameters(model_name), "windows_per_k": per_k,
+            "micro_batch": micro_batch_desc(model_name),
             "times": {str(k): v for k, v in times.items()}, "allreduce": ar["times"],
             "allreduce_bytes": ar["bytes"], "backward": bwd,
-            "stats": {str(k): v for k, v in stats.items()}}
+            "stats": {str(k): v for k, v in stats.items()},
+            "traces": {str(k): v for k, v in traces.items()},
+            # The Accumulator's parameter order (trainable model.parameters()).
+            "param_names": [n for n, _ in params],
+            "param_bytes": [p.numel() * p.element_size() for _, p in params],
+            "bucket_indices": {str(k): [list(b) for b in bench._acc[k][1].bucket_indices]
+                               for k in ks if k in bench._acc},
+            "bucket_cap_mb": BUCKET_CAP_MB, "first_bucket_cap_mb": FIRST_BUCKET_CAP_MB}
         del bench
     out["seconds"] = time.perf_counter() - t_start
     reply(out)
@@ -290,15 +415,15 @@ def instr(args):
         x, y = data[i % len(data)]
         if contender == "gradaccum_py":
             model, acc = bench.accumulator(k)
-            acc.backward(F.mse_loss(model(x), y))
+            acc.backward(loss_of(model, x, y))
             acc.step()
         elif contender == "ddp_nosync":
             model, _ = bench.ddp()
             with model.no_sync():
-                (F.mse_loss(model(x), y) / k).backward()
+                (loss_of(model, x, y) / k).backward()
         else:
             model, _ = bench.local()
-            (F.mse_loss(model(x), y) / k).backward()
+            (loss_of(model, x, y) / k).backward()
 
     def finish(contender):
         # The window's last micro-step (and step), not counted in "micro".
@@ -307,7 +432,7 @@ def instr(args):
             return
         model, opt = bench.ddp() if contender == "ddp_nosync" else bench.local()
         x, y = data[(k - 1) % len(data)]
-        (F.mse_loss(model(x), y) / k).backward()
+        (loss_of(model, x, y) / k).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -338,7 +463,7 @@ def instr(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=sorted(MODELS))
+    p.add_argument("--model", choices=MODEL_NAMES)
     p.add_argument("--batch", action="store_true", help="batch mode (see the module docstring)")
     p.add_argument("--models", default="large")
     p.add_argument("--contenders", default="local,ddp_nosync,gradaccum_py")

@@ -1,10 +1,11 @@
 """CPU benchmark: gradaccum vs torch DDP, 2 Gloo ranks on loopback.
 
-    python benchmarks/bench.py --cpp-bench build/bench/bench_window   (make bench; 15-25 min on 2 cores)
+    python benchmarks/bench.py --cpp-bench build/bench/bench_window   (make bench; 20-30 min on 2 cores)
     python benchmarks/bench.py --quick                                 (a few minutes; a smoke test)
     python benchmarks/bench.py --readme benchmarks/RESULTS.md          (also refresh its generated section)
 
-For each model (small: ~0.3M parameters, large: ~11M; Linear/ReLU stacks, SGD,
+For each model (small: ~0.3M parameters, large: ~11M: Linear/ReLU stacks; gpt: a 12M-parameter
+GPT-style transformer on random tokens, 2 sequences of 128 tokens per micro-batch; SGD,
 micro-batches of 32 rows) and K in {1, 4, 16} micro-batches per optimizer step,
 one "window" (K forward/backward passes, one optimizer step) of each contender:
 
@@ -55,7 +56,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _bench_worker import MICRO_BATCH, MODELS, num_parameters  # noqa: E402
+from _bench_worker import GPT_MICRO_BATCH, MICRO_BATCH, MODEL_NAMES, MODELS, TRANSFORMERS, num_parameters  # noqa: E402
 import bench_instr  # noqa: E402
 import bench_mixed  # noqa: E402
 import bench_net  # noqa: E402
@@ -180,9 +181,9 @@ def median(xs):
 
 def windows_per_command(model, k, quick):
     """Timed windows per command: about the same number of micro-steps per K."""
-    micro = {"small": 48, "large": 8}[model]
+    micro = {"small": 48, "large": 8, "gpt": 4}[model]
     if quick:
-        micro = {"small": 16, "large": 1}[model]
+        micro = {"small": 16, "large": 1, "gpt": 1}[model]
     return max(1, micro // k)
 
 
@@ -211,8 +212,9 @@ def bench_model(model, args, cpp, log_dir):
                 run(c, k, 1 if model == "large" else 2)
         blocks = {k: {c: [] for c in contenders} for k in steps}
         extra = {k: {} for k in steps}
-        n_blocks = args.blocks or ({"small": 3, "large": 2} if args.quick else {"small": 20, "large": 10})[model]
-        budget = args.model_budget_s or (60 if args.quick else {"small": 60, "large": 150}[model])
+        n_blocks = args.blocks or ({"small": 3, "large": 2, "gpt": 2} if args.quick else
+                                   {"small": 20, "large": 10, "gpt": 10})[model]
+        budget = args.model_budget_s or (60 if args.quick else {"small": 60, "large": 150, "gpt": 150}[model])
         done = 0
         for b in range(n_blocks):
             if done >= min(3, n_blocks) and time.perf_counter() - t_start > budget:
@@ -335,7 +337,8 @@ def check_targets(summary, steps):
                     "detail": detail})
 
     for model, limit, c in (("small", 0.90, "gradaccum_py"), ("large", 1.00, "gradaccum_py"),
-                            ("small", 0.80, "gradaccum_cpp")):
+                            ("small", 0.80, "gradaccum_cpp"), ("gpt", 1.00, "gradaccum_py"),
+                            ("gpt", 1.00, "gradaccum_cpp")):
         s = summary.get(model)
         for k in steps:
             cell = s and s["cells"][k].get(c)
@@ -382,7 +385,7 @@ def fmt_bytes(b):
     return f"{b / 2**20:.2f} MiB" if b >= 2**20 else (f"{b / 1024:.1f} KiB" if b else "0")
 
 
-def markdown(result, growth_png):
+def markdown(result, growth_png, rel=None):
     meta = result["meta"]
     steps = result["config"]["steps"]
     lines = [f"CPU: {meta['cpu']} ({meta['cpus']} cores), torch {meta['torch']}, gradaccum {meta['gradaccum']}, "
@@ -390,7 +393,7 @@ def markdown(result, growth_png):
              f"{meta.get('load_after', '?')} after (other work shared the machine)"
              f"{' — **quick run, not a measurement**' if result['config']['quick'] else ''}.", ""]
     if "net" in result:
-        lines.append(bench_net.markdown(result["net"], growth_png))
+        lines.append(bench_net.markdown(result["net"], growth_png, rel))
     if "instr" in result:
         lines.append(bench_instr.markdown(result["instr"]))
     if "mixed" in result:
@@ -399,7 +402,8 @@ def markdown(result, growth_png):
         f"**Wall clock, loopback.** CPU, 2 Gloo ranks on loopback, 1 thread each; {meta['cpu']} ({meta['cpus']} cores), "
         f"torch {meta['torch']}, gradaccum {meta['gradaccum']}, {meta['date']}"
         f"{' — **quick run, not a measurement**' if result['config']['quick'] else ''}. "
-        f"Micro-batches of {MICRO_BATCH} rows, SGD; window = K micro-batches + one optimizer step. "
+        f"Micro-batches of {MICRO_BATCH} rows (MLPs) or {GPT_MICRO_BATCH} sequences of "
+        f"{TRANSFORMERS['gpt']['seq']} tokens (transformer), SGD; window = K micro-batches + one optimizer step. "
         f"Time: median over blocks of each block's median window; ratio: to DDP + no_sync in the same "
         f"block, median [min–max] over blocks. Overhead: over the local-only floor. Both ranks and their "
         f"communication share 2 cores here: nothing is left to overlap on, so these ratios measure overhead "
@@ -513,7 +517,8 @@ def main():
     p.add_argument("--cpp-bench", default=os.path.join(ROOT, "build", "bench", "bench_window"),
                    help="the C++ contender (built by make build-cpp); skipped if missing")
     p.add_argument("--quick", action="store_true", help="a smoke run of about a minute (noisy figures)")
-    p.add_argument("--models", default="small,large")
+    p.add_argument("--models", default="small,large",
+                   help="loopback models: the MLPs small, large and the transformer gpt (about 5 minutes more)")
     p.add_argument("--steps", default="1,4,16", help="values of K")
     p.add_argument("--blocks", type=int, default=0,
                    help="blocks per model (default: 20 small, 10 large; --quick: 3, 2)")
@@ -539,8 +544,8 @@ def main():
     args.steps = [int(k) for k in args.steps.split(",")]
     models = [m for m in args.models.split(",") if m]
     for m in models:
-        if m not in MODELS:
-            p.error(f"unknown model {m!r} (have {sorted(MODELS)})")
+        if m not in MODEL_NAMES:
+            p.error(f"unknown model {m!r} (have {MODEL_NAMES})")
     name = args.name or ("cpu-quick" if args.quick else "cpu-latest")
 
     import torch
@@ -559,6 +564,8 @@ def main():
     t0 = time.perf_counter()
     load_before = os.getloadavg()[0]
     extra = {}
+    base = os.path.join(args.out_dir, name)
+    args.trace_base = base  # bench_net's traces and bucket-timeline plot: {base}-trace-MODEL.json, {base}-timeline.png
     if not args.no_net:
         log("throttled multi-node links (bench_net.py)")
         extra["net"] = bench_net.run(args)
@@ -583,28 +590,30 @@ def main():
                  "gradaccum": gradaccum.__version__, "python": platform.python_version(),
                  "cpu": cpu_name(), "cpus": os.cpu_count(), "hostname": platform.node(),
                  "seconds": time.perf_counter() - t0},
-        "config": {"quick": args.quick, "steps": args.steps, "models": {m: MODELS[m] for m in models},
-                   "micro_batch": MICRO_BATCH, "world_size": 2, "backend": "gloo", "threads_per_rank": 1,
+        "config": {"quick": args.quick, "steps": args.steps,
+                   "models": {m: MODELS.get(m) or TRANSFORMERS[m] for m in models},
+                   "micro_batch": MICRO_BATCH, "gpt_micro_batch": GPT_MICRO_BATCH, "world_size": 2, "backend": "gloo", "threads_per_rank": 1,
                    "optimizer": "SGD", "nonfinite": args.nonfinite, "cpp_bench": cpp,
                    "contenders": {c: LABELS[c] for c in CONTENDERS}},
         "summary": summary,
         "targets": targets,
         **extra,
     }
-    base = os.path.join(args.out_dir, name)
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     growth_png = base + "-growth.png"
     if (extra.get("net") or {}).get("growth"):
         bench_net.plot_growth(extra["net"]["growth"], growth_png, args.quick)
-    table = markdown(result, os.path.basename(growth_png))
+    table = markdown(result, os.path.basename(growth_png),
+                     lambda p: os.path.relpath(os.path.join(ROOT, p), args.out_dir))
     with open(base + ".md", "w") as f:
         f.write(table)
     if summary:
         plot(result, base + ".png")
     for path in args.readme:
         here = os.path.dirname(os.path.abspath(path))
-        update_readme(path, markdown(result, os.path.relpath(growth_png, here)),
+        update_readme(path, markdown(result, os.path.relpath(growth_png, here),
+                                     lambda p, here=here: os.path.relpath(os.path.join(ROOT, p), here)),
                       os.path.relpath(base + ".md", here))
 
     log("")

@@ -8,6 +8,14 @@ with tc (benchmarks/_netns.py), one torchrun per node, `--nnodes=N
 --nproc_per_node=1 --rdzv-backend=c10d`. Everything is set up and removed here;
 without namespaces it says why and writes nothing.
 
+0. Against the schedule bound (--bound-models gpt,large; empty to skip): on 2
+   nodes at 1 Gbit/s, the GPT-style transformer (8 sequences of 128 tokens)
+   and the large MLP (1024 rows), where one backward is about as long as the
+   all-reduce, K=1 (--bound-ks): the hidden fraction of DDP + no_sync and gradaccum
+   (Python and C++), and the largest fraction any bucket order could hide,
+   from gradaccum's timeline of the synchronising backward (benchmarks/
+   _bound.py); with --out (or from bench.py) a Chrome trace of one window per
+   model and a plot of its buckets, BASE-trace-MODEL.json and BASE-timeline.png.
 1. Hidden fraction. The large model, K in {1, 4, 16}, micro-batches of 128 rows,
    on 2 nodes at 1 and 10 Gbit/s (and 4 nodes behind a bridge at 1 Gbit/s):
    window time of DDP + no_sync, gradaccum from Python and from C++, and the
@@ -30,8 +38,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import _bound  # noqa: E402
 import _netns  # noqa: E402
-from _bench_worker import num_parameters  # noqa: E402
+from _bench_worker import TRANSFORMERS, num_parameters  # noqa: E402
 
 WORKER = os.path.join(HERE, "_bench_worker.py")
 LAUNCH_TIMEOUT_S = 420
@@ -91,6 +100,8 @@ def run_python(cluster, args, models, ks, contenders, micro, blocks, budget, env
     # largest time over ranks (the floor too: the slowest rank's compute).
     out = ranks[0]
     for model, m in out["models"].items():
+        # Each rank's clock marks and timelines (the bound combines the ranks).
+        m["rank_traces"] = [r["models"][model].pop("traces", {}) for r in ranks]
         for k, row in m["times"].items():
             for c in row:
                 per_rank = [r["models"][model]["times"][k][c] for r in ranks]
@@ -99,19 +110,26 @@ def run_python(cluster, args, models, ks, contenders, micro, blocks, budget, env
     return out
 
 
-def run_cpp(cluster, args, ks, windows, blocks, env, name):
-    argv = [args.cpp_bench, "--model", "large", "--steps", ",".join(map(str, ks * blocks)),
+def run_cpp(cluster, args, ks, windows, blocks, env, name, model="large"):
+    argv = [args.cpp_bench, "--model", model, "--steps", ",".join(map(str, ks * blocks)),
             "--windows", str(windows), "--warmup", "1", "--contenders", "gradaccum,local"]
     lines, secs = launch(cluster, argv, True, env, os.path.join(args.log_dir, f"{name}.log"), 29432)
-    per_rank = {}
+    per_rank, traces = {}, {}
     for l in lines:
         if "times" in l:
             per_rank.setdefault(l["rank"], {}).setdefault(str(l["K"]), {}).setdefault(l["contender"], []).append(
                 median(l["times"]))
+            if "timeline" in l:
+                traces.setdefault(str(l["K"]), {}).setdefault(l["rank"], []).append(
+                    {"timeline": l["timeline"], "marks": l["marks"]})
     log(f"  {name}: {secs:.0f} s")
     # Per block, the slowest rank (see run_python).
-    return {str(k): {c: [max(b) for b in zip(*[r[str(k)][c] for r in per_rank.values()])]
-                     for c in ("gradaccum_cpp", "local_cpp")} for k in ks}
+    out = {str(k): {c: [max(b) for b in zip(*[r[str(k)][c] for r in per_rank.values()])]
+                    for c in ("gradaccum_cpp", "local_cpp")} for k in ks}
+    for k in ks:
+        if str(k) in traces:
+            out[str(k)]["rank_traces"] = [traces[str(k)][r] for r in sorted(traces[str(k)])]
+    return out
 
 
 def hidden_fraction(window, floor, allreduce):
@@ -170,6 +188,184 @@ def link_runs(args, configs, ks):
                     f"{c}={cell['window_ms']:.0f}ms" + (f" hidden {cell['hidden']:.2f}" if "hidden" in cell else "")
                     for c, cell in s["cells"][str(k)].items()) + f"  (all-reduce {s['allreduce_ms']:.0f} ms)")
     return out
+
+
+# Bucket caps (MiB) whose layout's bound the bound part derives from the same timelines.
+CAPS_MB = [1, 2, 4, 8, 16, 25]
+
+
+def spread(xs):
+    xs = [x for x in xs if x == x]
+    return {"median": median(xs), "min": min(xs), "max": max(xs)} if xs else None
+
+
+def window_ranks(rank_traces, k, contender, block):
+    """Each rank's {"timeline", "origin", "marks"} of one block's last window
+    (origin: the clock just before the synchronising acc.backward())."""
+    out = []
+    for rt in rank_traces:
+        tr = rt[str(k)][contender][block] if contender else rt[block]
+        if not tr.get("timeline") or not tr["timeline"].get("buckets"):
+            return None
+        out.append({"timeline": tr["timeline"], "origin": tr["marks"][-1][1], "marks": tr["marks"]})
+    return out
+
+
+def bound_cells(m, k, rate, contenders, cpp=None):
+    """Per block: the bound from that block's gradaccum timeline, the hidden
+    fractions of the block's windows, and their ratios (see _bound.py)."""
+    times, pb = m["times"][str(k)], m["param_bytes"]
+    ar = median(m["allreduce"])
+    blocks = len(times["local"])
+    per = {"bound": [], "bucket_bound": [], "backward_end_ms": [], "done_by_end": [], "lag_ms": [],
+           "launched_in_backward": []}
+    hidden = {c: hidden_fraction(times[c], times["local"], ar) for c in contenders if c in times}
+    analyses = []
+    for b in range(blocks):
+        ranks = window_ranks(m["rank_traces"], k, "gradaccum_py", b)
+        if ranks is None:
+            analyses.append(None)
+            continue
+        a = _bound.analyse(ranks, pb, rate)
+        analyses.append((a, ranks))
+        per["bound"].append(a["bound"])
+        per["bucket_bound"].append(a["bucket_bound"])
+        per["backward_end_ms"].append(a["backward_end_ms"])
+        per["done_by_end"].append(a["done_by_end"])
+        per["launched_in_backward"].append(a["buckets_launched_in_backward"])
+        for cap, v in _bound.cap_bounds(a["combined"], rate, [c * 2**20 for c in CAPS_MB]).items():
+            per.setdefault(f"cap_bound_{cap / 2**20:g}", []).append(v)
+        # The call-to-return time of the synchronising acc.backward() less the
+        # timeline's span: how far the clock marks are off the reducer's.
+        per["lag_ms"].append(max(1e3 * (r["marks"][-1][2] - r["marks"][-1][1] - r["timeline"]["finished"])
+                                 for r in ranks))
+    cell = {k2: spread(v) for k2, v in per.items()}
+    cell["buckets"] = analyses[-1][0]["buckets"] if analyses and analyses[-1] else None
+    for c, h in hidden.items():
+        cell[c] = {"hidden": spread(h), "hidden_blocks": h}
+        if per["bound"] and len(per["bound"]) == len(h):
+            cell[c]["ratio"] = spread([x / bnd for x, bnd in zip(h, per["bound"])])
+    if cpp and cpp.get("rank_traces"):
+        h = hidden_fraction(cpp["gradaccum_cpp"], cpp["local_cpp"], ar)
+        bnds = []
+        for b in range(len(h)):
+            ranks = window_ranks([rt for rt in cpp["rank_traces"]], k, None, b)
+            bnds.append(_bound.analyse(ranks, pb, rate)["bound"] if ranks else float("nan"))
+        cell["gradaccum_cpp"] = {"hidden": spread(h), "hidden_blocks": h, "bound": spread(bnds),
+                                 "ratio": spread([x / bnd for x, bnd in zip(h, bnds)]),
+                                 "window_ms": 1e3 * median(cpp["gradaccum_cpp"]),
+                                 "floor_ms": 1e3 * median(cpp["local_cpp"])}
+    for c in ("local",) + tuple(contenders):
+        if c in times:
+            cell.setdefault(c, {})["window_ms"] = 1e3 * median(times[c])
+    # The block whose gradaccum hidden fraction is the median one: its window for the trace.
+    pick = None
+    if hidden.get("gradaccum_py") and any(analyses):
+        ok = [b for b in range(blocks) if analyses[b]]
+        pick = sorted(ok, key=lambda b: hidden["gradaccum_py"][b])[len(ok) // 2]
+    return cell, (analyses[pick] if pick is not None else None), pick
+
+
+def bound_runs(args):
+    """The hidden fraction against the schedule bound, transformer and MLP (see README)."""
+    models = [x for x in args.bound_models.split(",") if x]
+    ks = [int(k) for k in args.bound_ks.split(",")]
+    cap = args.bound_bucket_cap_mb if args.bound_bucket_cap_mb is not None else args.bucket_cap_mb
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "GRADACCUM_BENCH_MICRO_BATCH": str(args.bound_micro_batch),
+           "GRADACCUM_BENCH_GPT_MICRO_BATCH": str(args.gpt_micro_batch),
+           "GRADACCUM_BENCH_BUCKET_CAP_MB": str(cap),
+           "GRADACCUM_BENCH_FIRST_BUCKET_CAP_MB": str(args.first_bucket_cap_mb),
+           "GRADACCUM_BENCH_COMPUTE_NICE": str(args.compute_nice)}
+    contenders = ["local", "ddp_nosync", "gradaccum_py"]
+    blocks = 1 if args.quick else args.bound_blocks
+    micro = 1 if args.quick else max(6, max(ks))  # micro-steps per timed command: 6 windows of K=1
+    out = {"rate": args.bound_rate, "nodes": 2, "ks": ks, "bucket_cap_mb": cap,
+           "first_bucket_cap_mb": args.first_bucket_cap_mb, "models": {}}
+    log(f"schedule bound: 2 nodes, {args.bound_rate}, models {', '.join(models)}, K {args.bound_ks}, "
+        f"bucket caps {cap:g} / {args.first_bucket_cap_mb:g} MiB")
+    with _netns.Cluster(nodes=2, rate=args.bound_rate, delay=args.delay) as cluster:
+        py = run_python(cluster, args, models, ks, contenders, micro, blocks, 30 if args.quick else args.bound_budget_s,
+                        env, "bound-py")
+        cpps = {}
+        if args.cpp_bench and not args.bound_no_cpp:
+            for model in models:
+                cpps[model] = run_cpp(cluster, args, ks, max(1, micro // max(ks)), blocks, env, f"bound-cpp-{model}",
+                                      model=model)
+        out.update(shaper=cluster.shaper, delay_emulated=cluster.delay_emulated)
+    for model in models:
+        m = py["models"][model]
+        ar = median(m["allreduce"])
+        rate = m["allreduce_bytes"] / ar
+        st = m["stats"].get(str(ks[-1])) or {}
+        res = {"parameters": m["parameters"], "gradient_bytes": sum(m["param_bytes"]),
+               "bytes_per_window": st.get("last_window_bytes"), "collectives_per_window":
+                   st.get("last_window_collectives"), "micro_batch": m["micro_batch"],
+               "allreduce_ms": 1e3 * ar, "rate_MBps": rate / 1e6, "backward_ms": 1e3 * median(m["backward"]),
+               "bucket_indices": m["bucket_indices"].get(str(ks[-1])), "param_names": m["param_names"],
+               "param_bytes": m["param_bytes"], "cells": {}}
+        for k in ks:
+            cell, picked, block = bound_cells(m, k, rate, ["ddp_nosync", "gradaccum_py"],
+                                              (cpps.get(model) or {}).get(str(k)))
+            res["cells"][str(k)] = cell
+            if picked and k == max(ks):
+                a, ranks = picked
+                res["trace_window"] = {"K": k, "block": block, "combined": a["combined"],
+                                       "ranks": ranks, "bound": a["bound"], "bucket_bound": a["bucket_bound"],
+                                       "hidden": cell["gradaccum_py"]["hidden_blocks"][block]}
+        out["models"][model] = res
+        for k in ks:
+            c = res["cells"][str(k)]
+            ga, dd = c.get("gradaccum_py", {}), c.get("ddp_nosync", {})
+
+            def f(x):
+                return f"{x['median']:.2f}" if x else "—"
+            log(f"  {model} K={k}: bound {f(c.get('bound'))} (buckets {f(c.get('bucket_bound'))}), gradaccum "
+                f"hidden {f(ga.get('hidden'))} ratio {f(ga.get('ratio'))}, DDP hidden {f(dd.get('hidden'))} "
+                f"ratio {f(dd.get('ratio'))}"
+                + (f", C++ hidden {f(c['gradaccum_cpp']['hidden'])} ratio {f(c['gradaccum_cpp']['ratio'])}"
+                   if "gradaccum_cpp" in c else ""))
+        log(f"  {model}: {res['parameters']:,} parameters, {res['gradient_bytes']:,} B of gradients, "
+            f"{res['bytes_per_window']} B and {res['collectives_per_window']} all-reduces per window; lone "
+            f"all-reduce {res['allreduce_ms']:.0f} ms ({res['rate_MBps']:.0f} MB/s), local backward "
+            f"{res['backward_ms']:.0f} ms")
+    return out
+
+
+def write_bound_outputs(bnd, base, quick):
+    """Chrome trace JSON per model and the bucket-timeline PNG (both models)."""
+    if not bnd or bnd.get("skipped") or not base:
+        return
+    panels, files = [], {}
+    os.makedirs(os.path.dirname(os.path.abspath(base)), exist_ok=True)
+    for model, res in bnd["models"].items():
+        tw = res.get("trace_window")
+        if not tw:
+            continue
+        rate = 1e6 * res["rate_MBps"]
+        names = res.get("param_names") or []
+        info = {"model": model, "parameters": res["parameters"], "K": tw["K"], "link": f"2 nodes, {bnd['rate']}",
+                "bound": tw["bound"], "bucket_bound": tw["bucket_bound"], "hidden": tw["hidden"],
+                "lone_allreduce_ms": res["allreduce_ms"]}
+        path = f"{base}-trace-{model}.json"
+        _bound.write_trace(path, _bound.chrome_trace(
+            f"{model}: one window, K={tw['K']}, 2 nodes at {bnd['rate']}", [r["marks"] for r in tw["ranks"]],
+            tw["ranks"], res["param_bytes"], names, rate, info))
+        files[model] = path
+        label = "transformer (GPT)" if model in TRANSFORMERS else f"MLP ({model})"
+        panels.append({"title": f"{label}: {res['parameters'] / 1e6:.1f}M parameters, "
+                                f"{res['gradient_bytes'] / 2**20:.0f} MiB; K={tw['K']}, block {tw['block'] + 1}; "
+                                f"lone all-reduce {res['allreduce_ms']:.0f} ms",
+                       "combined": tw["combined"], "rate": rate, "param_bytes": res["param_bytes"],
+                       "lines": [f"this window: hidden {tw['hidden']:.2f}, bound {tw['bound']:.2f} "
+                                 f"(buckets {tw['bucket_bound']:.2f})"]})
+    if panels:
+        png = f"{base}-timeline.png"
+        _bound.plot(panels, png, f"The synchronising backward's buckets against the schedule bound, "
+                                 f"2 nodes at {bnd['rate']} (Gloo, tbf), bucket caps {bnd['bucket_cap_mb']:g} / "
+                                 f"{bnd['first_bucket_cap_mb']:g} MiB{', quick run' if quick else ''}")
+        files["png"] = png
+    bnd["files"] = {k: os.path.relpath(v, ROOT) for k, v in files.items()}
 
 
 def growth_runs(args):
@@ -241,12 +437,17 @@ def plot_growth(growth, path, quick):
     plt.close(fig)
 
 
-def markdown(result, png_rel):
+def markdown(result, png_rel, rel=None):
+    """rel: results path (relative to the repository) -> link from the page (default: the file name)."""
     lines = []
     if result.get("skipped"):
         return f"**Throttled multi-node link: not measured** ({result['skipped']}).\n"
+    if result.get("bound"):
+        lines.append(bound_markdown(result["bound"], rel or os.path.basename))
     links = result["links"]
     ks = result["ks"]
+    if not links:
+        return links_tail(result, lines, png_rel)
     first = links[0]
     lines += [
         f"**Hidden all-reduce on a throttled multi-node link.** Each node is a network namespace with one "
@@ -286,6 +487,10 @@ def markdown(result, png_rel):
     for t in result["targets"]:
         lines.append(f"| {t['result']} | {t['target']} | {t['detail']} |")
     lines.append("")
+    return links_tail(result, lines, png_rel)
+
+
+def links_tail(result, lines, png_rel):
     if result.get("growth"):
         g = result["growth"]
         lines += [f"**Growth** (one run; Gloo over 2 nodes at {g['rate']} unless said; micro-batches of "
@@ -311,6 +516,92 @@ def markdown(result, png_rel):
             lines.append(f"| {LABELS[c]} (ms) | " + " | ".join(f"{y:.0f}" for y in ys) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def bound_markdown(bnd, rel):
+    """The bound section's tables (rel: makes a results path relative to the page)."""
+    if not bnd:
+        return ""
+    if bnd.get("skipped"):
+        return f"**Hidden fraction against the schedule bound: not measured** ({bnd['skipped']}).\n"
+
+    def sp(x, fmt="{:.2f}"):
+        if not x:
+            return "—"
+        return f"{fmt.format(x['median'])} [{fmt.format(x['min'])}–{fmt.format(x['max'])}]"
+
+    lines = [f"**Hidden fraction against the schedule bound** (2 nodes, {bnd.get('shaper', bnd['rate'])}; "
+             f"bucket caps {bnd['bucket_cap_mb']:g} MiB, first {bnd['first_bucket_cap_mb']:g} MiB, DDP and "
+             f"gradaccum alike; DDP's first bucket is 1 MiB). Bound = the largest fraction of the all-reduce "
+             f"any bucket order could hide: a fluid link at the lone all-reduce's rate sending the gradients as "
+             f"they become ready (on every rank) in the window's synchronising backward, D(E)/S at the end of "
+             f"backward E (from gradaccum's `last_window_timeline()`, per block); \"buckets\": the same with "
+             f"the actual buckets as units. Hidden = (floor + lone all-reduce − window) / lone all-reduce; "
+             f"ratio = hidden / bound, per block. Median [min–max] over blocks, one run.", "",
+             "| model | parameters | bytes / window | micro-batch | lone all-reduce (ms) | local backward (ms) |",
+             "|---|---:|---:|---|---:|---:|"]
+    for model, r in bnd["models"].items():
+        label = "transformer (`gpt`)" if model in TRANSFORMERS else f"MLP (`{model}`)"
+        lines.append(f"| {label} | {r['parameters']:,} | {r['bytes_per_window']:,} in "
+                     f"{r['collectives_per_window']} all-reduces | {r['micro_batch']} | {r['allreduce_ms']:.0f} "
+                     f"({r['rate_MBps']:.0f} MB/s) | {r['backward_ms']:.0f} |")
+    lines += ["", "| model | K | blocks | synchronising backward (ms) | bound | bound, these buckets | "
+                  "gradaccum hidden | ÷ bound | DDP + no_sync hidden | ÷ bound | gradaccum (C++) hidden | ÷ bound "
+                  "| done by backward's end (timeline) |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for model, r in bnd["models"].items():
+        label = "transformer" if model in TRANSFORMERS else f"MLP {model}"
+        for k, c in r["cells"].items():
+            ga, dd, cc = c.get("gradaccum_py", {}), c.get("ddp_nosync", {}), c.get("gradaccum_cpp", {})
+            n = len(ga.get("hidden_blocks", []))
+            lines.append(f"| {label} | {k} | {n} | {sp(c.get('backward_end_ms'), '{:.0f}')} | {sp(c.get('bound'))} | "
+                         f"{sp(c.get('bucket_bound'))} | {sp(ga.get('hidden'))} | {sp(ga.get('ratio'))} | "
+                         f"{sp(dd.get('hidden'))} | {sp(dd.get('ratio'))} | {sp(cc.get('hidden'))} | "
+                         f"{sp(cc.get('ratio'))} | {sp(c.get('done_by_end'))} |")
+    lines += ["", "The bound with the buckets as units for other bucket caps (first bucket 1 MiB), from the "
+                  "same timelines: the layout gradaccum builds (parameters in ready order, a bucket closed once "
+                  "it holds its cap), each bucket ready with its last gradient; median over blocks:", "",
+              "| model | K | " + " | ".join(f"{c:g} MiB" for c in CAPS_MB) + " |",
+              "|---|---:|" + "---:|" * len(CAPS_MB)]
+    for model, r in bnd["models"].items():
+        label = "transformer" if model in TRANSFORMERS else f"MLP {model}"
+        for k, c in r["cells"].items():
+            lines.append(f"| {label} | {k} | " + " | ".join(
+                f"{c[f'cap_bound_{cap:g}']['median']:.2f}" if c.get(f"cap_bound_{cap:g}") else "—"
+                for cap in CAPS_MB) + " |")
+    lines.append("")
+    files = bnd.get("files") or {}
+    if files.get("png"):
+        lines += [f"![bucket timeline]({rel(files['png'])})", ""]
+    traces = [f"[{m}]({rel(p)})" for m, p in files.items() if m != "png"]
+    if traces:
+        lines += ["One window per model as a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing): "
+                  + ", ".join(traces) + ".", ""]
+    lines += ["| | target | measured |", "|---|---|---|"]
+    for t in bnd.get("targets", []):
+        lines.append(f"| {t['result']} | {t['target']} | {t['detail']} |")
+    lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def bound_targets(bnd):
+    out = []
+    for model, r in bnd.get("models", {}).items():
+        for k, c in r["cells"].items():
+            dd = (c.get("ddp_nosync") or {}).get("hidden")
+            for name in ("gradaccum_py", "gradaccum_cpp"):
+                cell = c.get(name) or {}
+                if not cell.get("ratio"):
+                    continue
+                ratio, h = cell["ratio"]["median"], cell["hidden"]["median"]
+                out.append({"target": f"{LABELS[name]}: hidden >= 0.9 x bound, {model}, K={k}",
+                            "result": "PASS" if ratio >= 0.9 else "MISS",
+                            "detail": f"{h:.2f} / {c['bound']['median']:.2f} = {ratio:.2f}"})
+                if dd:
+                    out.append({"target": f"{LABELS[name]}: hidden >= DDP + no_sync's, {model}, K={k}",
+                                "result": "PASS" if h >= dd["median"] else "MISS",
+                                "detail": f"{h:.2f} vs DDP {dd['median']:.2f}"})
+    return out
 
 
 def check_targets(links, ks):
@@ -347,13 +638,19 @@ def run(args):
     os.makedirs(args.log_dir, exist_ok=True)
     ks = [int(k) for k in args.net_ks.split(",")]
     configs = []
-    for item in (args.links or ("2:1gbit" if args.quick else "2:1gbit,2:10gbit,4:1gbit")).split(","):
+    links = args.links or ("2:1gbit" if args.quick else "2:1gbit,2:10gbit,4:1gbit")
+    for item in ([] if links == "none" else links.split(",")):
         nodes, rate = item.split(":")
         configs.append((int(nodes), rate, int(nodes) == 2))  # C++ on 2 nodes (time)
     t0 = time.perf_counter()
+    bnd = None
+    if args.bound_models:
+        bnd = bound_runs(args)
+        bnd["targets"] = bound_targets(bnd)
+        write_bound_outputs(bnd, getattr(args, "trace_base", None), args.quick)
     links = link_runs(args, configs, ks)
     growth = None if args.no_growth else growth_runs(args)
-    return {"ks": ks, "links": links, "targets": check_targets(links, ks), "growth": growth,
+    return {"ks": ks, "links": links, "targets": check_targets(links, ks), "growth": growth, "bound": bnd,
             "bucket_cap_mb": args.bucket_cap_mb,
             "micro_batch": args.micro_batch, "seconds": time.perf_counter() - t0}
 
@@ -371,7 +668,23 @@ def add_arguments(p):
                    help="niceness of each rank's compute thread (Gloo's threads keep 0): "
                         "communication gets a core whenever it needs one")
     p.add_argument("--links", default=None,
-                   help="NODES:RATE,... (default 2:1gbit,2:10gbit,4:1gbit; --quick: 2:1gbit)")
+                   help="NODES:RATE,... (default 2:1gbit,2:10gbit,4:1gbit; --quick: 2:1gbit; none: no link runs)")
+    p.add_argument("--bound-models", default="gpt,large",
+                   help="models of the schedule-bound part, on 2 nodes (empty: skip it)")
+    p.add_argument("--bound-ks", default="1", help="values of K of the schedule-bound part (default 1: with "
+                   "K=4 the floor's noise swamps the fraction here)")
+    p.add_argument("--bound-blocks", type=int, default=5, help="blocks of the schedule-bound part")
+    p.add_argument("--bound-budget-s", type=float, default=150, help="stop adding blocks after this, per model")
+    p.add_argument("--bound-rate", default="1gbit", help="link rate of the schedule-bound part")
+    p.add_argument("--bound-micro-batch", type=int, default=1024,
+                   help="rows per MLP micro-batch in the schedule-bound part (default 1024: backward ~ all-reduce)")
+    p.add_argument("--gpt-micro-batch", type=int, default=8,
+                   help="sequences per transformer micro-batch in the schedule-bound part")
+    p.add_argument("--bound-bucket-cap-mb", type=float, default=None,
+                   help="bucket cap of the schedule-bound part (default: --bucket-cap-mb)")
+    p.add_argument("--first-bucket-cap-mb", type=float, default=1.0,
+                   help="gradaccum's first bucket cap in the schedule-bound part (DDP's stays 1 MiB)")
+    p.add_argument("--bound-no-cpp", action="store_true", help="no C++ contender in the schedule-bound part")
 
 
 def main():
@@ -385,13 +698,15 @@ def main():
     if args.cpp_bench and not os.access(args.cpp_bench, os.X_OK):
         log(f"warning: {args.cpp_bench} not built: no C++ contender")
         args.cpp_bench = None
+    if args.out:
+        args.trace_base = os.path.splitext(args.out)[0]
     result = run(args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         if result.get("growth"):
             plot_growth(result["growth"], os.path.splitext(args.out)[0] + "-growth.png", args.quick)
-    print(markdown(result, "growth.png"))
+    print(markdown(result, "growth.png", lambda p: os.path.relpath(os.path.join(ROOT, p), HERE)))
     return 0
 
 

@@ -8,10 +8,14 @@
 //
 // The model is the benchmark's Linear/ReLU stack (the same widths as
 // benchmarks/_bench_worker.py), trained with SGD on random data through a
-// gradaccum::Accumulator with K = --steps micro-batches of 32 rows per window.
+// gradaccum::Accumulator with K = --steps micro-batches of 32 rows per window;
+// or, with --model gpt, its GPT-style transformer (torch::nn modules, the same
+// sizes and parameter order as the Python one) on random tokens, micro-batches
+// of 2 sequences (GRADACCUM_BENCH_GPT_MICRO_BATCH).
 // Each rank prints one JSON line per K: the time of each window (seconds, after
 // one warm-up window), the reducer's buckets, collectives and bytes of the last
-// window, and the process's peak RSS (VmHWM, KiB).
+// window, the process's peak RSS (VmHWM, KiB), and the last window's micro-step
+// clock marks and Accumulator::last_window_timeline() (benchmarks/_bound.py).
 //
 // --serve: instead, read commands from stdin, the same on every rank, and
 // answer each with one JSON line ("@@ {...}"); bench.py drives it this way to
@@ -34,10 +38,13 @@
 
 #include <torch/torch.h>
 
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <iomanip>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -64,6 +71,11 @@ int64_t micro_batch_rows() {
   const char* env = std::getenv("GRADACCUM_BENCH_MICRO_BATCH");
   return env && *env ? std::stoll(env) : 32;
 }
+// Sequences per transformer micro-batch: 2, or GRADACCUM_BENCH_GPT_MICRO_BATCH (as _bench_worker.py).
+int64_t gpt_micro_batch() {
+  const char* env = std::getenv("GRADACCUM_BENCH_GPT_MICRO_BATCH");
+  return env && *env ? std::stoll(env) : 2;
+}
 constexpr int64_t kPool = 16;
 constexpr double kLr = 1e-4;
 
@@ -74,11 +86,95 @@ std::vector<int64_t> widths_of(const std::string& model) {
   if (model == "large") {
     return {1024, 2048, 2048, 2048, 256};
   }
-  throw std::invalid_argument("--model must be small or large, got '" + model + "'");
+  if (model == "gpt") {
+    return {};
+  }
+  throw std::invalid_argument("--model must be small, large or gpt, got '" + model + "'");
 }
 
-torch::nn::Sequential build_model(const std::vector<int64_t>& widths) {
+// The transformer of _bench_worker.py (TRANSFORMERS["gpt"]): token and position
+// embeddings, pre-LayerNorm blocks of causal self-attention and a 4x MLP, a
+// final LayerNorm, the output head tied to the token embedding. Registered in
+// the same order as the Python model, so parameters() agree.
+struct GptConfig {
+  int64_t vocab = 4096, seq = 128, d = 384, layers = 6, heads = 6;
+};
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t d, int64_t heads)
+      : heads(heads),
+        ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        qkv(register_module("qkv", torch::nn::Linear(d, 3 * d))),
+        proj(register_module("proj", torch::nn::Linear(d, d))),
+        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        fc(register_module("fc", torch::nn::Linear(d, 4 * d))),
+        out(register_module("out", torch::nn::Linear(4 * d, d))) {}
+
+  torch::Tensor forward(torch::Tensor x) {
+    const auto b = x.size(0), t = x.size(1), d = x.size(2);
+    auto q = qkv->forward(ln1->forward(x)).view({b, t, 3, heads, d / heads}).permute({2, 0, 3, 1, 4});
+    auto a = at::scaled_dot_product_attention(q[0], q[1], q[2], {}, 0.0, /*is_causal=*/true)
+                 .transpose(1, 2)
+                 .reshape({b, t, d});
+    x = x + proj->forward(a);
+    return x + out->forward(torch::gelu(fc->forward(ln2->forward(x))));
+  }
+
+  int64_t heads;
+  torch::nn::LayerNorm ln1;
+  torch::nn::Linear qkv, proj;
+  torch::nn::LayerNorm ln2;
+  torch::nn::Linear fc, out;
+};
+TORCH_MODULE(Block);
+
+struct GptImpl : torch::nn::Module {
+  explicit GptImpl(const GptConfig& c)
+      : wte(register_module("wte", torch::nn::Embedding(c.vocab, c.d))),
+        wpe(register_module("wpe", torch::nn::Embedding(c.seq, c.d))),
+        blocks(register_module("blocks", torch::nn::ModuleList())) {
+    for (int64_t i = 0; i < c.layers; ++i) {
+      blocks->push_back(Block(c.d, c.heads));
+    }
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d})));
+  }
+
+  torch::Tensor forward(const torch::Tensor& idx) {
+    auto x = wte->forward(idx) + wpe->forward(torch::arange(idx.size(1)));
+    for (auto& block : *blocks) {
+      x = block->as<Block>()->forward(x);
+    }
+    return torch::linear(ln_f->forward(x), wte->weight); // tied output head
+  }
+
+  torch::nn::Embedding wte, wpe;
+  torch::nn::ModuleList blocks;
+  torch::nn::LayerNorm ln_f{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+/// A benchmark model: the module (its parameters) and its forward.
+struct Model {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  bool language_model = false;
+
+  /// MSE for the MLPs, next-token cross-entropy for the transformer.
+  torch::Tensor loss(const torch::Tensor& x, const torch::Tensor& y) const {
+    auto out = forward(x);
+    if (language_model) {
+      return torch::cross_entropy_loss(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
+    }
+    return torch::mse_loss(out, y);
+  }
+};
+
+Model build_model(const std::string& name, const std::vector<int64_t>& widths) {
   torch::manual_seed(0); // the same initial weights on every rank
+  if (name == "gpt" && widths.empty()) {
+    Gpt gpt{GptConfig{}};
+    return {gpt.ptr(), [gpt](const torch::Tensor& x) mutable { return gpt->forward(x); }, true};
+  }
   torch::nn::Sequential model;
   for (size_t i = 0; i + 1 < widths.size(); ++i) {
     model->push_back(torch::nn::Linear(widths[i], widths[i + 1]));
@@ -86,7 +182,12 @@ torch::nn::Sequential build_model(const std::vector<int64_t>& widths) {
       model->push_back(torch::nn::ReLU());
     }
   }
-  return model;
+  return {model.ptr(), [model](const torch::Tensor& x) mutable { return model->forward(x); }, false};
+}
+
+/// Seconds on the steady clock (CLOCK_MONOTONIC, as Python's perf_counter).
+double clock_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 int64_t peak_rss_kib() {
@@ -112,14 +213,14 @@ std::vector<int64_t> parse_list(const std::string& text) {
 
 /// Plain LibTorch, no communication: the floor a reducer is measured against.
 struct LocalContender {
-  explicit LocalContender(const std::vector<int64_t>& widths)
-      : model(build_model(widths)), optimizer(model->parameters(), torch::optim::SGDOptions(kLr)) {}
+  LocalContender(const std::string& name, const std::vector<int64_t>& widths)
+      : model(build_model(name, widths)), optimizer(model.module->parameters(), torch::optim::SGDOptions(kLr)) {}
 
   void micro_step(const torch::Tensor& x, const torch::Tensor& y, int64_t steps) {
-    (torch::mse_loss(model->forward(x), y) / static_cast<double>(steps)).backward();
+    (model.loss(x, y) / static_cast<double>(steps)).backward();
   }
 
-  torch::nn::Sequential model;
+  Model model;
   torch::optim::SGD optimizer;
 };
 
@@ -129,29 +230,56 @@ double bucket_cap_mb() {
   return env && *env ? std::stod(env) : gradaccum::ReducerOptions().bucket_cap_mb();
 }
 
+// gradaccum's first bucket cap in MiB: the default, or GRADACCUM_BENCH_FIRST_BUCKET_CAP_MB.
+double first_bucket_cap_mb() {
+  const char* env = std::getenv("GRADACCUM_BENCH_FIRST_BUCKET_CAP_MB");
+  return env && *env ? std::stod(env) : gradaccum::ReducerOptions().first_bucket_cap_mb();
+}
+
 /// One Accumulator (over its own copy of the model) per K.
 struct Contender {
   Contender(
+      const std::string& name,
       const std::vector<int64_t>& widths,
       int64_t steps,
       const c10::intrusive_ptr<c10d::ProcessGroup>& group,
       bool bucket_view,
       gradaccum::NonFinite nonfinite)
-      : model(build_model(widths)),
-        optimizer(model->parameters(), torch::optim::SGDOptions(kLr)),
+      : model(build_model(name, widths)),
+        optimizer(model.module->parameters(), torch::optim::SGDOptions(kLr)),
         accumulator(
-            model.ptr(),
+            model.module,
             optimizer,
             gradaccum::AccumulatorOptions(steps)
                 .nonfinite(nonfinite)
                 .process_group(group)
-                .reducer(gradaccum::ReducerOptions().gradient_as_bucket_view(bucket_view).bucket_cap_mb(
-                    bucket_cap_mb()))) {}
+                .reducer(gradaccum::ReducerOptions()
+                             .gradient_as_bucket_view(bucket_view)
+                             .bucket_cap_mb(bucket_cap_mb())
+                             .first_bucket_cap_mb(first_bucket_cap_mb()))) {}
 
-  torch::nn::Sequential model;
+  Model model;
   torch::optim::SGD optimizer;
   gradaccum::Accumulator accumulator;
 };
+
+/// The timeline of the last reduction (acc.last_window_timeline() in Python) as JSON.
+std::string timeline_json(const gradaccum::WindowTimeline& t) {
+  std::ostringstream out;
+  out.precision(9);
+  out << "{\"gradients\": [";
+  for (size_t i = 0; i < t.gradients.size(); ++i) {
+    out << (i ? ", " : "") << t.gradients[i];
+  }
+  out << "], \"buckets\": [";
+  for (size_t i = 0; i < t.buckets.size(); ++i) {
+    const auto& b = t.buckets[i];
+    out << (i ? ", " : "") << "{\"bytes\": " << b.bytes << ", \"ready\": " << b.ready
+        << ", \"launched\": " << b.launched << ", \"completed\": " << b.completed << "}";
+  }
+  out << "], \"backward_end\": " << t.backward_end << ", \"finished\": " << t.finished << "}";
+  return out.str();
+}
 
 struct Runner {
   std::string model_name;
@@ -165,7 +293,7 @@ struct Runner {
 
   LocalContender& get_local() {
     if (!local) {
-      local = std::make_unique<LocalContender>(widths);
+      local = std::make_unique<LocalContender>(model_name, widths);
     }
     return *local;
   }
@@ -226,13 +354,13 @@ struct Runner {
     begin();
     for (int64_t i = 0; i + 1 < steps; ++i) {
       const auto& [x, y] = data[i % data.size()];
-      acc.accumulator.backward(torch::mse_loss(acc.model->forward(x), y));
+      acc.accumulator.backward(acc.model.loss(x, y));
       acc.accumulator.step();
     }
     end("gradaccum micro");
     {
       const auto& [x, y] = data[(steps - 1) % data.size()];
-      acc.accumulator.backward(torch::mse_loss(acc.model->forward(x), y));
+      acc.accumulator.backward(acc.model.loss(x, y));
       acc.accumulator.step();
     }
     group->barrier()->wait();
@@ -261,7 +389,7 @@ struct Runner {
     end("local window");
     // One all-reduce of the whole gradient alone, as one flat tensor.
     int64_t numel = 0;
-    for (const auto& p : acc.model->parameters()) {
+    for (const auto& p : acc.model.module->parameters()) {
       numel += p.numel();
     }
     std::vector<at::Tensor> flat = {torch::zeros({numel})};
@@ -286,16 +414,33 @@ struct Runner {
   Contender& get(int64_t steps) {
     auto it = contenders.find(steps);
     if (it == contenders.end()) {
-      it = contenders.emplace(steps, std::make_unique<Contender>(widths, steps, group, bucket_view, nonfinite)).first;
+      it = contenders.emplace(steps, std::make_unique<Contender>(model_name, widths, steps, group, bucket_view, nonfinite)).first;
     }
     return *it->second;
   }
 
-  void window(Contender& c, int64_t steps, int64_t start) {
+  /// With `marks`, the window's micro-steps' clock marks replace it: per
+  /// micro-step (start, forward done, backward returned, step done), seconds
+  /// (as _bench_worker.py's).
+  void window(Contender& c, int64_t steps, int64_t start, std::vector<std::array<double, 4>>* marks = nullptr) {
+    if (marks) {
+      marks->clear();
+    }
     for (int64_t i = 0; i < steps; ++i) {
       const auto& [x, y] = data[(start + i) % data.size()];
-      c.accumulator.backward(torch::mse_loss(c.model->forward(x), y));
+      if (!marks) {
+        c.accumulator.backward(c.model.loss(x, y));
+        c.accumulator.step();
+        continue;
+      }
+      std::array<double, 4> m{clock_s(), 0, 0, 0};
+      auto loss = c.model.loss(x, y);
+      m[1] = clock_s();
+      c.accumulator.backward(loss);
+      m[2] = clock_s();
       c.accumulator.step();
+      m[3] = clock_s();
+      marks->push_back(m);
     }
   }
 
@@ -306,9 +451,10 @@ struct Runner {
     }
     group->barrier()->wait();
     std::vector<double> times;
+    std::vector<std::array<double, 4>> marks;
     for (int64_t w = 0; w < windows; ++w) {
       const auto t0 = std::chrono::steady_clock::now();
-      window(c, steps, w * steps);
+      window(c, steps, w * steps, &marks);
       times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     const auto stats = c.accumulator.stats();
@@ -324,7 +470,21 @@ struct Runner {
         << ", \"last_window_collectives\": " << stats.reducer.last_window_collectives
         << ", \"last_window_bytes\": " << stats.reducer.last_window_bytes
         << ", \"optimizer_steps\": " << stats.optimizer_steps
-        << ", \"peak_rss_kib\": " << peak_rss_kib() << "}";
+        << ", \"peak_rss_kib\": " << peak_rss_kib();
+    if (windows > 0) {
+      // The last window: its micro-steps' clock marks and the timeline of its
+      // synchronising backward (benchmarks/_bound.py).
+      out << ", \"marks\": [";
+      std::ostringstream m;
+      m << std::fixed << std::setprecision(7);
+      for (size_t i = 0; i < marks.size(); ++i) {
+        m << (i ? ", " : "") << "[" << marks[i][0] << ", " << marks[i][1] << ", " << marks[i][2] << ", "
+          << marks[i][3] << "]";
+      }
+      out << m.str();
+      out << "], \"timeline\": " << timeline_json(c.accumulator.last_window_timeline());
+    }
+    out << "}";
     return out.str();
   }
 };
@@ -332,7 +492,7 @@ struct Runner {
 [[noreturn]] void usage(const char* argv0, const std::string& error) {
   std::cerr << argv0 << ": " << error << "\n"
             << "usage: " << argv0
-            << " [--model small|large] [--steps 1,4,16] [--windows N] [--warmup N]"
+            << " [--model small|large|gpt] [--steps 1,4,16] [--windows N] [--warmup N]"
                " [--bucket-view 0|1] [--nonfinite skip|raise|ignore] [--serve]\n"
                "       [--widths 256,512,10] [--contenders gradaccum,local] [--callgrind]\n"
                "Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment.\n";
@@ -411,6 +571,12 @@ int main(int argc, char** argv) {
     }
     torch::manual_seed(1 + runner.group->getRank());
     for (int64_t i = 0; i < kPool; ++i) {
+      if (runner.widths.empty()) { // the transformer: random tokens
+        const GptConfig c;
+        runner.data.emplace_back(
+            torch::randint(c.vocab, {gpt_micro_batch(), c.seq}), torch::randint(c.vocab, {gpt_micro_batch(), c.seq}));
+        continue;
+      }
       runner.data.emplace_back(
           torch::randn({micro_batch_rows(), runner.widths.front()}),
           torch::randn({micro_batch_rows(), runner.widths.back()}));
