@@ -6,6 +6,7 @@ import torch
 
 import _dist_utils as du
 from _dist_utils import job
+from _join_jobs import Boom  # identity forward, a backward that raises
 
 STEPS = 3
 
@@ -69,18 +70,6 @@ def train(rank, world_size, *, seed, n_windows, reduction, compiled, as_view=Fal
            "captures": counters["compiled_autograd"]["captures"]}
     acc.close()
     return out
-
-
-class Boom(torch.autograd.Function):
-    """Identity forward; its backward raises (a failed micro-step)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("injected failure in backward")
 
 
 @job
