@@ -158,6 +158,11 @@ class GradaccumStrategy(DDPStrategy):
         self._stepped = True
         self._step_schedulers: List[Any] = []
         self._gated_module: Optional[pl.LightningModule] = None
+        # the Accumulator's state from the checkpoint, until on_train_start loads it
+        self._saved_state: Optional[Dict[str, Any]] = None
+        # a half-done window was loaded and no batch has run since (_check_resumed_position)
+        self._resumed = False
+        self._saved_batch: Optional[int] = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -260,17 +265,52 @@ class GradaccumStrategy(DDPStrategy):
             close()
         self.accumulator = None  # its hooks go with it
         self._micro_batch = None
+        self._saved_state = None
+        self._resumed = False
         super().teardown()
 
     # ---------------------------------------------------------------- training
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.accumulator is not None and self.lightning_module is not None:
+            if self._resumed:
+                self._check_resumed_position(self.lightning_module.trainer)
             self._refresh_if_unfrozen(self.lightning_module)  # before the forward: it may broadcast
         output = super().training_step(*args, **kwargs)
         if self.accumulator is not None:
             self._micro_batch = self._read_step_output(output)
         return output
+
+    def _check_resumed_position(self, trainer: "pl.Trainer") -> None:
+        """The first batch after resuming a half-done window: Lightning's batch
+        counter (which decides where it calls optimizer_step, and where it
+        clears the gradients) and the Accumulator's position in the window
+        must agree. They do when the checkpoint was saved between batches at a
+        batch that the epoch still has on this number of devices: each rank
+        carries on at the saved micro-step. Otherwise (Lightning starts the
+        epoch over when the saved batch is past its end on the new number of
+        devices) the resume is refused, on every rank alike: their states are
+        the same."""
+        self._resumed = False
+        accumulator = self.accumulator
+        steps = accumulator.steps
+        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this batch's, 1-based
+        if accumulator.micro_step == (ready - 1) % steps and not accumulator.window_ready:
+            return
+        saved, batches = self._saved_batch, trainer.num_training_batches
+        where = f"the checkpoint was saved in the middle of a window (micro-step {accumulator.micro_step} of {steps})"
+        if saved is not None:
+            where = f"{where} after batch {saved} of epoch {trainer.current_epoch}"
+        if saved is not None and saved + 1 >= batches:
+            why = (f"that batch is past the end of the epoch on {trainer.world_size} device(s) ({batches} batches a "
+                   "device), so Lightning starts the epoch over")
+        else:
+            why = "the two disagree (was it saved inside a batch's training step or backward?)"
+        raise RuntimeError(
+            f"gradaccum: GradaccumStrategy: {where}, but Lightning resumes at batch {ready - 1}, micro-step "
+            f"{(ready - 1) % steps} of its window: {why}. Resume on the number of devices that saved it, or from a "
+            "checkpoint at a window boundary (an epoch end, or a batch whose optimizer step has run)"
+        )
 
     def _read_step_output(self, output: Any) -> Optional[Tuple[torch.Tensor, Optional[Any]]]:
         if isinstance(output, Mapping):
@@ -371,7 +411,25 @@ class GradaccumStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
         if self.accumulator is not None and CHECKPOINT_KEY in checkpoint:
-            self.accumulator.load_state_dict(dict(checkpoint[CHECKPOINT_KEY]))
+            # Not yet: after restoring, Lightning clears the gradients
+            # (Trainer._run_stage: lightning_module.zero_grad()), which would
+            # drop a half-done window. Loaded in on_train_start.
+            self._saved_state = dict(checkpoint[CHECKPOINT_KEY])
+            try:  # the last batch that ran before the save, for _check_resumed_position's error
+                progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+                self._saved_batch = int(progress["ready"]) - 1
+            except (KeyError, TypeError, ValueError):
+                self._saved_batch = None
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        state, self._saved_state = self._saved_state, None
+        if state is not None and self.accumulator is not None:
+            self.accumulator.load_state_dict(state)
+            # At a window boundary Lightning's counter may be anywhere in its
+            # window (another accumulate_grad_batches): its next optimizer_step
+            # closes the shorter window (flush), weighted by what it holds.
+            self._resumed = self.accumulator.micro_step > 0 or self.accumulator.window_ready
 
 
 if "gradaccum" not in StrategyRegistry:
