@@ -9,6 +9,7 @@ here too, so that the ranks and the parent build exactly the same ones.
 """
 import os
 import sys
+import warnings
 
 import torch
 import torch.nn as nn
@@ -48,6 +49,13 @@ def windows(batches_per_rank, steps, epoch):
         per_rank.append(list(sampler))
     return [[i for rows in per_rank for i in rows[B * start:B * min(start + steps, batches_per_rank)]]
             for start in range(0, batches_per_rank, steps)]
+
+
+def rank_rows(world, rank, epoch, n=WORLD * B * 5):
+    """The rows a rank trains on in an epoch, in order."""
+    sampler = torch.utils.data.DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True)
+    sampler.set_epoch(epoch)
+    return list(sampler)
 
 
 def window_loss(model, data, rows, reduction):
@@ -146,10 +154,70 @@ SCENARIOS = {
                                 epochs=1),
     "count_without_items": dict(kind="items", reduction="mean", optimizer="sgd", batches_per_rank=2, steps=2,
                                 epochs=1),
-    # a checkpoint in the middle of a window under data parallelism is refused
+    # a checkpoint in the middle of a window under data parallelism: rank 0's
+    # file holds the half-done window summed over the ranks
     "ckpt_midwindow": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3,
-                           epochs=1, save_at_batch=1),
+                           epochs=1, save_at_batch=(1,), rows=True),
+    # Mid-window checkpoints (saved from on_train_batch_end, as a preemption
+    # handler would) resumed on another number of devices, the same K; `rows`
+    # records the rows of every micro-batch each rank trained on, for the
+    # reference (Lightning replays an epoch's first batches with a plain
+    # DataLoader). 2 -> 1 (the checkpoint above), and 1 -> 2, early in the
+    # epoch and past the end of the 2-device epoch (batch 7 of 10, 5 a rank).
+    "mid_2to1": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=3, epochs=2,
+                     devices=1, rows=True, resume_from="ckpt_midwindow.b1"),
+    # the same with accumulate_grad_batches 6: refused (a window's steps are fixed)
+    "mid_2to1_k6": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=6, epochs=2,
+                        devices=1, rows=True, resume_from="ckpt_midwindow.b1"),
+    # the same on the same 2 devices
+    "mid_2to2": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
+                     rows=True, resume_from="ckpt_midwindow.b1"),
+    "mid_1dev": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=3, epochs=1,
+                     devices=1, rows=True, save_at_batch=(1, 7), launch=0),
+    "mid_1to2": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
+                     rows=True, resume_from="mid_1dev.b1"),
+    "mid_1to2_late": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
+                          rows=True, resume_from="mid_1dev.b7"),
 }
+
+
+def launch(name):
+    """Which launch runs a scenario: the 2-device one (1) before the 1-device
+    one (2) that resumes its checkpoints; 0 for a 1-device run whose
+    checkpoint the 2-device launch resumes."""
+    cfg = SCENARIOS[name]
+    return cfg.get("launch", 1 if cfg.get("devices", WORLD) == WORLD else 2)
+
+
+def replay(before, after, steps, kind="plain", reduction="mean", optimizer="adam", dtype=torch.float64,
+           world=WORLD, batches_per_rank=5):
+    """The reference for a run resumed from a checkpoint: `before` and `after`
+    hold (epoch, batch_idx, rows) of every micro-batch of every rank before the
+    save and after the resume. A window is every micro-batch with the same
+    epoch and batch_idx // steps; the half-done window at the save takes the
+    resumed ranks' micro-batches of its key (Lightning's batch counter carries
+    on at the saved batch, so each new rank runs the window's remaining
+    micro-steps), or is closed alone when the resumed run has none (its epoch
+    ended on the new shape). One process, one backward per window on the mean
+    of its micro-batch losses. Returns the parameters and the windows' sizes."""
+    def group(seen):
+        grouped = {}
+        for epoch, batch_idx, rows in seen:
+            grouped.setdefault((epoch, batch_idx // steps), []).append(list(rows))
+        return [grouped[key] for key in sorted(grouped)], sorted(grouped)
+
+    (old, old_keys), (new, new_keys) = group(before), group(after)
+    if old_keys and new_keys and old_keys[-1] == new_keys[0]:
+        old[-1] += new.pop(0)
+    data = dataset(kind, batches_per_rank, dtype, world=world)
+    model = mlp(dtype)
+    opt = make_optimizer(optimizer, model.parameters())
+    for micro in old + new:
+        loss = sum(window_loss(model, data, rows, reduction) for rows in micro) / len(micro)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()], [len(micro) for micro in old + new]
 
 
 def run(name, out_dir):
@@ -171,6 +239,8 @@ def run(name, out_dir):
             self.output_dtypes = set()
             self.wrapped_in = set()
             self.hook_norms = []
+            self.seen = []
+            self.seen_at_save = {}
 
         def on_before_optimizer_step(self, optimizer):
             # What Lightning's hooks see (grad-norm logging, gradient edits).
@@ -178,6 +248,9 @@ def run(name, out_dir):
             self.hook_norms.append(float(torch.cat(grads).norm()) if grads else None)
 
         def training_step(self, batch, batch_idx):
+            if cfg.get("rows"):
+                *batch, rows = batch
+                self.seen.append((self.current_epoch, batch_idx, rows.tolist()))
             self.wrapped_in.add(type(self.trainer.strategy.model).__name__)
             if returns_count:
                 x, y, mask = batch
@@ -200,8 +273,9 @@ def run(name, out_dir):
 
     class SaveMidWindow(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx == cfg["save_at_batch"]:
-                trainer.save_checkpoint(os.path.join(out_dir, f"{name}.ckpt"))
+            if trainer.current_epoch == 0 and batch_idx in cfg["save_at_batch"]:
+                pl_module.seen_at_save[batch_idx] = len(pl_module.seen)
+                trainer.save_checkpoint(os.path.join(out_dir, f"{name}.b{batch_idx}.ckpt"))
 
     class Unfreeze(BaseFinetuning):
         def freeze_before_training(self, pl_module):
@@ -230,11 +304,15 @@ def run(name, out_dir):
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     data = dataset(cfg["kind"], cfg["batches_per_rank"], dtype, world=cfg.get("devices", WORLD))
+    if cfg.get("rows"):
+        data = (*data, torch.arange(len(data[0])))
     loader = DataLoader(TensorDataset(*data), batch_size=B, shuffle=False)
     model = Net()
     result = {}
     try:
         ckpt_path = os.path.join(ckpt_dir, "epoch0.ckpt") if cfg.get("resume") else None
+        if "resume_from" in cfg:
+            ckpt_path = os.path.join(out_dir, cfg["resume_from"] + ".ckpt")
         accumulator = {}
         logged_losses = result["logged_losses"] = []
 
@@ -251,7 +329,10 @@ def run(name, out_dir):
                     accumulator["scale"] = None if scaler is None else scaler.get_scale()
 
         trainer.callbacks.append(Grab())
-        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, loader, ckpt_path=ckpt_path)
+        result["warnings"] = [str(w.message) for w in caught]
         result["stats"] = accumulator.get("stats")
         result["scale"] = accumulator.get("scale")
     except Exception as e:  # noqa: BLE001 - the parent asserts on it
@@ -260,6 +341,8 @@ def run(name, out_dir):
     result["output_dtypes"] = sorted(model.output_dtypes)
     result["wrapped_in"] = sorted(model.wrapped_in)
     result["hook_norms"] = model.hook_norms
+    result["seen"] = model.seen
+    result["seen_at_save"] = model.seen_at_save
 
     schedulers = [c.scheduler for c in trainer.lr_scheduler_configs] if hasattr(trainer, "lr_scheduler_configs") else []
     result["scheduler_steps"] = schedulers[0].last_epoch if schedulers else None
@@ -267,7 +350,7 @@ def run(name, out_dir):
         saved = torch.load(os.path.join(ckpt_dir, "epoch0.ckpt"), weights_only=False)
         result["checkpoint_state"] = saved.get(CHECKPOINT_KEY)
     if "save_at_batch" in cfg:
-        saved = torch.load(os.path.join(out_dir, f"{name}.ckpt"), weights_only=False)
+        saved = torch.load(os.path.join(out_dir, f"{name}.b{cfg['save_at_batch'][0]}.ckpt"), weights_only=False)
         result["checkpoint_state"] = saved.get(CHECKPOINT_KEY)
     return result
 

@@ -43,10 +43,11 @@ def runs(tmp_path_factory):
     def devices(name):
         return worker.SCENARIOS[name].get("devices", worker.WORLD)
 
-    # One launch per device count, the 2-device one first (it writes the
-    # checkpoint that the 1-device one resumes).
-    for n in sorted({devices(name) for name in worker.SCENARIOS}, reverse=True):
-        names = [name for name in worker.SCENARIOS if devices(name) == n]
+    # One launch per device count, in the order their checkpoints need
+    # (worker.launch): a 1-device run that saves, the 2-device launch, the
+    # 1-device resumes.
+    for n in sorted({worker.launch(name) for name in worker.SCENARIOS}):
+        names = [name for name in worker.SCENARIOS if worker.launch(name) == n]
         cmd = [sys.executable, str(HERE / "_lightning_worker.py"), str(out), *names]
         try:
             proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=300)
@@ -247,6 +248,55 @@ def test_checkpoint_mid_window_under_data_parallelism_is_rank_independent(runs):
         assert state["micro_step"] == 2 and state["window_weight"] == 2
     # every rank wrote the same file; its window shares are defined
     assert all(g is not None for g in results[0]["checkpoint_state"]["grads"])
+
+
+# (saved by, resumed by, micro-batches of each window over all ranks: the
+# first holds the saved ones and the resumed ranks' rest of the window)
+MID_WINDOW = [("ckpt_midwindow", "mid_2to2", [2 * 2 + 2 * 1, 4, 6, 4]),
+              ("ckpt_midwindow", "mid_2to1", [2 * 2 + 1, 3, 3, 1, 3, 3, 3, 1]),
+              ("mid_1dev", "mid_1to2", [2 + 2 * 1, 4, 6, 4])]
+
+
+@pytest.mark.parametrize("saved,resumed,sizes", MID_WINDOW, ids=[name for _, name, _ in MID_WINDOW])
+def test_a_mid_window_checkpoint_resumes_on_another_number_of_devices(runs, saved, resumed, sizes):
+    """trainer.save_checkpoint from on_train_batch_end at batch 1, the middle
+    of a window of 3 (as a preemption handler saves), resumed with the same
+    accumulate_grad_batches on 2 -> 2, 2 -> 1 and 1 -> 2 devices: each new
+    rank carries on at the saved micro-step (Lightning's batch counter too),
+    and the window closes with the exact mean over every micro-batch it held,
+    against one process over the micro-batches each rank really trained on
+    before and after the resume (float64). With a plain DataLoader Lightning
+    replays the epoch's first batches after a mid-epoch resume: so do
+    the reference's micro-batches."""
+    before = [entry for r in ok(runs(saved)) for entry in r["seen"][:r["seen_at_save"][1]]]
+    after = ok(runs(resumed))
+    ref, windows = worker.replay(before, [entry for r in after for entry in r["seen"]],
+                                 worker.SCENARIOS[resumed]["steps"])
+    assert windows == sizes
+    for rank, r in enumerate(after):  # batch 2 of the epoch, on the rows of its batch 0
+        assert r["seen"][0] == (0, 2, worker.rank_rows(len(after), rank, epoch=0)[:worker.B])
+    for r in after:
+        assert max_rel(r["params"], ref) < 1e-12
+        assert r["stats"]["optimizer_steps"] == len(windows)
+    for a, b in zip(after[0]["params"], after[-1]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_a_mid_window_resume_lightning_cannot_serve_is_refused_on_every_rank(runs):
+    """Saved after batch 7 of 10 on 1 device, mid-window: on 2 devices the
+    epoch has 5 batches a device, Lightning starts it over at batch 0 and its
+    optimizer steps would miss the Accumulator's windows. And another
+    accumulate_grad_batches in the middle of a window."""
+    late = runs("mid_1to2_late")
+    assert late[0]["error"] == late[1]["error"]
+    assert late[0]["error"].startswith(
+        "RuntimeError: gradaccum: GradaccumStrategy: the checkpoint was saved in the middle of a window (micro-step "
+        "2 of 3) after batch 7 of epoch 0, but Lightning resumes at batch 0, micro-step 0 of its window: that batch "
+        "is past the end of the epoch on 2 device(s) (5 batches a device), so Lightning starts the epoch over. "
+        "Resume on the number of devices that saved it"), late[0]["error"]
+    assert all(r["seen"] == [] for r in late)
+    (k6,) = runs("mid_2to1_k6")
+    assert "saved with steps=3 in the middle of a window (micro_step=2) but this Accumulator has steps=6" in k6["error"]
 
 
 def test_reduction_and_training_step_output_must_agree(runs):
