@@ -162,8 +162,9 @@ SCENARIOS = {
     # handler would) resumed on another number of devices, the same K; `rows`
     # records the rows of every micro-batch each rank trained on, for the
     # reference (Lightning replays an epoch's first batches with a plain
-    # DataLoader). 2 -> 1 (the checkpoint above), and 1 -> 2, early in the
-    # epoch and past the end of the 2-device epoch (batch 7 of 10, 5 a rank).
+    # DataLoader). 2 -> 2 and 2 -> 1 (the checkpoint above), and 1 -> 2,
+    # early in the epoch, near its end and past the end of the 2-device epoch
+    # (batch 7 of 10, 5 a rank).
     "mid_2to1": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=3, epochs=2,
                      devices=1, rows=True, resume_from="ckpt_midwindow.b1"),
     # the same with accumulate_grad_batches 6: refused (a window's steps are fixed)
@@ -173,9 +174,13 @@ SCENARIOS = {
     "mid_2to2": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
                      rows=True, resume_from="ckpt_midwindow.b1"),
     "mid_1dev": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=3, epochs=1,
-                     devices=1, rows=True, save_at_batch=(1, 7), launch=0),
+                     devices=1, rows=True, save_at_batch=(1, 3, 7), launch=0),
     "mid_1to2": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
                      rows=True, resume_from="mid_1dev.b1"),
+    # after batch 3 of 10 (micro-step 1): on 2 devices batch 4 ends the epoch
+    # and closes the window with 1 + 2 micro-batches
+    "mid_1to2_end": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
+                         rows=True, resume_from="mid_1dev.b3"),
     "mid_1to2_late": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
                           rows=True, resume_from="mid_1dev.b7"),
 }

@@ -254,27 +254,30 @@ def test_checkpoint_mid_window_under_data_parallelism_is_rank_independent(runs):
 # first holds the saved ones and the resumed ranks' rest of the window)
 MID_WINDOW = [("ckpt_midwindow", "mid_2to2", [2 * 2 + 2 * 1, 4, 6, 4]),
               ("ckpt_midwindow", "mid_2to1", [2 * 2 + 1, 3, 3, 1, 3, 3, 3, 1]),
-              ("mid_1dev", "mid_1to2", [2 + 2 * 1, 4, 6, 4])]
+              ("mid_1dev", "mid_1to2", [2 + 2 * 1, 4, 6, 4]),
+              ("mid_1dev", "mid_1to2_end", [3, 1 + 2 * 1, 6, 4])]
 
 
 @pytest.mark.parametrize("saved,resumed,sizes", MID_WINDOW, ids=[name for _, name, _ in MID_WINDOW])
-def test_a_mid_window_checkpoint_resumes_on_another_number_of_devices(runs, saved, resumed, sizes):
+def test_a_mid_window_checkpoint_resumes_on_the_same_or_another_number_of_devices(runs, saved, resumed, sizes):
     """trainer.save_checkpoint from on_train_batch_end at batch 1, the middle
     of a window of 3 (as a preemption handler saves), resumed with the same
-    accumulate_grad_batches on 2 -> 2, 2 -> 1 and 1 -> 2 devices: each new
+    accumulate_grad_batches on 2 -> 2, 2 -> 1 and 1 -> 2 devices (and at
+    batch 3 of 10, 1 -> 2, where batch 4 ends the 2-device epoch): each new
     rank carries on at the saved micro-step (Lightning's batch counter too),
     and the window closes with the exact mean over every micro-batch it held,
     against one process over the micro-batches each rank really trained on
     before and after the resume (float64). With a plain DataLoader Lightning
     replays the epoch's first batches after a mid-epoch resume: so do
     the reference's micro-batches."""
-    before = [entry for r in ok(runs(saved)) for entry in r["seen"][:r["seen_at_save"][1]]]
+    batch = int(worker.SCENARIOS[resumed]["resume_from"].rsplit(".b", 1)[1])  # saved after it
+    before = [entry for r in ok(runs(saved)) for entry in r["seen"][:r["seen_at_save"][batch]]]
     after = ok(runs(resumed))
     ref, windows = worker.replay(before, [entry for r in after for entry in r["seen"]],
                                  worker.SCENARIOS[resumed]["steps"])
     assert windows == sizes
-    for rank, r in enumerate(after):  # batch 2 of the epoch, on the rows of its batch 0
-        assert r["seen"][0] == (0, 2, worker.rank_rows(len(after), rank, epoch=0)[:worker.B])
+    for rank, r in enumerate(after):  # the next batch of the epoch, on the rows of its batch 0
+        assert r["seen"][0] == (0, batch + 1, worker.rank_rows(len(after), rank, epoch=0)[:worker.B])
     for r in after:
         assert max_rel(r["params"], ref) < 1e-12
         assert r["stats"]["optimizer_steps"] == len(windows)
