@@ -157,7 +157,7 @@ SCENARIOS = {
     # a checkpoint in the middle of a window under data parallelism: rank 0's
     # file holds the half-done window summed over the ranks
     "ckpt_midwindow": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3,
-                           epochs=1, save_at_batch=(1,), rows=True),
+                           epochs=1, save_at_batch=(1, 2), rows=True),
     # Mid-window checkpoints (saved from on_train_batch_end, as a preemption
     # handler would) resumed on another number of devices, the same K; `rows`
     # records the rows of every micro-batch each rank trained on, for the
@@ -167,7 +167,12 @@ SCENARIOS = {
     # (batch 7 of 10, 5 a rank).
     "mid_2to1": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=3, epochs=2,
                      devices=1, rows=True, resume_from="ckpt_midwindow.b1"),
-    # the same with accumulate_grad_batches 6: refused (a window's steps are fixed)
+    # its checkpoint after batch 2, at a window boundary, resumed on 1 device
+    # with accumulate_grad_batches 6: Lightning's counter is at batch 3 of its
+    # window, so its next optimizer_step closes a window of 3 (flush)
+    "bnd_2to1_k6": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=6, epochs=1,
+                        devices=1, rows=True, resume_from="ckpt_midwindow.b2"),
+    # the mid-window one with accumulate_grad_batches 6: refused (a window's steps are fixed)
     "mid_2to1_k6": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=6, epochs=2,
                         devices=1, rows=True, resume_from="ckpt_midwindow.b1"),
     # the same on the same 2 devices
@@ -194,8 +199,8 @@ def launch(name):
     return cfg.get("launch", 1 if cfg.get("devices", WORLD) == WORLD else 2)
 
 
-def replay(before, after, steps, kind="plain", reduction="mean", optimizer="adam", dtype=torch.float64,
-           world=WORLD, batches_per_rank=5):
+def replay(before, after, steps, after_steps=None, kind="plain", reduction="mean", optimizer="adam",
+           dtype=torch.float64, world=WORLD, batches_per_rank=5):
     """The reference for a run resumed from a checkpoint: `before` and `after`
     hold (epoch, batch_idx, rows) of every micro-batch of every rank before the
     save and after the resume. A window is every micro-batch with the same
@@ -204,15 +209,18 @@ def replay(before, after, steps, kind="plain", reduction="mean", optimizer="adam
     on at the saved batch, so each new rank runs the window's remaining
     micro-steps), or is closed alone when the resumed run has none (its epoch
     ended on the new shape). One process, one backward per window on the mean
-    of its micro-batch losses. Returns the parameters and the windows' sizes."""
-    def group(seen):
+    of its micro-batch losses. `after_steps`: another accumulate_grad_batches
+    after a resume at a window boundary (Lightning's window then ends where
+    its counter says: batch_idx // after_steps). Returns the parameters and
+    the windows' sizes."""
+    def group(seen, steps):
         grouped = {}
         for epoch, batch_idx, rows in seen:
             grouped.setdefault((epoch, batch_idx // steps), []).append(list(rows))
         return [grouped[key] for key in sorted(grouped)], sorted(grouped)
 
-    (old, old_keys), (new, new_keys) = group(before), group(after)
-    if old_keys and new_keys and old_keys[-1] == new_keys[0]:
+    (old, old_keys), (new, new_keys) = group(before, steps), group(after, after_steps or steps)
+    if after_steps is None and old_keys and new_keys and old_keys[-1] == new_keys[0]:
         old[-1] += new.pop(0)
     data = dataset(kind, batches_per_rank, dtype, world=world)
     model = mlp(dtype)

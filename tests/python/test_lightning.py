@@ -285,6 +285,19 @@ def test_a_mid_window_checkpoint_resumes_on_the_same_or_another_number_of_device
         assert torch.equal(a, b)
 
 
+def test_a_checkpoint_at_a_boundary_mid_epoch_resumes_with_another_k(runs):
+    """Saved after batch 2 (its window stepped) on 2 devices with K = 3,
+    resumed on 1 device with K = 6: Lightning's counter is then half-way
+    through its window of 6, and its optimizer_step at batch 5 closes the
+    Accumulator's window of 3 micro-batches with their exact mean."""
+    before = [entry for r in ok(runs("ckpt_midwindow")) for entry in r["seen"][:r["seen_at_save"][2]]]
+    (after,) = ok(runs("bnd_2to1_k6"))
+    ref, windows = worker.replay(before, after["seen"], 3, after_steps=6)
+    assert windows == [6, 3, 4] and after["seen"][0][:2] == (0, 3)
+    assert max_rel(after["params"], ref) < 1e-12
+    assert after["stats"]["optimizer_steps"] == len(windows)
+
+
 def test_a_mid_window_resume_lightning_cannot_serve_is_refused_on_every_rank(runs):
     """Saved after batch 7 of 10 on 1 device, mid-window: on 2 devices the
     epoch has 5 batches a device, Lightning starts it over at batch 0 and its
