@@ -327,6 +327,12 @@ class Accumulator:
         construction (numbers or one-element tensors, kept on their device),
         summed into ``window_metrics``.
         """
+        if (num_items is None and metrics is None and self.grad_scaler is None and not self._no_sync_depth
+                and not self._watch_for_group and isinstance(loss, torch.Tensor)):
+            # The common case, with nothing for _micro_batch to check or
+            # convert: the C++ side's defaults are what it would pass.
+            self._c.backward(loss)
+            return
         loss, items, reported = self._micro_batch("acc.backward()", loss, num_items)
         self._c.backward(loss, items, reported, self._metric_values("acc.backward()", metrics, loss))
 
