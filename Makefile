@@ -65,14 +65,25 @@ fuzz:
 	OMP_NUM_THREADS=1 $(PYTHON) tools/fuzz.py
 
 # The library and the Catch2 tests (the multi-rank ones included: real Gloo
-# groups, one thread per rank) under AddressSanitizer + UBSan. libtorch itself
-# is not instrumented; leak checking is off (torch keeps globals alive at exit).
+# groups, one thread per rank) under AddressSanitizer + UBSan; then the
+# fuzzer's corpus (tests/python/test_fuzz.py: its fixed seeds and regression
+# schedules, on real Gloo ranks) through the Python binding built over that
+# library, with the sanitizer runtimes preloaded into python. libtorch and
+# python are not instrumented; leak checking is off (torch keeps globals
+# alive at exit).
+SANITIZER_ENV = ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+  UBSAN_OPTIONS=print_stacktrace=1 OMP_NUM_THREADS=1
+SANITIZED_PYTHON = PYTHONPATH=$(CURDIR)/$(BUILD)/sanitize/python \
+  LD_PRELOAD="$$(c++ -print-file-name=libasan.so) $$(c++ -print-file-name=libubsan.so)" $(PYTHON)
 sanitize: deps
 	cmake -S . -B $(BUILD)/sanitize $(GEN) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DGRADACCUM_SANITIZE=ON -DGRADACCUM_INSTALL=OFF
 	cmake --build $(BUILD)/sanitize -j $(JOBS)
-	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-	  OMP_NUM_THREADS=1 $(BUILD)/sanitize/tests/cpp/gradaccum_tests
+	$(SANITIZER_ENV) $(BUILD)/sanitize/tests/cpp/gradaccum_tests
+	$(PYTHON) tools/sanitize_python.py --lib-dir $(BUILD)/sanitize --out $(BUILD)/sanitize/python
+	$(SANITIZER_ENV) $(SANITIZED_PYTHON) -c \
+	  'import gradaccum; f = gradaccum._C.__file__; assert "/sanitize/" in f, f; print("gradaccum:", f)'
+	$(SANITIZER_ENV) $(SANITIZED_PYTHON) -m pytest tests/python/test_fuzz.py -q -p no:cacheprovider
 
 # The set-up and the build print their steps, not their output: that goes to
 # $(DEMO_LOG), whose last lines are shown if a step fails. The demo needs the
