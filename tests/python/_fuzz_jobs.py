@@ -13,6 +13,7 @@ import traceback
 import torch
 
 import _dist_utils as du
+import _fuzz_check as fc
 import _fuzz_gen as fg
 import _fuzz_model as fm
 from _dist_utils import job
@@ -246,7 +247,7 @@ def _launch(schedules, out_dir, timeout=None):
     timeout = timeout or 60 + 4 * len(schedules)
     results = du.run_job("fuzz_schedules", world, out_dir, module="_fuzz_jobs", timeout=timeout,
                          pg_timeout=PG_TIMEOUT, schedules=schedules)
-    return [fm.check(s, [results[r][i] for r in range(world)]) for i, s in enumerate(schedules)]
+    return [fc.check(s, [results[r][i] for r in range(world)]) for i, s in enumerate(schedules)]
 
 
 _launches = [0]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import _dist_utils as du
+import _fuzz_check as fc
 import _fuzz_jobs as fj
 import _fuzz_gen as fg
 import _fuzz_model as fm
@@ -66,14 +67,14 @@ def test_the_generator_is_deterministic_and_the_checker_bites():
     perfect = [{"obs": {k: list(v) for k, v in model.exp[r].items()}, "trace": model.trace,
                 "micro_step": model.m, "window_ready": False, "optimizer_steps": model.optimizer_steps}
                for r in range(sched["world"])]
-    assert fm.check(sched, perfect) == []
+    assert fc.check(sched, perfect) == []
     off = [dict(res) for res in perfect]
     off[1] = dict(off[1], trace=[[p + 1e-9 for p in ps] for ps in off[1]["trace"]])
-    assert any("parameters after epoch" in p for p in fm.check(sched, off))
+    assert any("parameters after epoch" in p for p in fc.check(sched, off))
     off = [dict(res) for res in perfect]
     off[0] = dict(off[0], obs=dict(off[0]["obs"]))
     off[0]["obs"].popitem()
-    assert fm.check(sched, off)
+    assert fc.check(sched, off)
 
 
 def test_shrink_candidates_are_smaller_and_valid():
