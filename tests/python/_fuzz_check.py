@@ -73,7 +73,7 @@ def check(sched, results, tol=1e-12):
 
 def _order(key):
     parts = key.split("/")
-    return tuple(int(p) for p in parts[1:]) + ("gzcxblsjf".index(parts[0]),)
+    return tuple(int(p) for p in parts[1:]) + ("gzcxrblsjf".index(parts[0]),)
 
 
 def _show(obs):
