@@ -117,8 +117,9 @@ def _try_generate(rng, seed):
         if rng.random() < 0.25:
             W = sched["world"] = 1
         sched["epochs"], m = _epochs(rng, sched, W, K, 0, alone=W == 1)
-        if K > 1 and rng.random() < 0.6:  # mostly saved in the middle of a window
+        if K > 1 and rng.random() < 0.75:  # mostly saved in the middle of a window
             n = rng.randint(1, 2 * K)
+            n += (m + n) % K == 0
             sched["epochs"].append({"end": "none", "micros": [list(x) for x in [_specs(rng, n, red, 0.0)] * W], "events": []})
             m = (m + n) % K
         W2 = rng.choice([w for w in (1, 2, 3) if w != W])

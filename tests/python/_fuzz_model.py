@@ -34,7 +34,8 @@ Each rank runs, per epoch: `for t, spec in enumerate(mine): events at t;
 acc.backward(loss, num_items); acc.step()`, then events at len(mine), then
 `acc.flush()` ("flush"), or nothing ("none"); "join" epochs run the loop
 inside `with acc.join():` (no events there; an error ends the epoch);
-"manual" epochs take the DDP-style manual path (Model._manual_epoch).
+"manual" epochs take the DDP-style manual path (Model._manual_epoch). A
+schedule with "resize" restarts on another number of ranks: _fuzz_resize.py.
 
 Observation keys (one namespace per rank; checked in _fuzz_check.py): "b/e/t" backward, "s/e/t" step,
 "f/e" flush, "x/e/t" a mid-epoch flush, "j/e" leaving join, "c/e/t" state_dict, "l/e/t" the resume,
