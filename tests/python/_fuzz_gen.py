@@ -170,14 +170,18 @@ def shrink_candidates(sched):
         c = _copy(sched)
         del c["launch"]
         cands.append(c)
-    if sched.get("resize"):  # no restart, or fewer epochs after it
+    if sched.get("resize"):  # no restart, or fewer epochs or events after it
         c = _copy(sched)
         del c["resize"]
         cands.append(c)
-        for e in range(len(sched["resize"]["epochs"])):
+        for e, ep in enumerate(sched["resize"]["epochs"]):
             c = _copy(sched)
             del c["resize"]["epochs"][e]
             cands.append(c)
+            for j in range(len(ep["events"])):
+                c = _copy(sched)
+                del c["resize"]["epochs"][e]["events"][j]
+                cands.append(c)
     eps = sched["epochs"]
     for e in range(len(eps)):  # drop an epoch
         if len(eps) > 1:
