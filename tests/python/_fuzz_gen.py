@@ -6,6 +6,8 @@ import random
 
 from _fuzz_model import InvalidSchedule, expect
 
+RESIZE_P = 0.12  # schedules that restart on another number of ranks
+
 
 def _specs(rng, count, reduction, boom_p, closing=None):
     out = []
@@ -22,19 +24,43 @@ def _specs(rng, count, reduction, boom_p, closing=None):
     return out
 
 
-def _try_generate(rng, seed):
-    W = rng.choice([2, 2, 3])
-    K = rng.randint(1, 4)
-    red = rng.choice(["mean", "sum", "items"])
-    sched = {"seed": seed, "world": W, "steps": K, "reduction": red,
-             "nonfinite": rng.choice(["skip", "skip_micro_batch"]),
-             "net": rng.choice(["linear", "mlp"]), "momentum": rng.choice([0.0, 0.9]),
-             "buckets": rng.choice(["one", "many"]), "as_view": rng.random() < 0.3,
-             "max_grad_norm": rng.choice([None, None, 0.5, 3.0]), "epochs": []}
-    m = 0
+def _mask(rng, net):
+    """A trainable set: 1 or 0 per parameter (the mlp's by layer), never empty."""
+    if rng.random() < 0.35:
+        return [1] * (6 if net == "mlp" else 2)
+    while True:
+        bits = [rng.randint(0, 1) for _ in range(3 if net == "mlp" else 2)]
+        if any(bits):
+            return [b for b in bits for _ in range(2)] if net == "mlp" else bits
+
+
+def _manual(rng, W, K, red):
+    """A manual epoch: windows of K micro-batches (or, as DDP allows, another
+    number per rank), each ending in a plain backward that may fail."""
+    micros, closes = [[] for _ in range(W)], [[] for _ in range(W)]
     for _ in range(rng.randint(1, 3)):
-        end = rng.choices(["flush", "join", "none"], [5, 3, 2])[0]
+        uneven = rng.random() < 0.3
+        for r in range(W):
+            n = rng.randint(1, K + 1) if uneven else K
+            micros[r] += _specs(rng, n - 1, red, 0.0) + ["boom" if rng.random() < 0.06 else "ok"]
+            closes[r].append(len(micros[r]) - 1)
+    micros = [[s_ if s_ != "nan" else "ok" for s_ in x] for x in micros]
+    return {"end": "manual", "micros": micros, "closes": closes, "events": []}
+
+
+def _epochs(rng, sched, W, K, m, alone=False):
+    """1 to 3 random epochs on W ranks from micro-step m; (epochs, the micro-step
+    they end at). `alone`: what one process without a group does as data
+    parallel ranks do (no failing backward, join, manual path, cleared
+    gradients or per-rank saves)."""
+    red, epochs = sched["reduction"], []
+    for _ in range(rng.randint(1, 3)):
+        end = rng.choices(["flush", "join", "none", "manual"],
+                          [5, 0 if alone else 3, 2, 2 if m == 0 and not alone else 0])[0]
         events = []
+        if end == "manual":
+            epochs.append(_manual(rng, W, K, red))
+            continue
         if end == "join":
             n = [rng.randint(0, 3 * K) for _ in range(W)]
             micros = [_specs(rng, n[r], red, 0.06, closing=lambda i, m=m: (m + i + 1) % K == 0)
@@ -46,19 +72,64 @@ def _try_generate(rng, seed):
                 n = [lock + rng.randint(0, K) for _ in range(W)]
             else:
                 n = [rng.randint(0, 2 * K + 1)] * W
-            micros = [_specs(rng, n[r], red, 0.04) for r in range(W)]
+            micros = [_specs(rng, n[r], red, 0.0 if alone else 0.04) for r in range(W)]
             for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
-                kind = rng.choices(["checkpoint", "opt_zero_grad", "acc_zero_grad", "flush"], [5, 4, 1, 1])[0]
+                kind = rng.choices(["checkpoint", "opt_zero_grad", "acc_zero_grad", "flush", "refresh"],
+                                   [5, 0 if alone else 4, 0 if alone else 1, 1, 3])[0]
                 arg = rng.randrange(W) if kind in ("checkpoint", "opt_zero_grad") else None
-                events.append([rng.randint(0, min(n)), kind, arg])
+                t = rng.randint(0, min(n))
+                if kind == "refresh":
+                    arg = _mask(rng, sched["net"])
+                    bounds = list(range((K - m) % K, min(n) + 1, K))
+                    if bounds and rng.random() < 0.7:
+                        t = rng.choice(bounds)  # mostly where it is allowed
+                events.append([t, kind, arg])
             starts = [t for t in range((K - m) % K, min(n), K) if t + K - 1 <= min(n)]
-            if K > 1 and starts and rng.random() < 0.3:  # every rank saves, at its own micro-step
+            if K > 1 and starts and not alone and rng.random() < 0.3:  # every rank saves, at its own micro-step
                 t0 = rng.choice(starts)
                 for r in range(W):
                     events.append([t0 + rng.randint(1, K - 1), "state_dict", r])
             events.sort(key=lambda ev: ev[0])
             m = 0 if end == "flush" else (m + n[0]) % K  # ignoring acc_zero_grad: retried if invalid
-        sched["epochs"].append({"end": end, "micros": micros, "events": events})
+        epochs.append({"end": end, "micros": micros, "events": events})
+    return epochs, m
+
+
+def _known_bugs(sched):
+    """Leaves out what a known bug breaks (each an xfail test in test_fuzz.py),
+    so that the fixed seeds keep finding new ones."""
+    eps = sched["epochs"] + sched.get("resize", {}).get("epochs", [])
+    if sched["as_view"] and any(ep["end"] == "manual" for ep in eps):
+        # test_fuzz_step_at_a_boundary_after_optimizer_zero_grad_with_bucket_views
+        sched["step_after_manual"] = False
+
+
+def _try_generate(rng, seed):
+    W = rng.choice([2, 2, 3])
+    K = rng.randint(1, 4)
+    red = rng.choice(["mean", "sum", "items"])
+    sched = {"seed": seed, "world": W, "steps": K, "reduction": red,
+             "nonfinite": rng.choice(["skip", "skip_micro_batch"]),
+             "net": rng.choice(["linear", "mlp"]), "momentum": rng.choice([0.0, 0.9]),
+             "buckets": rng.choice(["one", "many"]), "as_view": rng.random() < 0.3,
+             "max_grad_norm": rng.choice([None, None, 0.5, 3.0]), "epochs": []}
+    if rng.random() < RESIZE_P:  # a restart on another number of ranks
+        if rng.random() < 0.25:
+            W = sched["world"] = 1
+        sched["epochs"], m = _epochs(rng, sched, W, K, 0, alone=W == 1)
+        if K > 1 and rng.random() < 0.75:  # mostly saved in the middle of a window
+            n = rng.randint(1, 2 * K)
+            n += (m + n) % K == 0
+            sched["epochs"].append({"end": "none", "micros": [list(x) for x in [_specs(rng, n, red, 0.0)] * W], "events": []})
+            m = (m + n) % K
+        W2 = rng.choice([w for w in (1, 2, 3) if w != W])
+        K2 = K if m else rng.randint(1, 4)  # steps may change at a boundary only
+        sched["resize"] = {"world": W2, "steps": K2}
+        sched["resize"]["epochs"] = _epochs(rng, sched, W2, K2, m, alone=W2 == 1)[0]
+        _known_bugs(sched)
+        return sched
+    sched["epochs"] = _epochs(rng, sched, W, K, 0)[0]
+    _known_bugs(sched)
     if rng.random() < 0.05:  # drawn last: the other draws stay as they were
         sched["launch"] = "no_group"
     return sched
@@ -78,7 +149,7 @@ def generate(seed):
 
 
 def size(sched):
-    eps = sched["epochs"]
+    eps = sched["epochs"] + sched.get("resize", {}).get("epochs", [])
     return (sum(len(x) for ep in eps for x in ep["micros"]) + 4 * sum(len(ep["events"]) for ep in eps)
             + 6 * len(eps) + 3 * sched["world"] + sched["steps"]
             + sum(s != "ok" for ep in eps for x in ep["micros"] for s in x)
@@ -99,6 +170,18 @@ def shrink_candidates(sched):
         c = _copy(sched)
         del c["launch"]
         cands.append(c)
+    if sched.get("resize"):  # no restart, or fewer epochs or events after it
+        c = _copy(sched)
+        del c["resize"]
+        cands.append(c)
+        for e, ep in enumerate(sched["resize"]["epochs"]):
+            c = _copy(sched)
+            del c["resize"]["epochs"][e]
+            cands.append(c)
+            for j in range(len(ep["events"])):
+                c = _copy(sched)
+                del c["resize"]["epochs"][e]["events"][j]
+                cands.append(c)
     eps = sched["epochs"]
     for e in range(len(eps)):  # drop an epoch
         if len(eps) > 1:
@@ -109,6 +192,15 @@ def shrink_candidates(sched):
         for j in range(len(ep["events"])):  # drop an event
             c = _copy(sched)
             del c["epochs"][e]["events"][j]
+            cands.append(c)
+        for j in range(len(ep.get("closes", [[]])[0])):  # drop a manual window on every rank
+            c = _copy(sched)
+            cep = c["epochs"][e]
+            for r, cl in enumerate(cep["closes"]):
+                first = cl[j - 1] + 1 if j else 0
+                cut = cl[j] + 1 - first
+                del cep["micros"][r][first:cl[j] + 1]
+                cep["closes"][r] = cl[:j] + [t - cut for t in cl[j + 1:]]
             cands.append(c)
         n = [len(x) for x in ep["micros"]]
         if min(n) >= sched["steps"]:  # drop the epoch's first window on every rank
@@ -139,6 +231,8 @@ def shrink_candidates(sched):
         c["world"] = 2
         for ep in c["epochs"]:
             ep["micros"] = ep["micros"][:2]
+            if "closes" in ep:
+                ep["closes"] = ep["closes"][:2]
             ep["events"] = [ev for ev in ep["events"] if ev[2] != 2]
         cands.append(c)
     for key, small in (("net", "linear"), ("momentum", 0.0), ("buckets", "one"), ("as_view", False),

@@ -13,8 +13,10 @@ import traceback
 import torch
 
 import _dist_utils as du
+import _fuzz_check as fc
 import _fuzz_gen as fg
 import _fuzz_model as fm
+import _fuzz_resize as fr
 from _dist_utils import job
 
 
@@ -40,6 +42,11 @@ class _Run:
     def __init__(self, rank, sched, ctl):
         self.rank, self.s, self.ctl = rank, sched, ctl
         self.net = self.opt = self.acc = None
+        self.mask = None  # requires_grad per parameter (None: all)
+        self.restored = None  # the after-phase of a restart: what the before-phase saved
+        if sched.get("phase") == "after":
+            self.restored = torch.load(sched["path"], weights_only=False)
+            self.mask = self.restored["mask"]
         self._build()
 
     def _build(self):
@@ -47,11 +54,14 @@ class _Run:
 
         s = self.s
         self.net = fm.make_net(s["net"], s["seed"])
+        for p, f in zip(self.net.parameters(), self.mask or []):
+            p.requires_grad_(bool(f))
         self.opt = torch.optim.SGD(self.net.parameters(), lr=fm.LR[s["reduction"]], momentum=s["momentum"])
         caps = ({"bucket_cap_mb": 0.0005, "first_bucket_cap_mb": 0.0002} if s.get("buckets") == "many" else {})
         self.acc = gradaccum.Accumulator(self.net, self.opt, steps=s["steps"], reduction=s["reduction"],
                                          nonfinite=s["nonfinite"], max_grad_norm=s.get("max_grad_norm"),
-                                         gradient_as_bucket_view=bool(s.get("as_view")), **caps)
+                                         gradient_as_bucket_view=bool(s.get("as_view")),
+                                         process_group=False if s["world"] == 1 else None, **caps)
 
     def backward(self, e, t, spec):
         batch = fm.micro_data(self.s["seed"], e, self.rank, t, spec)
@@ -59,6 +69,51 @@ class _Run:
         if spec == "boom":
             loss = Boom.apply(loss)
         self.acc.backward(loss, num_items=n)
+
+    def manual_backward(self, e, t, spec, closing, obs):
+        """The manual path: `(loss / K).backward()`, inside acc.no_sync()
+        unless `closing`; a closing one is followed by optimizer.step() (if
+        it succeeded), optimizer.zero_grad(set_to_none=True) and acc.step()."""
+        x, y, mask = fm.micro_data(self.s["seed"], e, self.rank, t, spec)
+        if spec == "boom":  # fails after the parameters' gradients were accumulated
+            x = Boom.apply(x.requires_grad_())
+        loss, _ = fm.micro_loss(self.net, (x, y, mask), self.s["reduction"], spec)
+        loss = loss / self.s["steps"]
+        if not closing:
+            try:
+                with self.acc.no_sync():
+                    loss.backward()
+                obs[f"b/{e}/{t}"] = ["ok", None]
+            except Exception as err:  # noqa: BLE001
+                obs[f"b/{e}/{t}"] = _err(err)
+            return
+        try:
+            loss.backward()
+            obs[f"b/{e}/{t}"] = ["ok", None]
+            self.opt.step()
+        except Exception as err:  # noqa: BLE001
+            obs[f"b/{e}/{t}"] = _err(err)
+        self.opt.zero_grad(set_to_none=True)
+        if self.s.get("step_after_manual", True):
+            try:
+                obs[f"s/{e}/{t}"] = self.step()
+            except Exception as err:  # noqa: BLE001
+                obs[f"s/{e}/{t}"] = _err(err)
+
+    def refresh(self, mask):
+        """requires_grad set to `mask` and acc.refresh_parameters(); the
+        frozen parameters that still have a .grad. Refused: set back."""
+        old = self.mask or [1] * len(mask)
+        for p, f in zip(self.net.parameters(), mask):
+            p.requires_grad_(bool(f))
+        try:
+            self.acc.refresh_parameters()
+        except Exception:
+            for p, f in zip(self.net.parameters(), old):
+                p.requires_grad_(bool(f))
+            raise
+        self.mask = list(mask)
+        return ["ok", [i for i, (p, f) in enumerate(zip(self.net.parameters(), mask)) if not f and p.grad is not None]]
 
     def _stepped(self, v):
         if not v:
@@ -100,10 +155,35 @@ class _Run:
         except Exception as err:  # noqa: BLE001
             obs[f"l/{e}/{t}"] = _err(err)
 
+    def restart(self, obs):
+        """A restart on another number of ranks (_fuzz_resize.py): the
+        before-phase saves at its end on every rank, rank 0 writing the file;
+        the after-phase loads it on every rank before its first epoch."""
+        key = f"{len(self.s['whole']['epochs'])}/0"
+        try:
+            if self.s["phase"] == "after":
+                blob = self.restored
+                self.net.load_state_dict(blob["model"])
+                self.opt.load_state_dict(blob["opt"])
+                self.acc.load_state_dict(blob["acc"])
+                obs[f"l/{key}"] = ["ok", None]
+                return
+            blob = {"acc": self.acc.state_dict(), "model": self.net.state_dict(), "opt": self.opt.state_dict(),
+                    "mask": self.mask or [1] * len(list(self.net.parameters()))}
+            obs[f"c/{key}"] = ["ok", None]
+        except Exception as err:  # noqa: BLE001
+            obs[("l/" if self.s["phase"] == "after" else "c/") + key] = _err(err)
+            return
+        if self.rank == 0:
+            torch.save(blob, self.s["path"] + ".part")
+            os.replace(self.s["path"] + ".part", self.s["path"])
+
     def run(self):
         obs, trace = {}, []
         rank = self.rank
-        for e, ep in enumerate(self.s["epochs"]):
+        if self.s.get("phase") == "after":
+            self.restart(obs)
+        for e, ep in enumerate(self.s["epochs"], self.s.get("first_epoch", 0)):
             mine = ep["micros"][rank]
             if ep["end"] == "join":
                 where = None
@@ -119,6 +199,9 @@ class _Run:
                     obs[f"j/{e}"] = ["ok", None]
                 except Exception as err:  # noqa: BLE001
                     obs[where] = _err(err)
+            elif ep["end"] == "manual":
+                for t, spec in enumerate(mine):
+                    self.manual_backward(e, t, spec, t in ep["closes"][rank], obs)
             else:
                 at = {}
                 for t, kind, arg in ep["events"]:
@@ -139,6 +222,11 @@ class _Run:
                                         obs[f"c/{e}/{t}"] = ["ok", None]
                                     except Exception as err:  # noqa: BLE001
                                         obs[f"c/{e}/{t}"] = _err(err)
+                            elif kind == "refresh":
+                                try:
+                                    obs[f"r/{e}/{t}"] = self.refresh(arg)
+                                except Exception as err:  # noqa: BLE001
+                                    obs[f"r/{e}/{t}"] = _err(err)
                             elif kind == "flush":
                                 try:
                                     obs[f"x/{e}/{t}"] = self.flush()
@@ -162,6 +250,8 @@ class _Run:
                     except Exception as err:  # noqa: BLE001
                         obs[f"f/{e}"] = _err(err)
             trace.append(du.params(self.net))
+        if self.s.get("phase") == "before":
+            self.restart(obs)
         out = {"obs": obs, "trace": trace, "micro_step": self.acc.micro_step,
                "window_ready": self.acc.window_ready,
                "optimizer_steps": self.acc.stats()["optimizer_steps"]}
@@ -246,7 +336,7 @@ def _launch(schedules, out_dir, timeout=None):
     timeout = timeout or 60 + 4 * len(schedules)
     results = du.run_job("fuzz_schedules", world, out_dir, module="_fuzz_jobs", timeout=timeout,
                          pg_timeout=PG_TIMEOUT, schedules=schedules)
-    return [fm.check(s, [results[r][i] for r in range(world)]) for i, s in enumerate(schedules)]
+    return [fc.check(s, [results[r][i] for r in range(world)]) for i, s in enumerate(schedules)]
 
 
 _launches = [0]
@@ -257,7 +347,10 @@ def verdicts(schedules, tmp_dir, batch=30):
     world size into launches of up to `batch`. After a failing schedule the
     rest of its launch runs again in a new one (a failure may leave the ranks
     out of step); a launch that fails as a whole is rerun one schedule per
-    launch."""
+    launch. A schedule with a restart on another number of ranks runs as two
+    launches (_fuzz_resize.verdicts)."""
+    if any("resize" in s for s in schedules):
+        return fr.verdicts(schedules, tmp_dir, batch, verdicts)
     out = [None] * len(schedules)
     pending = list(range(len(schedules)))
     while pending:

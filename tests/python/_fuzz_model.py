@@ -3,16 +3,16 @@
 Written from README.md, docs/design.md and docs/checkpoints.md, not from the
 implementation: plain Python and float64 torch arithmetic on one process, no
 torch.distributed. Given a schedule (every rank's calls, see
-_fuzz_gen.generate), it
-says what every rank must observe at each call (a return value, or an error
+_fuzz_gen.generate), it says what every rank must observe at each call (a return value, or an error
 with its key words) and what every rank's parameters must be after each epoch.
 
 A schedule is a plain dict (JSON-able, so a failing one pastes into a test):
 
     {"seed", "world", "steps", "reduction", "nonfinite", "net", "momentum",
      "buckets": "one" | "many", "as_view": bool (options that change no arithmetic),
-     "epochs": [{"end": "flush" | "join" | "none",
+     "epochs": [{"end": "flush" | "join" | "none" | "manual",
                  "micros": [[spec, ...] per rank],
+                 "closes": [[t, ...] per rank] ("manual" only),
                  "events": [[t, kind, arg], ...]}]}
 
 A micro-batch's spec is "ok", "nan" (its loss times NaN), "zero"
@@ -25,15 +25,21 @@ docs do not say), "flush" (`acc.flush()` on every rank), "state_dict" (`acc.stat
 alone, mid-window; each rank has one such event in the same window, maybe at
 another micro-step: a cut that is not consistent) or "checkpoint" (every rank calls
 `acc.state_dict()`; rank `arg`'s state, model and optimizer are loaded by
-every rank into a fresh model, optimizer and Accumulator).
+every rank into a fresh model, optimizer and Accumulator, built with the
+trainable set of the moment) or "refresh" (every rank sets requires_grad to
+`arg`, 1 or 0 per parameter, and calls `acc.refresh_parameters()`; refused
+mid-window, where it then sets requires_grad back).
 
 Each rank runs, per epoch: `for t, spec in enumerate(mine): events at t;
 acc.backward(loss, num_items); acc.step()`, then events at len(mine), then
 `acc.flush()` ("flush"), or nothing ("none"); "join" epochs run the loop
-inside `with acc.join():` (no events there; an error ends the epoch).
+inside `with acc.join():` (no events there; an error ends the epoch);
+"manual" epochs take the DDP-style manual path (Model._manual_epoch). A
+schedule with "resize" restarts on another number of ranks: _fuzz_resize.py.
 
-Observation keys (one namespace per rank): "b/e/t" backward, "s/e/t" step,
-"f/e" flush, "x/e/t" a mid-epoch flush, "j/e" leaving join, "c/e/t" state_dict, "l/e/t" the resume.
+Observation keys (one namespace per rank; checked in _fuzz_check.py): "b/e/t" backward, "s/e/t" step,
+"f/e" flush, "x/e/t" a mid-epoch flush, "j/e" leaving join, "c/e/t" state_dict, "l/e/t" the resume,
+"r/e/t" refresh_parameters().
 """
 import math
 
@@ -107,7 +113,8 @@ class Model:
         self.red, self.nonfinite = sched["reduction"], sched["nonfinite"]
         self.net = make_net(sched["net"], sched["seed"])
         self.params = [p.detach().clone() for p in self.net.parameters()]
-        self.buf = None
+        self.buf = [None] * len(self.params)  # SGD's momentum buffers, per parameter
+        self.mask = [[1] * len(self.params) for _ in range(self.W)]  # requires_grad, per rank
         self.optimizer_steps = 0
         self.m = 0  # micro-step, alike on every rank outside an epoch's last window
         self.win = [_Window() for _ in range(self.W)]
@@ -118,14 +125,28 @@ class Model:
     # ---- arithmetic ----------------------------------------------------- #
 
     def _grad_of(self, e, r, t, spec):
-        """(gradient, loss value, items) of one micro-batch at the window's parameters."""
+        """(gradient, loss value, items) of one micro-batch at the window's
+        parameters; None for a parameter rank r has frozen."""
         with torch.no_grad():
-            for p, v in zip(self.net.parameters(), self.params):
+            for p, v, f in zip(self.net.parameters(), self.params, self.mask[r]):
                 p.copy_(v)
                 p.grad = None
+                p.requires_grad_(bool(f))
         loss, n = micro_loss(self.net, micro_data(self.s["seed"], e, r, t, spec), self.red, "ok")
         loss.backward()
-        return [p.grad.detach().clone() for p in self.net.parameters()], loss.item(), n
+        return [None if p.grad is None else p.grad.detach().clone() for p in self.net.parameters()], loss.item(), n
+
+    def _sgd(self, grad):
+        """torch.optim.SGD's step (momentum, no dampening); a parameter whose
+        .grad is None is left alone, its buffer too."""
+        mom = self.s["momentum"]
+        for i, g in enumerate(grad):
+            if g is None:
+                continue
+            if mom:
+                self.buf[i] = g.clone() if self.buf[i] is None else mom * self.buf[i] + g
+                g = self.buf[i]
+            self.params[i] = self.params[i] - LR[self.red] * g
 
     def _contribute(self, e, r, t, spec):
         """The local effect of rank r's backward of micro-batch t (no reduction)."""
@@ -141,10 +162,10 @@ class Model:
             w.kept += 1
             w.weight += 1.0 if self.red != "items" else 0.0  # its items do not matter: skipped
             if w.grad is None:
-                w.grad = [torch.zeros_like(p) for p in self.params]
+                w.grad = [torch.zeros_like(p) if f else None for p, f in zip(self.params, self.mask[r])]
             return
         g, loss, n = self._grad_of(e, r, t, spec)
-        w.grad = g if w.grad is None else [a + b for a, b in zip(w.grad, g)]
+        w.grad = _add(w.grad, g)
         w.loss += loss
         w.kept += 1
         w.weight += float(n) if self.red == "items" else 1.0
@@ -161,25 +182,21 @@ class Model:
             if kept:
                 self.seen.add("window with no items")
             return False, None  # nothing kept (or no items) anywhere: no step
+        if any(m != self.mask[0] for m in self.mask):
+            raise InvalidSchedule("a window over ranks with different trainable sets")
         total = None
         for w in wins:
-            if w.grad is not None:
-                total = w.grad if total is None else [a + b for a, b in zip(total, w.grad)]
+            total = _add(total, w.grad)
         div = 1.0 if self.red == "sum" else weight
-        grad = [g / div for g in total]
+        grad = [None if g is None else g / div for g in total]
         clip = self.s.get("max_grad_norm")
         if clip is not None:  # clip_grad_norm_'s arithmetic, once per window
-            norm = math.sqrt(sum(float((g * g).sum()) for g in grad))
+            norm = math.sqrt(sum(float((g * g).sum()) for g in grad if g is not None))
             coef = min(1.0, clip / (norm + 1e-6))
-            grad = [g * coef for g in grad]
+            grad = [None if g is None else g * coef for g in grad]
             if coef < 1.0:
                 self.seen.add("window clipped")
-        mom = self.s["momentum"]
-        if self.buf is None or mom == 0:
-            self.buf = [g.clone() for g in grad]
-        else:
-            self.buf = [mom * b + g for b, g in zip(self.buf, grad)]
-        self.params = [p - LR[self.red] * b for p, b in zip(self.params, self.buf)]
+        self._sgd(grad)
         self.optimizer_steps += 1
         loss = sum(w.loss for w in wins) / div
         return True, (None if any(w.cut for w in wins) else loss)
@@ -213,11 +230,13 @@ class Model:
             self.seen.add("launched without a group")
             for r in range(self.W):
                 self.exp[r]["g"] = ("err", ["no process group exists", "would train alone"], [], True)
-        for e, ep in enumerate(self.s["epochs"]):
+        for e, ep in enumerate(self.s["epochs"], self.s.get("first_epoch", 0)):
             if len(ep["micros"]) != self.W:
                 raise InvalidSchedule("micros per rank")
             if ep["end"] == "join":
                 self._join_epoch(e, ep)
+            elif ep["end"] == "manual":
+                self._manual_epoch(e, ep)
             else:
                 self._plain_epoch(e, ep)
             self.trace.append([p.clone() for p in self.params])
@@ -278,6 +297,8 @@ class Model:
                         if self.win[r].grad is None and not self.win[r].culprits:
                             raise InvalidSchedule("optimizer.zero_grad() with nothing accumulated")
                         self.win[r].culprits.setdefault(r, "cleared")
+                    elif kind == "refresh":
+                        exp[f"r/{e}/{t}"] = self._refresh(r, mine[r], arg)
                     elif kind == "acc_zero_grad":
                         if mine[r]:
                             self.seen.add("acc.zero_grad() mid-window")
@@ -387,6 +408,89 @@ class Model:
             raise InvalidSchedule("the ranks end the epoch at different micro-steps")
         self.m = 0 if ep["end"] == "flush" else mine[0]
 
+    def _refresh(self, r, micro_step, mask):
+        """README, "Changing requires_grad": acc.refresh_parameters() at a
+        window boundary, every rank alike, after requires_grad changed
+        (`mask`: 1 where a parameter requires grad). A parameter that left the
+        set has .grad None (Note [Refreshing the parameters]): the optimizer
+        leaves it alone. The driver observes ("ok", [frozen parameters with a
+        .grad]). Mid-window it is an error (design.md, Limits) that changes
+        nothing: the driver then sets requires_grad back."""
+        if not any(mask) or len(mask) != len(self.params):
+            raise InvalidSchedule("a trainable set of no parameter")
+        if micro_step:
+            self.seen.add("refresh_parameters() mid-window")
+            return ("err", ["acc.refresh_parameters()", "window boundary"], [], True)
+        old = self.mask[r]
+        self.seen.add("refresh_parameters() at a boundary"
+                      + (", froze" if any(o and not m for o, m in zip(old, mask)) else "")
+                      + (", unfroze" if any(m and not o for o, m in zip(old, mask)) else ""))
+        self.mask[r] = list(mask)
+        return ("ok", [])
+
+    def _manual_epoch(self, e, ep):
+        """README, "with acc.no_sync(): loss.backward()": the DDP-style manual
+        path. Each rank's windows end at its `closes` (micro-batch indices):
+        before, `with acc.no_sync(): (loss / K).backward()` accumulates
+        locally; at one, a plain `(loss / K).backward()` reduces: the mean over
+        ranks of their local sums (reducer.h, manual_request: weight 1 per
+        rank, divided unless "sum"), as torch DDP. The user then steps the
+        optimizer and clears the gradients itself
+        (`optimizer.zero_grad(set_to_none=True)`), and `acc.step()` returns
+        False (no window of its own closed: README, acc.step()); the schedule's
+        "step_after_manual": False leaves that call out. Ranks may
+        run different numbers of no_sync micro-steps, as with DDP. A closing
+        backward that fails after it reached a parameter (design.md, Window
+        consensus and Limits) drops the window on every rank: the failing
+        rank sees its own error, the others "dropped on every rank"; no step."""
+        W, K = self.W, self.K
+        closes = ep.get("closes")
+        if self.m or ep["events"] or closes is None or len(closes) != W:
+            raise InvalidSchedule("a manual epoch starts at a boundary, without events")
+        for r in range(W):
+            n = len(ep["micros"][r])
+            if closes[r] != sorted(set(closes[r])) or (closes[r] and closes[r][-1] != n - 1) or (n and not closes[r]):
+                raise InvalidSchedule("a manual epoch ends each rank's micro-batches with a closing backward")
+            if any(spec == "boom" and t not in closes[r] for t, spec in enumerate(ep["micros"][r])) \
+                    or "nan" in ep["micros"][r]:
+                raise InvalidSchedule("manual micro-batches are finite; only a closing backward fails")
+        if len({len(c) for c in closes}) != 1:
+            raise InvalidSchedule("every rank closes as many manual windows")
+        for j in range(len(closes[0])):
+            local, culprits, lengths = [None] * W, {}, set()
+            for r in range(W):
+                first = closes[r][j - 1] + 1 if j else 0
+                lengths.add(closes[r][j] + 1 - first)
+                for t in range(first, closes[r][j] + 1):
+                    spec = ep["micros"][r][t]
+                    if spec == "boom":
+                        culprits[r] = "boom"
+                        continue
+                    g = self._grad_of(e, r, t, spec)[0]
+                    local[r] = _add(local[r], [None if x is None else x / K for x in g])
+                    if t != closes[r][j]:
+                        self.exp[r][f"b/{e}/{t}"] = ("ok", None)
+            self.seen.add("manual window" + (" dropped" if culprits else "")
+                          + (" of unequal lengths" if len(lengths) > 1 else ""))
+            if not culprits:
+                if any(m != self.mask[0] for m in self.mask):
+                    raise InvalidSchedule("a window over ranks with different trainable sets")
+                total = None
+                for g in local:
+                    total = _add(total, g)
+                div = 1.0 if self.red == "sum" else float(W)
+                self._sgd([None if g is None else g / div for g in total])
+            for r in range(W):
+                t = closes[r][j]
+                if r in culprits:
+                    self.exp[r][f"b/{e}/{t}"] = ("err", ["injected failure"], [], False)
+                elif culprits:
+                    self.exp[r][f"b/{e}/{t}"] = self._dropped_error(r, culprits)
+                else:
+                    self.exp[r][f"b/{e}/{t}"] = ("ok", None)
+                if self.s.get("step_after_manual", True):
+                    self.exp[r][f"s/{e}/{t}"] = ("ok", False)
+
     def _join_epoch(self, e, ep):
         """design.md, Joining: window w holds every rank's w-th chunk of its data
         (the first chunk fills the current window); a rank out of data closes
@@ -446,97 +550,21 @@ class Model:
             self.exp[r][f"j/{e}"] = ("ok", None)
 
 
+def _add(a, b):
+    """Per-parameter sums of two gradients (lists, None entries where frozen)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return [y if x is None else x if y is None else x + y for x, y in zip(a, b)]
+
+
 def _flush_key(e, kind, t):
     return f"f/{e}" if kind == "flush" else f"x/{e}/{t}"
 
 
 def expect(sched):
-    """The model's prediction, or InvalidSchedule."""
+    """The model's prediction, or InvalidSchedule. A phase of a restart on
+    another number of ranks, or a schedule with one: _fuzz_resize.py."""
+    if "phase" in sched or "resize" in sched:
+        import _fuzz_resize as fr
+        return fr.expect_phase(sched) if "phase" in sched else fr.expect_whole(sched)
     return Model(sched).run()
-
-
-# --------------------------------------------------------------------------- #
-# Checking what the ranks observed
-# --------------------------------------------------------------------------- #
-
-def _close(a, b, tol):
-    return abs(a - b) <= tol * max(1.0, abs(b))
-
-
-def check(sched, results, tol=1e-12):
-    """Problems (strings) between the ranks' results and the model; [] when all agree."""
-    model = expect(sched)
-    problems = []
-    for r, res in enumerate(results):
-        if res is None:
-            problems.append(f"rank {r}: no result")
-            continue
-        if res.get("crash"):
-            problems.append(f"rank {r}: unexpected exception escaped the driver: {res['crash']}")
-            continue
-        got, exp = res["obs"], model.exp[r]
-        for key in sorted(set(got) | set(exp), key=_order):
-            g, x = got.get(key), exp.get(key)
-            if x is None:
-                problems.append(f"rank {r} {key}: not expected, got {_show(g)}")
-            elif g is None:
-                problems.append(f"rank {r} {key}: expected {_show(x)}, the rank never got there")
-            elif x[0] == "err":
-                _, all_of, any_of, prefixed = x
-                if g[0] != "err":
-                    problems.append(f"rank {r} {key}: expected an error with {all_of} "
-                                    f"and one of {any_of}, got {_show(g)}")
-                    continue
-                _, mro, text = g
-                bad = [w for w in all_of if w not in text]
-                if any_of and not any(w in text for w in any_of):
-                    bad.append(f"one of {any_of}")
-                if "RuntimeError" not in mro:
-                    bad.append(f"class RuntimeError (got {mro[0]})")
-                if prefixed and not text.startswith("gradaccum: "):
-                    bad.append("the 'gradaccum: ' prefix")
-                if bad:
-                    problems.append(f"rank {r} {key}: error lacks {bad}: {text[:300]}")
-            else:
-                if g[0] != "ok":
-                    problems.append(f"rank {r} {key}: expected {_show(x)}, got {_show(g)}")
-                elif g[1] != x[1]:
-                    problems.append(f"rank {r} {key}: returned {g[1]!r}, expected {x[1]!r}")
-                elif x[1] is True and len(x) > 2:
-                    wl, want = g[2], x[2]
-                    if want is None and wl is not None:
-                        problems.append(f"rank {r} {key}: window_loss {wl!r}, expected None "
-                                        "(a window cut by a checkpoint)")
-                    elif want is not None and (wl is None or not _close(wl, want, tol)):
-                        problems.append(f"rank {r} {key}: window_loss {wl!r}, expected {want!r}")
-        for e, (got_p, want_p) in enumerate(zip(res["trace"], model.trace)):
-            worst = max(((a - b).abs().max().item() / max(1.0, b.abs().max().item())
-                         for a, b in zip(got_p, want_p)), default=0.0)
-            if not worst <= tol:
-                problems.append(f"rank {r}: parameters after epoch {e} differ by {worst:.3g} (relative)")
-                break
-        if len(res["trace"]) != len(model.trace):
-            problems.append(f"rank {r}: {len(res['trace'])} epochs ran, expected {len(model.trace)}")
-        if res["micro_step"] != model.m or res["window_ready"]:
-            problems.append(f"rank {r}: ends at micro_step {res['micro_step']} (window_ready "
-                            f"{res['window_ready']}), expected {model.m}")
-        if res["optimizer_steps"] != model.optimizer_steps:
-            problems.append(f"rank {r}: stats()['optimizer_steps'] {res['optimizer_steps']}, "
-                            f"expected {model.optimizer_steps}")
-    return problems
-
-
-def _order(key):
-    parts = key.split("/")
-    return tuple(int(p) for p in parts[1:]) + ("gzcxblsjf".index(parts[0]),)
-
-
-def _show(obs):
-    if obs is None:
-        return "nothing"
-    if obs[0] == "err":
-        if isinstance(obs[1], list) and obs[1] and isinstance(obs[1][0], str) and len(obs) == 3 \
-                and isinstance(obs[2], str):
-            return f"{obs[1][0]}: {obs[2][:300]}"
-        return f"an error with {obs[1]}"
-    return f"returned {obs[1]!r}"

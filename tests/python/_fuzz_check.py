@@ -1,0 +1,87 @@
+"""The fuzzer's checker: what the ranks observed (the driver's results,
+_fuzz_jobs.py) held against the reference model's prediction (_fuzz_model.py),
+as a list of problems, one string each; [] when all agree."""
+import _fuzz_model as fm
+
+
+def _close(a, b, tol):
+    return abs(a - b) <= tol * max(1.0, abs(b))
+
+
+def check(sched, results, tol=1e-12):
+    """Problems (strings) between the ranks' results and the model; [] when all agree."""
+    model = fm.expect(sched)
+    problems = []
+    for r, res in enumerate(results):
+        if res is None:
+            problems.append(f"rank {r}: no result")
+            continue
+        if res.get("crash"):
+            problems.append(f"rank {r}: unexpected exception escaped the driver: {res['crash']}")
+            continue
+        got, exp = res["obs"], model.exp[r]
+        for key in sorted(set(got) | set(exp), key=_order):
+            g, x = got.get(key), exp.get(key)
+            if x is None:
+                problems.append(f"rank {r} {key}: not expected, got {_show(g)}")
+            elif g is None:
+                problems.append(f"rank {r} {key}: expected {_show(x)}, the rank never got there")
+            elif x[0] == "err":
+                _, all_of, any_of, prefixed = x
+                if g[0] != "err":
+                    problems.append(f"rank {r} {key}: expected an error with {all_of} "
+                                    f"and one of {any_of}, got {_show(g)}")
+                    continue
+                _, mro, text = g
+                bad = [w for w in all_of if w not in text]
+                if any_of and not any(w in text for w in any_of):
+                    bad.append(f"one of {any_of}")
+                if "RuntimeError" not in mro:
+                    bad.append(f"class RuntimeError (got {mro[0]})")
+                if prefixed and not text.startswith("gradaccum: "):
+                    bad.append("the 'gradaccum: ' prefix")
+                if bad:
+                    problems.append(f"rank {r} {key}: error lacks {bad}: {text[:300]}")
+            else:
+                if g[0] != "ok":
+                    problems.append(f"rank {r} {key}: expected {_show(x)}, got {_show(g)}")
+                elif g[1] != x[1]:
+                    problems.append(f"rank {r} {key}: returned {g[1]!r}, expected {x[1]!r}")
+                elif x[1] is True and len(x) > 2:
+                    wl, want = g[2], x[2]
+                    if want is None and wl is not None:
+                        problems.append(f"rank {r} {key}: window_loss {wl!r}, expected None "
+                                        "(a window cut by a checkpoint)")
+                    elif want is not None and (wl is None or not _close(wl, want, tol)):
+                        problems.append(f"rank {r} {key}: window_loss {wl!r}, expected {want!r}")
+        for e, (got_p, want_p) in enumerate(zip(res["trace"], model.trace)):
+            worst = max(((a - b).abs().max().item() / max(1.0, b.abs().max().item())
+                         for a, b in zip(got_p, want_p)), default=0.0)
+            if not worst <= tol:
+                problems.append(f"rank {r}: parameters after epoch {e} differ by {worst:.3g} (relative)")
+                break
+        if len(res["trace"]) != len(model.trace):
+            problems.append(f"rank {r}: {len(res['trace'])} epochs ran, expected {len(model.trace)}")
+        if res["micro_step"] != model.m or res["window_ready"]:
+            problems.append(f"rank {r}: ends at micro_step {res['micro_step']} (window_ready "
+                            f"{res['window_ready']}), expected {model.m}")
+        if res["optimizer_steps"] != model.optimizer_steps:
+            problems.append(f"rank {r}: stats()['optimizer_steps'] {res['optimizer_steps']}, "
+                            f"expected {model.optimizer_steps}")
+    return problems
+
+
+def _order(key):
+    parts = key.split("/")
+    return tuple(int(p) for p in parts[1:]) + ("gzcxrblsjf".index(parts[0]),)
+
+
+def _show(obs):
+    if obs is None:
+        return "nothing"
+    if obs[0] == "err":
+        if isinstance(obs[1], list) and obs[1] and isinstance(obs[1][0], str) and len(obs) == 3 \
+                and isinstance(obs[2], str):
+            return f"{obs[1][0]}: {obs[2][:300]}"
+        return f"an error with {obs[1]}"
+    return f"returned {obs[1]!r}"
