@@ -40,13 +40,25 @@ void Accumulator::check_no_uncounted_backward() const {
   // At micro-step 0 the gradients are as the last window (or reset) left them;
   // different ones came from a backward this Accumulator did not count. The
   // window would never close: step() would return false for good, silently.
-  TORCH_CHECK(grad_versions() == remembered_,
-      "gradaccum: acc.step(): gradients were written since the last window, but no micro-step was "
-      "counted: a plain loss.backward() instead of acc.backward(loss)? Call acc.backward(loss) on "
-      "each micro-batch: it counts the micro-step and synchronises the window's last one, and "
-      "acc.step() then steps once per window. (A plain loss.backward(), inside acc.no_sync() for "
-      "all but the last micro-batch, is the manual path, where you step the optimizer yourself.) "
-      "Nothing was changed: drop these gradients with acc.zero_grad()");
+  // Cleared or zeroed ones are no backward: optimizer.zero_grad() at a window
+  // boundary is allowed, and with bucket views the last window left zeroed
+  // views in .grad that it drops (None) or zeroes in place. Only this call
+  // (step() with no micro-step since the last window) pays for reading them.
+  const auto now = grad_versions();
+  for (const auto i : c10::irange(params_.size())) {
+    if (now[i] == remembered_[i] || !now[i].impl) {
+      continue;
+    }
+    const auto& g = params_[i].grad();
+    const bool zero = g.layout() == c10::kStrided ? !g.any().item<bool>() : g.is_sparse() && g._nnz() == 0;
+    TORCH_CHECK(zero,
+        "gradaccum: acc.step(): gradients were written since the last window, but no micro-step was "
+        "counted: a plain loss.backward() instead of acc.backward(loss)? Call acc.backward(loss) on "
+        "each micro-batch: it counts the micro-step and synchronises the window's last one, and "
+        "acc.step() then steps once per window. (A plain loss.backward(), inside acc.no_sync() for "
+        "all but the last micro-batch, is the manual path, where you step the optimizer yourself.) "
+        "Nothing was changed: drop these gradients with acc.zero_grad()");
+  }
 }
 
 void Accumulator::check_requires_grad(const char* what) const {

@@ -457,3 +457,53 @@ TEST_CASE("rebuild_buckets(false) keeps the registration-order buckets", "[reduc
   CHECK(layouts[0] == std::vector<size_t>{7, 6, 5, 4, 3, 2, 1, 0});
   CHECK(layouts[1] == layouts[0]);
 }
+
+TEST_CASE("zero_grad() at a window boundary is no uncounted backward, bucket views or not", "[reducer][distributed][misuse]") {
+  // Found by the fuzzer: with bucket views the last window leaves zeroed views
+  // in .grad; optimizer.zero_grad() at the boundary drops them (or zeroes
+  // them in place), and acc.step() took that for a plain loss.backward().
+  // It returns false, as with copies; a real write is still refused.
+  for (bool as_view : {false, true}) {
+    DYNAMIC_SECTION((as_view ? "bucket views" : "copies")) {
+      std::vector<std::vector<at::Tensor>> results(2);
+      std::vector<std::vector<bool>> stepped(2);
+      std::vector<std::string> refused(2);
+      run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+        auto net = gradaccum::test::mlp();
+        torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+        Accumulator acc(net, opt, AccumulatorOptions(2).process_group(group).reducer(
+            ReducerOptions().gradient_as_bucket_view(as_view)));
+        const auto loss = [&](int k) {
+          return net->forward(torch::ones({2, 6}, torch::kDouble) * double(rank + 1 + k)).pow(2).sum();
+        };
+        for (int w = 0; w < 2; ++w) {
+          for (int k = 0; k < 2; ++k) {
+            acc.backward(loss(k));
+            stepped[rank].push_back(acc.step());
+          }
+          if (w == 0) {
+            for (auto& p : net->parameters()) {
+              if (p.grad().defined()) p.mutable_grad().zero_(); // zero_grad(set_to_none=False)
+            }
+            stepped[rank].push_back(acc.step());
+            opt.zero_grad(); // set_to_none
+            stepped[rank].push_back(acc.step());
+          }
+        }
+        for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
+        loss(0).backward(); // not acc.backward(): refused, views or not
+        try {
+          acc.step();
+        } catch (const std::exception& e) {
+          refused[rank] = e.what();
+        }
+      });
+      for (int r = 0; r < 2; ++r) {
+        CHECK(stepped[r] == std::vector<bool>{false, true, false, false, false, true});
+        CHECK_THAT(refused[r], Catch::StartsWith(
+            "gradaccum: acc.step(): gradients were written since the last window, but no micro-step was counted"));
+      }
+      for (size_t i = 0; i < results[0].size(); ++i) CHECK(torch::equal(results[0][i], results[1][i]));
+    }
+  }
+}

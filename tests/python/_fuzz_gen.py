@@ -95,15 +95,6 @@ def _epochs(rng, sched, W, K, m, alone=False):
     return epochs, m
 
 
-def _known_bugs(sched):
-    """Leaves out what a known bug breaks (each an xfail test in test_fuzz.py),
-    so that the fixed seeds keep finding new ones."""
-    eps = sched["epochs"] + sched.get("resize", {}).get("epochs", [])
-    if sched["as_view"] and any(ep["end"] == "manual" for ep in eps):
-        # test_fuzz_step_at_a_boundary_after_optimizer_zero_grad_with_bucket_views
-        sched["step_after_manual"] = False
-
-
 def _try_generate(rng, seed):
     W = rng.choice([2, 2, 3])
     K = rng.randint(1, 4)
@@ -126,10 +117,8 @@ def _try_generate(rng, seed):
         K2 = K if m else rng.randint(1, 4)  # steps may change at a boundary only
         sched["resize"] = {"world": W2, "steps": K2}
         sched["resize"]["epochs"] = _epochs(rng, sched, W2, K2, m, alone=W2 == 1)[0]
-        _known_bugs(sched)
         return sched
     sched["epochs"] = _epochs(rng, sched, W, K, 0)[0]
-    _known_bugs(sched)
     if rng.random() < 0.05:  # drawn last: the other draws stay as they were
         sched["launch"] = "no_group"
     return sched

@@ -94,11 +94,10 @@ class _Run:
         except Exception as err:  # noqa: BLE001
             obs[f"b/{e}/{t}"] = _err(err)
         self.opt.zero_grad(set_to_none=True)
-        if self.s.get("step_after_manual", True):
-            try:
-                obs[f"s/{e}/{t}"] = self.step()
-            except Exception as err:  # noqa: BLE001
-                obs[f"s/{e}/{t}"] = _err(err)
+        try:
+            obs[f"s/{e}/{t}"] = self.step()
+        except Exception as err:  # noqa: BLE001
+            obs[f"s/{e}/{t}"] = _err(err)
 
     def refresh(self, mask):
         """requires_grad set to `mask` and acc.refresh_parameters(); the

@@ -437,8 +437,7 @@ class Model:
         rank, divided unless "sum"), as torch DDP. The user then steps the
         optimizer and clears the gradients itself
         (`optimizer.zero_grad(set_to_none=True)`), and `acc.step()` returns
-        False (no window of its own closed: README, acc.step()); the schedule's
-        "step_after_manual": False leaves that call out. Ranks may
+        False (no window of its own closed: README, acc.step()). Ranks may
         run different numbers of no_sync micro-steps, as with DDP. A closing
         backward that fails after it reached a parameter (design.md, Window
         consensus and Limits) drops the window on every rank: the failing
@@ -488,8 +487,7 @@ class Model:
                     self.exp[r][f"b/{e}/{t}"] = self._dropped_error(r, culprits)
                 else:
                     self.exp[r][f"b/{e}/{t}"] = ("ok", None)
-                if self.s.get("step_after_manual", True):
-                    self.exp[r][f"s/{e}/{t}"] = ("ok", False)
+                self.exp[r][f"s/{e}/{t}"] = ("ok", False)
 
     def _join_epoch(self, e, ep):
         """design.md, Joining: window w holds every rank's w-th chunk of its data

@@ -166,19 +166,17 @@ STEP_AFTER_MANUAL = {"seed": 1, "world": 2, "steps": 1, "reduction": "mean", "no
                      "epochs": [{"end": "manual", "micros": [["ok"], ["ok"]], "closes": [[0], [0]], "events": []}]}
 
 
-@pytest.mark.xfail(strict=True, reason="acc.step() at a window boundary after optimizer.zero_grad() with "
-                   "gradient_as_bucket_view raises 'gradients were written since the last window'")
 def test_fuzz_step_at_a_boundary_after_optimizer_zero_grad_with_bucket_views(tmp_path):
-    # Found by the fuzzer (the manual path, every schedule with as_view): on
-    # 2 ranks with gradient_as_bucket_view=True, the manual window (a plain
+    # Found by the fuzzer (the manual path, every schedule with as_view; fixed:
+    # cleared or zeroed gradients are no uncounted backward): on 2 ranks with
+    # gradient_as_bucket_view=True, the manual window (a plain
     # loss.backward(), optimizer.step()) then optimizer.zero_grad(set_to_none=True),
-    # and acc.step() raises "gradients were written since the last window, but
-    # no micro-step was counted" on every rank, though every .grad is None.
+    # and acc.step() raised "gradients were written since the last window, but
+    # no micro-step was counted" on every rank, though every .grad was None.
     # README: acc.step() returns False where no window is closed, and
     # optimizer.zero_grad() is an error only between micro-steps. The same
-    # happens on the acc.backward() path: K backwards, acc.step() -> True,
-    # optimizer.zero_grad(), acc.step() raises (copies: False). The generator
-    # leaves that acc.step() out with as_view (_fuzz_gen._known_bugs).
+    # happened on the acc.backward() path (Catch2: "zero_grad() at a window
+    # boundary is no uncounted backward").
     assert_schedules_pass([STEP_AFTER_MANUAL], tmp_path)
 
 
