@@ -486,7 +486,9 @@ TEST_CASE("zero_grad() at a window boundary is no uncounted backward, bucket vie
               if (p.grad().defined()) p.mutable_grad().zero_(); // zero_grad(set_to_none=False)
             }
             stepped[rank].push_back(acc.step());
-            opt.zero_grad(); // set_to_none
+            // Python's optimizer.zero_grad() (set_to_none); LibTorch's
+            // detach_()es first, which a bucket view refuses.
+            for (auto& p : net->parameters()) p.mutable_grad() = at::Tensor();
             stepped[rank].push_back(acc.step());
           }
         }
