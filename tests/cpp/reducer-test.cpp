@@ -460,9 +460,9 @@ TEST_CASE("rebuild_buckets(false) keeps the registration-order buckets", "[reduc
 
 TEST_CASE("zero_grad() at a window boundary is no uncounted backward, bucket views or not", "[reducer][distributed][misuse]") {
   // Found by the fuzzer: with bucket views the last window leaves zeroed views
-  // in .grad; optimizer.zero_grad() at the boundary drops them (or zeroes
-  // them in place), and acc.step() took that for a plain loss.backward().
-  // It returns false, as with copies; a real write is still refused.
+  // in .grad; optimizer.zero_grad() at the boundary drops them, and
+  // acc.step() took that for a plain loss.backward(). It returns false, as
+  // with copies; a real write is still refused, on every rank.
   for (bool as_view : {false, true}) {
     DYNAMIC_SECTION((as_view ? "bucket views" : "copies")) {
       std::vector<std::vector<at::Tensor>> results(2);
@@ -482,9 +482,6 @@ TEST_CASE("zero_grad() at a window boundary is no uncounted backward, bucket vie
             stepped[rank].push_back(acc.step());
           }
           if (w == 0) {
-            for (auto& p : net->parameters()) {
-              if (p.grad().defined()) p.mutable_grad().zero_(); // zero_grad(set_to_none=False)
-            }
             stepped[rank].push_back(acc.step());
             // Python's optimizer.zero_grad() (set_to_none); LibTorch's
             // detach_()es first, which a bucket view refuses.
@@ -493,7 +490,12 @@ TEST_CASE("zero_grad() at a window boundary is no uncounted backward, bucket vie
           }
         }
         for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
-        loss(0).backward(); // not acc.backward(): refused, views or not
+        {
+          // not acc.backward(), and a gradient of zeros on rank 0 only: still
+          // refused on both ranks (marks decide, not values)
+          auto guard = acc.no_sync();
+          (loss(0) * double(rank)).backward();
+        }
         try {
           acc.step();
         } catch (const std::exception& e) {
