@@ -295,7 +295,15 @@ class GradaccumStrategy(DDPStrategy):
         accumulator = self.accumulator
         steps = accumulator.steps
         ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this batch's, 1-based
-        if accumulator.micro_step == (ready - 1) % steps and not accumulator.window_ready:
+        position = (ready - 1) % steps
+        if accumulator.micro_step <= position and not accumulator.window_ready:
+            # Equal: each rank carries on at the saved micro-step. Behind (the
+            # checkpoint's run had resumed at a window boundary with another
+            # accumulate_grad_batches, so its window started mid-way through
+            # Lightning's): the Accumulator gets steps - position more
+            # micro-batches before Lightning's optimizer_step, too few to close
+            # its window itself, and that optimizer_step closes it (flush), as
+            # after the boundary resume.
             return
         saved, batches = self._saved_batch, trainer.num_training_batches
         where = f"the checkpoint was saved in the middle of a window (micro-step {accumulator.micro_step} of {steps})"
@@ -305,7 +313,8 @@ class GradaccumStrategy(DDPStrategy):
             why = (f"that batch is past the end of the epoch on {trainer.world_size} device(s) ({batches} batches a "
                    "device), so Lightning starts the epoch over")
         else:
-            why = "the two disagree (was it saved inside a batch's training step or backward?)"
+            why = ("the Accumulator's window would close before Lightning's optimizer_step (was it saved inside a "
+                   "batch's training step or backward?)")
         raise RuntimeError(
             f"gradaccum: GradaccumStrategy: {where}, but Lightning resumes at batch {ready - 1}, micro-step "
             f"{(ready - 1) % steps} of its window: {why}. Resume on the number of devices that saved it, or from a "

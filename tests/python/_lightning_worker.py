@@ -171,7 +171,12 @@ SCENARIOS = {
     # with accumulate_grad_batches 6: Lightning's counter is at batch 3 of its
     # window, so its next optimizer_step closes a window of 3 (flush)
     "bnd_2to1_k6": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=6, epochs=1,
-                        devices=1, rows=True, resume_from="ckpt_midwindow.b2"),
+                        devices=1, rows=True, resume_from="ckpt_midwindow.b2", save_at_batch=(3,)),
+    # and its own checkpoint after batch 3 resumed (a preemption in that
+    # shorter window): the Accumulator is at micro-step 1, Lightning at 4 of
+    # its 6; its optimizer_step at batch 5 still closes the window of 3
+    "bnd_k6_again": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=6, epochs=1,
+                         devices=1, rows=True, resume_from="bnd_2to1_k6.b3", launch=3),
     # the mid-window one with accumulate_grad_batches 6: refused (a window's steps are fixed)
     "mid_2to1_k6": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=10, steps=6, epochs=2,
                         devices=1, rows=True, resume_from="ckpt_midwindow.b1"),
@@ -196,7 +201,7 @@ def launch(name):
     one (2) that resumes its checkpoints; 0 for a 1-device run whose
     checkpoint the 2-device launch resumes."""
     cfg = SCENARIOS[name]
-    return cfg.get("launch", 1 if cfg.get("devices", WORLD) == WORLD else 2)
+    return cfg.get("launch", 1 if cfg.get("devices", WORLD) == WORLD else 2)  # 3: resumes a launch-2 run
 
 
 def replay(before, after, steps, after_steps=None, kind="plain", reduction="mean", optimizer="adam",

@@ -296,6 +296,14 @@ def test_a_checkpoint_at_a_boundary_mid_epoch_resumes_with_another_k(runs):
     assert windows == [6, 3, 4] and after["seen"][0][:2] == (0, 3)
     assert max_rel(after["params"], ref) < 1e-12
     assert after["stats"]["optimizer_steps"] == len(windows)
+    # saved again after batch 3 (micro-step 1 of that window of 3, Lightning
+    # at batch 4 of its 6) and resumed: accepted, the same windows
+    middle = after["seen"][:after["seen_at_save"][3]]
+    (again,) = ok(runs("bnd_k6_again"))
+    ref, windows = worker.replay(before, middle + again["seen"], 3, after_steps=6)
+    assert windows == [6, 3, 4] and again["seen"][0][:2] == (0, 4)
+    assert max_rel(again["params"], ref) < 1e-12
+    assert again["stats"]["optimizer_steps"] == len(windows)
 
 
 def test_a_mid_window_resume_lightning_cannot_serve_is_refused_on_every_rank(runs):
