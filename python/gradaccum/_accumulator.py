@@ -328,7 +328,7 @@ class Accumulator:
         summed into ``window_metrics``.
         """
         if (num_items is None and metrics is None and self.grad_scaler is None and not self._no_sync_depth
-                and not self._watch_for_group and isinstance(loss, torch.Tensor)):
+                and not (self._watch_for_group and _dist_initialized()) and isinstance(loss, torch.Tensor)):
             # The common case, with nothing for _micro_batch to check or
             # convert: the C++ side's defaults are what it would pass.
             self._c.backward(loss)
