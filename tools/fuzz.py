@@ -5,10 +5,10 @@ Random schedules (world size 2 or 3, `steps` 1..4, the three reductions,
 flush/join/no epoch end, NaN and no-item micro-batches, failing backwards,
 `optimizer.zero_grad()` and `acc.zero_grad()` mid-window, mid-window
 checkpoints, `refresh_parameters()` after freezing or unfreezing layers, the
-manual `no_sync` path, restarts on another number of ranks) run on real Gloo ranks and are held against the reference model
-in tests/python/_fuzz_model.py. Each failing seed is shrunk to a smaller
-schedule that still fails and printed as a ready-to-paste pytest regression
-test (for tests/python/test_fuzz.py).
+manual `no_sync` path, restarts on another number of ranks) run on real Gloo
+ranks and are held against the reference model in tests/python/_fuzz_model.py.
+Each failing seed is shrunk to a smaller schedule that still fails and printed
+as a ready-to-paste pytest regression test (for tests/python/test_fuzz.py).
 
 Environment:
   FUZZ_SECONDS  the budget in seconds (default 1800)

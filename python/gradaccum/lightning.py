@@ -317,7 +317,7 @@ class GradaccumStrategy(DDPStrategy):
                    "batch's training step or backward?)")
         raise RuntimeError(
             f"gradaccum: GradaccumStrategy: {where}, but Lightning resumes at batch {ready - 1}, micro-step "
-            f"{(ready - 1) % steps} of its window: {why}. Resume on the number of devices that saved it, or from a "
+            f"{position} of its window: {why}. Resume on the number of devices that saved it, or from a "
             "checkpoint at a window boundary (an epoch end, or a batch whose optimizer step has run)"
         )
 
