@@ -99,12 +99,12 @@ TEST_CASE("W ranks x K micro-batches equal one process on the global batch", "[r
             }
           }
           const auto stats = acc.stats();
-          CHECK(stats.reducer.buckets > 1);
-          CHECK(stats.reducer.bucket_rebuilds == 1); // the guess was not backward's order
-          CHECK(stats.reducer.last_window_collectives == stats.reducer.buckets);
-          CHECK(stats.reducer.collectives == buckets[rank][0] + (windows - 1) * stats.reducer.buckets);
+          RANK_CHECK(stats.reducer.buckets > 1);
+          RANK_CHECK(stats.reducer.bucket_rebuilds == 1); // the guess was not backward's order
+          RANK_CHECK(stats.reducer.last_window_collectives == stats.reducer.buckets);
+          RANK_CHECK(stats.reducer.collectives == buckets[rank][0] + (windows - 1) * stats.reducer.buckets);
           // the idle layer got no gradient anywhere: None, as in one process
-          if (!as_view) CHECK_FALSE(net->idle->weight.grad().defined());
+          if (!as_view) RANK_CHECK_FALSE(net->idle->weight.grad().defined());
           results[rank] = params_of(net);
         });
         for (int r = 0; r < world; ++r) {
@@ -134,8 +134,8 @@ TEST_CASE("no_sync gives DDP-style manual control", "[reducer][distributed]") {
     inside[rank] = group->allreduces;
     local[rank] = params[0].grad().clone();
     net->forward(x).sum().backward(); // outside no_sync: synchronises, as DDP
-    CHECK(group->allreduces == static_cast<int>(reducer.buckets().size()));
-    CHECK(reducer.stats().windows == 1);
+    RANK_CHECK(group->allreduces == static_cast<int>(reducer.buckets().size()));
+    RANK_CHECK(reducer.stats().windows == 1);
     synced[rank] = params[0].grad().clone();
   });
   CHECK(inside == std::vector<int>{0, 0});
@@ -194,7 +194,7 @@ TEST_CASE("a backward that throws on one rank drops the window on every rank", "
         torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
         Accumulator acc(net, opt, AccumulatorOptions(2).process_group(group).reducer(
             ReducerOptions().bucket_cap_mb(0.0001).first_bucket_cap_mb(0.0001)));
-        REQUIRE(acc.reducer()->buckets().size() >= 3);
+        RANK_REQUIRE(acc.reducer()->buckets().size() >= 3);
         bool arm = false;
         net->parameters()[1].register_hook([&arm](torch::Tensor g) {
           if (arm) throw std::runtime_error("injected failure");
@@ -380,7 +380,8 @@ TEST_CASE("buckets are rebuilt once in rank 0's backward order", "[reducer][dist
       std::vector<std::vector<size_t>> before(2), after(2);
       std::vector<std::vector<int64_t>> launched(2), rebuilds(2);
       std::vector<std::vector<at::Tensor>> results(2);
-      std::vector<bool> grads_kept(2, false);
+      // not vector<bool>: its bits share a word, and the rank threads write them
+      std::vector<int> grads_kept(2, 0);
       run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
         Chain net;
         torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
@@ -397,7 +398,7 @@ TEST_CASE("buckets are rebuilt once in rank 0's backward order", "[reducer][dist
               if (w == 0) {
                 // the rebuilt buckets hold the window's gradient: .grad is still it
                 const auto p = net->parameters()[0];
-                grads_kept[rank] = p.grad().defined();
+                grads_kept[rank] = p.grad().defined() ? 1 : 0;
                 if (as_view) {
                   const auto& buckets = acc.reducer()->buckets();
                   bool in_a_bucket = false;
@@ -405,7 +406,7 @@ TEST_CASE("buckets are rebuilt once in rank 0's backward order", "[reducer][dist
                     in_a_bucket = in_a_bucket || (p.grad().data_ptr() >= b.buffer.data_ptr() &&
                         p.grad().data_ptr() < static_cast<char*>(b.buffer.data_ptr()) + b.buffer.nbytes());
                   }
-                  grads_kept[rank] = grads_kept[rank] && in_a_bucket;
+                  grads_kept[rank] = (grads_kept[rank] && in_a_bucket) ? 1 : 0;
                 }
               }
             }
@@ -413,7 +414,7 @@ TEST_CASE("buckets are rebuilt once in rank 0's backward order", "[reducer][dist
           }
           if (w == 0) after[rank] = flat(acc.reducer()->buckets());
         }
-        CHECK(flat(acc.reducer()->buckets()) == after[rank]); // once only
+        RANK_CHECK(flat(acc.reducer()->buckets()) == after[rank]); // once only
         for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
       });
       const std::vector<size_t> guess{7, 6, 5, 4, 3, 2, 1, 0};
@@ -426,7 +427,7 @@ TEST_CASE("buckets are rebuilt once in rank 0's backward order", "[reducer][dist
       CHECK(last == std::set<size_t>{6, 7});
       CHECK(rebuilds[0] == std::vector<int64_t>{1, 1, 1});
       CHECK(rebuilds[1] == std::vector<int64_t>{1, 1, 1});
-      CHECK(grads_kept == std::vector<bool>{true, true});
+      CHECK(grads_kept == std::vector<int>{1, 1});
       // rank 0: nothing overlapped before the rebuild, every bucket but the last after
       CHECK(launched[0][0] == 0);
       CHECK(launched[0][1] >= 2);
@@ -450,8 +451,8 @@ TEST_CASE("rebuild_buckets(false) keeps the registration-order buckets", "[reduc
       acc.backward(net->forward(torch::ones({2, 8}, torch::kFloat64), true));
       acc.step();
     }
-    CHECK(acc.stats().reducer.bucket_rebuilds == 0);
-    CHECK(acc.stats().reducer.last_window_launched_in_backward == 0);
+    RANK_CHECK(acc.stats().reducer.bucket_rebuilds == 0);
+    RANK_CHECK(acc.stats().reducer.last_window_launched_in_backward == 0);
     layouts[rank] = flat(acc.reducer()->buckets());
   });
   CHECK(layouts[0] == std::vector<size_t>{7, 6, 5, 4, 3, 2, 1, 0});

@@ -38,6 +38,21 @@ inline double max_rel_diff(const std::vector<at::Tensor>& a, const std::vector<a
   return worst;
 }
 
+/// Catch2 v2's assertions are not thread-safe: a rank thread asserts under
+/// this lock (RANK_CHECK and friends), or hands its values to the main thread.
+inline std::mutex& catch_mutex() {
+  static std::mutex m;
+  return m;
+}
+#define GRADACCUM_TEST_LOCKED(...)                                               \
+  do {                                                                           \
+    std::lock_guard<std::mutex> catch_lock_(::gradaccum::test::catch_mutex()); \
+    __VA_ARGS__;                                                                 \
+  } while (false)
+#define RANK_CHECK(...) GRADACCUM_TEST_LOCKED(CHECK(__VA_ARGS__))
+#define RANK_CHECK_FALSE(...) GRADACCUM_TEST_LOCKED(CHECK_FALSE(__VA_ARGS__))
+#define RANK_REQUIRE(...) GRADACCUM_TEST_LOCKED(REQUIRE(__VA_ARGS__))
+
 /// Forwards to a real group and counts what passes through: an independent
 /// witness of the reducer's collectives.
 class CountingGroup : public c10d::ProcessGroup {
