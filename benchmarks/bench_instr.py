@@ -16,8 +16,11 @@ are per thread in callgrind and would miss them):
   PyTorch (loss / K, backward; optimizer step), torch DDP + no_sync, gradaccum.
   C++ (bench_window --callgrind): plain LibTorch and gradaccum::Accumulator.
 
-Every count includes all of the process's threads (Gloo's too). The small
-model (297,098 parameters), K=4, micro-batches of 32 rows, SGD.
+Every count includes all of the process's threads (Gloo's too), so Gloo's
+waiting moves a count by up to ~0.1M from one run to the next: each program runs
+--instr-repeats times (3), and every figure is the median over the runs, with
+the runs' range beside the targets. The small model (297,098 parameters), K=4,
+micro-batches of 32 rows, SGD.
 
 Targets: a no-sync micro-step at or below plain local; a window at or below
 the local window plus one all-reduce.
@@ -113,22 +116,41 @@ def measure(args):
         return {"skipped": f"{helper} not built (make build-cpp, with valgrind installed)"}
     os.makedirs(args.log_dir, exist_ok=True)
     out = {"model": "small", "K": args.instr_steps, "windows": args.instr_windows, "micro_batch": 32}
-    with tempfile.TemporaryDirectory(prefix="gradaccum-callgrind-") as tmp:
-        t0 = time.perf_counter()
-        info, counts = run_pair("instr-py", [sys.executable, WORKER, "--model", "small", "--instr", helper,
-                                             "--steps", str(args.instr_steps), "--windows", str(args.instr_windows)],
-                                tmp, args.log_dir)
-        out["python"] = {"rank0": counts[0], "rank1": counts[1], "micro_steps": info["micro_steps"]}
-        log(f"  callgrind, Python: {time.perf_counter() - t0:.0f} s")
-        if args.cpp_bench:
-            t0 = time.perf_counter()
-            info, counts = run_pair("instr-cpp", [args.cpp_bench, "--model", "small", "--callgrind", "--steps",
-                                                  str(args.instr_steps), "--windows", str(args.instr_windows)],
-                                    tmp, args.log_dir)
-            out["cpp"] = {"rank0": counts[0], "rank1": counts[1], "micro_steps": info["micro_steps"]}
-            log(f"  callgrind, C++: {time.perf_counter() - t0:.0f} s")
+    out["repeats"] = args.instr_repeats
+    programs = [("python", "instr-py", [sys.executable, WORKER, "--model", "small", "--instr", helper])]
+    if args.cpp_bench:
+        programs.append(("cpp", "instr-cpp", [args.cpp_bench, "--model", "small", "--callgrind"]))
+    for lang, name, argv in programs:
+        argv = argv + ["--steps", str(args.instr_steps), "--windows", str(args.instr_windows)]
+        runs = []
+        for i in range(args.instr_repeats):
+            with tempfile.TemporaryDirectory(prefix="gradaccum-callgrind-") as tmp:
+                t0 = time.perf_counter()
+                info, counts = run_pair(f"{name}.{i}", argv, tmp, args.log_dir)
+                runs.append(counts[0])
+                log(f"  callgrind, {'Python' if lang == 'python' else 'C++'} run {i + 1}/{args.instr_repeats}: "
+                    f"{time.perf_counter() - t0:.0f} s")
+        labels = sorted(set().union(*runs))
+        out[lang] = {"rank0": {k: median([r[k] for r in runs if k in r]) for k in labels},
+                     "rank0_runs": runs, "micro_steps": info["micro_steps"]}
     out["rows"], out["targets"] = table(out)
     return out
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def run_ratios(out, lang, num, den):
+    """The ratio num(run) / den(run) of each run, for the spread beside a target."""
+    ratios = []
+    for r in out[lang].get("rank0_runs", []):
+        try:
+            ratios.append(num(r) / den(r))
+        except (KeyError, TypeError, ZeroDivisionError):
+            pass
+    return f"; runs {min(ratios):.3f}–{max(ratios):.3f}x" if len(ratios) > 1 else ""
 
 
 def table(out):
@@ -156,14 +178,17 @@ def table(out):
         gm, gw = per[ga]
         lm, lw = per["local"]
         if gm and lm:
+            spread = run_ratios(out, lang, lambda r: r[f"{ga} micro"], lambda r: r["local micro"])
             targets.append({"target": f"{name}: gradaccum no-sync micro-step <= plain local",
                             "result": "PASS" if gm <= lm else "MISS",
-                            "detail": f"{gm:,.0f} vs {lm:,.0f} instructions ({gm / lm:.3f}x)"})
+                            "detail": f"{gm:,.0f} vs {lm:,.0f} instructions ({gm / lm:.3f}x{spread})"})
         if gw and lw and ar:
+            spread = run_ratios(out, lang, lambda r: r[f"{ga} window"],
+                                lambda r: r["local window"] + r["allreduce"] * out["windows"])
             targets.append({"target": f"{name}: gradaccum window <= local window + one all-reduce",
                             "result": "PASS" if gw <= lw + ar else "MISS",
                             "detail": f"{gw:,.0f} vs {lw:,.0f} + {ar:,.0f} = {lw + ar:,.0f} "
-                                      f"({gw / (lw + ar):.3f}x)"})
+                                      f"({gw / (lw + ar):.3f}x{spread})"})
         if lang == "python" and per["ddp_nosync"][0]:
             dm, dw = per["ddp_nosync"]
             targets.append({"target": "Python: gradaccum <= DDP + no_sync (micro-step, window)",
@@ -178,7 +203,8 @@ def markdown(out):
     lines = [f"**Instruction counts** (valgrind callgrind, all threads of rank 0 of 2 Gloo ranks on loopback; "
              f"the small model, K={out['K']}, micro-batches of {out['micro_batch']} rows, SGD; a micro-step is "
              f"one of a window's K-1 no-sync micro-steps, a window is K micro-steps and the optimizer step, "
-             f"mean of {out['windows']}; repeatable to well under 1%, unlike the wall clock here):", "",
+             f"mean of {out['windows']}; median of {out.get('repeats', 1)} runs, repeatable to about 1%, "
+             f"unlike the wall clock here):", "",
              "| | contender | no-sync micro-step | ÷ local | window | ÷ local |", "|---|---|---:|---:|---:|---:|"]
 
     def n(x):
@@ -199,6 +225,7 @@ def markdown(out):
 def add_arguments(p):
     p.add_argument("--instr-steps", type=int, default=4, help="K for the instruction counts")
     p.add_argument("--instr-windows", type=int, default=3, help="windows counted per contender")
+    p.add_argument("--instr-repeats", type=int, default=3, help="runs of each program; figures are medians")
 
 
 def main():
