@@ -1,6 +1,6 @@
 """CPU benchmark: gradaccum vs torch DDP, 2 Gloo ranks on loopback.
 
-    python benchmarks/bench.py --cpp-bench build/bench/bench_window   (make bench; 20-30 min on 2 cores)
+    python benchmarks/bench.py --cpp-bench build/bench/bench_window   (make bench; 30-40 min on 2 cores)
     python benchmarks/bench.py --quick                                 (a few minutes; a smoke test)
     python benchmarks/bench.py --readme benchmarks/RESULTS.md          (also refresh its generated section)
 
@@ -571,6 +571,8 @@ def main():
         extra["net"] = bench_net.run(args)
     if not args.no_instr:
         log("instruction counts (bench_instr.py)")
+        if args.quick:
+            args.instr_repeats = 1
         extra["instr"] = bench_instr.measure(args)
     if not args.no_mixed:
         log("mixed precision (bench_mixed.py)")

@@ -17,7 +17,7 @@ are per thread in callgrind and would miss them):
   C++ (bench_window --callgrind): plain LibTorch and gradaccum::Accumulator.
 
 Every count includes all of the process's threads (Gloo's too), so Gloo's
-waiting moves a count by up to ~0.1M from one run to the next: each program runs
+waiting moves a count by up to ~0.6M from one run to the next: each program runs
 --instr-repeats times (3), and every figure is the median over the runs, with
 the runs' range beside the targets. The small model (297,098 parameters), K=4,
 micro-batches of 32 rows, SGD.
@@ -203,8 +203,8 @@ def markdown(out):
     lines = [f"**Instruction counts** (valgrind callgrind, all threads of rank 0 of 2 Gloo ranks on loopback; "
              f"the small model, K={out['K']}, micro-batches of {out['micro_batch']} rows, SGD; a micro-step is "
              f"one of a window's K-1 no-sync micro-steps, a window is K micro-steps and the optimizer step, "
-             f"mean of {out['windows']}; median of {out.get('repeats', 1)} runs, repeatable to about 1%, "
-             f"unlike the wall clock here):", "",
+             f"mean of {out['windows']}; median of {out.get('repeats', 1)} runs: compute repeats to 0.1%, "
+             f"Gloo's share does not):", "",
              "| | contender | no-sync micro-step | ÷ local | window | ÷ local |", "|---|---|---:|---:|---:|---:|"]
 
     def n(x):
@@ -225,7 +225,15 @@ def markdown(out):
 def add_arguments(p):
     p.add_argument("--instr-steps", type=int, default=4, help="K for the instruction counts")
     p.add_argument("--instr-windows", type=int, default=3, help="windows counted per contender")
-    p.add_argument("--instr-repeats", type=int, default=3, help="runs of each program; figures are medians")
+    p.add_argument("--instr-repeats", type=positive, default=3,
+                   help="runs of each program; figures are medians (bench.py --quick: 1)")
+
+
+def positive(text):
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
 
 
 def main():

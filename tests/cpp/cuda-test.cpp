@@ -68,11 +68,11 @@ std::vector<at::Tensor> train_on_cuda(int rank, int world, const c10::intrusive_
       acc.backward(torch::mse_loss(net->forward(xb), yb));
       counts.push_back(group->allreduces - before);
       const bool stepped = acc.step();
-      CHECK(stepped == (k == kK - 1));
+      RANK_CHECK(stepped == (k == kK - 1)); // called from rank threads too
     }
   }
   buckets = acc.stats().reducer.buckets;
-  CHECK(acc.stats().optimizer_steps == kWindows);
+  RANK_CHECK(acc.stats().optimizer_steps == kWindows);
   auto out = cpu_params(net);
   for (auto& t : out) t = t.to(torch::kFloat64);
   return out;

@@ -40,6 +40,8 @@ inline double max_rel_diff(const std::vector<at::Tensor>& a, const std::vector<a
 
 /// Catch2 v2's assertions are not thread-safe: a rank thread asserts under
 /// this lock (RANK_CHECK and friends), or hands its values to the main thread.
+/// The expression runs under the lock: it must not wait on a collective (the
+/// other rank could not reach its own assert to pair it).
 inline std::mutex& catch_mutex() {
   static std::mutex m;
   return m;
