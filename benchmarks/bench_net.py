@@ -144,8 +144,8 @@ def summarise_link(py, cpp, ks):
     rows = {}
     for k in ks:
         t = dict(m["times"][str(k)])
-        if cpp:
-            t.update(cpp[str(k)])
+        if cpp:  # its contenders' block times, not the traces kept beside them
+            t.update({c: v for c, v in cpp[str(k)].items() if c != "rank_traces"})
         row = {}
         for c, ts in t.items():
             if not ts:
