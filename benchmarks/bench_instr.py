@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -131,15 +132,10 @@ def measure(args):
                 log(f"  callgrind, {'Python' if lang == 'python' else 'C++'} run {i + 1}/{args.instr_repeats}: "
                     f"{time.perf_counter() - t0:.0f} s")
         labels = sorted(set().union(*runs))
-        out[lang] = {"rank0": {k: median([r[k] for r in runs if k in r]) for k in labels},
+        out[lang] = {"rank0": {k: statistics.median([r[k] for r in runs if k in r]) for k in labels},
                      "rank0_runs": runs, "micro_steps": info["micro_steps"]}
     out["rows"], out["targets"] = table(out)
     return out
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
 def run_ratios(out, lang, num, den):
