@@ -25,6 +25,7 @@ OMP_NUM_THREADS=1 in the environment. Two modes:
 Every answer is one stdout line "@@ {json}".
 """
 import argparse
+import atexit
 import contextlib
 import copy
 import datetime
@@ -461,6 +462,44 @@ def instr(args):
            "running_on_valgrind": int(cg.ga_running_on_valgrind())})
 
 
+def cap_compute_thread():
+    """GRADACCUM_BENCH_COMPUTE_QUOTA=F (0 < F < 1): this thread, which runs
+    forward, backward and the hooks, gets at most F of a core (a cgroup v1 cpu
+    quota, 10 ms periods); Gloo's threads, started by init_process_group
+    before this, stay outside the cap. With 2 ranks on 2 cores the compute
+    threads then leave 2 (1 - F) cores for communication, as a node whose
+    cores are not all busy with the model would (see bench_net.py
+    --compute-quota). GRADACCUM_BENCH_CGROUP_DIR: the cpu hierarchy as the
+    launcher sees it (ip netns exec hides /sys/fs/cgroup)."""
+    quota = float(os.environ.get("GRADACCUM_BENCH_COMPUTE_QUOTA", "0") or 0)
+    if not quota:
+        return
+    if not 0 < quota < 1:
+        raise ValueError(f"GRADACCUM_BENCH_COMPUTE_QUOTA={quota}: expected a fraction of a core in (0, 1)")
+    root = os.environ["GRADACCUM_BENCH_CGROUP_DIR"]
+    group = os.path.join(root, f"gradaccum-bench-{os.getpid()}-{threading.get_native_id()}")
+    os.mkdir(group)
+    period = 10000
+
+    def put(path, value):
+        with open(path, "w") as f:
+            f.write(str(value))
+
+    put(os.path.join(group, "cpu.cfs_period_us"), period)
+    put(os.path.join(group, "cpu.cfs_quota_us"), int(quota * period))
+    tid = threading.get_native_id()
+    put(os.path.join(group, "tasks"), tid)
+
+    def release():
+        try:
+            put(os.path.join(root, "tasks"), tid)
+            os.rmdir(group)
+        except OSError:
+            pass
+
+    atexit.register(release)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=MODEL_NAMES)
@@ -492,6 +531,7 @@ def main():
         # bytes to move they get a core at once, as communication does on a node
         # whose cores are not all busy with the model.
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), compute_nice)
+    cap_compute_thread()
     if args.batch or args.instr:
         try:
             batch(args) if args.batch else instr(args)

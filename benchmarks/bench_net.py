@@ -43,6 +43,7 @@ import _netns  # noqa: E402
 from _bench_worker import TRANSFORMERS, num_parameters  # noqa: E402
 
 WORKER = os.path.join(HERE, "_bench_worker.py")
+CGROUP_CPU = "/sys/fs/cgroup/cpu"
 LAUNCH_TIMEOUT_S = 420
 NET_MICRO_BATCH = 128
 LABELS = {"ddp_nosync": "DDP + no_sync", "gradaccum_py": "gradaccum (Python)",
@@ -74,9 +75,11 @@ def parse_lines(results):
     return out
 
 
-def launch(cluster, argv, no_python, env, log_path, port):
+def launch(cluster, argv, no_python, env, log_path, port, budget_s=0.0):
+    """budget_s: the seconds of timed blocks the command may spend (the worker
+    stops adding blocks after its budget), on top of the fixed allowance."""
     t0 = time.perf_counter()
-    results = _netns.run_torchrun(cluster, argv, sys.executable, LAUNCH_TIMEOUT_S, no_python=no_python,
+    results = _netns.run_torchrun(cluster, argv, sys.executable, LAUNCH_TIMEOUT_S + budget_s, no_python=no_python,
                                   env=env, port=port)
     with open(log_path, "w") as f:
         for i, r in enumerate(results):
@@ -91,7 +94,8 @@ def run_python(cluster, args, models, ks, contenders, micro, blocks, budget, env
     argv = [WORKER, "--batch", "--models", ",".join(models), "--ks", ",".join(map(str, ks)),
             "--contenders", ",".join(contenders), "--micro", str(micro), "--blocks", str(blocks),
             "--budget-s", str(budget), "--allreduce-reps", str(args.allreduce_reps)]
-    lines, secs = launch(cluster, argv, False, env, os.path.join(args.log_dir, f"{name}.log"), 29431)
+    lines, secs = launch(cluster, argv, False, env, os.path.join(args.log_dir, f"{name}.log"), 29431,
+                         budget_s=budget * len(models))
     ranks = sorted((l for l in lines if "models" in l), key=lambda l: l["rank"])
     if not ranks or ranks[0]["rank"] != 0:
         raise RuntimeError(f"{name}: no result from rank 0; see {args.log_dir}/{name}.log")
@@ -164,10 +168,36 @@ def summarise_link(py, cpp, ks):
             "buckets": (m["stats"].get(str(ks[0])) or {}).get("buckets")}
 
 
+def quota_env(args):
+    """--compute-quota: the workers' environment for it (see _bench_worker.py,
+    cap_compute_thread); the cgroup v1 cpu hierarchy through this process's
+    root, since `ip netns exec` mounts a /sys of its own without it."""
+    if not args.compute_quota:
+        return {}
+    return {"GRADACCUM_BENCH_COMPUTE_QUOTA": str(args.compute_quota),
+            "GRADACCUM_BENCH_CGROUP_DIR": f"/proc/{os.getpid()}/root{CGROUP_CPU}"}
+
+
+def quota_unavailable_reason():
+    if not os.path.isfile(os.path.join(CGROUP_CPU, "cpu.cfs_quota_us")) or not os.access(CGROUP_CPU, os.W_OK):
+        return f"--compute-quota needs a writable cgroup v1 cpu hierarchy at {CGROUP_CPU}"
+    return None
+
+
+def remove_quota_groups():
+    """Empty cgroups a killed worker left behind."""
+    for name in os.listdir(CGROUP_CPU) if os.path.isdir(CGROUP_CPU) else []:
+        if name.startswith("gradaccum-bench-"):
+            try:
+                os.rmdir(os.path.join(CGROUP_CPU, name))
+            except OSError:
+                pass
+
+
 def link_runs(args, configs, ks):
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GRADACCUM_BENCH_MICRO_BATCH": str(args.micro_batch),
            "GRADACCUM_BENCH_BUCKET_CAP_MB": str(args.bucket_cap_mb),
-           "GRADACCUM_BENCH_COMPUTE_NICE": str(args.compute_nice)}
+           "GRADACCUM_BENCH_COMPUTE_NICE": str(args.compute_nice), **quota_env(args)}
     out = []
     for nodes, rate, with_cpp in configs:
         log(f"link: {nodes} nodes, {rate}")
@@ -208,6 +238,26 @@ def window_ranks(rank_traces, k, contender, block):
         if not tr.get("timeline") or not tr["timeline"].get("buckets"):
             return None
         out.append({"timeline": tr["timeline"], "origin": tr["marks"][-1][1], "marks": tr["marks"]})
+    return out
+
+
+def phases(rank_traces, k, contender):
+    """Where a window's time goes, from the clock marks of each block's last
+    window (K=1: one micro-step): forward, backward (call to return) and step
+    (optimizer step, zero_grad; gradaccum: acc.step() with its write-back),
+    each the slowest rank's, median [min-max] over blocks, in ms."""
+    out = {}
+    # Python's traces are per K and contender; C++'s (contender None) per block.
+    blocks_of = (lambda rt: rt) if contender is None else (lambda rt: rt.get(str(k), {}).get(contender, []))
+    for name, a, b in (("forward", 0, 1), ("backward", 1, 2), ("step", 2, 3)):
+        per_block = []
+        for blk in range(min(len(blocks_of(rt)) for rt in rank_traces)):
+            marks = [blocks_of(rt)[blk].get("marks") for rt in rank_traces]
+            if not all(marks):
+                break
+            per_block.append(1e3 * max(mk[-1][b] - mk[-1][a] for mk in marks))
+        if per_block:
+            out[name] = spread(per_block)
     return out
 
 
@@ -255,9 +305,15 @@ def bound_cells(m, k, rate, contenders, cpp=None):
                                  "ratio": spread([x / bnd for x, bnd in zip(h, bnds)]),
                                  "window_ms": 1e3 * median(cpp["gradaccum_cpp"]),
                                  "floor_ms": 1e3 * median(cpp["local_cpp"])}
+        ph = phases(cpp["rank_traces"], k, None)
+        if ph:
+            cell["gradaccum_cpp"]["phases_ms"] = ph
     for c in ("local",) + tuple(contenders):
         if c in times:
             cell.setdefault(c, {})["window_ms"] = 1e3 * median(times[c])
+            ph = phases(m["rank_traces"], k, c)
+            if ph:
+                cell[c]["phases_ms"] = ph
     # The block whose gradaccum hidden fraction is the median one: its window for the trace.
     pick = None
     if hidden.get("gradaccum_py") and any(analyses):
@@ -276,12 +332,12 @@ def bound_runs(args):
            "GRADACCUM_BENCH_GPT_MICRO_BATCH": str(args.gpt_micro_batch),
            "GRADACCUM_BENCH_BUCKET_CAP_MB": str(cap),
            "GRADACCUM_BENCH_FIRST_BUCKET_CAP_MB": str(args.first_bucket_cap_mb),
-           "GRADACCUM_BENCH_COMPUTE_NICE": str(args.compute_nice)}
+           "GRADACCUM_BENCH_COMPUTE_NICE": str(args.compute_nice), **quota_env(args)}
     contenders = ["local", "ddp_nosync", "gradaccum_py"]
     blocks = 1 if args.quick else args.bound_blocks
     micro = 1 if args.quick else max(6, max(ks))  # micro-steps per timed command: 6 windows of K=1
     out = {"rate": args.bound_rate, "nodes": 2, "ks": ks, "bucket_cap_mb": cap,
-           "first_bucket_cap_mb": args.first_bucket_cap_mb, "models": {}}
+           "first_bucket_cap_mb": args.first_bucket_cap_mb, "compute_quota": args.compute_quota, "models": {}}
     log(f"schedule bound: 2 nodes, {args.bound_rate}, models {', '.join(models)}, K {args.bound_ks}, "
         f"bucket caps {cap:g} / {args.first_bucket_cap_mb:g} MiB")
     with _netns.Cluster(nodes=2, rate=args.bound_rate, delay=args.delay) as cluster:
@@ -325,6 +381,11 @@ def bound_runs(args):
                 f"ratio {f(dd.get('ratio'))}"
                 + (f", C++ hidden {f(c['gradaccum_cpp']['hidden'])} ratio {f(c['gradaccum_cpp']['ratio'])}"
                    if "gradaccum_cpp" in c else ""))
+            for name in ("local", "ddp_nosync", "gradaccum_py", "gradaccum_cpp"):
+                ph = c.get(name, {}).get("phases_ms")
+                if ph:
+                    log(f"    {name} K={k} (ms): " + ", ".join(f"{p} {v['median']:.0f} [{v['min']:.0f}-{v['max']:.0f}]"
+                                                         for p, v in ph.items()))
         log(f"  {model}: {res['parameters']:,} parameters, {res['gradient_bytes']:,} B of gradients, "
             f"{res['bytes_per_window']} B and {res['collectives_per_window']} all-reduces per window; lone "
             f"all-reduce {res['allreduce_ms']:.0f} ms ({res['rate_MBps']:.0f} MB/s), local backward "
@@ -537,7 +598,10 @@ def bound_markdown(bnd, rel):
              f"they become ready (on every rank) in the window's synchronising backward, D(E)/S at the end of "
              f"backward E (from gradaccum's `last_window_timeline()`, per block); \"buckets\": the same with "
              f"the actual buckets as units. Hidden = (floor + lone all-reduce − window) / lone all-reduce; "
-             f"ratio = hidden / bound, per block. Median [min–max] over blocks, one run.", "",
+             f"ratio = hidden / bound, per block. Median [min–max] over blocks, one run."
+             + (f" Each rank's compute thread capped at {bnd['compute_quota']:g} of a core (cgroup cpu quota; "
+                f"Gloo's threads uncapped: `--compute-quota`), the floor's too." if bnd.get("compute_quota") else ""),
+             "",
              "| model | parameters | bytes / window | micro-batch | lone all-reduce (ms) | local backward (ms) |",
              "|---|---:|---:|---|---:|---:|"]
     for model, r in bnd["models"].items():
@@ -558,6 +622,19 @@ def bound_markdown(bnd, rel):
                          f"{sp(c.get('bucket_bound'))} | {sp(ga.get('hidden'))} | {sp(ga.get('ratio'))} | "
                          f"{sp(dd.get('hidden'))} | {sp(dd.get('ratio'))} | {sp(cc.get('hidden'))} | "
                          f"{sp(cc.get('ratio'))} | {sp(c.get('done_by_end'))} |")
+    rows = []
+    for model, r in bnd["models"].items():
+        label = "transformer" if model in TRANSFORMERS else f"MLP {model}"
+        for k, c in r["cells"].items():
+            for name in ("local", "ddp_nosync", "gradaccum_py", "gradaccum_cpp"):
+                ph = c.get(name, {}).get("phases_ms")
+                if ph:
+                    rows.append(f"| {label} | {k} | {LABELS.get(name, name)} | "
+                                + " | ".join(sp(ph.get(p), "{:.0f}") for p in ("forward", "backward", "step")) + " |")
+    if rows:
+        lines += ["", "Where the window goes (ms; the slowest rank's, median [min–max] over blocks; backward is "
+                      "call to return: the communication not hidden is in it, and gradaccum's write-back):", "",
+                  "| model | K | contender | forward | backward | step |", "|---|---:|---|---:|---:|---:|"] + rows
     lines += ["", "The bound with the buckets as units for other bucket caps (first bucket 1 MiB), from the "
                   "same timelines: the layout gradaccum builds (parameters in ready order, a bucket closed once "
                   "it holds its cap), each bucket ready with its last gradient; median over blocks:", "",
@@ -642,13 +719,20 @@ def run(args):
     for item in ([] if links == "none" else links.split(",")):
         nodes, rate = item.split(":")
         configs.append((int(nodes), rate, int(nodes) == 2))  # C++ on 2 nodes (time)
+    if args.compute_quota:
+        reason = quota_unavailable_reason()
+        if reason:
+            raise SystemExit(f"bench_net: {reason}")
     t0 = time.perf_counter()
     bnd = None
-    if args.bound_models:
-        bnd = bound_runs(args)
-        bnd["targets"] = bound_targets(bnd)
-        write_bound_outputs(bnd, getattr(args, "trace_base", None), args.quick)
-    links = link_runs(args, configs, ks)
+    try:
+        if args.bound_models:
+            bnd = bound_runs(args)
+            bnd["targets"] = bound_targets(bnd)
+            write_bound_outputs(bnd, getattr(args, "trace_base", None), args.quick)
+        links = link_runs(args, configs, ks)
+    finally:
+        remove_quota_groups()
     growth = None if args.no_growth else growth_runs(args)
     return {"ks": ks, "links": links, "targets": check_targets(links, ks), "growth": growth, "bound": bnd,
             "bucket_cap_mb": args.bucket_cap_mb,
@@ -667,6 +751,10 @@ def add_arguments(p):
     p.add_argument("--compute-nice", type=int, default=0,
                    help="niceness of each rank's compute thread (Gloo's threads keep 0): "
                         "communication gets a core whenever it needs one")
+    p.add_argument("--compute-quota", type=float, default=0.0,
+                   help="cap each rank's compute thread at this fraction of a core (cgroup v1 cpu quota; "
+                        "Gloo's threads uncapped): with 2 ranks on 2 cores, 2 (1 - F) cores stay free for "
+                        "communication, as on a node with spare cores (0: no cap)")
     p.add_argument("--links", default=None,
                    help="NODES:RATE,... (default 2:1gbit,2:10gbit,4:1gbit; --quick: 2:1gbit; none: no link runs)")
     p.add_argument("--bound-models", default="gpt,large",

@@ -54,6 +54,7 @@
 #include <vector>
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -501,6 +502,40 @@ struct Runner {
 
 } // namespace
 
+// GRADACCUM_BENCH_COMPUTE_QUOTA=F: as _bench_worker.py's cap_compute_thread,
+// this (compute) thread gets at most F of a core through a cgroup v1 cpu
+// quota in GRADACCUM_BENCH_CGROUP_DIR; Gloo's threads, started with the
+// group before this, stay outside the cap. The group is left on exit.
+static void cap_compute_thread() {
+  const char* q = std::getenv("GRADACCUM_BENCH_COMPUTE_QUOTA");
+  if (q == nullptr || std::atof(q) == 0.0) {
+    return;
+  }
+  const double quota = std::atof(q);
+  TORCH_CHECK_VALUE(quota > 0.0 && quota < 1.0, "GRADACCUM_BENCH_COMPUTE_QUOTA=", q,
+                    ": expected a fraction of a core in (0, 1)");
+  const char* root = std::getenv("GRADACCUM_BENCH_CGROUP_DIR");
+  TORCH_CHECK_VALUE(root != nullptr, "GRADACCUM_BENCH_COMPUTE_QUOTA needs GRADACCUM_BENCH_CGROUP_DIR");
+  static const std::string base = root;
+  static const auto tid = static_cast<long>(syscall(SYS_gettid));
+  static const std::string group = base + "/gradaccum-bench-" + std::to_string(getpid()) + "-" + std::to_string(tid);
+  const auto put = [](const std::string& path, const std::string& value) {
+    std::ofstream f(path);
+    f << value;
+    f.close();
+    TORCH_CHECK(f.good(), "bench_window: cannot write ", value, " to ", path);
+  };
+  TORCH_CHECK(mkdir(group.c_str(), 0755) == 0, "bench_window: cannot create the cgroup ", group);
+  constexpr int64_t kPeriod = 10000;
+  put(group + "/cpu.cfs_period_us", std::to_string(kPeriod));
+  put(group + "/cpu.cfs_quota_us", std::to_string(static_cast<int64_t>(quota * kPeriod)));
+  put(group + "/tasks", std::to_string(tid));
+  std::atexit([] {
+    std::ofstream(base + "/tasks") << tid;
+    rmdir(group.c_str());
+  });
+}
+
 int main(int argc, char** argv) {
   std::string model_name = "small";
   std::vector<int64_t> steps = {1, 4, 16};
@@ -569,6 +604,7 @@ int main(int argc, char** argv) {
       // the group) keep their priority and get a core whenever they need one.
       setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), std::atoi(nice));
     }
+    cap_compute_thread();
     torch::manual_seed(1 + runner.group->getRank());
     for (int64_t i = 0; i < kPool; ++i) {
       if (runner.widths.empty()) { // the transformer: random tokens
