@@ -476,17 +476,22 @@ def cap_compute_thread():
         return
     if not 0 < quota < 1:
         raise ValueError(f"GRADACCUM_BENCH_COMPUTE_QUOTA={quota}: expected a fraction of a core in (0, 1)")
-    root = os.environ["GRADACCUM_BENCH_CGROUP_DIR"]
+    root = os.environ.get("GRADACCUM_BENCH_CGROUP_DIR")
+    if not root:
+        raise ValueError("GRADACCUM_BENCH_COMPUTE_QUOTA needs GRADACCUM_BENCH_CGROUP_DIR (the cgroup v1 cpu hierarchy)")
     group = os.path.join(root, f"gradaccum-bench-{os.getpid()}-{threading.get_native_id()}")
     os.mkdir(group)
     period = 10000
 
     def put(path, value):
-        with open(path, "w") as f:
-            f.write(str(value))
+        try:
+            with open(path, "w") as f:
+                f.write(str(value))
+        except OSError as e:
+            raise RuntimeError(f"cannot write {value} to {path}: {e}") from e
 
     put(os.path.join(group, "cpu.cfs_period_us"), period)
-    put(os.path.join(group, "cpu.cfs_quota_us"), int(quota * period))
+    put(os.path.join(group, "cpu.cfs_quota_us"), round(quota * period))
     tid = threading.get_native_id()
     put(os.path.join(group, "tasks"), tid)
 
@@ -531,6 +536,8 @@ def main():
         # bytes to move they get a core at once, as communication does on a node
         # whose cores are not all busy with the model.
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), compute_nice)
+    # After init_process_group: Gloo's threads exist and stay outside the cap
+    # (a group created later would start its threads inside it).
     cap_compute_thread()
     if args.batch or args.instr:
         try:

@@ -39,9 +39,12 @@
 #include <torch/torch.h>
 
 #include <array>
+#include <cerrno>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iomanip>
@@ -505,13 +508,20 @@ struct Runner {
 // GRADACCUM_BENCH_COMPUTE_QUOTA=F: as _bench_worker.py's cap_compute_thread,
 // this (compute) thread gets at most F of a core through a cgroup v1 cpu
 // quota in GRADACCUM_BENCH_CGROUP_DIR; Gloo's threads, started with the
-// group before this, stay outside the cap. The group is left on exit.
+// group before this, stay outside the cap (a group created later would start
+// its threads inside it). At exit the thread moves back to the hierarchy's
+// root and the cgroup is removed.
 static void cap_compute_thread() {
   const char* q = std::getenv("GRADACCUM_BENCH_COMPUTE_QUOTA");
-  if (q == nullptr || std::atof(q) == 0.0) {
+  if (q == nullptr || *q == '\0') {
     return;
   }
-  const double quota = std::atof(q);
+  char* end = nullptr;
+  const double quota = std::strtod(q, &end);
+  TORCH_CHECK_VALUE(end != q && *end == '\0', "GRADACCUM_BENCH_COMPUTE_QUOTA=", q, ": not a number");
+  if (quota == 0.0) {
+    return;
+  }
   TORCH_CHECK_VALUE(quota > 0.0 && quota < 1.0, "GRADACCUM_BENCH_COMPUTE_QUOTA=", q,
                     ": expected a fraction of a core in (0, 1)");
   const char* root = std::getenv("GRADACCUM_BENCH_CGROUP_DIR");
@@ -523,12 +533,13 @@ static void cap_compute_thread() {
     std::ofstream f(path);
     f << value;
     f.close();
-    TORCH_CHECK(f.good(), "bench_window: cannot write ", value, " to ", path);
+    TORCH_CHECK(f.good(), "bench_window: cannot write ", value, " to ", path, ": ", std::strerror(errno));
   };
-  TORCH_CHECK(mkdir(group.c_str(), 0755) == 0, "bench_window: cannot create the cgroup ", group);
+  TORCH_CHECK(mkdir(group.c_str(), 0755) == 0, "bench_window: cannot create the cgroup ", group, ": ",
+              std::strerror(errno));
   constexpr int64_t kPeriod = 10000;
   put(group + "/cpu.cfs_period_us", std::to_string(kPeriod));
-  put(group + "/cpu.cfs_quota_us", std::to_string(static_cast<int64_t>(quota * kPeriod)));
+  put(group + "/cpu.cfs_quota_us", std::to_string(std::llround(quota * kPeriod)));
   put(group + "/tasks", std::to_string(tid));
   std::atexit([] {
     std::ofstream(base + "/tasks") << tid;
