@@ -316,8 +316,8 @@ def bound_cells(m, k, rate, contenders, cpp=None):
         cell[c] = {"hidden": spread(h), "hidden_blocks": h}
         if per["bound"] and len(per["bound"]) == len(h):
             cell[c]["ratio"] = spread([x / bnd for x, bnd in zip(h, per["bound"])])
-        if c == "gradaccum_py":  # its timelines are the cell's: the schedule's figures are its own
-            cell[c].update({key: cell[key] for key in ("tail_ms", "timeline_hidden", "timeline_ratio")})
+        if c == "gradaccum_py":  # the schedule's figures are from its timelines: kept with it, as C++'s
+            cell[c].update({key: cell.pop(key) for key in ("tail_ms", "timeline_hidden", "timeline_ratio")})
     if cpp and cpp.get("rank_traces"):
         h = hidden_fraction(cpp["gradaccum_cpp"], cpp["local_cpp"], ar)
         bnds, tails, ths, trs = [], [], [], []
@@ -659,10 +659,10 @@ def bound_markdown(bnd, rel):
     for model, r in bnd["models"].items():
         label = "transformer" if model in TRANSFORMERS else f"MLP {model}"
         for k, c in r["cells"].items():
-            cc = c.get("gradaccum_cpp", {})
-            if c.get("tail_ms"):
-                rows.append(f"| {label} | {k} | {sp(c.get('tail_ms'), '{:.0f}')} | {sp(c.get('timeline_hidden'))} | "
-                            f"{sp(c.get('timeline_ratio'))} | {sp(cc.get('tail_ms'), '{:.0f}')} | "
+            ga, cc = c.get("gradaccum_py", {}), c.get("gradaccum_cpp", {})
+            if ga.get("tail_ms"):
+                rows.append(f"| {label} | {k} | {sp(ga.get('tail_ms'), '{:.0f}')} | {sp(ga.get('timeline_hidden'))} | "
+                            f"{sp(ga.get('timeline_ratio'))} | {sp(cc.get('tail_ms'), '{:.0f}')} | "
                             f"{sp(cc.get('timeline_hidden'))} | {sp(cc.get('timeline_ratio'))} |")
     if rows:
         lines += ["", "The reducer's schedule alone, from the same timelines: the time from the end of the last "
@@ -734,8 +734,7 @@ def bound_targets(bnd):
                                 "result": "PASS" if h >= dd["median"] else "MISS",
                                 "detail": f"{h:.2f} vs DDP {dd['median']:.2f}"})
                 # The schedule alone (timeline; the compute's slowdown left out).
-                sched = (c if name == "gradaccum_py" else cell).get("timeline_ratio")
-                th = (c if name == "gradaccum_py" else cell).get("timeline_hidden")
+                sched, th = cell.get("timeline_ratio"), cell.get("timeline_hidden")
                 if sched and th:
                     out.append({"target": f"{LABELS[name]}: hidden by the schedule (timeline) >= 0.9 x bound, "
                                           f"{model}, K={k}",
