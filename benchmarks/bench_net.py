@@ -451,6 +451,11 @@ def write_bound_outputs(bnd, base, quick):
                        "combined": tw["combined"], "rate": rate, "param_bytes": res["param_bytes"],
                        "lines": [f"this window: hidden {tw['hidden']:.2f}, bound {tw['bound']:.2f} "
                                  f"(buckets {tw['bucket_bound']:.2f})"]})
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # a bare machine (the GPU one): traces and JSON only
+        log("bench_net: matplotlib not installed, no timeline plot")
+        panels = []
     if panels:
         png = f"{base}-timeline.png"
         _bound.plot(panels, png, f"The synchronising backward's buckets against the schedule bound, "

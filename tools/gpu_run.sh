@@ -10,11 +10,16 @@
 #            CMake tree: libgradaccum, the Catch2 tests, the consumer and the
 #            C++ example, installed under build/gpu/install
 #   cpp      the Catch2 [cuda] cases (NCCL, Gloo over CUDA tensors), then the
-#            whole CPU Catch2 suite against this CUDA build
+#            whole CPU Catch2 suite against this CUDA build (CPP_CPU=0: the
+#            [cuda] cases only)
 #   example  the C++ example under torchrun with the default backend (NCCL
 #            for CUDA tensors), one rank per GPU
 #   test     tests/python/test_gpu.py
 #   bench    benchmarks/bench_gpu.py (BENCH_ARGS, default --quick)
+#   net      benchmarks/bench_net.py's schedule bound (2 nodes in network
+#            namespaces, throttled by tc) on this machine's many cores: the
+#            wall-clock hidden fraction with cores to spare (NET_ARGS; skips
+#            when namespaces are not allowed). Not in the default stages.
 #
 # A machine without a registry has no Catch2: `tools/gpu_run.sh carry` (run
 # where Debian's catch2 is installed) copies it into .gpu/ (ignored by git),
@@ -64,7 +69,7 @@ build_cmake() {
     cmake -S . -B "$B/cmake" $GEN -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$B/install" \
       -DPython3_EXECUTABLE="$(command -v $PY)" ${catch2[@]+"${catch2[@]}"} &&
       cmake --build "$B/cmake" -j "$MAX_JOBS" && cmake --install "$B/cmake" >/dev/null &&
-      for p in tests/consumer:consumer examples/cpp:examples; do
+      for p in tests/consumer:consumer examples/cpp:examples benchmarks/cpp:bench; do
         cmake -S "${p%%:*}" -B "$B/${p##*:}" $GEN -DCMAKE_BUILD_TYPE=Release \
           -DCMAKE_PREFIX_PATH="$B/install;$torch_prefix" && cmake --build "$B/${p##*:}" -j "$MAX_JOBS" || return 1
       done
@@ -86,7 +91,8 @@ stage_cpp() {
   [ -x "$B/cmake/tests/cpp/gradaccum_tests" ] || { echo "no Catch2 build (run 'carry' where catch2 is installed)"; return 1; }
   local rc=0
   timeout ${CPP_TIMEOUT:-240} "$B/cmake/tests/cpp/gradaccum_tests" "[cuda]" 2>&1 | tee "$OUT/catch2_cuda.log" | tail -40 || rc=1
-  OMP_NUM_THREADS=1 timeout ${CPP_TIMEOUT:-240} "$B/cmake/tests/cpp/gradaccum_tests" 2>&1 | tee "$OUT/catch2_cpu.log" | tail -8 || rc=1
+  [ "${CPP_CPU:-1}" = 0 ] ||
+    OMP_NUM_THREADS=1 timeout ${CPP_TIMEOUT:-240} "$B/cmake/tests/cpp/gradaccum_tests" 2>&1 | tee "$OUT/catch2_cpu.log" | tail -8 || rc=1
   (cd "$B/consumer" && timeout 60 ctest --output-on-failure 2>&1 | tail -20) || rc=1
   return $rc
 }
@@ -106,6 +112,14 @@ stage_test() {
 stage_bench() {
   timeout ${BENCH_TIMEOUT:-300} $PY benchmarks/bench_gpu.py ${BENCH_ARGS:---quick} \
     --out "$OUT/gpu-latest.json" 2>&1 | tee "$OUT/bench_gpu.log" | tail -40
+}
+
+stage_net() {
+  # The worker runs from the source tree (benchmarks/) against the installed
+  # package; bench_window from the CMake build above, when it built.
+  timeout ${NET_TIMEOUT:-300} $PY benchmarks/bench_net.py --cpp-bench "$B/bench/bench_window" \
+    --log-dir "$OUT/net-logs" --out "$OUT/net-bound.json" --links none --no-growth \
+    ${NET_ARGS:---bound-blocks 3 --bound-budget-s 60} 2>&1 | tee "$OUT/bench_net.log" | tail -60
 }
 
 for s in $stages; do
