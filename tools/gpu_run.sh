@@ -21,9 +21,11 @@
 #            wall-clock hidden fraction with cores to spare (NET_ARGS; skips
 #            when namespaces are not allowed). Not in the default stages.
 #
-# A machine without a registry has no Catch2: `tools/gpu_run.sh carry` (run
-# where Debian's catch2 is installed) copies it into .gpu/ (ignored by git),
-# which the device tool can carry along. Logs go to $OUT (or ./gpu-out). Each
+# A machine without a registry has no Catch2 and no iproute2:
+# `tools/gpu_run.sh carry` (run where Debian's catch2 and iproute2 are
+# installed) copies Catch2, and `ip` and `tc` with their libraries, into .gpu/
+# (ignored by git; 4.5 MB), which the device tool can carry along; the stages
+# put .gpu/iproute2/bin on PATH. Logs go to $OUT (or ./gpu-out). Each
 # stage has its own time limit, so one that hangs or fails still leaves the
 # others' results.
 set -u -o pipefail
@@ -34,6 +36,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 stages=${*:-info build cpp example test bench}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
+[ -d "$ROOT/.gpu/iproute2/bin" ] && export PATH=$ROOT/.gpu/iproute2/bin:$PATH
 B=$ROOT/build/gpu
 GEN=$(command -v ninja >/dev/null && echo "-G Ninja")
 
@@ -41,7 +44,20 @@ stage_carry() {
   rm -rf .gpu/catch2 && mkdir -p .gpu/catch2/include .gpu/catch2/lib/cmake
   cp -r /usr/include/catch2 .gpu/catch2/include/ &&
     cp -r /usr/lib/cmake/Catch2 .gpu/catch2/lib/cmake/ &&
-    cp /usr/lib/libCatch2WithMain.a .gpu/catch2/lib/ && du -sh .gpu
+    cp /usr/lib/libCatch2WithMain.a .gpu/catch2/lib/ || return 1
+  # ip and tc for the net stage's namespaces, with the libraries they link
+  # (not libc), each run through the machine's own loader with these
+  # libraries: the commands they start (tc, the ranks) see no library path.
+  local d=.gpu/iproute2 b l
+  rm -rf $d && mkdir -p $d/bin $d/libexec $d/lib || return 1
+  for b in ip tc; do
+    cp "$(command -v $b)" $d/libexec/ || return 1
+    ldd $d/libexec/$b | awk '$3 ~ /^\// {print $3}' | grep -v -E '/(libc|libm|libdl|libpthread)\.so' |
+      while read -r l; do cp -L "$l" $d/lib/; done
+    printf '#!/bin/sh\nd=$(dirname "$(readlink -f "$0")")/..\nexec /lib64/ld-linux-x86-64.so.2 --library-path "$d/lib" "$d/libexec/%s" "$@"\n' \
+      $b >$d/bin/$b && chmod +x $d/bin/$b || return 1
+  done
+  $d/bin/ip -V && $d/bin/tc -V && du -sh .gpu
 }
 
 stage_info() {
