@@ -331,6 +331,12 @@ class Accumulator {
   /// each bucket's fill, launch and completion, the end of backward (see
   /// WindowTimeline). Empty without a process group.
   WindowTimeline last_window_timeline() const;
+  /// The trainable parameters' names (each parameter once), in the
+  /// Accumulator's order: that of last_window_timeline().gradients and of the
+  /// reducer's bucket indices.
+  const std::vector<std::string>& parameter_names() const {
+    return names_;
+  }
   /// Data parallel with `rank_independent` (the default), a collective when
   /// mid-window: every rank must call it at the same point.
   AccumulatorState state_dict(bool rank_independent = true);

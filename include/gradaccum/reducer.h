@@ -54,6 +54,10 @@ struct WindowTimeline {
   std::vector<BucketTimes> buckets; ///< in index (launch) order
   double backward_end = -1; ///< backward over: the last buckets launch
   double finished = -1; ///< every bucket waited for and written back
+  /// The reduction's beginning on the system clock, in seconds since the Unix
+  /// epoch (-1: no reduction yet): what lines the times above up with other
+  /// ranks' and other tools' events in a trace (gradaccum.trace).
+  double origin = -1;
 };
 
 /// What every rank's windows must agree on. Carried in every reduction (and

@@ -55,4 +55,6 @@ __version__: str = _C.__version__
 #: finds this installation's headers, library and ``gradaccum::gradaccum``.
 cmake_prefix_path: str = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "lib", "cmake")
 
-__all__ = ["Accumulator", "Optimizer", "split", "cmake_prefix_path", "__version__"]
+from gradaccum import trace  # noqa: E402
+
+__all__ = ["Accumulator", "Optimizer", "split", "trace", "cmake_prefix_path", "__version__"]

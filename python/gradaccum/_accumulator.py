@@ -5,11 +5,12 @@ import numbers
 import os
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Protocol, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple, Union
 
 import torch
 
 from gradaccum import _C, _run
+from gradaccum import trace as _trace
 
 from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list, lightning.py reads it here)
     _NONFINITE,
@@ -512,9 +513,23 @@ class Accumulator:
         beginning (the synchronising backward's first step): ``gradients``
         (per parameter, when its hook ran; -1 if not), ``buckets`` (per
         bucket in launch order: ``bytes``, ``ready``, ``launched``,
-        ``completed``; -1 if unknown), ``backward_end`` and ``finished``.
-        Empty lists and -1 without a process group."""
+        ``completed``; -1 if unknown), ``backward_end`` and ``finished``, and
+        ``origin``: the beginning on the system clock (seconds since the Unix
+        epoch). Empty lists and -1 without a process group. As a Chrome
+        trace: ``window_trace()``."""
         return self._c.last_window_timeline()
+
+    def window_trace(self) -> Dict[str, Any]:
+        """The last reduction on this rank as a Chrome trace (Perfetto,
+        ``chrome://tracing``): the synchronising backward, each bucket's ready
+        instant and all-reduce, each parameter's gradient by name; times since
+        the Unix epoch. ``gradaccum.trace.save(path, traces)`` writes one, or
+        several ranks' merged. RuntimeError before the first reduction or
+        without a process group."""
+        timeline = self._c.last_window_timeline()
+        group = self.process_group
+        rank = group.rank() if group is not None and hasattr(group, "rank") else 0
+        return _trace.from_timeline(timeline, rank=rank, names=self.parameter_names, where="acc.window_trace()")
 
     def state_dict(self, rank_independent: bool = True) -> Dict[str, Any]:
         """Position, counters and the half-done window's gradients.
@@ -570,6 +585,13 @@ class Accumulator:
             if load_scaler:
                 scaler.load_state_dict(previous)
             raise
+
+    @property
+    def parameter_names(self) -> List[str]:
+        """The trainable parameters' names (each once), in the order of
+        ``bucket_indices`` and of ``last_window_timeline()["gradients"]``
+        (``"parameter i"`` for a plain iterable of parameters)."""
+        return self._c.parameter_names
 
     @property
     def bucket_indices(self):

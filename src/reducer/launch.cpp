@@ -49,6 +49,8 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
   // Note [The window's timeline]
   window.origin = std::chrono::steady_clock::now();
   window.timeline = WindowTimeline{};
+  window.timeline.origin =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   window.timeline.gradients.assign(config.params.size(), -1.0);
   window.timeline.buckets.assign(buckets.all.size(), WindowTimeline::BucketTimes{});
   window.completed.assign(buckets.all.size(), nullptr);
@@ -148,7 +150,8 @@ void Reducer::State::launch_bucket(size_t index) {
 // The reducer stamps what a bucket schedule works with and what it does: when
 // each gradient's hook ran, when each bucket filled, launched and completed,
 // when backward ended and when the window was written back, in seconds from
-// the reduction's beginning. A steady-clock read per gradient and per bucket,
+// the reduction's beginning (and that beginning on the system clock, for
+// traces). A steady-clock read per gradient and per bucket,
 // and a callback on each all-reduce's future: Gloo completes them on its own
 // threads, so a stamp may land after wait() returned (Reducer::last_timeline()
 // reads them later). NCCL marks its future complete once the work is queued on

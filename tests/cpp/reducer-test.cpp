@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <set>
 
 using namespace gradaccum;
@@ -457,6 +458,32 @@ TEST_CASE("rebuild_buckets(false) keeps the registration-order buckets", "[reduc
   });
   CHECK(layouts[0] == std::vector<size_t>{7, 6, 5, 4, 3, 2, 1, 0});
   CHECK(layouts[1] == layouts[0]);
+}
+
+TEST_CASE("the timeline starts on the system clock; parameter names in the Accumulator's order",
+          "[reducer][distributed][timeline]") {
+  run_ranks(2, [&](int /*rank*/, c10::intrusive_ptr<CountingGroup> group) {
+    Chain net;
+    for (auto& p : net->layers[0]->parameters()) {
+      p.set_requires_grad(false); // frozen: not the Accumulator's
+    }
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    Accumulator acc(net, opt, AccumulatorOptions(1).process_group(group));
+    RANK_CHECK(acc.last_window_timeline().origin == -1);
+    const auto now = [] {
+      return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    };
+    const double before = now();
+    acc.backward(net->forward(torch::ones({2, 8}, torch::kFloat64), false));
+    acc.step();
+    const double after = now();
+    const auto t = acc.last_window_timeline();
+    RANK_CHECK(before <= t.origin);
+    RANK_CHECK(t.origin + t.finished <= after);
+    RANK_CHECK(t.gradients.size() == 6);
+    RANK_CHECK(acc.parameter_names() ==
+               std::vector<std::string>{"l1.weight", "l1.bias", "l2.weight", "l2.bias", "l3.weight", "l3.bias"});
+  });
 }
 
 TEST_CASE("zero_grad() at a window boundary is no uncounted backward, bucket views or not", "[reducer][distributed][misuse]") {

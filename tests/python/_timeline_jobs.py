@@ -1,5 +1,7 @@
-"""Jobs of test_timeline.py: acc.last_window_timeline() on real ranks
-(Note [The window's timeline] in src/reducer/launch.cpp)."""
+"""Jobs of test_timeline.py: acc.last_window_timeline() and acc.window_trace()
+on real ranks (Note [The window's timeline] in src/reducer/launch.cpp)."""
+import time
+
 import torch
 
 import _dist_utils as du
@@ -16,15 +18,35 @@ def timeline(rank, world_size, *, steps):
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=steps,
                                 bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
     empty = acc.last_window_timeline()
+    try:
+        acc.window_trace()
+        empty_trace_error = None
+    except RuntimeError as e:
+        empty_trace_error = str(e)
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):
+        before = time.time()
         for _ in range(steps):
             acc.backward(model(torch.randn(4, du.D_IN, dtype=torch.float64, generator=g)).pow(2).mean())
         assert acc.step()
-    out = {"empty": empty, "window": acc.last_window_timeline(), "stats": acc.stats(),
-           "sizes": [p.numel() * p.element_size() for p in model.parameters()]}
+        after = time.time()
+    out = {"empty": empty, "empty_trace_error": empty_trace_error, "window": acc.last_window_timeline(),
+           "trace": acc.window_trace(), "clock": [before, after], "stats": acc.stats(),
+           "sizes": [p.numel() * p.element_size() for p in model.parameters()],
+           "names": [n for n, _ in model.named_parameters()]}
     acc.backward(model(torch.randn(4, du.D_IN, dtype=torch.float64, generator=g)).pow(2).mean())
     acc.flush()
     out["flush"] = acc.last_window_timeline()
+    out["flush_trace"] = acc.window_trace()
+    # Freeze the first layer: the reducer starts over (no timeline), and the
+    # next reduction has the trainable parameters only.
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    acc.refresh_parameters()
+    out["timeline_after_refresh"] = acc.last_window_timeline()
+    for _ in range(steps):
+        acc.backward(model(torch.randn(4, du.D_IN, dtype=torch.float64, generator=g)).pow(2).mean())
+    assert acc.step()
+    out["trace_refreshed"] = acc.window_trace()
     acc.close()
     return out

@@ -1,17 +1,23 @@
 """acc.last_window_timeline(): when each gradient arrived and each bucket
 filled, launched and completed in the last reduction (Note [The window's
-timeline]), on 2 Gloo ranks."""
+timeline]), on 2 Gloo ranks; acc.window_trace() and gradaccum.trace."""
+import json
+
 import gradaccum
+import pytest
 import torch
 
 import _dist_utils as du
 
 M = "_timeline_jobs"
+EMPTY = {"gradients": [], "buckets": [], "backward_end": -1.0, "finished": -1.0, "origin": -1.0}
+NOTHING_TO_SHOW = ("gradaccum: acc.window_trace(): no reduction to show: no window has been reduced yet, or the "
+                   "Accumulator has no process group (a timeline needs a reducer)")
 
 
 def test_the_timeline_of_a_window_is_ordered_and_complete(tmp_path):
     for res in du.run_job("timeline", 2, tmp_path, module=M, steps=3):
-        assert res["empty"] == {"gradients": [], "buckets": [], "backward_end": -1.0, "finished": -1.0}
+        assert res["empty"] == EMPTY
         t = res["window"]
         end = t["backward_end"]
         assert 0 < end <= t["finished"]
@@ -42,4 +48,65 @@ def test_without_a_group_the_timeline_is_empty():
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=1, process_group=False)
     acc.backward(model(torch.ones(1, 2)).sum())
     acc.step()
-    assert acc.last_window_timeline() == {"gradients": [], "buckets": [], "backward_end": -1.0, "finished": -1.0}
+    assert acc.last_window_timeline() == EMPTY
+    with pytest.raises(RuntimeError) as e:
+        acc.window_trace()
+    assert str(e.value) == NOTHING_TO_SHOW
+
+
+def _events(trace, ph, tid=None):
+    return [e for e in trace["traceEvents"] if e["ph"] == ph and (tid is None or e.get("tid") == tid)]
+
+
+def test_window_trace_lines_ranks_up_on_the_system_clock(tmp_path):
+    """Each rank's trace has its reduction, buckets and named gradients at
+    the timeline's times from its origin on the system clock; merged, the two
+    ranks' all-reduces of each bucket overlap in time (neither completes
+    before the other launched it), which only holds if the origins line up."""
+    ranks = du.run_job("timeline", 2, tmp_path, module=M, steps=3)
+    for rank, res in enumerate(ranks):
+        assert res["empty_trace_error"] == NOTHING_TO_SHOW
+        t, trace = res["window"], res["trace"]
+        before, after = res["clock"]
+        assert before <= t["origin"] <= t["origin"] + t["finished"] <= after
+        us = lambda x: round(1e6 * (t["origin"] + x), 1)  # noqa: E731
+        meta = {e["name"]: e["args"] for e in _events(trace, "M") if e["name"] == "process_name"}
+        assert meta == {"process_name": {"name": f"rank {rank}"}}
+        assert {e["pid"] for e in trace["traceEvents"]} == {rank}
+        (bwd,) = [e for e in _events(trace, "X", 1) if e["name"] == "synchronising backward"]
+        assert (bwd["ts"], bwd["ts"] + bwd["dur"]) == pytest.approx((us(0), us(t["backward_end"])), abs=1)
+        (wait,) = [e for e in _events(trace, "X", 1) if e["name"] == "wait for the buckets, write back"]
+        assert wait["ts"] + wait["dur"] == pytest.approx(us(t["finished"]), abs=1)
+        spans = _events(trace, "X", 2)
+        assert len(spans) == len(t["buckets"]) == res["stats"]["buckets"]
+        for b, (span, times) in enumerate(zip(spans, t["buckets"])):
+            assert span["name"] == f"bucket {b} all-reduce ({times['bytes'] / 2**20:.2f} MiB)"
+            assert span["ts"] == us(times["launched"])
+            assert span["ts"] + span["dur"] == pytest.approx(us(times["completed"]), abs=1)
+        grads = _events(trace, "i", 3)
+        assert [e["name"] for e in grads] == res["names"]  # every gradient, named, in the Accumulator's order
+        assert [e["ts"] for e in grads] == [us(g) for g in t["gradients"]]
+        # flush(): no hooks ran, so no backward span and no gradient instants.
+        f = res["flush_trace"]
+        assert [e["name"] for e in _events(f, "X", 1)] == ["reduction (no hooks: all buckets at once)"]
+        assert _events(f, "i", 3) == []
+        # refresh_parameters() starts the reducer over; the next reduction's
+        # trace names the trainable parameters only.
+        assert res["timeline_after_refresh"] == EMPTY
+        assert [e["name"] for e in _events(res["trace_refreshed"], "i", 3)] == res["names"][2:]
+    path = tmp_path / "window.json"
+    gradaccum.trace.save(str(path), [r["trace"] for r in ranks])
+    merged = json.loads(path.read_text())
+    assert len(merged["traceEvents"]) == sum(len(r["trace"]["traceEvents"]) for r in ranks)
+    spans = _events(merged, "X", 2)
+    by_rank = [[e for e in spans if e["pid"] == r] for r in (0, 1)]
+    for s0, s1 in zip(*by_rank):
+        assert s0["ts"] <= s1["ts"] + s1["dur"] and s1["ts"] <= s0["ts"] + s0["dur"], (s0, s1)
+
+
+def test_trace_save_refuses_what_is_not_a_trace(tmp_path):
+    with pytest.raises(ValueError) as e:
+        gradaccum.trace.save(str(tmp_path / "x.json"), [{"traceEvents": []}, {"events": []}])
+    assert str(e.value) == ("gradaccum: gradaccum.trace.save(): item 1 is not a trace (a dict with 'traceEvents', "
+                            "as acc.window_trace() returns)")
+    assert not (tmp_path / "x.json").exists()

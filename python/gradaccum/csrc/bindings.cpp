@@ -293,6 +293,7 @@ void init_accumulator(py::module_& m) {
         out["buckets"] = buckets;
         out["backward_end"] = t.backward_end;
         out["finished"] = t.finished;
+        out["origin"] = t.origin;
         return out;
       })
       .def("state_dict", [](Accumulator& a, bool rank_independent) {
@@ -312,6 +313,7 @@ void init_accumulator(py::module_& m) {
       .def_property_readonly("closed", &Accumulator::closed)
       .def("load_state_dict", [](Accumulator& a, const py::dict& d) { a.load_state_dict(state_from_dict(d)); },
            py::arg("state_dict"))
+      .def_property_readonly("parameter_names", &Accumulator::parameter_names)
       .def_property_readonly("bucket_indices", [](Accumulator& a) {
         std::vector<std::vector<size_t>> out;
         if (a.reducer()) {
