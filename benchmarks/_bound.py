@@ -28,6 +28,8 @@ rank, and backward ends when it ends on the last rank.
 import json
 import os
 
+import gradaccum.trace
+
 
 def departures(units, t, rate):
     """D(t): bytes a fluid link of `rate` bytes/s can have sent by t, units =
@@ -135,47 +137,33 @@ def analyse(ranks, param_bytes, rate):
 # --------------------------------------------------------------------------- the trace
 def chrome_trace(title, ranks_marks, ranks, param_bytes, param_names, rate, info):
     """Chrome trace / Perfetto JSON of one window: per rank, the micro-steps
-    (forward, backward, step), and the synchronising backward's buckets (ready
-    instants, launch→completion spans); one more track draws the fluid bound's
-    departures and the bytes ready and done, as counters. Times in µs from the
-    window's start (the earliest rank's first micro-step)."""
+    (forward, backward, step) and the reduction as gradaccum.trace draws it
+    (the synchronising backward, its buckets' ready instants and
+    launch→completion spans, the gradients); one more process draws the
+    fluid bound's departures and the bytes ready and done, as counters.
+    Times in µs from the window's start (the earliest rank's first
+    micro-step)."""
     start = min(m[0][0] for m in ranks_marks)
     us = lambda t: round(1e6 * (t - start), 1)  # noqa: E731
-    ev = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}}]
+    counters = len(ranks)  # the counters' process, after the ranks'
+    ev = [{"name": "process_name", "ph": "M", "pid": counters, "args": {"name": title}}]
+    names = param_names if len(param_names) == len(ranks[0]["timeline"]["gradients"]) else None
     for r, (marks, rk) in enumerate(zip(ranks_marks, ranks)):
-        pid = r + 1
-        ev += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {r}"}},
-               {"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "compute (micro-steps)"}},
-               {"name": "thread_name", "ph": "M", "pid": pid, "tid": 2, "args": {"name": "all-reduce (buckets)"}},
-               {"name": "thread_name", "ph": "M", "pid": pid, "tid": 3, "args": {"name": "gradients ready"}}]
+        # The reduction on the window's clock: its origin in seconds from start.
+        ev += gradaccum.trace.from_timeline({**rk["timeline"], "origin": rk["origin"] - start}, rank=r,
+                                            names=names)["traceEvents"]
+        ev.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": "micro-steps"}})
         k = len(marks)
         for i, (t0, t1, t2, t3) in enumerate(marks):
             sync = i == k - 1
             ev.append({"name": f"micro-step {i + 1}/{k}" + (" (synchronising)" if sync else " (no sync)"),
-                       "ph": "X", "pid": pid, "tid": 1, "ts": us(t0), "dur": us(t3) - us(t0)})
-            ev.append({"name": "forward", "ph": "X", "pid": pid, "tid": 1, "ts": us(t0), "dur": us(t1) - us(t0)})
-            ev.append({"name": "backward" + (" + reduction" if sync else ""), "ph": "X", "pid": pid, "tid": 1,
+                       "ph": "X", "pid": r, "tid": 0, "ts": us(t0), "dur": us(t3) - us(t0)})
+            ev.append({"name": "forward", "ph": "X", "pid": r, "tid": 0, "ts": us(t0), "dur": us(t1) - us(t0)})
+            ev.append({"name": "backward" + (" + reduction" if sync else ""), "ph": "X", "pid": r, "tid": 0,
                        "ts": us(t1), "dur": us(t2) - us(t1)})
             if t3 > t2:
-                ev.append({"name": "step" if not sync else "step (optimizer)", "ph": "X", "pid": pid, "tid": 1,
+                ev.append({"name": "step" if not sync else "step (optimizer)", "ph": "X", "pid": r, "tid": 0,
                            "ts": us(t2), "dur": us(t3) - us(t2)})
-        tl, o = rk["timeline"], rk["origin"]
-        ev.append({"name": "synchronising backward (timeline)", "ph": "X", "pid": pid, "tid": 2, "ts": us(o),
-                   "dur": round(1e6 * tl["backward_end"], 1)})
-        for b, bt in enumerate(tl["buckets"]):
-            if bt["ready"] >= 0:
-                ev.append({"name": f"bucket {b} ready", "ph": "i", "s": "t", "pid": pid, "tid": 2,
-                           "ts": us(o + bt["ready"]), "args": {"bytes": bt["bytes"]}})
-            if bt["launched"] >= 0 and bt["completed"] >= 0:
-                ev.append({"name": f"bucket {b} all-reduce ({bt['bytes'] / 2**20:.2f} MiB)", "ph": "X",
-                           "pid": pid, "tid": 2, "ts": us(o + bt["launched"]),
-                           "dur": round(1e6 * (bt["completed"] - bt["launched"]), 1),
-                           "args": {"bytes": bt["bytes"], "ready_ms": 1e3 * bt["ready"],
-                                    "launched_ms": 1e3 * bt["launched"], "completed_ms": 1e3 * bt["completed"]}})
-        for j, g in enumerate(tl["gradients"]):
-            if g >= 0:
-                ev.append({"name": param_names[j] if j < len(param_names) else f"param {j}", "ph": "i", "s": "t",
-                           "pid": pid, "tid": 3, "ts": us(o + g), "args": {"bytes": param_bytes[j]}})
     # Counters on the combined clock: ready (all ranks), the bound's departures, done.
     c = combine(ranks, param_bytes)
     t0 = c["t0"]
@@ -186,7 +174,7 @@ def chrome_trace(title, ranks_marks, ranks, param_bytes, param_names, rate, info
     for t in ts:
         ready = sum(b for r, b in c["gradients"] if r <= t)
         done = sum(b["bytes"] for b in c["rank0_buckets"] if 0 <= b["completed"] <= t)
-        ev.append({"name": "MiB (all ranks)", "ph": "C", "pid": 0, "ts": us(t0 + t),
+        ev.append({"name": "MiB (all ranks)", "ph": "C", "pid": counters, "ts": us(t0 + t),
                    "args": {"ready": ready / 2**20, "bound: sent by the best order": departures(c["gradients"], t, rate)
                             / 2**20, "buckets done": done / 2**20}})
     return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": info}
