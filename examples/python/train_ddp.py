@@ -16,13 +16,14 @@ backward per global batch, and prints the largest parameter difference.
 Rank 0 prints each window's loss and all-reduce count, the accumulator's
 stats(), the final loss and `max |param - reference|`; the script exits with
 status 1 if that difference exceeds --tol (default: 1e-4 for float32, 1e-10
-for float64).
+for float64). With --trace FILE, rank 0 writes the last window's reduction on
+every rank as one Chrome trace (open it in https://ui.perfetto.dev).
 """
 import argparse
 import os
 import sys
 from datetime import timedelta
-from typing import Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=0.01,
                    help="small, so that the tiny model spans several buckets")
     p.add_argument("--tol", type=float, default=None)
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the last window's reduction, every rank's, as a Chrome trace")
     return p.parse_args(argv)
 
 
@@ -108,6 +111,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Every window here is full; with a ragged end of data every rank would call
     # acc.flush() to close the partial window.
     stats = acc.stats()
+    if args.trace:  # a collective: every rank's trace to every rank
+        traces: List[Any] = [None] * world
+        dist.all_gather_object(traces, acc.window_trace())
+        if rank == 0:
+            gradaccum.trace.save(args.trace, traces)
+            print(f"trace: {args.trace}")
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:

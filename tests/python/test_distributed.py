@@ -5,6 +5,7 @@ results, and the parent computes the one-process references and asserts.
 
     OMP_NUM_THREADS=1 python3 -m pytest tests/python/test_distributed.py -q
 """
+import json
 import os
 import re
 import subprocess
@@ -418,8 +419,10 @@ def test_broadcast_buffers_at_each_window_end(jobs):
 # 10. torchrun
 # --------------------------------------------------------------------------- #
 
-def test_torchrun_example():
-    out = du.run_example("train_ddp.py", "--steps", 4, "--windows", 5, "--micro-batch", 8, "--dtype", "float64")
+def test_torchrun_example(tmp_path):
+    trace = tmp_path / "window.json"
+    out = du.run_example("train_ddp.py", "--steps", 4, "--windows", 5, "--micro-batch", 8, "--dtype", "float64",
+                         "--trace", trace)
     windows = re.findall(r"^window\s+(\d+).*loss ([0-9.eE+-]+).*all-reduces (\d+)", out, re.M)
     assert len(windows) == 5, out
     buckets = re.search(r"(\d+) buckets", out)
@@ -431,6 +434,13 @@ def test_torchrun_example():
     diff = re.search(r"^max \|param - reference\|: ([0-9.eE+-]+)", out, re.M)
     assert diff, out
     assert float(diff.group(1)) < 1e-10, out
+    # --trace: both ranks' last reduction in one file, a span per bucket each.
+    events = json.loads(trace.read_text())["traceEvents"]
+    for rank in (0, 1):
+        spans = [e for e in events if e["pid"] == rank and e["ph"] == "X" and "all-reduce" in e["name"]]
+        assert len(spans) == int(buckets.group(1)), events
+        grads = [e["name"] for e in events if e["pid"] == rank and e["ph"] == "i" and e["tid"] == 3]
+        assert sorted(grads) == sorted(f"{i}.{w}" for i in (0, 2, 4) for w in ("weight", "bias")), grads
 
 
 # --------------------------------------------------------------------------- #
