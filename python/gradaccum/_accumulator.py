@@ -519,16 +519,20 @@ class Accumulator:
         trace: ``window_trace()``."""
         return self._c.last_window_timeline()
 
-    def window_trace(self) -> Dict[str, Any]:
+    def window_trace(self, rank: Optional[int] = None) -> Dict[str, Any]:
         """The last reduction on this rank as a Chrome trace (Perfetto,
         ``chrome://tracing``): the synchronising backward, each bucket's ready
         instant and all-reduce, each parameter's gradient by name; times since
-        the Unix epoch. ``gradaccum.trace.save(path, traces)`` writes one, or
-        several ranks' merged. RuntimeError before the first reduction or
-        without a process group."""
+        the Unix epoch (see ``gradaccum.trace``). ``rank``: the trace's process
+        id (default: this rank in the Accumulator's group; give the global rank
+        when gathering several groups' traces). ``gradaccum.trace.save(path,
+        traces)`` writes one, or several ranks' merged. RuntimeError when there
+        is no reduction to show (none since construction, refresh_parameters()
+        or close(), or no process group)."""
         timeline = self._c.last_window_timeline()
-        group = self.process_group
-        rank = group.rank() if group is not None and hasattr(group, "rank") else 0
+        if rank is None:
+            group = self.process_group
+            rank = group.rank() if group is not None and hasattr(group, "rank") else 0
         return _trace.from_timeline(timeline, rank=rank, names=self.parameter_names, where="acc.window_trace()")
 
     def state_dict(self, rank_independent: bool = True) -> Dict[str, Any]:
@@ -590,7 +594,8 @@ class Accumulator:
     def parameter_names(self) -> List[str]:
         """The trainable parameters' names (each once), in the order of
         ``bucket_indices`` and of ``last_window_timeline()["gradients"]``
-        (``"parameter i"`` for a plain iterable of parameters)."""
+        (``"parameter i"`` for a plain iterable of parameters, ``i`` its
+        position in that iterable)."""
         return self._c.parameter_names
 
     @property

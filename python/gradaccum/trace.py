@@ -10,14 +10,19 @@ or every rank's in one file (a collective: call it on every rank)::
     if dist.get_rank() == 0:
         gradaccum.trace.save("window.json", traces)
 
-Each rank is a process of the trace, with three tracks: the reduction (the
-synchronising backward, then the wait for the buckets and the write-back),
-the buckets (each one's ready instant and its all-reduce from launch to
-completion) and the gradients (an instant per parameter, named, when its hook
-ran). Times are microseconds since the Unix epoch on each rank's system
-clock, so ranks of one machine line up exactly and consecutive windows of one
-rank follow each other. Built from ``acc.last_window_timeline()`` (Note [The
-window's timeline] in src/reducer/launch.cpp), which C++ programs read as
+Each rank is a process of the trace (its rank in the Accumulator's group),
+with tracks for the reduction (the synchronising backward, then the wait for
+the buckets and the write-back; or one span for a reduction no hook took
+part in: flush(), a rank out of data under join(), a rank-independent
+state_dict() in the middle of a window, compiled autograd; or a backward that
+failed and dropped the window), the gradients (an instant per parameter,
+named, when its hook ran) and one per bucket (its ready instant and its
+all-reduce from launch to completion; a launch instant for CUDA buckets,
+whose completion NCCL does not report). Times are whole microseconds since
+the Unix epoch on each rank's system clock, so ranks of one machine line up
+and consecutive windows of one rank follow each other. Built from
+``acc.last_window_timeline()`` (Note [The window's timeline] in
+src/reducer/launch.cpp), which C++ programs read as
 ``Accumulator::last_window_timeline()``; ``from_timeline`` takes that dict.
 """
 import json
@@ -27,56 +32,69 @@ __all__ = ["from_timeline", "save"]
 
 Trace = Dict[str, Any]
 
-_TRACKS = ("reduction", "buckets (all-reduce)", "gradients ready")
+#: Bucket b's track (thread id) in a rank's process: BUCKET_TID + b.
+BUCKET_TID = 10
 
 
 def from_timeline(timeline: Dict[str, Any], *, rank: int = 0, names: Optional[Sequence[str]] = None,
                   where: str = "gradaccum.trace.from_timeline()") -> Trace:
     """A Chrome trace of one reduction from ``acc.last_window_timeline()``
-    (``names``: the parameters' names, in the Accumulator's order)."""
+    (``names``: the parameters' names, in the Accumulator's order; ``rank``:
+    the trace's process id)."""
     origin = timeline.get("origin", -1.0)
     if origin is None or origin < 0 or timeline.get("finished", -1.0) < 0:
-        raise RuntimeError(f"gradaccum: {where}: no reduction to show: no window has been reduced yet, or the "
-                           f"Accumulator has no process group (a timeline needs a reducer)")
+        raise RuntimeError(f"gradaccum: {where}: no reduction to show: none since the Accumulator was built, "
+                           f"refresh_parameters() or close(), or it has no process group (a timeline needs a "
+                           f"reducer)")
     if names is not None and len(names) != len(timeline["gradients"]):
         raise ValueError(f"gradaccum: {where}: {len(names)} names for {len(timeline['gradients'])} parameters")
-
-    def us(t: float) -> float:
-        return round(1e6 * (origin + t), 1)
-
-    def dur(t0: float, t1: float) -> float:
-        return round(us(t1) - us(t0), 1)
-
+    # Whole microseconds, from one integer base: exact in a double (< 2^53),
+    # so spans that meet in the timeline meet in the trace, not a rounding apart.
+    base = int(round(1e6 * origin))
     pid = int(rank)
+
+    def us(t: float) -> int:
+        return base + int(round(1e6 * t))
+
+    def span(name: str, tid: int, t0: float, t1: float, **extra: Any) -> Dict[str, Any]:
+        return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": us(t0), "dur": us(t1) - us(t0), **extra}
+
+    def instant(name: str, tid: int, t: float, args: Dict[str, Any]) -> Dict[str, Any]:
+        return {"name": name, "ph": "i", "s": "t", "pid": pid, "tid": tid, "ts": us(t), "args": args}
+
     ev: List[Dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}},
                                 {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}]
-    for tid, track in enumerate(_TRACKS, 1):
-        ev.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}})
+    # A track per bucket: their all-reduces overlap in time, and spans on one
+    # track must nest.
+    tracks = [(1, "reduction"), (2, "gradients ready")] + [
+        (BUCKET_TID + b, f"bucket {b}") for b in range(len(timeline["buckets"]))]
+    for tid, track in tracks:
+        ev += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}},
+               {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}}]
     end, finished = timeline["backward_end"], timeline["finished"]
-    hooked = any(g >= 0 for g in timeline["gradients"])
-    if hooked and end >= 0:
-        ev.append({"name": "synchronising backward", "ph": "X", "pid": pid, "tid": 1, "ts": us(0.0),
-                   "dur": dur(0.0, end)})
-    start = end if hooked and end >= 0 else 0.0  # flush() and hookless windows: all of it is the reduction
-    ev.append({"name": "wait for the buckets, write back" if hooked else "reduction (no hooks: all buckets at once)",
-               "ph": "X", "pid": pid, "tid": 1, "ts": us(start), "dur": dur(start, finished)})
+    if not any(g >= 0 for g in timeline["gradients"]):
+        ev.append(span("reduction (no hooks: every bucket at once)", 1, 0.0, finished))
+    elif end < 0:  # dropped before backward ended: a backward that failed
+        ev.append(span("backward failed: window dropped", 1, 0.0, finished))
+    else:
+        ev += [span("synchronising backward", 1, 0.0, end),
+               span("wait for the buckets, write back", 1, end, finished)]
     for b, times in enumerate(timeline["buckets"]):
         nbytes = times["bytes"]
-        args = {"bytes": nbytes, **{f"{k}_ms": round(1e3 * times[k], 3) for k in ("ready", "launched", "completed")}}
+        # Times in ms from the reduction's beginning; -1 (unknown) left out.
+        args = {"bytes": nbytes, **{f"{k}_ms": round(1e3 * times[k], 3)
+                                    for k in ("ready", "launched", "completed") if times[k] >= 0}}
+        tid = BUCKET_TID + b
         if times["ready"] >= 0:
-            ev.append({"name": f"bucket {b} ready", "ph": "i", "s": "t", "pid": pid, "tid": 2,
-                       "ts": us(times["ready"]), "args": args})
+            ev.append(instant(f"bucket {b} ready", tid, times["ready"], args))
         if times["launched"] >= 0 and times["completed"] >= 0:
-            ev.append({"name": f"bucket {b} all-reduce ({nbytes / 2**20:.2f} MiB)", "ph": "X", "pid": pid, "tid": 2,
-                       "ts": us(times["launched"]), "dur": dur(times["launched"], times["completed"]),
-                       "args": args})
+            ev.append(span(f"bucket {b} all-reduce ({nbytes / 2**20:.2f} MiB)", tid, times["launched"],
+                           times["completed"], args=args))
         elif times["launched"] >= 0:  # CUDA (NCCL): no completion time
-            ev.append({"name": f"bucket {b} launched ({nbytes / 2**20:.2f} MiB)", "ph": "i", "s": "t", "pid": pid,
-                       "tid": 2, "ts": us(times["launched"]), "args": args})
+            ev.append(instant(f"bucket {b} launched ({nbytes / 2**20:.2f} MiB)", tid, times["launched"], args))
     for i, t in enumerate(timeline["gradients"]):
         if t >= 0:
-            ev.append({"name": names[i] if names is not None else f"parameter {i}", "ph": "i", "s": "t",
-                       "pid": pid, "tid": 3, "ts": us(t), "args": {"index": i}})
+            ev.append(instant(names[i] if names is not None else f"parameter {i}", 2, t, {"index": i}))
     return {"traceEvents": ev, "displayTimeUnit": "ms"}
 
 

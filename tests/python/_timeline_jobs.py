@@ -8,6 +8,17 @@ import _dist_utils as du
 from _dist_utils import job
 
 
+class Boom(torch.autograd.Function):
+    """Raises in backward: on the input, after every parameter's hook ran."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom in backward")
+
+
 @job
 def timeline(rank, world_size, *, steps):
     """Two windows of an MLP in small buckets; the second window's timeline,
@@ -48,5 +59,17 @@ def timeline(rank, world_size, *, steps):
         acc.backward(model(torch.randn(4, du.D_IN, dtype=torch.float64, generator=g)).pow(2).mean())
     assert acc.step()
     out["trace_refreshed"] = acc.window_trace()
+    # A closing backward that fails on rank 0 after its hooks ran: the window
+    # is dropped on every rank.
+    x = torch.randn(4, du.D_IN, dtype=torch.float64, generator=g, requires_grad=True)
+    dropped = acc.stats()["dropped_windows"]
+    errors = []
+    for k in range(steps):
+        try:
+            acc.backward(model(Boom.apply(x) if rank == 0 and k == steps - 1 else x).pow(2).mean())
+        except RuntimeError as e:
+            errors.append(str(e).split("\n")[0])
+    out["dropped"] = {"trace": acc.window_trace(), "windows": acc.stats()["dropped_windows"] - dropped,
+                      "errors": errors}
     acc.close()
     return out

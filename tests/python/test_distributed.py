@@ -439,7 +439,7 @@ def test_torchrun_example(tmp_path):
     for rank in (0, 1):
         spans = [e for e in events if e["pid"] == rank and e["ph"] == "X" and "all-reduce" in e["name"]]
         assert len(spans) == int(buckets.group(1)), events
-        grads = [e["name"] for e in events if e["pid"] == rank and e["ph"] == "i" and e["tid"] == 3]
+        grads = [e["name"] for e in events if e["pid"] == rank and e["ph"] == "i" and e["tid"] == 2]
         assert sorted(grads) == sorted(f"{i}.{w}" for i in (0, 2, 4) for w in ("weight", "bias")), grads
 
 

@@ -11,8 +11,8 @@ import _dist_utils as du
 
 M = "_timeline_jobs"
 EMPTY = {"gradients": [], "buckets": [], "backward_end": -1.0, "finished": -1.0, "origin": -1.0}
-NOTHING_TO_SHOW = ("gradaccum: acc.window_trace(): no reduction to show: no window has been reduced yet, or the "
-                   "Accumulator has no process group (a timeline needs a reducer)")
+NOTHING_TO_SHOW = ("gradaccum: acc.window_trace(): no reduction to show: none since the Accumulator was built, "
+                   "refresh_parameters() or close(), or it has no process group (a timeline needs a reducer)")
 
 
 def test_the_timeline_of_a_window_is_ordered_and_complete(tmp_path):
@@ -58,48 +58,62 @@ def _events(trace, ph, tid=None):
     return [e for e in trace["traceEvents"] if e["ph"] == ph and (tid is None or e.get("tid") == tid)]
 
 
-def test_window_trace_lines_ranks_up_on_the_system_clock(tmp_path):
-    """Each rank's trace has its reduction, buckets and named gradients at
-    the timeline's times from its origin on the system clock; merged, the two
-    ranks' all-reduces of each bucket overlap in time (neither completes
-    before the other launched it), which only holds if the origins line up."""
+def _buckets(trace):
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e.get("tid", 0) >= gradaccum.trace.BUCKET_TID]
+
+
+def test_window_trace_draws_the_timeline_on_the_system_clock(tmp_path):
+    """Each rank's trace has its reduction, a track per bucket and the named
+    gradients at the timeline's times from its origin, which is on the
+    system clock (between time.time() before and after the window); merged,
+    the two ranks' all-reduces of each bucket overlap in time."""
     ranks = du.run_job("timeline", 2, tmp_path, module=M, steps=3)
     for rank, res in enumerate(ranks):
         assert res["empty_trace_error"] == NOTHING_TO_SHOW
         t, trace = res["window"], res["trace"]
         before, after = res["clock"]
         assert before <= t["origin"] <= t["origin"] + t["finished"] <= after
-        us = lambda x: round(1e6 * (t["origin"] + x), 1)  # noqa: E731
+        base = int(round(1e6 * t["origin"]))
+        us = lambda x: base + int(round(1e6 * x))  # noqa: E731
         meta = {e["name"]: e["args"] for e in _events(trace, "M") if e["name"] == "process_name"}
         assert meta == {"process_name": {"name": f"rank {rank}"}}
         assert {e["pid"] for e in trace["traceEvents"]} == {rank}
-        (bwd,) = [e for e in _events(trace, "X", 1) if e["name"] == "synchronising backward"]
-        assert (bwd["ts"], bwd["ts"] + bwd["dur"]) == pytest.approx((us(0), us(t["backward_end"])), abs=1)
-        (wait,) = [e for e in _events(trace, "X", 1) if e["name"] == "wait for the buckets, write back"]
-        assert wait["ts"] + wait["dur"] == pytest.approx(us(t["finished"]), abs=1)
-        spans = _events(trace, "X", 2)
+        bwd, wait = _events(trace, "X", 1)
+        assert (bwd["name"], bwd["ts"], bwd["ts"] + bwd["dur"]) == ("synchronising backward", us(0),
+                                                                    us(t["backward_end"]))
+        assert (wait["name"], wait["ts"], wait["ts"] + wait["dur"]) == ("wait for the buckets, write back",
+                                                                        us(t["backward_end"]), us(t["finished"]))
+        spans = _buckets(trace)
         assert len(spans) == len(t["buckets"]) == res["stats"]["buckets"]
         for b, (span, times) in enumerate(zip(spans, t["buckets"])):
+            assert span["tid"] == gradaccum.trace.BUCKET_TID + b  # a track each: they overlap in time
             assert span["name"] == f"bucket {b} all-reduce ({times['bytes'] / 2**20:.2f} MiB)"
-            assert span["ts"] == us(times["launched"])
-            assert span["ts"] + span["dur"] == pytest.approx(us(times["completed"]), abs=1)
-        grads = _events(trace, "i", 3)
+            assert (span["ts"], span["ts"] + span["dur"]) == (us(times["launched"]), us(times["completed"]))
+        grads = _events(trace, "i", 2)
         assert [e["name"] for e in grads] == res["names"]  # every gradient, named, in the Accumulator's order
         assert [e["ts"] for e in grads] == [us(g) for g in t["gradients"]]
-        # flush(): no hooks ran, so no backward span and no gradient instants.
+        # flush(): no hooks ran, so one reduction span and no gradient instants.
         f = res["flush_trace"]
-        assert [e["name"] for e in _events(f, "X", 1)] == ["reduction (no hooks: all buckets at once)"]
-        assert _events(f, "i", 3) == []
+        assert [e["name"] for e in _events(f, "X", 1)] == ["reduction (no hooks: every bucket at once)"]
+        assert _events(f, "i", 2) == []
         # refresh_parameters() starts the reducer over; the next reduction's
         # trace names the trainable parameters only.
         assert res["timeline_after_refresh"] == EMPTY
-        assert [e["name"] for e in _events(res["trace_refreshed"], "i", 3)] == res["names"][2:]
+        assert [e["name"] for e in _events(res["trace_refreshed"], "i", 2)] == res["names"][2:]
+        # A backward that failed on rank 0 after its hooks ran dropped the
+        # window on both ranks; rank 0's trace says so, rank 1's backward ended.
+        d = res["dropped"]
+        assert d["windows"] == 1
+        if rank == 0:
+            assert any("boom in backward" in e for e in d["errors"]), d["errors"]
+        assert [e["name"] for e in _events(d["trace"], "X", 1)] == (
+            ["backward failed: window dropped"] if rank == 0 else
+            ["synchronising backward", "wait for the buckets, write back"])
     path = tmp_path / "window.json"
     gradaccum.trace.save(str(path), [r["trace"] for r in ranks])
     merged = json.loads(path.read_text())
     assert len(merged["traceEvents"]) == sum(len(r["trace"]["traceEvents"]) for r in ranks)
-    spans = _events(merged, "X", 2)
-    by_rank = [[e for e in spans if e["pid"] == r] for r in (0, 1)]
+    by_rank = [[e for e in _buckets(merged) if e["pid"] == r] for r in (0, 1)]
     for s0, s1 in zip(*by_rank):
         assert s0["ts"] <= s1["ts"] + s1["dur"] and s1["ts"] <= s0["ts"] + s0["dur"], (s0, s1)
 
