@@ -140,6 +140,18 @@ def run_job(name, world_size, out_dir, *, timeout=150, pg_timeout=DEFAULT_PG_TIM
     return results
 
 
+class Boom(torch.autograd.Function):
+    """Identity forward; its backward raises (a failed micro-step)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(f"injected failure on rank {torch.distributed.get_rank()}")
+
+
 JOBS = {}
 
 

@@ -17,19 +17,7 @@ import _fuzz_check as fc
 import _fuzz_gen as fg
 import _fuzz_model as fm
 import _fuzz_resize as fr
-from _dist_utils import job
-
-
-class Boom(torch.autograd.Function):
-    """Identity forward; its backward raises (a failed micro-step)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(f"injected failure on rank {torch.distributed.get_rank()}")
+from _dist_utils import Boom, job
 
 
 def _err(e):

@@ -4,19 +4,7 @@ import torch
 
 import _dist_utils as du
 import _protocol_jobs as pj
-from _dist_utils import job
-
-
-class Boom(torch.autograd.Function):
-    """Identity forward; its backward raises (a failed micro-step)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(f"injected failure on rank {torch.distributed.get_rank()}")
+from _dist_utils import Boom, job
 
 
 def _count_allreduces(fn):

@@ -694,15 +694,6 @@ def view_resume(rank, world_size, *, view, ckpt_dir, save_after, steps=4, window
     return {"diff": diff, "grads_after_load": grads_after_load}
 
 
-class BoomFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("boom in backward")
-
-
 @job
 def failed_snapshot(rank, world_size):
     import gradaccum
@@ -719,7 +710,7 @@ def failed_snapshot(rank, world_size):
             log.append((tag, type(e).__name__, str(e).split("\n")[0][:400]))
     tr("b0", lambda: acc.backward(m(x).sum()))
     if rank == 1:
-        tr("b1-fail", lambda: acc.backward(BoomFn.apply(m(x)).sum()))
+        tr("b1-fail", lambda: acc.backward(du.Boom.apply(m(x)).sum()))
     else:
         tr("b1", lambda: acc.backward(m(x).sum()))
     tr("state_dict", lambda: acc.state_dict()["micro_step"])

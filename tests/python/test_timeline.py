@@ -105,7 +105,7 @@ def test_window_trace_draws_the_timeline_on_the_system_clock(tmp_path):
         d = res["dropped"]
         assert d["windows"] == 1
         if rank == 0:
-            assert any("boom in backward" in e for e in d["errors"]), d["errors"]
+            assert any("injected failure on rank 0" in e for e in d["errors"]), d["errors"]
         assert [e["name"] for e in _events(d["trace"], "X", 1)] == (
             ["backward failed: window dropped"] if rank == 0 else
             ["synchronising backward", "wait for the buckets, write back"])
