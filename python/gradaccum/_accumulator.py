@@ -30,7 +30,6 @@ from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list
 
 # Every open Accumulator, closed at interpreter exit (see _close_at_exit).
 _LIVE: "weakref.WeakSet[Accumulator]" = weakref.WeakSet()
-_USED_A_GROUP = False  # some Accumulator was data parallel
 
 
 def _gloo_workers_alive() -> bool:
@@ -63,14 +62,17 @@ def _close_at_exit() -> None:
       group's destructor joins the threads now;
     - torch itself keeps the group alive past destroy_process_group() when
       torch._dynamo was first imported while it existed (any torch.optim
-      optimizer built after init_process_group does it): its threads then
-      stay, so give them the GIL for a moment to finish what they release."""
+      optimizer built after init_process_group does it), and a group nobody
+      destroys (torch DDP's, e.g. transformers.Trainer's, in the same script:
+      the stock run of examples/python/train_hf_trainer.py aborted so) keeps
+      them too: while Gloo threads are alive, give them the GIL for a moment
+      to finish what they release."""
     for acc in list(_LIVE):
         try:
             acc.close()
         except Exception:  # exiting anyway: nothing left to tell
             pass
-    if _USED_A_GROUP and _gloo_workers_alive():
+    if _gloo_workers_alive():
         time.sleep(0.1)  # releases the GIL
 
 
@@ -189,9 +191,6 @@ class Accumulator:
             scheduler_step=(lambda: scheduler.step()) if scheduler is not None else None,
         )
         _LIVE.add(self)
-        if process_group is not None:
-            global _USED_A_GROUP
-            _USED_A_GROUP = True
         self.steps = int(steps)
         self.reduction = reduction
         self.metrics = tuple(metrics)
