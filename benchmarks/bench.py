@@ -1,6 +1,6 @@
 """CPU benchmark: gradaccum vs torch DDP, 2 Gloo ranks on loopback.
 
-    python benchmarks/bench.py --cpp-bench build/bench/bench_window   (make bench; 30-40 min on 2 cores)
+    python benchmarks/bench.py --cpp-bench build/bench/bench_window   (make bench; 40-50 min on 2 cores)
     python benchmarks/bench.py --quick                                 (a few minutes; a smoke test)
     python benchmarks/bench.py --readme benchmarks/RESULTS.md          (also refresh its generated section)
 
@@ -517,8 +517,8 @@ def main():
     p.add_argument("--cpp-bench", default=os.path.join(ROOT, "build", "bench", "bench_window"),
                    help="the C++ contender (built by make build-cpp); skipped if missing")
     p.add_argument("--quick", action="store_true", help="a smoke run of about a minute (noisy figures)")
-    p.add_argument("--models", default="small,large",
-                   help="loopback models: the MLPs small, large and the transformer gpt (about 5 minutes more)")
+    p.add_argument("--models", default="small,large,gpt",
+                   help="loopback models: the MLPs small, large and the transformer gpt (about 5 minutes of the run)")
     p.add_argument("--steps", default="1,4,16", help="values of K")
     p.add_argument("--blocks", type=int, default=0,
                    help="blocks per model (default: 20 small, 10 large; --quick: 3, 2)")
