@@ -63,9 +63,11 @@ MICRO_BATCH = int(os.environ.get("GRADACCUM_BENCH_MICRO_BATCH", "32"))  # rows p
 # Sequences of TRANSFORMERS[...]["seq"] tokens per micro-batch of the transformer.
 GPT_MICRO_BATCH = int(os.environ.get("GRADACCUM_BENCH_GPT_MICRO_BATCH", "2"))
 POOL = 16  # distinct micro-batches cycled through
-# Bucket cap (MiB) for DDP and gradaccum alike: the libraries' default, 25, or
-# GRADACCUM_BENCH_BUCKET_CAP_MB (bench_net.py; bench_window.cpp reads it too).
-BUCKET_CAP_MB = float(os.environ.get("GRADACCUM_BENCH_BUCKET_CAP_MB", "25"))
+# Bucket cap (MiB): GRADACCUM_BENCH_BUCKET_CAP_MB for DDP and gradaccum alike
+# (bench_net.py; bench_window.cpp reads it too), or else each library's own
+# default (None: DDP's 25 MiB; gradaccum's, from the model's size).
+BUCKET_CAP_MB = (float(os.environ["GRADACCUM_BENCH_BUCKET_CAP_MB"])
+                 if os.environ.get("GRADACCUM_BENCH_BUCKET_CAP_MB") else None)
 # gradaccum's first bucket cap (MiB): the default, 1, or GRADACCUM_BENCH_FIRST_BUCKET_CAP_MB
 # (torch DDP's is fixed at 1 MiB).
 FIRST_BUCKET_CAP_MB = float(os.environ.get("GRADACCUM_BENCH_FIRST_BUCKET_CAP_MB", "1"))

@@ -44,8 +44,9 @@ std::string to_string(NonFinite mode) {
 }
 
 void ReducerOptions::validate() const {
-  TORCH_CHECK_VALUE(std::isfinite(bucket_cap_mb_) && bucket_cap_mb_ > 0,
-      "gradaccum: Accumulator(): invalid bucket_cap_mb: ", bucket_cap_mb_, " (must be > 0)");
+  TORCH_CHECK_VALUE(!bucket_cap_mb_ || (std::isfinite(*bucket_cap_mb_) && *bucket_cap_mb_ > 0),
+      "gradaccum: Accumulator(): invalid bucket_cap_mb: ", bucket_cap_mb_.value_or(0),
+      " (must be > 0, or unset/None for the default)");
   TORCH_CHECK_VALUE(std::isfinite(first_bucket_cap_mb_) && first_bucket_cap_mb_ > 0,
       "gradaccum: Accumulator(): invalid first_bucket_cap_mb: ", first_bucket_cap_mb_, " (must be > 0)");
 }

@@ -51,6 +51,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -228,10 +229,11 @@ struct LocalContender {
   torch::optim::SGD optimizer;
 };
 
-// Bucket cap in MiB: the library's default, or GRADACCUM_BENCH_BUCKET_CAP_MB (as _bench_worker.py).
-double bucket_cap_mb() {
+// Bucket cap in MiB: GRADACCUM_BENCH_BUCKET_CAP_MB (as _bench_worker.py), or else
+// the library's default (unset: from the model's size).
+std::optional<double> bucket_cap_mb() {
   const char* env = std::getenv("GRADACCUM_BENCH_BUCKET_CAP_MB");
-  return env && *env ? std::stod(env) : gradaccum::ReducerOptions().bucket_cap_mb();
+  return env && *env ? std::optional<double>(std::stod(env)) : gradaccum::ReducerOptions().bucket_cap_mb();
 }
 
 // gradaccum's first bucket cap in MiB: the default, or GRADACCUM_BENCH_FIRST_BUCKET_CAP_MB.

@@ -25,6 +25,12 @@ std::vector<std::vector<size_t>> assign_buckets(
     int64_t cap_bytes,
     const std::vector<size_t>& ready_order = {});
 
+/// The bucket cap, in bytes, that an unset `ReducerOptions::bucket_cap_mb`
+/// means for these parameters: a sixteenth of their bytes, at least 1 MiB and
+/// at most 25 MiB (torch DDP's fixed default). Note [The default bucket cap]
+/// in src/buckets/bucket.cpp says why.
+int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
+
 // Note [Bucket meta layout]
 // Every bucket's collective reduces its `wire`: `[gradients | meta]`, one
 // all-reduce per bucket whatever the dtypes. `meta` is a header of

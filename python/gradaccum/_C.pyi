@@ -21,7 +21,7 @@ class Accumulator:
         nonfinite: str,
         process_group: Optional[Any],
         local_only: bool,
-        bucket_cap_mb: float,
+        bucket_cap_mb: Optional[float],
         first_bucket_cap_mb: float,
         gradient_as_bucket_view: bool,
         broadcast_buffers: bool,

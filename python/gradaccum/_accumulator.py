@@ -105,7 +105,10 @@ class Accumulator:
             default group when ``torch.distributed`` is initialized, ``False``
             means local-only accumulation (no reduction) even then. Gradients are then all-reduced
             once per window, in buckets overlapped with backward.
-        bucket_cap_mb / first_bucket_cap_mb: bucket sizes (as torch DDP).
+        bucket_cap_mb / first_bucket_cap_mb: bucket sizes in MiB (as torch
+            DDP). ``bucket_cap_mb=None`` (the default): a sixteenth of the
+            trainable parameters' bytes, between 1 and 25 MiB (DDP's fixed
+            default), so a mid-sized model's all-reduce overlaps backward.
         gradient_as_bucket_view: ``.grad`` tensors are views of the buckets.
         broadcast_buffers: broadcast rank 0's buffers at each window's end (the
             default, as DDP; one broadcast per window when the model has buffers).
@@ -151,7 +154,7 @@ class Accumulator:
         *,
         scheduler: Optional[Any] = None,
         process_group: Union[None, bool, Any] = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: Optional[float] = None,
         first_bucket_cap_mb: float = 1.0,
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool = True,
@@ -181,7 +184,8 @@ class Accumulator:
             params, names, buffers, steps=int(steps), reduction=reduction,
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
             nonfinite=nonfinite, process_group=process_group, local_only=local_only,
-            bucket_cap_mb=float(bucket_cap_mb), first_bucket_cap_mb=float(first_bucket_cap_mb),
+            bucket_cap_mb=None if bucket_cap_mb is None else float(bucket_cap_mb),
+            first_bucket_cap_mb=float(first_bucket_cap_mb),
             gradient_as_bucket_view=bool(gradient_as_bucket_view),
             broadcast_buffers=bool(broadcast_buffers), check_parameters=bool(check_parameters),
             rebuild_buckets=bool(rebuild_buckets), accumulate_dtype=accumulate_dtype,

@@ -102,7 +102,7 @@ class GradaccumStrategy(DDPStrategy):
         reduction: str = "mean",
         nonfinite: str = "skip",
         *,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: Optional[float] = None,
         first_bucket_cap_mb: float = 1.0,
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool = True,

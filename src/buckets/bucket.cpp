@@ -3,11 +3,37 @@
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <tuple>
 
 namespace gradaccum {
+
+// Note [The default bucket cap]
+// Only the window's last backward can hide its all-reduce, and a bucket leaves
+// when its last gradient is ready. With torch DDP's fixed 25 MiB, a model of
+// 40-50 MiB of gradients fits in 2-3 buckets, and three quarters of its bytes
+// wait for the end of backward: on the throttled link of benchmarks/RESULTS.md
+// ("Bucket caps") any schedule could then hide at most 0.45 (a GPT-style
+// transformer) and 0.18 (an MLP) of the all-reduce, against 0.82 and 0.57 with
+// 4 MiB buckets. The bound levels off from about 12 buckets on (2 MiB: +0.01),
+// so an unset cap aims at 16: a sixteenth of the gradients' bytes, at least
+// 1 MiB (below that a collective's own latency dominates; a model under
+// 1 MiB stays one bucket) and at most DDP's 25 MiB (from about 400 MiB of
+// gradients on, the layout is DDP's, and NCCL's large messages keep their
+// bandwidth). Each rank computes it from its own parameters, which
+// check_parameters compares across ranks at construction: the cap agrees
+// wherever the models do. An explicit bucket_cap_mb is used as given.
+int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params) {
+  constexpr int64_t kBuckets = 16;
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  int64_t bytes = 0;
+  for (const auto& p : params) {
+    bytes += p.numel() * static_cast<int64_t>(p.element_size());
+  }
+  return std::clamp(bytes / kBuckets, 1 * kMiB, 25 * kMiB);
+}
 
 std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<at::Tensor>& params,

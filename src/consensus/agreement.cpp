@@ -47,7 +47,7 @@ const std::vector<Agreement>& agreements() {
        false, kWindow, false,
        "Some rank ran a reduction the others did not (flush() on some ranks only, or a failed "
        "micro-step handled differently)"},
-      {"bucket_cap_mb", Shown::Number, [](const I& in) { return in.options.bucket_cap_mb(); },
+      {"bucket_cap_mb", Shown::Optional, [](const I& in) { return in.options.bucket_cap_mb().value_or(-1.0); },
        true, kMetaHeader, false, nullptr},
       {"first_bucket_cap_mb", Shown::Number, [](const I& in) { return in.options.first_bucket_cap_mb(); },
        true, kMetaHeader, false, nullptr},
@@ -81,6 +81,11 @@ std::string show(Shown shown, double value) {
           : "?";
     case Shown::Dtype:
       return value < 0 ? "None" : c10::toString(static_cast<at::ScalarType>(static_cast<int>(value)));
+    case Shown::Optional:
+      if (value < 0) {
+        return "None";
+      }
+      break;
     case Shown::Number:
       break;
   }

@@ -25,8 +25,8 @@
 
 namespace gradaccum::detail {
 
-/// How a value reads in an error.
-enum class Shown { Number, Reduction, Dtype };
+/// How a value reads in an error (Optional: a negative value reads "None").
+enum class Shown { Number, Reduction, Dtype, Optional };
 
 /// Where one rank's values come from.
 struct AgreementInputs {

@@ -74,7 +74,10 @@ int64_t ReducerConfig::first_cap_bytes() const {
 }
 
 int64_t ReducerConfig::cap_bytes() const {
-  return static_cast<int64_t>(options.bucket_cap_mb() * kMiB);
+  if (options.bucket_cap_mb()) {
+    return static_cast<int64_t>(*options.bucket_cap_mb() * kMiB);
+  }
+  return default_bucket_cap_bytes(params);
 }
 
 } // namespace gradaccum::detail

@@ -38,7 +38,8 @@ struct ReducerConfig {
   }
   /// Where the reducer's own small collectives put their tensors.
   at::Device metadata_device() const;
-  /// The bucket caps of ReducerOptions, in bytes.
+  /// The bucket caps of ReducerOptions, in bytes; cap_bytes() resolves an
+  /// unset bucket_cap_mb with default_bucket_cap_bytes(params).
   int64_t first_cap_bytes() const;
   int64_t cap_bytes() const;
 };

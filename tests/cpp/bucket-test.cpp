@@ -15,6 +15,24 @@ TEST_CASE("buckets follow reverse registration order, first one small", "[bucket
   CHECK(buckets[2] == std::vector<size_t>{1, 0});
 }
 
+TEST_CASE("an unset bucket cap is a sixteenth of the gradients, 1 to 25 MiB", "[bucket]") {
+  constexpr int64_t MiB = int64_t{1} << 20;
+  // Meta tensors: sizes and dtypes without memory.
+  auto of = [](int64_t bytes, at::ScalarType dtype) {
+    return torch::empty({bytes / static_cast<int64_t>(c10::elementSize(dtype))},
+                        torch::TensorOptions().dtype(dtype).device(torch::kMeta));
+  };
+  using gradaccum::default_bucket_cap_bytes;
+  CHECK(default_bucket_cap_bytes(std::vector<at::Tensor>(32, of(2 * MiB, torch::kFloat32))) == 4 * MiB);
+  // bf16 and float64 count in their own bytes: 48 + 16 MiB.
+  CHECK(default_bucket_cap_bytes({of(48 * MiB, torch::kBFloat16), of(16 * MiB, torch::kFloat64)}) == 4 * MiB);
+  CHECK(default_bucket_cap_bytes({of(8 * MiB, torch::kFloat32)}) == 1 * MiB); // at least 1 MiB
+  CHECK(default_bucket_cap_bytes({}) == 1 * MiB);
+  CHECK(default_bucket_cap_bytes({of(400 * MiB, torch::kFloat32)}) == 25 * MiB);
+  CHECK(default_bucket_cap_bytes({of(4000 * MiB, torch::kFloat32)}) == 25 * MiB); // at most DDP's
+  CHECK(default_bucket_cap_bytes({of(160 * MiB, torch::kFloat32)}) == 10 * MiB);
+}
+
 TEST_CASE("buckets never mix dtypes", "[bucket]") {
   std::vector<at::Tensor> params{
       torch::zeros({10}), torch::zeros({10}, torch::kFloat64), torch::zeros({10})};

@@ -451,6 +451,46 @@ def collectives(rank, world_size, *, seed, step_counts, n_windows):
     return out
 
 
+@job
+def default_caps(rank, world_size):
+    """The buckets an unset bucket_cap_mb builds, against an explicit 25 MiB:
+    32 layers whose weights are 2 MiB each (64 MiB in all), and a tiny model;
+    all-reduces of one window counted by torch.profiler; the window's reduced
+    gradient of the last and first layers, and this rank's own (plain autograd)."""
+    import gradaccum
+
+    def layers():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(512, 1024, bias=False) if i % 2 == 0 else
+                                nn.Linear(1024, 512, bias=False) for i in range(32)])
+        with torch.no_grad():  # variance-preserving, so 32 layers leave gradients of O(1)
+            for layer in model:
+                layer.weight.normal_(0.0, layer.in_features ** -0.5)
+        return model
+
+    def tiny():
+        torch.manual_seed(0)
+        return nn.Linear(4, 2)
+
+    out = {}
+    for name, make, caps in (("default", layers, {}), ("explicit25", layers, {"bucket_cap_mb": 25.0}),
+                             ("tiny", tiny, {})):
+        model = make()
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(2, 4 if name == "tiny" else 512, generator=g)
+        model(x).pow(2).mean().backward()
+        ends = (0, -1)
+        local = [list(model.parameters())[i].grad.clone() for i in ends]
+        model.zero_grad(set_to_none=True)
+        acc = gradaccum.Accumulator(model, None, steps=2, **caps)
+        acc.backward(model(x).pow(2).mean())  # a no-sync micro-step: no all-reduce
+        counts = _count_allreduces(lambda: acc.backward(model(x).pow(2).mean()))
+        out[name] = {"bucket_indices": [list(b) for b in acc.bucket_indices], "counts": counts,
+                     "local": local, "reduced": [list(model.parameters())[i].grad.clone() for i in ends]}
+        del acc
+    return out
+
+
 class Branchy(nn.Module):
     """A trunk and head used always; branches used conditionally."""
 

@@ -188,11 +188,12 @@ def disagree(rank, world_size, *, case, check_parameters):
     steps = {"steps": (4, 2)[rank % 2]}.get(case, 4)
     reduction = {"reduction": ("mean", "sum")[rank % 2]}.get(case, "mean")
     metrics = {"metrics": (("tokens", "correct"), ("correct", "tokens"))[rank % 2]}.get(case, ())
+    caps = {"bucket_cap_mb": {"bucket_cap_mb": (None, 25.0)[rank % 2]}}.get(case, {})
     g = torch.Generator().manual_seed(rank)
     start = time.monotonic()
     try:
         acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction, metrics=metrics,
-                                    check_parameters=check_parameters)
+                                    check_parameters=check_parameters, **caps)
         for i in range(24):
             x = torch.randn(2, du.D_IN, generator=g, dtype=torch.float64)
             acc.backward(model(x).pow(2).mean())

@@ -41,6 +41,7 @@ def suite_parts(world_size):
         parts.update({
             "ddp": ("ddp", DDP_KW),
             "collectives": ("collectives", dict(seed=SEED, step_counts=COLL_STEPS, n_windows=COLL_WINDOWS)),
+            "default_caps": ("default_caps", {}),
             "unused": ("unused", dict(variants=UNUSED_VARIANTS, **UNUSED_KW)),
             "mismatch": ("mismatch", dict(odd_rank=1)),
             "broadcast": ("broadcast", dict(steps=2)),
@@ -242,6 +243,34 @@ def test_gradient_as_bucket_view_equals_copy_mode(jobs):
                 copy = res[f"{opt_name}/{reduction}/False"]
                 for p, q in zip(view["params"], copy["params"]):
                     assert torch.equal(p, q)
+
+
+def test_an_unset_bucket_cap_is_a_sixteenth_of_a_mid_sized_model(jobs):
+    """bucket_cap_mb=None (the default) caps a bucket at a sixteenth of the
+    gradients' bytes, 1 to 25 MiB: 32 weights of 2 MiB (64 MiB) are bucketed
+    by 4 MiB, two weights a bucket after the 1 MiB first one; DDP's 25 MiB
+    would make 4 buckets; a model under 1 MiB stays one bucket."""
+    default = [[31]] + [[30 - 2 * i, 29 - 2 * i] for i in range(15)] + [[0]]
+    explicit25 = [[31], list(range(30, 17, -1)), list(range(17, 4, -1)), list(range(4, -1, -1))]
+    results = jobs("default_caps", 2)
+    for rank, res in enumerate(results):
+        assert res["default"]["bucket_indices"] == default, f"rank {rank}"
+        assert res["explicit25"]["bucket_indices"] == explicit25, f"rank {rank}"
+        assert res["tiny"]["bucket_indices"] == [[1, 0]], f"rank {rank}"
+        # One all-reduce per bucket in the synchronising backward (torch.profiler's count).
+        for name, layout in (("default", default), ("explicit25", explicit25), ("tiny", [[1, 0]])):
+            assert res[name]["counts"] == len(layout), f"rank {rank} {name}"
+    # The window's gradient (mean over 2 micro-steps on 2 ranks, each rank's
+    # micro-batch twice) is the mean of the ranks' own gradients, identical on
+    # both ranks and under either layout.
+    for name in ("default", "explicit25", "tiny"):
+        for i in range(2):
+            want = (results[0][name]["local"][i] + results[1][name]["local"][i]) / 2
+            assert want.abs().max() > 1e-3, (name, i)  # gradients that can tell
+            torch.testing.assert_close(results[0][name]["reduced"][i], want, rtol=1e-5, atol=1e-7)
+            assert torch.equal(results[0][name]["reduced"][i], results[1][name]["reduced"][i]), (name, i)
+    for i in range(2):
+        assert torch.equal(results[0]["default"]["reduced"][i], results[0]["explicit25"]["reduced"][i])
 
 
 # --------------------------------------------------------------------------- #

@@ -127,6 +127,8 @@ def test_mismatched_options_fail_in_the_first_reduction_on_every_rank(tmp_path, 
     # the same names in another order would sum one metric into the other
     ("metrics", "the ranks disagree on the metric names (AccumulatorOptions::metrics, as a hash of the names "
                 "in their order) (rank 0: "),
+    # unset (the default, from the model's size) against an explicit cap
+    ("bucket_cap_mb", "the ranks disagree on bucket_cap_mb (rank 0: None, rank 1: 25)"),
 ])
 def test_mismatched_options_fail_at_construction_naming_every_rank(tmp_path, case, text):
     results = run("disagree", 2, tmp_path, case=case, check_parameters=True)

@@ -181,7 +181,7 @@ std::unique_ptr<Accumulator> make_accumulator(
     const std::string& nonfinite,
     const py::object& process_group,
     bool local_only,
-    double bucket_cap_mb,
+    std::optional<double> bucket_cap_mb,
     double first_bucket_cap_mb,
     bool gradient_as_bucket_view,
     bool broadcast_buffers,
