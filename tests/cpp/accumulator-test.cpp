@@ -1,6 +1,6 @@
 #include "test_util.h"
 
-#include <catch2/catch.hpp>
+#include "catch_torch.h"
 
 #include <cmath>
 #include <cstdlib>

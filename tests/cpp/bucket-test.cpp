@@ -1,7 +1,6 @@
 #include <gradaccum/bucket.h>
 
-#include <catch2/catch.hpp>
-#include <torch/torch.h>
+#include "catch_torch.h"
 
 using gradaccum::assign_buckets;
 

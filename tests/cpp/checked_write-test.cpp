@@ -1,7 +1,6 @@
 #include <gradaccum/detail/checked_write.h>
 
-#include <catch2/catch.hpp>
-#include <torch/torch.h>
+#include "catch_torch.h"
 
 #include <cmath>
 #include <cstring>

@@ -7,7 +7,7 @@
 // there without a CUDA device, they fail saying so rather than pass unrun.
 #include "test_util.h"
 
-#include <catch2/catch.hpp>
+#include "catch_torch.h"
 
 #include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>

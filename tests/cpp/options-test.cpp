@@ -1,6 +1,6 @@
 #include <gradaccum/options.h>
 
-#include <catch2/catch.hpp>
+#include "catch_torch.h"
 
 using namespace gradaccum;
 

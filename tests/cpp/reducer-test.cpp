@@ -3,7 +3,7 @@
 // global batch and against an independent count of the collectives.
 #include "test_util.h"
 
-#include <catch2/catch.hpp>
+#include "catch_torch.h"
 
 #include <chrono>
 #include <set>

@@ -1,7 +1,6 @@
 #include <gradaccum/split.h>
 
-#include <catch2/catch.hpp>
-#include <torch/torch.h>
+#include "catch_torch.h"
 
 TEST_CASE("split gives sizes differing by at most one, as views, in order", "[split]") {
   auto x = torch::arange(10).view({10, 1});

@@ -53,6 +53,16 @@ def test_version_has_one_source():
     assert f'set(PACKAGE_VERSION "{version}")' in config.read_text()  # CMake
 
 
+def test_catch2_tests_use_catchs_check_not_c10s():
+    # Note [Catch's CHECK, not c10's] (tests/cpp/catch_torch.h): a test that
+    # includes Catch before a torch header gets c10's fatal CHECK.
+    direct = [p.name for p in sorted((REPO / "tests" / "cpp").glob("*.cpp"))
+              if "#include <catch2/catch.hpp>" in p.read_text() and p.name != "main.cpp"]
+    assert direct == []
+    main = (REPO / "tests" / "cpp" / "main.cpp").read_text()
+    assert "CHECK(" not in main and "torch" not in main
+
+
 def test_metadata_pins_the_torch_line_built_against():
     requires = importlib.metadata.requires("gradaccum")
     assert f"torch=={torch_line()}.*" in requires
