@@ -9,12 +9,13 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 namespace gradaccum::detail {
 namespace {
 
-enum class Mode { Divide, DivideInPlace, Copy, CheckOnly };
+enum class Mode { Divide, DivideInPlace, Scale, ScaleInPlace, Copy, CheckOnly };
 
 // The magnitude's bits: for floats of one sign, the unsigned order of their
 // bits is the order of their values, and every NaN sorts above infinity. So
@@ -29,20 +30,45 @@ inline Bits<T> magnitude(T v) {
   return std::bit_cast<Bits<T>>(v) & (std::numeric_limits<Bits<T>>::max() >> 1);
 }
 
-// One loop per mode, with no branch inside. The division is IEEE's, as ATen's
-// kernel: the same bits.
+// Note [Dividing by a power of two]
+// x / 2^k and x * 2^-k are the same real number, and IEEE arithmetic rounds
+// each once, to nearest: the same bits for every x, subnormal results, zeros,
+// infinities and NaNs included. Where the divisor and its reciprocal are both
+// normal powers of two (world size times K usually is), the pass multiplies:
+// one instruction that also loads, where a division needs a load of its own
+// and many cycles. Any other divisor divides. The checked-write test compares
+// both against ATen's division bit for bit.
+template <typename T>
+std::optional<T> exact_reciprocal(T divisor) {
+  int exponent = 0;
+  if (!std::isnormal(divisor) || std::frexp(divisor, &exponent) != T(0.5)) {
+    return std::nullopt;
+  }
+  const T reciprocal = T(1) / divisor;
+  if (!std::isnormal(reciprocal)) {
+    return std::nullopt;
+  }
+  return reciprocal;
+}
+
+// One loop per mode, with no branch inside, unrolled so that the loop's own
+// counting is a small part of each vector's instructions. The division is
+// IEEE's, as ATen's kernel: the same bits. Scale multiplies by the divisor's
+// reciprocal where that gives the same bits (Note [Dividing by a power of two]).
 template <typename T, Mode M>
 inline __attribute__((always_inline)) Bits<T> check_loop(T* out, const T* in, int64_t n, T divisor) {
   Bits<T> largest = 0;
-  if constexpr (M == Mode::DivideInPlace) {
+  if constexpr (M == Mode::DivideInPlace || M == Mode::ScaleInPlace) {
+#pragma GCC unroll 4
     for (int64_t i = 0; i < n; ++i) {
-      const T v = out[i] / divisor;
+      const T v = M == Mode::DivideInPlace ? out[i] / divisor : out[i] * divisor;
       out[i] = v;
       largest = std::max(largest, magnitude(v));
     }
   } else {
+#pragma GCC unroll 4
     for (int64_t i = 0; i < n; ++i) {
-      const T v = M == Mode::Divide ? in[i] / divisor : in[i];
+      const T v = M == Mode::Divide ? in[i] / divisor : M == Mode::Scale ? in[i] * divisor : in[i];
       if constexpr (M != Mode::CheckOnly) {
         out[i] = v;
       }
@@ -58,6 +84,8 @@ inline __attribute__((always_inline)) bool dispatch(Mode mode, T* out, const T* 
   switch (mode) {
     case Mode::Divide: largest = check_loop<T, Mode::Divide>(out, in, n, divisor); break;
     case Mode::DivideInPlace: largest = check_loop<T, Mode::DivideInPlace>(out, in, n, divisor); break;
+    case Mode::Scale: largest = check_loop<T, Mode::Scale>(out, in, n, divisor); break;
+    case Mode::ScaleInPlace: largest = check_loop<T, Mode::ScaleInPlace>(out, in, n, divisor); break;
     case Mode::Copy: largest = check_loop<T, Mode::Copy>(out, in, n, divisor); break;
     case Mode::CheckOnly: largest = check_loop<T, Mode::CheckOnly>(out, in, n, divisor); break;
   }
@@ -116,7 +144,7 @@ bool write_checked(const at::Tensor& out, const at::Tensor& in, std::optional<do
   if (!checkable) {
     return write_unchecked(out, in, divisor);
   }
-  const Mode mode = !out.defined() ? Mode::CheckOnly
+  Mode mode = !out.defined() ? Mode::CheckOnly
       : divisor ? (in_place ? Mode::DivideInPlace : Mode::Divide)
       : in_place ? Mode::CheckOnly : Mode::Copy;
   std::atomic<bool> bounded{true};
@@ -125,7 +153,13 @@ bool write_checked(const at::Tensor& out, const at::Tensor& in, std::optional<do
     // below a quarter of the dtype's largest value, rounding included.
     const auto bound = static_cast<scalar_t>(std::sqrt(
         static_cast<double>(std::numeric_limits<scalar_t>::max()) / (4.0 * static_cast<double>(norm_terms))));
-    const auto d = static_cast<scalar_t>(divisor.value_or(1.0));
+    auto d = static_cast<scalar_t>(divisor.value_or(1.0));
+    if (mode == Mode::Divide || mode == Mode::DivideInPlace) {
+      if (const auto reciprocal = exact_reciprocal(d)) {
+        d = *reciprocal;
+        mode = mode == Mode::Divide ? Mode::Scale : Mode::ScaleInPlace;
+      }
+    }
     // Dense with equal strides: both walk their storage in the same order.
     const scalar_t* src = in.const_data_ptr<scalar_t>();
     scalar_t* dst = out.defined() ? out.mutable_data_ptr<scalar_t>() : nullptr;

@@ -44,6 +44,32 @@ TEST_CASE("the checked write divides as ATen does, bit for bit", "[checked_write
   }
 }
 
+TEST_CASE("dividing by a power of two gives ATen's bits, edge values included", "[checked_write]") {
+  // Note [Dividing by a power of two]: the powers of two multiply by their
+  // reciprocal, except 2^127 in float (its reciprocal is subnormal); -2 and
+  // 2 + 1e-6 divide.
+  torch::manual_seed(1);
+  for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    auto in = torch::randn({4099}, dtype) * torch::pow(10.0, torch::randint(-45, 38, {4099}, dtype));
+    const bool is_float = dtype == torch::kFloat32;
+    const double max = is_float ? std::numeric_limits<float>::max() : std::numeric_limits<double>::max();
+    const double tiny = is_float ? std::numeric_limits<float>::denorm_min() : std::numeric_limits<double>::denorm_min();
+    const double edges[] = {max, -max, tiny, -tiny, 0.0, -0.0, double(INFINITY), -double(INFINITY), std::nan("")};
+    for (size_t i = 0; i < std::size(edges); ++i) {
+      in[static_cast<int64_t>(i) * 401] = edges[i];
+    }
+    for (double divisor : {8.0, 0.5, 0.25, std::ldexp(1.0, 60), std::ldexp(1.0, -60), std::ldexp(1.0, 120),
+                           std::ldexp(1.0, 127), -2.0, 2.0 + 1e-6}) {
+      auto out = torch::empty_like(in);
+      write_checked(out, in, divisor, in.numel());
+      CHECK(same_bits(out, aten_divide(in, divisor)));
+      auto inplace = in.clone();
+      write_checked(inplace, inplace, divisor, in.numel());
+      CHECK(same_bits(inplace, aten_divide(in, divisor)));
+    }
+  }
+}
+
 TEST_CASE("the checked write finds what would make the norm non-finite", "[checked_write]") {
   for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
     const double max = dtype == torch::kFloat32 ? std::numeric_limits<float>::max() : std::numeric_limits<double>::max();
