@@ -87,8 +87,10 @@ def free_port():
 
 def rank_env(rank, port):
     env = dict(os.environ)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    # What torchrun sets for two ranks on one node (LOCAL_WORLD_SIZE: the
+    # unset bucket cap follows it, Note [The default bucket cap]).
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     return env
 
 

@@ -45,11 +45,12 @@ std::string to_string(NonFinite mode);
 
 /// How the reducer groups gradients and where they live.
 struct ReducerOptions {
-  /// Cap of every bucket but the first, in MiB. Unset (the default): a
-  /// sixteenth of the trainable parameters' bytes, at least 1 MiB and at most
-  /// 25 MiB (torch DDP's fixed default), so that a mid-sized model's
-  /// gradients leave in enough buckets to overlap with backward; see
-  /// default_bucket_cap_bytes() (bucket.h).
+  /// Cap of every bucket but the first, in MiB. Unset (the default): with
+  /// every rank on one host (LOCAL_WORLD_SIZE == WORLD_SIZE, as torchrun sets
+  /// them), torch DDP's fixed 25 MiB; across hosts, a sixteenth of the
+  /// trainable parameters' bytes, at least 1 MiB and at most 25 MiB, so that
+  /// a mid-sized model's gradients leave in enough buckets to overlap with
+  /// backward on the slower link; see default_bucket_cap_bytes() (bucket.h).
   /// Example: `ReducerOptions().bucket_cap_mb(10)`.
   TORCH_ARG(std::optional<double>, bucket_cap_mb) = std::nullopt;
   /// Cap of the first bucket (the last layers, ready first), in MiB: small, so

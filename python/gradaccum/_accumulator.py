@@ -106,9 +106,11 @@ class Accumulator:
             means local-only accumulation (no reduction) even then. Gradients are then all-reduced
             once per window, in buckets overlapped with backward.
         bucket_cap_mb / first_bucket_cap_mb: bucket sizes in MiB (as torch
-            DDP). ``bucket_cap_mb=None`` (the default): a sixteenth of the
-            trainable parameters' bytes, between 1 and 25 MiB (DDP's fixed
-            default), so a mid-sized model's all-reduce overlaps backward.
+            DDP). ``bucket_cap_mb=None`` (the default): DDP's fixed 25 MiB
+            when every rank runs on one host (``LOCAL_WORLD_SIZE`` equals
+            ``WORLD_SIZE``, as torchrun sets them); across hosts, a sixteenth
+            of the trainable parameters' bytes, between 1 and 25 MiB, so a
+            mid-sized model's all-reduce overlaps backward on the slow link.
         gradient_as_bucket_view: ``.grad`` tensors are views of the buckets.
         broadcast_buffers: broadcast rank 0's buffers at each window's end (the
             default, as DDP; one broadcast per window when the model has buffers).

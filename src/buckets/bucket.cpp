@@ -4,8 +4,11 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <map>
+#include <optional>
 #include <tuple>
 
 namespace gradaccum {
@@ -18,16 +21,51 @@ namespace gradaccum {
 // ("Bucket caps") any schedule could then hide at most 0.45 (a GPT-style
 // transformer) and 0.18 (an MLP) of the all-reduce, against 0.82 and 0.57 with
 // 4 MiB buckets. The bound levels off from about 12 buckets on (2 MiB: +0.01),
-// so an unset cap aims at 16: a sixteenth of the gradients' bytes, at least
-// 1 MiB (below that a collective's own latency dominates; a model under
-// 1 MiB stays one bucket) and at most DDP's 25 MiB (from about 400 MiB of
-// gradients on, the layout is DDP's, and NCCL's large messages keep their
-// bandwidth). Each rank computes it from its own parameters, which
-// check_parameters compares across ranks at construction: the cap agrees
-// wherever the models do. An explicit bucket_cap_mb is used as given.
-int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params) {
+// so across hosts an unset cap aims at 16: a sixteenth of the gradients'
+// bytes, at least 1 MiB (below that a collective's own latency dominates; a
+// model under 1 MiB stays one bucket) and at most DDP's 25 MiB (from about
+// 400 MiB of gradients on, the layout is DDP's, and NCCL's large messages
+// keep their bandwidth).
+//
+// With every rank on one host (launched_on_one_host(): LOCAL_WORLD_SIZE ==
+// WORLD_SIZE, as torchrun sets them), the unset cap is DDP's 25 MiB. The
+// "link" is then shared memory, loopback or NVLink: a window's all-reduce is
+// short, or, with Gloo, is CPU work on the very cores backward runs on, so
+// there is little to hide and every extra collective costs its latency. On
+// the 2-core loopback benchmark the transformer's 10-11 buckets (a sixteenth)
+// took 1.03-1.08x DDP + no_sync's window at K=1, its 3 buckets (25 MiB)
+// 0.99-1.03x, level with DDP's within the machine's noise (benchmarks/
+// RESULTS.md, "The default bucket cap on one host").
+//
+// Each rank computes the cap from its own parameters and launch, and
+// check_parameters compares both across ranks at construction (the shapes,
+// and the one-host flag in agreements()): the cap agrees wherever they do.
+// An explicit bucket_cap_mb is used as given.
+bool launched_on_one_host() {
+  auto read = [](const char* name) -> std::optional<long> {
+    const char* raw = std::getenv(name);
+    if (!raw || !*raw) {
+      return std::nullopt;
+    }
+    char* end = nullptr;
+    errno = 0;
+    const long value = std::strtol(raw, &end, 10);
+    if (errno != 0 || *end != '\0' || value < 1) {
+      return std::nullopt;
+    }
+    return value;
+  };
+  const auto local = read("LOCAL_WORLD_SIZE");
+  const auto world = read("WORLD_SIZE");
+  return local && world && *local == *world;
+}
+
+int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params, bool one_host) {
   constexpr int64_t kBuckets = 16;
   constexpr int64_t kMiB = int64_t{1} << 20;
+  if (one_host) {
+    return 25 * kMiB;
+  }
   int64_t bytes = 0;
   for (const auto& p : params) {
     bytes += p.numel() * static_cast<int64_t>(p.element_size());

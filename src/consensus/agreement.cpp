@@ -49,6 +49,13 @@ const std::vector<Agreement>& agreements() {
        "micro-step handled differently)"},
       {"bucket_cap_mb", Shown::Optional, [](const I& in) { return in.options.bucket_cap_mb().value_or(-1.0); },
        true, kMetaHeader, false, nullptr},
+      // An unset cap follows the launch (Note [The default bucket cap]);
+      // an explicit one does not, and reads 0 here on every rank.
+      {"whether every rank runs on one host (LOCAL_WORLD_SIZE equal to WORLD_SIZE), which an unset "
+       "bucket_cap_mb follows (25 MiB on one host, a sixteenth of the model across hosts)",
+       Shown::Flag,
+       [](const I& in) { return !in.options.bucket_cap_mb() && in.one_host ? 1.0 : 0.0; },
+       true, kMetaHeader, false, nullptr},
       {"first_bucket_cap_mb", Shown::Number, [](const I& in) { return in.options.first_bucket_cap_mb(); },
        true, kMetaHeader, false, nullptr},
       {"gradient_as_bucket_view", Shown::Number,
@@ -81,6 +88,8 @@ std::string show(Shown shown, double value) {
           : "?";
     case Shown::Dtype:
       return value < 0 ? "None" : c10::toString(static_cast<at::ScalarType>(static_cast<int>(value)));
+    case Shown::Flag:
+      return value == 1 ? "yes" : value == 0 ? "no" : "?";
     case Shown::Optional:
       if (value < 0) {
         return "None";

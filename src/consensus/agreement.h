@@ -25,8 +25,9 @@
 
 namespace gradaccum::detail {
 
-/// How a value reads in an error (Optional: a negative value reads "None").
-enum class Shown { Number, Reduction, Dtype, Optional };
+/// How a value reads in an error (Optional: a negative value reads "None";
+/// Flag: 1 reads "yes", 0 "no").
+enum class Shown { Number, Reduction, Dtype, Optional, Flag };
 
 /// Where one rank's values come from.
 struct AgreementInputs {
@@ -35,6 +36,7 @@ struct AgreementInputs {
   size_t parameters = 0;
   int64_t window = 0; ///< the reduction's sequence number
   int64_t kind = 0; ///< the reduction's kind code (State::kind_code())
+  bool one_host = false; ///< ReducerConfig::one_host
 };
 
 /// One value every rank must hold alike.

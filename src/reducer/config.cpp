@@ -63,6 +63,7 @@ ReducerConfig::ReducerConfig(
   }
   rank = group->getRank();
   world = group->getSize();
+  one_host = launched_on_one_host();
 }
 
 at::Device ReducerConfig::metadata_device() const {
@@ -77,7 +78,7 @@ int64_t ReducerConfig::cap_bytes() const {
   if (options.bucket_cap_mb()) {
     return static_cast<int64_t>(*options.bucket_cap_mb() * kMiB);
   }
-  return default_bucket_cap_bytes(params);
+  return default_bucket_cap_bytes(params, one_host);
 }
 
 } // namespace gradaccum::detail

@@ -32,6 +32,9 @@ struct ReducerConfig {
   int rank = 0;
   int world = 1;
   int64_t numel = 0; ///< of all parameters: the terms of the window's norm
+  /// launched_on_one_host() when built: what an unset bucket_cap_mb follows
+  /// (Note [The default bucket cap]); read once, so a rebuild keeps it.
+  bool one_host = false;
 
   const std::string& name(size_t index) const {
     return names[index];
@@ -39,7 +42,7 @@ struct ReducerConfig {
   /// Where the reducer's own small collectives put their tensors.
   at::Device metadata_device() const;
   /// The bucket caps of ReducerOptions, in bytes; cap_bytes() resolves an
-  /// unset bucket_cap_mb with default_bucket_cap_bytes(params).
+  /// unset bucket_cap_mb with default_bucket_cap_bytes(params, one_host).
   int64_t first_cap_bytes() const;
   int64_t cap_bytes() const;
 };

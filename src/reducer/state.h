@@ -240,7 +240,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   }
   /// This rank's values of what the ranks must agree on, for this reduction.
   detail::AgreementInputs agreement_inputs() const {
-    return {config.rule, config.options, config.params.size(), window.sequence, kind_code()};
+    return {config.rule, config.options, config.params.size(), window.sequence, kind_code(), config.one_host};
   }
   /// What every error of this reduction starts with: "gradaccum: acc.flush(): window 3".
   std::string where() const {

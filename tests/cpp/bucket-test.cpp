@@ -2,6 +2,10 @@
 
 #include "catch_torch.h"
 
+#include <cstdlib>
+#include <optional>
+#include <string>
+
 using gradaccum::assign_buckets;
 
 TEST_CASE("buckets follow reverse registration order, first one small", "[bucket]") {
@@ -14,7 +18,7 @@ TEST_CASE("buckets follow reverse registration order, first one small", "[bucket
   CHECK(buckets[2] == std::vector<size_t>{1, 0});
 }
 
-TEST_CASE("an unset bucket cap is a sixteenth of the gradients, 1 to 25 MiB", "[bucket]") {
+TEST_CASE("an unset bucket cap is a sixteenth of the gradients across hosts, 25 MiB on one", "[bucket]") {
   constexpr int64_t MiB = int64_t{1} << 20;
   // Meta tensors: sizes and dtypes without memory.
   auto of = [](int64_t bytes, at::ScalarType dtype) {
@@ -22,14 +26,51 @@ TEST_CASE("an unset bucket cap is a sixteenth of the gradients, 1 to 25 MiB", "[
                         torch::TensorOptions().dtype(dtype).device(torch::kMeta));
   };
   using gradaccum::default_bucket_cap_bytes;
-  CHECK(default_bucket_cap_bytes(std::vector<at::Tensor>(32, of(2 * MiB, torch::kFloat32))) == 4 * MiB);
+  const std::vector<at::Tensor> mid(32, of(2 * MiB, torch::kFloat32));
+  CHECK(default_bucket_cap_bytes(mid, false) == 4 * MiB);
   // bf16 and float64 count in their own bytes: 48 + 16 MiB.
-  CHECK(default_bucket_cap_bytes({of(48 * MiB, torch::kBFloat16), of(16 * MiB, torch::kFloat64)}) == 4 * MiB);
-  CHECK(default_bucket_cap_bytes({of(8 * MiB, torch::kFloat32)}) == 1 * MiB); // at least 1 MiB
-  CHECK(default_bucket_cap_bytes({}) == 1 * MiB);
-  CHECK(default_bucket_cap_bytes({of(400 * MiB, torch::kFloat32)}) == 25 * MiB);
-  CHECK(default_bucket_cap_bytes({of(4000 * MiB, torch::kFloat32)}) == 25 * MiB); // at most DDP's
-  CHECK(default_bucket_cap_bytes({of(160 * MiB, torch::kFloat32)}) == 10 * MiB);
+  CHECK(default_bucket_cap_bytes({of(48 * MiB, torch::kBFloat16), of(16 * MiB, torch::kFloat64)}, false) == 4 * MiB);
+  CHECK(default_bucket_cap_bytes({of(8 * MiB, torch::kFloat32)}, false) == 1 * MiB); // at least 1 MiB
+  CHECK(default_bucket_cap_bytes({}, false) == 1 * MiB);
+  CHECK(default_bucket_cap_bytes({of(400 * MiB, torch::kFloat32)}, false) == 25 * MiB);
+  CHECK(default_bucket_cap_bytes({of(4000 * MiB, torch::kFloat32)}, false) == 25 * MiB); // at most DDP's
+  CHECK(default_bucket_cap_bytes({of(160 * MiB, torch::kFloat32)}, false) == 10 * MiB);
+  // Every rank on one host: DDP's 25 MiB, whatever the model.
+  CHECK(default_bucket_cap_bytes(mid, true) == 25 * MiB);
+  CHECK(default_bucket_cap_bytes({of(8 * MiB, torch::kFloat32)}, true) == 25 * MiB);
+  CHECK(default_bucket_cap_bytes({of(4000 * MiB, torch::kFloat32)}, true) == 25 * MiB);
+
+  // The launch tells through LOCAL_WORLD_SIZE and WORLD_SIZE (torchrun's);
+  // the one-argument call follows it.
+  struct Env {
+    const char* name;
+    std::optional<std::string> saved;
+    explicit Env(const char* n) : name(n) {
+      if (const char* v = std::getenv(n)) {
+        saved = v;
+      }
+    }
+    ~Env() {
+      saved ? setenv(name, saved->c_str(), 1) : unsetenv(name);
+    }
+  } local("LOCAL_WORLD_SIZE"), world("WORLD_SIZE");
+  auto launch = [](const char* local_ws, const char* world_ws) {
+    local_ws ? setenv("LOCAL_WORLD_SIZE", local_ws, 1) : unsetenv("LOCAL_WORLD_SIZE");
+    world_ws ? setenv("WORLD_SIZE", world_ws, 1) : unsetenv("WORLD_SIZE");
+    return gradaccum::launched_on_one_host();
+  };
+  CHECK(launch("4", "4"));
+  CHECK(default_bucket_cap_bytes(mid) == 25 * MiB);
+  CHECK_FALSE(launch("2", "4")); // two hosts
+  CHECK(default_bucket_cap_bytes(mid) == 4 * MiB);
+  CHECK_FALSE(launch(nullptr, "4")); // the launch does not tell
+  CHECK_FALSE(launch("4", nullptr));
+  CHECK_FALSE(launch(nullptr, nullptr));
+  CHECK_FALSE(launch("", ""));
+  CHECK_FALSE(launch("4x", "4x")); // malformed
+  CHECK_FALSE(launch("0", "0"));
+  CHECK_FALSE(launch("-1", "-1"));
+  CHECK(launch("1", "1"));
 }
 
 TEST_CASE("buckets never mix dtypes", "[bucket]") {

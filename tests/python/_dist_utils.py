@@ -11,6 +11,7 @@ The jobs live here, in an importable module, because spawned processes unpickle
 them by name. The data, the models and the one-process references are here too,
 so that the parent and the workers build exactly the same ones.
 """
+import contextlib
 import os
 import socket
 import time
@@ -451,12 +452,35 @@ def collectives(rank, world_size, *, seed, step_counts, n_windows):
     return out
 
 
+@contextlib.contextmanager
+def launch_env(**values):
+    """LOCAL_WORLD_SIZE and WORLD_SIZE as a launcher would set them (None:
+    unset) for the block, restored after it."""
+    names = ("LOCAL_WORLD_SIZE", "WORLD_SIZE")
+    saved = {n: os.environ.get(n) for n in names}
+    try:
+        for n in names:
+            if values.get(n) is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = values[n]
+        yield
+    finally:
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
+
 @job
 def default_caps(rank, world_size):
     """The buckets an unset bucket_cap_mb builds, against an explicit 25 MiB:
     32 layers whose weights are 2 MiB each (64 MiB in all), and a tiny model;
-    all-reduces of one window counted by torch.profiler; the window's reduced
-    gradient of the last and first layers, and this rank's own (plain autograd)."""
+    launched across two hosts (LOCAL_WORLD_SIZE=1), on one (LOCAL_WORLD_SIZE
+    = WORLD_SIZE) and by a launch that does not say; all-reduces of one window
+    counted by torch.profiler; the window's reduced gradient of the last and
+    first layers, and this rank's own (plain autograd)."""
     import gradaccum
 
     def layers():
@@ -472,9 +496,16 @@ def default_caps(rank, world_size):
         torch.manual_seed(0)
         return nn.Linear(4, 2)
 
+    ws = str(world_size)
+    two_hosts = {"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": ws}
     out = {}
-    for name, make, caps in (("default", layers, {}), ("explicit25", layers, {"bucket_cap_mb": 25.0}),
-                             ("tiny", tiny, {})):
+    for name, make, caps, env in (
+            ("default", layers, {}, two_hosts),
+            ("unsaid", layers, {}, {}),
+            ("one_host", layers, {}, {"LOCAL_WORLD_SIZE": ws, "WORLD_SIZE": ws}),
+            ("explicit25", layers, {"bucket_cap_mb": 25.0}, two_hosts),
+            ("one_host_explicit4", layers, {"bucket_cap_mb": 4.0}, {"LOCAL_WORLD_SIZE": ws, "WORLD_SIZE": ws}),
+            ("tiny", tiny, {}, two_hosts)):
         model = make()
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(2, 4 if name == "tiny" else 512, generator=g)
@@ -482,7 +513,8 @@ def default_caps(rank, world_size):
         ends = (0, -1)
         local = [list(model.parameters())[i].grad.clone() for i in ends]
         model.zero_grad(set_to_none=True)
-        acc = gradaccum.Accumulator(model, None, steps=2, **caps)
+        with launch_env(**env):
+            acc = gradaccum.Accumulator(model, None, steps=2, **caps)
         acc.backward(model(x).pow(2).mean())  # a no-sync micro-step: no all-reduce
         counts = _count_allreduces(lambda: acc.backward(model(x).pow(2).mean()))
         out[name] = {"bucket_indices": [list(b) for b in acc.bucket_indices], "counts": counts,

@@ -4,6 +4,7 @@ Each job runs on every rank (spawned by _dist_utils.run_job with
 module="_protocol_jobs") and returns plain data; the parent checks it against a
 one-process reference in float64.
 """
+import contextlib
 import os
 import signal
 import time
@@ -189,11 +190,14 @@ def disagree(rank, world_size, *, case, check_parameters):
     reduction = {"reduction": ("mean", "sum")[rank % 2]}.get(case, "mean")
     metrics = {"metrics": (("tokens", "correct"), ("correct", "tokens"))[rank % 2]}.get(case, ())
     caps = {"bucket_cap_mb": {"bucket_cap_mb": (None, 25.0)[rank % 2]}}.get(case, {})
+    # one_host: rank 0 launched as if every rank ran on its host, rank 1 as one of two hosts
+    launch = {"one_host": {"LOCAL_WORLD_SIZE": ("2", "1")[rank % 2], "WORLD_SIZE": "2"}}.get(case, {})
     g = torch.Generator().manual_seed(rank)
     start = time.monotonic()
     try:
-        acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction, metrics=metrics,
-                                    check_parameters=check_parameters, **caps)
+        with du.launch_env(**launch) if launch else contextlib.nullcontext():
+            acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction, metrics=metrics,
+                                        check_parameters=check_parameters, **caps)
         for i in range(24):
             x = torch.randn(2, du.D_IN, generator=g, dtype=torch.float64)
             acc.backward(model(x).pow(2).mean())

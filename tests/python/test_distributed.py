@@ -245,32 +245,36 @@ def test_gradient_as_bucket_view_equals_copy_mode(jobs):
                     assert torch.equal(p, q)
 
 
-def test_an_unset_bucket_cap_is_a_sixteenth_of_a_mid_sized_model(jobs):
-    """bucket_cap_mb=None (the default) caps a bucket at a sixteenth of the
-    gradients' bytes, 1 to 25 MiB: 32 weights of 2 MiB (64 MiB) are bucketed
-    by 4 MiB, two weights a bucket after the 1 MiB first one; DDP's 25 MiB
-    would make 4 buckets; a model under 1 MiB stays one bucket."""
-    default = [[31]] + [[30 - 2 * i, 29 - 2 * i] for i in range(15)] + [[0]]
-    explicit25 = [[31], list(range(30, 17, -1)), list(range(17, 4, -1)), list(range(4, -1, -1))]
+def test_an_unset_bucket_cap_is_a_sixteenth_across_hosts_and_ddps_on_one(jobs):
+    """bucket_cap_mb=None (the default) follows the launch. Across hosts
+    (LOCAL_WORLD_SIZE < WORLD_SIZE) or when the launch does not say, it caps
+    a bucket at a sixteenth of the gradients' bytes, 1 to 25 MiB: 32 weights
+    of 2 MiB (64 MiB) are bucketed by 4 MiB, two weights a bucket after the
+    1 MiB first one, and a model under 1 MiB stays one bucket. With every rank
+    on one host (LOCAL_WORLD_SIZE == WORLD_SIZE) it is DDP's 25 MiB: 4
+    buckets, as an explicit 25; an explicit cap is used as given there too."""
+    sixteenth = [[31]] + [[30 - 2 * i, 29 - 2 * i] for i in range(15)] + [[0]]
+    ddp = [[31], list(range(30, 17, -1)), list(range(17, 4, -1)), list(range(4, -1, -1))]
+    layouts = {"default": sixteenth, "unsaid": sixteenth, "one_host": ddp, "explicit25": ddp,
+               "one_host_explicit4": sixteenth, "tiny": [[1, 0]]}
     results = jobs("default_caps", 2)
     for rank, res in enumerate(results):
-        assert res["default"]["bucket_indices"] == default, f"rank {rank}"
-        assert res["explicit25"]["bucket_indices"] == explicit25, f"rank {rank}"
-        assert res["tiny"]["bucket_indices"] == [[1, 0]], f"rank {rank}"
-        # One all-reduce per bucket in the synchronising backward (torch.profiler's count).
-        for name, layout in (("default", default), ("explicit25", explicit25), ("tiny", [[1, 0]])):
+        for name, layout in layouts.items():
+            assert res[name]["bucket_indices"] == layout, f"rank {rank} {name}"
+            # One all-reduce per bucket in the synchronising backward (torch.profiler's count).
             assert res[name]["counts"] == len(layout), f"rank {rank} {name}"
     # The window's gradient (mean over 2 micro-steps on 2 ranks, each rank's
     # micro-batch twice) is the mean of the ranks' own gradients, identical on
-    # both ranks and under either layout.
-    for name in ("default", "explicit25", "tiny"):
+    # both ranks and under every layout.
+    for name in layouts:
         for i in range(2):
             want = (results[0][name]["local"][i] + results[1][name]["local"][i]) / 2
             assert want.abs().max() > 1e-3, (name, i)  # gradients that can tell
             torch.testing.assert_close(results[0][name]["reduced"][i], want, rtol=1e-5, atol=1e-7)
             assert torch.equal(results[0][name]["reduced"][i], results[1][name]["reduced"][i]), (name, i)
-    for i in range(2):
-        assert torch.equal(results[0]["default"]["reduced"][i], results[0]["explicit25"]["reduced"][i])
+    for name in ("unsaid", "one_host", "explicit25", "one_host_explicit4"):
+        for i in range(2):
+            assert torch.equal(results[0]["default"]["reduced"][i], results[0][name]["reduced"][i]), (name, i)
 
 
 # --------------------------------------------------------------------------- #
