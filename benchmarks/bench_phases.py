@@ -1,0 +1,98 @@
+"""Where a window's time goes, gradaccum against torch DDP, at equal bucket caps.
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_phases.py [--caps 3,25] [--iters 25]
+
+Two Gloo ranks (one host). For each cap, a gradaccum Accumulator (steps=1)
+and a DDP model are built from one transformer (`_bench_worker`'s "gpt"),
+and every iteration runs one window of each contender in turn (interleaved,
+after a barrier), timing forward, backward and step (DDP: `optimizer.step()`
+and `zero_grad()`). Rank 0 prints each phase's median over the iterations
+after the first 3, and for gradaccum when its timeline says backward ended
+and the reduction finished (`last_window_timeline()`), in ms from the
+reduction's beginning. Used by hand for benchmarks/RESULTS.md ("The default
+bucket cap on one host"); `--json FILE` also writes the medians.
+"""
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_worker as W  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt", choices=W.MODEL_NAMES)
+    p.add_argument("--caps", default="3,25", help="bucket caps in MiB, each for both libraries")
+    p.add_argument("--iters", type=int, default=25)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    import gradaccum
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = W.build_model(args.model)
+    data = W.make_data(args.model, torch.Generator().manual_seed(rank))
+    contenders = {}
+    for cap in (float(c) for c in args.caps.split(",")):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        acc = gradaccum.Accumulator(model, opt, steps=1, bucket_cap_mb=cap)
+        contenders[f"gradaccum cap {cap:g}"] = ("gradaccum", model, acc)
+        ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
+        contenders[f"DDP cap {cap:g}"] = ("ddp", ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4))
+    phases = {name: [] for name in contenders}
+    timeline = {name: [] for name, c in contenders.items() if c[0] == "gradaccum"}
+    for it in range(args.iters):
+        for name, (kind, model, x) in contenders.items():
+            inp, tgt = data[it % len(data)]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = W.loss_of(model, inp, tgt)
+            t1 = time.perf_counter()
+            if kind == "gradaccum":
+                x.backward(loss)
+                t2 = time.perf_counter()
+                x.step()
+                t = x.last_window_timeline()
+                timeline[name].append((t["backward_end"], t["finished"]))
+            else:
+                loss.backward()
+                t2 = time.perf_counter()
+                x.step()
+                x.zero_grad()
+            t3 = time.perf_counter()
+            if it >= 3:
+                phases[name].append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+    if rank == 0:
+        out = {}
+        for name, rows in phases.items():
+            fwd, bwd, step, total = (1e3 * statistics.median(c) for c in zip(*rows))
+            out[name] = {"forward_ms": fwd, "backward_ms": bwd, "step_ms": step, "window_ms": total,
+                         "buckets": len(contenders[name][2].bucket_indices) if name in timeline else None}
+            line = f"{name:20s} forward {fwd:6.1f}  backward {bwd:6.1f}  step {step:5.1f}  window {total:6.1f} ms"
+            if name in timeline:
+                ends, finished = zip(*timeline[name][3:])
+                out[name]["backward_end_ms"] = 1e3 * statistics.median(ends)
+                out[name]["finished_ms"] = 1e3 * statistics.median(finished)
+                line += (f"  ({out[name]['buckets']} buckets; timeline: backward ended "
+                         f"{out[name]['backward_end_ms']:.1f}, finished {out[name]['finished_ms']:.1f})")
+            print(line, flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "iters": args.iters, "results": out}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
