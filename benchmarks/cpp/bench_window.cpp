@@ -1,9 +1,10 @@
 // bench_window: gradaccum's C++ contender of benchmarks/bench.py.
 //
 // One rank of a data-parallel run: launch WORLD_SIZE copies with RANK,
-// WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun sets them too), e.g.
+// WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun sets them too; and
+// LOCAL_WORLD_SIZE, which an unset bucket cap follows), e.g.
 //
-//   for r in 0 1; do RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 \
+//   for r in 0 1; do RANK=$r WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 \
 //     OMP_NUM_THREADS=1 build/bench/bench_window --model small --steps 1,4,16 --windows 20 & done; wait
 //
 // The model is the benchmark's Linear/ReLU stack (the same widths as

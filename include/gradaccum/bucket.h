@@ -26,19 +26,22 @@ std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<size_t>& ready_order = {});
 
 /// Whether the launcher put every rank on this host: LOCAL_WORLD_SIZE and
-/// WORLD_SIZE are both set, integers, and equal (torchrun sets both). False
-/// when either is missing or malformed: nothing tells, and an unset
-/// `bucket_cap_mb` then takes the rule for several hosts.
+/// WORLD_SIZE are both set, positive integers, and equal (torchrun sets both).
+/// False when either is missing or malformed: nothing tells (mp.spawn,
+/// Lightning's own launcher, srun and mpirun do not set LOCAL_WORLD_SIZE), and
+/// an unset `bucket_cap_mb` then takes the rule for several hosts.
 bool launched_on_one_host();
 
 /// The bucket cap, in bytes, that an unset `ReducerOptions::bucket_cap_mb`
-/// means for these parameters: with every rank on one host, torch DDP's
-/// fixed 25 MiB; across hosts (or when the launch does not tell), a sixteenth
-/// of their bytes, at least 1 MiB and at most 25 MiB. `one_host` defaults to
-/// what this process's launch says, so the call returns the cap an
-/// Accumulator built here would use. Note [The default bucket cap] in
+/// means for these parameters: with every rank on one host (`one_host`),
+/// torch DDP's fixed 25 MiB; across hosts, a sixteenth of their bytes, at
+/// least 1 MiB and at most 25 MiB. Note [The default bucket cap] in
 /// src/buckets/bucket.cpp says why.
-int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params, bool one_host = launched_on_one_host());
+int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params, bool one_host);
+
+/// The same, for this process's launch (launched_on_one_host()): the cap an
+/// Accumulator built here with an unset `bucket_cap_mb` would use.
+int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 
 // Note [Bucket meta layout]
 // Every bucket's collective reduces its `wire`: `[gradients | meta]`, one

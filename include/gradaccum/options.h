@@ -62,7 +62,8 @@ struct ReducerOptions {
   /// end, as DDP does (before each forward): one broadcast per window and
   /// buffer dtype, none for a model without buffers. False keeps them per rank.
   TORCH_ARG(bool, broadcast_buffers) = true;
-  /// Check at construction that every rank has the same parameters.
+  /// Check at construction that every rank has the same parameters and
+  /// options (and, with an unset bucket_cap_mb, the same one-host launch).
   TORCH_ARG(bool, check_parameters) = true;
   /// Rebuild the buckets once, after the first window, in the order that
   /// window's backward made the gradients ready (rank 0's order, on every

@@ -115,7 +115,8 @@ class Accumulator:
         broadcast_buffers: broadcast rank 0's buffers at each window's end (the
             default, as DDP; one broadcast per window when the model has buffers).
         check_parameters: at construction, check all ranks have the same
-            parameters (a collective) and fail naming the first mismatch.
+            parameters and options (and, with ``bucket_cap_mb=None``, the same
+            one-host launch; a collective) and fail naming the first mismatch.
         rebuild_buckets: after the first window, rebuild the buckets once in
             the order its backward made the gradients ready (rank 0's, on every
             rank), as torch DDP does, so buckets launch during backward even

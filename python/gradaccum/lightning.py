@@ -80,7 +80,10 @@ class GradaccumStrategy(DDPStrategy):
         nonfinite: a NaN/inf window gradient is ``"skip"``-ped (no optimizer or
             scheduler step), ``"raise"``-d, or ``"ignore"``-d.
         bucket_cap_mb, first_bucket_cap_mb, gradient_as_bucket_view,
-        broadcast_buffers, check_parameters: passed to the Accumulator.
+        broadcast_buffers, check_parameters: passed to the Accumulator. An
+            unset ``bucket_cap_mb`` follows the Trainer's ``num_nodes`` (which
+            Lightning's own launcher does not put in ``LOCAL_WORLD_SIZE``):
+            DDP's 25 MiB on one node, the Accumulator's default across nodes.
         log_loss: the name under which each window's global loss
             (``acc.window_loss``: over every micro-batch of every rank,
             weighted as the gradient; it rode in the gradient all-reduce, so
@@ -96,6 +99,15 @@ class GradaccumStrategy(DDPStrategy):
     """
 
     strategy_name = "gradaccum"
+
+    def _resolved_accumulator_options(self) -> Dict[str, Any]:
+        """The Accumulator's options; an unset bucket cap is DDP's 25 MiB on
+        one node, as the Accumulator makes it under torchrun on one node
+        (Lightning's launcher leaves LOCAL_WORLD_SIZE unset)."""
+        options = dict(self._accumulator_options)
+        if options["bucket_cap_mb"] is None and self.num_nodes == 1:
+            options["bucket_cap_mb"] = 25.0
+        return options
 
     def __init__(
         self,
@@ -217,7 +229,7 @@ class GradaccumStrategy(DDPStrategy):
             reduction=self.reduction,
             max_grad_norm=float(clip) if clip else None,
             nonfinite=self.nonfinite,
-            **self._accumulator_options,
+            **self._resolved_accumulator_options(),
         )
         # Lightning's on_before_optimizer_step hooks (grad-norm logging, gradient
         # edits) see the window's final gradient, as under its own strategies:

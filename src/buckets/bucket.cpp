@@ -73,6 +73,10 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params, bool one
   return std::clamp(bytes / kBuckets, 1 * kMiB, 25 * kMiB);
 }
 
+int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params) {
+  return default_bucket_cap_bytes(params, launched_on_one_host());
+}
+
 std::vector<std::vector<size_t>> assign_buckets(
     const std::vector<at::Tensor>& params,
     int64_t first_cap_bytes,

@@ -55,7 +55,9 @@ const std::vector<Agreement>& agreements() {
        "bucket_cap_mb follows (25 MiB on one host, a sixteenth of the model across hosts)",
        Shown::Flag,
        [](const I& in) { return !in.options.bucket_cap_mb() && in.one_host ? 1.0 : 0.0; },
-       true, kMetaHeader, false, nullptr},
+       true, kMetaHeader, false,
+       // Compared at construction only: the remedy ends that error.
+       "launch every rank alike (torchrun sets both on every node), or pass bucket_cap_mb explicitly"},
       {"first_bucket_cap_mb", Shown::Number, [](const I& in) { return in.options.first_bucket_cap_mb(); },
        true, kMetaHeader, false, nullptr},
       {"gradient_as_bucket_view", Shown::Number,
@@ -112,7 +114,9 @@ std::string construction_disagreement(const Agreement& agreement, const std::vec
   for (const auto r : c10::irange(values.size())) {
     out << (r ? ", " : "") << "rank " << r << ": " << show(agreement.shown, values[r]);
   }
-  out << "); every rank must build its Accumulator with the same options and model";
+  out << "); "
+      << (agreement.remedy ? agreement.remedy
+                           : "every rank must build its Accumulator with the same options and model");
   return out.str();
 }
 

@@ -49,7 +49,9 @@ struct Agreement {
   /// Its values stay below the consensus modulus: with two ranks, the other
   /// rank's value can be read back from the sum.
   bool small;
-  /// What a window's error advises; nullptr: use the same options everywhere.
+  /// What the error advises (a window's, after ". "; or, for a value compared
+  /// at construction only, the construction error's, after "); ");
+  /// nullptr: use the same options everywhere.
   const char* remedy;
 };
 

@@ -33,7 +33,9 @@ struct ReducerConfig {
   int world = 1;
   int64_t numel = 0; ///< of all parameters: the terms of the window's norm
   /// launched_on_one_host() when built: what an unset bucket_cap_mb follows
-  /// (Note [The default bucket cap]); read once, so a rebuild keeps it.
+  /// (Note [The default bucket cap]). Read once, so the ready-order rebuild
+  /// keeps it; refresh_parameters() builds a new config, which reads it again
+  /// and is checked across ranks again.
   bool one_host = false;
 
   const std::string& name(size_t index) const {

@@ -454,16 +454,15 @@ def collectives(rank, world_size, *, seed, step_counts, n_windows):
 
 @contextlib.contextmanager
 def launch_env(**values):
-    """LOCAL_WORLD_SIZE and WORLD_SIZE as a launcher would set them (None:
+    """The named environment variables as a launcher would set them (None:
     unset) for the block, restored after it."""
-    names = ("LOCAL_WORLD_SIZE", "WORLD_SIZE")
-    saved = {n: os.environ.get(n) for n in names}
+    saved = {n: os.environ.get(n) for n in values}
     try:
-        for n in names:
-            if values.get(n) is None:
+        for n, v in values.items():
+            if v is None:
                 os.environ.pop(n, None)
             else:
-                os.environ[n] = values[n]
+                os.environ[n] = v
         yield
     finally:
         for n, v in saved.items():
@@ -501,7 +500,7 @@ def default_caps(rank, world_size):
     out = {}
     for name, make, caps, env in (
             ("default", layers, {}, two_hosts),
-            ("unsaid", layers, {}, {}),
+            ("unsaid", layers, {}, {"LOCAL_WORLD_SIZE": None, "WORLD_SIZE": None}),
             ("one_host", layers, {}, {"LOCAL_WORLD_SIZE": ws, "WORLD_SIZE": ws}),
             ("explicit25", layers, {"bucket_cap_mb": 25.0}, two_hosts),
             ("one_host_explicit4", layers, {"bucket_cap_mb": 4.0}, {"LOCAL_WORLD_SIZE": ws, "WORLD_SIZE": ws}),

@@ -260,21 +260,15 @@ def _without_group(rank, world_size, sched, relaunch):
 
     store, backend = c10d._get_default_store(), dist.get_backend()
     dist.destroy_process_group()  # the control group goes with it
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
-    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank))
     try:
-        net = fm.make_net(sched["net"], sched["seed"])
-        acc = gradaccum.Accumulator(net, torch.optim.SGD(net.parameters(), lr=0.1), steps=sched["steps"])
-        acc.close()
+        with du.launch_env(WORLD_SIZE=str(world_size), RANK=str(rank)):
+            net = fm.make_net(sched["net"], sched["seed"])
+            acc = gradaccum.Accumulator(net, torch.optim.SGD(net.parameters(), lr=0.1), steps=sched["steps"])
+            acc.close()
         seen = ["ok", None]
     except Exception as err:  # noqa: BLE001 - recorded, judged by the parent
         seen = _err(err)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         dist.init_process_group(backend, store=dist.PrefixStore(f"relaunch{relaunch}", store), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT))
     return seen, dist.new_group(backend="gloo")

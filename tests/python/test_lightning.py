@@ -38,7 +38,7 @@ def max_rel(params, ref):
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("lightning")
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
         env.pop(var, None)
     def devices(name):
         return worker.SCENARIOS[name].get("devices", worker.WORLD)
@@ -337,6 +337,22 @@ def test_bad_arguments():
         GradaccumStrategy(reduction="avg")
     with pytest.raises(ValueError, match="invalid nonfinite: 'nan'"):
         GradaccumStrategy(nonfinite="nan")
+
+
+def test_an_unset_bucket_cap_is_ddps_on_one_node():
+    """Lightning's launcher does not set LOCAL_WORLD_SIZE: the strategy says
+    one host from the Trainer's num_nodes (which the connector sets)."""
+    from gradaccum.lightning import GradaccumStrategy
+
+    strategy = GradaccumStrategy()
+    strategy.num_nodes = 1
+    assert strategy._resolved_accumulator_options()["bucket_cap_mb"] == 25.0
+    strategy.num_nodes = 2  # across nodes: the Accumulator's own default
+    assert strategy._resolved_accumulator_options()["bucket_cap_mb"] is None
+    explicit = GradaccumStrategy(bucket_cap_mb=4)
+    explicit.num_nodes = 1
+    assert explicit._resolved_accumulator_options()["bucket_cap_mb"] == 4
+    assert strategy._accumulator_options["bucket_cap_mb"] is None  # the strategy's own stays unset
 
 
 def test_without_lightning_the_import_says_what_to_install():

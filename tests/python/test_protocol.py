@@ -132,7 +132,8 @@ def test_mismatched_options_fail_in_the_first_reduction_on_every_rank(tmp_path, 
     # both unset, but launched as one host on rank 0 and as two on rank 1
     ("one_host", "the ranks disagree on whether every rank runs on one host (LOCAL_WORLD_SIZE equal to "
                  "WORLD_SIZE), which an unset bucket_cap_mb follows (25 MiB on one host, a sixteenth of the "
-                 "model across hosts) (rank 0: yes, rank 1: no)"),
+                 "model across hosts) (rank 0: yes, rank 1: no); launch every rank alike (torchrun sets both on "
+                 "every node), or pass bucket_cap_mb explicitly"),
 ])
 def test_mismatched_options_fail_at_construction_naming_every_rank(tmp_path, case, text):
     results = run("disagree", 2, tmp_path, case=case, check_parameters=True)

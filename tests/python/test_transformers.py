@@ -160,7 +160,7 @@ def test_resume_from_mid_run_checkpoint(runs):
 def test_single_process(tmp_path, monkeypatch):
     """Without torchrun: local accumulation, the partial case against its
     one-process reference (windows of K batches)."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     opts = ex.parse_args(["--accum", str(K), "--batch", str(B), "--lr", str(LR), "--seed", str(SEED)])
     got = ex.run_case("partial", opts, str(tmp_path))
