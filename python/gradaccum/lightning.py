@@ -100,15 +100,6 @@ class GradaccumStrategy(DDPStrategy):
 
     strategy_name = "gradaccum"
 
-    def _resolved_accumulator_options(self) -> Dict[str, Any]:
-        """The Accumulator's options; an unset bucket cap is DDP's 25 MiB on
-        one node, as the Accumulator makes it under torchrun on one node
-        (Lightning's launcher leaves LOCAL_WORLD_SIZE unset)."""
-        options = dict(self._accumulator_options)
-        if options["bucket_cap_mb"] is None and self.num_nodes == 1:
-            options["bucket_cap_mb"] = 25.0
-        return options
-
     def __init__(
         self,
         reduction: str = "mean",
@@ -177,6 +168,15 @@ class GradaccumStrategy(DDPStrategy):
         self._saved_batch: Optional[int] = None
 
     # ------------------------------------------------------------------ set-up
+
+    def _resolved_accumulator_options(self) -> Dict[str, Any]:
+        """The Accumulator's options; an unset bucket cap is DDP's 25 MiB on
+        one node, as the Accumulator makes it under torchrun on one node
+        (Lightning's launcher leaves LOCAL_WORLD_SIZE unset)."""
+        options = dict(self._accumulator_options)
+        if options["bucket_cap_mb"] is None and self.num_nodes == 1:
+            options["bucket_cap_mb"] = 25.0
+        return options
 
     def _configure_launcher(self) -> None:
         # precision="16-mixed": the precision plugin's GradScaler is handed to the
