@@ -456,20 +456,19 @@ def collectives(rank, world_size, *, seed, step_counts, n_windows):
 def launch_env(**values):
     """The named environment variables as a launcher would set them (None:
     unset) for the block, restored after it."""
+    def put(settings):
+        for n, v in settings.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
     saved = {n: os.environ.get(n) for n in values}
     try:
-        for n, v in values.items():
-            if v is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = v
+        put(values)
         yield
     finally:
-        for n, v in saved.items():
-            if v is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = v
+        put(saved)
 
 
 @job
