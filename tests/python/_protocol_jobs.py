@@ -4,7 +4,6 @@ Each job runs on every rank (spawned by _dist_utils.run_job with
 module="_protocol_jobs") and returns plain data; the parent checks it against a
 one-process reference in float64.
 """
-import contextlib
 import os
 import signal
 import time
@@ -195,7 +194,7 @@ def disagree(rank, world_size, *, case, check_parameters):
     g = torch.Generator().manual_seed(rank)
     start = time.monotonic()
     try:
-        with du.launch_env(**launch) if launch else contextlib.nullcontext():
+        with du.launch_env(**launch):  # no names: leaves the environment as it is
             acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction, metrics=metrics,
                                         check_parameters=check_parameters, **caps)
         for i in range(24):
