@@ -261,6 +261,15 @@ class Accumulator {
   /// them before it runs its function, so that a micro-step it would fail is
   /// one that could run.
   void check_micro_step_state(const char* what) const;
+  /// A micro-batch whose loss, num_items or metrics this rank rejected
+  /// (acc.backward()'s own checks call it, and a binding's checks before
+  /// them). One process, or before the window's closing micro-step, it does
+  /// nothing: the rejected call changed nothing. Data parallel, at the closing
+  /// micro-step, the other ranks are already reducing the window: it is
+  /// dropped on every rank (Note [A refused closing micro-batch]), and the
+  /// returned text says so ("window N was dropped on every rank: …"), to
+  /// append to this rank's error. Empty when nothing was dropped.
+  std::string refuse_micro_batch(const char* call);
   /// How far this rank has gone: the micro-steps it counted plus the
   /// reductions it ran (dropped ones too). acc.run() compares it around a
   /// call that raised: unchanged, the call took no micro-step's place (data
@@ -404,6 +413,8 @@ class Accumulator {
   bool keep_micro_batch(const at::Tensor& value, const at::Tensor& metrics);
   void close_window(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);
   void fail_micro_step(AbortReason why);
+  /// refuse_micro_batch() inside a call that holds the call guard.
+  std::string drop_refused_window(const char* call);
   void check_no_uncounted_backward() const;
   double check_micro_step(const at::Tensor& loss, std::optional<double> num_items, const char* what) const;
   void fail_after_peers_ended_epoch();

@@ -101,6 +101,9 @@ enum class AbortReason : int64_t {
   /// This rank ran out of memory in acc.run() on a micro-batch it could not
   /// split further (one row) or run again (part of it had reached .grad).
   OutOfMemory = 9,
+  /// This rank refused the window's closing micro-batch (its loss or
+  /// num_items failed acc.backward()'s checks) while the others reduced.
+  MicroBatchRefused = 10,
 };
 
 /// One reduction, asked for as a value: what this rank contributes.
@@ -147,6 +150,11 @@ struct ReductionResult {
   /// rank. False: not checked, or not known (half-precision, device or
   /// accumulate_dtype buckets, a value that failed): compute the norm.
   bool known_finite = false;
+  /// The reduced window reached .grad on this rank. False after a local
+  /// failure that followed the consensus (out of memory in the write-back, a
+  /// failed buffer broadcast): this rank's gradients were cleared, while the
+  /// other ranks may hold the window.
+  bool written = true;
 };
 
 /// Data-parallel gradient reduction over a c10d ProcessGroup, driven by autograd.
@@ -272,12 +280,15 @@ class Reducer {
   struct State; ///< shared with the hooks and callbacks; defined in src/reducer/state.h
 
  private:
+  friend class NoSync;
   std::shared_ptr<State> state_;
 };
 
 /// RAII guard: backward passes inside it accumulate locally, with no collective
 /// (torch DDP's `no_sync`). Only the backward needs to be inside; the forward
-/// may be anywhere. A null reducer makes it a no-op.
+/// may be anywhere. A null reducer makes it a no-op. It holds the reducer's
+/// state weakly: a reducer destroyed inside the scope (acc.close(),
+/// acc.refresh_parameters()) is left alone when the scope ends.
 class NoSync {
  public:
   explicit NoSync(Reducer* reducer);
@@ -288,7 +299,7 @@ class NoSync {
   NoSync& operator=(NoSync&&) = delete;
 
  private:
-  Reducer* reducer_;
+  std::weak_ptr<Reducer::State> state_;
   bool previous_ = true;
 };
 

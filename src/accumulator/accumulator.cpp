@@ -1,6 +1,7 @@
 #include <gradaccum/accumulator.h>
 
 #include "call_guard.h"
+#include "comm.h"
 #include "precision/loss_scaler.h"
 #include "precision/wide_sums.h"
 #include "parameters.h"
@@ -154,11 +155,24 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
                               const at::Tensor& reported, const at::Tensor& metrics) {
   const CallGuard guard(driver_, call, &call_);
   check_no_open_parts(call);
-  // Every check comes before backward: a rejected call changes nothing.
-  double weight = check_micro_step(loss, num_items, call);
-  TORCH_CHECK_VALUE(!reported.defined() || reported.numel() == 1,
-      "gradaccum: ", call, ": the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
-  check_metrics(metrics, call);
+  check_micro_step_state(call);
+  // Every check comes before backward: a rejected call changes nothing, but
+  // see Note [A refused closing micro-batch].
+  double weight = 1.0;
+  try {
+    weight = check_micro_step(loss, num_items, call);
+    TORCH_CHECK_VALUE(!reported.defined() || reported.numel() == 1,
+        "gradaccum: ", call, ": the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
+    check_metrics(metrics, call);
+  } catch (const c10::Error& e) {
+    const auto dropped = drop_refused_window(call);
+    if (dropped.empty()) {
+      throw;
+    }
+    const bool value_error = dynamic_cast<const c10::ValueError*>(&e) != nullptr;
+    TORCH_CHECK_VALUE(!value_error, e.msg(), "; ", dropped);
+    TORCH_CHECK(false, e.msg(), "; ", dropped);
+  }
   // One look at the gradients serves the mid-window check here and, should
   // backward fail, the question whether it reached .grad.
   const auto before = grad_versions();
@@ -322,11 +336,12 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
   ReductionResult result;
   try {
     result = scaled.defined() ? reducer_->backward(scaled, request) : reducer_->reduce(request);
-  } catch (...) {
+  } catch (const std::exception& e) {
     const auto last = reducer_->last_result();
-    if (last.window == window && !last.dropped) {
-      // Reduced on every rank; something failed on this rank afterwards.
-      // The window stays closed, as on the other ranks.
+    if (last.window == window && !last.dropped && last.written) {
+      // Reduced and written back on every rank; something failed on this
+      // rank afterwards (a later engine callback). The window stays closed,
+      // as on the other ranks.
       epoch_ended_ = peers_ended_epoch(last);
       window_empty_ = last.global_weight == 0;
       ++stats_.micro_steps;
@@ -334,9 +349,22 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
       window_weight_ = 0;
       window_loss_sum_ = at::Tensor();
       window_ready_ = true;
-      window_known_finite_ = false; // the write-back may not have finished here
+      window_known_finite_ = false;
       remember_gradients();
       throw;
+    }
+    if (last.window == window && !last.dropped) {
+      // Reduced on every rank, but the write-back (or a collective before it)
+      // failed here: the reducer cleared this rank's gradients. The window is
+      // dropped here, as flush() drops it, and this rank's position stays the
+      // others' (its next acc.step() steps nothing).
+      reset_window();
+      epoch_ended_ = peers_ended_epoch(last);
+      ++stats_.micro_steps;
+      TORCH_CHECK(false, "gradaccum: ", call_name(), ": every rank reduced the window, but this rank (rank ",
+          reducer_->process_group()->getRank(), ") failed after that: ", detail::message_of(e),
+          ". This rank dropped its window (no optimizer step here) while the other ranks step theirs: the "
+          "replicas differ from here on. Resume every rank from a checkpoint");
     }
     reset_window(); // the reducer dropped the window on every rank
     note_dropped_window(window);

@@ -138,6 +138,9 @@ void Accumulator::end_micro_step(bool failed, bool out_of_memory) {
       // A micro-step that takes its place must be one that could run (a
       // closed window is not counted into; no_sync() is the manual path).
       check_micro_step_state("acc.run()");
+      // As a micro-step that ran would: the others may have ended the epoch
+      // (then this raises the one-sided error, as acc.backward() does).
+      check_window_gradients("acc.run()", grad_versions());
     }
     // Data parallel the failed micro-step takes its place even with nothing
     // of it in .grad, so that every rank closes its windows together.
@@ -182,6 +185,45 @@ void Accumulator::fail_micro_step(AbortReason why) {
   ++micro_step_;
   ++stats_.micro_steps;
   remember_gradients();
+}
+
+// Note [A refused closing micro-batch]
+// A rejected call changes nothing, except where that would leave other ranks
+// waiting: data parallel, the other ranks' closing backward has launched (or
+// will launch) the window's buckets, and a rank that refuses its closing
+// micro-batch (a loss that does not require grad for an empty batch, a NaN
+// num_items) would launch none. So it drops the window instead, as a failed
+// micro-step does (Note [Dropping a window]): every rank raises, naming this
+// rank and why (AbortReason::MicroBatchRefused), and every rank goes on from
+// the next window alike. Checks that do not depend on the data (a closed
+// window, no_sync(), a closed Accumulator) reject alike on every rank and drop
+// nothing; nor does a refusal before the closing micro-step, where nobody waits.
+std::string Accumulator::refuse_micro_batch(const char* call) {
+  const CallGuard guard(driver_, call, &call_);
+  return drop_refused_window(call);
+}
+
+std::string Accumulator::drop_refused_window(const char* call) {
+  const bool waited_for = reducer_ && reducer_->process_group()->getSize() > 1 && !closed_ && !window_ready_ &&
+      !parts_open_ && reducer_->expect_hooks() && closes_window_next();
+  if (!waited_for) {
+    return {};
+  }
+  try {
+    // As a micro-step that ran would: the others may have ended the epoch.
+    check_window_gradients(call, grad_versions());
+    fail_micro_step(AbortReason::MicroBatchRefused);
+  } catch (const c10::Error& e) {
+    // "gradaccum: <call>: window N was dropped…": the caller's error names the call.
+    auto text = e.msg();
+    const auto prefix = std::string("gradaccum: ") + call + ": ";
+    if (text.compare(0, prefix.size(), prefix) == 0) {
+      text.erase(0, prefix.size());
+    }
+    return text;
+  }
+  TORCH_INTERNAL_ASSERT(false, "gradaccum: ", call, ": a refused window's reduction returned");
+  return {};
 }
 
 } // namespace gradaccum

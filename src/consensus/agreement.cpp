@@ -176,6 +176,10 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
     case AbortReason::OutOfMemory:
       return who + " ran out of memory in acc.run() on a micro-batch it could not split further (one row) "
           "or run again (part of its gradient had reached .grad)";
+    case AbortReason::MicroBatchRefused:
+      return who + " refused the micro-batch that closes the window: acc.backward() rejected its loss, "
+          "num_items or metrics (a loss that is not a scalar or does not require grad, a num_items that is "
+          "not a number >= 0, ...)";
     case AbortReason::None:
     case AbortReason::BackwardFailed:
       break;
@@ -186,7 +190,8 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
 // Whether the rank that dropped the window raises an error of its own.
 bool raised_there(AbortReason why) {
   return why == AbortReason::None || why == AbortReason::BackwardFailed ||
-      why == AbortReason::ClosedWindowNotStepped || why == AbortReason::OutOfMemory;
+      why == AbortReason::ClosedWindowNotStepped || why == AbortReason::OutOfMemory ||
+      why == AbortReason::MicroBatchRefused;
 }
 
 // What a dropped window means for every rank.

@@ -194,6 +194,13 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
     }
     result.known_finite = window.last_result.known_finite = known_finite;
   } catch (...) {
+    // .grad may hold part of the window, or its undivided sum: never leave
+    // that to be stepped (Accumulator::reduce_window says what happened).
+    window.last_result.written = false;
+    try {
+      drop_window();
+    } catch (...) {
+    }
     apply_rebuild(std::move(rebuilt));
     end_reduction(/*window_closed=*/true);
     throw;

@@ -304,22 +304,23 @@ std::vector<int64_t> Reducer::gather(int64_t value) const {
   return values;
 }
 
-NoSync::NoSync(Reducer* reducer) : reducer_(reducer) {
-  if (reducer_) {
-    previous_ = reducer_->expect_hooks();
-    reducer_->set_expect_hooks(false);
+NoSync::NoSync(Reducer* reducer) {
+  if (reducer) {
+    state_ = reducer->state_;
+    previous_ = reducer->expect_hooks();
+    reducer->set_expect_hooks(false);
   }
 }
 
 NoSync::~NoSync() {
-  if (reducer_) {
-    reducer_->set_expect_hooks(previous_);
+  if (const auto state = state_.lock()) {
+    state->expect_hooks.store(previous_);
   }
 }
 
 NoSync::NoSync(NoSync&& other) noexcept
-    : reducer_(other.reducer_), previous_(other.previous_) {
-  other.reducer_ = nullptr;
+    : state_(std::move(other.state_)), previous_(other.previous_) {
+  other.state_.reset();
 }
 
 } // namespace gradaccum

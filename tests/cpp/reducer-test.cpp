@@ -241,6 +241,185 @@ TEST_CASE("a backward that throws on one rank drops the window on every rank", "
   }
 }
 
+TEST_CASE("a micro-batch refused on one rank drops the window only when it closes it", "[reducer][distributed][errors]") {
+  // Rank 1's loss in window 1 does not require grad (an empty batch's
+  // torch::zeros({})). At the closing micro-step the other rank is already
+  // reducing: the window is dropped on both, each naming rank 1. Before it,
+  // nobody waits: the call is refused on rank 1 alone, changes nothing, and
+  // rank 1 runs the micro-batch again (Note [A refused closing micro-batch]).
+  for (bool closing : {true, false}) {
+    DYNAMIC_SECTION((closing ? "closing micro-step" : "first micro-step")) {
+      std::vector<std::vector<std::string>> errors(2);
+      std::vector<std::vector<at::Tensor>> results(2);
+      std::vector<int64_t> dropped(2), steps(2), allreduces(2);
+      run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+        auto net = gradaccum::test::mlp();
+        torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+        Accumulator acc(net, opt, AccumulatorOptions(2).process_group(group));
+        const int before = group->allreduces;
+        for (int w = 0; w < 3; ++w) {
+          for (int k = 0; k < 2; ++k) {
+            auto x = torch::full({2, 6}, double(w + k + rank), torch::kFloat64);
+            const bool refuse = rank == 1 && w == 1 && k == (closing ? 1 : 0);
+            try {
+              acc.backward(refuse ? torch::zeros({}, torch::kFloat64) : net->forward(x).pow(2).mean());
+              acc.step();
+            } catch (const c10::ValueError& e) {
+              errors[rank].push_back(std::to_string(w) + "/" + std::to_string(k) + ": " + e.what_without_backtrace());
+              if (!closing && refuse) { // changed nothing: run it again
+                acc.backward(net->forward(x).pow(2).mean());
+                acc.step();
+              }
+            } catch (const c10::Error& e) {
+              errors[rank].push_back(std::to_string(w) + "/" + std::to_string(k) + ": " + e.what_without_backtrace());
+            }
+          }
+        }
+        dropped[rank] = acc.stats().reducer.dropped_windows;
+        steps[rank] = acc.stats().optimizer_steps;
+        allreduces[rank] = group->allreduces - before;
+        for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
+      });
+      const std::string refused = "1/" + std::string(closing ? "1" : "0") + ": gradaccum: acc.backward(): loss does "
+          "not require grad (computed under no_grad, or from no trainable parameter?)";
+      REQUIRE(errors[1].size() == 1);
+      if (closing) {
+        REQUIRE(errors[0].size() == 1);
+        CHECK(errors[0][0] == "1/1: gradaccum: acc.backward(): window 1 was dropped on every rank: rank 1 refused "
+                              "the micro-batch that closes the window: acc.backward() rejected its loss, num_items or "
+                              "metrics (a loss that is not a scalar or does not require grad, a num_items that is not "
+                              "a number >= 0, ...) (its own error is raised there). The window's gradients were "
+                              "cleared on every rank and no optimizer step was taken; training can go on from the "
+                              "next window");
+        CHECK(errors[1][0] == refused + "; window 1 was dropped on every rank: this rank (rank 1) refused the "
+                              "micro-batch that closes the window: acc.backward() rejected its loss, num_items or "
+                              "metrics (a loss that is not a scalar or does not require grad, a num_items that is not "
+                              "a number >= 0, ...). The window's gradients were cleared on every rank and no "
+                              "optimizer step was taken; training can go on from the next window");
+        CHECK(dropped == std::vector<int64_t>{1, 1});
+        CHECK(steps == std::vector<int64_t>{2, 2});
+      } else {
+        CHECK(errors[0].empty());
+        CHECK(errors[1][0] == refused);
+        CHECK(dropped == std::vector<int64_t>{0, 0});
+        CHECK(steps == std::vector<int64_t>{3, 3});
+      }
+      CHECK(allreduces[0] == allreduces[1]);
+      for (size_t i = 0; i < results[0].size(); ++i) {
+        CHECK(torch::equal(results[0][i], results[1][i]));
+      }
+    }
+  }
+}
+
+namespace {
+// One float64 buffer (one broadcast a window), set by each forward.
+struct BufferNetImpl : torch::nn::Module {
+  BufferNetImpl() {
+    std::lock_guard<std::mutex> lock(gradaccum::test::init_mutex());
+    torch::manual_seed(5);
+    first = register_module("first", torch::nn::Linear(6, 16));
+    second = register_module("second", torch::nn::Linear(16, 3));
+    stat = register_buffer("stat", torch::zeros({16}));
+    to(torch::kFloat64);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(first->forward(x));
+    stat.copy_(h.mean(0).detach());
+    return second->forward(h);
+  }
+  torch::nn::Linear first{nullptr}, second{nullptr};
+  torch::Tensor stat;
+};
+TORCH_MODULE(BufferNet);
+
+// Broadcasts like its inner group (the pairing holds), then throws on demand:
+// a local failure after the window's consensus, before its write-back.
+class FailingBroadcastGroup : public CountingGroup {
+ public:
+  using CountingGroup::CountingGroup;
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
+    auto work = CountingGroup::broadcast(tensors, opts);
+    if (fail) {
+      work->wait();
+      throw std::runtime_error("injected broadcast failure");
+    }
+    return work;
+  }
+  std::atomic<bool> fail{false};
+};
+} // namespace
+
+TEST_CASE("a failure between the consensus and the write-back steps nothing on that rank", "[reducer][distributed][errors]") {
+  // Rank 1's buffer broadcast of window 1 fails after pairing: its .grad would
+  // hold the undivided sum. It is cleared, the window is dropped there with
+  // an error that says the replicas now differ, and both ranks go on paired.
+  for (bool as_view : {false, true}) {
+    DYNAMIC_SECTION((as_view ? "bucket views" : "copies")) {
+      std::vector<std::vector<std::string>> errors(2);
+      std::vector<std::vector<bool>> stepped(2);
+      std::vector<int> grads_left(2, -1), allreduces(2);
+      run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> counting) {
+        auto group = c10::make_intrusive<FailingBroadcastGroup>(counting);
+        BufferNet net;
+        torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+        Accumulator acc(net, opt, AccumulatorOptions(1).process_group(group).reducer(
+            ReducerOptions().rebuild_buckets(false).gradient_as_bucket_view(as_view)));
+        for (int w = 0; w < 3; ++w) {
+          auto x = torch::full({4, 6}, double(w + rank), torch::kFloat64) + torch::arange(24, torch::kFloat64).view({4, 6});
+          group->fail = rank == 1 && w == 1;
+          try {
+            acc.backward(net->forward(x).pow(2).mean());
+          } catch (const c10::Error& e) {
+            errors[rank].push_back(std::to_string(w) + ": " + e.what_without_backtrace());
+            int left = 0;
+            for (auto& p : net->parameters()) {
+              left += p.grad().defined() && p.grad().abs().sum().item<double>() != 0;
+            }
+            grads_left[rank] = left;
+          }
+          group->fail = false;
+          stepped[rank].push_back(acc.step());
+        }
+        allreduces[rank] = counting->allreduces;
+      });
+      CHECK(errors[0].empty());
+      REQUIRE(errors[1].size() == 1);
+      CHECK(errors[1][0] == "1: gradaccum: acc.backward(): every rank reduced the window, but this rank (rank 1) "
+                            "failed after that: injected broadcast failure. This rank dropped its window (no "
+                            "optimizer step here) while the other ranks step theirs: the replicas differ from here "
+                            "on. Resume every rank from a checkpoint");
+      CHECK(grads_left[1] == 0);
+      CHECK(stepped[0] == std::vector<bool>{true, true, true});
+      CHECK(stepped[1] == std::vector<bool>{true, false, true});
+      CHECK(allreduces[0] == allreduces[1]);
+    }
+  }
+}
+
+TEST_CASE("a no_sync guard may outlive the reducer it guards", "[reducer][distributed]") {
+  // acc.close() and acc.refresh_parameters() destroy the reducer; the guard's
+  // end must not touch it (a use after free under the sanitizers before).
+  std::vector<int> expect_after(2, -1);
+  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    auto net = gradaccum::test::mlp();
+    Accumulator acc(net, AccumulatorOptions(2).process_group(group));
+    {
+      auto guard = acc.no_sync();
+      RANK_CHECK_FALSE(acc.expect_hooks());
+      acc.refresh_parameters(net);
+    }
+    expect_after[rank] = acc.expect_hooks() ? 1 : 0; // the new reducer's own, untouched by the old guard
+    {
+      auto guard = acc.no_sync();
+      acc.close();
+    }
+    RANK_CHECK(acc.closed());
+  });
+  CHECK(expect_after == std::vector<int>{1, 1});
+}
+
 TEST_CASE("ranks with different steps fail in the first reduction, without the construction check", "[reducer][distributed][errors]") {
   std::vector<std::string> errors(2);
   run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {

@@ -254,6 +254,8 @@ void init_accumulator(py::module_& m) {
       .def("end_micro_step", &Accumulator::end_micro_step, py::arg("failed") = false,
            py::arg("out_of_memory") = false, release(),
            "Count the micro-step the parts made; synchronises at the window's end.")
+      .def("refuse_micro_batch", [](Accumulator& acc) { return acc.refuse_micro_batch("acc.backward()"); }, release(),
+           "acc.backward()'s Python checks rejected the micro-batch: drops the window on every rank if it closes it.")
       .def("check_micro_step_state", [](const Accumulator& acc) { acc.check_micro_step_state("acc.run()"); },
            "The checks acc.run() makes before it runs its function.")
       .def_property_readonly("progress_marker", &Accumulator::progress_marker)
