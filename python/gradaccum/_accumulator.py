@@ -1,10 +1,12 @@
 """gradaccum.Accumulator: the Python face of the C++ Accumulator."""
 import atexit
 import contextlib
+import inspect
 import numbers
 import os
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple, Union
 
 import torch
@@ -15,6 +17,7 @@ from gradaccum import trace as _trace
 from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list, lightning.py reads it here)
     _NONFINITE,
     _REDUCTIONS,
+    _check_layout_options,
     _check_options,
     _check_scaled_parameters,
     _check_scaler_state,
@@ -172,6 +175,9 @@ class Accumulator:
         metrics = tuple(metrics) if isinstance(metrics, (list, tuple)) else metrics
         _check_options(steps, reduction, nonfinite, max_grad_norm, optimizer, scheduler,
                        accumulate_dtype, comm_dtype, error_feedback, grad_scaler, metrics)
+        _check_layout_options(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
+                              gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers,
+                              check_parameters=check_parameters, rebuild_buckets=rebuild_buckets)
         params, names, buffers = _parameters(model)
         if _scaling(grad_scaler):  # before the C++ side claims the parameters
             _check_scaled_parameters(params, names, isinstance(model, torch.nn.Module), optimizer)
@@ -269,7 +275,7 @@ class Accumulator:
         constructor's names' order; a name left out is 0)."""
         if metrics is None:
             return None
-        if not isinstance(metrics, dict):
+        if not isinstance(metrics, Mapping):
             raise TypeError(f"gradaccum: {what}: metrics must be a dict of name: value, got {type(metrics).__name__}")
         unknown = [name for name in metrics if name not in self.metrics]
         if unknown:
@@ -288,6 +294,8 @@ class Accumulator:
             else:
                 raise TypeError(f"gradaccum: {what}: metric {name!r} must be a number or a one-element tensor, "
                                 f"got {value!r}")
+        if not values:
+            return None  # metrics={} on an Accumulator built without metrics: nothing to carry
         return torch.stack(values)
 
     def _micro_batch(self, what: str, loss: Any, num_items: Any) -> Tuple[torch.Tensor, Optional[float], Optional[torch.Tensor]]:
@@ -340,8 +348,17 @@ class Accumulator:
             # convert: the C++ side's defaults are what it would pass.
             self._c.backward(loss)
             return
-        loss, items, reported = self._micro_batch("acc.backward()", loss, num_items)
-        self._c.backward(loss, items, reported, self._metric_values("acc.backward()", metrics, loss))
+        try:
+            loss, items, reported = self._micro_batch("acc.backward()", loss, num_items)
+            values = self._metric_values("acc.backward()", metrics, loss)
+        except (TypeError, ValueError) as error:
+            # Data parallel, at the closing micro-step the others are reducing:
+            # Note [A refused closing micro-batch] (src/accumulator/parts.cpp).
+            dropped = self._c.refuse_micro_batch()
+            if not dropped:
+                raise
+            raise type(error)(f"{error}; {dropped}") from None
+        self._c.backward(loss, items, reported, values)
 
     def _backward_part(self, loss: Any, num_items: Any, share: float, metrics: Any = None) -> None:
         """One part of a micro-step run in parts (run())."""
@@ -466,9 +483,10 @@ class Accumulator:
         if source is None:
             raise ValueError("gradaccum: acc.refresh_parameters(): this Accumulator was built from an iterable of "
                              "parameters, not a module; pass the ones to train: acc.refresh_parameters(params)")
-        params, names, buffers = _parameters(source)
+        what = "acc.refresh_parameters()"
+        params, names, buffers = _parameters(source, what, "parameters")
         if _scaling(self.grad_scaler):
-            _check_scaled_parameters(params, names, isinstance(source, torch.nn.Module), self.optimizer)
+            _check_scaled_parameters(params, names, isinstance(source, torch.nn.Module), self.optimizer, what)
         self._c.refresh_parameters(params, names, buffers)
 
     def zero_grad(self) -> None:
@@ -635,3 +653,25 @@ class Accumulator:
                  if stats["data_parallel"] else "")
         return (f"Accumulator(steps={self.steps}, reduction={self.reduction!r}, "
                 f"micro_step={self.micro_step}, data_parallel={stats['data_parallel']}{group})")
+
+
+def _adapter_options(what: str, options: Any, reserved: Iterable[str]) -> Dict[str, Any]:
+    """An adapter's ``accumulator_options``: ``Accumulator`` keyword arguments,
+    none of those the adapter sets itself (`reserved`), checked when the
+    adapter is built rather than when it builds the Accumulator."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"gradaccum: {what}: accumulator_options must be a dict of Accumulator keyword arguments, "
+                        f"got {type(options).__name__}")
+    reserved = tuple(reserved)
+    known = [name for name in inspect.signature(Accumulator.__init__).parameters
+             if name not in ("self", "model", "optimizer")]
+    for name in options:
+        if name in reserved or name in ("model", "optimizer"):
+            raise ValueError(f"gradaccum: {what}: accumulator_options may not set {name!r}: the adapter sets it "
+                             f"(it sets {', '.join(repr(r) for r in reserved)}, the model and the optimizer)")
+        if name not in known:
+            raise ValueError(f"gradaccum: {what}: accumulator_options: {name!r} is not an Accumulator option "
+                             f"(they are {', '.join(known)})")
+    return dict(options)

@@ -31,13 +31,13 @@ def _wrapper_classes():
     return tuple(found)
 
 
-def _check_module(model: torch.nn.Module) -> None:
+def _check_module(model: torch.nn.Module, what: str = "Accumulator()") -> None:
     wrappers = _wrapper_classes()
     for name, module in model.named_modules():
         if wrappers and isinstance(module, wrappers):
             where = f"submodule {name!r}" if name else "the model"
             raise ValueError(
-                f"gradaccum: Accumulator(): {where} is wrapped in {type(module).__name__}, which reduces gradients "
+                f"gradaccum: {what}: {where} is wrapped in {type(module).__name__}, which reduces gradients "
                 "itself: with gradaccum's reduction too, every gradient would be reduced "
                 "twice. Do not wrap the model (with Accelerate, prepare the optimizer and "
                 "data loaders but not the model); if it is wrapped already, take "
@@ -45,37 +45,38 @@ def _check_module(model: torch.nn.Module) -> None:
                 "the Accumulator: gradaccum does the data-parallel reduction")
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
             raise ValueError(
-                f"gradaccum: Accumulator(): submodule {name!r} is {type(module).__name__}(sparse=True), which makes "
+                f"gradaccum: {what}: submodule {name!r} is {type(module).__name__}(sparse=True), which makes "
                 "sparse gradients; gradaccum supports dense gradients only: use sparse=False")
     for name, p in model.named_parameters():
         if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
             raise ValueError(
-                f"gradaccum: Accumulator(): parameter {name!r} is a DTensor (FSDP2 / tensor parallel): gradaccum reduces "
+                f"gradaccum: {what}: parameter {name!r} is a DTensor (FSDP2 / tensor parallel): gradaccum reduces "
                 "plain replicated parameters; pass the unsharded module")
 
 
-def _parameters(model: Any):
-    """(parameters, names, buffers) of a module or of an iterable of parameters."""
+def _parameters(model: Any, what: str = "Accumulator()", arg: str = "model"):
+    """(parameters, names, buffers) of a module or of an iterable of parameters;
+    `what` and `arg` name the call and its argument in errors."""
     if isinstance(model, torch.nn.Module):
-        _check_module(model)
+        _check_module(model, what)
         named = list(model.named_parameters())
         return [p for _, p in named], [n for n, _ in named], list(model.buffers())
     if isinstance(model, torch.Tensor):
         raise TypeError(
-            "gradaccum: Accumulator(): model must be a torch.nn.Module or an iterable of parameters, got a single "
+            f"gradaccum: {what}: {arg} must be a torch.nn.Module or an iterable of parameters, got a single "
             "Tensor (wrap it in a list)"
         )
     try:
         params = list(model)
     except TypeError:
         raise TypeError(
-            "gradaccum: Accumulator(): model must be a torch.nn.Module or an iterable of parameters, got "
+            f"gradaccum: {what}: {arg} must be a torch.nn.Module or an iterable of parameters, got "
             f"{type(model).__name__}"
         ) from None
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(
-                f"gradaccum: Accumulator(): model must be a torch.nn.Module or an iterable of parameters; item {i} "
+                f"gradaccum: {what}: {arg} must be a torch.nn.Module or an iterable of parameters; item {i} "
                 f"is a {type(p).__name__}"
             )
     return params, [f"parameter {i}" for i in range(len(params))], []
@@ -91,15 +92,17 @@ def _scaling(grad_scaler: Optional[Any]) -> bool:
     return bool(is_enabled()) if callable(is_enabled) else True
 
 
-def _check_scaled_parameters(params, names, is_module: bool, optimizer: Any) -> None:
+def _check_scaled_parameters(params, names, is_module: bool, optimizer: Any, what: str = "Accumulator()") -> None:
     """With a GradScaler, every gradient the Accumulator clips and checks must be
-    one GradScaler unscales (the optimizer's), and none may be float16."""
+    one GradScaler unscales (the optimizer's), and none may be float16.
+    `what`: the call (Accumulator() or acc.refresh_parameters())."""
+    before = "building the Accumulator" if what == "Accumulator()" else f"calling {what}"
     def label(name: str) -> str:
         return f"parameter {name!r}" if is_module else name
 
     groups = getattr(optimizer, "param_groups", None)
     if groups is None:
-        raise TypeError(f"gradaccum: Accumulator(): grad_scaler needs a torch.optim.Optimizer (GradScaler.unscale_ reads its "
+        raise TypeError(f"gradaccum: {what}: grad_scaler needs a torch.optim.Optimizer (GradScaler.unscale_ reads its "
                         f"param_groups), got {type(optimizer).__name__}")
     optimized = {id(p) for group in groups for p in group["params"]}
     for p, name in zip(params, names):
@@ -107,14 +110,14 @@ def _check_scaled_parameters(params, names, is_module: bool, optimizer: Any) -> 
             continue
         if id(p) not in optimized:
             raise ValueError(
-                f"gradaccum: Accumulator(): grad_scaler: {label(name)} requires grad but is not in the optimizer's "
+                f"gradaccum: {what}: grad_scaler: {label(name)} requires grad but is not in the optimizer's "
                 "param_groups. GradScaler unscales (and checks for inf/NaN) only the optimizer's "
                 "gradients, while the Accumulator clips and checks every trainable parameter's: "
-                "this one would stay scaled. Freeze it (requires_grad=False) before building the "
-                "Accumulator, or give the optimizer every trainable parameter")
+                f"this one would stay scaled. Freeze it (requires_grad=False) before {before}, or give "
+                "the optimizer every trainable parameter (optimizer.add_param_group)")
         if p.dtype == torch.float16:
             raise ValueError(
-                f"gradaccum: Accumulator(): grad_scaler: {label(name)} is float16; GradScaler cannot unscale float16 "
+                f"gradaccum: {what}: grad_scaler: {label(name)} is float16; GradScaler cannot unscale float16 "
                 "gradients (torch refuses them at the first step()). Keep the parameters float32 "
                 "and run the forward under torch.autocast(device_type, dtype=torch.float16) "
                 "(torch's own mixed-precision recipe)")
@@ -215,7 +218,7 @@ def _check_options(steps: Any, reduction: Any, nonfinite: Any, max_grad_norm: An
         raise ValueError(f"gradaccum: Accumulator(): invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
     if nonfinite not in _NONFINITE:
         raise ValueError(f"gradaccum: Accumulator(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
-    if max_grad_norm is not None and not isinstance(max_grad_norm, numbers.Real):
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real)):
         raise TypeError(f"gradaccum: Accumulator(): max_grad_norm must be a number or None, got {max_grad_norm!r}")
     if optimizer is not None and not callable(getattr(optimizer, "step", None)):
         raise TypeError(f"gradaccum: Accumulator(): optimizer must have a step() method, got {type(optimizer).__name__}")
@@ -242,6 +245,21 @@ def _check_options(steps: Any, reduction: Any, nonfinite: Any, max_grad_norm: An
             if not callable(getattr(grad_scaler, method, None)):
                 raise TypeError(f"gradaccum: Accumulator(): grad_scaler must be a torch.amp.GradScaler, got "
                                 f"{type(grad_scaler).__name__} (no {method}())")
+
+
+def _check_layout_options(**options: Any) -> None:
+    """Accumulator()'s reducer options: the bucket caps numbers (a string or a
+    bool is a mistake, not a size), the switches bools (``"no"`` is truthy)."""
+    for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+        value = options.pop(name)
+        if value is None and name == "bucket_cap_mb":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"gradaccum: Accumulator(): {name} must be a number of MiB"
+                            f"{' or None' if name == 'bucket_cap_mb' else ''}, got {value!r}")
+    for name, value in options.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"gradaccum: Accumulator(): {name} must be a bool, got {value!r}")
 
 
 def _resolve_group(process_group: Any) -> "tuple[Any, bool]":

@@ -1,5 +1,7 @@
 """gradaccum.split: one batch into micro-batches."""
-from typing import Any, List, NamedTuple
+import copy
+from collections.abc import Mapping, MutableMapping
+from typing import Any, Dict, List, NamedTuple
 
 import torch
 
@@ -18,6 +20,13 @@ class _Same(NamedTuple):
     value: Any  # repeated in every micro-batch
 
 
+class _Mapping(NamedTuple):
+    """A mapping other than a plain dict (Hugging Face's BatchEncoding and
+    BatchFeature, an OrderedDict...): rebuilt as its own type."""
+    original: Mapping
+    entries: Dict[Any, Any]  # key: template
+
+
 class _Leaves:
     """What a batch holds to split: tensors (along dim 0) and lists of
     per-sample values (strings, ids...), with where each came from."""
@@ -31,7 +40,7 @@ class _Leaves:
 def _holds_tensor(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return True
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return any(_holds_tensor(v) for v in value.values())
     if isinstance(value, (list, tuple)):
         return any(_holds_tensor(v) for v in value)
@@ -44,8 +53,9 @@ def _flatten(batch: Any, leaves: _Leaves, path: str = "batch") -> Any:
     if isinstance(batch, torch.Tensor):
         leaves.tensors.append(batch)
         return _Tensor(len(leaves.tensors) - 1)
-    if isinstance(batch, dict):
-        return {key: _flatten(value, leaves, f"{path}[{key!r}]") for key, value in batch.items()}
+    if isinstance(batch, Mapping):
+        entries = {key: _flatten(value, leaves, f"{path}[{key!r}]") for key, value in batch.items()}
+        return entries if type(batch) is dict else _Mapping(batch, entries)
     if hasattr(batch, "__array__") and len(getattr(batch, "shape", ())) > 0:
         # Rows of its own, but not a tensor: repeating it whole would be wrong.
         raise TypeError(f"gradaccum: split(): cannot split a {type(batch).__name__} ({path}); convert it to a "
@@ -71,17 +81,43 @@ def _rebuild(template: Any, tensors: List[torch.Tensor], samples: List[list]) ->
         return template.value
     if isinstance(template, dict):
         return {key: _rebuild(value, tensors, samples) for key, value in template.items()}
+    if isinstance(template, _Mapping):
+        return _like(template.original,
+                     {key: _rebuild(value, tensors, samples) for key, value in template.entries.items()})
     parts = [_rebuild(value, tensors, samples) for value in template]
     if isinstance(template, tuple) and hasattr(template, "_fields"):
         return type(template)(*parts)
     return type(template)(parts)
 
 
+def _like(original: Mapping, items: Dict[Any, Any]) -> Mapping:
+    """A mapping of `original`'s type holding `items`: built from them (a
+    BatchEncoding then keeps no tokenizer alignment of the whole batch, which
+    would be wrong for a part), else a copy emptied and refilled (a
+    defaultdict keeps its factory), else a plain dict."""
+    try:
+        built = type(original)(items)
+        if isinstance(built, Mapping) and len(built) == len(items):
+            return built
+    except Exception:  # a constructor that takes no mapping
+        pass
+    if isinstance(original, MutableMapping):
+        try:
+            refilled = copy.copy(original)
+            refilled.clear()
+            refilled.update(items)
+            return refilled
+        except Exception:
+            pass
+    return dict(items)
+
+
 def split(batch: Any, steps: int) -> list:
     """Splits a batch along dim 0 into `steps` micro-batches.
 
-    `batch` is a tensor, or tuples/lists/dicts of them (nested), all with the
-    same size along dim 0. Micro-batch sizes differ by at most one (the first
+    `batch` is a tensor, or tuples/lists/dicts (any mapping: a Hugging Face
+    ``BatchEncoding`` stays one) of them, nested, all with the same size along
+    dim 0. Micro-batch sizes differ by at most one (the first
     ones take the extra rows); tensor parts are views, not copies. Other
     fields, as a Hugging Face batch carries them, pass through:
 

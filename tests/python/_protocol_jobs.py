@@ -1012,3 +1012,59 @@ def skewed_checkpoint(rank, world_size, *, saves, reduction):
         out["window_error"] = str(e)
     out["weight"] = model.weight.detach().clone()
     return out
+
+
+# --------------------------------------------------------------------------- #
+# A micro-batch refused on one rank (Note [A refused closing micro-batch])
+# --------------------------------------------------------------------------- #
+
+REFUSE_SEED = 11
+
+
+def refused_reference(world_size, dropped):
+    """One process, float64: the 3 windows' big batches, but `dropped`."""
+    model = du.mlp(REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reduction = "mean"
+    for w, window in enumerate(du.make_windows(REFUSE_SEED, [[MICRO] * world_size] * 3, MICRO)):
+        if w == dropped:
+            continue
+        du.global_batch_loss(model, window, reduction).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return du.params(model)
+
+
+@job
+def refused_micro_batch(rank, world_size, *, how, closing):
+    """K=2, 3 windows. In window 1 rank 1 hands acc.backward() a micro-batch
+    it refuses: `how` "no_grad" (a loss that does not require grad, as an
+    empty batch's torch.zeros(()): C++'s check), "not_tensor" (a float:
+    Python's check), "num_items" (num_items with reduction="mean": C++'s
+    check of num_items). At the closing micro-step (`closing`) the window is
+    dropped on every rank; at the first one rank 1 runs the micro-batch again."""
+    import gradaccum
+    model = du.mlp(REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=MICRO)
+    errors = []
+    windows = du.make_windows(REFUSE_SEED, [[MICRO] * world_size] * 3, MICRO)
+    for w, window in enumerate(windows):
+        for k, batch in enumerate(window[rank]):
+            loss = du.micro_loss(model, batch, "mean")[0]
+            if rank == 1 and w == 1 and k == (1 if closing else 0):
+                bad = {"no_grad": lambda: acc.backward(torch.zeros((), dtype=torch.float64)),
+                       "not_tensor": lambda: acc.backward(0.0),
+                       "num_items": lambda: acc.backward(loss, num_items=2)}[how]
+                try:
+                    bad()
+                except Exception as e:  # noqa
+                    errors.append((f"{w}/{k}", type(e).__name__, str(e)))
+                if closing:
+                    continue
+            try:
+                acc.backward(loss)
+            except Exception as e:  # noqa
+                errors.append((f"{w}/{k}", type(e).__name__, str(e)))
+        acc.step()
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats()}

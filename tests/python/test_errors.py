@@ -56,7 +56,24 @@ def test_max_grad_norm_bad_value(value):
         gradaccum.Accumulator(make_model(), steps=2, max_grad_norm=value)
 
 
-@pytest.mark.parametrize("value", ["1.0", [1.0]])
+@pytest.mark.parametrize("option,value,text", [
+    ("bucket_cap_mb", "25", "bucket_cap_mb must be a number of MiB or None, got '25'"),
+    ("bucket_cap_mb", True, "bucket_cap_mb must be a number of MiB or None, got True"),
+    ("first_bucket_cap_mb", [1], "first_bucket_cap_mb must be a number of MiB, got [1]"),
+    ("first_bucket_cap_mb", None, "first_bucket_cap_mb must be a number of MiB, got None"),
+    ("gradient_as_bucket_view", "no", "gradient_as_bucket_view must be a bool, got 'no'"),
+    ("broadcast_buffers", 0, "broadcast_buffers must be a bool, got 0"),
+    ("check_parameters", None, "check_parameters must be a bool, got None"),
+    ("rebuild_buckets", "yes", "rebuild_buckets must be a bool, got 'yes'"),
+])
+def test_reducer_options_wrong_type(option, value, text):
+    # A string is not a size, and "no" would have been truthy.
+    with pytest.raises(TypeError) as info:
+        gradaccum.Accumulator(make_model(), steps=2, **{option: value})
+    assert str(info.value) == f"gradaccum: Accumulator(): {text}"
+
+
+@pytest.mark.parametrize("value", ["1.0", [1.0], True])
 def test_max_grad_norm_wrong_type(value):
     with pytest.raises(TypeError, match="max_grad_norm"):
         gradaccum.Accumulator(make_model(), steps=2, max_grad_norm=value)

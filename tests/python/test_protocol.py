@@ -269,3 +269,42 @@ def test_a_per_rank_state_of_a_window_whose_micro_step_failed_is_refused(tmp_pat
     res, = du.run_job("per_rank_state_after_failed_micro_step", 1, tmp_path, module="_protocol_jobs")
     assert "injected failure" in res["backward"]
     assert res["state"] is not None and "a micro-step of this window failed on this rank" in res["state"]
+
+
+REFUSED = {
+    "no_grad": ("ValueError", "gradaccum: acc.backward(): loss does not require grad (computed under no_grad, or from "
+                "no trainable parameter?)"),
+    "not_tensor": ("TypeError", "gradaccum: acc.backward(): loss must be a torch.Tensor, got float"),
+    "num_items": ("ValueError", "gradaccum: acc.backward(): num_items is only used with reduction='items' "
+                  "(reduction is 'mean')"),
+}
+WHY = ("refused the micro-batch that closes the window: acc.backward() rejected its loss, num_items or metrics (a "
+       "loss that is not a scalar or does not require grad, a num_items that is not a number >= 0, ...)")
+THEN = (". The window's gradients were cleared on every rank and no optimizer step was taken; training can go on "
+        "from the next window")
+
+
+@pytest.mark.parametrize("how", sorted(REFUSED))
+@pytest.mark.parametrize("closing", [True, False], ids=["closing", "first"])
+def test_a_micro_batch_refused_on_one_rank_drops_the_window_only_if_it_closes_it(tmp_path, how, closing):
+    """Note [A refused closing micro-batch]: at the closing micro-step the other
+    rank is already reducing, so the window is dropped on both, each naming
+    rank 1 (no hang, no wait for a timeout); before it the call is refused on
+    rank 1 alone and changes nothing."""
+    results = run("refused_micro_batch", 2, tmp_path, how=how, closing=closing)
+    kind, local = REFUSED[how]
+    if closing:
+        window = 1  # the second reduction (the window's number in the reducer's count)
+        assert results[0]["errors"] == [("1/1", "RuntimeError",
+                                         f"gradaccum: acc.backward(): window {window} was dropped on every rank: "
+                                         f"rank 1 {WHY} (its own error is raised there){THEN}")]
+        assert results[1]["errors"] == [("1/1", kind, f"{local}; window {window} was dropped on every rank: this "
+                                         f"rank (rank 1) {WHY}{THEN}")]
+    else:
+        assert results[0]["errors"] == []
+        assert results[1]["errors"] == [("1/0", kind, local)]
+    expected = pj.refused_reference(2, dropped=1 if closing else None)
+    for res in results:
+        assert res["stats"]["dropped_windows"] == (1 if closing else 0)
+        assert res["stats"]["optimizer_steps"] == (2 if closing else 3)
+        du.assert_params_close(res["params"], expected, "refused")

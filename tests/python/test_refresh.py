@@ -76,3 +76,27 @@ def test_one_process_refresh_and_the_error_without_it():
         params_only.refresh_parameters()
     params_only.refresh_parameters(model)
     params_only.close()
+
+
+def test_refresh_errors_name_the_refresh_and_leave_the_set_alone():
+    torch.manual_seed(0)
+    model = du.mlp(3)
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(list(model[2].parameters()) + list(model[4].parameters()), lr=0.1)  # not model[0]
+    acc = gradaccum.Accumulator(model, opt, steps=1, grad_scaler=torch.amp.GradScaler("cpu", init_scale=1.0))
+    with pytest.raises(TypeError, match=r"^gradaccum: acc\.refresh_parameters\(\): parameters must be a torch\.nn\.Module "
+                       r"or an iterable of parameters, got a single Tensor \(wrap it in a list\)$"):
+        acc.refresh_parameters(torch.zeros(2))
+    model[0].requires_grad_(True)  # unfrozen, but not in the optimizer
+    with pytest.raises(ValueError, match=r"^gradaccum: acc\.refresh_parameters\(\): grad_scaler: parameter '0\.weight' "
+                       r"requires grad but is not in the optimizer's param_groups\..*Freeze it \(requires_grad=False\) "
+                       r"before calling acc\.refresh_parameters\(\), or give the optimizer every trainable parameter "
+                       r"\(optimizer\.add_param_group\)$"):
+        acc.refresh_parameters()
+    # Refused before anything changed: the old set trains on, once frozen again.
+    model[0].requires_grad_(False)
+    batch = fj.windows(3, 1, 1)[0][0][0]
+    acc.backward(du.micro_loss(model, batch, "mean")[0])
+    assert acc.step()
+    assert model[0].weight.grad is None
+    acc.close()

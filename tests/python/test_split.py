@@ -93,6 +93,28 @@ def test_dict():
         assert torch.equal(p["label"], p["input"] + 100)
 
 
+def test_mappings_keep_their_type():
+    # Hugging Face's tokenizers and collators return BatchEncoding (a
+    # UserDict, not a dict); it stays one, split like a dict, nested too.
+    transformers = pytest.importorskip("transformers")
+    enc = transformers.BatchEncoding({"input_ids": torch.arange(8).view(4, 2), "attention_mask": torch.ones(4, 2)})
+    parts = gradaccum.split(enc, 2)
+    assert [type(p) for p in parts] == [transformers.BatchEncoding] * 2
+    assert [p["input_ids"].tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert parts[1].input_ids.data_ptr() == enc["input_ids"][2:].data_ptr()  # views, attribute access kept
+    nested = gradaccum.split({"enc": enc, "y": torch.arange(4)}, 2)
+    assert [p["enc"]["input_ids"].shape[0] for p in nested] == [2, 2]
+    assert [p["y"].tolist() for p in nested] == [[0, 1], [2, 3]]
+    # Mappings built otherwise: a defaultdict keeps its factory, an OrderedDict its order.
+    dd = collections.defaultdict(list, {"x": torch.arange(3), "names": ["a", "b", "c"]})
+    parts = gradaccum.split(dd, 3)
+    assert [type(p) for p in parts] == [collections.defaultdict] * 3
+    assert parts[0].default_factory is list and parts[2]["names"] == ["c"]
+    od = collections.OrderedDict([("b", torch.arange(2)), ("a", torch.arange(2) + 5)])
+    assert [list(p) for p in gradaccum.split(od, 2)] == [["b", "a"], ["b", "a"]]
+    assert type(gradaccum.split(od, 2)[0]) is collections.OrderedDict
+
+
 def test_namedtuple():
     batch = Batch(torch.arange(6), torch.arange(6) * 2)
     parts = gradaccum.split(batch, 4)

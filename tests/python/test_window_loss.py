@@ -68,8 +68,12 @@ def test_metrics_are_checked_before_anything_changes():
         gradaccum.Accumulator(du.mlp(1), steps=2, process_group=False, metrics=[f"m{i}" for i in range(9)])
     with pytest.raises(ValueError, match=r"gradaccum: Accumulator\(\): the metric 'a' is named twice"):
         gradaccum.Accumulator(du.mlp(1), steps=2, process_group=False, metrics=["a", "a"])
-    plain = gradaccum.Accumulator(du.mlp(1), steps=1, process_group=False)
+    plain_model = du.mlp(1)
+    plain = gradaccum.Accumulator(plain_model, steps=1, process_group=False)
     assert plain.window_metrics is None
+    # metrics={} is no metrics (a script that always passes its dict, empty here)
+    plain.backward(du.micro_loss(plain_model, batch, "mean")[0], metrics={})
+    assert plain.window_ready and plain.window_metrics is None
 
 
 def test_window_loss_reports_the_loss_a_grad_scaler_scales():
