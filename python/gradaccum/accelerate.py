@@ -97,7 +97,12 @@ Not supported (refused when built): DeepSpeed, FSDP, Megatron-LM, XLA,
 tensor/context parallelism, several trained models or optimizers under one
 Accelerator, a closure in ``optimizer.step``, ``backward`` keyword arguments
 other than ``num_items`` and ``metrics``. ``GradientAccumulationPlugin``'s
-``sync_each_batch`` has no effect (the Accumulator decides when to reduce).
+``sync_each_batch`` has no effect (the Accumulator decides when to reduce);
+``sync_with_dataloader=False`` is refused (each epoch's last window closes at
+the loader's end), and so is changing ``gradient_accumulation_steps`` after
+``prepare()`` built the Accumulator. With fp16, ``unscale_gradients()`` raises:
+the Accumulator unscales inside its step, and ``clip_grad_norm_()`` clips the
+unscaled window gradient.
 Not covered by the tests: iterable datasets and ``dispatch_batches=True``
 (Accelerate pads those shards itself), fp16 on CUDA.
 """
@@ -126,7 +131,7 @@ except ImportError as error:  # pragma: no cover - exercised without accelerate
         "so that pip keeps your torch)"
     ) from error
 
-from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator, _adapter_options
 from gradaccum._hf import keep_float64_causal_lm_loss
 
 __all__ = ["Accelerator"]
@@ -283,6 +288,14 @@ class Accelerator(_accelerate.Accelerator):
             raise ValueError(f"gradaccum: Accelerator(): invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
         if nonfinite not in _NONFINITE:
             raise ValueError(f"gradaccum: Accelerator(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
+        options = _adapter_options(
+            "Accelerator()", accumulator_options, ("steps", "reduction", "nonfinite", "scheduler", "grad_scaler"))
+        plugin = kwargs.get("gradient_accumulation_plugin")
+        if plugin is not None and not getattr(plugin, "sync_with_dataloader", True):
+            raise ValueError(
+                "gradaccum: Accelerator(): GradientAccumulationPlugin(sync_with_dataloader=False) is not supported: "
+                "the adapter closes each epoch's last window at the end of the training loader (acc.flush(), a "
+                "collective every rank reaches, so that uneven shards stay paired); leave sync_with_dataloader=True")
         if "cpu" not in kwargs and _launched_without_accelerator():
             # `accelerate launch --multi_gpu --num_processes N` on a machine
             # without GPUs starts N processes that stock Accelerate leaves
@@ -298,17 +311,28 @@ class Accelerator(_accelerate.Accelerator):
                 "use accelerate.Accelerator for DeepSpeed, FSDP, Megatron-LM, XLA or tensor parallelism")
         self.reduction = reduction
         self.nonfinite = nonfinite
-        self._accumulator_options = dict(accumulator_options or {})
-        for name in ("steps", "reduction", "nonfinite", "scheduler", "grad_scaler"):
-            if name in self._accumulator_options:
-                raise ValueError(f"gradaccum: Accelerator(): accumulator_options may not set {name!r} "
-                                 "(it is an Accelerator argument, or set by prepare)")
+        self._accumulator_options = options
         self.accumulator: Optional[Accumulator] = None
         self._pending_state: Optional[Dict[str, Any]] = None
         self._deferred_clips: List[Any] = []
         self._micro_step_clips: List[Any] = []
         self._warned_mid_window_clip = False
         self._eval_even_batches = self.dataloader_config.even_batches
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        # The window size is the Accumulator's once prepare() built it (as
+        # GradaccumStrategy refuses a changed accumulate_grad_batches).
+        acc = getattr(self, "accumulator", None)
+        if acc is not None and not acc.closed and steps != acc.steps:
+            raise ValueError(
+                f"gradaccum: accelerator.gradient_accumulation_steps = {steps!r}: the window size is fixed at "
+                f"{acc.steps} once accelerator.prepare() has built the Accumulator; set it before prepare()")
+        self.gradient_state.plugin_kwargs.update({"num_steps": steps})
 
     # ------------------------------------------------------------------ prepare
 
@@ -581,9 +605,17 @@ class Accelerator(_accelerate.Accelerator):
                    lambda: torch.nn.utils.clip_grad_value_(parameters, clip_value), parameters)
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
-        # The Accumulator unscales once per window, inside its step.
         if self.accumulator is None:
             super().unscale_gradients(optimizer)
+        elif self.accumulator.grad_scaler is not None:
+            # GradScaler unscales once per optimizer step, and the Accumulator
+            # does it inside its step: gradients read here are still scaled.
+            raise RuntimeError(
+                "gradaccum: accelerator.unscale_gradients(): with fp16 the Accumulator unscales the window's "
+                "gradient once, inside its step, so the gradients here are still scaled (and GradScaler allows one "
+                "unscale per step). Clip with accelerator.clip_grad_norm_() or clip_grad_value_(): they are applied "
+                "to the unscaled window gradient")
+        # Without a scaler there is nothing to unscale, as in stock Accelerate.
 
     def free_memory(self, *objects: Any) -> Any:
         if self.accumulator is not None:

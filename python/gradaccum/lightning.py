@@ -31,8 +31,7 @@ Lightning's own accumulation:
 Precision: ``32-true``, ``64-true``, ``bf16-mixed``, ``16-mixed`` (the precision
 plugin's GradScaler becomes the Accumulator's ``grad_scaler``; once per window
 it unscales, skips an overflow window and updates) and the ``*-true`` half
-precisions. Previously ``16-mixed`` needed a loss scaler, which the Accumulator did not
-have yet: it is refused with an error. Manual optimization is refused too: use
+precisions. Manual optimization is refused: use
 ``gradaccum.Accumulator`` in ``training_step`` directly there.
 
 Lightning is an optional dependency, imported only by this module:

@@ -115,7 +115,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         f"({error}). Install them with: pip install transformers accelerate"
     ) from error
 
-from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator, _adapter_options
 from gradaccum._hf import _float64_causal_lm_loss, keep_float64_causal_lm_loss
 
 __all__ = ["Trainer", "CHECKPOINT_NAME"]
@@ -167,7 +167,8 @@ class Trainer(transformers.Trainer):
             raise ValueError(f"gradaccum: Trainer(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
         self._reduction_option = reduction
         self.nonfinite = nonfinite
-        self.accumulator_options = dict(accumulator_options or {})
+        self.accumulator_options = _adapter_options(
+            "Trainer()", accumulator_options, ("steps", "reduction", "max_grad_norm", "nonfinite", "scheduler"))
         self.accumulator: Optional[Accumulator] = None
         self.accumulator_stats: Optional[Dict[str, Any]] = None
         self.reduction: Optional[str] = None

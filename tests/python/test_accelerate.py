@@ -179,3 +179,59 @@ def test_bad_arguments_are_refused_before_accelerate_starts():
         Accelerator(reduction="median")
     with pytest.raises(ValueError, match="invalid nonfinite"):
         Accelerator(nonfinite="maybe")
+    with pytest.raises(ValueError, match=r"^gradaccum: Accelerator\(\): accumulator_options may not set 'grad_scaler': "
+                       r"the adapter sets it"):
+        Accelerator(accumulator_options={"grad_scaler": None})
+    with pytest.raises(ValueError, match=r"^gradaccum: Accelerator\(\): accumulator_options: 'bucket_cap' is not an "
+                       r"Accumulator option"):
+        Accelerator(accumulator_options={"bucket_cap": 1})
+    with pytest.raises(TypeError, match=r"^gradaccum: Accelerator\(\): accumulator_options must be a dict"):
+        Accelerator(accumulator_options=[("bucket_cap_mb", 1)])
+    from accelerate.utils import GradientAccumulationPlugin
+    with pytest.raises(ValueError, match=r"^gradaccum: Accelerator\(\): GradientAccumulationPlugin\("
+                       r"sync_with_dataloader=False\) is not supported"):
+        Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=False))
+
+
+def test_k_is_fixed_once_prepared_and_fp16_unscale_is_refused(tmp_path):
+    """In a process of its own (Accelerate's state is per process): a changed
+    gradient_accumulation_steps after prepare(), and unscale_gradients() with
+    a GradScaler (fp16 needs a GPU: the scaler is handed over by hand), are
+    refused with their errors; setting K again to its value is fine."""
+    script = tmp_path / "k_and_unscale.py"
+    script.write_text(
+        "import torch\n"
+        "from gradaccum.accelerate import Accelerator\n"
+        "acc = Accelerator(cpu=True, gradient_accumulation_steps=2)\n"
+        "acc.gradient_accumulation_steps = 3  # before prepare: as stock\n"
+        "assert acc.gradient_accumulation_steps == 3\n"
+        "acc.scaler = torch.amp.GradScaler('cpu')\n"
+        "model = torch.nn.Linear(3, 1)\n"
+        "model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "acc.backward(model(torch.ones(2, 3)).sum())\n"
+        "assert acc.accumulator is not None and acc.accumulator.steps == 3\n"
+        "acc.gradient_accumulation_steps = 3\n"
+        "for what, call in [('k', lambda: setattr(acc, 'gradient_accumulation_steps', 4)),\n"
+        "                   ('unscale', acc.unscale_gradients)]:\n"
+        "    try:\n"
+        "        call()\n"
+        "        print(what, 'none')\n"
+        "    except Exception as e:\n"
+        "        print(what, type(e).__name__, e)\n"
+        "print('k now', acc.gradient_accumulation_steps)\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for var in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines == [
+        "k ValueError gradaccum: accelerator.gradient_accumulation_steps = 4: the window size is fixed at 3 once "
+        "accelerator.prepare() has built the Accumulator; set it before prepare()",
+        "unscale RuntimeError gradaccum: accelerator.unscale_gradients(): with fp16 the Accumulator unscales the "
+        "window's gradient once, inside its step, so the gradients here are still scaled (and GradScaler allows one "
+        "unscale per step). Clip with accelerator.clip_grad_norm_() or clip_grad_value_(): they are applied to the "
+        "unscaled window gradient",
+        "k now 3",
+    ], proc.stdout + proc.stderr[-2000:]

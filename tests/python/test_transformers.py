@@ -177,6 +177,14 @@ def test_invalid_options():
         Trainer(model=ex.make_model(SEED), reduction="tokens")
     with pytest.raises(ValueError, match="invalid nonfinite"):
         Trainer(model=ex.make_model(SEED), nonfinite="nan")
+    # accumulator_options: what the Trainer sets itself, or no Accumulator option at all
+    with pytest.raises(ValueError, match=r"^gradaccum: Trainer\(\): accumulator_options may not set 'max_grad_norm': "
+                       r"the adapter sets it \(it sets 'steps', 'reduction', 'max_grad_norm', 'nonfinite', "
+                       r"'scheduler', the model and the optimizer\)$"):
+        Trainer(model=ex.make_model(SEED), accumulator_options={"max_grad_norm": 1.0})
+    with pytest.raises(ValueError, match=r"^gradaccum: Trainer\(\): accumulator_options: 'bucket_cap' is not an "
+                       r"Accumulator option \(they are steps, reduction, .*bucket_cap_mb, "):
+        Trainer(model=ex.make_model(SEED), accumulator_options={"bucket_cap": 1})
 
 
 def test_a_float64_causal_lm_keeps_its_loss_in_float64():
