@@ -666,7 +666,7 @@ def _adapter_options(what: str, options: Any, reserved: Iterable[str]) -> Dict[s
                         f"got {type(options).__name__}")
     reserved = tuple(reserved)
     known = [name for name in inspect.signature(Accumulator.__init__).parameters
-             if name not in ("self", "model", "optimizer")]
+             if name not in ("self", "model", "optimizer") and name not in reserved]
     for name in options:
         if name in reserved or name in ("model", "optimizer"):
             raise ValueError(f"gradaccum: {what}: accumulator_options may not set {name!r}: the adapter sets it "

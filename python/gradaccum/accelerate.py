@@ -290,6 +290,8 @@ class Accelerator(_accelerate.Accelerator):
             raise ValueError(f"gradaccum: Accelerator(): invalid nonfinite: {nonfinite!r} (expected one of {_NONFINITE})")
         options = _adapter_options(
             "Accelerator()", accumulator_options, ("steps", "reduction", "nonfinite", "scheduler", "grad_scaler"))
+        # Before Accelerate starts. Without a plugin given, Accelerate builds
+        # its own from gradient_accumulation_steps, which syncs with the loader.
         plugin = kwargs.get("gradient_accumulation_plugin")
         if plugin is not None and not getattr(plugin, "sync_with_dataloader", True):
             raise ValueError(

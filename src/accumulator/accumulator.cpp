@@ -25,6 +25,14 @@ namespace {
 
 using detail::CallGuard;
 
+// Every rank reduced the window; this one failed afterwards (its write-back,
+// a collective after the consensus), and the reducer cleared its gradients.
+std::string failed_after_reduction(const char* call, int rank, const std::exception& e) {
+  return c10::str("gradaccum: ", call, ": every rank reduced the window, but this rank (rank ", rank,
+      ") failed after that: ", detail::message_of(e), ". This rank dropped its window (no optimizer step here) "
+      "while the other ranks step theirs: the replicas differ from here on. Resume every rank from a checkpoint");
+}
+
 // Note [No group under a multi-rank launch]
 // torchrun starts WORLD_SIZE processes and leaves creating the process group to
 // the script. One that forgets builds Accumulators with no group: every rank
@@ -361,10 +369,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
       reset_window();
       epoch_ended_ = peers_ended_epoch(last);
       ++stats_.micro_steps;
-      TORCH_CHECK(false, "gradaccum: ", call_name(), ": every rank reduced the window, but this rank (rank ",
-          reducer_->process_group()->getRank(), ") failed after that: ", detail::message_of(e),
-          ". This rank dropped its window (no optimizer step here) while the other ranks step theirs: the "
-          "replicas differ from here on. Resume every rank from a checkpoint");
+      TORCH_CHECK(false, failed_after_reduction(call_name(), reducer_->process_group()->getRank(), e));
     }
     reset_window(); // the reducer dropped the window on every rank
     note_dropped_window(window);
@@ -541,11 +546,16 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
   request.joined = joined;
   request.check_finite = reducer_checks_finite();
   request.loss_sum = window_loss_sum_;
+  const auto window = reducer_->progress().sequence;
   ReductionResult result;
   try {
     result = reducer_->reduce(request);
-  } catch (...) {
+  } catch (const std::exception& e) {
     reset_window();
+    const auto last = reducer_->last_result();
+    // As in reduce_window(): reduced everywhere, dropped here alone.
+    TORCH_CHECK(last.window != window || last.dropped || last.written,
+        failed_after_reduction(call_name(), reducer_->process_group()->getRank(), e));
     throw;
   }
   check_join_partners(result, joined); // Note [Joining]

@@ -195,9 +195,11 @@ void Accumulator::fail_micro_step(AbortReason why) {
 // num_items) would launch none. So it drops the window instead, as a failed
 // micro-step does (Note [Dropping a window]): every rank raises, naming this
 // rank and why (AbortReason::MicroBatchRefused), and every rank goes on from
-// the next window alike. Checks that do not depend on the data (a closed
-// window, no_sync(), a closed Accumulator) reject alike on every rank and drop
-// nothing; nor does a refusal before the closing micro-step, where nobody waits.
+// the next window alike. A parameter unfrozen without refresh_parameters()
+// (check_requires_grad) counts as a refusal too: it may be so on one rank only.
+// Checks of the call itself (a closed window, no_sync(), a closed Accumulator)
+// reject alike on every rank and drop nothing; nor does a refusal before the
+// closing micro-step, where nobody waits.
 std::string Accumulator::refuse_micro_batch(const char* call) {
   const CallGuard guard(driver_, call, &call_);
   return drop_refused_window(call);

@@ -177,9 +177,9 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
       return who + " ran out of memory in acc.run() on a micro-batch it could not split further (one row) "
           "or run again (part of its gradient had reached .grad)";
     case AbortReason::MicroBatchRefused:
-      return who + " refused the micro-batch that closes the window: acc.backward() rejected its loss, "
-          "num_items or metrics (a loss that is not a scalar or does not require grad, a num_items that is "
-          "not a number >= 0, ...)";
+      return who + " refused the micro-batch that closes the window: its acc.backward() or acc.run() "
+          "rejected its loss, num_items or metrics (a loss that is not a scalar or does not require grad, a "
+          "num_items that is not a number >= 0, ...)";
     case AbortReason::None:
     case AbortReason::BackwardFailed:
       break;

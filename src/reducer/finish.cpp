@@ -12,6 +12,7 @@
 
 #include <c10/util/irange.h>
 
+#include <exception>
 #include <sstream>
 
 // Note [Finishing a reduction]
@@ -26,10 +27,11 @@
 //  3. complete_snapshot() or complete_window(): every rank agreed, the window
 //     is reduced everywhere; a local failure from here on (say, out of
 //     memory) is reported as such, never as a drop. A window runs its other
-//     collectives first (buffers, the rebuild's order: window_collectives()),
-//     then writes back, then applies the rebuild and ends the reduction, the
-//     last two even when a step before them failed on this rank: every rank
-//     switches buckets and counts the window alike.
+//     collectives first (buffers, the rebuild's order: window_collectives(),
+//     each run even when the one before failed on this rank, so the pairing
+//     holds), then writes back, then applies the rebuild and ends the
+//     reduction, the last two even when a step before them failed on this
+//     rank: every rank switches buckets and counts the window alike.
 
 namespace gradaccum {
 
@@ -185,7 +187,7 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   }
   std::optional<std::vector<Bucket>> rebuilt;
   try {
-    rebuilt = window_collectives(result.joined_ranks);
+    window_collectives(result.joined_ranks, rebuilt);
     const bool divide = window.request.divide && result.global_weight > 0;
     bool known_finite = window.request.check_finite;
     for (const auto b : c10::irange(buckets.all.size())) {
@@ -201,6 +203,7 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
       drop_window();
     } catch (...) {
     }
+    ++stats.dropped_windows; // on this rank alone: the others step theirs
     apply_rebuild(std::move(rebuilt));
     end_reduction(/*window_closed=*/true);
     throw;
@@ -210,7 +213,7 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   return result;
 }
 
-std::optional<std::vector<Bucket>> Reducer::State::window_collectives(int64_t joined_ranks) {
+void Reducer::State::window_collectives(int64_t joined_ranks, std::optional<std::vector<Bucket>>& rebuilt) {
   // Before the write-back: a local failure there must not skip one. The
   // buffers come from rank 0, or, while some ranks have joined, from the
   // lowest rank that ran micro-batches in this window: a rank shadowing the
@@ -218,17 +221,34 @@ std::optional<std::vector<Bucket>> Reducer::State::window_collectives(int64_t jo
   // some ranks joined is in the header, the same on every rank, so every
   // rank takes the same branch, and the ranks pay the extra all-reduce only
   // in the join's tail.
+  std::exception_ptr failed;
   if (config.options.broadcast_buffers() && !config.buffers.empty()) {
-    const int root = joined_ranks == 0
-        ? 0
-        : detail::lowest_rank_where(*config.group, window.request.weight > 0, config.buffers.front().device());
-    if (root < config.world) { // (none: nobody ran a forward since the last broadcast)
-      detail::broadcast_from(*config.group, config.buffers, root);
-      ++stats.broadcasts;
+    try {
+      const int root = joined_ranks == 0
+          ? 0
+          : detail::lowest_rank_where(*config.group, window.request.weight > 0, config.buffers.front().device());
+      if (root < config.world) { // (none: nobody ran a forward since the last broadcast)
+        detail::broadcast_from(*config.group, config.buffers, root);
+        ++stats.broadcasts;
+      }
+    } catch (...) {
+      failed = std::current_exception();
     }
   }
-  // Note [Rebuilding buckets in ready order]: agreed here, applied after the write-back.
-  return buckets.final ? std::nullopt : buckets.agree_on_ready_order(config);
+  // Note [Rebuilding buckets in ready order]: agreed here, applied after the
+  // write-back, on this rank too when its broadcast failed: the others switch.
+  if (!buckets.final) {
+    try {
+      rebuilt = buckets.agree_on_ready_order(config);
+    } catch (...) {
+      if (!failed) {
+        failed = std::current_exception();
+      }
+    }
+  }
+  if (failed) {
+    std::rethrow_exception(failed);
+  }
 }
 
 void Reducer::State::apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) noexcept {

@@ -214,7 +214,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   ReductionResult complete_snapshot(const detail::Reduced& reduced, const std::vector<at::Tensor>& saved,
                                     std::vector<at::Tensor>& sums);
   ReductionResult complete_window(detail::Reduced reduced);
-  std::optional<std::vector<Bucket>> window_collectives(int64_t joined_ranks);
+  /// Runs every one of them, whatever fails on this rank, then rethrows.
+  void window_collectives(int64_t joined_ranks, std::optional<std::vector<Bucket>>& rebuilt);
   bool write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor,
                   bool check_finite);
   void apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) noexcept;

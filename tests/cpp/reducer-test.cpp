@@ -286,13 +286,15 @@ TEST_CASE("a micro-batch refused on one rank drops the window only when it close
       if (closing) {
         REQUIRE(errors[0].size() == 1);
         CHECK(errors[0][0] == "1/1: gradaccum: acc.backward(): window 1 was dropped on every rank: rank 1 refused "
-                              "the micro-batch that closes the window: acc.backward() rejected its loss, num_items or "
+                              "the micro-batch that closes the window: its acc.backward() or acc.run() rejected its "
+                              "loss, num_items or "
                               "metrics (a loss that is not a scalar or does not require grad, a num_items that is not "
                               "a number >= 0, ...) (its own error is raised there). The window's gradients were "
                               "cleared on every rank and no optimizer step was taken; training can go on from the "
                               "next window");
         CHECK(errors[1][0] == refused + "; window 1 was dropped on every rank: this rank (rank 1) refused the "
-                              "micro-batch that closes the window: acc.backward() rejected its loss, num_items or "
+                              "micro-batch that closes the window: its acc.backward() or acc.run() rejected its loss, "
+                              "num_items or "
                               "metrics (a loss that is not a scalar or does not require grad, a num_items that is not "
                               "a number >= 0, ...). The window's gradients were cleared on every rank and no "
                               "optimizer step was taken; training can go on from the next window");
@@ -333,15 +335,15 @@ struct BufferNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(BufferNet);
 
-// Broadcasts like its inner group (the pairing holds), then throws on demand:
-// a local failure after the window's consensus, before its write-back.
+// Broadcasts like its inner group (the pairing holds), then throws once on
+// demand: a local failure after the window's consensus, before its write-back.
 class FailingBroadcastGroup : public CountingGroup {
  public:
   using CountingGroup::CountingGroup;
   c10::intrusive_ptr<c10d::Work> broadcast(
       std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
     auto work = CountingGroup::broadcast(tensors, opts);
-    if (fail) {
+    if (fail.exchange(false)) {
       work->wait();
       throw std::runtime_error("injected broadcast failure");
     }
@@ -352,50 +354,115 @@ class FailingBroadcastGroup : public CountingGroup {
 } // namespace
 
 TEST_CASE("a failure between the consensus and the write-back steps nothing on that rank", "[reducer][distributed][errors]") {
-  // Rank 1's buffer broadcast of window 1 fails after pairing: its .grad would
-  // hold the undivided sum. It is cleared, the window is dropped there with
-  // an error that says the replicas now differ, and both ranks go on paired.
+  // Rank 1's buffer broadcast fails after pairing: its .grad would hold the
+  // undivided sum. It is cleared, the window is dropped there with an error
+  // that says the replicas now differ, and both ranks go on paired. With the
+  // rebuild on, the failure comes in window 0, whose end also agrees on the
+  // buckets' ready order: rank 1 still runs that agreement and switches too.
   for (bool as_view : {false, true}) {
-    DYNAMIC_SECTION((as_view ? "bucket views" : "copies")) {
-      std::vector<std::vector<std::string>> errors(2);
-      std::vector<std::vector<bool>> stepped(2);
-      std::vector<int> grads_left(2, -1), allreduces(2);
-      run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> counting) {
-        auto group = c10::make_intrusive<FailingBroadcastGroup>(counting);
-        BufferNet net;
-        torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
-        Accumulator acc(net, opt, AccumulatorOptions(1).process_group(group).reducer(
-            ReducerOptions().rebuild_buckets(false).gradient_as_bucket_view(as_view)));
-        for (int w = 0; w < 3; ++w) {
-          auto x = torch::full({4, 6}, double(w + rank), torch::kFloat64) + torch::arange(24, torch::kFloat64).view({4, 6});
-          group->fail = rank == 1 && w == 1;
-          try {
-            acc.backward(net->forward(x).pow(2).mean());
-          } catch (const c10::Error& e) {
-            errors[rank].push_back(std::to_string(w) + ": " + e.what_without_backtrace());
-            int left = 0;
-            for (auto& p : net->parameters()) {
-              left += p.grad().defined() && p.grad().abs().sum().item<double>() != 0;
+    for (bool rebuild : {false, true}) {
+      DYNAMIC_SECTION((as_view ? "bucket views" : "copies") << (rebuild ? ", rebuild" : "")) {
+        const int failing = rebuild ? 0 : 1;
+        std::vector<std::vector<std::string>> errors(2);
+        std::vector<std::vector<bool>> stepped(2);
+        std::vector<int> grads_left(2, -1), allreduces(2), broadcasts(2);
+        std::vector<ReducerStats> stats(2);
+        run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> counting) {
+          auto group = c10::make_intrusive<FailingBroadcastGroup>(counting);
+          BufferNet net;
+          torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+          Accumulator acc(net, opt, AccumulatorOptions(1).process_group(group).reducer(
+              ReducerOptions().rebuild_buckets(rebuild).bucket_cap_mb(0.0001).first_bucket_cap_mb(0.0001)
+                  .gradient_as_bucket_view(as_view)));
+          for (int w = 0; w < 3; ++w) {
+            auto x = torch::full({4, 6}, double(w + rank), torch::kFloat64) +
+                torch::arange(24, torch::kFloat64).view({4, 6});
+            group->fail = rank == 1 && w == failing;
+            try {
+              acc.backward(net->forward(x).pow(2).mean());
+            } catch (const c10::Error& e) {
+              errors[rank].push_back(std::to_string(w) + ": " + e.what_without_backtrace());
+              int left = 0;
+              for (auto& p : net->parameters()) {
+                left += p.grad().defined() && p.grad().abs().sum().item<double>() != 0;
+              }
+              grads_left[rank] = left;
             }
-            grads_left[rank] = left;
+            stepped[rank].push_back(acc.step());
           }
-          group->fail = false;
-          stepped[rank].push_back(acc.step());
-        }
-        allreduces[rank] = counting->allreduces;
-      });
-      CHECK(errors[0].empty());
-      REQUIRE(errors[1].size() == 1);
-      CHECK(errors[1][0] == "1: gradaccum: acc.backward(): every rank reduced the window, but this rank (rank 1) "
-                            "failed after that: injected broadcast failure. This rank dropped its window (no "
-                            "optimizer step here) while the other ranks step theirs: the replicas differ from here "
-                            "on. Resume every rank from a checkpoint");
-      CHECK(grads_left[1] == 0);
-      CHECK(stepped[0] == std::vector<bool>{true, true, true});
-      CHECK(stepped[1] == std::vector<bool>{true, false, true});
-      CHECK(allreduces[0] == allreduces[1]);
+          allreduces[rank] = counting->allreduces;
+          broadcasts[rank] = counting->broadcasts;
+          stats[rank] = acc.stats().reducer;
+        });
+        CHECK(errors[0].empty());
+        REQUIRE(errors[1].size() == 1);
+        CHECK(errors[1][0] == std::to_string(failing) + ": gradaccum: acc.backward(): every rank reduced the window, "
+                              "but this rank (rank 1) failed after that: injected broadcast failure. This rank "
+                              "dropped its window (no optimizer step here) while the other ranks step theirs: the "
+                              "replicas differ from here on. Resume every rank from a checkpoint");
+        CHECK(grads_left[1] == 0);
+        CHECK(stepped[0] == std::vector<bool>{true, true, true});
+        CHECK(stepped[1] == std::vector<bool>{failing != 0, failing != 1, true});
+        CHECK(allreduces[0] == allreduces[1]);
+        CHECK(broadcasts[0] == broadcasts[1]);
+        CHECK(stats[0].dropped_windows == 0);
+        CHECK(stats[1].dropped_windows == 1);
+        CHECK(stats[0].windows == 3);
+        CHECK(stats[1].windows == 3);
+        CHECK(stats[0].buckets > 1);
+        CHECK(stats[1].buckets == stats[0].buckets);
+        CHECK(stats[1].bucket_rebuilds == stats[0].bucket_rebuilds);
+      }
     }
   }
+}
+
+TEST_CASE("a failure after the consensus of a flush steps nothing on that rank", "[reducer][distributed][errors]") {
+  // The partial window's reduction in acc.flush() fails on rank 1 after every
+  // rank reduced it: rank 1 says so in acc.flush()'s name, steps nothing, and
+  // both ranks go on paired into the next epoch.
+  std::vector<std::vector<std::string>> errors(2);
+  std::vector<std::vector<bool>> stepped(2);
+  std::vector<int> allreduces(2);
+  std::vector<ReducerStats> stats(2);
+  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> counting) {
+    auto group = c10::make_intrusive<FailingBroadcastGroup>(counting);
+    BufferNet net;
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    Accumulator acc(net, opt, AccumulatorOptions(2).process_group(group));
+    for (int k = 0; k < 3; ++k) { // one window, then a partial one flushed, then one more
+      auto x = torch::full({4, 6}, double(k + rank), torch::kFloat64) + torch::arange(24, torch::kFloat64).view({4, 6});
+      acc.backward(net->forward(x).pow(2).mean());
+      stepped[rank].push_back(acc.step());
+    }
+    group->fail = rank == 1;
+    try {
+      stepped[rank].push_back(acc.flush());
+    } catch (const c10::Error& e) {
+      errors[rank].push_back(e.what_without_backtrace());
+      stepped[rank].push_back(false);
+    }
+    group->fail = false;
+    for (int k = 0; k < 2; ++k) {
+      auto x = torch::full({4, 6}, double(k - rank), torch::kFloat64) + torch::arange(24, torch::kFloat64).view({4, 6});
+      acc.backward(net->forward(x).pow(2).mean());
+      stepped[rank].push_back(acc.step());
+    }
+    allreduces[rank] = counting->allreduces;
+    stats[rank] = acc.stats().reducer;
+  });
+  CHECK(errors[0].empty());
+  REQUIRE(errors[1].size() == 1);
+  CHECK(errors[1][0] == "gradaccum: acc.flush(): every rank reduced the window, but this rank (rank 1) failed after "
+                        "that: injected broadcast failure. This rank dropped its window (no optimizer step here) "
+                        "while the other ranks step theirs: the replicas differ from here on. Resume every rank "
+                        "from a checkpoint");
+  CHECK(stepped[0] == std::vector<bool>{false, true, false, true, false, true});
+  CHECK(stepped[1] == std::vector<bool>{false, true, false, false, false, true});
+  CHECK(allreduces[0] == allreduces[1]);
+  CHECK(stats[0].dropped_windows == 0);
+  CHECK(stats[1].dropped_windows == 1);
+  CHECK(stats[0].windows == stats[1].windows);
 }
 
 TEST_CASE("a no_sync guard may outlive the reducer it guards", "[reducer][distributed]") {

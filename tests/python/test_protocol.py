@@ -278,8 +278,8 @@ REFUSED = {
     "num_items": ("ValueError", "gradaccum: acc.backward(): num_items is only used with reduction='items' "
                   "(reduction is 'mean')"),
 }
-WHY = ("refused the micro-batch that closes the window: acc.backward() rejected its loss, num_items or metrics (a "
-       "loss that is not a scalar or does not require grad, a num_items that is not a number >= 0, ...)")
+WHY = ("refused the micro-batch that closes the window: its acc.backward() or acc.run() rejected its loss, "
+       "num_items or metrics (a loss that is not a scalar or does not require grad, a num_items that is not a number >= 0, ...)")
 THEN = (". The window's gradients were cleared on every rank and no optimizer step was taken; training can go on "
         "from the next window")
 
