@@ -415,7 +415,11 @@ class Accelerator(_accelerate.Accelerator):
                                        reduction=self.reduction, nonfinite=self.nonfinite, grad_scaler=scaler,
                                        scheduler=_SchedulerDriver(self),
                                        **self._accumulator_options)
-        self.register_for_checkpointing(_AccumulatorCheckpoint(self))
+        # Once: free_memory() and a new prepare() build another Accumulator, but
+        # Accelerate keeps its custom objects (a second would change the count
+        # load_state() expects). The one registered reads the current one.
+        if not any(isinstance(obj, _AccumulatorCheckpoint) for obj in self._custom_objects):
+            self.register_for_checkpointing(_AccumulatorCheckpoint(self))
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.accumulator.load_state_dict(state)

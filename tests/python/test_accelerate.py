@@ -235,3 +235,32 @@ def test_k_is_fixed_once_prepared_and_fp16_unscale_is_refused(tmp_path):
         "unscaled window gradient",
         "k now 3",
     ], proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_second_prepare_after_free_memory_keeps_one_checkpoint_object(tmp_path):
+    """free_memory() then prepare() builds a new Accumulator; Accelerate keeps
+    its custom checkpoint objects, so a second one would make save_state()
+    write two, which a run that prepared once cannot load_state(). The state
+    saved mid-window is the new Accumulator's, and loads back."""
+    script = tmp_path / "prepare_twice.py"
+    script.write_text(
+        "import os, torch\n"
+        "from gradaccum.accelerate import Accelerator\n"
+        "acc = Accelerator(cpu=True, gradient_accumulation_steps=3)\n"
+        "for n in (3, 4):\n"
+        "    acc.free_memory()\n"
+        "    model = torch.nn.Linear(n, 1)\n"
+        "    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "    acc.backward(model(torch.ones(2, n)).sum())\n"
+        "acc.save_state('ck')\n"
+        "print(sorted(f for f in os.listdir('ck') if f.startswith('custom_checkpoint')))\n"
+        "acc.backward(model(torch.ones(2, 4)).sum())\n"
+        "acc.load_state('ck')\n"
+        "print('micro_step', acc.accumulator.micro_step)\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for var in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["['custom_checkpoint_0.pkl']", "micro_step 1"], proc.stdout + proc.stderr[-2000:]
