@@ -93,6 +93,14 @@ torch sees no GPU), the processes form a Gloo group: the adapter passes
 ``cpu=True`` unless the script set ``cpu`` (stock Accelerate leaves each
 process alone there, and gradaccum would refuse to train alone).
 
+``DistributedDataParallelKwargs`` (``kwargs_handlers``) reach the
+Accumulator: ``bucket_cap_mb``, ``gradient_as_bucket_view`` and
+``broadcast_buffers`` as they are, ``comm_hook=FP16``/``BF16`` as
+``comm_dtype``; ``find_unused_parameters``, ``static_graph``,
+``check_reduction`` and ``dim`` are moot (unused parameters are handled, the
+graph may change). PowerSGD hooks and wrappers are refused, as is a setting
+that disagrees with ``accumulator_options``.
+
 Not supported (refused when built): DeepSpeed, FSDP, Megatron-LM, XLA,
 tensor/context parallelism, several trained models or optimizers under one
 Accelerator, a closure in ``optimizer.step``, ``backward`` keyword arguments
@@ -266,6 +274,47 @@ def _launched_without_accelerator() -> bool:
         hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
+# DistributedDataParallelKwargs that gradaccum's reducer takes, under its own names.
+_DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers")
+# Those with no meaning for it: unused parameters are sent as zeros flagged
+# missing, the graph may change between windows, and nothing is scattered.
+_DDP_MOOT = ("find_unused_parameters", "static_graph", "check_reduction", "dim")
+
+
+def _with_ddp_kwargs(handler: Any, options: Dict[str, Any]) -> Dict[str, Any]:
+    """The Accumulator's options with a ``DistributedDataParallelKwargs``
+    handler's settings, which stock Accelerate gives DDP: the bucket cap,
+    bucket views and buffer broadcast as they are; an fp16/bf16 compression
+    hook as ``comm_dtype``; PowerSGD refused; the rest moot."""
+    if handler is None:
+        return options
+    options = dict(options)
+    what = "gradaccum: Accelerator(): DistributedDataParallelKwargs"
+    for name, value in handler.to_kwargs().items():
+        if name in _DDP_MOOT:
+            continue
+        if name not in _DDP_OPTIONS:
+            raise ValueError(f"{what}({name}=...) has no gradaccum counterpart")
+        if name in options and options[name] != value:
+            raise ValueError(f"{what}({name}={value!r}) and accumulator_options {name}={options[name]!r} disagree")
+        options[name] = value
+    hook = getattr(getattr(handler, "comm_hook", None), "value", None)
+    wrapper = getattr(getattr(handler, "comm_wrapper", None), "value", None)
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    if hook not in (None, "no") or wrapper not in (None, "no"):
+        if hook not in dtypes or wrapper not in (None, "no"):
+            raise ValueError(
+                f"{what}: comm_hook={hook!r}, comm_wrapper={wrapper!r} is not supported: gradaccum compresses "
+                "its all-reduce to fp16/bf16 only (comm_hook=DDPCommunicationHookType.FP16 or BF16, or "
+                "accumulator_options comm_dtype); PowerSGD has no counterpart")
+        dtype = dtypes[hook]
+        if options.get("comm_dtype", dtype) != dtype:
+            raise ValueError(f"{what}(comm_hook={hook!r}) and accumulator_options comm_dtype="
+                             f"{options['comm_dtype']} disagree")
+        options["comm_dtype"] = dtype
+    return options
+
+
 class Accelerator(_accelerate.Accelerator):
     """``accelerate.Accelerator`` whose gradient accumulation and data-parallel
     reduction are a :class:`gradaccum.Accumulator` (see the module's docstring).
@@ -313,7 +362,7 @@ class Accelerator(_accelerate.Accelerator):
                 "use accelerate.Accelerator for DeepSpeed, FSDP, Megatron-LM, XLA or tensor parallelism")
         self.reduction = reduction
         self.nonfinite = nonfinite
-        self._accumulator_options = options
+        self._accumulator_options = _with_ddp_kwargs(self.ddp_handler, options)
         self.accumulator: Optional[Accumulator] = None
         self._pending_state: Optional[Dict[str, Any]] = None
         self._deferred_clips: List[Any] = []

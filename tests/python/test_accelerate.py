@@ -264,3 +264,49 @@ def test_a_second_prepare_after_free_memory_keeps_one_checkpoint_object(tmp_path
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["['custom_checkpoint_0.pkl']", "micro_step 1"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_ddp_kwargs_reach_the_accumulator_or_are_refused(tmp_path):
+    """DistributedDataParallelKwargs, which stock Accelerate hands to DDP,
+    become the Accumulator's options (in a process of its own: Accelerate's
+    state is per process); what gradaccum cannot honour is refused."""
+    script = tmp_path / "ddp_kwargs.py"
+    script.write_text(
+        "import torch\n"
+        "from accelerate.utils import DistributedDataParallelKwargs as K, DDPCommunicationHookType as H\n"
+        "from gradaccum.accelerate import Accelerator\n"
+        "cases = [\n"
+        "    ([K(bucket_cap_mb=5, gradient_as_bucket_view=True, broadcast_buffers=False,\n"
+        "        find_unused_parameters=True, static_graph=True, comm_hook=H.BF16)], None),\n"
+        "    ([K(comm_hook=H.FP16)], {'first_bucket_cap_mb': 2.0}),\n"
+        "    ([K(bucket_cap_mb=5)], {'bucket_cap_mb': 5}),\n"
+        "    ([K(bucket_cap_mb=5)], {'bucket_cap_mb': 6}),\n"
+        "    ([K(comm_hook=H.POWER_SGD)], None),\n"
+        "    ([K(comm_hook=H.FP16)], {'comm_dtype': torch.bfloat16}),\n"
+        "]\n"
+        "for handlers, options in cases:\n"
+        "    try:\n"
+        "        acc = Accelerator(cpu=True, kwargs_handlers=handlers, accumulator_options=options)\n"
+        "        print(sorted(acc._accumulator_options.items()))\n"
+        "    except ValueError as e:\n"
+        "        print('ValueError', e)\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for var in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "[('broadcast_buffers', False), ('bucket_cap_mb', 5), ('comm_dtype', torch.bfloat16), "
+        "('gradient_as_bucket_view', True)]",
+        "[('comm_dtype', torch.float16), ('first_bucket_cap_mb', 2.0)]",
+        "[('bucket_cap_mb', 5)]",
+        "ValueError gradaccum: Accelerator(): DistributedDataParallelKwargs(bucket_cap_mb=5) and "
+        "accumulator_options bucket_cap_mb=6 disagree",
+        "ValueError gradaccum: Accelerator(): DistributedDataParallelKwargs: comm_hook='power_sgd', "
+        "comm_wrapper='no' is not supported: gradaccum compresses its all-reduce to fp16/bf16 only "
+        "(comm_hook=DDPCommunicationHookType.FP16 or BF16, or accumulator_options comm_dtype); PowerSGD has no "
+        "counterpart",
+        "ValueError gradaccum: Accelerator(): DistributedDataParallelKwargs(comm_hook='fp16') and "
+        "accumulator_options comm_dtype=torch.bfloat16 disagree",
+    ], proc.stdout + proc.stderr[-2000:]
