@@ -53,7 +53,25 @@ Reducer::Reducer(
     const auto foreign = detail::foreign_hooks(config);
     TORCH_CHECK_VALUE(foreign.empty(), "gradaccum: Accumulator(): ", foreign);
   }
-  state_ = std::make_shared<State>(std::move(config));
+  // Note [Construction fails on every rank]: the buckets' memory is this
+  // rank's alone to find (out of memory on one rank); the others would wait
+  // in the broadcasts below. One small all-reduce tells every rank first.
+  const auto pg = config.group;
+  const auto device = config.metadata_device();
+  std::string local_failure;
+  try {
+    state_ = std::make_shared<State>(std::move(config));
+  } catch (const std::exception& e) {
+    local_failure = detail::message_of(e);
+  }
+  const int failed = detail::lowest_rank_where(*pg, !local_failure.empty(), device);
+  if (failed < pg->getSize()) {
+    state_.reset();
+    TORCH_CHECK(local_failure.empty(), "gradaccum: Accumulator(): allocating the reducer's buckets failed on this "
+        "rank (rank ", pg->getRank(), "): ", local_failure, ". Every rank raises");
+    TORCH_CHECK(false, "gradaccum: Accumulator(): allocating the reducer's buckets failed on rank ", failed,
+        " (its own error is raised there). Every rank raises");
+  }
   auto& s = *state_;
   s.buckets.broadcast_parameters(s.config);
   detail::broadcast_from(*s.config.group, s.config.buffers);

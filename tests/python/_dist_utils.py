@@ -626,6 +626,44 @@ def mismatch(rank, world_size, *, odd_rank):
 
 
 @job
+def bucket_oom(rank, world_size, *, oom_rank):
+    """The reducer's buckets do not fit on `oom_rank` (its address space is
+    capped just above what it uses): every rank raises, quickly; then, the cap
+    lifted, every rank builds an Accumulator and steps one window alike."""
+    import resource
+    import torch.distributed as dist
+    import gradaccum
+
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 8))  # 64 MiB of float32
+    out = {}
+    # Once uncapped first: what the package loads lazily maps memory too.
+    small = nn.Linear(3, 2)
+    gradaccum.Accumulator(small, torch.optim.SGD(small.parameters(), lr=0.1), steps=2).close()
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    if rank == oom_rank:
+        with open("/proc/self/status") as status:
+            vm_kib = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, ((vm_kib + 40 * 1024) * 1024, limits[1]))
+    start = time.monotonic()
+    try:
+        gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2,
+                              bucket_cap_mb=64, first_bucket_cap_mb=64)
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - the parent checks the type
+        out["error"] = (type(e).__name__, str(e))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)
+    out["seconds"] = time.monotonic() - start
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=1)
+    torch.manual_seed(rank)
+    acc.backward(model(torch.randn(4, 4096)).square().mean())
+    out["stepped"] = acc.step()
+    out["params"] = params(model)
+    dist.barrier()
+    return out
+
+
+@job
 def suite(rank, world_size, *, parts):
     """Several jobs in one process group (spawning is the slow part).
 
