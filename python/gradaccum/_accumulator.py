@@ -189,6 +189,7 @@ class Accumulator:
         # refresh_parameters() takes a module's trainable set again.
         self._module = model if isinstance(model, torch.nn.Module) else None
         self.process_group = process_group
+        self._pre_step_hook: Optional[Callable[[], None]] = None
         self._c = _C.Accumulator(
             params, names, buffers, steps=int(steps), reduction=reduction,
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
@@ -200,7 +201,7 @@ class Accumulator:
             rebuild_buckets=bool(rebuild_buckets), accumulate_dtype=accumulate_dtype,
             comm_dtype=comm_dtype, error_feedback=error_feedback, metrics=list(metrics),
             # Looked up at each call: an LR scheduler created later wraps optimizer.step.
-            optimizer_step=(lambda: optimizer.step()) if optimizer is not None else None,
+            optimizer_step=_optimizer_step(self, optimizer) if optimizer is not None else None,
             scheduler_step=(lambda: scheduler.step()) if scheduler is not None else None,
         )
         _LIVE.add(self)
@@ -240,6 +241,12 @@ class Accumulator:
             self._c.set_window_callbacks(None, None)
         else:
             self._c.set_window_callbacks(self._weakly("_run_gradient_hook"), lambda: None)
+
+    def _set_pre_step_hook(self, hook: Optional[Callable[[], None]]) -> None:
+        """Calls ``hook()`` right before each real optimizer step, after
+        clipping and the non-finite check (not for a window skipped): where the
+        Hugging Face Trainer's ``on_pre_optimizer_step`` callbacks run."""
+        self._pre_step_hook = hook
 
     def _run_gradient_hook(self) -> bool:
         if self._gradient_hook is not None:
@@ -653,6 +660,20 @@ class Accumulator:
                  if stats["data_parallel"] else "")
         return (f"Accumulator(steps={self.steps}, reduction={self.reduction!r}, "
                 f"micro_step={self.micro_step}, data_parallel={stats['data_parallel']}{group})")
+
+
+def _optimizer_step(acc: "Accumulator", optimizer: Any) -> Callable[[], None]:
+    """The C++ side's optimizer step: the pre-step hook, then optimizer.step().
+    It holds the Accumulator weakly (see Accumulator._weakly)."""
+    ref = weakref.ref(acc)
+
+    def step() -> None:
+        target = ref()
+        if target is not None and target._pre_step_hook is not None:
+            target._pre_step_hook()
+        optimizer.step()
+
+    return step
 
 
 def _adapter_options(what: str, options: Any, reserved: Iterable[str]) -> Dict[str, Any]:

@@ -56,9 +56,10 @@ never wrapped in DDP), and the window's gradient is that of the big batch:
   rank, weighted as its gradient: total loss / total items with ``items``),
   with no all-gather. ``grad_norm`` is the window's gradient norm before
   clipping (``stats()["last_grad_norm"]``), when the Accumulator computed it.
-  ``on_pre_optimizer_step`` callbacks run on the window's final gradient
-  (reduced and divided, before clipping); ``on_optimizer_step`` after a real
-  step.
+  ``on_pre_optimizer_step`` callbacks run right before each real optimizer
+  step, on the window's final gradient (reduced, divided and clipped, as the
+  Trainer clips before them); ``on_optimizer_step`` after it. Neither runs
+  for a window skipped as non-finite.
 - **Checkpoints.** ``acc.state_dict()`` is written beside the optimizer's state
   (``gradaccum_accumulator.pt``, by the process that saves) and loaded on
   ``resume_from_checkpoint``. The Trainer saves at window boundaries only
@@ -285,8 +286,10 @@ class Trainer(transformers.Trainer):
         )
         if any(type(cb).on_pre_optimizer_step is not TrainerCallback.on_pre_optimizer_step
                for cb in self.callback_handler.callbacks):
-            # On the window's final gradient, a flushed partial window's too.
-            self.accumulator._set_gradient_hook(self._pre_optimizer_step_callbacks)
+            # As in the Trainer: after clipping, right before the optimizer
+            # step (a flushed partial window's too); like on_optimizer_step,
+            # not for a window skipped as non-finite.
+            self.accumulator._set_pre_step_hook(self._pre_optimizer_step_callbacks)
         self._loss_windows = 0
 
     @property

@@ -170,6 +170,46 @@ def test_single_process(tmp_path, monkeypatch):
     assert loss <= TOL and param <= TOL
 
 
+def test_pre_optimizer_step_callbacks_see_the_clipped_gradient(tmp_path, monkeypatch):
+    """As in the Trainer: on_pre_optimizer_step runs after clipping, right
+    before each optimizer step, once per step (the partial case clips at 0.3,
+    and its windows' norms are above that)."""
+    import transformers
+    from transformers import default_data_collator
+    from gradaccum.transformers import Trainer
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    seen = {"pre": [], "steps": 0}
+
+    class Watch(transformers.TrainerCallback):
+        def __init__(self, model):
+            self.model = model
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            seen["pre"].append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            seen["steps"] += 1
+            assert len(seen["pre"]) == seen["steps"]
+
+    opts = ex.parse_args(["--accum", str(K), "--batch", str(B), "--lr", str(LR), "--seed", str(SEED)])
+    model = ex.make_model(SEED)
+    trainer = Trainer(model=model, args=ex.training_args("partial", opts, str(tmp_path)),
+                      train_dataset=ex.make_data("partial", SEED), data_collator=default_data_collator,
+                      callbacks=[Watch(model)])
+    trainer.train()
+    clip = ex.CASES["partial"][3]
+    assert seen["steps"] == trainer.accumulator_stats["optimizer_steps"] > 0
+    assert len(seen["pre"]) == seen["steps"]
+    # each window's norm before clipping, as logged; clipped: max_norm / (norm + 1e-6) as torch does
+    raw = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(raw) == seen["steps"] and max(raw) > clip, raw
+    want = [n if n <= clip else n * clip / (n + 1e-6) for n in raw]
+    assert all(abs(g - w) <= 1e-9 * w for g, w in zip(seen["pre"], want)), (seen["pre"], raw)
+
+
 def test_invalid_options():
     from gradaccum.transformers import Trainer
 
@@ -183,7 +223,7 @@ def test_invalid_options():
                        r"'scheduler', the model and the optimizer\)$"):
         Trainer(model=ex.make_model(SEED), accumulator_options={"max_grad_norm": 1.0})
     with pytest.raises(ValueError, match=r"^gradaccum: Trainer\(\): accumulator_options: 'bucket_cap' is not an "
-                       r"Accumulator option \(they are steps, reduction, .*bucket_cap_mb, "):
+                       r"Accumulator option \(they are process_group, bucket_cap_mb, .*, metrics\)$"):
         Trainer(model=ex.make_model(SEED), accumulator_options={"bucket_cap": 1})
 
 
