@@ -25,36 +25,107 @@ std::vector<at::Tensor> allgather(c10d::ProcessGroup& group, const at::Tensor& i
   return outputs[0];
 }
 
-void broadcast_from(c10d::ProcessGroup& group, const std::vector<at::Tensor>& tensors, int root) {
+// Note [The buffers' broadcast allocates nothing]
+// It runs after every rank reduced the window (finish.cpp) and at
+// construction after the ranks agreed that it succeeded everywhere: a failure
+// on one rank there cannot be told to the others, and a broadcast it skipped
+// would pair its later collectives with the wrong ones (Note [Collectives pair
+// by launch order]). So the flat copies are allocated with the reducer, every
+// broadcast launches whatever failed before it on this rank, and the first
+// failure is rethrown once all have run. What is left is the collective
+// itself failing (then the group is broken for every rank) and a buffer
+// resized in place since, whose new flat copy is allocated then.
+BroadcastPlan::BroadcastPlan(const std::vector<at::Tensor>& tensors) {
   using Key = std::tuple<at::ScalarType, at::DeviceType, c10::DeviceIndex>;
   std::map<Key, std::vector<at::Tensor>> groups;
   for (const auto& t : tensors) {
-    if (t.defined() && t.numel() > 0) {
+    if (t.defined()) {
       groups[Key(t.scalar_type(), t.device().type(), t.device().index())].push_back(t);
     }
   }
-  at::NoGradGuard no_grad;
   for (auto& entry : groups) {
-    auto& members = entry.second;
-    std::vector<at::Tensor> flat_members;
-    for (const auto& t : members) {
-      flat_members.push_back(t.reshape(-1));
+    int64_t numel = 0;
+    for (const auto& t : entry.second) {
+      numel += t.numel();
     }
-    std::vector<at::Tensor> flat{at::cat(flat_members)};
-    c10d::BroadcastOptions options;
-    options.rootRank = root;
-    group.broadcast(flat, options)->wait();
-    int64_t offset = 0;
-    for (auto& t : members) {
-      t.copy_(flat[0].narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
+    auto flat = at::empty({numel}, entry.second.front().options());
+    groups_.push_back(Group{std::move(entry.second), std::move(flat)});
+  }
+}
+
+at::Device BroadcastPlan::device() const {
+  TORCH_INTERNAL_ASSERT(!groups_.empty());
+  return groups_.front().flat.device();
+}
+
+void BroadcastPlan::run(c10d::ProcessGroup& group, int root) const {
+  at::NoGradGuard no_grad;
+  const bool sending = group.getRank() == root;
+  std::exception_ptr failed;
+  const auto attempt = [&](const auto& step) {
+    try {
+      step();
+    } catch (...) {
+      if (!failed) {
+        failed = std::current_exception();
+      }
     }
+  };
+  for (const auto& g : groups_) {
+    // A member resized in place since (a cache grown by the forward) takes a
+    // flat copy of its new size: the one allocation left, and only then.
+    int64_t numel = 0;
+    for (const auto& t : g.members) {
+      numel += t.numel();
+    }
+    if (numel == 0) {
+      continue; // (the same on every rank: their buffers have one shape)
+    }
+    at::Tensor flat = g.flat;
+    if (numel != g.flat.numel()) {
+      attempt([&] { flat = at::empty({numel}, g.flat.options()); });
+    }
+    const bool fits = numel == flat.numel();
+    if (sending) {
+      attempt([&] {
+        TORCH_INTERNAL_ASSERT(fits);
+        int64_t offset = 0;
+        for (const auto& t : g.members) {
+          flat.narrow(0, offset, t.numel()).view(t.sizes()).copy_(t);
+          offset += t.numel();
+        }
+      });
+    }
+    attempt([&] {
+      std::vector<at::Tensor> tensors{flat};
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      group.broadcast(tensors, options)->wait();
+    });
+    if (!sending) {
+      attempt([&] {
+        TORCH_INTERNAL_ASSERT(fits);
+        int64_t offset = 0;
+        for (const auto& t : g.members) {
+          t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+          offset += t.numel();
+        }
+      });
+    }
+  }
+  if (failed) {
+    std::rethrow_exception(failed);
   }
 }
 
 int lowest_rank_where(c10d::ProcessGroup& group, bool here, const at::Device& device) {
-  std::vector<at::Tensor> candidate{
-      at::full({1}, here ? group.getRank() : group.getSize(), at::TensorOptions().dtype(at::kLong).device(device))};
+  return lowest_rank_where(group, here, at::empty({1}, at::TensorOptions().dtype(at::kLong).device(device)));
+}
+
+int lowest_rank_where(c10d::ProcessGroup& group, bool here, at::Tensor scratch) {
+  TORCH_INTERNAL_ASSERT(scratch.numel() == 1 && scratch.scalar_type() == at::kLong);
+  scratch.fill_(here ? group.getRank() : group.getSize());
+  std::vector<at::Tensor> candidate{scratch};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MIN;
   group.allreduce(candidate, options)->wait();

@@ -17,13 +17,39 @@ std::string message_of(const std::exception& e);
 /// Every rank's `input`, in rank order (a collective; waits).
 std::vector<at::Tensor> allgather(c10d::ProcessGroup& group, const at::Tensor& input);
 
-/// Gives every rank `root`'s values of `tensors`: one broadcast per (dtype,
-/// device), through a flat copy (a collective; waits).
-void broadcast_from(c10d::ProcessGroup& group, const std::vector<at::Tensor>& tensors, int root = 0);
+/// Gives every rank a root's values of a fixed set of tensors (the module's
+/// buffers): one broadcast per (dtype, device), through a flat copy allocated
+/// once, here (Note [The buffers' broadcast allocates nothing]).
+class BroadcastPlan {
+ public:
+  BroadcastPlan() = default;
+  explicit BroadcastPlan(const std::vector<at::Tensor>& tensors);
+
+  /// A collective; waits. Launches every broadcast, even after one failed on
+  /// this rank, and then rethrows the first failure.
+  void run(c10d::ProcessGroup& group, int root) const;
+
+  bool empty() const {
+    return groups_.empty();
+  }
+  /// Where the first broadcast's tensors live (for a collective choosing its root).
+  at::Device device() const;
+
+ private:
+  struct Group {
+    std::vector<at::Tensor> members;
+    at::Tensor flat;
+  };
+  std::vector<Group> groups_;
+};
 
 /// The lowest rank whose `here` is true, or the group's size if none is (an
 /// all-reduce MIN of one integer on `device`; a collective, waits).
 int lowest_rank_where(c10d::ProcessGroup& group, bool here, const at::Device& device);
+
+/// The same through `scratch`, a one-element int64 tensor allocated earlier:
+/// nothing is allocated before the collective launches.
+int lowest_rank_where(c10d::ProcessGroup& group, bool here, at::Tensor scratch);
 
 /// Whether `group` can reduce tensors of `type`. A group that registers no
 /// per-device backends (a wrapper overriding the collectives) is trusted.

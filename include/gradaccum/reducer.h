@@ -18,7 +18,8 @@ struct ReducerStats {
   int64_t buckets = 0;
   int64_t windows = 0; ///< reductions completed (dropped ones included)
   /// Reductions that ended with the window dropped: on every rank, or on
-  /// this rank alone when it failed after every rank had reduced it.
+  /// this rank alone when it failed after every rank had reduced it (then
+  /// the ranks' counts differ, as their replicas do).
   int64_t dropped_windows = 0;
   int64_t collectives = 0; ///< all-reduces launched, in all
   int64_t bytes_reduced = 0; ///< bytes handed to all-reduces, in all

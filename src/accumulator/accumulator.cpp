@@ -27,10 +27,15 @@ using detail::CallGuard;
 
 // Every rank reduced the window; this one failed afterwards (its write-back,
 // a collective after the consensus), and the reducer cleared its gradients.
-std::string failed_after_reduction(const char* call, int rank, const std::exception& e) {
+// An empty window (global weight 0) is stepped nowhere: only what this rank
+// failed to receive (its buffers) may differ.
+std::string failed_after_reduction(const char* call, int rank, const ReductionResult& last, const std::exception& e) {
   return c10::str("gradaccum: ", call, ": every rank reduced the window, but this rank (rank ", rank,
-      ") failed after that: ", detail::message_of(e), ". This rank dropped its window (no optimizer step here) "
-      "while the other ranks step theirs: the replicas differ from here on. Resume every rank from a checkpoint");
+      ") failed after that: ", detail::message_of(e), ". This rank dropped its window (no optimizer step here) ",
+      last.global_weight > 0 ? "while the other ranks step theirs: the replicas differ from here on"
+                             : "and so do the others (it was empty on every rank), but this rank's buffers may "
+                               "differ from theirs from here on",
+      ". Resume every rank from a checkpoint");
 }
 
 // Note [No group under a multi-rank launch]
@@ -369,7 +374,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
       reset_window();
       epoch_ended_ = peers_ended_epoch(last);
       ++stats_.micro_steps;
-      TORCH_CHECK(false, failed_after_reduction(call_name(), reducer_->process_group()->getRank(), e));
+      TORCH_CHECK(false, failed_after_reduction(call_name(), reducer_->process_group()->getRank(), last, e));
     }
     reset_window(); // the reducer dropped the window on every rank
     note_dropped_window(window);
@@ -555,7 +560,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
     const auto last = reducer_->last_result();
     // As in reduce_window(): reduced everywhere, dropped here alone.
     TORCH_CHECK(last.window != window || last.dropped || last.written,
-        failed_after_reduction(call_name(), reducer_->process_group()->getRank(), e));
+        failed_after_reduction(call_name(), reducer_->process_group()->getRank(), last, e));
     throw;
   }
   check_join_partners(result, joined); // Note [Joining]

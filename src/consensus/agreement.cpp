@@ -171,15 +171,16 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
     case AbortReason::Closed:
       return who + " destroyed its Accumulator during the synchronising backward";
     case AbortReason::ClosedWindowNotStepped:
-      return who + " could not step the window it had closed before this acc.flush(), while the "
-          "other ranks stepped theirs";
+      return who + " could not step the last window it closed (ending its data in acc.flush() or "
+          "acc.join()), while the other ranks stepped theirs";
     case AbortReason::OutOfMemory:
       return who + " ran out of memory in acc.run() on a micro-batch it could not split further (one row) "
           "or run again (part of its gradient had reached .grad)";
     case AbortReason::MicroBatchRefused:
       return who + " refused the micro-batch that closes the window: its acc.backward() or acc.run() "
           "rejected its loss, num_items or metrics (a loss that is not a scalar or does not require grad, a "
-          "num_items that is not a number >= 0, ...)";
+          "num_items that is not a number >= 0, ...) or found a parameter unfrozen without "
+          "acc.refresh_parameters()";
     case AbortReason::None:
     case AbortReason::BackwardFailed:
       break;

@@ -222,14 +222,14 @@ void Reducer::State::window_collectives(int64_t joined_ranks, std::optional<std:
   // rank takes the same branch, and the ranks pay the extra all-reduce only
   // in the join's tail.
   std::exception_ptr failed;
-  if (config.options.broadcast_buffers() && !config.buffers.empty()) {
+  if (config.options.broadcast_buffers() && !buffer_broadcast.empty()) {
     try {
       const int root = joined_ranks == 0
           ? 0
-          : detail::lowest_rank_where(*config.group, window.request.weight > 0, config.buffers.front().device());
+          : detail::lowest_rank_where(*config.group, window.request.weight > 0, buffer_broadcast.device());
       if (root < config.world) { // (none: nobody ran a forward since the last broadcast)
-        detail::broadcast_from(*config.group, config.buffers, root);
         ++stats.broadcasts;
+        buffer_broadcast.run(*config.group, root); // (all of it, whatever fails: Note [The buffers' ...])
       }
     } catch (...) {
       failed = std::current_exception();

@@ -24,7 +24,8 @@ void check_request(const ReductionRequest& request, Entry entry) {
 
 } // namespace detail
 
-Reducer::State::State(detail::ReducerConfig config_) : config(std::move(config_)) {
+Reducer::State::State(detail::ReducerConfig config_)
+    : config(std::move(config_)), buffer_broadcast(config.buffers) {
   const auto n = config.params.size();
   touched.reset(new std::atomic<bool>[n]);
   clear_touched();
@@ -55,26 +56,40 @@ Reducer::Reducer(
   }
   // Note [Construction fails on every rank]: the buckets' memory is this
   // rank's alone to find (out of memory on one rank); the others would wait
-  // in the broadcasts below. One small all-reduce tells every rank first.
+  // in the broadcasts below. One small all-reduce tells every rank first,
+  // through a tensor allocated before the buckets: nothing between the
+  // failure and the all-reduce allocates. After it, nothing allocates either
+  // (the buffers' flat copies are allocated with the state).
   const auto pg = config.group;
-  const auto device = config.metadata_device();
+  auto flag = at::empty({1}, at::TensorOptions().dtype(at::kLong).device(config.metadata_device()));
   std::string local_failure;
+  bool out_of_memory = false;
   try {
     state_ = std::make_shared<State>(std::move(config));
+  } catch (const c10::OutOfMemoryError& e) {
+    local_failure = e.what_without_backtrace();
+    out_of_memory = true;
+  } catch (const std::bad_alloc& e) {
+    local_failure = e.what();
+    out_of_memory = true;
   } catch (const std::exception& e) {
     local_failure = detail::message_of(e);
   }
-  const int failed = detail::lowest_rank_where(*pg, !local_failure.empty(), device);
+  const int failed = detail::lowest_rank_where(*pg, !local_failure.empty(), flag);
   if (failed < pg->getSize()) {
     state_.reset();
-    TORCH_CHECK(local_failure.empty(), "gradaccum: Accumulator(): allocating the reducer's buckets failed on this "
-        "rank (rank ", pg->getRank(), "): ", local_failure, ". Every rank raises");
-    TORCH_CHECK(false, "gradaccum: Accumulator(): allocating the reducer's buckets failed on rank ", failed,
-        " (its own error is raised there). Every rank raises");
+    if (!local_failure.empty()) {
+      const auto message = c10::str("gradaccum: Accumulator(): building the reducer (allocating its buckets) failed "
+          "on this rank (rank ", pg->getRank(), "): ", local_failure, ". Every rank raises");
+      TORCH_CHECK_WITH(OutOfMemoryError, !out_of_memory, message);
+      TORCH_CHECK(false, message);
+    }
+    TORCH_CHECK(false, "gradaccum: Accumulator(): building the reducer (allocating its buckets) failed on rank ",
+        failed, " (its own error is raised there). Every rank raises");
   }
   auto& s = *state_;
   s.buckets.broadcast_parameters(s.config);
-  detail::broadcast_from(*s.config.group, s.config.buffers);
+  s.buffer_broadcast.run(*s.config.group, /*root=*/0);
   if (s.config.options.gradient_as_bucket_view()) {
     // From now on backward accumulates straight into the buckets.
     detail::point_grads_at_views(s.buckets.all, s.config.params, /*undefined_too=*/true);

@@ -10,6 +10,7 @@
 //   the Reducer facade: reducer.cpp
 
 #include "buckets/bucket_set.h"
+#include "comm.h"
 #include "consensus/agreement.h"
 #include "reducer/config.h"
 
@@ -150,6 +151,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   explicit State(detail::ReducerConfig config);
 
   const detail::ReducerConfig config;
+  /// config.buffers' broadcast, its flat copies allocated here
+  /// (Note [The buffers' broadcast allocates nothing]).
+  const detail::BroadcastPlan buffer_broadcast;
 
   // The autograd glue's own (hooks.cpp).
   // shared_ptr<Node> before torch 2.13, intrusive_ptr<Node> since: whatever

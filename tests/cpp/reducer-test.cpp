@@ -290,14 +290,16 @@ TEST_CASE("a micro-batch refused on one rank drops the window only when it close
                               "the micro-batch that closes the window: its acc.backward() or acc.run() rejected its "
                               "loss, num_items or "
                               "metrics (a loss that is not a scalar or does not require grad, a num_items that is not "
-                              "a number >= 0, ...) (its own error is raised there). The window's gradients were "
+                              "a number >= 0, ...) or found a parameter unfrozen without acc.refresh_parameters() (its own "
+                              "error is raised there). The window's gradients were "
                               "cleared on every rank and no optimizer step was taken; training can go on from the "
                               "next window");
         CHECK(errors[1][0] == refused + "; window 1 was dropped on every rank: this rank (rank 1) refused the "
                               "micro-batch that closes the window: its acc.backward() or acc.run() rejected its loss, "
                               "num_items or "
                               "metrics (a loss that is not a scalar or does not require grad, a num_items that is not "
-                              "a number >= 0, ...). The window's gradients were cleared on every rank and no "
+                              "a number >= 0, ...) or found a parameter unfrozen without acc.refresh_parameters(). The "
+                              "window's gradients were cleared on every rank and no "
                               "optimizer step was taken; training can go on from the next window");
         CHECK(dropped == std::vector<int64_t>{1, 1});
         CHECK(steps == std::vector<int64_t>{2, 2});
@@ -316,34 +318,40 @@ TEST_CASE("a micro-batch refused on one rank drops the window only when it close
 }
 
 namespace {
-// One float64 buffer (one broadcast a window), set by each forward.
+// A float64 buffer and an int64 one (two broadcasts a window, the int64 one
+// first, like BatchNorm's num_batches_tracked), both set by each forward.
 struct BufferNetImpl : torch::nn::Module {
-  BufferNetImpl() {
+  explicit BufferNetImpl(int64_t rank = 0) : rank(rank) {
     std::lock_guard<std::mutex> lock(gradaccum::test::init_mutex());
     torch::manual_seed(5);
     first = register_module("first", torch::nn::Linear(6, 16));
     second = register_module("second", torch::nn::Linear(16, 3));
     stat = register_buffer("stat", torch::zeros({16}));
     to(torch::kFloat64);
+    count = register_buffer("count", torch::zeros({1}, torch::kLong));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = torch::tanh(first->forward(x));
     stat.copy_(h.mean(0).detach());
+    count.add_(1 + rank);
     return second->forward(h);
   }
+  int64_t rank;
   torch::nn::Linear first{nullptr}, second{nullptr};
-  torch::Tensor stat;
+  torch::Tensor stat, count;
 };
 TORCH_MODULE(BufferNet);
 
 // Broadcasts like its inner group (the pairing holds), then throws once on
-// demand: a local failure after the window's consensus, before its write-back.
+// demand: a local failure after the window's consensus, before its write-back
+// (and, with BufferNet, before the window's second broadcast).
 class FailingBroadcastGroup : public CountingGroup {
  public:
   using CountingGroup::CountingGroup;
   c10::intrusive_ptr<c10d::Work> broadcast(
       std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
     auto work = CountingGroup::broadcast(tensors, opts);
+    long_broadcasts += tensors[0].scalar_type() == at::kLong;
     if (fail.exchange(false)) {
       work->wait();
       throw std::runtime_error("injected broadcast failure");
@@ -351,6 +359,7 @@ class FailingBroadcastGroup : public CountingGroup {
     return work;
   }
   std::atomic<bool> fail{false};
+  std::atomic<int> long_broadcasts{0}; ///< BufferNet's count: once at construction and each window
 };
 } // namespace
 
@@ -360,17 +369,20 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
   // that says the replicas now differ, and both ranks go on paired. With the
   // rebuild on, the failure comes in window 0, whose end also agrees on the
   // buckets' ready order: rank 1 still runs that agreement and switches too.
+  // The failure is in the first of the window's two buffer broadcasts: rank 1
+  // still runs the second, and both ranks end with rank 0's buffers.
   for (bool as_view : {false, true}) {
     for (bool rebuild : {false, true}) {
       DYNAMIC_SECTION((as_view ? "bucket views" : "copies") << (rebuild ? ", rebuild" : "")) {
         const int failing = rebuild ? 0 : 1;
         std::vector<std::vector<std::string>> errors(2);
         std::vector<std::vector<bool>> stepped(2);
-        std::vector<int> grads_left(2, -1), allreduces(2), broadcasts(2);
+        std::vector<int> grads_left(2, -1), allreduces(2), broadcasts(2), long_broadcasts(2);
         std::vector<ReducerStats> stats(2);
+        std::vector<std::vector<torch::Tensor>> buffers(2);
         run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> counting) {
           auto group = c10::make_intrusive<FailingBroadcastGroup>(counting);
-          BufferNet net;
+          BufferNet net(rank);
           torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
           Accumulator acc(net, opt, AccumulatorOptions(1).process_group(group).reducer(
               ReducerOptions().rebuild_buckets(rebuild).bucket_cap_mb(0.0001).first_bucket_cap_mb(0.0001)
@@ -393,7 +405,9 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
           }
           allreduces[rank] = counting->allreduces;
           broadcasts[rank] = counting->broadcasts;
+          long_broadcasts[rank] = group->long_broadcasts;
           stats[rank] = acc.stats().reducer;
+          buffers[rank] = {net->stat.clone(), net->count.clone()};
         });
         CHECK(errors[0].empty());
         REQUIRE(errors[1].size() == 1);
@@ -406,6 +420,14 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
         CHECK(stepped[1] == std::vector<bool>{failing != 0, failing != 1, true});
         CHECK(allreduces[0] == allreduces[1]);
         CHECK(broadcasts[0] == broadcasts[1]);
+        // construction and three windows, and the rebuild's order (an int64 broadcast)
+        const int expected = 4 + (rebuild ? 1 : 0);
+        CHECK(long_broadcasts == std::vector<int>{expected, expected});
+        CHECK(stats[0].broadcasts == 3);
+        CHECK(stats[1].broadcasts == 3);
+        CHECK(torch::equal(buffers[0][0], buffers[1][0]));
+        CHECK(buffers[0][1].item<int64_t>() == 3); // rank 0's count, broadcast after every window
+        CHECK(buffers[1][1].item<int64_t>() == 3);
         CHECK(stats[0].dropped_windows == 0);
         CHECK(stats[1].dropped_windows == 1);
         CHECK(stats[0].windows == 3);
@@ -428,7 +450,7 @@ TEST_CASE("a failure after the consensus of a flush steps nothing on that rank",
   std::vector<ReducerStats> stats(2);
   run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> counting) {
     auto group = c10::make_intrusive<FailingBroadcastGroup>(counting);
-    BufferNet net;
+    BufferNet net(rank);
     torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
     Accumulator acc(net, opt, AccumulatorOptions(2).process_group(group));
     for (int k = 0; k < 3; ++k) { // one window, then a partial one flushed, then one more
@@ -464,6 +486,59 @@ TEST_CASE("a failure after the consensus of a flush steps nothing on that rank",
   CHECK(stats[0].dropped_windows == 0);
   CHECK(stats[1].dropped_windows == 1);
   CHECK(stats[0].windows == stats[1].windows);
+}
+
+TEST_CASE("a failure after the consensus while shadowing in acc.join() drops the next window everywhere", "[reducer][distributed][errors][join]") {
+  // Rank 1 ran out of data after one window and shadows rank 0's windows in
+  // acc.join(). Its buffer broadcast fails after the consensus of window 1:
+  // it cannot step with rank 0. It keeps pairing and drops window 2 on every
+  // rank, naming that, so rank 0 learns too; then both go on and end alike.
+  std::vector<std::vector<std::string>> errors(2);
+  std::vector<int> allreduces(2);
+  std::vector<int64_t> joined_steps(2, -1);
+  std::vector<ReducerStats> stats(2);
+  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> counting) {
+    auto group = c10::make_intrusive<FailingBroadcastGroup>(counting);
+    BufferNet net(rank);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    Accumulator acc(net, opt, AccumulatorOptions(1).process_group(group));
+    const int windows = rank == 0 ? 4 : 1;
+    for (int w = 0; w < windows; ++w) {
+      auto x = torch::full({4, 6}, double(w + rank), torch::kFloat64) + torch::arange(24, torch::kFloat64).view({4, 6});
+      try {
+        acc.backward(net->forward(x).pow(2).mean());
+        acc.step();
+      } catch (const c10::Error& e) {
+        errors[rank].push_back(std::to_string(w) + ": " + e.what_without_backtrace());
+      }
+    }
+    group->fail = rank == 1;
+    try {
+      joined_steps[rank] = acc.join();
+    } catch (const c10::Error& e) {
+      errors[rank].push_back(std::string("join: ") + e.what_without_backtrace());
+      group->fail = false;
+      joined_steps[rank] = acc.join();
+    }
+    allreduces[rank] = counting->allreduces;
+    stats[rank] = acc.stats().reducer;
+  });
+  const std::string why = "rank 1) could not step the last window it closed (ending its data in acc.flush() or "
+                          "acc.join()), while the other ranks stepped theirs";
+  REQUIRE(errors[0].size() == 1);
+  CHECK(errors[0][0] == "2: gradaccum: acc.backward(): window 2 was dropped on every rank: rank 1 could not step the "
+                        "last window it closed (ending its data in acc.flush() or acc.join()), while the other ranks "
+                        "stepped theirs (its own error is raised there): the replicas differ from here on. Resume "
+                        "every rank from a checkpoint");
+  REQUIRE(errors[1].size() == 1);
+  CHECK(errors[1][0].rfind("join: gradaccum: acc.join(): ", 0) == 0);
+  CHECK(errors[1][0].find("this rank (" + why) != std::string::npos);
+  CHECK(errors[1][0].find("every rank reduced the window, but this rank (rank 1) failed after that: injected "
+                          "broadcast failure") != std::string::npos);
+  CHECK(allreduces[0] == allreduces[1]);
+  CHECK(stats[0].windows == stats[1].windows);
+  CHECK(stats[0].dropped_windows == 1); // window 2
+  CHECK(stats[1].dropped_windows == 2); // window 1, here alone, and window 2
 }
 
 TEST_CASE("a no_sync guard may outlive the reducer it guards", "[reducer][distributed]") {

@@ -372,18 +372,23 @@ def test_mismatched_models_fail_fast_on_every_rank(jobs):
         assert "6" in res["count"]["message"] and "4" in res["count"]["message"], res["count"]["message"]
 
 
-def test_buckets_that_do_not_fit_on_one_rank_fail_on_every_rank(tmp_path):
+def test_buckets_that_do_not_fit_on_one_rank_fail_on_every_rank(tmp_path, monkeypatch):
     """Out of memory allocating the buckets on rank 1 alone: rank 0 does not
     wait in the parameter broadcast after it; both raise at once, and the
     group stays paired for the next Accumulator."""
+    # One malloc arena: a thread of the capped rank that needs a new one
+    # would fail elsewhere than in the buckets.
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
     results = du.run_job("bucket_oom", 2, tmp_path, oom_rank=1)
     own, peer = results[1]["error"], results[0]["error"]
+    # (CPU allocations fail as RuntimeError; CUDA ones keep torch.OutOfMemoryError)
     assert own is not None and own[0] == "RuntimeError", own
-    assert own[1].startswith("gradaccum: Accumulator(): allocating the reducer's buckets failed on this rank "
-                             "(rank 1): "), own
+    assert own[1].startswith("gradaccum: Accumulator(): building the reducer (allocating its buckets) failed on "
+                             "this rank (rank 1): "), own
+    assert "allocate memory" in own[1], own
     assert own[1].endswith(". Every rank raises"), own
-    assert peer == ("RuntimeError", "gradaccum: Accumulator(): allocating the reducer's buckets failed on rank 1 "
-                    "(its own error is raised there). Every rank raises"), peer
+    assert peer == ("RuntimeError", "gradaccum: Accumulator(): building the reducer (allocating its buckets) failed "
+                    "on rank 1 (its own error is raised there). Every rank raises"), peer
     for res in results:
         assert res["seconds"] < 15 and res["stepped"] is True, res
     du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)

@@ -237,10 +237,10 @@ def test_flush_that_cannot_step_a_closed_window_on_one_rank_fails_on_every_rank(
     results = du.run_job("flush_after_closed_window_fails_on_one_rank", 2, tmp_path,
                          module="_protocol_jobs", how=how, prior_raise=prior_raise,
                          pg_timeout=30, timeout=90)
-    assert "rank 1 could not step the window it had closed before this acc.flush(), while the other " \
-        "ranks stepped theirs (its own error is raised there): the replicas differ from here on" \
+    assert "rank 1 could not step the last window it closed (ending its data in acc.flush() or acc.join()), " \
+        "while the other ranks stepped theirs (its own error is raised there): the replicas differ from here on" \
         in results[0]["error"], results[0]["error"]
-    assert "this rank (rank 1) could not step the window it had closed before this acc.flush()" \
+    assert "this rank (rank 1) could not step the last window it closed (ending its data in acc.flush()" \
         in results[1]["error"], results[1]["error"]
     for res in results:
         assert "Resume every rank from a checkpoint" in res["error"]
@@ -279,7 +279,8 @@ REFUSED = {
                   "(reduction is 'mean')"),
 }
 WHY = ("refused the micro-batch that closes the window: its acc.backward() or acc.run() rejected its loss, "
-       "num_items or metrics (a loss that is not a scalar or does not require grad, a num_items that is not a number >= 0, ...)")
+       "num_items or metrics (a loss that is not a scalar or does not require grad, a num_items that is not a number >= 0, ...) "
+       "or found a parameter unfrozen without acc.refresh_parameters()")
 THEN = (". The window's gradients were cleared on every rank and no optimizer step was taken; training can go on "
         "from the next window")
 
