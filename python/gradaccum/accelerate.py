@@ -285,7 +285,9 @@ def _with_ddp_kwargs(handler: Any, options: Dict[str, Any]) -> Dict[str, Any]:
     """The Accumulator's options with a ``DistributedDataParallelKwargs``
     handler's settings, which stock Accelerate gives DDP: the bucket cap,
     bucket views and buffer broadcast as they are; an fp16/bf16 compression
-    hook as ``comm_dtype``; PowerSGD refused; the rest moot."""
+    hook as ``comm_dtype``; PowerSGD refused; the rest moot. A value equal
+    to DDP's default (``bucket_cap_mb=25``) is not in ``to_kwargs()``, so
+    gradaccum's own default applies to it; set it in ``accumulator_options``."""
     if handler is None:
         return options
     options = dict(options)
@@ -295,20 +297,21 @@ def _with_ddp_kwargs(handler: Any, options: Dict[str, Any]) -> Dict[str, Any]:
             continue
         if name not in _DDP_OPTIONS:
             raise ValueError(f"{what}({name}=...) has no gradaccum counterpart")
-        if name in options and options[name] != value:
+        if options.get(name) is not None and options[name] != value:
             raise ValueError(f"{what}({name}={value!r}) and accumulator_options {name}={options[name]!r} disagree")
         options[name] = value
     hook = getattr(getattr(handler, "comm_hook", None), "value", None)
     wrapper = getattr(getattr(handler, "comm_wrapper", None), "value", None)
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
-    if hook not in (None, "no") or wrapper not in (None, "no"):
+    # A wrapper without a hook is ignored, as Accelerate ignores it.
+    if hook not in (None, "no"):
         if hook not in dtypes or wrapper not in (None, "no"):
             raise ValueError(
                 f"{what}: comm_hook={hook!r}, comm_wrapper={wrapper!r} is not supported: gradaccum compresses "
                 "its all-reduce to fp16/bf16 only (comm_hook=DDPCommunicationHookType.FP16 or BF16, or "
                 "accumulator_options comm_dtype); PowerSGD has no counterpart")
         dtype = dtypes[hook]
-        if options.get("comm_dtype", dtype) != dtype:
+        if options.get("comm_dtype") not in (None, dtype):
             raise ValueError(f"{what}(comm_hook={hook!r}) and accumulator_options comm_dtype="
                              f"{options['comm_dtype']} disagree")
         options["comm_dtype"] = dtype

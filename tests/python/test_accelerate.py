@@ -283,6 +283,8 @@ def test_ddp_kwargs_reach_the_accumulator_or_are_refused(tmp_path):
         "    ([K(bucket_cap_mb=5)], {'bucket_cap_mb': 6}),\n"
         "    ([K(comm_hook=H.POWER_SGD)], None),\n"
         "    ([K(comm_hook=H.FP16)], {'comm_dtype': torch.bfloat16}),\n"
+        "    ([K(comm_hook=H.FP16)], {'comm_dtype': None, 'bucket_cap_mb': None}),\n"
+        "    ([K(comm_wrapper=H.FP16)], None),\n"
         "]\n"
         "for handlers, options in cases:\n"
         "    try:\n"
@@ -309,4 +311,6 @@ def test_ddp_kwargs_reach_the_accumulator_or_are_refused(tmp_path):
         "counterpart",
         "ValueError gradaccum: Accelerator(): DistributedDataParallelKwargs(comm_hook='fp16') and "
         "accumulator_options comm_dtype=torch.bfloat16 disagree",
+        "[('bucket_cap_mb', None), ('comm_dtype', torch.float16)]",  # None: unset, no disagreement
+        "[]",  # a wrapper without a hook: Accelerate ignores it too
     ], proc.stdout + proc.stderr[-2000:]
