@@ -336,6 +336,12 @@ struct BufferNetImpl : torch::nn::Module {
     count.add_(1 + rank);
     return second->forward(h);
   }
+  /// The loss of micro-batch `k` of this rank (`shift` moves it apart).
+  torch::Tensor loss(int k, int shift = 1) {
+    auto x = torch::full({4, 6}, double(k + shift * rank), torch::kFloat64) +
+        torch::arange(24, torch::kFloat64).view({4, 6});
+    return forward(x).pow(2).mean();
+  }
   int64_t rank;
   torch::nn::Linear first{nullptr}, second{nullptr};
   torch::Tensor stat, count;
@@ -388,11 +394,9 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
               ReducerOptions().rebuild_buckets(rebuild).bucket_cap_mb(0.0001).first_bucket_cap_mb(0.0001)
                   .gradient_as_bucket_view(as_view)));
           for (int w = 0; w < 3; ++w) {
-            auto x = torch::full({4, 6}, double(w + rank), torch::kFloat64) +
-                torch::arange(24, torch::kFloat64).view({4, 6});
             group->fail = rank == 1 && w == failing;
             try {
-              acc.backward(net->forward(x).pow(2).mean());
+              acc.backward(net->loss(w));
             } catch (const c10::Error& e) {
               errors[rank].push_back(std::to_string(w) + ": " + e.what_without_backtrace());
               int left = 0;
@@ -454,8 +458,7 @@ TEST_CASE("a failure after the consensus of a flush steps nothing on that rank",
     torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
     Accumulator acc(net, opt, AccumulatorOptions(2).process_group(group));
     for (int k = 0; k < 3; ++k) { // one window, then a partial one flushed, then one more
-      auto x = torch::full({4, 6}, double(k + rank), torch::kFloat64) + torch::arange(24, torch::kFloat64).view({4, 6});
-      acc.backward(net->forward(x).pow(2).mean());
+      acc.backward(net->loss(k));
       stepped[rank].push_back(acc.step());
     }
     group->fail = rank == 1;
@@ -467,8 +470,7 @@ TEST_CASE("a failure after the consensus of a flush steps nothing on that rank",
     }
     group->fail = false;
     for (int k = 0; k < 2; ++k) {
-      auto x = torch::full({4, 6}, double(k - rank), torch::kFloat64) + torch::arange(24, torch::kFloat64).view({4, 6});
-      acc.backward(net->forward(x).pow(2).mean());
+      acc.backward(net->loss(k, -1));
       stepped[rank].push_back(acc.step());
     }
     allreduces[rank] = counting->allreduces;
@@ -504,9 +506,8 @@ TEST_CASE("a failure after the consensus while shadowing in acc.join() drops the
     Accumulator acc(net, opt, AccumulatorOptions(1).process_group(group));
     const int windows = rank == 0 ? 4 : 1;
     for (int w = 0; w < windows; ++w) {
-      auto x = torch::full({4, 6}, double(w + rank), torch::kFloat64) + torch::arange(24, torch::kFloat64).view({4, 6});
       try {
-        acc.backward(net->forward(x).pow(2).mean());
+        acc.backward(net->loss(w));
         acc.step();
       } catch (const c10::Error& e) {
         errors[rank].push_back(std::to_string(w) + ": " + e.what_without_backtrace());

@@ -212,6 +212,20 @@ def make_windows(seed, counts, micro_batch, dtype=torch.float64):
     return windows
 
 
+def windows_reference(seed, windows, reduction, *, optimizer="sgd", skip=()):
+    """One process, float64: mlp(seed) stepped on each of `windows`' big
+    batches, but those whose index is in `skip` (dropped windows)."""
+    model = mlp(seed)
+    opt = make_optimizer(optimizer, model.parameters())
+    for w, window in enumerate(windows):
+        if w in skip:
+            continue
+        global_batch_loss(model, window, reduction).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return params(model)
+
+
 def full_counts(n_windows, world_size, steps):
     return [[steps] * world_size for _ in range(n_windows)]
 

@@ -23,15 +23,7 @@ def scale_of(value):
 def reference(seed, world_size, reduction, skip):
     """One process: the big batch's windows, those in `skip` dropped."""
     windows = du.make_windows(seed, du.full_counts(N_WINDOWS, world_size, STEPS), MICRO)
-    model = du.mlp(seed)
-    opt = du.make_optimizer("sgd", model.parameters())
-    for w, window in enumerate(windows):
-        if w in skip:
-            continue
-        du.global_batch_loss(model, window, reduction).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return du.params(model)
+    return du.windows_reference(seed, windows, reduction, skip=skip)
 
 
 @job

@@ -1023,16 +1023,8 @@ REFUSE_SEED = 11
 
 def refused_reference(world_size, dropped):
     """One process, float64: the 3 windows' big batches, but `dropped`."""
-    model = du.mlp(REFUSE_SEED)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    reduction = "mean"
-    for w, window in enumerate(du.make_windows(REFUSE_SEED, [[MICRO] * world_size] * 3, MICRO)):
-        if w == dropped:
-            continue
-        du.global_batch_loss(model, window, reduction).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return du.params(model)
+    windows = du.make_windows(REFUSE_SEED, [[MICRO] * world_size] * 3, MICRO)
+    return du.windows_reference(REFUSE_SEED, windows, "mean", optimizer="plain_sgd", skip=(dropped,))
 
 
 @job

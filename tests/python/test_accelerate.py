@@ -62,6 +62,20 @@ def launch(script, args, processes, cwd, timeout=240):
     return proc.stdout
 
 
+def run_alone(tmp_path, name, source):
+    """`source` as a script in a process of its own, outside any launch
+    (Accelerate's state is per process); its stdout lines."""
+    script = tmp_path / name
+    script.write_text(source)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for var in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines(), proc.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     results = {}
@@ -198,8 +212,7 @@ def test_k_is_fixed_once_prepared_and_fp16_unscale_is_refused(tmp_path):
     gradient_accumulation_steps after prepare(), and unscale_gradients() with
     a GradScaler (fp16 needs a GPU: the scaler is handed over by hand), are
     refused with their errors; setting K again to its value is fine."""
-    script = tmp_path / "k_and_unscale.py"
-    script.write_text(
+    lines, err = run_alone(tmp_path, "k_and_unscale.py",
         "import torch\n"
         "from gradaccum.accelerate import Accelerator\n"
         "acc = Accelerator(cpu=True, gradient_accumulation_steps=2)\n"
@@ -219,13 +232,6 @@ def test_k_is_fixed_once_prepared_and_fp16_unscale_is_refused(tmp_path):
         "    except Exception as e:\n"
         "        print(what, type(e).__name__, e)\n"
         "print('k now', acc.gradient_accumulation_steps)\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for var in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
     assert lines == [
         "k ValueError gradaccum: accelerator.gradient_accumulation_steps = 4: the window size is fixed at 3 once "
         "accelerator.prepare() has built the Accumulator; set it before prepare()",
@@ -234,7 +240,7 @@ def test_k_is_fixed_once_prepared_and_fp16_unscale_is_refused(tmp_path):
         "unscale per step). Clip with accelerator.clip_grad_norm_() or clip_grad_value_(): they are applied to the "
         "unscaled window gradient",
         "k now 3",
-    ], proc.stdout + proc.stderr[-2000:]
+    ], "\n".join(lines) + err
 
 
 def test_a_second_prepare_after_free_memory_keeps_one_checkpoint_object(tmp_path):
@@ -242,8 +248,7 @@ def test_a_second_prepare_after_free_memory_keeps_one_checkpoint_object(tmp_path
     its custom checkpoint objects, so a second one would make save_state()
     write two, which a run that prepared once cannot load_state(). The state
     saved mid-window is the new Accumulator's, and loads back."""
-    script = tmp_path / "prepare_twice.py"
-    script.write_text(
+    lines, err = run_alone(tmp_path, "prepare_twice.py",
         "import os, torch\n"
         "from gradaccum.accelerate import Accelerator\n"
         "acc = Accelerator(cpu=True, gradient_accumulation_steps=3)\n"
@@ -257,21 +262,14 @@ def test_a_second_prepare_after_free_memory_keeps_one_checkpoint_object(tmp_path
         "acc.backward(model(torch.ones(2, 4)).sum())\n"
         "acc.load_state('ck')\n"
         "print('micro_step', acc.accumulator.micro_step)\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for var in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["['custom_checkpoint_0.pkl']", "micro_step 1"], proc.stdout + proc.stderr[-2000:]
+    assert lines == ["['custom_checkpoint_0.pkl']", "micro_step 1"], "\n".join(lines) + err
 
 
 def test_ddp_kwargs_reach_the_accumulator_or_are_refused(tmp_path):
     """DistributedDataParallelKwargs, which stock Accelerate hands to DDP,
     become the Accumulator's options (in a process of its own: Accelerate's
     state is per process); what gradaccum cannot honour is refused."""
-    script = tmp_path / "ddp_kwargs.py"
-    script.write_text(
+    lines, err = run_alone(tmp_path, "ddp_kwargs.py",
         "import torch\n"
         "from accelerate.utils import DistributedDataParallelKwargs as K, DDPCommunicationHookType as H\n"
         "from gradaccum.accelerate import Accelerator\n"
@@ -292,13 +290,7 @@ def test_ddp_kwargs_reach_the_accumulator_or_are_refused(tmp_path):
         "        print(sorted(acc._accumulator_options.items()))\n"
         "    except ValueError as e:\n"
         "        print('ValueError', e)\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for var in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == [
+    assert lines == [
         "[('broadcast_buffers', False), ('bucket_cap_mb', 5), ('comm_dtype', torch.bfloat16), "
         "('gradient_as_bucket_view', True)]",
         "[('comm_dtype', torch.float16), ('first_bucket_cap_mb', 2.0)]",
@@ -313,4 +305,4 @@ def test_ddp_kwargs_reach_the_accumulator_or_are_refused(tmp_path):
         "accumulator_options comm_dtype=torch.bfloat16 disagree",
         "[('bucket_cap_mb', None), ('comm_dtype', torch.float16)]",  # None: unset, no disagreement
         "[]",  # a wrapper without a hook: Accelerate ignores it too
-    ], proc.stdout + proc.stderr[-2000:]
+    ], "\n".join(lines) + err
