@@ -25,6 +25,28 @@ std::vector<at::Tensor> allgather(c10d::ProcessGroup& group, const at::Tensor& i
   return outputs[0];
 }
 
+namespace {
+
+void pack(const std::vector<at::Tensor>& members, const at::Tensor& flat) {
+  at::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (const auto& t : members) {
+    flat.narrow(0, offset, t.numel()).view(t.sizes()).copy_(t);
+    offset += t.numel();
+  }
+}
+
+void unpack(const at::Tensor& flat, const std::vector<at::Tensor>& members) {
+  at::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (const auto& t : members) {
+    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+}
+
+} // namespace
+
 // Note [The buffers' broadcast allocates nothing]
 // It runs after every rank reduced the window (finish.cpp) and at
 // construction after the ranks agreed that it succeeded everywhere: a failure
@@ -32,9 +54,12 @@ std::vector<at::Tensor> allgather(c10d::ProcessGroup& group, const at::Tensor& i
 // would pair its later collectives with the wrong ones (Note [Collectives pair
 // by launch order]). So the flat copies are allocated with the reducer, every
 // broadcast launches whatever failed before it on this rank, and the first
-// failure is rethrown once all have run. What is left is the collective
-// itself failing (then the group is broken for every rank) and a buffer
-// resized in place since, whose new flat copy is allocated then.
+// failure is rethrown once all have run; a rank whose broadcast failed keeps
+// its buffers as they were. What is left is the collective itself failing
+// (then the group is broken for every rank) and a buffer resized in place
+// since, whose new flat copy is allocated then. The cost: one more copy of
+// the buffers, for the reducer's life (with broadcast_buffers, else only
+// while it is built).
 BroadcastPlan::BroadcastPlan(const std::vector<at::Tensor>& tensors) {
   using Key = std::tuple<at::ScalarType, at::DeviceType, c10::DeviceIndex>;
   std::map<Key, std::vector<at::Tensor>> groups;
@@ -48,14 +73,11 @@ BroadcastPlan::BroadcastPlan(const std::vector<at::Tensor>& tensors) {
     for (const auto& t : entry.second) {
       numel += t.numel();
     }
+    // Filled now: a root that fails to fill it later sends these values.
     auto flat = at::empty({numel}, entry.second.front().options());
+    pack(entry.second, flat);
     groups_.push_back(Group{std::move(entry.second), std::move(flat)});
   }
-}
-
-at::Device BroadcastPlan::device() const {
-  TORCH_INTERNAL_ASSERT(!groups_.empty());
-  return groups_.front().flat.device();
 }
 
 void BroadcastPlan::run(c10d::ProcessGroup& group, int root) const {
@@ -73,7 +95,9 @@ void BroadcastPlan::run(c10d::ProcessGroup& group, int root) const {
   };
   for (const auto& g : groups_) {
     // A member resized in place since (a cache grown by the forward) takes a
-    // flat copy of its new size: the one allocation left, and only then.
+    // flat copy of its new size: the one allocation left, and only then. The
+    // buffers have one shape on every rank (as DDP requires): every rank
+    // takes this branch, or skips an empty group, alike.
     int64_t numel = 0;
     for (const auto& t : g.members) {
       numel += t.numel();
@@ -89,27 +113,21 @@ void BroadcastPlan::run(c10d::ProcessGroup& group, int root) const {
     if (sending) {
       attempt([&] {
         TORCH_INTERNAL_ASSERT(fits);
-        int64_t offset = 0;
-        for (const auto& t : g.members) {
-          flat.narrow(0, offset, t.numel()).view(t.sizes()).copy_(t);
-          offset += t.numel();
-        }
+        pack(g.members, flat);
       });
     }
+    bool received = false;
     attempt([&] {
       std::vector<at::Tensor> tensors{flat};
       c10d::BroadcastOptions options;
       options.rootRank = root;
       group.broadcast(tensors, options)->wait();
+      received = true;
     });
-    if (!sending) {
+    if (!sending && received) { // (a failed broadcast leaves the buffers as they were)
       attempt([&] {
         TORCH_INTERNAL_ASSERT(fits);
-        int64_t offset = 0;
-        for (const auto& t : g.members) {
-          t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-          offset += t.numel();
-        }
+        unpack(flat, g.members);
       });
     }
   }

@@ -32,8 +32,6 @@ class BroadcastPlan {
   bool empty() const {
     return groups_.empty();
   }
-  /// Where the first broadcast's tensors live (for a collective choosing its root).
-  at::Device device() const;
 
  private:
   struct Group {

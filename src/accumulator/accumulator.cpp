@@ -27,14 +27,14 @@ using detail::CallGuard;
 
 // Every rank reduced the window; this one failed afterwards (its write-back,
 // a collective after the consensus), and the reducer cleared its gradients.
-// An empty window (global weight 0) is stepped nowhere: only what this rank
-// failed to receive (its buffers) may differ.
+// An empty window (global weight 0) is stepped nowhere: only the buffers may
+// differ (this rank's if it failed to receive them, the others' if it sent).
 std::string failed_after_reduction(const char* call, int rank, const ReductionResult& last, const std::exception& e) {
   return c10::str("gradaccum: ", call, ": every rank reduced the window, but this rank (rank ", rank,
       ") failed after that: ", detail::message_of(e), ". This rank dropped its window (no optimizer step here) ",
       last.global_weight > 0 ? "while the other ranks step theirs: the replicas differ from here on"
-                             : "and so do the others (it was empty on every rank), but this rank's buffers may "
-                               "differ from theirs from here on",
+                             : "and so do the others (it was empty on every rank), but the ranks' buffers may "
+                               "differ from here on",
       ". Resume every rank from a checkpoint");
 }
 

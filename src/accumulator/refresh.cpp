@@ -68,6 +68,7 @@ void Accumulator::refresh_parameters(ModelParameters model) {
       text = "gradaccum: acc.refresh_parameters(): " + text.substr(ctor.size());
     }
     TORCH_CHECK_VALUE(!dynamic_cast<const c10::ValueError*>(&e), text);
+    TORCH_CHECK_WITH(OutOfMemoryError, !dynamic_cast<const c10::OutOfMemoryError*>(&e), text);
     TORCH_CHECK(false, text);
   } catch (...) {
     claim.reset();

@@ -226,7 +226,7 @@ void Reducer::State::window_collectives(int64_t joined_ranks, std::optional<std:
     try {
       const int root = joined_ranks == 0
           ? 0
-          : detail::lowest_rank_where(*config.group, window.request.weight > 0, buffer_broadcast.device());
+          : detail::lowest_rank_where(*config.group, window.request.weight > 0, config.metadata_device());
       if (root < config.world) { // (none: nobody ran a forward since the last broadcast)
         ++stats.broadcasts;
         buffer_broadcast.run(*config.group, root); // (all of it, whatever fails: Note [The buffers' ...])

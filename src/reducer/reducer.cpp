@@ -90,6 +90,9 @@ Reducer::Reducer(
   auto& s = *state_;
   s.buckets.broadcast_parameters(s.config);
   s.buffer_broadcast.run(*s.config.group, /*root=*/0);
+  if (!s.config.options.broadcast_buffers()) {
+    s.buffer_broadcast = detail::BroadcastPlan(); // its copies are not needed again
+  }
   if (s.config.options.gradient_as_bucket_view()) {
     // From now on backward accumulates straight into the buckets.
     detail::point_grads_at_views(s.buckets.all, s.config.params, /*undefined_too=*/true);

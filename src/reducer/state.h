@@ -152,8 +152,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
 
   const detail::ReducerConfig config;
   /// config.buffers' broadcast, its flat copies allocated here
-  /// (Note [The buffers' broadcast allocates nothing]).
-  const detail::BroadcastPlan buffer_broadcast;
+  /// (Note [The buffers' broadcast allocates nothing]); emptied after the
+  /// construction's broadcast without broadcast_buffers.
+  detail::BroadcastPlan buffer_broadcast;
 
   // The autograd glue's own (hooks.cpp).
   // shared_ptr<Node> before torch 2.13, intrusive_ptr<Node> since: whatever

@@ -386,6 +386,7 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
         std::vector<int> grads_left(2, -1), allreduces(2), broadcasts(2), long_broadcasts(2);
         std::vector<ReducerStats> stats(2);
         std::vector<std::vector<torch::Tensor>> buffers(2);
+        int64_t own_count = -1;
         run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> counting) {
           auto group = c10::make_intrusive<FailingBroadcastGroup>(counting);
           BufferNet net(rank);
@@ -399,6 +400,7 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
               acc.backward(net->loss(w));
             } catch (const c10::Error& e) {
               errors[rank].push_back(std::to_string(w) + ": " + e.what_without_backtrace());
+              own_count = net->count.item<int64_t>();
               int left = 0;
               for (auto& p : net->parameters()) {
                 left += p.grad().defined() && p.grad().abs().sum().item<double>() != 0;
@@ -431,6 +433,9 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
         CHECK(stats[1].broadcasts == 3);
         CHECK(torch::equal(buffers[0][0], buffers[1][0]));
         CHECK(buffers[0][1].item<int64_t>() == 3); // rank 0's count, broadcast after every window
+        // The failed int64 broadcast left rank 1's count its own (rank 0's
+        // after the window before, plus 2 from its forward).
+        CHECK(own_count == (failing == 0 ? 2 : 1 + 2));
         CHECK(buffers[1][1].item<int64_t>() == 3);
         CHECK(stats[0].dropped_windows == 0);
         CHECK(stats[1].dropped_windows == 1);
