@@ -141,6 +141,10 @@ struct Bucket {
   at::Tensor wire; ///< what the collective reduces: `buffer`, or its compressed copy
   at::Tensor wire_gradients; ///< wire's gradient part (`gradients` unless compressed)
   at::Tensor meta; ///< [header (MetaField), flags…], encoded as `encoding` says
+  /// `meta` read back as float64 on the host, and (when `meta` is on a
+  /// device) its copy there: allocated with the bucket, so reading the summed
+  /// meta allocates nothing (Note [Reading the window allocates nothing]).
+  at::Tensor meta_host, meta_staging;
   MetaEncoding encoding = MetaEncoding::kPlain;
   int digit_bits = 0; ///< b of kDigits
   /// The buffer is wider than the parameters (accumulate_dtype): micro-steps'
@@ -169,6 +173,9 @@ struct Bucket {
   /// Writes header and flags (`kMetaHeader + params.size()` values, each >= 0)
   /// into `meta`, encoded.
   void write_meta(const std::vector<double>& values);
+  /// Copies `meta` into `meta_host` (one copy from the device, if any) and
+  /// returns its values.
+  const double* meta_on_host() const;
   /// Reads the (summed) header and flags back: one copy to the host.
   std::vector<double> read_meta() const;
   /// Decodes header and flags from `meta` as doubles on the host.

@@ -227,6 +227,10 @@ Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices,
   meta = encoding == MetaEncoding::kSeparate
       ? at::zeros({meta_numel}, options.dtype(at::kFloat))
       : wire.narrow(0, numel, meta_numel);
+  meta_host = at::zeros({meta_numel}, at::TensorOptions().dtype(at::kDouble));
+  if (!meta.is_cpu()) {
+    meta_staging = at::zeros({meta_numel}, at::TensorOptions().dtype(meta.scalar_type()));
+  }
   // Rounding to a wire no wider than the bucket loses bits: error feedback
   // keeps them (a wider wire loses nothing).
   if (config.error_feedback && compressed && at::elementSize(wire_dtype) <= at::elementSize(dtype)) {
@@ -283,9 +287,18 @@ void Bucket::write_meta(const std::vector<double>& values) {
   meta.copy_(at::from_blob(encoded.data(), {meta.numel()}, at::kDouble));
 }
 
+const double* Bucket::meta_on_host() const {
+  if (meta_staging.defined()) {
+    meta_staging.copy_(meta); // (same dtype: a plain copy from the device)
+    meta_host.copy_(meta_staging);
+  } else {
+    meta_host.copy_(meta);
+  }
+  return meta_host.const_data_ptr<double>();
+}
+
 std::vector<double> Bucket::read_meta() const {
-  const auto host = meta.to(at::kDouble).cpu().contiguous();
-  return decode_meta(host.data_ptr<double>());
+  return decode_meta(meta_on_host());
 }
 
 std::vector<double> Bucket::decode_meta(const double* data) const {

@@ -138,18 +138,19 @@ void Reducer::State::wait_all() {
   }
 }
 
+// Note [Reading the window allocates nothing]
+// Every all-reduce of the window has completed on every rank when its meta is
+// read; the others go on to the window's other collectives (finish.cpp:
+// window_collectives) if the consensus holds. A rank that failed to read its
+// meta here could neither tell them nor know whether to join those
+// collectives. So each bucket reads its meta back into host memory allocated
+// with it (Bucket::meta_host): one copy per bucket, which on a device is one
+// small synchronous copy each.
 std::vector<std::vector<double>> Reducer::State::read_all_meta() const {
-  // One copy to the host for all buckets (one device synchronisation).
-  std::vector<at::Tensor> metas;
-  for (const auto& bucket : buckets.all) {
-    metas.push_back(bucket.meta.to(at::kDouble));
-  }
-  const auto host = at::cat(metas).cpu().contiguous();
-  const double* data = host.data_ptr<double>();
   std::vector<std::vector<double>> summed;
+  summed.reserve(buckets.all.size());
   for (const auto& bucket : buckets.all) {
-    summed.push_back(bucket.decode_meta(data));
-    data += bucket.meta.numel();
+    summed.push_back(bucket.read_meta());
   }
   return summed;
 }
