@@ -174,9 +174,9 @@ struct Bucket {
   /// into `meta`, encoded.
   void write_meta(const std::vector<double>& values);
   /// Copies `meta` into `meta_host` (one copy from the device, if any) and
-  /// returns its values.
+  /// returns its values. Writes the bucket's host copy: not thread-safe.
   const double* meta_on_host() const;
-  /// Reads the (summed) header and flags back: one copy to the host.
+  /// Reads the (summed) header and flags back through meta_on_host().
   std::vector<double> read_meta() const;
   /// Decodes header and flags from `meta` as doubles on the host.
   std::vector<double> decode_meta(const double* data) const;

@@ -145,7 +145,8 @@ void Reducer::State::wait_all() {
 // meta here could neither tell them nor know whether to join those
 // collectives. So each bucket reads its meta back into host memory allocated
 // with it (Bucket::meta_host): one copy per bucket, which on a device is one
-// small synchronous copy each.
+// small synchronous copy each. No tensor is allocated; the decoded values
+// still go into small host vectors.
 std::vector<std::vector<double>> Reducer::State::read_all_meta() const {
   std::vector<std::vector<double>> summed;
   summed.reserve(buckets.all.size());
