@@ -1,20 +1,16 @@
 """gradaccum.Accumulator: the Python face of the C++ Accumulator."""
-import atexit
 import contextlib
-import inspect
 import numbers
-import os
-import time
 import weakref
-from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple, Union
 
 import torch
 
 from gradaccum import _C, _run
+from gradaccum._lifetime import _LIVE, _optimizer_step
 from gradaccum import trace as _trace
 
-from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list, lightning.py reads it here)
+from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list, the adapters read it here)
     _NONFINITE,
     _REDUCTIONS,
     _check_layout_options,
@@ -24,59 +20,12 @@ from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list
     _default_world_size,
     _dist_initialized,
     _held_gradients,
+    _metric_values,
     _parameters,
     _resolve_group,
     _saved_scaled,
     _scaling,
 )
-
-
-# Every open Accumulator, closed at interpreter exit (see _close_at_exit).
-_LIVE: "weakref.WeakSet[Accumulator]" = weakref.WeakSet()
-
-
-def _gloo_workers_alive() -> bool:
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:  # not Linux
-        return False
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                if f.read().startswith("pt_gloo"):
-                    return True
-        except OSError:
-            pass
-    return False
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    """At interpreter exit, while Python still runs (atexit handlers run before
-    finalization), lets go of every process group gradaccum holds.
-
-    A Gloo group's worker threads must not outlive the interpreter busy: the
-    one that ran the last collective releases that work's Python tensors after
-    the caller has already been woken, and needs the GIL for it; during
-    finalization that aborts the process ("terminate called without an active
-    exception", about 1 torchrun run of train_ddp.py in 10 here). So:
-    - close() every open Accumulator, without the GIL: after
-      destroy_process_group() its reference is the group's last one, and the
-      group's destructor joins the threads now;
-    - torch itself keeps the group alive past destroy_process_group() when
-      torch._dynamo was first imported while it existed (any torch.optim
-      optimizer built after init_process_group does it), and a group nobody
-      destroys (torch DDP's, e.g. transformers.Trainer's, in the same script:
-      the stock run of examples/python/train_hf_trainer.py aborted so) keeps
-      them too: while Gloo threads are alive, give them the GIL for a moment
-      to finish what they release."""
-    for acc in list(_LIVE):
-        try:
-            acc.close()
-        except Exception:  # exiting anyway: nothing left to tell
-            pass
-    if _gloo_workers_alive():
-        time.sleep(0.1)  # releases the GIL
 
 
 class Optimizer(Protocol):
@@ -277,34 +226,6 @@ class Accumulator:
             self._gradient_hook()
         return not found_inf
 
-    def _metric_values(self, what: str, metrics: Any, like: torch.Tensor) -> Optional[torch.Tensor]:
-        """A ``{name: value}`` dict as the tensor the C++ side takes (the
-        constructor's names' order; a name left out is 0)."""
-        if metrics is None:
-            return None
-        if not isinstance(metrics, Mapping):
-            raise TypeError(f"gradaccum: {what}: metrics must be a dict of name: value, got {type(metrics).__name__}")
-        unknown = [name for name in metrics if name not in self.metrics]
-        if unknown:
-            raise ValueError(f"gradaccum: {what}: unknown metric(s) {unknown}: the Accumulator was built with "
-                             f"metrics={list(self.metrics)}")
-        values = []
-        for name in self.metrics:
-            value = metrics.get(name, 0.0)
-            if isinstance(value, torch.Tensor):
-                if value.numel() != 1:
-                    raise ValueError(f"gradaccum: {what}: metric {name!r} must be a scalar, got a tensor of shape "
-                                     f"{tuple(value.shape)}")
-                values.append(value.detach().reshape(()).to(device=like.device, dtype=torch.float64))
-            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-                values.append(torch.tensor(float(value), dtype=torch.float64, device=like.device))
-            else:
-                raise TypeError(f"gradaccum: {what}: metric {name!r} must be a number or a one-element tensor, "
-                                f"got {value!r}")
-        if not values:
-            return None  # metrics={} on an Accumulator built without metrics: nothing to carry
-        return torch.stack(values)
-
     def _micro_batch(self, what: str, loss: Any, num_items: Any) -> Tuple[torch.Tensor, Optional[float], Optional[torch.Tensor]]:
         """The checks backward() and run() share; returns the loss to run
         backward on, num_items as a float, and the loss window_loss reports."""
@@ -357,7 +278,7 @@ class Accumulator:
             return
         try:
             loss, items, reported = self._micro_batch("acc.backward()", loss, num_items)
-            values = self._metric_values("acc.backward()", metrics, loss)
+            values = _metric_values("acc.backward()", self.metrics, metrics, loss)
         except (TypeError, ValueError) as error:
             # Data parallel, at the closing micro-step the others are reducing:
             # Note [A refused closing micro-batch] (src/accumulator/parts.cpp).
@@ -370,7 +291,7 @@ class Accumulator:
     def _backward_part(self, loss: Any, num_items: Any, share: float, metrics: Any = None) -> None:
         """One part of a micro-step run in parts (run())."""
         loss, items, reported = self._micro_batch("acc.run()", loss, num_items)
-        self._c.backward_part(loss, items, reported, share, self._metric_values("acc.run()", metrics, loss))
+        self._c.backward_part(loss, items, reported, share, _metric_values("acc.run()", self.metrics, metrics, loss))
 
     def run(self, fn: Callable[[Any], Any], batch: Any) -> Any:
         """One micro-step that survives running out of memory: ``fn(batch)``
@@ -660,39 +581,3 @@ class Accumulator:
                  if stats["data_parallel"] else "")
         return (f"Accumulator(steps={self.steps}, reduction={self.reduction!r}, "
                 f"micro_step={self.micro_step}, data_parallel={stats['data_parallel']}{group})")
-
-
-def _optimizer_step(acc: "Accumulator", optimizer: Any) -> Callable[[], None]:
-    """The C++ side's optimizer step: the pre-step hook, then optimizer.step().
-    It holds the Accumulator weakly (see Accumulator._weakly)."""
-    ref = weakref.ref(acc)
-
-    def step() -> None:
-        target = ref()
-        if target is not None and target._pre_step_hook is not None:
-            target._pre_step_hook()
-        optimizer.step()
-
-    return step
-
-
-def _adapter_options(what: str, options: Any, reserved: Iterable[str]) -> Dict[str, Any]:
-    """An adapter's ``accumulator_options``: ``Accumulator`` keyword arguments,
-    none of those the adapter sets itself (`reserved`), checked when the
-    adapter is built rather than when it builds the Accumulator."""
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):
-        raise TypeError(f"gradaccum: {what}: accumulator_options must be a dict of Accumulator keyword arguments, "
-                        f"got {type(options).__name__}")
-    reserved = tuple(reserved)
-    known = [name for name in inspect.signature(Accumulator.__init__).parameters
-             if name not in ("self", "model", "optimizer") and name not in reserved]
-    for name in options:
-        if name in reserved or name in ("model", "optimizer"):
-            raise ValueError(f"gradaccum: {what}: accumulator_options may not set {name!r}: the adapter sets it "
-                             f"(it sets {', '.join(repr(r) for r in reserved)}, the model and the optimizer)")
-        if name not in known:
-            raise ValueError(f"gradaccum: {what}: accumulator_options: {name!r} is not an Accumulator option "
-                             f"(they are {', '.join(known)})")
-    return dict(options)

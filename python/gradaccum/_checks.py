@@ -3,7 +3,8 @@ grad_scaler's state: everything gradaccum.Accumulator validates before the C++
 side sees it (each refusal a gradaccum: error naming the call)."""
 import numbers
 import os
-from typing import Any, Dict, List, Optional
+from collections.abc import Mapping
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -276,3 +277,32 @@ def _resolve_group(process_group: Any) -> "tuple[Any, bool]":
     if process_group is False:
         process_group = None
     return process_group, process_group is None
+
+
+def _metric_values(what: str, names: Tuple[str, ...], metrics: Any, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """A ``{name: value}`` dict as the tensor the C++ side takes (the
+    constructor's names' order; a name left out is 0)."""
+    if metrics is None:
+        return None
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"gradaccum: {what}: metrics must be a dict of name: value, got {type(metrics).__name__}")
+    unknown = [name for name in metrics if name not in names]
+    if unknown:
+        raise ValueError(f"gradaccum: {what}: unknown metric(s) {unknown}: the Accumulator was built with "
+                         f"metrics={list(names)}")
+    values = []
+    for name in names:
+        value = metrics.get(name, 0.0)
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"gradaccum: {what}: metric {name!r} must be a scalar, got a tensor of shape "
+                                 f"{tuple(value.shape)}")
+            values.append(value.detach().reshape(()).to(device=like.device, dtype=torch.float64))
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            values.append(torch.tensor(float(value), dtype=torch.float64, device=like.device))
+        else:
+            raise TypeError(f"gradaccum: {what}: metric {name!r} must be a number or a one-element tensor, "
+                            f"got {value!r}")
+    if not values:
+        return None  # metrics={} on an Accumulator built without metrics: nothing to carry
+    return torch.stack(values)

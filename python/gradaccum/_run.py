@@ -7,10 +7,11 @@ and nothing about a split crosses ranks.
 import collections
 import gc
 import math
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 import torch
 
+from gradaccum._checks import _metric_values
 from gradaccum._split import _flatten, _Leaves, split
 
 #: Micro-steps in a row without running out of memory before run() tries parts
@@ -162,7 +163,6 @@ def run(acc: Any, fn: Callable[[Any], Any], batch: Any) -> Any:
     state: RunState = acc._run_state
     acc._c.check_micro_step_state()  # a micro-step that could not run must be one that could
     marker = acc._c.progress_marker
-    items = acc.reduction == "items"
     rows = _rows(batch)
     parts = 1 if state.max_rows is None or rows is None else max(1, math.ceil(rows / state.max_rows))
     fits = state.max_rows is None or (rows is not None and rows <= state.proven)
@@ -187,7 +187,7 @@ def run(acc: Any, fn: Callable[[Any], Any], batch: Any) -> Any:
                 as_dict = isinstance(out, dict)
                 del out
                 acc._c.backward_whole(*acc._micro_batch("acc.run()", loss, num_items),
-                                      acc._metric_values("acc.run()", metrics, loss))
+                                      _metric_values("acc.run()", acc.metrics, metrics, loss))
             except BaseException as error:
                 # This rank's own out-of-memory (the drop's error here carries
                 # its text; a peer's says that rank ran out of memory).

@@ -127,11 +127,7 @@ import torch
 
 try:
     import accelerate as _accelerate
-    from accelerate.data_loader import BatchSamplerShard
     from accelerate.optimizer import AcceleratedOptimizer
-    from accelerate.scheduler import AcceleratedScheduler
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
 except ImportError as error:  # pragma: no cover - exercised without accelerate
     raise ImportError(
         f"gradaccum: gradaccum.accelerate needs Hugging Face Accelerate, which is not importable here ({error}). "
@@ -139,129 +135,21 @@ except ImportError as error:  # pragma: no cover - exercised without accelerate
         "so that pip keeps your torch)"
     ) from error
 
-from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator, _adapter_options
+from gradaccum._accelerate_parts import (
+    _AccumulatorCheckpoint,
+    _find_shard_sampler,
+    _GradaccumOptimizer,
+    _GradaccumScheduler,
+    _SchedulerDriver,
+)
+from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+from gradaccum._adapter_options import _adapter_options, _with_ddp_kwargs
 from gradaccum._hf import keep_float64_causal_lm_loss
 
 __all__ = ["Accelerator"]
 
 _SUPPORTED = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
               "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON"}
-
-
-def _find_shard_sampler(loader: Any) -> Optional[BatchSamplerShard]:
-    """The BatchSamplerShard under a prepared loader (through a SkipBatchSampler)."""
-    seen = 0
-    for start in ("batch_sampler", "sampler"):
-        obj = getattr(loader, start, None)
-        while obj is not None and seen < 8:
-            seen += 1
-            if isinstance(obj, BatchSamplerShard):
-                return obj
-            obj = getattr(obj, "batch_sampler", None)
-    return None
-
-
-class _AccumulatorCheckpoint:
-    """What ``register_for_checkpointing`` saves: the Accumulator's state
-    (a collective mid-window: Accelerate calls it on every rank)."""
-
-    def __init__(self, accelerator: "Accelerator") -> None:
-        self._accelerator = weakref.ref(accelerator)
-
-    def state_dict(self) -> Dict[str, Any]:
-        accelerator = self._accelerator()
-        acc = None if accelerator is None else accelerator.accumulator
-        return {} if acc is None else {"accumulator": acc.state_dict()}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        accelerator = self._accelerator()
-        if accelerator is None or "accumulator" not in state:
-            return
-        if accelerator.accumulator is None:
-            accelerator._pending_state = state["accumulator"]
-        else:
-            accelerator.accumulator.load_state_dict(state["accumulator"])
-
-
-class _GradaccumOptimizer(AcceleratedOptimizer):
-    """The prepared optimizer: ``step()`` is the window's step (or the end of
-    a training loader's flush), ``zero_grad()`` is left to the Accumulator."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: "Accelerator",
-                 device_placement: bool = True) -> None:
-        super().__init__(optimizer, device_placement=device_placement, scaler=None)
-        self._accelerator_ref = weakref.ref(accelerator)
-        self.real_steps = 0  # optimizer steps taken (schedulers follow them)
-
-    def _acc(self) -> Optional[Accumulator]:
-        accelerator = self._accelerator_ref()
-        return None if accelerator is None else accelerator.accumulator
-
-    def step(self, closure: Any = None) -> None:
-        accelerator = self._accelerator_ref()
-        acc = self._acc()
-        if accelerator is None or acc is None:
-            if accelerator is not None and accelerator._models:
-                acc = accelerator._ensure_accumulator("optimizer.step()")
-            else:
-                return super().step(closure)
-        if closure is not None:
-            raise ValueError("gradaccum: optimizer.step(closure): a closure is not supported; the Accumulator "
-                             "steps the optimizer once per window")
-        steps, boundary = 0, False
-        loader = accelerator._training_loader_at_end()
-        if loader is not None:
-            loader._gradaccum_flushed = True
-            boundary = True
-            steps = accelerator._end_epoch(loader)
-        elif acc.window_ready:
-            boundary = True
-            steps = int(bool(acc.step()))
-            accelerator._after_window()
-        if boundary:
-            self._is_overflow = steps == 0
-            self.real_steps += steps
-
-    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
-        if self._acc() is None:
-            super().zero_grad(set_to_none)
-
-
-class _GradaccumScheduler(AcceleratedScheduler):
-    """The prepared scheduler. Linked to the prepared optimizer (Accelerate's
-    ``step_scheduler_with_optimizer``, the default), the Accumulator steps it
-    right after each real optimizer step, ``num_processes`` times (once with
-    ``split_batches``) as Accelerate's own does, and the script's
-    ``scheduler.step()`` does nothing: a rank whose last batch closes a window
-    and then flushes the other ranks' partial one steps the optimizer twice in
-    one micro-step, with the scheduler stepped in between, as on the others."""
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self.step_with_optimizer:
-            self.scheduler.step(*args, **kwargs)
-
-    def _after_optimizer_step(self) -> None:
-        for _ in range(1 if self.split_batches else AcceleratorState().num_processes):
-            if hasattr(self.scheduler, "total_steps") and self.scheduler._step_count > self.scheduler.total_steps:
-                break
-            self.scheduler.step()
-
-
-class _SchedulerDriver:
-    """The Accumulator's ``scheduler``: its ``step()`` runs after each real
-    optimizer step and steps the prepared schedulers linked to the optimizer
-    (prepared before or after the Accumulator was built)."""
-
-    def __init__(self, accelerator: "Accelerator") -> None:
-        self._accelerator = weakref.ref(accelerator)
-
-    def step(self) -> None:
-        accelerator = self._accelerator()
-        if accelerator is None:
-            return
-        for scheduler in accelerator._schedulers:
-            if isinstance(scheduler, _GradaccumScheduler) and scheduler.step_with_optimizer:
-                scheduler._after_optimizer_step()
 
 
 def _launched_without_accelerator() -> bool:
@@ -272,50 +160,6 @@ def _launched_without_accelerator() -> bool:
         return False
     return world > 1 and not torch.cuda.is_available() and not (
         hasattr(torch, "xpu") and torch.xpu.is_available())
-
-
-# DistributedDataParallelKwargs that gradaccum's reducer takes, under its own names.
-_DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers")
-# Those with no meaning for it: unused parameters are sent as zeros flagged
-# missing, the graph may change between windows, and nothing is scattered.
-_DDP_MOOT = ("find_unused_parameters", "static_graph", "check_reduction", "dim")
-
-
-def _with_ddp_kwargs(handler: Any, options: Dict[str, Any]) -> Dict[str, Any]:
-    """The Accumulator's options with a ``DistributedDataParallelKwargs``
-    handler's settings, which stock Accelerate gives DDP: the bucket cap,
-    bucket views and buffer broadcast as they are; an fp16/bf16 compression
-    hook as ``comm_dtype``; PowerSGD refused; the rest moot. A value equal
-    to DDP's default (``bucket_cap_mb=25``) is not in ``to_kwargs()``, so
-    gradaccum's own default applies to it; set it in ``accumulator_options``."""
-    if handler is None:
-        return options
-    options = dict(options)
-    what = "gradaccum: Accelerator(): DistributedDataParallelKwargs"
-    for name, value in handler.to_kwargs().items():
-        if name in _DDP_MOOT:
-            continue
-        if name not in _DDP_OPTIONS:
-            raise ValueError(f"{what}({name}=...) has no gradaccum counterpart")
-        if options.get(name) is not None and options[name] != value:
-            raise ValueError(f"{what}({name}={value!r}) and accumulator_options {name}={options[name]!r} disagree")
-        options[name] = value
-    hook = getattr(getattr(handler, "comm_hook", None), "value", None)
-    wrapper = getattr(getattr(handler, "comm_wrapper", None), "value", None)
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
-    # A wrapper without a hook is ignored, as Accelerate ignores it.
-    if hook not in (None, "no"):
-        if hook not in dtypes or wrapper not in (None, "no"):
-            raise ValueError(
-                f"{what}: comm_hook={hook!r}, comm_wrapper={wrapper!r} is not supported: gradaccum compresses "
-                "its all-reduce to fp16/bf16 only (comm_hook=DDPCommunicationHookType.FP16 or BF16, or "
-                "accumulator_options comm_dtype); PowerSGD has no counterpart")
-        dtype = dtypes[hook]
-        if options.get("comm_dtype") not in (None, dtype):
-            raise ValueError(f"{what}(comm_hook={hook!r}) and accumulator_options comm_dtype="
-                             f"{options['comm_dtype']} disagree")
-        options["comm_dtype"] = dtype
-    return options
 
 
 class Accelerator(_accelerate.Accelerator):

@@ -96,7 +96,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 from typing import Any, Dict, Optional
 
@@ -116,7 +115,8 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         f"({error}). Install them with: pip install transformers accelerate"
     ) from error
 
-from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator, _adapter_options
+from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+from gradaccum._adapter_options import _adapter_options
 from gradaccum._hf import _float64_causal_lm_loss, keep_float64_causal_lm_loss
 
 __all__ = ["Trainer", "CHECKPOINT_NAME"]

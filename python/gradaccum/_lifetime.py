@@ -1,0 +1,73 @@
+"""What the Accumulator holds and how it lets go: every open one, closed at
+interpreter exit, and the optimizer step the C++ side calls, which holds its
+Accumulator weakly (see Accumulator._weakly)."""
+import atexit
+import os
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from gradaccum._accumulator import Accumulator
+
+
+# Every open Accumulator, closed at interpreter exit (see _close_at_exit).
+_LIVE: "weakref.WeakSet[Accumulator]" = weakref.WeakSet()
+
+
+def _gloo_workers_alive() -> bool:
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # not Linux
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().startswith("pt_gloo"):
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """At interpreter exit, while Python still runs (atexit handlers run before
+    finalization), lets go of every process group gradaccum holds.
+
+    A Gloo group's worker threads must not outlive the interpreter busy: the
+    one that ran the last collective releases that work's Python tensors after
+    the caller has already been woken, and needs the GIL for it; during
+    finalization that aborts the process ("terminate called without an active
+    exception", about 1 torchrun run of train_ddp.py in 10 here). So:
+    - close() every open Accumulator, without the GIL: after
+      destroy_process_group() its reference is the group's last one, and the
+      group's destructor joins the threads now;
+    - torch itself keeps the group alive past destroy_process_group() when
+      torch._dynamo was first imported while it existed (any torch.optim
+      optimizer built after init_process_group does it), and a group nobody
+      destroys (torch DDP's, e.g. transformers.Trainer's, in the same script:
+      the stock run of examples/python/train_hf_trainer.py aborted so) keeps
+      them too: while Gloo threads are alive, give them the GIL for a moment
+      to finish what they release."""
+    for acc in list(_LIVE):
+        try:
+            acc.close()
+        except Exception:  # exiting anyway: nothing left to tell
+            pass
+    if _gloo_workers_alive():
+        time.sleep(0.1)  # releases the GIL
+
+
+def _optimizer_step(acc: "Accumulator", optimizer: Any) -> Callable[[], None]:
+    """The C++ side's optimizer step: the pre-step hook, then optimizer.step().
+    It holds the Accumulator weakly (see Accumulator._weakly)."""
+    ref = weakref.ref(acc)
+
+    def step() -> None:
+        target = ref()
+        if target is not None and target._pre_step_hook is not None:
+            target._pre_step_hook()
+        optimizer.step()
+
+    return step
