@@ -76,7 +76,7 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 //  - A half-precision wire with more ranks than digits allow sends the header
 //    as a float32 tensor of its own, a second collective (kSeparate).
 // The reducer writes the header in launch_bucket() (encode_header(), then
-// write_meta()) and reads it back once per reduction (decode_meta(), then
+// write_meta()) and reads it back once per reduction (read_meta(), then
 // read_headers()); the layout is the same on every rank because the buckets
 // and the options are (checked at construction, or by the index field at the
 // first window).
@@ -145,6 +145,9 @@ struct Bucket {
   /// device) its copy there: allocated with the bucket, so reading the summed
   /// meta allocates nothing (Note [Reading the window allocates nothing]).
   at::Tensor meta_host, meta_staging;
+  /// The last meta read back, decoded: header then flags (`kMetaHeader +
+  /// params.size()` values, sized with the bucket). read_meta() writes it.
+  mutable std::vector<double> meta_values;
   MetaEncoding encoding = MetaEncoding::kPlain;
   int digit_bits = 0; ///< b of kDigits
   /// The buffer is wider than the parameters (accumulate_dtype): micro-steps'
@@ -174,12 +177,13 @@ struct Bucket {
   /// into `meta`, encoded.
   void write_meta(const std::vector<double>& values);
   /// Copies `meta` into `meta_host` (one copy from the device, if any) and
-  /// returns its values. Writes the bucket's host copy: not thread-safe.
+  /// returns its values.
   const double* meta_on_host() const;
-  /// Reads the (summed) header and flags back through meta_on_host().
-  std::vector<double> read_meta() const;
-  /// Decodes header and flags from `meta` as doubles on the host.
-  std::vector<double> decode_meta(const double* data) const;
+  /// Reads the (summed) header and flags back through meta_on_host() into
+  /// `meta_values`, decoded, and returns them; allocates nothing. It writes
+  /// the bucket's host copies (meta_host, meta_values): the reducer calls it
+  /// from the reduction's thread only; never call it while one is in flight.
+  const std::vector<double>& read_meta() const;
   /// The largest per-rank value of a field that write_meta() carries exactly
   /// (kWeight: with 32 fractional bits).
   static double max_meta_value(MetaField field);

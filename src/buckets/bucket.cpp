@@ -228,6 +228,7 @@ Bucket::Bucket(const std::vector<at::Tensor>& all, std::vector<size_t> indices,
       ? at::zeros({meta_numel}, options.dtype(at::kFloat))
       : wire.narrow(0, numel, meta_numel);
   meta_host = at::zeros({meta_numel}, at::TensorOptions().dtype(at::kDouble));
+  meta_values.assign(static_cast<size_t>(kMetaHeader + n), 0.0);
   if (!meta.is_cpu()) {
     meta_staging = at::zeros({meta_numel}, at::TensorOptions().dtype(meta.scalar_type()));
   }
@@ -297,17 +298,16 @@ const double* Bucket::meta_on_host() const {
   return meta_host.const_data_ptr<double>();
 }
 
-std::vector<double> Bucket::read_meta() const {
-  return decode_meta(meta_on_host());
-}
-
-std::vector<double> Bucket::decode_meta(const double* data) const {
+const std::vector<double>& Bucket::read_meta() const {
+  const double* data = meta_on_host();
   const auto n = static_cast<int64_t>(params.size());
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(meta_values.size()) == kMetaHeader + n,
+                        "gradaccum: a bucket's decoded meta has the wrong size");
+  auto* values = meta_values.data();
   if (encoding != MetaEncoding::kDigits) {
-    return std::vector<double>(data, data + kMetaHeader + n);
+    std::copy(data, data + kMetaHeader + n, values);
+    return meta_values;
   }
-  std::vector<double> values;
-  values.reserve(static_cast<size_t>(kMetaHeader + n));
   int64_t at = 0;
   for (int64_t f = 0; f < kMetaHeader; ++f) {
     // Each digit's sum is an exact integer; recombined in double: exact for
@@ -316,12 +316,10 @@ std::vector<double> Bucket::decode_meta(const double* data) const {
     for (int64_t d = 0; d < field_digits(f, digit_bits); ++d) {
       value += std::ldexp(data[at++], static_cast<int>(d * digit_bits) - field_fraction_bits(f));
     }
-    values.push_back(value);
+    values[f] = value;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    values.push_back(data[at++]);
-  }
-  return values;
+  std::copy(data + at, data + at + n, values + kMetaHeader);
+  return meta_values;
 }
 
 } // namespace gradaccum

@@ -90,9 +90,9 @@ AbortReason unsendable_weight(const std::vector<Bucket>& buckets, double weight)
   return AbortReason::None;
 }
 
-Verdict read_headers(const std::vector<std::vector<double>>& summed, const AgreementInputs& mine, int rank,
-                     int world, int64_t modulus, const std::string& where) {
-  TORCH_INTERNAL_ASSERT(!summed.empty(), "gradaccum: a reduction without buckets");
+Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& mine, int rank, int world,
+                     int64_t modulus) {
+  TORCH_INTERNAL_ASSERT(!buckets.empty(), "gradaccum: a reduction without buckets");
   const double w = world;
   // Over W ranks the values are all equal iff W * sum(v^2) == sum(v)^2.
   const auto all_equal = [&](const std::vector<double>& h, MetaField field) {
@@ -100,30 +100,32 @@ Verdict read_headers(const std::vector<std::vector<double>>& summed, const Agree
   };
   // The last bucket carries every rank's final word (Note [The last bucket
   // closes the window]).
-  const auto& last = summed.back();
+  const auto& last = buckets.back().meta_values;
   Verdict verdict;
   verdict.global_weight = last[kWeight];
   verdict.flushing_ranks = rounded(last[kFlushing]);
   verdict.joined_ranks = rounded(last[kJoined]);
   verdict.loss_sum = last[kLoss];
-  verdict.metric_sums.assign(last.begin() + kMetric0, last.begin() + kMetaHeader);
-  for (const auto b : c10::irange(summed.size())) {
-    if (!all_equal(summed[b], kBucketIndex)) {
-      verdict.error = mispaired(where, static_cast<int64_t>(b));
+  std::copy(last.begin() + kMetric0, last.begin() + kMetaHeader, verdict.metric_sums.begin());
+  for (const auto b : c10::irange(buckets.size())) {
+    if (!all_equal(buckets[b].meta_values, kBucketIndex)) {
+      verdict.outcome = Verdict::Outcome::Mispaired;
+      verdict.bucket = static_cast<int64_t>(b);
       return verdict;
     }
   }
-  const auto aborting = rounded(last[kAbort]);
-  if (aborting > 0) {
-    const auto why = static_cast<AbortReason>(aborting == 1 ? rounded(last[kAbortReason]) : 0);
-    verdict.error = dropped_elsewhere(where, aborting, rounded(last[kAbortRank]), why);
+  if (const auto aborting = rounded(last[kAbort]); aborting > 0) {
+    verdict.outcome = Verdict::Outcome::Dropped;
+    verdict.aborting = aborting;
+    verdict.abort_rank = rounded(last[kAbortRank]);
+    verdict.abort_reason = static_cast<AbortReason>(aborting == 1 ? rounded(last[kAbortReason]) : 0);
     return verdict;
   }
   for (const auto& agreement : agreements()) {
     if (agreement.field == kMetaHeader || all_equal(last, agreement.field)) {
       continue;
     }
-    HeaderValues values;
+    auto& values = verdict.values;
     values.mine = static_cast<int64_t>(agreement.value(mine));
     values.rank = rank;
     values.world = world;
@@ -133,10 +135,25 @@ Verdict read_headers(const std::vector<std::vector<double>>& summed, const Agree
     } else {
       values.mean = last[agreement.field] / w + static_cast<double>(values.mine - mine_mod);
     }
-    verdict.error = window_disagreement(where, agreement, values);
+    verdict.outcome = Verdict::Outcome::Disagreed;
+    verdict.agreement = &agreement;
     return verdict;
   }
   return verdict;
+}
+
+std::string verdict_error(const Verdict& verdict, const std::string& where) {
+  switch (verdict.outcome) {
+    case Verdict::Outcome::Mispaired:
+      return mispaired(where, verdict.bucket);
+    case Verdict::Outcome::Dropped:
+      return dropped_elsewhere(where, verdict.aborting, verdict.abort_rank, verdict.abort_reason);
+    case Verdict::Outcome::Disagreed:
+      return window_disagreement(where, *verdict.agreement, verdict.values);
+    case Verdict::Outcome::Agreed:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "gradaccum: verdict_error() for an agreed window");
 }
 
 } // namespace gradaccum::detail

@@ -7,6 +7,7 @@
 #include <gradaccum/bucket.h>
 #include <gradaccum/reducer.h>
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,21 +29,41 @@ std::vector<double> encode_header(const ReductionRequest& request, int rank, con
 /// the window going undivided). AbortReason::None when it can.
 AbortReason unsendable_weight(const std::vector<Bucket>& buckets, double weight);
 
-/// What every rank reads alike from one reduction's summed headers.
+/// What every rank reads alike from one reduction's summed headers: numbers
+/// only, so that reading them allocates nothing (Note [Reading the window
+/// allocates nothing]); verdict_error() words a failed one.
 struct Verdict {
   double global_weight = 0; ///< kWeight summed: the window's divisor
   int64_t flushing_ranks = 0;
   int64_t joined_ranks = 0;
   double loss_sum = 0;
-  std::vector<double> metric_sums; ///< kMaxWindowMetrics of them
-  /// Why every rank drops the window ("" when no rank does): some rank
-  /// dropped it, the collectives were mis-paired, or the ranks disagree.
-  std::string error;
+  std::array<double, kMaxWindowMetrics> metric_sums{};
+  /// Whether every rank keeps the window, and if not, why every rank drops it.
+  enum class Outcome {
+    Agreed,
+    Mispaired, ///< `bucket` met another bucket on some rank
+    Dropped, ///< `aborting` ranks dropped it (the only one, when 1: `abort_rank`, for `abort_reason`)
+    Disagreed, ///< the ranks hold different values of `agreement` (`values`)
+  } outcome = Outcome::Agreed;
+  int64_t bucket = 0;
+  int64_t aborting = 0;
+  int64_t abort_rank = 0;
+  AbortReason abort_reason = AbortReason::None;
+  const Agreement* agreement = nullptr;
+  HeaderValues values;
+
+  bool agreed() const {
+    return outcome == Outcome::Agreed;
+  }
 };
 
-/// Reads `summed` (each bucket's summed meta, in launch order). `mine` and
-/// `rank` are this rank's; `where` starts every error ("gradaccum: window 3").
-Verdict read_headers(const std::vector<std::vector<double>>& summed, const AgreementInputs& mine, int rank,
-                     int world, int64_t modulus, const std::string& where);
+/// Reads the summed meta each of `buckets` holds (Bucket::read_meta(), in
+/// launch order). `mine` and `rank` are this rank's.
+Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& mine, int rank, int world,
+                     int64_t modulus);
+
+/// Why every rank drops the window, for a verdict that is not agreed; `where`
+/// starts it ("gradaccum: acc.backward(): window 3").
+std::string verdict_error(const Verdict& verdict, const std::string& where);
 
 } // namespace gradaccum::detail

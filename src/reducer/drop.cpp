@@ -38,7 +38,7 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
     launch_rest();
     wait_all();
     // Whether others were flushing still matters to this rank's epoch.
-    const auto header = buckets.all.back().read_meta();
+    const auto& header = buckets.all.back().read_meta();
     window.last_result.flushing_ranks = static_cast<int64_t>(std::llround(header[kFlushing]));
     window.last_result.joined_ranks = static_cast<int64_t>(std::llround(header[kJoined]));
   } catch (const std::exception& e) {

@@ -42,7 +42,7 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
   launch_rest();
   auto reduced = agree();
   if (snapshot) {
-    return complete_snapshot(reduced, saved, *snapshot);
+    return complete_snapshot(std::move(reduced), saved, *snapshot);
   }
   return complete_window(std::move(reduced));
 }
@@ -91,15 +91,18 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
 }
 
 detail::Reduced Reducer::State::agree() {
-  detail::Reduced reduced;
   try {
     wait_all();
-    reduced.meta = read_all_meta();
+    read_all_meta();
   } catch (const std::exception& e) {
     fail(where() + ", " + detail::message_of(e));
   }
-  const auto verdict = detail::read_headers(reduced.meta, agreement_inputs(), config.rank, config.world,
-                                            buckets.modulus, where());
+  // Note [Reading the window allocates nothing]: numbers only from here to
+  // the window's other collectives, unless every rank drops the window.
+  detail::Reduced reduced;
+  reduced.verdict = detail::read_headers(buckets.all, agreement_inputs(), config.rank, config.world,
+                                         buckets.modulus);
+  const auto& verdict = reduced.verdict;
   auto& result = reduced.result;
   result.window = window.sequence;
   result.global_weight = verdict.global_weight;
@@ -107,15 +110,28 @@ detail::Reduced Reducer::State::agree() {
   result.joined_ranks = verdict.joined_ranks;
   if (buckets.all.back().encoding != MetaEncoding::kDigits) {
     result.loss_sum = verdict.loss_sum;
-    result.metric_sums = verdict.metric_sums;
   }
-  window.last_result = result;
-  window.last_result.dropped = true; // until the consensus holds
-  if (!verdict.error.empty()) {
-    fail(verdict.error);
+  window.last_result = result; // (its metric sums empty: copied without allocating)
+  if (!verdict.agreed()) {
+    window.last_result.dropped = true;
+    std::string message;
+    try {
+      message = detail::verdict_error(verdict, where());
+    } catch (...) {
+      end_dropped_window(); // every rank drops it: this one too, whatever it could not say
+      throw;
+    }
+    fail(message);
   }
-  window.last_result.dropped = false;
   return reduced;
+}
+
+void Reducer::State::take_metric_sums(detail::Reduced& reduced) {
+  if (reduced.result.loss_sum) {
+    const auto& sums = reduced.verdict.metric_sums;
+    reduced.result.metric_sums.assign(sums.begin(), sums.end());
+    window.last_result.metric_sums = reduced.result.metric_sums;
+  }
 }
 
 void Reducer::State::wait_all() {
@@ -144,27 +160,29 @@ void Reducer::State::wait_all() {
 // window_collectives) if the consensus holds. A rank that failed to read its
 // meta here could neither tell them nor know whether to join those
 // collectives. So each bucket reads its meta back into host memory allocated
-// with it (Bucket::meta_host): one copy per bucket, which on a device is one
-// small synchronous copy each. No tensor is allocated; the decoded values
-// still go into small host vectors.
-std::vector<std::vector<double>> Reducer::State::read_all_meta() const {
-  std::vector<std::vector<double>> summed;
-  summed.reserve(buckets.all.size());
+// with it (Bucket::meta_host, decoded into Bucket::meta_values): one copy per
+// bucket, which on a device is one small synchronous copy each. The verdict
+// (read_headers()) is numbers only; the window's metric sums reach the
+// result's vector after the window's other collectives (take_metric_sums()),
+// where a local failure is one after the consensus. Only a window every rank
+// drops allocates its error's text; if even that fails here, the window is
+// still ended on this rank before the error leaves.
+void Reducer::State::read_all_meta() const {
   for (const auto& bucket : buckets.all) {
-    summed.push_back(bucket.read_meta());
+    bucket.read_meta();
   }
-  return summed;
 }
 
-ReductionResult Reducer::State::complete_snapshot(const detail::Reduced& reduced,
+ReductionResult Reducer::State::complete_snapshot(detail::Reduced reduced,
                                                   const std::vector<at::Tensor>& saved,
                                                   std::vector<at::Tensor>& sums) {
   try {
+    take_metric_sums(reduced);
     sums.assign(config.params.size(), at::Tensor());
     for (const auto b : c10::irange(buckets.all.size())) {
       auto& bucket = buckets.all[b];
       for (const auto slot : c10::irange(bucket.params.size())) {
-        if (reduced.meta[b][kMetaHeader + slot] != 0) {
+        if (bucket.meta_values[kMetaHeader + slot] != 0) {
           sums[bucket.params[slot]] = bucket.views[slot].clone();
         }
       }
@@ -190,10 +208,11 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   std::optional<std::vector<Bucket>> rebuilt;
   try {
     window_collectives(result.joined_ranks, rebuilt);
+    take_metric_sums(reduced);
     const bool divide = window.request.divide && result.global_weight > 0;
     bool known_finite = window.request.check_finite;
     for (const auto b : c10::irange(buckets.all.size())) {
-      known_finite = write_back(buckets.all[b], reduced.meta[b], divide, result.global_weight,
+      known_finite = write_back(buckets.all[b], buckets.all[b].meta_values, divide, result.global_weight,
                                 window.request.check_finite) && known_finite;
     }
     result.known_finite = window.last_result.known_finite = known_finite;

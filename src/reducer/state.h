@@ -12,6 +12,7 @@
 #include "buckets/bucket_set.h"
 #include "comm.h"
 #include "consensus/agreement.h"
+#include "consensus/window_header.h"
 #include "reducer/config.h"
 
 #include <gradaccum/reducer.h>
@@ -135,9 +136,12 @@ struct Window {
   }
 };
 
-/// A finished reduction's summed meta (one per bucket) and its result.
+/// A reduction every rank agreed on: its result, and the verdict it came
+/// from (the window's metric sums, which the result takes later: Note
+/// [Reading the window allocates nothing]). The summed meta stays in each
+/// bucket (Bucket::meta_values).
 struct Reduced {
-  std::vector<std::vector<double>> meta;
+  detail::Verdict verdict;
   ReductionResult result;
 };
 
@@ -215,8 +219,11 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   detail::Reduced agree();
   /// Waits for every collective launched; throws what failed, naming this rank.
   void wait_all();
-  std::vector<std::vector<double>> read_all_meta() const;
-  ReductionResult complete_snapshot(const detail::Reduced& reduced, const std::vector<at::Tensor>& saved,
+  void read_all_meta() const;
+  /// The result's metric sums from the verdict (allocates: a local failure
+  /// here comes after the consensus).
+  void take_metric_sums(detail::Reduced& reduced);
+  ReductionResult complete_snapshot(detail::Reduced reduced, const std::vector<at::Tensor>& saved,
                                     std::vector<at::Tensor>& sums);
   ReductionResult complete_window(detail::Reduced reduced);
   /// Runs every one of them, whatever fails on this rank, then rethrows.
