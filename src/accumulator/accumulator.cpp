@@ -1,6 +1,7 @@
 #include <gradaccum/accumulator.h>
 
 #include "call_guard.h"
+#include "window_errors.h"
 #include "comm.h"
 #include "precision/loss_scaler.h"
 #include "precision/wide_sums.h"
@@ -24,19 +25,6 @@ namespace gradaccum {
 namespace {
 
 using detail::CallGuard;
-
-// Every rank reduced the window; this one failed afterwards (its write-back,
-// a collective after the consensus), and the reducer cleared its gradients.
-// An empty window (global weight 0) is stepped nowhere: only the buffers may
-// differ (this rank's if it failed to receive them, the others' if it sent).
-std::string failed_after_reduction(const char* call, int rank, const ReductionResult& last, const std::exception& e) {
-  return c10::str("gradaccum: ", call, ": every rank reduced the window, but this rank (rank ", rank,
-      ") failed after that: ", detail::message_of(e), ". This rank dropped its window (no optimizer step here) ",
-      last.global_weight > 0 ? "while the other ranks step theirs: the replicas differ from here on"
-                             : "and so do the others (it was empty on every rank), but the ranks' buffers may "
-                               "differ from here on",
-      ". Resume every rank from a checkpoint");
-}
 
 // Note [No group under a multi-rank launch]
 // torchrun starts WORLD_SIZE processes and leaves creating the process group to
@@ -62,6 +50,23 @@ void check_launch_has_group(const AccumulatorOptions& options) {
 }
 
 } // namespace
+
+namespace detail {
+
+// Every rank reduced the window; this one failed afterwards (its write-back,
+// a collective after the consensus), and the reducer cleared its gradients.
+// An empty window (global weight 0) is stepped nowhere: only the buffers may
+// differ (this rank's if it failed to receive them, the others' if it sent).
+std::string failed_after_reduction(const char* call, int rank, const ReductionResult& last, const std::exception& e) {
+  return c10::str("gradaccum: ", call, ": every rank reduced the window, but this rank (rank ", rank,
+      ") failed after that: ", detail::message_of(e), ". This rank dropped its window (no optimizer step here) ",
+      last.global_weight > 0 ? "while the other ranks step theirs: the replicas differ from here on"
+                             : "and so do the others (it was empty on every rank), but the ranks' buffers may "
+                               "differ from here on",
+      ". Resume every rank from a checkpoint");
+}
+
+} // namespace detail
 
 
 Accumulator::Accumulator(
@@ -374,7 +379,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
       reset_window();
       epoch_ended_ = peers_ended_epoch(last);
       ++stats_.micro_steps;
-      TORCH_CHECK(false, failed_after_reduction(call_name(), reducer_->process_group()->getRank(), last, e));
+      TORCH_CHECK(false, detail::failed_after_reduction(call_name(), reducer_->process_group()->getRank(), last, e));
     }
     reset_window(); // the reducer dropped the window on every rank
     note_dropped_window(window);
@@ -444,137 +449,6 @@ bool Accumulator::step() {
     return false;
   }
   check_gradients_untouched("acc.step()", /*allow_in_place=*/true); // clipping in place is fine
-  return finish_window();
-}
-
-bool Accumulator::flush() {
-  const CallGuard guard(driver_, "acc.flush()", &call_);
-  check_open("acc.flush()");
-  check_no_open_parts("acc.flush()");
-  TORCH_CHECK(optimizer_step_,
-      "gradaccum: acc.flush(): this Accumulator has no optimizer (pass one to the constructor)");
-  if (!window_ready_ && micro_step_ > 0 && !window_failed_) {
-    if (reducer_ && grad_versions() != remembered_) {
-      // The flush collective must still run on every rank: drop the window there.
-      window_failed_ = true;
-      window_failure_ = AbortReason::GradientsChanged;
-    } else if (!reducer_) {
-      check_gradients_untouched("acc.flush()", /*allow_in_place=*/false);
-    }
-  }
-  std::string local_failure;
-  const bool stepped = step_before_flush(&local_failure);
-  if (!reducer_) {
-    if (micro_step_ == 0) {
-      return stepped;
-    }
-    close_local_window_loss();
-    window_empty_ = window_weight_ == 0;
-    scale_local_gradients();
-    micro_step_ = 0;
-    window_loss_sum_ = at::Tensor();
-    window_ready_ = true;
-    return finish_window();
-  }
-  if (epoch_ended_) {
-    // This rank's last window was already reduced together with the other
-    // ranks' flush(): nothing is left, and no collective to pair.
-    TORCH_INTERNAL_ASSERT(micro_step_ == 0, "gradaccum: micro-steps after the epoch ended");
-    epoch_ended_ = false;
-    return stepped;
-  }
-  if (std::exchange(epoch_ended_raised_, false) && micro_step_ == 0) {
-    // This rank raised that it went on training after the others' flush():
-    // its epoch ended with theirs; its flush() has nobody to pair with (the
-    // error's announcement already paired with their next reduction).
-    return stepped;
-  }
-  return reduce_partial_window(local_failure, /*joined=*/false) || stepped;
-}
-
-bool Accumulator::step_before_flush(std::string* local_failure) {
-  if (!window_ready_) {
-    return false;
-  }
-  if (!reducer_ || epoch_ended_) {
-    check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
-    return finish_window();
-  }
-  // The flush collective after this pairs with the other ranks' whatever happens
-  // to this closed window here: a rank that cannot step it (its .grad was
-  // replaced, its optimizer raised) drops the flush window on every rank
-  // instead of raising alone (the others would wait in the collective).
-  // They have stepped theirs by then: the message says the replicas differ.
-  raised_alike_ = false;
-  const bool as_reduced = grad_versions() == remembered_;
-  try {
-    check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
-    return finish_window();
-  } catch (const std::exception& e) {
-    if (raised_alike_ && as_reduced) {
-      // nonfinite="raise" on the reduced gradient, untouched since: every
-      // rank holds the same one and raises here alike, before the collective.
-      throw;
-    }
-    const auto* error = dynamic_cast<const c10::Error*>(&e);
-    *local_failure = error ? error->what_without_backtrace() : e.what();
-    zero_grad();
-    window_failed_ = true;
-    window_failure_ = AbortReason::ClosedWindowNotStepped;
-    return false;
-  }
-}
-
-bool Accumulator::reduce_partial_window(const std::string& local_failure, bool joined) {
-  if (window_failed_) {
-    auto abort = new_request();
-    abort.abort = window_failure_;
-    abort.flushing = true;
-    abort.joined = joined;
-    reset_window();
-    try {
-      reducer_->reduce(abort);
-    } catch (const c10::Error& e) {
-      remember_gradients(); // dropping zeroed the buckets, and with them any .grad views
-      TORCH_CHECK(local_failure.empty(), e.what_without_backtrace(), ". The error on this rank, "
-          "stepping the closed window before the flush: ", local_failure);
-      throw;
-    }
-    TORCH_INTERNAL_ASSERT(false, "gradaccum: an aborted reduction returned");
-  }
-  // A collective even with nothing accumulated here, so that ranks whose data
-  // ran out at a window's end still pair with the others.
-  auto request = new_request();
-  request.weight = window_weight_;
-  request.divide = options_.reduction() != Reduction::Sum;
-  request.flushing = true;
-  request.joined = joined;
-  request.check_finite = reducer_checks_finite();
-  request.loss_sum = window_loss_sum_;
-  const auto window = reducer_->progress().sequence;
-  ReductionResult result;
-  try {
-    result = reducer_->reduce(request);
-  } catch (const std::exception& e) {
-    reset_window();
-    const auto last = reducer_->last_result();
-    // As in reduce_window(): reduced everywhere, dropped here alone.
-    TORCH_CHECK(last.window != window || last.dropped || last.written,
-        failed_after_reduction(call_name(), reducer_->process_group()->getRank(), last, e));
-    throw;
-  }
-  check_join_partners(result, joined); // Note [Joining]
-  if (result.global_weight == 0) {
-    reset_window(); // no rank had anything: no step anywhere
-    return false;
-  }
-  close_window_loss(result, window_loss_sum_);
-  micro_step_ = 0;
-  window_weight_ = 0;
-  window_loss_sum_ = at::Tensor();
-  window_ready_ = true;
-  window_known_finite_ = result.known_finite;
-  remember_gradients(); // what the reducer checked, as step_window() compares
   return finish_window();
 }
 

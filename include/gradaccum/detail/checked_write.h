@@ -14,7 +14,7 @@ namespace gradaccum::detail {
 /// one is finite and small enough that a 2-norm over `norm_terms` such values,
 /// summed in their dtype, cannot overflow: the window's norm is then finite
 /// without being computed (see Note [The reducer checks the window's gradient]
-/// in accumulator.cpp). False when a value fails, or when this pass cannot
+/// in src/accumulator/window_end.cpp). False when a value fails, or when this pass cannot
 /// check (not a float32/float64 CPU tensor with `out` laid out like `in`, or
 /// `norm_terms == 0`): ATen then writes and the caller checks what it needs.
 bool write_checked(
