@@ -62,14 +62,18 @@ std::string Reducer::State::own_failure(const std::string& local) const {
 void Reducer::State::fail(const std::string& message) {
   // Every collective of this reduction has completed (or the group is broken):
   // the pairing is over, so the window can be dropped and the error raised.
-  window.failure = message;
+  end_failed_window();
+  window.failure = message; // (after: the window ends even if this cannot be kept)
+  TORCH_CHECK(false, message);
+}
+
+void Reducer::State::end_failed_window() noexcept {
   if (window.last_result.window != window.sequence) {
     window.last_result = ReductionResult{}; // nothing was read from this reduction
   }
   window.last_result.window = window.sequence;
   window.last_result.dropped = true;
   end_dropped_window();
-  TORCH_CHECK(false, message);
 }
 
 void Reducer::State::end_dropped_window() noexcept {

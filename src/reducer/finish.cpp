@@ -91,11 +91,20 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
 }
 
 detail::Reduced Reducer::State::agree() {
+  std::string failure;
   try {
     wait_all();
     read_all_meta();
   } catch (const std::exception& e) {
-    fail(where() + ", " + detail::message_of(e));
+    try {
+      failure = where() + ", " + detail::message_of(e);
+    } catch (...) {
+      end_failed_window(); // whatever it could not say: the window ends here too
+      throw;
+    }
+  }
+  if (!failure.empty()) {
+    fail(failure);
   }
   // Note [Reading the window allocates nothing]: numbers only from here to
   // the window's other collectives, unless every rank drops the window.
@@ -108,17 +117,13 @@ detail::Reduced Reducer::State::agree() {
   result.global_weight = verdict.global_weight;
   result.flushing_ranks = verdict.flushing_ranks;
   result.joined_ranks = verdict.joined_ranks;
-  if (buckets.all.back().encoding != MetaEncoding::kDigits) {
-    result.loss_sum = verdict.loss_sum;
-  }
-  window.last_result = result; // (its metric sums empty: copied without allocating)
+  window.last_result = result; // (no metric sums yet: copied without allocating)
   if (!verdict.agreed()) {
-    window.last_result.dropped = true;
     std::string message;
     try {
       message = detail::verdict_error(verdict, where());
     } catch (...) {
-      end_dropped_window(); // every rank drops it: this one too, whatever it could not say
+      end_failed_window(); // every rank drops it: this one too, whatever it could not say
       throw;
     }
     fail(message);
@@ -127,11 +132,14 @@ detail::Reduced Reducer::State::agree() {
 }
 
 void Reducer::State::take_metric_sums(detail::Reduced& reduced) {
-  if (reduced.result.loss_sum) {
-    const auto& sums = reduced.verdict.metric_sums;
-    reduced.result.metric_sums.assign(sums.begin(), sums.end());
-    window.last_result.metric_sums = reduced.result.metric_sums;
+  if (buckets.all.back().encoding == MetaEncoding::kDigits) {
+    return; // (digit-encoded meta carries neither)
   }
+  const auto& sums = reduced.verdict.metric_sums;
+  reduced.result.metric_sums.assign(sums.begin(), sums.end());
+  reduced.result.loss_sum = reduced.verdict.loss_sum;
+  window.last_result.metric_sums = reduced.result.metric_sums;
+  window.last_result.loss_sum = reduced.result.loss_sum;
 }
 
 void Reducer::State::wait_all() {
@@ -162,11 +170,12 @@ void Reducer::State::wait_all() {
 // collectives. So each bucket reads its meta back into host memory allocated
 // with it (Bucket::meta_host, decoded into Bucket::meta_values): one copy per
 // bucket, which on a device is one small synchronous copy each. The verdict
-// (read_headers()) is numbers only; the window's metric sums reach the
-// result's vector after the window's other collectives (take_metric_sums()),
-// where a local failure is one after the consensus. Only a window every rank
-// drops allocates its error's text; if even that fails here, the window is
-// still ended on this rank before the error leaves.
+// (read_headers()) is numbers only; the window's loss and metric sums reach
+// the result (a vector) after the window's other collectives
+// (take_metric_sums()), where a local failure is one after the consensus.
+// Only a window every rank drops allocates its error's text; if even that
+// fails here, the window is still ended on this rank before the error leaves
+// (end_failed_window()).
 void Reducer::State::read_all_meta() const {
   for (const auto& bucket : buckets.all) {
     bucket.read_meta();

@@ -220,8 +220,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// Waits for every collective launched; throws what failed, naming this rank.
   void wait_all();
   void read_all_meta() const;
-  /// The result's metric sums from the verdict (allocates: a local failure
-  /// here comes after the consensus).
+  /// The result's loss and metric sums from the verdict, together (the
+  /// metric sums allocate: a local failure here comes after the consensus).
   void take_metric_sums(detail::Reduced& reduced);
   ReductionResult complete_snapshot(detail::Reduced reduced, const std::vector<at::Tensor>& saved,
                                     std::vector<at::Tensor>& sums);
@@ -237,6 +237,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// The error of the window this rank dropped, with what failed here (`local`).
   std::string own_failure(const std::string& local) const;
   [[noreturn]] void fail(const std::string& message);
+  /// fail() without its error: for a failure whose error could not be worded.
+  void end_failed_window() noexcept;
   void end_dropped_window() noexcept;
   void drop_window();
   void end_reduction(bool window_closed);

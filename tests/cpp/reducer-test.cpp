@@ -386,6 +386,7 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
         std::vector<int> grads_left(2, -1), allreduces(2), broadcasts(2), long_broadcasts(2);
         std::vector<ReducerStats> stats(2);
         std::vector<std::vector<torch::Tensor>> buffers(2);
+        std::vector<ReductionResult> at_failure(2);
         int64_t own_count = -1;
         run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> counting) {
           auto group = c10::make_intrusive<FailingBroadcastGroup>(counting);
@@ -398,8 +399,12 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
             group->fail = rank == 1 && w == failing;
             try {
               acc.backward(net->loss(w));
+              if (w == failing) {
+                at_failure[rank] = acc.reducer()->last_result();
+              }
             } catch (const c10::Error& e) {
               errors[rank].push_back(std::to_string(w) + ": " + e.what_without_backtrace());
+              at_failure[rank] = acc.reducer()->last_result();
               own_count = net->count.item<int64_t>();
               int left = 0;
               for (auto& p : net->parameters()) {
@@ -422,6 +427,16 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
                               "dropped its window (no optimizer step here) while the other ranks step theirs: the "
                               "replicas differ from here on. Resume every rank from a checkpoint");
         CHECK(grads_left[1] == 0);
+        // The window's loss and metric sums reach the result only after its
+        // other collectives: the failing rank's has neither, the other's both.
+        CHECK(at_failure[0].window == at_failure[1].window);
+        CHECK(at_failure[0].written);
+        CHECK(at_failure[0].loss_sum.has_value());
+        CHECK(at_failure[0].metric_sums.size() == static_cast<size_t>(kMaxWindowMetrics));
+        CHECK_FALSE(at_failure[1].written);
+        CHECK_FALSE(at_failure[1].dropped);
+        CHECK_FALSE(at_failure[1].loss_sum.has_value());
+        CHECK(at_failure[1].metric_sums.empty());
         CHECK(stepped[0] == std::vector<bool>{true, true, true});
         CHECK(stepped[1] == std::vector<bool>{failing != 0, failing != 1, true});
         CHECK(allreduces[0] == allreduces[1]);
