@@ -28,9 +28,13 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
   // engine, during unwinding) or from backward()/reduce(): never throws.
   window.request.abort = reason;
   window.aborted_here = true;
-  window.own_where = where();
   window.own_reason = reason;
   window.own_transport.clear();
+  try {
+    window.own_where = where();
+  } catch (...) { // out of memory: the pairing below matters more than the words
+    window.own_where.clear();
+  }
   window.last_result = ReductionResult{};
   window.last_result.window = window.sequence;
   window.last_result.dropped = true;
@@ -42,9 +46,21 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
     window.last_result.flushing_ranks = static_cast<int64_t>(std::llround(header[kFlushing]));
     window.last_result.joined_ranks = static_cast<int64_t>(std::llround(header[kJoined]));
   } catch (const std::exception& e) {
-    window.own_transport = detail::message_of(e);
+    try {
+      window.own_transport = detail::message_of(e);
+    } catch (...) {
+    }
+  } catch (...) {
   }
-  window.failure = own_failure("");
+  try {
+    window.failure = own_failure("");
+  } catch (...) {
+    try {
+      window.failure.assign(detail::kUnworded); // (within the capacity reserved for it, as a rule)
+    } catch (...) {
+      window.failure.clear();
+    }
+  }
   end_dropped_window();
 }
 

@@ -35,6 +35,7 @@ Reducer::State::State(detail::ReducerConfig config_)
     buckets.ready_order.reserve(n);
   }
   window.ready.assign(n, 0);
+  window.failure.reserve(detail::kFailureCapacity);
   stats.buckets = static_cast<int64_t>(buckets.all.size());
 }
 

@@ -89,6 +89,12 @@ struct Completion {
 /// The reduction in flight, and what the last one left. Guarded by
 /// State::mutex; begin_reduction() resets the first part, end_reduction()
 /// ends it.
+/// What Window::failure holds without allocating (kUnworded fits).
+constexpr size_t kFailureCapacity = 256;
+/// A dropped window's error when its own text could not be allocated.
+constexpr const char* kUnworded =
+    "gradaccum: this rank dropped the window (every rank drops it), and ran out of memory wording why";
+
 struct Window {
   bool in_flight = false;
   ReductionRequest request;
@@ -123,7 +129,10 @@ struct Window {
   double last_weight = 0;
   int last_anchor_task = -1;
   bool aborted_here = false; ///< this rank dropped the last reduction itself
-  std::string failure; ///< why the last reduction dropped its window ("" if it did not)
+  /// Why the last reduction dropped its window ("" if it did not; also if
+  /// even kUnworded could not be kept). Its capacity is reserved with the
+  /// state: abort_reduction(), which must not throw, falls back to kUnworded.
+  std::string failure;
   // When this rank dropped it: own_failure() composes the error from these.
   std::string own_where;
   AbortReason own_reason = AbortReason::None;
