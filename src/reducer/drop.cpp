@@ -20,6 +20,9 @@
 // can go on from the next window with every replica still identical. The same
 // happens when the ranks disagree on what must be equal (Note [What ranks
 // agree on]): every rank sees the same sums, so every rank decides alike.
+// Dropping must not throw (it runs while an error unwinds): what it cannot
+// word for want of memory it leaves out (the error then reads kUnworded), and
+// it still completes the pairing and ends the window.
 
 namespace gradaccum {
 
