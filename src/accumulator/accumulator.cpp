@@ -359,9 +359,15 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
     if (last.window == window && !last.dropped && last.written) {
       // Reduced and written back on every rank; something failed on this
       // rank afterwards (a later engine callback). The window stays closed,
-      // as on the other ranks.
+      // as on the other ranks, and so does its loss.
       epoch_ended_ = peers_ended_epoch(last);
       window_empty_ = last.global_weight == 0;
+      try {
+        close_window_loss(last, pending_loss_sum_);
+      } catch (...) { // (the error already leaving is the one to tell)
+        window_loss_ = at::Tensor();
+        window_metrics_ = at::Tensor();
+      }
       ++stats_.micro_steps;
       micro_step_ = 0;
       window_weight_ = 0;

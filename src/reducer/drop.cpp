@@ -56,7 +56,8 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
   } catch (...) {
   }
   try {
-    window.failure = own_failure("");
+    const auto text = own_failure("");
+    window.failure.assign(text); // (a copy, not a move: the reserved buffer stays)
   } catch (...) {
     try {
       window.failure.assign(detail::kUnworded); // (within the capacity reserved for it, as a rule)

@@ -347,7 +347,7 @@ ReductionResult Reducer::State::end_backward(const ReductionRequest& request, in
     begin_reduction(request, -1, detail::Entry::Backward);
     return finish_reduction();
   }
-  TORCH_CHECK(!(window.aborted_here && window.sequence == sequence_before + 1), window.failure);
+  TORCH_CHECK(!(window.aborted_here && window.sequence == sequence_before + 1), window.failure_text());
   TORCH_INTERNAL_ASSERT(window.sequence == sequence_before + 1,
       "gradaccum: a synchronising backward ended without its reduction");
   return window.last_result;

@@ -141,7 +141,7 @@ ReductionResult Reducer::reduce(const ReductionRequest& request) {
   s.begin_reduction(request, -1, entry);
   if (request.abort != AbortReason::None) {
     s.abort_reduction(request.abort);
-    TORCH_CHECK(false, s.window.failure);
+    TORCH_CHECK(false, s.window.failure_text());
   }
   return s.finish_reduction();
 }
@@ -158,7 +158,7 @@ std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, Reduc
   s.begin_reduction(request, -1, detail::Entry::StateDict);
   if (request.abort != AbortReason::None) {
     s.abort_reduction(request.abort);
-    TORCH_CHECK(false, s.window.failure);
+    TORCH_CHECK(false, s.window.failure_text());
   }
   std::vector<at::Tensor> sums;
   const auto r = s.finish_reduction(&sums);

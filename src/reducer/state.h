@@ -86,15 +86,15 @@ struct Completion {
   std::atomic<int> pending{0};
 };
 
-/// The reduction in flight, and what the last one left. Guarded by
-/// State::mutex; begin_reduction() resets the first part, end_reduction()
-/// ends it.
 /// What Window::failure holds without allocating (kUnworded fits).
 constexpr size_t kFailureCapacity = 256;
 /// A dropped window's error when its own text could not be allocated.
 constexpr const char* kUnworded =
     "gradaccum: this rank dropped the window (every rank drops it), and ran out of memory wording why";
 
+/// The reduction in flight, and what the last one left. Guarded by
+/// State::mutex; begin_reduction() resets the first part, end_reduction()
+/// ends it.
 struct Window {
   bool in_flight = false;
   ReductionRequest request;
@@ -133,6 +133,10 @@ struct Window {
   /// even kUnworded could not be kept). Its capacity is reserved with the
   /// state: abort_reduction(), which must not throw, falls back to kUnworded.
   std::string failure;
+  /// `failure`, or kUnworded where not even that could be kept.
+  std::string failure_text() const {
+    return failure.empty() ? std::string(kUnworded) : failure;
+  }
   // When this rank dropped it: own_failure() composes the error from these.
   std::string own_where;
   AbortReason own_reason = AbortReason::None;

@@ -578,7 +578,8 @@ def manual_finish_throws(rank, world_size):
 def late_callback_after_reduction(rank, world_size):
     """Accumulator path, K=1: during rank 1's synchronising backward of window 1 a
     hook queues an engine callback that raises; ours (queued at the root) already
-    reduced successfully. Rank 1 treats the window as dropped, rank 0 steps."""
+    reduced successfully. Rank 1 raises, but its window stays closed and is
+    stepped, as on rank 0; both report the same window loss."""
     import gradaccum
     from torch.autograd import Variable
     model = du.mlp(3)
@@ -596,14 +597,15 @@ def late_callback_after_reduction(rank, world_size):
 
     list(model.parameters())[2].register_hook(hook)
     g = torch.Generator().manual_seed(rank)
-    errors = []
+    errors, losses = [], []
     for w in range(3):
         x = torch.randn(3, du.D_IN, generator=g, dtype=torch.float64)
         arm["on"] = rank == 1 and w == 1
         _try(errors, f"window {w} backward", lambda: acc.backward(model(x).pow(2).mean()))
         arm["on"] = False
         acc.step()
-    return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
+        losses.append((acc.window_loss.item(), acc.window_items))
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats(), "losses": losses}
 
 
 @job

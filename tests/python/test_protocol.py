@@ -217,6 +217,10 @@ def test_a_local_failure_after_a_completed_reduction_keeps_the_window(tmp_path):
     assert [e[0] for e in results[1]["errors"]] == ["window 1 backward"]
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
+    # The window rank 1 raised in was reduced and stepped: its loss is the
+    # window's, not the one before.
+    assert results[0]["losses"] == results[1]["losses"]
+    assert len({loss for loss, _ in results[0]["losses"]}) == 3
 
 
 def test_dropping_the_accumulator_from_a_node_post_hook_does_not_crash(tmp_path):
