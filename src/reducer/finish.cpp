@@ -91,20 +91,11 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
 }
 
 detail::Reduced Reducer::State::agree() {
-  std::string failure;
   try {
     wait_all();
     read_all_meta();
   } catch (const std::exception& e) {
-    try {
-      failure = where() + ", " + detail::message_of(e);
-    } catch (...) {
-      end_failed_window(); // whatever it could not say: the window ends here too
-      throw;
-    }
-  }
-  if (!failure.empty()) {
-    fail(failure);
+    fail_worded([&] { return where() + ", " + detail::message_of(e); });
   }
   // Note [Reading the window allocates nothing]: numbers only from here to
   // the window's other collectives, unless every rank drops the window.
@@ -119,14 +110,7 @@ detail::Reduced Reducer::State::agree() {
   result.joined_ranks = verdict.joined_ranks;
   window.last_result = result; // (no metric sums yet: copied without allocating)
   if (!verdict.agreed()) {
-    std::string message;
-    try {
-      message = detail::verdict_error(verdict, where());
-    } catch (...) {
-      end_failed_window(); // every rank drops it: this one too, whatever it could not say
-      throw;
-    }
-    fail(message);
+    fail_worded([&] { return detail::verdict_error(verdict, where()); });
   }
   return reduced;
 }

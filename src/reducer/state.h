@@ -250,6 +250,19 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// The error of the window this rank dropped, with what failed here (`local`).
   std::string own_failure(const std::string& local) const;
   [[noreturn]] void fail(const std::string& message);
+  /// fail() with the message `word()` returns; if wording it throws, the
+  /// window still ends here (end_failed_window()) before that error leaves.
+  template <typename Word>
+  [[noreturn]] void fail_worded(const Word& word) {
+    std::string message;
+    try {
+      message = word();
+    } catch (...) {
+      end_failed_window();
+      throw;
+    }
+    fail(message);
+  }
   /// fail() without its error: for a failure whose error could not be worded.
   void end_failed_window() noexcept;
   void end_dropped_window() noexcept;
