@@ -215,6 +215,7 @@ class Accelerator(_accelerate.Accelerator):
         self._deferred_clips: List[Any] = []
         self._micro_step_clips: List[Any] = []
         self._warned_mid_window_clip = False
+        self._warned_late_train = False
         self._eval_even_batches = self.dataloader_config.even_batches
 
     @property
@@ -324,8 +325,35 @@ class Accelerator(_accelerate.Accelerator):
     # ------------------------------------------------------------ data loaders
 
     def _training_mode(self) -> bool:
+        """Whether a loader iteration beginning now trains: gradients on and
+        the model in training mode. An evaluation loop under no_grad() (or
+        inference_mode()) that forgot model.eval() is evaluation: its loader
+        keeps even_batches, so every rank runs its loop alike."""
+        if not torch.is_grad_enabled():
+            return False
         models = self._trained_models()
         return all(m.training for m in models) if models else True
+
+    def _train_late(self) -> None:
+        """A backward in a loader iteration that began as evaluation (the
+        model in eval mode, e.g. from from_pretrained(), with model.train()
+        inside the loop): that iteration trains after all, and its epoch's
+        partial window closes at its end, on every rank (the loader was
+        sharded with even_batches, so every rank runs as many batches: its
+        samples are Accelerate's, copies included)."""
+        loader = self.gradient_state.active_dataloader
+        if loader is None or not getattr(loader, "_gradaccum_watched", False) or loader._gradaccum_train:
+            return
+        loader._gradaccum_train = True
+        loader._gradaccum_start = None  # the ranks' batch counts are not the sampler's: always flush
+        if not self._warned_late_train:
+            self._warned_late_train = True
+            warnings.warn(
+                "gradaccum: accelerator.backward(): this training loader's iteration began with the model in eval "
+                "mode or gradients off, so it was sharded as an evaluation loader (with even_batches: samples "
+                "repeated to give every rank as many batches, as stock Accelerate does); its partial window still "
+                "closes at its end. Call model.train() before iterating the training loader to shard it without "
+                "copies", stacklevel=3)
 
     def _watch_loader(self, loader: Any) -> None:
         """A training iteration of `loader` shards without copies and ends by
@@ -439,6 +467,7 @@ class Accelerator(_accelerate.Accelerator):
             raise TypeError(f"gradaccum: accelerator.backward(): keyword argument(s) {sorted(unsupported)} are not "
                             "supported (the Accumulator runs the backward); pass num_items= and metrics= only")
         acc = self._ensure_accumulator("accelerator.backward()")
+        self._train_late()
         self._micro_step_clips = []
         self.gradient_state._set_sync_gradients(self._closing(acc))
         acc.backward(loss, num_items=num_items, metrics=metrics)

@@ -209,8 +209,17 @@ class Trainer(transformers.Trainer):
                              + ": it reduces gradients itself, once per window; use transformers.Trainer there")
 
     def _choose_reduction(self) -> str:
+        """As the Trainer decides whether to divide a loss by K: a subclass's
+        ``loss_is_scaled_for_ga`` (transformers >= 5) says whether its
+        ``compute_loss`` normalises by ``num_items_in_batch`` (True: "items")
+        or returns a per-micro-batch mean the Trainer divides by K (False:
+        "mean"); unset, a model taking loss kwargs or a ``compute_loss_func``
+        means "items"."""
         if self._reduction_option is not None:
             return self._reduction_option
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is not None:
+            return "items" if scaled else "mean"
         return "items" if (self.model_accepts_loss_kwargs or self.compute_loss_func is not None) else "mean"
 
     def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:

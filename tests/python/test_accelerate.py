@@ -306,3 +306,72 @@ def test_ddp_kwargs_reach_the_accumulator_or_are_refused(tmp_path):
         "[('bucket_cap_mb', None), ('comm_dtype', torch.float16)]",  # None: unset, no disagreement
         "[]",  # a wrapper without a hook: Accelerate ignores it too
     ], "\n".join(lines) + err
+
+
+MODES_SCRIPT = '''
+import sys, warnings
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from gradaccum.accelerate import Accelerator
+
+warnings.simplefilter("always")
+torch.manual_seed(0)
+x, y = torch.randn(10, 3, dtype=torch.float64), torch.randn(10, 1, dtype=torch.float64)
+model = torch.nn.Linear(3, 1).double()
+model.eval()  # as from_pretrained() returns it
+initial = {k: v.clone() for k, v in model.state_dict().items()}
+acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+model, opt, train, evaluate = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          DataLoader(TensorDataset(x, y), batch_size=2),
+                                          DataLoader(TensorDataset(x, y), batch_size=2))
+with warnings.catch_warnings(record=True) as caught:
+    for epoch in range(2):
+        for xb, yb in train:
+            model.train()  # inside the loop: the loader began in eval mode
+            with acc.accumulate(model):
+                acc.backward(torch.nn.functional.mse_loss(model(xb), yb))
+                opt.step()
+                opt.zero_grad()
+print("late", sum("sharded as an evaluation loader" in str(w.message) for w in caught),
+      acc.accumulator.stats()["optimizer_steps"], acc.accumulator.micro_step, flush=True)
+if acc.num_processes == 1:
+    ref = torch.nn.Linear(3, 1).double()
+    ref.load_state_dict(initial)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for epoch in range(2):
+        for w in ([0, 1], [2, 3], [4]):
+            (sum(torch.nn.functional.mse_loss(ref(x[2 * b:2 * b + 2]), y[2 * b:2 * b + 2]) for b in w)
+             / len(w)).backward()
+            sgd.step()
+            sgd.zero_grad()
+    print("diff", float((ref.weight - model.weight).abs().max()), flush=True)
+seen = 0
+with torch.no_grad():  # evaluation with model.eval() forgotten
+    for xb, yb in evaluate:
+        seen += acc.gather_for_metrics(((model(xb) - yb) ** 2).flatten()).numel()
+print("evaluated", seen, float(model.weight.sum()), flush=True)
+'''
+
+
+def test_loaders_begun_in_eval_mode_or_without_gradients(tmp_path):
+    """Which loader iteration trains: one that begins with gradients on and
+    the model in training mode. An evaluation loop under no_grad() that
+    forgot model.eval() keeps even_batches (before, its loader lost them and
+    the ranks ran different numbers of gather_for_metrics(), and a flush at
+    its end: a hang); a training loop whose loader began in eval mode
+    (model.train() inside the loop) trains from its first backward, warns
+    once, and still closes its epoch's partial window at its end (before,
+    that window ran on into the next epoch): the one-process run equals the
+    big batches; on 2 ranks both finish with the same steps and weights."""
+    lines, err = run_alone(tmp_path, "modes.py", MODES_SCRIPT)
+    assert lines[0] == "late 1 6 0", "\n".join(lines) + err  # warned once; 3 windows an epoch
+    assert lines[1].startswith("diff ") and float(lines[1].split()[1]) <= F64, lines
+    assert lines[2].startswith("evaluated 10 "), lines
+    script = tmp_path / "modes2.py"
+    script.write_text(MODES_SCRIPT)
+    out = launch(script, [], 2, tmp_path).splitlines()
+    late = [line for line in out if line.startswith("late ")]
+    evaluated = [line for line in out if line.startswith("evaluated ")]
+    # 5 batches on 2 ranks, even_batches: 3 each, windows of 2 and 1 an epoch
+    assert late == ["late 1 4 0"] * 2, out
+    assert len(evaluated) == 2 and evaluated[0] == evaluated[1] and evaluated[0].startswith("evaluated 10 "), out

@@ -260,3 +260,71 @@ def _check_float64_loss(ForCausalLMLoss, keep_float64_causal_lm_loss):
     del model._loss_function
     assert model.loss_function is ForCausalLMLoss
     assert not keep_float64_causal_lm_loss(ex.make_model(SEED).float())  # float32: left alone
+
+
+def test_loss_is_scaled_for_ga_false_trains_on_the_mean(tmp_path, monkeypatch):
+    """A subclass whose compute_loss returns a per-micro-batch mean sets the
+    Trainer's loss_is_scaled_for_ga = False: the stock Trainer divides by K, so
+    each window is the mean of its micro-batch losses. The adapter trains with
+    reduction="mean" then, though the model takes loss kwargs (which alone
+    would mean per-token "items"), and equals both the stock Trainer and a
+    torch reference; the micro-batches hold different numbers of targets, so
+    "items" would differ."""
+    import transformers
+    from torch.utils.data import SequentialSampler
+    from gradaccum.transformers import Trainer
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(4, 4).double()
+
+        def forward(self, x, labels=None, **kwargs):  # takes loss kwargs, as HF models do
+            return {"logits": self.lin(x)}
+
+    def row_loss(logits, labels):
+        mask = labels != -100
+        return (((logits - labels.clamp(min=0)) ** 2) * mask).sum(-1) / mask.sum(-1)
+
+    def subclass(base):
+        class Scaled(base):
+            loss_is_scaled_for_ga = False
+
+            def _get_train_sampler(self, *args, **kwargs):
+                return SequentialSampler(self.train_dataset)
+
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return row_loss(model(inputs["x"])["logits"], inputs["labels"]).mean()
+        return Scaled
+
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for valid in (4, 1, 3, 1):  # targets per row differ
+        labels = torch.randn(4, generator=g, dtype=torch.float64)
+        labels[valid:] = -100
+        rows.append({"x": torch.randn(4, generator=g, dtype=torch.float64), "labels": labels})
+    weights = {}
+    for name, base in (("stock", transformers.Trainer), ("gradaccum", Trainer)):
+        model = Model()
+        args = transformers.TrainingArguments(
+            str(tmp_path / name), per_device_train_batch_size=1, gradient_accumulation_steps=2, num_train_epochs=1,
+            learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, report_to=[], save_strategy="no",
+            logging_strategy="no", use_cpu=True, optim="sgd", weight_decay=0.0)
+        trainer = subclass(base)(model=model, args=args, train_dataset=rows)
+        trainer.train()
+        weights[name] = model.lin.weight.detach().clone()
+        if name == "gradaccum":
+            assert trainer.reduction == "mean"
+    reference = Model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for window in (rows[0:2], rows[2:4]):
+        (sum(row_loss(reference(r["x"][None])["logits"][0], r["labels"]) for r in window) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    want = reference.lin.weight.detach()
+    assert (weights["stock"] - want).abs().max().item() <= 1e-15
+    assert (weights["gradaccum"] - want).abs().max().item() <= 1e-15
