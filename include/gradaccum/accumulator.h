@@ -91,12 +91,18 @@ struct AccumulatorState {
   bool rank_independent = true; ///< false: this rank's own half-window
   int64_t micro_step = 0;
   bool window_ready = false;
+  /// window_ready only: no rank had any weight in it (step() skips it).
+  bool window_empty = false;
+  /// window_ready only: the loss scaler (before_step) already unscaled it, and
+  /// then the optimizer step failed; a retried step() steps it as it is.
+  bool window_unscaled = false;
   double window_weight = 0; ///< micro-steps (mean, sum) or items (items) so far
   bool epoch_ended = false; ///< see Accumulator: flush() owes no collective
   int64_t micro_steps = 0;
   int64_t optimizer_steps = 0;
   int64_t skipped_steps = 0;
   int64_t windows = 0;
+  int64_t skipped_micro_batches = 0;
   ReducerStats reducer; ///< counters of the reducer (all zero without a group)
   int64_t reducer_sequence = 0; ///< the next reduction's window number
   /// The last full window's global weight (the same on every rank): the
@@ -134,6 +140,9 @@ void for_each_state_field(State& s, Visit&& visit) {
   visit("optimizer_steps", s.optimizer_steps, true);
   visit("skipped_steps", s.skipped_steps, true);
   visit("windows", s.windows, true);
+  visit("skipped_micro_batches", s.skipped_micro_batches, false);
+  visit("window_empty", s.window_empty, false);
+  visit("window_unscaled", s.window_unscaled, false);
   visit("reducer.windows", s.reducer.windows, true);
   visit("reducer.dropped_windows", s.reducer.dropped_windows, true);
   visit("reducer.collectives", s.reducer.collectives, true);
@@ -415,7 +424,7 @@ class Accumulator {
   void fail_micro_step(AbortReason why);
   /// refuse_micro_batch() inside a call that holds the call guard.
   std::string drop_refused_window(const char* call);
-  void check_no_uncounted_backward() const;
+  void check_no_uncounted_backward(const char* what) const;
   double check_micro_step(const at::Tensor& loss, std::optional<double> num_items, const char* what) const;
   void fail_after_peers_ended_epoch();
   void local_micro_step(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);

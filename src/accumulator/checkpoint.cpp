@@ -85,11 +85,14 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   state.micro_step = micro_step_;
   state.window_ready = window_ready_;
   state.window_weight = window_weight_;
+  state.window_empty = window_ready_ && window_empty_;
+  state.window_unscaled = window_ready_ && window_unscaled_;
   state.epoch_ended = epoch_ended_;
   state.micro_steps = stats_.micro_steps;
   state.optimizer_steps = stats_.optimizer_steps;
   state.skipped_steps = stats_.skipped_steps;
   state.windows = stats_.windows;
+  state.skipped_micro_batches = stats_.skipped_micro_batches;
   state.loss_scale = loss_scaler_ ? loss_scaler_->scale() : 0.0;
   state.loss_scale_growth_tracker = loss_scaler_ ? loss_scaler_->growth_tracker() : 0;
   TORCH_CHECK(!(reducer_ && rank_independent && epoch_ended_),
@@ -169,6 +172,10 @@ void Accumulator::copy_window_into(AccumulatorState& state) const {
     // A window cleared or replaced since its last micro-step would be saved,
     // and resumed, without what it lost (no collective here: a local error).
     check_gradients_untouched("acc.state_dict()", /*allow_in_place=*/window_ready_);
+  } else {
+    // Gradients no micro-step counted (the manual no_sync path) would be
+    // saved as a boundary without them: refused, as acc.step() refuses them.
+    check_no_uncounted_backward("acc.state_dict()");
   }
   // accumulate_dtype mid-window: the wide sums (in the buckets, or in wide_
   // in one process) are the window's gradient so far; .grad holds none.
@@ -241,6 +248,11 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
   TORCH_CHECK_VALUE(!state.window_ready || state.micro_step == 0,
       "gradaccum: acc.load_state_dict(): window_ready=true with micro_step=", state.micro_step,
       " (a closed window has micro_step 0)");
+  TORCH_CHECK_VALUE(state.window_ready || (!state.window_empty && !state.window_unscaled),
+      "gradaccum: acc.load_state_dict(): window_empty or window_unscaled without window_ready (they describe a "
+      "closed window)");
+  TORCH_CHECK_VALUE(state.skipped_micro_batches >= 0,
+      "gradaccum: acc.load_state_dict(): skipped_micro_batches=", state.skipped_micro_batches, " must be >= 0");
   TORCH_CHECK_VALUE(std::isfinite(state.window_weight) && state.window_weight >= 0,
       "gradaccum: acc.load_state_dict(): window_weight=", state.window_weight, " must be >= 0");
   TORCH_CHECK_VALUE(std::isfinite(state.reducer_last_weight) && state.reducer_last_weight >= 0,
@@ -338,9 +350,11 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_ready_ = state.window_ready;
   window_weight_ = state.window_weight * share;
   window_failed_ = false;
-  window_unscaled_ = false;
+  // A closed window steps, or is skipped, as it would have been: already
+  // unscaled (a retry after a failed optimizer step) or empty everywhere.
+  window_unscaled_ = state.window_ready && state.window_unscaled;
   window_known_finite_ = false;
-  window_empty_ = false; // a restored closed window steps as saved
+  window_empty_ = state.window_ready && state.window_empty;
   epoch_ended_ = state.epoch_ended;
   epoch_ended_raised_ = false;
   // Not in checkpoints: the loss of a window cut by the save is not known
@@ -354,6 +368,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   stats_.optimizer_steps = state.optimizer_steps;
   stats_.skipped_steps = state.skipped_steps;
   stats_.windows = state.windows;
+  stats_.skipped_micro_batches = state.skipped_micro_batches;
   if (loss_scaler_) {
     loss_scaler_->restore(state.loss_scale, state.loss_scale_growth_tracker);
   }

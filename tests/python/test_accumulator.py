@@ -494,6 +494,121 @@ def test_load_state_dict_replaces_current_window():
     assert_all_close(grads_of(model), grads_of(ref), rtol=1e-12, atol=1e-14)
 
 
+def _resumed(build, model, opt, acc):
+    """A fresh model, optimizer and Accumulator from build(), loaded with
+    what `model`, `opt` and `acc` hold now (through torch.save)."""
+    buf = io.BytesIO()
+    torch.save({"m": model.state_dict(), "o": opt.state_dict(), "a": acc.state_dict()}, buf)
+    acc.close()
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model, opt, acc = build()
+    model.load_state_dict(saved["m"])
+    opt.load_state_dict(saved["o"])
+    acc.load_state_dict(saved["a"])
+    return model, opt, acc
+
+
+def test_a_closed_window_resumes_as_it_would_have_stepped():
+    """A closed window saved before its step() steps after the resume as it
+    would have: one with no item on any rank is skipped (before, it was
+    stepped, with Adam's momentum); one whose optimizer step failed after the
+    loss scaler unscaled it is stepped as it is (before, unscaled a second
+    time); and skipped_micro_batches carries over. Each against the same run
+    uninterrupted."""
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def adam():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1).double()
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        return model, opt, gradaccum.Accumulator(model, opt, steps=2, reduction="items")
+
+    outcomes = []
+    for resume in (False, True):
+        model, opt, acc = adam()
+        for items in (4, 4, 0, 0):  # a window, then one with no item anywhere
+            mask = torch.full((4,), float(items > 0), dtype=torch.float64)
+            acc.backward((model(x).squeeze(1) ** 2 * mask).sum(), num_items=items)
+            if acc.window_ready and acc.stats()["optimizer_steps"] == 0:
+                assert acc.step() is True  # Adam has momentum now
+        if resume:
+            model, opt, acc = _resumed(adam, model, opt, acc)
+        assert acc.window_ready
+        stats = acc.stats()
+        outcomes.append((acc.step(), acc.stats()["skipped_steps"] - stats["skipped_steps"],
+                         acc.stats()["optimizer_steps"], params_of(model)))
+        acc.close()
+    assert outcomes[0][:3] == outcomes[1][:3] == (False, 1, 1)
+    assert_all_equal(outcomes[1][3], outcomes[0][3])
+
+    class Flaky(torch.optim.SGD):
+        fail, seen = True, []
+
+        def step(self, closure=None):
+            Flaky.seen.append([p.grad.clone() for p in self.param_groups[0]["params"]])
+            if Flaky.fail:
+                Flaky.fail = False
+                raise RuntimeError("a transient failure")
+            return super().step(closure)
+
+    def scaled():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = Flaky(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        return model, opt, gradaccum.Accumulator(model, opt, steps=2, grad_scaler=scaler)
+
+    stepped = []
+    for resume in (False, True):
+        Flaky.fail, Flaky.seen = True, []
+        model, opt, acc = scaled()
+        for _ in range(2):
+            acc.backward((model(x.float()) ** 2).mean())
+        with pytest.raises(RuntimeError, match="a transient failure"):
+            acc.step()
+        assert acc.window_ready  # unscaled and still closed: a retry steps it
+        if resume:
+            model, opt, acc = _resumed(scaled, model, opt, acc)
+        assert acc.step() is True
+        stepped.append((Flaky.seen[-1], params_of(model)))
+        acc.close()
+    assert_all_equal(stepped[1][0], stepped[0][0])  # the optimizer saw the same gradient
+    assert_all_equal(stepped[1][1], stepped[0][1])
+
+    model = torch.nn.Linear(3, 1)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2,
+                                nonfinite="skip_micro_batch")
+    acc.backward(model(x.float()).sum() * float("nan"))
+    acc.backward(model(x.float()).sum())
+    assert acc.step() is True
+    state = acc.state_dict()
+    acc.close()
+    again = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2,
+                                  nonfinite="skip_micro_batch")
+    again.load_state_dict(state)
+    assert again.stats()["skipped_micro_batches"] == 1
+
+
+def test_state_dict_refuses_gradients_no_micro_step_counted():
+    """At a window boundary, gradients a plain loss.backward() wrote (the
+    manual path before its optimizer step) would be saved as a boundary
+    without them: state_dict() refuses, as step() does, and changes nothing."""
+    model = make_model()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    x, y = make_data(4)
+    with acc.no_sync():
+        micro_loss(model, x, y, "mean")[0].backward()
+    before = grads_of(model)
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.state_dict\(\): gradients were written since the "
+                       r"last window, but no micro-step was counted: .* A checkpoint now would save a window "
+                       r"boundary without them\."):
+        acc.state_dict()
+    assert_all_equal(grads_of(model), before)
+    acc.zero_grad()
+    assert acc.state_dict()["micro_step"] == 0
+
+
 # 6. LR scheduler --------------------------------------------------------------------
 
 
