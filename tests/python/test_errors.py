@@ -271,7 +271,7 @@ STATE_KEYS = ["steps", "reduction", "world_size", "rank", "rank_independent", "m
               "skipped_steps", "windows", "reducer", "reducer_sequence", "loss_scale",
               "loss_scale_growth_tracker", "grads"]
 # Optional: states saved before it was kept load without it (as 0).
-OPTIONAL_STATE_KEYS = ["reducer_last_weight"]
+OPTIONAL_STATE_KEYS = ["reducer_last_weight", "skipped_micro_batches", "window_empty", "window_unscaled"]
 
 
 @pytest.fixture
@@ -462,3 +462,16 @@ def test_split_scalar_tensor():
 def test_split_no_tensor(batch):
     with pytest.raises(ValueError, match="no tensor"):
         gradaccum.split(batch, 1)
+
+
+@pytest.mark.parametrize("key", ["window_empty", "window_unscaled"])
+def test_load_state_dict_closed_window_flags_need_a_closed_window(mid_window, key):
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): window_empty or window_unscaled "
+                       r"without window_ready \(they describe a closed window\)$"):
+        acc.load_state_dict({**state, key: True})
+    check_untouched(model, acc, grads)
+    with pytest.raises(ValueError, match=r"skipped_micro_batches=-1 must be >= 0"):
+        acc.load_state_dict({**state, "skipped_micro_batches": -1})
+    check_untouched(model, acc, grads)
