@@ -51,6 +51,7 @@ try:
     from lightning.pytorch.trainer import call as _call
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.model_helpers import is_overridden
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 except ImportError as error:  # pragma: no cover - exercised by a test in a subprocess
     raise ImportError(
         f"gradaccum: gradaccum.lightning needs Lightning, which is not importable here ({error}). "
@@ -281,6 +282,26 @@ class GradaccumStrategy(DDPStrategy):
         super().teardown()
 
     # ---------------------------------------------------------------- training
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
+        """Lightning clears the gradients at the first batch of each of its
+        windows (before that batch's backward). An epoch cut short in the
+        middle of a window (``on_train_batch_start`` returned -1) reaches no
+        optimizer step, so its half-done window is still in the Accumulator
+        there: dropped, as Lightning drops it (the same on every rank that cut
+        the epoch alike), where the Accumulator would refuse the cleared
+        window at the next backward."""
+        super().on_train_batch_start(batch, batch_idx, *args, **kwargs)
+        acc = self.accumulator
+        module = self.lightning_module
+        if acc is None or module is None or self._resumed:
+            return
+        if batch_idx % module.trainer.accumulate_grad_batches == 0 and (acc.micro_step > 0 or acc.window_ready):
+            rank_zero_warn(
+                "gradaccum: GradaccumStrategy: the last epoch ended in the middle of a window (on_train_batch_start "
+                "returned -1?), whose gradients Lightning clears at this batch: the window is dropped, as Lightning "
+                "drops it")
+            acc.zero_grad()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.accumulator is not None and self.lightning_module is not None:

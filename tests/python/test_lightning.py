@@ -364,3 +364,72 @@ def test_without_lightning_the_import_says_what_to_install():
     code = "import sys; sys.modules['lightning'] = None\nimport gradaccum\nprint('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+SKIP_REST = '''
+import sys, warnings
+import torch, lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 1).double()
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.lin(x), y)
+
+    def on_train_batch_start(self, batch, i):
+        if self.current_epoch == 0 and i == 4:  # micro-batch 1 of the second window: skip the rest
+            return -1
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(18, 3, generator=g, dtype=torch.float64),  # 9 batches: 3 full windows
+                     torch.randn(18, 1, generator=g, dtype=torch.float64))
+for name in ("stock", "gradaccum"):
+    if name == "gradaccum":
+        from gradaccum.lightning import GradaccumStrategy
+        strategy = GradaccumStrategy()
+    else:
+        from lightning.pytorch.strategies import SingleDeviceStrategy
+        strategy = SingleDeviceStrategy(device=torch.device("cpu"))
+    model = Model()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, accumulate_grad_batches=3, max_epochs=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False)  # the same order in both
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(data, batch_size=2))
+    dropped = sum("the window is dropped, as Lightning drops it" in str(w.message) for w in caught)
+    print(name, trainer.global_step, dropped, *model.lin.weight.detach().flatten().tolist(), flush=True)
+'''
+
+
+def test_an_epoch_cut_short_mid_window_drops_the_window_as_lightning_does(tmp_path):
+    """on_train_batch_start returning -1 skips the rest of the epoch, here one
+    micro-batch into a window: no optimizer step closes it, and Lightning
+    clears its gradients at the next epoch's first batch. The strategy drops
+    it there too (with a warning), where before the Accumulator raised at the
+    next backward that its window had been cleared: the same optimizer steps
+    and weights as Lightning's own single-device strategy."""
+    script = tmp_path / "skip_rest.py"
+    script.write_text(SKIP_REST)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.split()[:1] in
+            (["stock"], ["gradaccum"])}
+    stock, ours = rows["stock"], rows["gradaccum"]
+    assert ours[0] == stock[0] == "4", (stock, ours)  # global_step: 1 + 3 windows
+    assert stock[1] == "0" and ours[1] == "1", (stock, ours)  # warned once
+    assert max(abs(float(a) - float(b)) for a, b in zip(ours[2:], stock[2:])) <= 1e-12, (stock, ours)
