@@ -52,7 +52,8 @@ void check_settings_match(const ReducerConfig& config, at::Device device) {
       compared.push_back(&agreement);
     }
   }
-  const AgreementInputs inputs{config.rule, config.options, config.params.size(), 0, 0, config.one_host};
+  const AgreementInputs inputs{config.rule, config.options, config.params.size(), 0, 0, config.one_host,
+                               &config.names};
   auto mine = at::empty({static_cast<int64_t>(compared.size())}, at::kDouble);
   for (const auto i : c10::irange(compared.size())) {
     mine[static_cast<int64_t>(i)].fill_(compared[i]->value(inputs));

@@ -298,8 +298,15 @@ class Accumulator {
   /// next forward (data parallel it broadcasts rank 0's values in place). Data
   /// parallel, a collective: every rank calls it at the same point, with the
   /// same set (checked). Counters carry over. See Note [Refreshing the
-  /// parameters] in src/accumulator/refresh.cpp.
+  /// parameters] in src/accumulator/refresh.cpp. A call this rank refuses
+  /// (mid-window, no trainable parameter) still meets the other ranks'
+  /// (data parallel), so that every rank raises, and nothing changes.
   void refresh_parameters(ModelParameters model);
+  /// The same, for a caller that refused the call on this rank already
+  /// (`refused_here`: why, non-empty; Python's own checks): data parallel it
+  /// meets the other ranks' calls, which then raise, and returns; the caller
+  /// raises its own error.
+  void refresh_parameters(ModelParameters model, const std::string& refused_here);
   /// Drops the current window: clears gradients and counters of the window.
   void zero_grad();
 

@@ -414,7 +414,13 @@ class Accumulator:
         what = "acc.refresh_parameters()"
         params, names, buffers = _parameters(source, what, "parameters")
         if _scaling(self.grad_scaler):
-            _check_scaled_parameters(params, names, isinstance(source, torch.nn.Module), self.optimizer, what)
+            try:
+                _check_scaled_parameters(params, names, isinstance(source, torch.nn.Module), self.optimizer, what)
+            except (ValueError, TypeError) as e:
+                # Refused here: the other ranks still meet this call and raise
+                # too (Note [A refresh refused on one rank]).
+                self._c.refresh_parameters([], [], [], refused=str(e))
+                raise
         self._c.refresh_parameters(params, names, buffers)
 
     def zero_grad(self) -> None:

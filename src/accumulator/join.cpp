@@ -28,7 +28,8 @@ using detail::CallGuard;
 // all of it. A window dropped while some ranks shadow it (a failed backward
 // anywhere, a disagreement) raises the same error on the shadowing ranks, so
 // a rank that stopped early learns before it returns whether the job's last
-// windows completed everywhere. Ranks must all join or all flush(): a rank
+// windows completed everywhere (and the error tells every rank to end there:
+// Note [A window dropped while ranks shadow]). Ranks must all join or all flush(): a rank
 // that ends its data with flush() while others are joined would leave them
 // waiting; both sides see it in the header (kFlushing > kJoined, or kJoined
 // > 0 at a flush) and raise (check_join_partners()).
@@ -66,9 +67,20 @@ int64_t Accumulator::join() {
   const auto world = reducer_->process_group()->getSize();
   for (;;) {
     const auto window = reducer_->progress().sequence;
+    raised_alike_ = false; // set by this shadow window's step only
     try {
       stepped += reduce_partial_window(local_failure, /*joined=*/true) ? 1 : 0;
     } catch (const std::exception& e) {
+      if (std::exchange(raised_alike_, false)) {
+        // nonfinite="raise" on the reduced gradient, which every rank holds
+        // alike: the ranks with data raise it, and it tells them to drop the
+        // window with acc.zero_grad() and go on. The shadow, with no code of
+        // the user's to run, does that here and keeps pairing (leaving would
+        // hang their next window; treating it as its own failure would drop
+        // that window too, saying the replicas differ, which they do not).
+        zero_grad();
+        continue;
+      }
       // Reduced on every rank, then stepping it failed here only (the
       // optimizer, a hook, the scaler): the peers with data go on to their
       // next window. Keep pairing and drop that one on every rank, naming

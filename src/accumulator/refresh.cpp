@@ -7,7 +7,10 @@
 
 #include <c10/util/irange.h>
 
+#include <exception>
+#include <string>
 #include <unordered_set>
+#include <utility>
 
 namespace gradaccum {
 
@@ -31,14 +34,53 @@ using detail::CallGuard;
 // parameter that was frozen when it was built: its replicas drift apart
 // silently after an unfreeze.
 void Accumulator::refresh_parameters(ModelParameters model) {
+  refresh_parameters(std::move(model), std::string());
+}
+
+// Note [A refresh refused on one rank]
+// The new reducer's construction is a collective. A rank that refuses the
+// call by itself (in the middle of a window, no trainable parameter left, or
+// the caller's own checks: `refused_here`) would skip it and leave the others
+// waiting there for the group's timeout. So, data parallel, every rank first
+// gathers whether some rank refused (one integer each): the refusing rank
+// raises its own error, every other rank one naming it, and nothing changes
+// anywhere. Only then is the new reducer built.
+void Accumulator::refresh_parameters(ModelParameters model, const std::string& refused_here) {
   const CallGuard guard(driver_, "acc.refresh_parameters()");
   check_open("acc.refresh_parameters()");
   check_no_open_parts("acc.refresh_parameters()");
-  TORCH_CHECK(micro_step_ == 0 && !window_ready_,
-      "gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=", micro_step_,
-      window_ready_ ? ", closed but not stepped" : "", "); call it at a window boundary: after acc.step() "
-      "returned True, or after acc.flush()");
-  auto frozen = detail::checked_trainable(model, "acc.refresh_parameters()");
+  std::exception_ptr refused;
+  std::vector<std::pair<std::string, at::Tensor>> frozen;
+  if (refused_here.empty()) {
+    try {
+      TORCH_CHECK(micro_step_ == 0 && !window_ready_,
+          "gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=", micro_step_,
+          window_ready_ ? ", closed but not stepped" : "", "); call it at a window boundary: after acc.step() "
+          "returned True, or after acc.flush()");
+      frozen = detail::checked_trainable(model, "acc.refresh_parameters()");
+    } catch (...) {
+      if (!reducer_) {
+        throw;
+      }
+      refused = std::current_exception();
+    }
+  }
+  if (reducer_) {
+    const auto refusals = reducer_->gather(refused || !refused_here.empty() ? 1 : 0);
+    if (refused) {
+      std::rethrow_exception(refused);
+    }
+    if (!refused_here.empty()) {
+      return;
+    }
+    for (const auto r : c10::irange(refusals.size())) {
+      TORCH_CHECK_VALUE(refusals[r] == 0,
+          "gradaccum: acc.refresh_parameters(): rank ", r, " refused the call (that rank says why), so no rank "
+          "refreshed its parameters; nothing was changed");
+    }
+  } else if (!refused_here.empty()) {
+    return;
+  }
   // The new set overlaps ours: let ours go to claim it, and take ours back
   // if anything fails (a rejected call changes nothing).
   claim_.reset();

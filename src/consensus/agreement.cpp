@@ -77,6 +77,13 @@ const std::vector<Agreement>& agreements() {
        [](const I& in) { return names_code(in.rule.metrics); }, true, kMetaHeader, false, nullptr},
       {"the number of trainable parameters", Shown::Number,
        [](const I& in) { return static_cast<double>(in.parameters); }, true, kMetaHeader, false, nullptr},
+      // Shapes alone (check_shapes_match) pass two ranks that unfroze
+      // different layers of one shape: rank 0's values would be broadcast into
+      // the other layer, and the windows would sum different layers' gradients.
+      {"the trainable parameters' names (a hash of the names in their order)", Shown::Number,
+       [](const I& in) { return in.names ? names_code(*in.names) : 0.0; }, true, kMetaHeader, false,
+       "every rank must train the same parameters, under the same names: the same layers frozen "
+       "(requires_grad=False) and the same module passed"},
   };
   return table;
 }
@@ -195,31 +202,43 @@ bool raised_there(AbortReason why) {
       why == AbortReason::MicroBatchRefused;
 }
 
-// What a dropped window means for every rank.
-const char* consequence(AbortReason why) {
-  return why == AbortReason::ClosedWindowNotStepped
-      ? ": the replicas differ from here on. Resume every rank from a checkpoint"
-      : ". The window's gradients were cleared on every rank and no optimizer step was taken; "
-        "training can go on from the next window";
+// Note [A window dropped while ranks shadow]
+// A rank in acc.join() (out of data) that reads a dropped window raises its
+// error and leaves join(): the window's failure is the job's, and it cannot
+// tell whether the ranks with data will go on. So with `joined` > 0 no rank
+// may: the ranks with data would wait for a shadow in their next window.
+// Every rank reads the same verdict, so every rank's text says so alike.
+std::string consequence(AbortReason why, int64_t joined) {
+  if (why == AbortReason::ClosedWindowNotStepped) {
+    return ": the replicas differ from here on. Resume every rank from a checkpoint";
+  }
+  std::string text = ". The window's gradients were cleared on every rank and no optimizer step was taken; ";
+  if (joined > 0) {
+    return text + std::to_string(joined) + " rank(s) out of data in acc.join() raise this error too and leave "
+        "it, so no next window can pair there: end training on every rank here (or resume every rank from "
+        "a checkpoint)";
+  }
+  return text + "training can go on from the next window";
 }
 
 } // namespace
 
-std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_t who, AbortReason why) {
+std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_t who, AbortReason why,
+                              int64_t joined) {
   if (aborting > 1) {
     return where + " was dropped on every rank: " + std::to_string(aborting) + " ranks could not "
         "contribute their window (their synchronising backward failed, or they left the epoch "
-        "early)" + consequence(AbortReason::None);
+        "early)" + consequence(AbortReason::None, joined);
   }
   return where + " was dropped on every rank: " + abort_phrase(why, "rank " + std::to_string(who)) +
-      (raised_there(why) ? " (its own error is raised there)" : "") + consequence(why);
+      (raised_there(why) ? " (its own error is raised there)" : "") + consequence(why, joined);
 }
 
 std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
-                         const std::string& transport) {
+                         const std::string& transport, int64_t joined) {
   return where + " was dropped on every rank: " +
       abort_phrase(why, "this rank (rank " + std::to_string(rank) + ")") +
-      (local.empty() ? "" : ": " + local) + consequence(why) +
+      (local.empty() ? "" : ": " + local) + consequence(why, joined) +
       (transport.empty() ? "" : ". Dropping it failed too: " + transport);
 }
 

@@ -37,6 +37,8 @@ struct AgreementInputs {
   int64_t window = 0; ///< the reduction's sequence number
   int64_t kind = 0; ///< the reduction's kind code (State::kind_code())
   bool one_host = false; ///< ReducerConfig::one_host
+  /// The trainable parameters' names, in the reducer's order (construction only).
+  const std::vector<std::string>* names = nullptr;
 };
 
 /// One value every rank must hold alike.
@@ -83,14 +85,16 @@ std::string window_disagreement(const std::string& where, const Agreement& agree
 std::string mispaired(const std::string& where, int64_t bucket);
 
 /// Why the window was dropped, as every rank but the dropping one reads it:
-/// `aborting` ranks dropped it, the only one (when 1) being `who`, for `why`.
-std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_t who, AbortReason why);
+/// `aborting` ranks dropped it, the only one (when 1) being `who`, for `why`;
+/// `joined` ranks were in acc.join() (Note [A window dropped while ranks shadow]).
+std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_t who, AbortReason why,
+                              int64_t joined);
 
 /// The error of the rank that dropped the window itself (this rank, `rank`),
 /// for `why`: the same text as the others', about "this rank", with what
 /// failed here (`local`, when known) and what failed while dropping it
 /// (`transport`, when anything did).
 std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
-                         const std::string& transport);
+                         const std::string& transport, int64_t joined);
 
 } // namespace gradaccum::detail

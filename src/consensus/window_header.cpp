@@ -147,7 +147,8 @@ std::string verdict_error(const Verdict& verdict, const std::string& where) {
     case Verdict::Outcome::Mispaired:
       return mispaired(where, verdict.bucket);
     case Verdict::Outcome::Dropped:
-      return dropped_elsewhere(where, verdict.aborting, verdict.abort_rank, verdict.abort_reason);
+      return dropped_elsewhere(where, verdict.aborting, verdict.abort_rank, verdict.abort_reason,
+                               verdict.joined_ranks);
     case Verdict::Outcome::Disagreed:
       return window_disagreement(where, *verdict.agreement, verdict.values);
     case Verdict::Outcome::Agreed:

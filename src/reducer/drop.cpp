@@ -76,7 +76,8 @@ std::string Reducer::State::own_failure(const std::string& local) const {
   if (cause.compare(0, prefix.size(), prefix) == 0) {
     cause.erase(0, prefix.size());
   }
-  return detail::dropped_here(window.own_where, config.rank, window.own_reason, cause, window.own_transport);
+  return detail::dropped_here(window.own_where, config.rank, window.own_reason, cause, window.own_transport,
+                              window.last_result.joined_ranks);
 }
 
 void Reducer::State::fail(const std::string& message) {

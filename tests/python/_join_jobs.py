@@ -168,3 +168,34 @@ def join_buffers(rank, world_size, *, counts):
     out["stats"] = acc.stats()
     acc.close()
     return out
+
+
+@job
+def join_nonfinite_raise(rank, world_size):
+    """nonfinite="raise", K=2: rank 0 has one window and joins; rank 1 has
+    three, the second with a NaN loss, so the reduced window gradient is NaN
+    on every rank. Rank 1 catches its step's error and drops the window with
+    acc.zero_grad(), as the error says; rank 0 shadows it."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2, nonfinite="raise")
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    out = {"errors": []}
+    try:
+        with acc.join():
+            for i in range(2 if rank == 0 else 6):
+                loss = model(x).pow(2).mean()
+                acc.backward(loss * float("nan") if rank == 1 and i == 3 else loss)
+                try:
+                    acc.step()
+                except RuntimeError as e:
+                    out["errors"].append(str(e))
+                    acc.zero_grad()
+    except RuntimeError as e:
+        out["errors"].append(f"join: {e}")
+    out["params"] = du.params(model)
+    out["stats"] = acc.stats()
+    acc.close()
+    return out

@@ -63,3 +63,39 @@ def unfreeze(rank, world_size, *, seed, n_windows, unfreeze_at, reduction, as_vi
     out["stats"] = acc.stats()
     acc.close()
     return out
+
+
+@job
+def refused_on_one_rank(rank, world_size, *, mode):
+    """Every rank calls acc.refresh_parameters() at once, but rank 1 refuses
+    it by itself (`mode`: "mid_window": one micro-step into the next window;
+    "empty": it froze every layer; "scaler": it unfroze a layer its optimizer
+    lacks, with a GradScaler, refused in Python), or "names": rank 0 unfreezes
+    layer 0 and rank 1 layer 1, of the same shape. Each rank's errors, and
+    whether the parameters still agree across ranks after a window."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).double()
+    model[0].requires_grad_(False)
+    model[1].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu") if mode == "scaler" else None
+    acc = gradaccum.Accumulator(model, opt, steps=2, grad_scaler=scaler)
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    if rank == 1 and mode == "mid_window":
+        acc.backward(model(x).sum())
+    if rank == 1 and mode == "empty":
+        model.requires_grad_(False)
+    if rank == 1 and mode == "scaler":
+        model[0].requires_grad_(True)
+    if mode == "names":
+        model[rank].requires_grad_(True)
+    out = {"errors": []}
+    try:
+        acc.refresh_parameters()
+    except (RuntimeError, ValueError) as e:
+        out["errors"].append(f"{type(e).__name__}: {e}")
+    out["params"] = du.params(model)
+    acc.close()
+    return out

@@ -54,10 +54,32 @@ def test_a_failure_on_an_active_rank_reaches_the_joined_ranks(tmp_path):
         assert "window 2 was dropped on every rank" in res["error"], (rank, res["error"])
         assert "rank 2" in res["error"], (rank, res["error"])
         assert res["stats"]["optimizer_steps"] == 2, rank
+        # Note [A window dropped while ranks shadow]: rank 0 leaves join()
+        # with it, so the ranks with data must not go on (before, they were
+        # told "training can go on", and their next window waited for rank 0)
+        assert res["error"].endswith(
+            "no optimizer step was taken; 1 rank(s) out of data in acc.join() raise this error too and leave it, so "
+            "no next window can pair there: end training on every rank here (or resume every rank from a "
+            "checkpoint)"), (rank, res["error"])
     assert results[0]["where"] == "acc.join()"  # it had left its loop: told inside join()
     # and the error names that call (the reduction request carries it)
     assert results[0]["error"].startswith("gradaccum: acc.join(): window 2 was dropped on every rank"), texts[0]
     assert "injected failure on rank 2" in results[2]["error"]
+
+
+def test_a_nonfinite_raise_while_a_rank_shadows_is_dropped_alike(tmp_path):
+    """nonfinite="raise" on a window rank 0 shadows: every rank holds the same
+    NaN gradient. Rank 1 raises and drops it with acc.zero_grad(), as its
+    error says; the shadow drops it too and keeps pairing. Before, the shadow
+    took it for a failure of its own and dropped rank 1's next, valid window
+    on every rank, saying the replicas differed."""
+    results = run("join_nonfinite_raise", 2, tmp_path)
+    assert results[0]["errors"] == [], results[0]["errors"]
+    (error,) = results[1]["errors"]
+    assert error.startswith("gradaccum: acc.step(): the window's gradient is not finite"), error
+    for res in results:
+        assert res["stats"]["optimizer_steps"] == 2 and res["stats"]["dropped_windows"] == 0, res["stats"]
+    du.assert_params_close(results[0]["params"], results[1]["params"], "rank 0", tol=0)
 
 
 def test_join_on_one_rank_and_flush_on_another_is_an_error_on_both(tmp_path):

@@ -1,6 +1,8 @@
 """acc.refresh_parameters(): the trainable set changes at a window boundary
 (fine-tuning unfreezes a backbone), on real Gloo ranks and in one process,
 against one process on the global batch in float64."""
+import re
+
 import pytest
 import torch
 
@@ -100,3 +102,46 @@ def test_refresh_errors_name_the_refresh_and_leave_the_set_alone():
     assert acc.step()
     assert model[0].weight.grad is None
     acc.close()
+
+
+REFUSED_HERE = {
+    "mid_window": "RuntimeError: gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=1); "
+                  "call it at a window boundary: after acc.step() returned True, or after acc.flush()",
+    "empty": "ValueError: gradaccum: acc.refresh_parameters(): ",
+    "scaler": "ValueError: gradaccum: acc.refresh_parameters(): ",
+}
+
+
+@pytest.mark.parametrize("mode", ["mid_window", "empty", "scaler"])
+def test_a_refresh_refused_on_one_rank_raises_on_every_rank(tmp_path, mode):
+    """Note [A refresh refused on one rank]: rank 1 refuses the call by
+    itself (in C++ or in Python's grad_scaler check); before, rank 0 waited in
+    the new reducer's construction until the group's timeout. Now rank 1
+    raises its own error and rank 0 one naming rank 1, at once, and neither
+    changed its parameters (the refresh broadcasts nothing)."""
+    results = run("refused_on_one_rank", 2, tmp_path, mode=mode)
+    (theirs,) = results[0]["errors"]
+    assert theirs == ("ValueError: gradaccum: acc.refresh_parameters(): rank 1 refused the call (that rank says "
+                      "why), so no rank refreshed its parameters; nothing was changed"), theirs
+    (own,) = results[1]["errors"]
+    assert own.startswith(REFUSED_HERE[mode]), own
+    if mode == "mid_window":
+        assert own == REFUSED_HERE[mode]
+    # seeded alike: the same values on both ranks, none broadcast or changed
+    du.assert_params_close(results[1]["params"], results[0]["params"], "rank 1", tol=0)
+
+
+def test_ranks_that_unfreeze_different_layers_of_one_shape_all_get_an_error(tmp_path):
+    """Shapes alone would pass: rank 0 unfreezes layer 0 and rank 1 layer 1,
+    both 4x4. Before, rank 0's layer 0 was broadcast into rank 1's layer 1 and
+    the windows summed different layers' gradients; now the construction
+    check compares the names, and every rank raises."""
+    results = run("refused_on_one_rank", 2, tmp_path, mode="names")
+    for rank, res in enumerate(results):
+        (error,) = res["errors"]
+        assert re.fullmatch(
+            r"ValueError: gradaccum: acc\.refresh_parameters\(\): the ranks disagree on the trainable parameters' "
+            r"names \(a hash of the names in their order\) \(rank 0: \d+, rank 1: \d+\); every rank must train the "
+            r"same parameters, under the same names: the same layers frozen \(requires_grad=False\) and the same "
+            r"module passed", error), error
+    du.assert_params_close(results[1]["params"], results[0]["params"], "rank 1", tol=0)

@@ -268,10 +268,11 @@ void init_accumulator(py::module_& m) {
       .def("join", &Accumulator::join, release(), "End of this rank's data: shadow the others until all join.")
       .def("refresh_parameters",
            [](Accumulator& acc, std::vector<at::Tensor> params, std::vector<std::string> names,
-              std::vector<at::Tensor> buffers) {
-             acc.refresh_parameters(ModelParameters(std::move(params), std::move(names), std::move(buffers)));
+              std::vector<at::Tensor> buffers, const std::string& refused) {
+             acc.refresh_parameters(ModelParameters(std::move(params), std::move(names), std::move(buffers)),
+                                    refused);
            },
-           py::arg("params"), py::arg("names"), py::arg("buffers"), release(),
+           py::arg("params"), py::arg("names"), py::arg("buffers"), py::arg("refused") = "", release(),
            "Take the trainable set again at a window boundary.")
       .def("zero_grad", &Accumulator::zero_grad, "Drop the current window.")
       .def_property_readonly("sync_gradients", &Accumulator::sync_gradients)
