@@ -412,15 +412,15 @@ class Accumulator:
             raise ValueError("gradaccum: acc.refresh_parameters(): this Accumulator was built from an iterable of "
                              "parameters, not a module; pass the ones to train: acc.refresh_parameters(params)")
         what = "acc.refresh_parameters()"
-        params, names, buffers = _parameters(source, what, "parameters")
-        if _scaling(self.grad_scaler):
-            try:
+        try:
+            params, names, buffers = _parameters(source, what, "parameters")
+            if _scaling(self.grad_scaler):
                 _check_scaled_parameters(params, names, isinstance(source, torch.nn.Module), self.optimizer, what)
-            except (ValueError, TypeError) as e:
-                # Refused here: the other ranks still meet this call and raise
-                # too (Note [A refresh refused on one rank]).
-                self._c.refresh_parameters([], [], [], refused=str(e))
-                raise
+        except (ValueError, TypeError) as e:
+            # Refused here: the other ranks still meet this call and raise
+            # too (Note [A refresh refused on one rank]).
+            self._c.refresh_parameters([], [], [], refused=str(e) or type(e).__name__)
+            raise
         self._c.refresh_parameters(params, names, buffers)
 
     def zero_grad(self) -> None:

@@ -292,15 +292,22 @@ class GradaccumStrategy(DDPStrategy):
         the epoch alike), where the Accumulator would refuse the cleared
         window at the next backward."""
         super().on_train_batch_start(batch, batch_idx, *args, **kwargs)
-        acc = self.accumulator
         module = self.lightning_module
-        if acc is None or module is None or self._resumed:
-            return
-        if batch_idx % module.trainer.accumulate_grad_batches == 0 and (acc.micro_step > 0 or acc.window_ready):
+        if self.accumulator is not None and module is not None and not self._resumed \
+                and batch_idx % module.trainer.accumulate_grad_batches == 0:
+            self._drop_cut_window()
+
+    def _drop_cut_window(self) -> None:
+        """Drops a half-done window that no optimizer step will close (see
+        on_train_batch_start), with a warning. Also before a checkpoint at the
+        end of such an epoch (ModelCheckpoint saves there), which would
+        otherwise save the window Lightning is about to clear."""
+        acc = self.accumulator
+        if acc.micro_step > 0 or acc.window_ready:
             rank_zero_warn(
                 "gradaccum: GradaccumStrategy: the last epoch ended in the middle of a window (on_train_batch_start "
-                "returned -1?), whose gradients Lightning clears at this batch: the window is dropped, as Lightning "
-                "drops it")
+                "returned -1?), whose gradients Lightning clears at its next batch: the window is dropped, as "
+                "Lightning drops it")
             acc.zero_grad()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -446,6 +453,12 @@ class GradaccumStrategy(DDPStrategy):
         # that sums the half-done window, so every rank must get here, as
         # Lightning's save_checkpoint guarantees): rank 0's dict resumes every rank.
         if self.accumulator is not None and "optimizer_states" in checkpoint:
+            module = self.lightning_module
+            trainer = module.trainer if module is not None else None
+            if trainer is not None and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+                # The epoch's last batch has run: it stepped (or flushed) its
+                # window, unless the epoch was cut short mid-window.
+                self._drop_cut_window()
             checkpoint[CHECKPOINT_KEY] = self.accumulator.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 

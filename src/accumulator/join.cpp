@@ -71,23 +71,26 @@ int64_t Accumulator::join() {
     try {
       stepped += reduce_partial_window(local_failure, /*joined=*/true) ? 1 : 0;
     } catch (const std::exception& e) {
-      if (std::exchange(raised_alike_, false)) {
+      // Reduced on every rank, and some ranks still have data (they go on to
+      // their next window): then stepping it failed here.
+      const auto last = reducer_->last_result();
+      const bool others_go_on = last.window == window && !last.dropped && last.joined_ranks != world &&
+          last.flushing_ranks == last.joined_ranks;
+      if (std::exchange(raised_alike_, false) && others_go_on) {
         // nonfinite="raise" on the reduced gradient, which every rank holds
         // alike: the ranks with data raise it, and it tells them to drop the
         // window with acc.zero_grad() and go on. The shadow, with no code of
         // the user's to run, does that here and keeps pairing (leaving would
         // hang their next window; treating it as its own failure would drop
         // that window too, saying the replicas differ, which they do not).
+        // In the last reduction (every rank joined) every rank raises it.
         zero_grad();
         continue;
       }
-      // Reduced on every rank, then stepping it failed here only (the
-      // optimizer, a hook, the scaler): the peers with data go on to their
-      // next window. Keep pairing and drop that one on every rank, naming
+      // Stepping it failed here only (the optimizer, a hook, the scaler):
+      // keep pairing and drop the peers' next window on every rank, naming
       // this failure, as flush() does. Anything else raised alike everywhere.
-      const auto last = reducer_->last_result();
-      const bool here_only = last.window == window && !last.dropped && last.joined_ranks != world &&
-          last.flushing_ranks == last.joined_ranks;
+      const bool here_only = others_go_on;
       if (!here_only) {
         throw;
       }

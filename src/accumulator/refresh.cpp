@@ -48,11 +48,11 @@ void Accumulator::refresh_parameters(ModelParameters model) {
 void Accumulator::refresh_parameters(ModelParameters model, const std::string& refused_here) {
   const CallGuard guard(driver_, "acc.refresh_parameters()");
   check_open("acc.refresh_parameters()");
-  check_no_open_parts("acc.refresh_parameters()");
   std::exception_ptr refused;
   std::vector<std::pair<std::string, at::Tensor>> frozen;
   if (refused_here.empty()) {
     try {
+      check_no_open_parts("acc.refresh_parameters()");
       TORCH_CHECK(micro_step_ == 0 && !window_ready_,
           "gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=", micro_step_,
           window_ready_ ? ", closed but not stepped" : "", "); call it at a window boundary: after acc.step() "

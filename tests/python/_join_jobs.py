@@ -171,10 +171,11 @@ def join_buffers(rank, world_size, *, counts):
 
 
 @job
-def join_nonfinite_raise(rank, world_size):
-    """nonfinite="raise", K=2: rank 0 has one window and joins; rank 1 has
-    three, the second with a NaN loss, so the reduced window gradient is NaN
-    on every rank. Rank 1 catches its step's error and drops the window with
+def join_nonfinite_raise(rank, world_size, *, counts=(2, 6), nan_at=3):
+    """nonfinite="raise", K=2, counts[r] micro-batches on rank r, rank 1's
+    micro-batch `nan_at` with a NaN loss, so the reduced window gradient is
+    NaN on every rank. By default rank 0 has one window and joins, and rank 1
+    catches its step's error in its second window and drops the window with
     acc.zero_grad(), as the error says; rank 0 shadows it."""
     import gradaccum
 
@@ -185,9 +186,9 @@ def join_nonfinite_raise(rank, world_size):
     out = {"errors": []}
     try:
         with acc.join():
-            for i in range(2 if rank == 0 else 6):
+            for i in range(counts[rank]):
                 loss = model(x).pow(2).mean()
-                acc.backward(loss * float("nan") if rank == 1 and i == 3 else loss)
+                acc.backward(loss * float("nan") if rank == 1 and i == nan_at else loss)
                 try:
                     acc.step()
                 except RuntimeError as e:

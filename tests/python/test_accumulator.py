@@ -593,9 +593,11 @@ def test_a_closed_window_resumes_as_it_would_have_stepped():
 def test_state_dict_refuses_gradients_no_micro_step_counted():
     """At a window boundary, gradients a plain loss.backward() wrote (the
     manual path before its optimizer step) would be saved as a boundary
-    without them: state_dict() refuses, as step() does, and changes nothing."""
+    without them: state_dict() refuses, as step() does, and changes nothing.
+    Gradients zeroed in place after the manual path's step are no gradient."""
     model = make_model()
-    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=2)
     x, y = make_data(4)
     with acc.no_sync():
         micro_loss(model, x, y, "mean")[0].backward()
@@ -605,8 +607,10 @@ def test_state_dict_refuses_gradients_no_micro_step_counted():
                        r"boundary without them\."):
         acc.state_dict()
     assert_all_equal(grads_of(model), before)
-    acc.zero_grad()
-    assert acc.state_dict()["micro_step"] == 0
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # zeros, written in place
+    state = acc.state_dict()
+    assert state["micro_step"] == 0 and all(g is None for g in state["grads"])
 
 
 # 6. LR scheduler --------------------------------------------------------------------

@@ -80,6 +80,13 @@ def test_a_nonfinite_raise_while_a_rank_shadows_is_dropped_alike(tmp_path):
     for res in results:
         assert res["stats"]["optimizer_steps"] == 2 and res["stats"]["dropped_windows"] == 0, res["stats"]
     du.assert_params_close(results[0]["params"], results[1]["params"], "rank 0", tol=0)
+    # The NaN in the last window, which both close inside join() (every rank
+    # joined): no rank has data to go on with, and every rank raises it.
+    results = run("join_nonfinite_raise", 2, tmp_path / "last", counts=(3, 3), nan_at=2)
+    for res in results:
+        (error,) = res["errors"]
+        assert error.startswith("join: gradaccum: ") and "the window's gradient is not finite" in error, error
+        assert res["stats"]["optimizer_steps"] == 1, res["stats"]
 
 
 def test_join_on_one_rank_and_flush_on_another_is_an_error_on_both(tmp_path):
