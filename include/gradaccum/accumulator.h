@@ -298,9 +298,10 @@ class Accumulator {
   /// next forward (data parallel it broadcasts rank 0's values in place). Data
   /// parallel, a collective: every rank calls it at the same point, with the
   /// same set (checked). Counters carry over. See Note [Refreshing the
-  /// parameters] in src/accumulator/refresh.cpp. A call this rank refuses
-  /// (mid-window, no trainable parameter) still meets the other ranks'
-  /// (data parallel), so that every rank raises, and nothing changes.
+  /// parameters] in src/accumulator/refresh.cpp. A call this rank refuses at
+  /// a window boundary (no trainable parameter) still meets the other ranks'
+  /// (data parallel), so that every rank raises, and nothing changes;
+  /// mid-window it is refused before any collective.
   void refresh_parameters(ModelParameters model);
   /// The same, for a caller that refused the call on this rank already
   /// (`refused_here`: why, non-empty; Python's own checks): data parallel it

@@ -455,9 +455,15 @@ class GradaccumStrategy(DDPStrategy):
         if self.accumulator is not None and "optimizer_states" in checkpoint:
             module = self.lightning_module
             trainer = module.trainer if module is not None else None
-            if trainer is not None and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-                # The epoch's last batch has run: it stepped (or flushed) its
-                # window, unless the epoch was cut short mid-window.
+            progress = trainer.fit_loop.epoch_loop.batch_progress if trainer is not None else None
+            if (progress is not None and progress.is_last_batch and progress.current.processed == progress.current.ready
+                    and progress.current.started < progress.current.ready):
+                # The epoch's last batch was processed without being started:
+                # on_train_batch_start returned -1, and the epoch ended there,
+                # maybe mid-window (a last batch that ran stepped or flushed
+                # its window; one still running has processed < ready). Every
+                # rank that cut its epoch alike drops alike; a rank that did
+                # not would take the snapshot collective alone.
                 self._drop_cut_window()
             checkpoint[CHECKPOINT_KEY] = self.accumulator.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

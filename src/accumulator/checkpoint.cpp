@@ -175,16 +175,10 @@ void Accumulator::copy_window_into(AccumulatorState& state) const {
   } else {
     // Gradients no micro-step counted (the manual no_sync path before its
     // optimizer step) would be saved as a boundary without them: refused, as
-    // acc.step() refuses them. Zeros are no gradient (zero_grad(set_to_none=
-    // False) after the manual path's step, bucket views zeroed in place): a
-    // boundary save runs no collective, so a rank may read its own values.
-    const auto now = grad_versions();
-    for (const auto i : c10::irange(params_.size())) {
-      const auto& g = params_[i].grad();
-      if (now[i] != remembered_[i] && now[i].impl && g.defined() && g.ne(0).any().item<bool>()) {
-        check_no_uncounted_backward("acc.state_dict()"); // raises: a gradient was written
-      }
-    }
+    // acc.step() refuses them. By marks, not values, so that every rank that
+    // ran the same calls decides alike (a gradient that happens to be zero on
+    // one rank must not let that rank save while the others raise).
+    check_no_uncounted_backward("acc.state_dict()");
   }
   // accumulate_dtype mid-window: the wide sums (in the buckets, or in wide_
   // in one process) are the window's gradient so far; .grad holds none.

@@ -39,24 +39,28 @@ void Accumulator::refresh_parameters(ModelParameters model) {
 
 // Note [A refresh refused on one rank]
 // The new reducer's construction is a collective. A rank that refuses the
-// call by itself (in the middle of a window, no trainable parameter left, or
-// the caller's own checks: `refused_here`) would skip it and leave the others
-// waiting there for the group's timeout. So, data parallel, every rank first
-// gathers whether some rank refused (one integer each): the refusing rank
-// raises its own error, every other rank one naming it, and nothing changes
-// anywhere. Only then is the new reducer built.
+// call by itself at a window boundary (no trainable parameter left, or the
+// caller's own checks: `refused_here`) would skip it and leave the others
+// waiting there for the group's timeout. So, data parallel, every rank at a
+// boundary first gathers whether some rank refused (one integer each): the
+// refusing rank raises its own error, every other rank one naming it, and
+// nothing changes anywhere. Only then is the new reducer built. A rank in
+// the middle of a window refuses before any collective, as before: its next
+// collective is its window's reduction (or a checkpoint's snapshot), which a
+// gather here would meet instead, where the ranks at other micro-steps are
+// told by the reduction's consensus.
 void Accumulator::refresh_parameters(ModelParameters model, const std::string& refused_here) {
   const CallGuard guard(driver_, "acc.refresh_parameters()");
   check_open("acc.refresh_parameters()");
+  check_no_open_parts("acc.refresh_parameters()");
+  TORCH_CHECK(micro_step_ == 0 && !window_ready_,
+      "gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=", micro_step_,
+      window_ready_ ? ", closed but not stepped" : "", "); call it at a window boundary: after acc.step() "
+      "returned True, or after acc.flush()");
   std::exception_ptr refused;
   std::vector<std::pair<std::string, at::Tensor>> frozen;
   if (refused_here.empty()) {
     try {
-      check_no_open_parts("acc.refresh_parameters()");
-      TORCH_CHECK(micro_step_ == 0 && !window_ready_,
-          "gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=", micro_step_,
-          window_ready_ ? ", closed but not stepped" : "", "); call it at a window boundary: after acc.step() "
-          "returned True, or after acc.flush()");
       frozen = detail::checked_trainable(model, "acc.refresh_parameters()");
     } catch (...) {
       if (!reducer_) {

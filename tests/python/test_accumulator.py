@@ -594,7 +594,8 @@ def test_state_dict_refuses_gradients_no_micro_step_counted():
     """At a window boundary, gradients a plain loss.backward() wrote (the
     manual path before its optimizer step) would be saved as a boundary
     without them: state_dict() refuses, as step() does, and changes nothing.
-    Gradients zeroed in place after the manual path's step are no gradient."""
+    Gradients zeroed in place count as written (marks, not values: the same
+    decision on every rank); cleared to None they are no gradient."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     acc = gradaccum.Accumulator(model, opt, steps=2)
@@ -609,6 +610,9 @@ def test_state_dict_refuses_gradients_no_micro_step_counted():
     assert_all_equal(grads_of(model), before)
     opt.step()
     opt.zero_grad(set_to_none=False)  # zeros, written in place
+    with pytest.raises(RuntimeError, match=r"optimizer\.zero_grad\(set_to_none=False\): clear them to None"):
+        acc.state_dict()
+    opt.zero_grad()  # to None
     state = acc.state_dict()
     assert state["micro_step"] == 0 and all(g is None for g in state["grads"])
 

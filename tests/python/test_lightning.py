@@ -396,6 +396,16 @@ data = TensorDataset(torch.randn(18, 3, generator=g, dtype=torch.float64),  # 9 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 
+class SaveAtTheLastBatchStart(pl.Callback):
+    """A checkpoint at the start of epoch 1's last batch (micro-step 2 of its
+    last window): the window is not the cut one, and must survive the save."""
+    def on_train_batch_start(self, trainer, module, batch, i):
+        if trainer.current_epoch == 1 and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            before = trainer.strategy.accumulator.micro_step
+            trainer.save_checkpoint(sys.argv[1] + "/last_batch.ckpt")
+            print("last_batch", before, trainer.strategy.accumulator.micro_step, flush=True)
+
+
 def fit(name, ckpt_dir=None, resume=None):
     if name == "gradaccum":
         from gradaccum.lightning import GradaccumStrategy
@@ -404,7 +414,8 @@ def fit(name, ckpt_dir=None, resume=None):
         from lightning.pytorch.strategies import SingleDeviceStrategy
         strategy = SingleDeviceStrategy(device=torch.device("cpu"))
     model = Model()
-    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}")] if ckpt_dir else []
+    callbacks = ([ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}"), SaveAtTheLastBatchStart()]
+                 if ckpt_dir else [])
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, accumulate_grad_batches=3, max_epochs=2,
                          logger=False, enable_checkpointing=bool(ckpt_dir), callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False,
@@ -444,10 +455,11 @@ def test_an_epoch_cut_short_mid_window_drops_the_window_as_lightning_does(tmp_pa
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.split()[:1] in
-            (["stock"], ["gradaccum"], ["saved"], ["resumed"])}
+            (["stock"], ["gradaccum"], ["saved"], ["resumed"], ["last_batch"])}
     stock, ours, resumed = rows["stock"], rows["gradaccum"], rows["resumed"]
     assert ours[0] == stock[0] == resumed[0] == "4", rows  # global_step: 1 + 3 windows
     assert stock[1] == "0" and ours[1] == "1", rows  # warned once (before the epoch-end save)
     assert rows["saved"] == ["0", "False"], rows  # the checkpoint holds no half window
+    assert rows["last_batch"] == ["2", "2"], rows  # a save inside the last batch keeps its window
     for got in (ours, resumed):
         assert max(abs(float(a) - float(b)) for a, b in zip(got[2:], stock[2:])) <= 1e-12, rows

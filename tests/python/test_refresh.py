@@ -105,28 +105,27 @@ def test_refresh_errors_name_the_refresh_and_leave_the_set_alone():
 
 
 REFUSED_HERE = {
-    "mid_window": "RuntimeError: gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=1); "
-                  "call it at a window boundary: after acc.step() returned True, or after acc.flush()",
-    "empty": "ValueError: gradaccum: acc.refresh_parameters(): ",
-    "scaler": "ValueError: gradaccum: acc.refresh_parameters(): ",
+    "empty": "ValueError: gradaccum: acc.refresh_parameters(): the model has no trainable parameters",
+    "scaler": "ValueError: gradaccum: acc.refresh_parameters(): grad_scaler: parameter '0.weight' requires grad but "
+              "is not in the optimizer's param_groups",
 }
 
 
-@pytest.mark.parametrize("mode", ["mid_window", "empty", "scaler"])
+@pytest.mark.parametrize("mode", ["empty", "scaler"])
 def test_a_refresh_refused_on_one_rank_raises_on_every_rank(tmp_path, mode):
-    """Note [A refresh refused on one rank]: rank 1 refuses the call by
-    itself (in C++ or in Python's grad_scaler check); before, rank 0 waited in
-    the new reducer's construction until the group's timeout. Now rank 1
-    raises its own error and rank 0 one naming rank 1, at once, and neither
-    changed its parameters (the refresh broadcasts nothing)."""
+    """Note [A refresh refused on one rank]: at a window boundary rank 1
+    refuses the call by itself (in C++: nothing trainable; or in Python's
+    grad_scaler check); before, rank 0 waited in the new reducer's
+    construction until the group's timeout. Now rank 1 raises its own error
+    and rank 0 one naming rank 1, at once, and neither changed its parameters
+    (the refresh broadcasts nothing). (In the middle of a window the call is
+    refused before any collective: test_unfreezing_at_a_boundary_...)"""
     results = run("refused_on_one_rank", 2, tmp_path, mode=mode)
     (theirs,) = results[0]["errors"]
     assert theirs == ("ValueError: gradaccum: acc.refresh_parameters(): rank 1 refused the call (that rank says "
                       "why), so no rank refreshed its parameters; nothing was changed"), theirs
     (own,) = results[1]["errors"]
     assert own.startswith(REFUSED_HERE[mode]), own
-    if mode == "mid_window":
-        assert own == REFUSED_HERE[mode]
     # seeded alike: the same values on both ranks, none broadcast or changed
     du.assert_params_close(results[1]["params"], results[0]["params"], "rank 1", tol=0)
 
