@@ -432,7 +432,8 @@ class Accumulator {
   void fail_micro_step(AbortReason why);
   /// refuse_micro_batch() inside a call that holds the call guard.
   std::string drop_refused_window(const char* call);
-  void check_no_uncounted_backward(const char* what) const;
+  /// `saving`: for state_dict() at a boundary, else for step().
+  void check_no_uncounted_backward(bool saving) const;
   double check_micro_step(const at::Tensor& loss, std::optional<double> num_items, const char* what) const;
   void fail_after_peers_ended_epoch();
   void local_micro_step(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);

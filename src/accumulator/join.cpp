@@ -90,8 +90,7 @@ int64_t Accumulator::join() {
       // Stepping it failed here only (the optimizer, a hook, the scaler):
       // keep pairing and drop the peers' next window on every rank, naming
       // this failure, as flush() does. Anything else raised alike everywhere.
-      const bool here_only = others_go_on;
-      if (!here_only) {
+      if (!others_go_on) {
         throw;
       }
       const auto* error = dynamic_cast<const c10::Error*>(&e);

@@ -74,16 +74,14 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
     if (refused) {
       std::rethrow_exception(refused);
     }
-    if (!refused_here.empty()) {
-      return;
-    }
-    for (const auto r : c10::irange(refusals.size())) {
+    for (const auto r : c10::irange(refused_here.empty() ? refusals.size() : 0)) {
       TORCH_CHECK_VALUE(refusals[r] == 0,
           "gradaccum: acc.refresh_parameters(): rank ", r, " refused the call (that rank says why), so no rank "
           "refreshed its parameters; nothing was changed");
     }
-  } else if (!refused_here.empty()) {
-    return;
+  }
+  if (!refused_here.empty()) {
+    return; // the caller raises its own error
   }
   // The new set overlaps ours: let ours go to claim it, and take ours back
   // if anything fails (a rejected call changes nothing).

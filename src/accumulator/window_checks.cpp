@@ -4,8 +4,6 @@
 
 #include <c10/util/irange.h>
 
-#include <string_view>
-
 namespace gradaccum {
 
 void Accumulator::check_open(const char* what) const {
@@ -38,7 +36,7 @@ void Accumulator::check_gradients_untouched(
   }
 }
 
-void Accumulator::check_no_uncounted_backward(const char* what) const {
+void Accumulator::check_no_uncounted_backward(bool saving) const {
   // At micro-step 0 the gradients are as the last window (or reset) left them;
   // different ones came from a backward this Accumulator did not count. The
   // window would never close: step() would return false for good, silently,
@@ -48,7 +46,7 @@ void Accumulator::check_no_uncounted_backward(const char* what) const {
   // .grad, which it drops. The decision reads marks, never values: it is the
   // same on every rank that ran the same calls (a backward whose gradient
   // happens to be zero on one rank only still counts there).
-  const bool saving = std::string_view(what) == "acc.state_dict()";
+  const char* what = saving ? "acc.state_dict()" : "acc.step()";
   const auto now = grad_versions();
   for (const auto i : c10::irange(params_.size())) {
     TORCH_CHECK(now[i] == remembered_[i] || !now[i].impl,
