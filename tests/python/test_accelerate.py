@@ -309,12 +309,18 @@ def test_ddp_kwargs_reach_the_accumulator_or_are_refused(tmp_path):
 
 
 MODES_SCRIPT = '''
-import sys, warnings
+import os, sys, warnings
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from gradaccum.accelerate import Accelerator
 
 warnings.simplefilter("always")
+
+
+def say(*parts):  # one write: the ranks share the pipe
+    os.write(1, (" ".join(map(str, parts)) + "\\n").encode())
+
+
 torch.manual_seed(0)
 x, y = torch.randn(10, 3, dtype=torch.float64), torch.randn(10, 1, dtype=torch.float64)
 model = torch.nn.Linear(3, 1).double()
@@ -332,8 +338,8 @@ with warnings.catch_warnings(record=True) as caught:
                 acc.backward(torch.nn.functional.mse_loss(model(xb), yb))
                 opt.step()
                 opt.zero_grad()
-print("late", sum("sharded as an evaluation loader" in str(w.message) for w in caught),
-      acc.accumulator.stats()["optimizer_steps"], acc.accumulator.micro_step, flush=True)
+say("late", sum("sharded as an evaluation loader" in str(w.message) for w in caught),
+      acc.accumulator.stats()["optimizer_steps"], acc.accumulator.micro_step)
 if acc.num_processes == 1:
     ref = torch.nn.Linear(3, 1).double()
     ref.load_state_dict(initial)
@@ -344,12 +350,12 @@ if acc.num_processes == 1:
              / len(w)).backward()
             sgd.step()
             sgd.zero_grad()
-    print("diff", float((ref.weight - model.weight).abs().max()), flush=True)
+    say("diff", float((ref.weight - model.weight).abs().max()))
 seen = 0
 with torch.no_grad():  # evaluation with model.eval() forgotten
     for xb, yb in evaluate:
         seen += acc.gather_for_metrics(((model(xb) - yb) ** 2).flatten()).numel()
-print("evaluated", seen, float(model.weight.sum()), flush=True)
+say("evaluated", seen, float(model.weight.sum()))
 '''
 
 
