@@ -225,6 +225,13 @@ class Accumulator {
   /// left out by nonfinite="skip_micro_batch" adds none.
   void backward(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported,
                 const at::Tensor& metrics);
+  /// Counts a micro-step in which this rank has no micro-batch (a padding
+  /// batch of a data loader whose shards differ by one batch, so that every
+  /// rank runs as many micro-steps): no backward, no weight, no loss. The
+  /// window's last micro-step still synchronises, and the window divides by
+  /// what the other micro-steps (and ranks) hold; one that holds nothing
+  /// anywhere is skipped unstepped, on every rank alike.
+  void empty_micro_step();
   /// At a closed window: clip, check, step the optimizer (and scheduler), clear
   /// the gradients; returns whether the optimizer stepped. Elsewhere returns
   /// false, except that gradients written with no micro-step counted (a plain

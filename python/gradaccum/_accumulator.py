@@ -226,16 +226,26 @@ class Accumulator:
             self._gradient_hook()
         return not found_inf
 
-    def _micro_batch(self, what: str, loss: Any, num_items: Any) -> Tuple[torch.Tensor, Optional[float], Optional[torch.Tensor]]:
-        """The checks backward() and run() share; returns the loss to run
-        backward on, num_items as a float, and the loss window_loss reports."""
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"gradaccum: {what}: loss must be a torch.Tensor, got {type(loss).__name__}")
+    def _check_micro_step(self, what: str) -> None:
+        """What Python checks of any micro-step before the C++ side's checks."""
         if self._no_sync_depth:  # data parallel, C++ says the same; here for one process too
             raise RuntimeError(
                 f"gradaccum: {what}: called inside acc.no_sync(). {what} decides by itself "
                 "which micro-step synchronises; acc.no_sync() is for the manual path (a plain "
                 "loss.backward() inside it)")
+        if self._watch_for_group and _dist_initialized() and _default_world_size() > 1:
+            raise RuntimeError(
+                f"gradaccum: {what}: torch.distributed was initialized after this "
+                "Accumulator was built without a process group, so it reduces nothing and each rank "
+                "would train alone. Build the Accumulator after init_process_group(), or pass "
+                "process_group=False to train each rank alone on purpose")
+
+    def _micro_batch(self, what: str, loss: Any, num_items: Any) -> Tuple[torch.Tensor, Optional[float], Optional[torch.Tensor]]:
+        """The checks backward() and run() share; returns the loss to run
+        backward on, num_items as a float, and the loss window_loss reports."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"gradaccum: {what}: loss must be a torch.Tensor, got {type(loss).__name__}")
+        self._check_micro_step(what)
         if isinstance(num_items, bool) or (
                 isinstance(num_items, torch.Tensor) and num_items.dtype == torch.bool):
             raise TypeError(f"gradaccum: {what}: num_items must be a count of items, got {num_items!r}")
@@ -246,12 +256,6 @@ class Accumulator:
             if num_items.numel() != 1:
                 raise ValueError(f"gradaccum: {what}: num_items must be a number, got a tensor of shape {tuple(num_items.shape)}")
             num_items = num_items.item()
-        if self._watch_for_group and _dist_initialized() and _default_world_size() > 1:
-            raise RuntimeError(
-                f"gradaccum: {what}: torch.distributed was initialized after this "
-                "Accumulator was built without a process group, so it reduces nothing and each rank "
-                "would train alone. Build the Accumulator after init_process_group(), or pass "
-                "process_group=False to train each rank alone on purpose")
         reported = None
         if _scaling(self.grad_scaler):
             # Scaled, and divided by steps so that fp16 sees the big batch's
@@ -287,6 +291,19 @@ class Accumulator:
                 raise
             raise type(error)(f"{error}; {dropped}") from None
         self._c.backward(loss, items, reported, values)
+
+    def empty_micro_step(self) -> None:
+        """Counts a micro-step in which this rank has no micro-batch: no
+        backward, no weight, no loss. For shards that differ by one batch: the
+        shorter ones call it for the missing batch (instead of training a
+        copy), so that every rank runs as many micro-steps and closes its
+        windows with the others. The window's last micro-step still
+        synchronises; the window divides by what the other micro-steps and
+        ranks hold (a window that holds nothing anywhere is skipped, on every
+        rank alike). ``gradaccum.accelerate`` calls it for its padding batches.
+        """
+        self._check_micro_step("acc.empty_micro_step()")
+        self._c.empty_micro_step()
 
     def _backward_part(self, loss: Any, num_items: Any, share: float, metrics: Any = None) -> None:
         """One part of a micro-step run in parts (run())."""

@@ -2,6 +2,7 @@
 
 #include "catch_torch.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
@@ -568,4 +569,45 @@ TEST_CASE("window metrics are summed over the window's micro-batches", "[accumul
   CHECK_FALSE(plain.window_metrics().has_value());
   CHECK_THROWS_WITH(AccumulatorOptions(1).metrics({"a", "a"}).validate(),
                     Catch::Contains("the metric 'a' is named twice"));
+}
+
+TEST_CASE("an empty micro-step holds nothing: the window is the mean of the others", "[accumulator][empty]") {
+  // Micro-batches of 2 rows, K = 4. Window 1: empty at micro-step 1; window 2:
+  // empty at its closing micro-step; window 3: empty throughout (not stepped).
+  auto d = data(24, torch::kFloat64);
+  const std::vector<std::vector<int>> empty = {{1}, {3}, {0, 1, 2, 3}};
+  auto ref = mlp();
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto model = mlp();
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  Accumulator acc(model, opt, AccumulatorOptions(4));
+  std::vector<bool> stepped;
+  for (int w = 0; w < 3; ++w) {
+    std::vector<at::Tensor> xs, ys;
+    for (int k = 0; k < 4; ++k) {
+      const auto x = d.x.narrow(0, (w * 4 + k) * 2, 2), y = d.y.narrow(0, (w * 4 + k) * 2, 2);
+      const bool hole = std::find(empty[w].begin(), empty[w].end(), k) != empty[w].end();
+      if (hole) {
+        acc.empty_micro_step();
+      } else {
+        acc.backward((model->forward(x) - y).pow(2).mean());
+        xs.push_back(x);
+        ys.push_back(y);
+      }
+    }
+    REQUIRE(acc.window_ready());
+    stepped.push_back(acc.step());
+    if (!xs.empty()) {
+      ref_opt.zero_grad();
+      (ref->forward(torch::cat(xs)) - torch::cat(ys)).pow(2).mean().backward();
+      ref_opt.step();
+    }
+  }
+  CHECK(stepped == std::vector<bool>{true, true, false});
+  CHECK(acc.stats().micro_steps == 12);
+  CHECK(acc.stats().skipped_micro_batches == 0);
+  CHECK(acc.stats().skipped_steps == 1);
+  CHECK(max_rel_diff(snapshot(model), snapshot(ref)) <= 1e-10);
+  acc.close();
+  CHECK_THROWS_WITH(acc.empty_micro_step(), Catch::StartsWith("gradaccum: acc.empty_micro_step(): "));
 }

@@ -17,7 +17,9 @@ def _specs(rng, count, reduction, boom_p, closing=None):
             out.append("boom")
         elif u < boom_p + 0.08:
             out.append("nan")
-        elif u < boom_p + 0.25 and reduction == "items":
+        elif u < boom_p + 0.13:
+            out.append("pad")
+        elif u < boom_p + 0.30 and reduction == "items":
             out.append("zero")
         else:
             out.append("ok")
@@ -44,7 +46,7 @@ def _manual(rng, W, K, red):
             n = rng.randint(1, K + 1) if uneven else K
             micros[r] += _specs(rng, n - 1, red, 0.0) + ["boom" if rng.random() < 0.06 else "ok"]
             closes[r].append(len(micros[r]) - 1)
-    micros = [[s_ if s_ != "nan" else "ok" for s_ in x] for x in micros]
+    micros = [[s_ if s_ not in ("nan", "pad") else "ok" for s_ in x] for x in micros]
     return {"end": "manual", "micros": micros, "closes": closes, "events": []}
 
 

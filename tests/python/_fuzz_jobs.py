@@ -52,6 +52,9 @@ class _Run:
                                          process_group=False if s["world"] == 1 else None, **caps)
 
     def backward(self, e, t, spec):
+        if spec == "pad":
+            self.acc.empty_micro_step()
+            return
         batch = fm.micro_data(self.s["seed"], e, self.rank, t, spec)
         loss, n = fm.micro_loss(self.net, batch, self.s["reduction"], spec)
         if spec == "boom":

@@ -16,8 +16,9 @@ A schedule is a plain dict (JSON-able, so a failing one pastes into a test):
                  "events": [[t, kind, arg], ...]}]}
 
 A micro-batch's spec is "ok", "nan" (its loss times NaN), "zero"
-(`num_items=0`: no valid item, `reduction="items"` only) or "boom" (its
-backward raises on that rank). An event at `t` happens on every rank after
+(`num_items=0`: no valid item, `reduction="items"` only), "pad" (the rank has
+no micro-batch: `acc.empty_micro_step()` instead of its backward) or "boom"
+(its backward raises on that rank). An event at `t` happens on every rank after
 its t-th micro-batch of the epoch and its `acc.step()`:
 "opt_zero_grad" (`optimizer.zero_grad()` on rank `arg` only), "acc_zero_grad"
 (`acc.zero_grad()` on every rank, or on rank `arg` alone: not generated, the
@@ -50,7 +51,7 @@ import _dist_utils as du
 
 MICRO = 2  # rows per micro-batch (each du.TOKENS tokens)
 LR = {"mean": 0.05, "items": 0.02, "sum": 0.0005}  # SGD's lr: no blow-up in a few steps
-SPECS = ("ok", "nan", "zero", "boom")
+SPECS = ("ok", "nan", "zero", "pad", "boom")
 DROPPED = "dropped on every rank"  # the window-drop error's key words (README, design.md)
 
 
@@ -153,6 +154,9 @@ class Model:
         w = self.win[r]
         if spec == "boom":
             w.culprits.setdefault(r, "boom")
+            return
+        if spec == "pad":  # README: no backward, no weight; the micro-step counts
+            self.seen.add("empty micro-step")
             return
         if spec == "nan":
             if self.nonfinite == "skip_micro_batch":
@@ -451,7 +455,7 @@ class Model:
             if closes[r] != sorted(set(closes[r])) or (closes[r] and closes[r][-1] != n - 1) or (n and not closes[r]):
                 raise InvalidSchedule("a manual epoch ends each rank's micro-batches with a closing backward")
             if any(spec == "boom" and t not in closes[r] for t, spec in enumerate(ep["micros"][r])) \
-                    or "nan" in ep["micros"][r]:
+                    or "nan" in ep["micros"][r] or "pad" in ep["micros"][r]:
                 raise InvalidSchedule("manual micro-batches are finite; only a closing backward fails")
         if len({len(c) for c in closes}) != 1:
             raise InvalidSchedule("every rank closes as many manual windows")

@@ -88,7 +88,8 @@ def bad_schedule(seed, world_size, n_windows, nan_at=(), empty_at=()):
 
 def bad_reference(seed, world_size, n_windows, reduction, nan_at=(), empty_at=()):
     """One process: each window's big batch over the micro-batches kept (a NaN
-    one left out; an empty one holds no item); a window with nothing steps not."""
+    one, or a padding one, left out; an empty one holds no item); a window with
+    nothing steps not."""
     model = du.mlp(seed)
     opt = du.make_optimizer("adam", model.parameters())
     skipped = 0
@@ -105,24 +106,32 @@ def bad_reference(seed, world_size, n_windows, reduction, nan_at=(), empty_at=()
 
 
 @job
-def bad_micro_batches(rank, world_size, *, seed, n_windows, reduction, nan_at=(), empty_at=()):
+def bad_micro_batches(rank, world_size, *, seed, n_windows, reduction, nan_at=(), empty_at=(), padding_at=(),
+                      nonfinite="skip_micro_batch"):
+    """`padding_at`: micro-steps this rank has no micro-batch for
+    (acc.empty_micro_step())."""
     import gradaccum
 
     nan_at = {tuple(t) for t in nan_at}
     empty_at = {tuple(t) for t in empty_at}
+    padding_at = {tuple(t) for t in padding_at}
     model = du.mlp(seed)
     opt = du.make_optimizer("adam", model.parameters())
-    acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction, nonfinite="skip_micro_batch",
+    acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction, nonfinite=nonfinite,
                                 process_group=None if world_size > 1 else False)
-    stepped = []
+    stepped, losses = [], []
     for w, window in enumerate(bad_schedule(seed, world_size, n_windows, nan_at, empty_at)):
         for k, batch in enumerate(window[rank]):
-            loss, n = du.micro_loss(model, batch, reduction)
-            if (w, rank, k) in nan_at:
-                loss = loss * float("nan")
-            acc.backward(loss, num_items=n)
+            if (w, rank, k) in padding_at:
+                acc.empty_micro_step()
+            else:
+                loss, n = du.micro_loss(model, batch, reduction)
+                if (w, rank, k) in nan_at:
+                    loss = loss * float("nan")
+                acc.backward(loss, num_items=n)
             if acc.window_ready:
                 stepped.append(acc.step())
-    out = {"params": du.params(model), "stats": acc.stats(), "stepped": stepped}
+                losses.append(None if acc.window_loss is None else float(acc.window_loss))
+    out = {"params": du.params(model), "stats": acc.stats(), "stepped": stepped, "losses": losses}
     acc.close()
     return out

@@ -122,6 +122,51 @@ def test_micro_batches_with_no_items_count_for_nothing(tmp_path):
         assert res["stats"]["skipped_steps"] == 1 and res["stats"]["dropped_windows"] == 0
 
 
+@pytest.mark.parametrize("world_size,reduction", [(1, "mean"), (2, "mean"), (2, "items")])
+def test_an_empty_micro_step_holds_nothing_and_keeps_the_ranks_in_step(tmp_path, world_size, reduction):
+    # acc.empty_micro_step(): a shard's padding batch. On the last rank in
+    # window 1 (a no_sync micro-step), on rank 0 at window 2's synchronising
+    # micro-step; window 3 is padding everywhere (skipped unstepped, alike)
+    last = world_size - 1
+    padding_at = [(1, last, 0), (2, 0, lj.STEPS - 1)] + [(3, r, k) for r in range(world_size)
+                                                         for k in range(lj.STEPS)]
+    results = run("bad_micro_batches", world_size, tmp_path, seed=11, n_windows=5, reduction=reduction,
+                  padding_at=padding_at, nonfinite="skip")
+    expected, skipped = lj.bad_reference(11, world_size, 5, reduction, nan_at={tuple(t) for t in padding_at})
+    assert skipped == 1
+    for rank, res in enumerate(results):
+        for i, (a, e) in enumerate(zip(res["params"], expected)):
+            assert (a - e).abs().max().item() <= 1e-12, (rank, i)
+        assert res["stepped"] == [True, True, True, False, True]
+        assert res["losses"][3] is None and None not in res["losses"][:3] + res["losses"][4:]
+        assert res["losses"] == results[0]["losses"]
+        stats = res["stats"]
+        assert stats["micro_steps"] == 5 * lj.STEPS and stats["skipped_micro_batches"] == 0
+        assert stats["skipped_steps"] == 1 and stats["optimizer_steps"] == 4 and stats["dropped_windows"] == 0
+
+
+def test_an_empty_micro_step_is_refused_where_a_backward_would_be():
+    model = torch.nn.Linear(2, 1)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    acc.empty_micro_step()
+    model(torch.ones(1, 2)).sum().backward()  # a plain backward mid-window: not counted, seen
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.empty_micro_step\(\): "):
+        acc.empty_micro_step()
+    acc.zero_grad()
+    acc.empty_micro_step()
+    acc.empty_micro_step()
+    assert acc.window_ready and acc.window_loss is None
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.empty_micro_step\(\): the window closed"):
+        acc.empty_micro_step()
+    assert acc.step() is False  # nothing anywhere: skipped unstepped
+    with acc.no_sync():
+        with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.empty_micro_step\(\): called inside acc\.no_sync\(\)"):
+            acc.empty_micro_step()
+    acc.close()
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.empty_micro_step\(\): "):
+        acc.empty_micro_step()
+
+
 def test_the_window_a_checkpoint_cut_has_no_loss_and_a_boundary_state_fits_another_set():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).double()
