@@ -1,11 +1,13 @@
 """The objects gradaccum.accelerate.Accelerator hands out or registers: the
 prepared optimizer and scheduler, the scheduler driver the Accumulator steps,
-the checkpointed Accumulator state, and the shard sampler under a loader.
+the checkpointed Accumulator state, and the shard sampler under a loader
+(with the padding batch of a training iteration).
 Imported by gradaccum.accelerate once Accelerate is known to be importable."""
 from __future__ import annotations
 
+import copy
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional
 
 import torch
 from accelerate.data_loader import BatchSamplerShard
@@ -30,6 +32,72 @@ def _find_shard_sampler(loader: Any) -> Optional[BatchSamplerShard]:
                 return obj
             obj = getattr(obj, "batch_sampler", None)
     return None
+
+
+# Note [A padding batch, not copies]
+# Accelerate's even_batches (its default) gives every rank as many batches by
+# filling the shorter shards' last batch with copies of the first samples,
+# which then weigh twice. Without it (every sample once) ranks differ by one
+# batch, and so do their loops: a script that counts sync_gradients steps
+# (the *_no_trainer.py scripts' completed_steps against max_train_steps) stops
+# at different windows on different ranks, and hangs. So a training iteration
+# of a loader with even_batches takes the shards without copies and gives a
+# rank short of len(loader) (the same on every rank) one padding batch at its
+# end: a copy of one of its batches (the first it had, else the sampler's
+# first) whose backward is acc.empty_micro_step(): no weight, no gradient, the
+# micro-step still counted, so every rank runs the same iterations and windows.
+# The padding batch is always the iteration's last, and the sampler has run to
+# its end before the loader knows a batch is its last (end_of_dataloader): the
+# flag the sampler sets here is final when the adapter reads it.
+
+def _pad_shard(shard: BatchSamplerShard) -> None:
+    """Lets a training iteration of `shard` run without copies and with a
+    padding batch (Note [A padding batch, not copies]); once per shard. The
+    shard's own __iter__ calls these through the instance."""
+    if getattr(shard, "_gradaccum_padding", False):
+        return
+    cls = type(shard)
+    shard._gradaccum_padding = True
+    shard._gradaccum_train = False  # set when an iteration begins
+    shard._gradaccum_pad_to = None
+    shard._gradaccum_padded = False
+    shard._iter_with_no_split = lambda: _training_batches(shard, cls._iter_with_no_split)
+    shard._iter_with_split = lambda: _training_batches(shard, cls._iter_with_split)
+
+
+def _begin_iteration(shard: BatchSamplerShard, train: bool) -> None:
+    """A loader iteration begins: a training one takes every sample once, and
+    is padded to len(shard) batches where that is every rank's (even_batches)."""
+    shard._gradaccum_train = train
+    shard._gradaccum_padded = False
+    shard._gradaccum_pad_to = None
+    if train and shard.even_batches:
+        try:
+            shard._gradaccum_pad_to = len(shard)
+        except TypeError:  # a batch sampler without a length: no padding
+            pass
+
+
+def _training_batches(shard: BatchSamplerShard, stock: Any) -> Iterator[Any]:
+    if not shard._gradaccum_train:
+        yield from stock(shard)
+        return
+    uneven = copy.copy(shard)  # the same samplers; stock reads even_batches from it
+    uneven.even_batches = False
+    count, first = 0, None
+    for batch in stock(uneven):
+        first = batch if first is None else first
+        count += 1
+        yield batch
+    pad_to = shard._gradaccum_pad_to
+    if pad_to is not None and count < pad_to:  # by one: shards differ by one batch at most
+        if first is None:  # no batch of its own: the sampler's first (any will do)
+            first = next(iter(shard.batch_sampler), None)
+            if first is not None and shard.split_batches:
+                first = first[:max(1, len(first) // shard.num_processes)]
+        if first is not None:
+            shard._gradaccum_padded = True
+            yield list(first)
 
 
 class _AccumulatorCheckpoint:

@@ -46,14 +46,19 @@ always):
   rank that never reaches such a step (no batch of its own, or a loop that
   does not call ``optimizer.step()`` on the last batch) flushes when its
   loader's iteration ends, so every rank takes part.
-- Data loaders: a training iteration (one that starts while the model is in
-  training mode) is sharded with ``even_batches=False``: every sample once,
-  no copies of the first samples to fill the last batches (Accelerate's
-  default fills them, which weights those samples twice). Batches go to the
-  ranks in turn, so ranks differ by at most one batch: less than a window for
-  K >= 2, and one more full window with nothing after it for K = 1, both of
-  which ``flush()`` closes exactly. An iteration that starts in eval mode
-  keeps Accelerate's ``even_batches`` setting (default True), so
+- Data loaders: a training iteration (one that starts with gradients on and
+  the model in training mode) takes every sample once, with no copies of the
+  first samples to fill the last batches (Accelerate's default
+  ``even_batches`` fills them, which weights those samples twice). Batches go
+  to the ranks in turn, so ranks differ by at most one batch, and with
+  ``even_batches`` (the default) a rank one short ends with a padding batch (a
+  copy of one of its batches) whose ``backward`` is
+  ``acc.empty_micro_step()``: no weight, the micro-step still counts. Every
+  rank runs ``len(loader)`` iterations and sees ``sync_gradients`` on the same
+  ones, so a loop that stops after N of them stops at the same window
+  everywhere (Note [A padding batch, not copies] in _accelerate_parts.py).
+  With ``even_batches=False`` shards stay uneven, unpadded. An iteration that
+  starts in eval mode keeps Accelerate's sharding, so
   ``gather_for_metrics`` still lines up on every rank and drops the copies.
   Loaders returned by ``skip_first_batches`` behave alike.
 - ``clip_grad_norm_``/``clip_grad_value_`` at a closed window clip the
@@ -137,7 +142,9 @@ except ImportError as error:  # pragma: no cover - exercised without accelerate
 
 from gradaccum._accelerate_parts import (
     _AccumulatorCheckpoint,
+    _begin_iteration,
     _find_shard_sampler,
+    _pad_shard,
     _GradaccumOptimizer,
     _GradaccumScheduler,
     _SchedulerDriver,
@@ -216,7 +223,6 @@ class Accelerator(_accelerate.Accelerator):
         self._micro_step_clips: List[Any] = []
         self._warned_mid_window_clip = False
         self._warned_late_train = False
-        self._eval_even_batches = self.dataloader_config.even_batches
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -361,6 +367,8 @@ class Accelerator(_accelerate.Accelerator):
         if getattr(loader, "_gradaccum_watched", False) or not hasattr(loader, "begin"):
             return
         shard = _find_shard_sampler(loader)
+        if shard is not None:
+            _pad_shard(shard)
         begin, end = loader.begin, loader.end
         accelerator = weakref.ref(self)
 
@@ -371,8 +379,8 @@ class Accelerator(_accelerate.Accelerator):
             loader._gradaccum_flushed = False
             acc = None if owner is None else owner.accumulator
             loader._gradaccum_start = None if acc is None or acc.window_ready else acc.micro_step
-            if shard is not None and owner is not None:
-                shard.even_batches = False if train else owner._eval_even_batches
+            if shard is not None:
+                _begin_iteration(shard, train)
             begin()
 
         def gradaccum_end() -> None:
@@ -424,6 +432,14 @@ class Accelerator(_accelerate.Accelerator):
             self._after_window()
         return steps
 
+    def _padding_batch(self) -> bool:
+        """Whether this micro-batch is this rank's padding batch (Note [A
+        padding batch, not copies] in _accelerate_parts.py): the last of a
+        training iteration that the shard padded."""
+        loader = self._training_loader_at_end()
+        shard = None if loader is None else getattr(loader, "_gradaccum_shard", None)
+        return shard is not None and getattr(shard, "_gradaccum_padded", False)
+
     def _every_rank_ends_on_a_boundary(self, loader: Any) -> bool:
         """From the shard's sampler, which every rank has alike: whether each
         rank's iteration (started at micro-step `_gradaccum_start`, the same on
@@ -437,6 +453,8 @@ class Accelerator(_accelerate.Accelerator):
         except TypeError:
             return False
         world = shard.num_processes
+        if getattr(shard, "_gradaccum_pad_to", None) is not None:
+            total = shard._gradaccum_pad_to * world  # padded: len(shard) batches on every rank
         skip = int(getattr(loader, "skip_batches", 0) or 0)
         sampler = getattr(loader, "batch_sampler", None)
         while sampler is not None and sampler is not shard:
@@ -470,7 +488,10 @@ class Accelerator(_accelerate.Accelerator):
         self._train_late()
         self._micro_step_clips = []
         self.gradient_state._set_sync_gradients(self._closing(acc))
-        acc.backward(loss, num_items=num_items, metrics=metrics)
+        if self._padding_batch():
+            acc.empty_micro_step()  # a copy that counts nothing: Note [A padding batch, not copies]
+        else:
+            acc.backward(loss, num_items=num_items, metrics=metrics)
 
     @property
     def window_loss(self) -> Optional[torch.Tensor]:

@@ -23,7 +23,14 @@ CASES = {
     "partial": ("mlp", 30, "mean"),       # 2 ranks: 8 and 7 batches, windows 3,3,2 and 3,3,1
     "partial_b": ("mlp", 34, "mean"),     # 2 ranks: 9 and 8 batches: one ends on a full window
     "tokens": ("gpt2", 26, "items"),      # per-token mean, -100 padding, uneven tokens
+    "steps": ("mlp", 26, "mean"),         # 2 ranks: 7 and 6 batches; the loop stops after MAX_STEPS
 }
+# "steps": the *_no_trainer.py loop, which counts sync_gradients micro-steps and
+# stops at max_train_steps (epochs = ceil(max_train_steps / ceil(len(loader) / K))).
+# On 2 ranks rank 0's 7th batch opens a window rank 1 has no batch for: without
+# the padding batch rank 1 counted 2 steps an epoch to rank 0's 3, and the
+# ranks stopped at different windows (a hang).
+MAX_STEPS = {"steps": 5}
 
 
 # --------------------------------------------------------------------------- data, models
@@ -80,6 +87,10 @@ def batch_loss(kind, model, batch, reduction):
 
 
 def reference(case, world_size):
+    return _reference(case, world_size, MAX_STEPS.get(case))
+
+
+def _reference(case, world_size, max_steps):
     """One process, float64: each window is one big batch of the samples the
     ranks' windows hold together (batches go to the ranks in turn, so a window
     is world_size * K * ROWS consecutive samples; the epoch's last is what is
@@ -94,6 +105,8 @@ def reference(case, world_size):
     steps, losses, norms = 0, [], []
     for _ in range(EPOCHS):
         for start in range(0, n, window):
+            if steps == max_steps:
+                break
             batch = data[start:start + window]
             if kind == "mlp":
                 loss = (model(batch[0]) - batch[1]).pow(2).mean()
@@ -139,9 +152,13 @@ def train(accelerator_cls, case, *, stop_after=None, resume_from=None, save_to=N
         accelerator.load_state(resume_from[0])
         start_epoch, skip = resume_from[1], resume_from[2]
     losses, sync_flags, clip_norms, batches, lrs = [], [], [], 0, []
+    max_steps, completed_steps = MAX_STEPS.get(case), 0
+    epochs = EPOCHS
+    if max_steps is not None:  # as the *_no_trainer.py scripts compute it
+        epochs = -(-max_steps // -(-len(loader) // K))
     model.train()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for epoch in range(start_epoch, EPOCHS):
+        for epoch in range(start_epoch, epochs):
             epoch_loader = accelerator.skip_first_batches(loader, skip) if skip else loader
             skip = 0
             for b, batch in enumerate(epoch_loader):
@@ -166,10 +183,16 @@ def train(accelerator_cls, case, *, stop_after=None, resume_from=None, save_to=N
                 lrs.append(sched.get_last_lr()[0])
                 if ours and accelerator.sync_gradients and accelerator.window_loss is not None:
                     losses.append(float(accelerator.window_loss))
+                completed_steps += int(accelerator.sync_gradients)
+                if max_steps is not None and completed_steps >= max_steps:
+                    break
+            if max_steps is not None and completed_steps >= max_steps:
+                break
     out = {
         "params": [p.detach().clone() for p in model.parameters()],
         "allreduces": _count_allreduces(prof),
         "batches": batches,
+        "epochs": epochs,
         "sync_flags": sync_flags,
         "clip_norms": [float(c) if c is not None else None for c in clip_norms],
         "lr": sched.get_last_lr()[0],
