@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 
 namespace gradaccum::detail {
@@ -45,6 +46,39 @@ void check_no_foreign_hooks(const ReducerConfig& config, at::Device device) {
   }
 }
 
+// Every rank's list of names (two collectives; only on the way to an error,
+// which every rank takes alike: they all hold the same gathered values).
+std::vector<std::vector<std::string>> allgather_names(
+    const ReducerConfig& config, at::Device device, const std::vector<std::string>& mine) {
+  std::string joined;
+  for (const auto& name : mine) {
+    joined += name;
+    joined.push_back('\0');
+  }
+  const auto lengths = allgather(*config.group,
+      at::full({1}, static_cast<int64_t>(joined.size()), at::kLong).to(device));
+  int64_t longest = 1;
+  for (const auto& length : lengths) {
+    longest = std::max(longest, length.item<int64_t>());
+  }
+  auto bytes = at::zeros({longest}, at::kByte);
+  std::memcpy(bytes.data_ptr<uint8_t>(), joined.data(), joined.size());
+  const auto all = allgather(*config.group, bytes.to(device));
+  std::vector<std::vector<std::string>> names(all.size());
+  for (const auto r : c10::irange(all.size())) {
+    const auto theirs = all[r].cpu();
+    const auto* data = reinterpret_cast<const char*>(theirs.const_data_ptr<uint8_t>());
+    const auto length = std::min(lengths[r].item<int64_t>(), longest);
+    for (int64_t start = 0, i = 0; i < length; ++i) {
+      if (data[i] == '\0') {
+        names[r].emplace_back(data + start, data + i);
+        start = i + 1;
+      }
+    }
+  }
+  return names;
+}
+
 void check_settings_match(const ReducerConfig& config, at::Device device) {
   std::vector<const Agreement*> compared;
   for (const auto& agreement : agreements()) {
@@ -65,6 +99,11 @@ void check_settings_match(const ReducerConfig& config, at::Device device) {
       values.push_back(theirs[static_cast<int64_t>(i)].item<double>());
     }
     const bool differ = std::any_of(values.begin(), values.end(), [&](double v) { return v != values[0]; });
+    if (differ && compared[i]->shown == Shown::Names) {
+      const auto* mine_names = compared[i]->names(inputs);
+      const auto names = allgather_names(config, device, mine_names ? *mine_names : std::vector<std::string>{});
+      TORCH_CHECK_VALUE(false, "gradaccum: Accumulator(): ", construction_disagreement(*compared[i], names));
+    }
     TORCH_CHECK_VALUE(!differ, "gradaccum: Accumulator(): ", construction_disagreement(*compared[i], values));
   }
 }

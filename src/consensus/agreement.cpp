@@ -1,7 +1,9 @@
 #include "consensus/agreement.h"
 
+#include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <sstream>
@@ -73,17 +75,19 @@ const std::vector<Agreement>& agreements() {
        true, kMetaHeader, false, nullptr},
       {"error_feedback", Shown::Number, [](const I& in) { return in.rule.error_feedback ? 1.0 : 0.0; },
        true, kMetaHeader, false, nullptr},
-      {"the metric names (AccumulatorOptions::metrics, as a hash of the names in their order)", Shown::Number,
-       [](const I& in) { return names_code(in.rule.metrics); }, true, kMetaHeader, false, nullptr},
+      {"the metric names (AccumulatorOptions::metrics, in their order)", Shown::Names,
+       [](const I& in) { return names_code(in.rule.metrics); }, true, kMetaHeader, false, nullptr,
+       [](const I& in) { return &in.rule.metrics; }},
       {"the number of trainable parameters", Shown::Number,
        [](const I& in) { return static_cast<double>(in.parameters); }, true, kMetaHeader, false, nullptr},
       // Shapes alone (check_shapes_match) pass two ranks that unfroze
       // different layers of one shape: rank 0's values would be broadcast into
       // the other layer, and the windows would sum different layers' gradients.
-      {"the trainable parameters' names (a hash of the names in their order)", Shown::Number,
+      {"the trainable parameters' names (in the Accumulator's order)", Shown::Names,
        [](const I& in) { return in.names ? names_code(*in.names) : 0.0; }, true, kMetaHeader, false,
        "every rank must train the same parameters, under the same names: the same layers frozen "
-       "(requires_grad=False) and the same module passed"},
+       "(requires_grad=False) and the same module passed",
+       [](const I& in) { return in.names; }},
   };
   return table;
 }
@@ -105,6 +109,7 @@ std::string show(Shown shown, double value) {
       }
       break;
     case Shown::Number:
+    case Shown::Names:
       break;
   }
   if (value == std::floor(value) && std::abs(value) < 9.0e15) {
@@ -125,6 +130,33 @@ std::string construction_disagreement(const Agreement& agreement, const std::vec
       << (agreement.remedy ? agreement.remedy
                            : "every rank must build its Accumulator with the same options and model");
   return out.str();
+}
+
+std::string construction_disagreement(const Agreement& agreement,
+                                      const std::vector<std::vector<std::string>>& names) {
+  TORCH_INTERNAL_ASSERT(agreement.shown == Shown::Names && !names.empty());
+  size_t longest = 0;
+  for (const auto& theirs : names) {
+    longest = std::max(longest, theirs.size());
+  }
+  const auto at = [](const std::vector<std::string>& list, size_t i) {
+    return i < list.size() ? "\"" + list[i] + "\"" : std::string("none");
+  };
+  std::ostringstream out;
+  out << "the ranks disagree on " << agreement.what;
+  for (size_t i = 0; i < longest; ++i) {
+    for (const auto r : c10::irange<size_t>(1, names.size())) {
+      if (at(names[r], i) != at(names[0], i)) {
+        out << ": the first that differs is " << at(names[0], i) << " on rank 0 and " << at(names[r], i)
+            << " on rank " << r << " (position " << i << "; rank 0 has " << names[0].size() << ", rank " << r
+            << " has " << names[r].size() << ")";
+        return out.str() + "; " +
+            (agreement.remedy ? agreement.remedy : "every rank must build its Accumulator with the same options and model");
+      }
+    }
+  }
+  // The hashes differ but the names do not: say so rather than nothing.
+  return out.str() + " (their hashes differ, their names do not)";
 }
 
 std::string window_disagreement(const std::string& where, const Agreement& agreement,

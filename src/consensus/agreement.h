@@ -26,8 +26,9 @@
 namespace gradaccum::detail {
 
 /// How a value reads in an error (Optional: a negative value reads "None";
-/// Flag: 1 reads "yes", 0 "no").
-enum class Shown { Number, Reduction, Dtype, Optional, Flag };
+/// Flag: 1 reads "yes", 0 "no"; Names: a hash of a list of names, which the
+/// construction error replaces by the first name that differs).
+enum class Shown { Number, Reduction, Dtype, Optional, Flag, Names };
 
 /// Where one rank's values come from.
 struct AgreementInputs {
@@ -55,6 +56,8 @@ struct Agreement {
   /// at construction only, the construction error's, after "); ");
   /// nullptr: use the same options everywhere.
   const char* remedy;
+  /// Shown::Names: the names the value hashes.
+  const std::vector<std::string>* (*names)(const AgreementInputs& inputs) = nullptr;
 };
 
 /// The table (Note [What ranks agree on]).
@@ -66,6 +69,12 @@ std::string show(Shown shown, double value);
 /// The construction-time error for `agreement` (after "gradaccum:
 /// Accumulator(): "); `values` holds every rank's.
 std::string construction_disagreement(const Agreement& agreement, const std::vector<double>& values);
+
+/// The same for a Shown::Names value, from every rank's names (gathered only
+/// when the hashes differ): the first position where a rank's differ from
+/// rank 0's.
+std::string construction_disagreement(const Agreement& agreement,
+                                      const std::vector<std::vector<std::string>>& names);
 
 /// What a window's summed headers tell about one value that differs.
 struct HeaderValues {

@@ -125,8 +125,9 @@ def test_mismatched_options_fail_in_the_first_reduction_on_every_rank(tmp_path, 
     ("steps", "the ranks disagree on steps (rank 0: 4, rank 1: 2)"),
     ("reduction", "the ranks disagree on reduction (rank 0: mean, rank 1: sum)"),
     # the same names in another order would sum one metric into the other
-    ("metrics", "the ranks disagree on the metric names (AccumulatorOptions::metrics, as a hash of the names "
-                "in their order) (rank 0: "),
+    ("metrics", 'the ranks disagree on the metric names (AccumulatorOptions::metrics, in their order): the '
+                'first that differs is "tokens" on rank 0 and "correct" on rank 1 (position 0; rank 0 has 2, rank 1 '
+                'has 2); every rank must build its Accumulator with the same options and model'),
     # unset (the default, from the model's size) against an explicit cap
     ("bucket_cap_mb", "the ranks disagree on bucket_cap_mb (rank 0: None, rank 1: 25)"),
     # both unset, but launched as one host on rank 0 and as two on rank 1
