@@ -249,6 +249,16 @@ class Accumulator {
   /// join() (not flush()). One process: flush(). Returns the optimizer steps
   /// taken.
   int64_t join();
+  /// An exception takes this rank out of its data loop before join() (Python:
+  /// out of the `with acc.join():` block). Data parallel, where the other
+  /// ranks would wait for it in their next reduction (as shadows in join(), or
+  /// at their next window's end), it runs that reduction as a drop, so that
+  /// every rank raises an error naming this rank and telling them to end
+  /// training, instead of waiting. Nothing where every rank already knows (the
+  /// last reduction dropped the window on every rank, or failed, and no
+  /// micro-step ran since) and in one process. Raises nothing: the caller's
+  /// exception is the one to tell (Note [Leaving join() with an exception]).
+  void abandon() noexcept;
   /// One part of a micro-step too big for memory at once (Python's acc.run()
   /// splits a micro-batch that ran out of memory and runs its parts here):
   /// backward on `loss` into the window locally (no collective, never the

@@ -107,6 +107,9 @@ enum class AbortReason : int64_t {
   /// This rank refused the window's closing micro-batch (its loss or
   /// num_items failed acc.backward()'s checks) while the others reduced.
   MicroBatchRefused = 10,
+  /// An exception took this rank out of its acc.join() block (Note [Leaving
+  /// join() with an exception]): it will not reduce again.
+  LeftJoin = 11,
 };
 
 /// One reduction, asked for as a value: what this rank contributes.

@@ -409,9 +409,15 @@ class Accumulator:
         data that exists. Ranks with data pay no extra collective. Data
         parallel, every rank ends its data this way (not with ``flush()``: a
         mix is an error on every rank); the epoch's windows are then closed,
-        no ``flush()`` is needed. An exception leaves the block at once, as
-        without it. Buffers are not broadcast while some ranks have joined."""
-        yield
+        no ``flush()`` is needed. An exception leaves the block at once; data
+        parallel, the other ranks raise an error naming this rank in their next
+        reduction (shadows too) instead of waiting for it, and are told to end
+        training there. Buffers are not broadcast while some ranks have joined."""
+        try:
+            yield
+        except BaseException:
+            self._c.abandon()  # Note [Leaving join() with an exception]
+            raise
         self._c.join()
 
     def refresh_parameters(self, parameters: Optional[Any] = None) -> None:

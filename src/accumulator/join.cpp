@@ -108,6 +108,44 @@ int64_t Accumulator::join() {
   return stepped;
 }
 
+// Note [Leaving join() with an exception]
+// A rank whose data loop raises (its own code, a failed micro-step) leaves
+// its `with acc.join():` block without joining; the other ranks would wait
+// for it: shadows in their next reduction, ranks with data at their next
+// window's end. So leaving with an exception runs that one reduction as a
+// drop (AbortReason::LeftJoin): every other rank raises in it, naming this
+// rank and telling them to end training (no later window can pair with it),
+// and their exceptions leave their own blocks with nothing more to send:
+// their last reduction dropped the window on every rank and nothing ran since,
+// which is how abandon() tells that every rank already knows. That is also the
+// case of an exception that was itself a dropped window's error, or a failed
+// collective (a peer died: one more reduction would only wait for it). A rank
+// whose peers ended the epoch with flush() has nobody left to pair with.
+void Accumulator::abandon() noexcept {
+  if (!reducer_ || closed_ || call_ != nullptr) {
+    return; // one process, closed, or inside a call of its own (a hook's exception)
+  }
+  const auto last = reducer_->last_result();
+  const bool everyone_knows = last.dropped && last.window + 1 == reducer_->progress().sequence &&
+      micro_step_ == 0 && !window_ready_ && !window_failed_ && !parts_open_;
+  if (everyone_knows || epoch_ended_ || epoch_ended_raised_) {
+    return;
+  }
+  try {
+    const CallGuard guard(driver_, "acc.join()", &call_);
+    parts_open_ = false;
+    auto abort = new_request();
+    abort.abort = AbortReason::LeftJoin;
+    reset_window();
+    try {
+      reducer_->reduce(abort); // throws the dropped window's error, as on every rank
+    } catch (const std::exception&) {
+    }
+    remember_gradients();
+  } catch (...) { // (nothing to tell beyond the caller's own exception)
+  }
+}
+
 void Accumulator::check_join_partners(const ReductionResult& result, bool joining) {
   if (joining && result.flushing_ranks > result.joined_ranks) {
     reset_window();

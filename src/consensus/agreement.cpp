@@ -220,6 +220,8 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
           "rejected its loss, num_items or metrics (a loss that is not a scalar or does not require grad, a "
           "num_items that is not a number >= 0, ...) or found a parameter unfrozen without "
           "acc.refresh_parameters()";
+    case AbortReason::LeftJoin:
+      return who + " left its acc.join() block with an exception";
     case AbortReason::None:
     case AbortReason::BackwardFailed:
       break;
@@ -231,7 +233,7 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
 bool raised_there(AbortReason why) {
   return why == AbortReason::None || why == AbortReason::BackwardFailed ||
       why == AbortReason::ClosedWindowNotStepped || why == AbortReason::OutOfMemory ||
-      why == AbortReason::MicroBatchRefused;
+      why == AbortReason::MicroBatchRefused || why == AbortReason::LeftJoin;
 }
 
 // Note [A window dropped while ranks shadow]
@@ -245,6 +247,10 @@ std::string consequence(AbortReason why, int64_t joined) {
     return ": the replicas differ from here on. Resume every rank from a checkpoint";
   }
   std::string text = ". The window's gradients were cleared on every rank and no optimizer step was taken; ";
+  if (why == AbortReason::LeftJoin) { // Note [Leaving join() with an exception]
+    return text + "that rank will not reduce again: end training on every rank here (or resume every rank "
+        "from a checkpoint)";
+  }
   if (joined > 0) {
     return text + std::to_string(joined) + " rank(s) out of data in acc.join() raise this error too and leave "
         "it, so no next window can pair there: end training on every rank here (or resume every rank from "

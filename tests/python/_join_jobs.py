@@ -73,6 +73,54 @@ def join_failure(rank, world_size, *, seed, shards, fail_rank, fail_at):
     except RuntimeError as e:
         out["error"] = str(e)
     out["stats"] = acc.stats()
+    out["paired"] = _still_paired(world_size)
+    acc.close()
+    return out
+
+
+def _still_paired(world_size):
+    """One all-reduce of the job's own after the errors: it pairs (and sums to
+    the world size) only if no rank ran a reduction the others did not."""
+    import torch.distributed as dist
+
+    ones = torch.ones(3)
+    dist.all_reduce(ones)
+    return ones.tolist() == [float(world_size)] * 3
+
+
+@job
+def join_left_with_exception(rank, world_size, *, seed, shards, raise_rank, raise_at, after_backward=False):
+    """Rank `raise_rank` raises an exception of the script's own at its
+    micro-batch `raise_at` (before its backward, or after it and before
+    acc.step()), which leaves its `with acc.join():` block; every rank
+    records what it got and how long it took."""
+    import time
+
+    import gradaccum
+
+    model = du.mlp(seed)
+    opt = du.make_optimizer("sgd", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=pj.STEPS)
+    mine = [b for window in pj.epoch_windows(seed, shards, pj.STEPS) for b in window[rank]]
+    out = {"error": None, "where": None}
+    start = time.monotonic()
+    try:
+        with acc.join():
+            for i, batch in enumerate(mine):
+                loss, _ = du.micro_loss(model, batch, "mean")
+                if rank == raise_rank and i == raise_at and not after_backward:
+                    raise ValueError("the script's own error")
+                out["where"] = "acc.backward()"
+                acc.backward(loss)
+                if rank == raise_rank and i == raise_at:
+                    raise ValueError("the script's own error")
+                acc.step()
+            out["where"] = "acc.join()"
+    except (RuntimeError, ValueError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
+    out["stats"] = acc.stats()
+    out["paired"] = _still_paired(world_size)
     acc.close()
     return out
 

@@ -65,6 +65,38 @@ def test_a_failure_on_an_active_rank_reaches_the_joined_ranks(tmp_path):
     # and the error names that call (the reduction request carries it)
     assert results[0]["error"].startswith("gradaccum: acc.join(): window 2 was dropped on every rank"), texts[0]
     assert "injected failure on rank 2" in results[2]["error"]
+    # the failing rank's exception left its join() block, but every rank knew
+    # already (the window was dropped everywhere): it sent nothing more
+    assert all(r["paired"] for r in results)
+
+
+LEFT = ("gradaccum: {call}: window 2 was dropped on every rank: rank 2 left its acc.join() block with an "
+        "exception (its own error is raised there). The window's gradients were cleared on every rank and no "
+        "optimizer step was taken; that rank will not reduce again: end training on every rank here (or resume "
+        "every rank from a checkpoint)")
+
+
+@pytest.mark.parametrize("after_backward", [False, True])
+def test_an_exception_leaving_join_reaches_every_rank(tmp_path, after_backward):
+    """Note [Leaving join() with an exception]: rank 0 shadows after one
+    window; rank 2's own code raises mid-window (window 2: before its 8th
+    backward; or after its 6th, which closed window 1, before acc.step()).
+    Before, rank 0 (in join()) and rank 1 (at its window's end) waited for
+    rank 2 until the group's timeout; now they raise at once, naming it, and
+    nothing is left unpaired."""
+    raise_at = 5 if after_backward else 7
+    results = run("join_left_with_exception", 3, tmp_path, seed=4, shards=[3, 12, 12], raise_rank=2,
+                  raise_at=raise_at, after_backward=after_backward)
+    assert results[2]["error"] == "ValueError: the script's own error"
+    assert results[0]["where"] == "acc.join()" and results[1]["where"] == "acc.backward()"
+    for rank in (0, 1):
+        call = results[rank]["where"]
+        assert results[rank]["error"] == "RuntimeError: " + LEFT.format(call=call), (rank, results[rank]["error"])
+    for rank, res in enumerate(results):
+        assert res["seconds"] < 20, (rank, res["seconds"])  # the group's timeout is 30 s
+        assert res["paired"], rank
+        # rank 2 raised before stepping window 1 in the second case
+        assert res["stats"]["optimizer_steps"] == (1 if after_backward and rank == 2 else 2), rank
 
 
 def test_a_nonfinite_raise_while_a_rank_shadows_is_dropped_alike(tmp_path):

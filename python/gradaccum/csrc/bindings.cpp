@@ -237,6 +237,8 @@ void init_accumulator(py::module_& m) {
            },
            py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
            py::arg("metrics") = py::none(), release(), "Backward on one micro-batch's loss; counts the micro-step.")
+      .def("abandon", &Accumulator::abandon, release(),
+           "An exception left acc.join()'s block: tell the ranks that would wait for this one.")
       .def("empty_micro_step", &Accumulator::empty_micro_step, release(),
            "Count a micro-step this rank has no micro-batch for (no backward, weight 0).")
       .def("backward_whole",
