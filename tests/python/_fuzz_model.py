@@ -219,6 +219,8 @@ class Model:
         all_of = [DROPPED]
         if all(v == "cleared" for v in culprits.values()):
             all_of.append("cleared")
+        if all(v == "left" for v in culprits.values()):
+            all_of.append("left its acc.join() block with an exception")
         if own_boom and culprits.get(r) == "boom":  # its first reason is the one told
             all_of.append("injected failure")
         # with several culprits the error counts them ("2 ranks could not contribute")
@@ -496,7 +498,11 @@ class Model:
     def _join_epoch(self, e, ep):
         """design.md, Joining: window w holds every rank's w-th chunk of its data
         (the first chunk fills the current window); a rank out of data closes
-        its partial window and shadows (weight 0) until every rank has joined."""
+        its partial window and shadows (weight 0) until every rank has joined.
+        A backward that fails before a window's close raises out of the
+        rank's join() block: that rank leaves, and the reduction the others
+        wait for is dropped on every rank, naming it (Note [Leaving join()
+        with an exception])."""
         W, K = self.W, self.K
         if ep["events"]:
             raise InvalidSchedule("no events inside join()")
@@ -522,8 +528,11 @@ class Model:
                     if is_close:
                         closing[r] = (t, spec)
                         continue
-                    if spec == "boom":
-                        raise InvalidSchedule("in join(), a backward fails only at a window's close")
+                    if spec == "boom":  # its own error; it leaves join()'s block
+                        self.exp[r][f"b/{e}/{t}"] = ("err", ["injected failure"], [], False)
+                        self.win[r].culprits.setdefault(r, "left")
+                        self.seen.add("an exception leaves join()")
+                        break
                     self._contribute(e, r, t, spec)
                     self.exp[r][f"b/{e}/{t}"] = ("ok", None)
                     self.exp[r][f"s/{e}/{t}"] = ("ok", False)
@@ -536,6 +545,8 @@ class Model:
                           + (", shadowed" if any(w > full[r] for r in range(W)) else ""))
             for r in range(W):
                 exp = self.exp[r]
+                if self.win[r].culprits.get(r) == "left":
+                    continue  # told by its own exception
                 if r in closing:
                     t, spec = closing[r]
                     if culprits:
