@@ -219,7 +219,7 @@ class Model:
         all_of = [DROPPED]
         if all(v == "cleared" for v in culprits.values()):
             all_of.append("cleared")
-        if all(v == "left" for v in culprits.values()):
+        if len(culprits) == 1 and all(v == "left" for v in culprits.values()):
             all_of.append("left its acc.join() block with an exception")
         if own_boom and culprits.get(r) == "boom":  # its first reason is the one told
             all_of.append("injected failure")
