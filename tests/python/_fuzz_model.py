@@ -530,7 +530,8 @@ class Model:
                         continue
                     if spec == "boom":  # its own error; it leaves join()'s block
                         self.exp[r][f"b/{e}/{t}"] = ("err", ["injected failure"], [], False)
-                        self.win[r].culprits.setdefault(r, "left")
+                        # what its reduction says, whatever failed before in its window
+                        self.win[r].culprits[r] = "left"
                         self.seen.add("an exception leaves join()")
                         break
                     self._contribute(e, r, t, spec)

@@ -198,3 +198,20 @@ def test_a_midwindow_state_dict_keeps_a_rank_whose_grad_left_its_bucket_view(tmp
                          "events": [[0, "opt_zero_grad", 0], [saves[0], "state_dict", 0],
                                     [saves[1], "state_dict", 1]]}]}
     assert_schedules_pass([sched], tmp_path)
+
+
+def test_a_rank_that_cleared_its_window_then_leaves_join_with_an_exception(tmp_path):
+    # Found by the fuzzer (seed 397492272, shrunk; a model fix): rank 1 clears
+    # its gradients mid-window, then its next backward raises inside join()
+    # before the window's close. Its exception leaves the block, and the
+    # reduction rank 0 (out of data, closing its partial window) waits in is
+    # dropped naming rank 1 as having left (Note [Leaving join() with an
+    # exception]), not as having cleared its gradients.
+    sched = {"seed": 397492272, "world": 2, "steps": 4, "reduction": "mean", "nonfinite": "skip_micro_batch",
+             "net": "linear", "momentum": 0.0, "buckets": "one", "as_view": False, "max_grad_norm": None,
+             "epochs": [{"end": "none", "micros": [["ok"], ["ok"]], "events": []},
+                        {"end": "none", "micros": [[], []], "events": [[0, "opt_zero_grad", 1]]},
+                        {"end": "join", "micros": [[], ["boom"]], "events": []}]}
+    model = fm.expect(sched)
+    assert "an exception leaves join()" in model.seen
+    assert_schedules_pass([sched], tmp_path)
