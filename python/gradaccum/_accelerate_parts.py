@@ -47,8 +47,12 @@ def _find_shard_sampler(loader: Any) -> Optional[BatchSamplerShard]:
 # first) whose backward is acc.empty_micro_step(): no weight, no gradient, the
 # micro-step still counted, so every rank runs the same iterations and windows.
 # The padding batch is always the iteration's last, and the sampler has run to
-# its end before the loader knows a batch is its last (end_of_dataloader): the
-# flag the sampler sets here is final when the adapter reads it.
+# its end before the loader knows a batch is its last (the loader's own
+# end_of_dataloader; not GradientState's, which another loader left
+# unfinished can hold): the flag the sampler sets here is final when the
+# adapter reads it. Workers that deliver batches out of order
+# (DataLoader(in_order=False)) could put a real batch last: such a loader's
+# training shards are not padded (warned).
 
 def _pad_shard(shard: BatchSamplerShard) -> None:
     """Lets a training iteration of `shard` run without copies and with a
@@ -65,23 +69,25 @@ def _pad_shard(shard: BatchSamplerShard) -> None:
     shard._iter_with_split = lambda: _training_batches(shard, cls._iter_with_split)
 
 
-def _begin_iteration(shard: BatchSamplerShard, train: bool) -> None:
+def _begin_iteration(shard: BatchSamplerShard, train: bool, pad: bool) -> None:
     """A loader iteration begins: a training one takes every sample once, and
-    is padded to len(shard) batches where that is every rank's (even_batches)."""
+    (`pad`) is padded to len(shard) batches where that is every rank's
+    (even_batches)."""
     shard._gradaccum_train = train
+    shard._gradaccum_pad = train and pad and shard.even_batches
     shard._gradaccum_padded = False
     shard._gradaccum_pad_to = None
-    if train and shard.even_batches:
-        try:
-            shard._gradaccum_pad_to = len(shard)
-        except TypeError:  # a batch sampler without a length: no padding
-            pass
 
 
 def _training_batches(shard: BatchSamplerShard, stock: Any) -> Iterator[Any]:
     if not shard._gradaccum_train:
         yield from stock(shard)
         return
+    if shard._gradaccum_pad:
+        try:  # here, after the loader's set_epoch(): a length may change with the epoch
+            shard._gradaccum_pad_to = len(shard)
+        except TypeError:  # a batch sampler without a length: no padding
+            pass
     uneven = copy.copy(shard)  # the same samplers; stock reads even_batches from it
     uneven.even_batches = False
     count, first = 0, None

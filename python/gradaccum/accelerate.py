@@ -223,6 +223,11 @@ class Accelerator(_accelerate.Accelerator):
         self._micro_step_clips: List[Any] = []
         self._warned_mid_window_clip = False
         self._warned_late_train = False
+        self._warned_unordered = False
+        self._warned_nested = False
+        # The training loader whose iteration runs (its own end_of_dataloader
+        # tells its last batch: GradientState's can be a loader left unfinished).
+        self._training_loader: Optional[weakref.ref] = None
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -347,11 +352,14 @@ class Accelerator(_accelerate.Accelerator):
         partial window closes at its end, on every rank (the loader was
         sharded with even_batches, so every rank runs as many batches: its
         samples are Accelerate's, copies included)."""
+        if self._current_training_loader() is not None:
+            return  # a training iteration runs: the backward is its (another loader may be left unfinished)
         loader = self.gradient_state.active_dataloader
         if loader is None or not getattr(loader, "_gradaccum_watched", False) or loader._gradaccum_train:
             return
         loader._gradaccum_train = True
         loader._gradaccum_start = None  # the ranks' batch counts are not the sampler's: always flush
+        self._training_loader = weakref.ref(loader)
         if not self._warned_late_train:
             self._warned_late_train = True
             warnings.warn(
@@ -379,19 +387,28 @@ class Accelerator(_accelerate.Accelerator):
             loader._gradaccum_flushed = False
             acc = None if owner is None else owner.accumulator
             loader._gradaccum_start = None if acc is None or acc.window_ready else acc.micro_step
+            if train:
+                running = owner._current_training_loader()
+                if running is not None and running is not loader and not running._gradaccum_flushed:
+                    owner._warn_nested_training()
+                owner._training_loader = weakref.ref(loader)
+            elif owner is not None and owner._current_training_loader() is loader:
+                owner._training_loader = None  # its last training iteration ended without end() (a break)
             if shard is not None:
-                _begin_iteration(shard, train)
+                _begin_iteration(shard, train, pad=train and owner._in_order(loader, shard))
             begin()
 
         def gradaccum_end() -> None:
+            owner = accelerator()
             try:
-                owner = accelerator()
                 if (owner is not None and loader._gradaccum_train and not loader._gradaccum_flushed
                         and owner.accumulator is not None):
                     loader._gradaccum_flushed = True
                     owner._end_epoch(loader)
             finally:
                 end()
+                if owner is not None and owner._training_loader is not None and owner._training_loader() is loader:
+                    owner._training_loader = None
 
         loader._gradaccum_watched = True
         loader._gradaccum_shard = shard
@@ -401,13 +418,44 @@ class Accelerator(_accelerate.Accelerator):
         loader.begin = gradaccum_begin
         loader.end = gradaccum_end
 
+    def _in_order(self, loader: Any, shard: Any) -> bool:
+        """Whether `loader` delivers its batches in the sampler's order, which
+        padding needs (Note [A padding batch, not copies]); warns once if not."""
+        if getattr(loader, "in_order", True) or not getattr(loader, "num_workers", 0):
+            return True
+        if shard.even_batches and not self._warned_unordered:
+            self._warned_unordered = True
+            warnings.warn(
+                "gradaccum: a training loader with DataLoader(in_order=False) and worker processes delivers batches "
+                "out of order, so a shorter shard's padding batch could not be told from the others: its shards are "
+                "not padded, and ranks may run one batch apart. Count optimizer steps "
+                "(accelerator.accumulator.stats()['optimizer_steps']), not sync_gradients iterations, or pass "
+                "in_order=True", stacklevel=4)
+        return False
+
+    def _warn_nested_training(self) -> None:
+        if not self._warned_nested:
+            self._warned_nested = True
+            warnings.warn(
+                "gradaccum: a loader's iteration began with gradients on and the model in training mode while "
+                "another training loader's iteration had not ended (a break out of it, or a side batch drawn "
+                "with next(iter(loader)) inside the training loop): the new one is taken as the training "
+                "iteration, whose last batch closes the epoch's window. Draw side batches under torch.no_grad() "
+                "or with the model in eval mode", stacklevel=4)
+
+    def _current_training_loader(self) -> Any:
+        """The loader whose training iteration runs, or None. Tracked here:
+        GradientState's active loader can be another one left unfinished (a
+        break out of an evaluation, a next(iter(loader)))."""
+        loader = None if self._training_loader is None else self._training_loader()
+        return loader if loader is not None and getattr(loader, "_gradaccum_train", False) else None
+
     def _training_loader_at_end(self) -> Any:
         """The training loader whose last batch this is (its window closes with
-        it), or None."""
-        state = self.gradient_state
-        loader = state.active_dataloader
-        if (loader is not None and state.sync_with_dataloader and getattr(loader, "_gradaccum_train", False)
-                and not getattr(loader, "_gradaccum_flushed", True) and state.end_of_dataloader):
+        it), or None: read from that loader itself."""
+        loader = self._current_training_loader()
+        if (loader is not None and self.gradient_state.sync_with_dataloader
+                and not getattr(loader, "_gradaccum_flushed", True) and getattr(loader, "end_of_dataloader", False)):
             return loader
         return None
 

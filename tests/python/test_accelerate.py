@@ -383,3 +383,86 @@ def test_loaders_begun_in_eval_mode_or_without_gradients(tmp_path):
     # 5 batches on 2 ranks, even_batches: 3 each, windows of 2 and 1 an epoch
     assert late == ["late 1 4 0"] * 2, out
     assert len(evaluated) == 2 and evaluated[0] == evaluated[1] and evaluated[0].startswith("evaluated 10 "), out
+
+
+SIDE_LOADERS_SCRIPT = '''
+import os, warnings
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from gradaccum.accelerate import Accelerator
+
+def say(*words):
+    os.write(1, (" ".join(str(w) for w in words) + "\\n").encode())
+
+g = torch.Generator().manual_seed(7)
+x = torch.randn(6, 3, generator=g, dtype=torch.float64)
+y = torch.randn(6, 1, generator=g, dtype=torch.float64)
+
+def run(case):
+    acc = Accelerator(gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    extra = {"num_workers": 2, "in_order": False} if case == "unordered" else {}
+    model, opt, train, side = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          DataLoader(TensorDataset(x, y), batch_size=2, **extra),
+                                          DataLoader(TensorDataset(x, y), batch_size=2))
+    model.train()
+    iterations = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, (xb, yb) in enumerate(train):
+            if case == "evalbreak" and step == 0:  # a short evaluation, left after one batch
+                model.eval()
+                with torch.no_grad():
+                    for xe, ye in side:
+                        model(xe)
+                        break
+                model.train()
+            if case == "side_batch" and step == 0:  # drawn with gradients on, in training mode
+                next(iter(side))
+            with acc.accumulate(model):
+                acc.backward(torch.nn.functional.mse_loss(model(xb), yb))
+                opt.step()
+                opt.zero_grad()
+            iterations += 1
+    warned = sum(str(w.message).startswith("gradaccum:") for w in caught)
+    stats = acc.accumulator.stats()
+    say(case, acc.process_index, iterations, stats["micro_steps"], stats["optimizer_steps"], warned,
+        *[repr(float(v)) for v in torch.cat([p.detach().flatten() for p in model.parameters()])])
+    acc.free_memory()
+
+for case in ("base", "evalbreak", "unordered", "side_batch"):
+    run(case)
+'''
+
+
+def test_side_loaders_and_unordered_workers_keep_the_padding_batch_right(tmp_path):
+    """6 samples in batches of 2 on 2 ranks, K = 2: rank 0 gets batches 0 and
+    2, rank 1 batch 1 and a padding batch; one window, the mean over the 6
+    samples. A mid-epoch evaluation left after one batch used to leave
+    Accelerate's state on that loader, so rank 1's padding batch trained (the
+    first samples counted twice); the adapter now reads the end from the
+    training loader itself. A loader whose workers deliver batches out of
+    order (in_order=False) is not padded (a real batch could come last),
+    warned. A side batch drawn with gradients on is taken as a training
+    iteration of its own, warned (the docs say to draw it under no_grad())."""
+    script = tmp_path / "side.py"
+    script.write_text(SIDE_LOADERS_SCRIPT)
+    lines = [line.split() for line in launch(script, [], 2, tmp_path).splitlines() if line.count(" ") > 5]
+    got = {(w[0], int(w[1])): w[2:] for w in lines}
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(6, 1, generator=g, dtype=torch.float64)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(3, 1).double()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    with torch.no_grad():
+        want = torch.cat([(p - 0.1 * p.grad).flatten() for p in ref.parameters()])
+    for case, iterations, warned in (("base", [2, 2], 0), ("evalbreak", [2, 2], 0), ("unordered", [2, 1], 1)):
+        for rank in (0, 1):
+            its, micro, steps, n_warned, *weights = got[case, rank]
+            assert (int(its), int(micro), int(steps)) == (iterations[rank], iterations[rank], 1), (case, rank, got)
+            assert int(n_warned) == warned, (case, rank, got)
+            diff = float((torch.tensor([float(v) for v in weights], dtype=torch.float64) - want).abs().max())
+            assert diff <= F64, (case, rank, diff)
+    assert all(int(got["side_batch", r][3]) == 1 for r in (0, 1)), got  # warned on every rank
