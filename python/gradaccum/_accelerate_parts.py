@@ -106,6 +106,30 @@ def _training_batches(shard: BatchSamplerShard, stock: Any) -> Iterator[Any]:
             yield list(first)
 
 
+def _every_rank_ends_on_a_boundary(loader: Any, steps: int) -> bool:
+    """From the shard's sampler, which every rank has alike: whether each
+    rank's iteration (started at micro-step `_gradaccum_start`, the same on
+    every rank) ends on a boundary of windows of `steps`. False when not known."""
+    shard = getattr(loader, "_gradaccum_shard", None)
+    start = getattr(loader, "_gradaccum_start", None)
+    if shard is None or start is None or shard.split_batches:
+        return False
+    try:
+        total = len(shard.batch_sampler)
+    except TypeError:
+        return False
+    world = shard.num_processes
+    if getattr(shard, "_gradaccum_pad_to", None) is not None:
+        total = shard._gradaccum_pad_to * world  # padded: len(shard) batches on every rank
+    skip = int(getattr(loader, "skip_batches", 0) or 0)
+    sampler = getattr(loader, "batch_sampler", None)
+    while sampler is not None and sampler is not shard:
+        skip += int(getattr(sampler, "skip_batches", 0) or 0)
+        sampler = getattr(sampler, "batch_sampler", None)
+    counts = [total // world + (0 if shard.drop_last else int(r < total % world)) for r in range(world)]
+    return all(c >= skip and (start + c - skip) % steps == 0 for c in counts)
+
+
 class _AccumulatorCheckpoint:
     """What ``register_for_checkpointing`` saves: the Accumulator's state
     (a collective mid-window: Accelerate calls it on every rank)."""

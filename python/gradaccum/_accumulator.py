@@ -16,10 +16,10 @@ from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list
     _check_layout_options,
     _check_options,
     _check_scaled_parameters,
+    _check_scaler_setting,
     _check_scaler_state,
     _default_world_size,
     _dist_initialized,
-    _held_gradients,
     _metric_values,
     _parameters,
     _resolve_group,
@@ -537,24 +537,8 @@ class Accumulator:
         if not isinstance(state_dict, dict):
             raise TypeError(f"gradaccum: acc.load_state_dict(): expected a dict, got {type(state_dict).__name__}")
         scaler = self.grad_scaler
-        scaling, saved_scaling = _scaling(scaler), _saved_scaled(state_dict)
-        held = _held_gradients(state_dict)
-        if scaling != saved_scaling and held:
-            # The held gradients are in the loss scale's units with a GradScaler
-            # (scaled, and divided by steps) and plain without one.
-            saved_kind = "a disabled grad_scaler" if "grad_scaler" in state_dict else "no grad_scaler"
-            ours_kind = "a disabled grad_scaler" if scaler is not None else "no grad_scaler"
-            saved = "an enabled grad_scaler (its gradients are scaled)" if saved_scaling else \
-                f"{saved_kind} (its gradients are not scaled)"
-            ours = "an enabled grad_scaler (it expects scaled gradients)" if scaling else \
-                f"{ours_kind} (it expects unscaled gradients)"
-            remedy = "Resume with the grad_scaler setting that saved it"
-            if "error-feedback residuals" not in held:
-                remedy += ", or save at a window boundary (after step()), where either setting may resume"
-            raise ValueError(
-                f"gradaccum: acc.load_state_dict(): the state holds {' and '.join(held)} saved with {saved}, but "
-                f"this Accumulator has {ours}. {remedy}")
-        load_scaler = scaling and saved_scaling
+        _check_scaler_setting(scaler, state_dict)
+        load_scaler = _scaling(scaler) and _saved_scaled(state_dict)
         if load_scaler:
             _check_scaler_state(state_dict["grad_scaler"])
             # The scaler first, the C++ state last: a C++ rejection puts it back.

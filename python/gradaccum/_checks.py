@@ -153,6 +153,27 @@ def _held_gradients(state_dict: Dict[str, Any]) -> List[str]:
     return held
 
 
+def _check_scaler_setting(scaler: Optional[Any], state_dict: Dict[str, Any]) -> None:
+    """acc.load_state_dict(): held gradients are in the loss scale's units
+    with a GradScaler (scaled, and divided by steps) and plain without one."""
+    scaling, saved_scaling = _scaling(scaler), _saved_scaled(state_dict)
+    held = _held_gradients(state_dict)
+    if scaling == saved_scaling or not held:
+        return
+    saved_kind = "a disabled grad_scaler" if "grad_scaler" in state_dict else "no grad_scaler"
+    ours_kind = "a disabled grad_scaler" if scaler is not None else "no grad_scaler"
+    saved = "an enabled grad_scaler (its gradients are scaled)" if saved_scaling else \
+        f"{saved_kind} (its gradients are not scaled)"
+    ours = "an enabled grad_scaler (it expects scaled gradients)" if scaling else \
+        f"{ours_kind} (it expects unscaled gradients)"
+    remedy = "Resume with the grad_scaler setting that saved it"
+    if "error-feedback residuals" not in held:
+        remedy += ", or save at a window boundary (after step()), where either setting may resume"
+    raise ValueError(
+        f"gradaccum: acc.load_state_dict(): the state holds {' and '.join(held)} saved with {saved}, but "
+        f"this Accumulator has {ours}. {remedy}")
+
+
 def _check_scaler_state(saved: Any) -> None:
     """What GradScaler.load_state_dict needs; it reads the keys one by one and
     would be left half-loaded by a bad one."""

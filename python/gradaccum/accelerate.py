@@ -56,11 +56,10 @@ always):
   ``acc.empty_micro_step()``: no weight, the micro-step still counts. Every
   rank runs ``len(loader)`` iterations and sees ``sync_gradients`` on the same
   ones, so a loop that stops after N of them stops at the same window
-  everywhere (Note [A padding batch, not copies] in _accelerate_parts.py).
-  With ``even_batches=False`` shards stay uneven, unpadded. An iteration that
-  starts in eval mode keeps Accelerate's sharding, so
-  ``gather_for_metrics`` still lines up on every rank and drops the copies.
-  Loaders returned by ``skip_first_batches`` behave alike.
+  everywhere (Note [A padding batch, not copies] in _accelerate_parts.py;
+  with ``even_batches=False`` shards stay uneven). An iteration that starts
+  in eval mode keeps Accelerate's sharding, so ``gather_for_metrics`` still
+  lines up on every rank and drops the copies (``skip_first_batches`` alike).
 - ``clip_grad_norm_``/``clip_grad_value_`` at a closed window clip the
   reduced, divided gradient (every rank alike) and return the norm. At a
   flushed partial window (and with an fp16 GradScaler, whose unscale happens
@@ -143,6 +142,7 @@ except ImportError as error:  # pragma: no cover - exercised without accelerate
 from gradaccum._accelerate_parts import (
     _AccumulatorCheckpoint,
     _begin_iteration,
+    _every_rank_ends_on_a_boundary,
     _find_shard_sampler,
     _pad_shard,
     _GradaccumOptimizer,
@@ -468,7 +468,7 @@ class Accelerator(_accelerate.Accelerator):
         assert acc is not None
         try:
             steps = int(bool(acc.step())) if acc.window_ready else 0
-            if not self._every_rank_ends_on_a_boundary(loader):
+            if not _every_rank_ends_on_a_boundary(loader, self.gradient_accumulation_steps):
                 if not self._deferred_clips and self._micro_step_clips:
                     # This rank's last batch closed a full window (clipped by
                     # the script); the flush closes the other ranks' partial
@@ -487,30 +487,6 @@ class Accelerator(_accelerate.Accelerator):
         loader = self._training_loader_at_end()
         shard = None if loader is None else getattr(loader, "_gradaccum_shard", None)
         return shard is not None and getattr(shard, "_gradaccum_padded", False)
-
-    def _every_rank_ends_on_a_boundary(self, loader: Any) -> bool:
-        """From the shard's sampler, which every rank has alike: whether each
-        rank's iteration (started at micro-step `_gradaccum_start`, the same on
-        every rank) ends on a window boundary. False when not known."""
-        shard = getattr(loader, "_gradaccum_shard", None)
-        start = getattr(loader, "_gradaccum_start", None)
-        if shard is None or start is None or shard.split_batches:
-            return False
-        try:
-            total = len(shard.batch_sampler)
-        except TypeError:
-            return False
-        world = shard.num_processes
-        if getattr(shard, "_gradaccum_pad_to", None) is not None:
-            total = shard._gradaccum_pad_to * world  # padded: len(shard) batches on every rank
-        skip = int(getattr(loader, "skip_batches", 0) or 0)
-        sampler = getattr(loader, "batch_sampler", None)
-        while sampler is not None and sampler is not shard:
-            skip += int(getattr(sampler, "skip_batches", 0) or 0)
-            sampler = getattr(sampler, "batch_sampler", None)
-        counts = [total // world + (0 if shard.drop_last else int(r < total % world)) for r in range(world)]
-        steps = self.gradient_accumulation_steps
-        return all(c >= skip and (start + c - skip) % steps == 0 for c in counts)
 
     # ----------------------------------------------------------- accumulation
 
