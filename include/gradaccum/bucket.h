@@ -54,7 +54,8 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 //    how many of them have joined: are out of data and shadow the others'
 //    reductions until every rank has (kJoined; Note [Joining]),
 //  - how many ranks drop the window, which one and why (kAbort*; see
-//    Note [Dropping a window]),
+//    Note [Dropping a window]), and how many of them left their join() block
+//    with an exception (kLeftJoin: Note [Leaving join() with an exception]),
 //  - whether every rank agrees on what must be equal (the bucket's index, and
 //    the window number, steps, the reduction and the kind of reduction: Note
 //    [What ranks agree on] in src/consensus/agreement.h): each such value v is
@@ -97,6 +98,7 @@ enum MetaField : int64_t {
   kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window; +2 while a bucket rebuild is pending
   kKindSquare,
   kJoined, ///< ranks in Accumulator::join(): out of data, shadowing the others (Note [Joining])
+  kLeftJoin, ///< ranks that drop the window leaving their join() block with an exception
   kLoss, ///< the window's micro-batch losses summed (Note [The window's loss rides in the header])
   kMetric0, ///< then the window's user metrics summed, kMaxWindowMetrics of them (unused ones 0)
   kMetaHeader = kMetric0 + kMaxWindowMetrics, // the header's length

@@ -145,6 +145,9 @@ struct ReductionResult {
   double global_weight = 0; ///< request weights summed over ranks
   int64_t flushing_ranks = 0; ///< ranks that closed a partial window with flush()
   int64_t joined_ranks = 0; ///< of them, ranks in Accumulator::join()
+  /// Ranks that dropped the window leaving their join() block with an
+  /// exception (AbortReason::LeftJoin): they will not reduce again.
+  int64_t left_ranks = 0;
   /// The request loss sums summed over ranks; none where digit-encoded meta
   /// (a bf16/fp16 comm_dtype) cannot carry it.
   std::optional<double> loss_sum;

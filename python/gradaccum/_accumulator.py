@@ -415,6 +415,8 @@ class Accumulator:
         training there. Buffers are not broadcast while some ranks have joined."""
         try:
             yield
+        except GeneratorExit:  # closed unfinished (garbage collected): no exception of the script's
+            raise
         except BaseException:
             self._c.abandon()  # Note [Leaving join() with an exception]
             raise

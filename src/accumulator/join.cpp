@@ -116,18 +116,25 @@ int64_t Accumulator::join() {
 // drop (AbortReason::LeftJoin): every other rank raises in it, naming this
 // rank and telling them to end training (no later window can pair with it),
 // and their exceptions leave their own blocks with nothing more to send:
-// their last reduction dropped the window on every rank and nothing ran since,
-// which is how abandon() tells that every rank already knows. That is also the
-// case of an exception that was itself a dropped window's error, or a failed
-// collective (a peer died: one more reduction would only wait for it). A rank
-// whose peers ended the epoch with flush() has nobody left to pair with.
+// their last reduction dropped the window on every rank telling every rank
+// to end training (a rank had left join(), kLeftJoin > 0, or ranks were
+// shadowing, kJoined > 0) and nothing ran since, which is how abandon() tells
+// that every rank already knows. A drop that told the ranks "training can go
+// on" (a failed backward, a refused micro-batch, nobody in join()) does not
+// count: a rank whose exception then leaves its block still sends its drop,
+// which pairs with the next reduction of any rank that went on, or with the
+// drops of the others that leave too. A rank whose peers ended the epoch with
+// flush() has nobody left to pair with. Leaving clears the window's
+// gradients, as any drop does, and waits for the peers' next reduction (a
+// peer in a collective of the script's own meets a gradient all-reduce).
 void Accumulator::abandon() noexcept {
   if (!reducer_ || closed_ || call_ != nullptr) {
     return; // one process, closed, or inside a call of its own (a hook's exception)
   }
   const auto last = reducer_->last_result();
-  const bool everyone_knows = last.dropped && last.window + 1 == reducer_->progress().sequence &&
-      micro_step_ == 0 && !window_ready_ && !window_failed_ && !parts_open_;
+  const bool everyone_knows = last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0) &&
+      last.window + 1 == reducer_->progress().sequence && micro_step_ == 0 && !window_ready_ &&
+      !window_failed_ && !parts_open_;
   if (everyone_knows || epoch_ended_ || epoch_ended_raised_) {
     return;
   }

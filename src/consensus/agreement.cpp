@@ -248,7 +248,7 @@ std::string consequence(AbortReason why, int64_t joined) {
   }
   std::string text = ". The window's gradients were cleared on every rank and no optimizer step was taken; ";
   if (why == AbortReason::LeftJoin) { // Note [Leaving join() with an exception]
-    return text + "that rank will not reduce again: end training on every rank here (or resume every rank "
+    return text + "a rank that left its acc.join() block reduces no more: end training on every rank here (or resume every rank "
         "from a checkpoint)";
   }
   if (joined > 0) {
@@ -262,21 +262,24 @@ std::string consequence(AbortReason why, int64_t joined) {
 } // namespace
 
 std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_t who, AbortReason why,
-                              int64_t joined) {
+                              int64_t joined, int64_t left) {
   if (aborting > 1) {
     return where + " was dropped on every rank: " + std::to_string(aborting) + " ranks could not "
         "contribute their window (their synchronising backward failed, or they left the epoch "
-        "early)" + consequence(AbortReason::None, joined);
+        "early" + (left > 0 ? "; " + std::to_string(left) + " of them left their acc.join() block with an "
+        "exception" : std::string()) + ")" + consequence(left > 0 ? AbortReason::LeftJoin : AbortReason::None, joined);
   }
   return where + " was dropped on every rank: " + abort_phrase(why, "rank " + std::to_string(who)) +
       (raised_there(why) ? " (its own error is raised there)" : "") + consequence(why, joined);
 }
 
 std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
-                         const std::string& transport, int64_t joined) {
+                         const std::string& transport, int64_t joined, int64_t left) {
+  // Another rank that left join() in the same reduction: nobody may go on.
+  const auto told = left > 0 && why != AbortReason::ClosedWindowNotStepped ? AbortReason::LeftJoin : why;
   return where + " was dropped on every rank: " +
       abort_phrase(why, "this rank (rank " + std::to_string(rank) + ")") +
-      (local.empty() ? "" : ": " + local) + consequence(why, joined) +
+      (local.empty() ? "" : ": " + local) + consequence(told, joined) +
       (transport.empty() ? "" : ". Dropping it failed too: " + transport);
 }
 

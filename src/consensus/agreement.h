@@ -95,15 +95,16 @@ std::string mispaired(const std::string& where, int64_t bucket);
 
 /// Why the window was dropped, as every rank but the dropping one reads it:
 /// `aborting` ranks dropped it, the only one (when 1) being `who`, for `why`;
-/// `joined` ranks were in acc.join() (Note [A window dropped while ranks shadow]).
+/// `joined` ranks were in acc.join() (Note [A window dropped while ranks shadow]);
+/// `left` of the aborting ranks left their join() block with an exception.
 std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_t who, AbortReason why,
-                              int64_t joined);
+                              int64_t joined, int64_t left);
 
 /// The error of the rank that dropped the window itself (this rank, `rank`),
 /// for `why`: the same text as the others', about "this rank", with what
 /// failed here (`local`, when known) and what failed while dropping it
 /// (`transport`, when anything did).
 std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
-                         const std::string& transport, int64_t joined);
+                         const std::string& transport, int64_t joined, int64_t left);
 
 } // namespace gradaccum::detail

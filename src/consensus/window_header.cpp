@@ -57,6 +57,7 @@ std::vector<double> encode_header(const ReductionRequest& request, int rank, con
   meta[kWeight] = aborting ? 0 : request.weight;
   meta[kFlushing] = request.flushing ? 1 : 0;
   meta[kJoined] = request.joined ? 1 : 0;
+  meta[kLeftJoin] = request.abort == AbortReason::LeftJoin ? 1 : 0;
   // launch_bucket() writes the loss and the metrics on their device.
   std::fill(meta.begin() + kLoss, meta.begin() + kMetaHeader, 0.0);
   meta[kAbort] = aborting ? 1 : 0;
@@ -105,6 +106,7 @@ Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& 
   verdict.global_weight = last[kWeight];
   verdict.flushing_ranks = rounded(last[kFlushing]);
   verdict.joined_ranks = rounded(last[kJoined]);
+  verdict.left_ranks = rounded(last[kLeftJoin]);
   verdict.loss_sum = last[kLoss];
   std::copy(last.begin() + kMetric0, last.begin() + kMetaHeader, verdict.metric_sums.begin());
   for (const auto b : c10::irange(buckets.size())) {
@@ -148,7 +150,7 @@ std::string verdict_error(const Verdict& verdict, const std::string& where) {
       return mispaired(where, verdict.bucket);
     case Verdict::Outcome::Dropped:
       return dropped_elsewhere(where, verdict.aborting, verdict.abort_rank, verdict.abort_reason,
-                               verdict.joined_ranks);
+                               verdict.joined_ranks, verdict.left_ranks);
     case Verdict::Outcome::Disagreed:
       return window_disagreement(where, *verdict.agreement, verdict.values);
     case Verdict::Outcome::Agreed:

@@ -36,6 +36,7 @@ struct Verdict {
   double global_weight = 0; ///< kWeight summed: the window's divisor
   int64_t flushing_ranks = 0;
   int64_t joined_ranks = 0;
+  int64_t left_ranks = 0; ///< of the ranks dropping it, those that left join() (kLeftJoin)
   double loss_sum = 0;
   std::array<double, kMaxWindowMetrics> metric_sums{};
   /// Whether every rank keeps the window, and if not, why every rank drops it.

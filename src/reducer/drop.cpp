@@ -48,6 +48,7 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
     const auto& header = buckets.all.back().read_meta();
     window.last_result.flushing_ranks = static_cast<int64_t>(std::llround(header[kFlushing]));
     window.last_result.joined_ranks = static_cast<int64_t>(std::llround(header[kJoined]));
+    window.last_result.left_ranks = static_cast<int64_t>(std::llround(header[kLeftJoin]));
   } catch (const std::exception& e) {
     try {
       window.own_transport = detail::message_of(e);
@@ -77,7 +78,7 @@ std::string Reducer::State::own_failure(const std::string& local) const {
     cause.erase(0, prefix.size());
   }
   return detail::dropped_here(window.own_where, config.rank, window.own_reason, cause, window.own_transport,
-                              window.last_result.joined_ranks);
+                              window.last_result.joined_ranks, window.last_result.left_ranks);
 }
 
 void Reducer::State::fail(const std::string& message) {

@@ -108,6 +108,7 @@ detail::Reduced Reducer::State::agree() {
   result.global_weight = verdict.global_weight;
   result.flushing_ranks = verdict.flushing_ranks;
   result.joined_ranks = verdict.joined_ranks;
+  result.left_ranks = verdict.left_ranks;
   window.last_result = result; // (no metric sums yet: copied without allocating)
   if (!verdict.agreed()) {
     fail_worded([&] { return detail::verdict_error(verdict, where()); });

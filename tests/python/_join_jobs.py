@@ -89,7 +89,8 @@ def _still_paired(world_size):
 
 
 @job
-def join_left_with_exception(rank, world_size, *, seed, shards, raise_rank, raise_at, after_backward=False):
+def join_left_with_exception(rank, world_size, *, seed, shards, raise_rank, raise_at, after_backward=False,
+                             go_on=False):
     """Rank `raise_rank` raises an exception of the script's own at its
     micro-batch `raise_at` (before its backward, or after it and before
     acc.step()), which leaves its `with acc.join():` block; every rank
@@ -102,21 +103,29 @@ def join_left_with_exception(rank, world_size, *, seed, shards, raise_rank, rais
     opt = du.make_optimizer("sgd", model.parameters())
     acc = gradaccum.Accumulator(model, opt, steps=pj.STEPS)
     mine = [b for window in pj.epoch_windows(seed, shards, pj.STEPS) for b in window[rank]]
-    out = {"error": None, "where": None}
+    raising = rank in raise_rank if isinstance(raise_rank, list) else rank == raise_rank
+    out = {"error": None, "where": None, "went_on_after": []}
     start = time.monotonic()
     try:
         with acc.join():
             for i, batch in enumerate(mine):
                 loss, _ = du.micro_loss(model, batch, "mean")
-                if rank == raise_rank and i == raise_at and not after_backward:
+                if raising and i == raise_at and not after_backward:
                     raise ValueError("the script's own error")
                 out["where"] = "acc.backward()"
-                acc.backward(loss)
-                if rank == raise_rank and i == raise_at:
+                try:
+                    acc.backward(loss, num_items=True if raising and i == raise_at and after_backward == "refused"
+                                 else None)
+                except RuntimeError as e:
+                    if go_on and "training can go on" in str(e):  # as the error says
+                        out["went_on_after"].append(str(e))
+                        continue
+                    raise
+                if raising and i == raise_at:
                     raise ValueError("the script's own error")
                 acc.step()
             out["where"] = "acc.join()"
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, TypeError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["seconds"] = time.monotonic() - start
     out["stats"] = acc.stats()

@@ -72,8 +72,8 @@ def test_a_failure_on_an_active_rank_reaches_the_joined_ranks(tmp_path):
 
 LEFT = ("gradaccum: {call}: window 2 was dropped on every rank: rank 2 left its acc.join() block with an "
         "exception (its own error is raised there). The window's gradients were cleared on every rank and no "
-        "optimizer step was taken; that rank will not reduce again: end training on every rank here (or resume "
-        "every rank from a checkpoint)")
+        "optimizer step was taken; a rank that left its acc.join() block reduces no more: end training on every "
+        "rank here (or resume every rank from a checkpoint)")
 
 
 @pytest.mark.parametrize("after_backward", [False, True])
@@ -97,6 +97,42 @@ def test_an_exception_leaving_join_reaches_every_rank(tmp_path, after_backward):
         assert res["paired"], rank
         # rank 2 raised before stepping window 1 in the second case
         assert res["stats"]["optimizer_steps"] == (1 if after_backward and rank == 2 else 2), rank
+
+
+def test_a_rank_leaving_after_a_drop_that_let_training_go_on_still_tells_the_others(tmp_path):
+    """Rank 1 refuses its closing micro-batch (num_items=True: a TypeError)
+    in window 1; the window is dropped on both ranks, which are told
+    "training can go on". Rank 0 goes on; rank 1's TypeError leaves its
+    join() block: that drop did not end training, so rank 1 still sends its
+    own, which rank 0 meets at its next window's end (before, rank 0 waited
+    there until the group's timeout)."""
+    results = run("join_left_with_exception", 2, tmp_path, seed=4, shards=[12, 12], raise_rank=1,
+                  raise_at=5, after_backward="refused", go_on=True)
+    assert results[1]["error"].startswith("TypeError: gradaccum: acc.backward(): num_items must be a count"), \
+        results[1]["error"]
+    (told,) = results[0]["went_on_after"]
+    assert "window 1 was dropped on every rank: rank 1 refused the micro-batch" in told and \
+        told.endswith("training can go on from the next window"), told
+    left = LEFT.replace("rank 2 left", "rank 1 left").format(call="acc.backward()")
+    assert results[0]["error"] == "RuntimeError: " + left, results[0]["error"]
+    for rank, res in enumerate(results):
+        assert res["seconds"] < 20 and res["paired"], (rank, res["seconds"])
+
+
+def test_several_ranks_leaving_join_are_counted_and_end_training(tmp_path):
+    """Ranks 1 and 2 raise before their 8th backward (window 2); rank 0 gets
+    one error counting both and telling every rank to end training."""
+    results = run("join_left_with_exception", 3, tmp_path, seed=4, shards=[12, 12, 12], raise_rank=[1, 2],
+                  raise_at=7, go_on=True)
+    assert results[0]["went_on_after"] == []
+    assert results[0]["error"] == (
+        "RuntimeError: gradaccum: acc.backward(): window 2 was dropped on every rank: 2 ranks could not contribute "
+        "their window (their synchronising backward failed, or they left the epoch early; 2 of them left their "
+        "acc.join() block with an exception). The window's gradients were cleared on every rank and no optimizer "
+        "step was taken; a rank that left its acc.join() block reduces no more: end training on every rank here "
+        "(or resume every rank from a checkpoint)"), results[0]["error"]
+    for rank, res in enumerate(results):
+        assert res["seconds"] < 20 and res["paired"], (rank, res["seconds"])
 
 
 def test_a_nonfinite_raise_while_a_rank_shadows_is_dropped_alike(tmp_path):
