@@ -184,7 +184,8 @@ struct Bucket {
   /// Reads the (summed) header and flags back through meta_on_host() into
   /// `meta_values`, decoded, and returns them; allocates nothing. It writes
   /// the bucket's host copies (meta_host, meta_values): the reducer calls it
-  /// from the reduction's thread only; never call it while one is in flight.
+  /// from the reduction's thread only, once this bucket's collectives have
+  /// completed (other buckets' may still be in flight).
   const std::vector<double>& read_meta() const;
   /// The largest per-rank value of a field that write_meta() carries exactly
   /// (kWeight: with 32 fractional bits).

@@ -50,6 +50,9 @@ struct WindowTimeline {
     double ready = -1; ///< its last gradient arrived (or backward ended)
     double launched = -1; ///< its all-reduce was launched
     double completed = -1; ///< the all-reduce completed (-1: the backend cannot say)
+    /// written back to .grad (-1: not: a snapshot, or a dropped window);
+    /// all but the last bucket's as soon as its all-reduce completed
+    double written = -1;
   };
   /// Per parameter, when its gradient hook ran (-1: not in this backward,
   /// e.g. unused, or a reduction with no hooks: flush(), compiled autograd).

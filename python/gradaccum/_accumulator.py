@@ -496,7 +496,8 @@ class Accumulator:
         beginning (the synchronising backward's first step): ``gradients``
         (per parameter, when its hook ran; -1 if not), ``buckets`` (per
         bucket in launch order: ``bytes``, ``ready``, ``launched``,
-        ``completed``; -1 if unknown), ``backward_end`` and ``finished``, and
+        ``completed``, ``written`` (back to ``.grad``); -1 if unknown or
+        not done), ``backward_end`` and ``finished``, and
         ``origin``: the beginning on the system clock (seconds since the Unix
         epoch). Empty lists and -1 without a process group. As a Chrome
         trace: ``window_trace()``."""

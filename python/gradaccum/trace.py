@@ -83,7 +83,8 @@ def from_timeline(timeline: Dict[str, Any], *, rank: int = 0, names: Optional[Se
         nbytes = times["bytes"]
         # Times in ms from the reduction's beginning; -1 (unknown) left out.
         args = {"bytes": nbytes, **{f"{k}_ms": round(1e3 * times[k], 3)
-                                    for k in ("ready", "launched", "completed") if times[k] >= 0}}
+                                    for k in ("ready", "launched", "completed", "written")
+                                    if times.get(k, -1) >= 0}}
         tid = BUCKET_TID + b
         if times["ready"] >= 0:
             ev.append(instant(f"bucket {b} ready", tid, times["ready"], args))
@@ -92,6 +93,8 @@ def from_timeline(timeline: Dict[str, Any], *, rank: int = 0, names: Optional[Se
                            times["completed"], args=args))
         elif times["launched"] >= 0:  # CUDA (NCCL): no completion time
             ev.append(instant(f"bucket {b} launched ({nbytes / 2**20:.2f} MiB)", tid, times["launched"], args))
+        if times.get("written", -1) >= 0:
+            ev.append(instant(f"bucket {b} written back", tid, times["written"], args))
     for i, t in enumerate(timeline["gradients"]):
         if t >= 0:
             ev.append(instant(names[i] if names is not None else f"parameter {i}", 2, t, {"index": i}))

@@ -111,6 +111,9 @@ void Reducer::State::end_dropped_window() noexcept {
 
 void Reducer::State::drop_window() {
   at::NoGradGuard no_grad;
+  for (auto& times : window.timeline.buckets) {
+    times.written = -1; // (Note [Writing back while the last buckets reduce]: undone)
+  }
   for (auto& bucket : buckets.all) {
     bucket.gradients.zero_();
     if (bucket.residual.defined()) {
@@ -141,6 +144,7 @@ void Reducer::State::end_reduction(bool window_closed) {
   window.last_completed = std::move(window.completed);
   window.timeline = WindowTimeline{};
   window.completed.clear();
+  window.early_failure = nullptr; // (raised already, or moot: the window is over)
   if (window_closed) {
     clear_touched();
   }

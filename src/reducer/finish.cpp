@@ -24,6 +24,8 @@
 //     launched; wait for them, read the summed headers, check the consensus.
 //     What fails here every rank sees alike (a transport error, a rank that
 //     dropped the window, a disagreement): fail() drops the window and raises.
+//     A window's buckets but the last are written back as they complete
+//     (Note [Writing back while the last buckets reduce]).
 //  3. complete_snapshot() or complete_window(): every rank agreed, the window
 //     is reduced everywhere; a local failure from here on (say, out of
 //     memory) is reported as such, never as a drop. A window runs its other
@@ -40,7 +42,7 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
   window.timeline.backward_end = window.elapsed();
   const auto saved = complete_buckets(snapshot != nullptr);
   launch_rest();
-  auto reduced = agree();
+  auto reduced = agree(/*closing=*/snapshot == nullptr);
   if (snapshot) {
     return complete_snapshot(std::move(reduced), saved, *snapshot);
   }
@@ -90,9 +92,29 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
   return saved;
 }
 
-detail::Reduced Reducer::State::agree() {
+// Note [Writing back while the last buckets reduce]
+// A window's buckets complete in launch order, the last one (Note [The last
+// bucket closes the window]) after backward ends. Each earlier bucket is
+// written back to .grad as soon as its all-reduce has completed, while the
+// later ones are still on the wire, instead of all of them after the verdict:
+// the write-back, a pass over the whole gradient, then mostly hides behind the
+// last all-reduce (torch DDP copies its buckets out the same way). It is safe
+// before the verdict because every verdict that does not step the window
+// (dropped, mis-paired, disagreeing) clears it on every rank (drop_window());
+// a write-back that fails here is kept and raised after the window's
+// collectives, and clears the window on this rank only, as a failed
+// write-back after the verdict does (the others step it). The divisor is the
+// bucket's own summed weight. In an agreed window that is the window's (the
+// last bucket's): the same per-rank values, summed at another position of
+// another collective, so a fractional weight may round differently.
+// complete_window() writes such a bucket again from its view, where the
+// reduced sum still is. Only plain buckets are written early (neither views
+// nor wide nor compressed, whatever their meta encoding): views are scaled in
+// place (no second chance), wide and compressed buckets have paths of their
+// own. A snapshot leaves .grad as it is.
+detail::Reduced Reducer::State::agree(bool closing) {
   try {
-    wait_all();
+    wait_all(/*write_early=*/closing);
     read_all_meta();
   } catch (const std::exception& e) {
     fail_worded([&] { return where() + ", " + detail::message_of(e); });
@@ -127,23 +149,61 @@ void Reducer::State::take_metric_sums(detail::Reduced& reduced) {
   window.last_result.loss_sum = reduced.result.loss_sum;
 }
 
-void Reducer::State::wait_all() {
+void Reducer::State::wait_all(bool write_early) {
   for (const auto b : c10::irange(buckets.all.size())) {
-    for (auto& work : buckets.all[b].works) {
-      try {
-        work->wait();
-      } catch (const std::exception& e) {
-        // Wait for nothing else: the group is likely broken. The caller drops
-        // the window (its buffers may hold a half-reduced sum) and says where.
-        std::ostringstream message;
-        message << "rank " << config.rank << ": the all-reduce of bucket " << b << " of " << buckets.all.size()
-                << " failed. Likely cause: a peer process left (crashed or was killed), or "
-                << "the ranks took different paths (flush() on some ranks only, a different "
-                << "number of micro-steps or windows, another collective in between). "
-                << "The original error: " << detail::message_of(e);
-        throw std::runtime_error(message.str());
+    wait_bucket(b);
+    if (write_early && b + 1 < buckets.all.size()) {
+      write_back_early(b);
+    }
+  }
+}
+
+void Reducer::State::wait_bucket(size_t index) {
+  for (auto& work : buckets.all[index].works) {
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      // Wait for nothing else: the group is likely broken. The caller drops
+      // the window (its buffers may hold a half-reduced sum) and says where.
+      std::ostringstream message;
+      message << "rank " << config.rank << ": the all-reduce of bucket " << index << " of " << buckets.all.size()
+              << " failed. Likely cause: a peer process left (crashed or was killed), or "
+              << "the ranks took different paths (flush() on some ranks only, a different "
+              << "number of micro-steps or windows, another collective in between). "
+              << "The original error: " << detail::message_of(e);
+      throw std::runtime_error(message.str());
+    }
+  }
+}
+
+void Reducer::State::write_back_early(size_t index) noexcept {
+  // See Note [Writing back while the last buckets reduce].
+  auto& bucket = buckets.all[index];
+  if (window.early_failure || config.options.gradient_as_bucket_view() || bucket.accumulating ||
+      bucket.compressed) {
+    return;
+  }
+  try {
+    TORCH_INTERNAL_ASSERT(window.early.size() == buckets.all.size() && !window.early[index].written,
+                          "gradaccum: bucket ", index, " written back early twice, or without its slot");
+    auto& early = window.early[index];
+    for (const auto slot : c10::irange(bucket.params.size())) {
+      if (detail::on_view(config.params[bucket.params[slot]].grad(), bucket.views[slot])) {
+        return; // (a .grad on its view would be divided in place: no second write)
       }
     }
+    const auto& meta = bucket.read_meta();
+    if (meta[kAbort] != 0) {
+      return; // the window is dropped: nothing to write
+    }
+    const double weight = meta[kWeight];
+    early.bounded = write_back(bucket, meta, window.request.divide && weight > 0, weight,
+                               window.request.check_finite);
+    early.weight = weight;
+    early.written = true;
+    window.timeline.buckets[index].written = window.elapsed();
+  } catch (...) {
+    window.early_failure = std::current_exception();
   }
 }
 
@@ -162,8 +222,10 @@ void Reducer::State::wait_all() {
 // fails here, the window is still ended on this rank before the error leaves
 // (end_failed_window()).
 void Reducer::State::read_all_meta() const {
-  for (const auto& bucket : buckets.all) {
-    bucket.read_meta();
+  for (const auto b : c10::irange(buckets.all.size())) {
+    if (b >= window.early.size() || !window.early[b].written) { // (those read theirs already)
+      buckets.all[b].read_meta();
+    }
   }
 }
 
@@ -202,12 +264,23 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   std::optional<std::vector<Bucket>> rebuilt;
   try {
     window_collectives(result.joined_ranks, rebuilt);
+    if (window.early_failure) {
+      std::rethrow_exception(window.early_failure); // (after the collectives: the others step theirs)
+    }
     take_metric_sums(reduced);
     const bool divide = window.request.divide && result.global_weight > 0;
     bool known_finite = window.request.check_finite;
     for (const auto b : c10::irange(buckets.all.size())) {
+      const auto& early = window.early[b];
+      // Note [Writing back while the last buckets reduce]: bit for bit the
+      // window's divisor, or written again.
+      if (early.written && (!window.request.divide || early.weight == result.global_weight)) {
+        known_finite = early.bounded && known_finite;
+        continue;
+      }
       known_finite = write_back(buckets.all[b], buckets.all[b].meta_values, divide, result.global_weight,
                                 window.request.check_finite) && known_finite;
+      window.timeline.buckets[b].written = window.elapsed();
     }
     result.known_finite = window.last_result.known_finite = known_finite;
   } catch (...) {

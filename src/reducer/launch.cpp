@@ -54,6 +54,8 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
   window.timeline.gradients.assign(config.params.size(), -1.0);
   window.timeline.buckets.assign(buckets.all.size(), WindowTimeline::BucketTimes{});
   window.completed.assign(buckets.all.size(), nullptr);
+  window.early.assign(buckets.all.size(), detail::Window::EarlyWrite{});
+  window.early_failure = nullptr;
 }
 
 void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {

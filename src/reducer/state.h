@@ -23,6 +23,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -116,6 +117,17 @@ struct Window {
   std::chrono::steady_clock::time_point origin;
   WindowTimeline timeline;
   std::vector<std::shared_ptr<Completion>> completed;
+  /// Note [Writing back while the last buckets reduce]: per bucket, whether
+  /// agree() wrote it back already, what its own summed weight was then, and
+  /// whether the values it wrote were bounded; and the first local failure
+  /// of those write-backs, raised once the window's collectives are done.
+  struct EarlyWrite {
+    bool written = false;
+    bool bounded = false;
+    double weight = 0;
+  };
+  std::vector<EarlyWrite> early;
+  std::exception_ptr early_failure;
   double elapsed() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - origin).count();
   }
@@ -229,9 +241,16 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   // Finishing, as named phases (finish.cpp: Note [Finishing a reduction]).
   ReductionResult finish_reduction(std::vector<at::Tensor>* snapshot = nullptr);
   std::vector<at::Tensor> complete_buckets(bool snapshot);
-  detail::Reduced agree();
+  /// `closing`: a window's reduction, whose buckets may be written back as
+  /// their all-reduces complete (Note [Writing back while the last buckets
+  /// reduce]); a snapshot's never are.
+  detail::Reduced agree(bool closing);
   /// Waits for every collective launched; throws what failed, naming this rank.
-  void wait_all();
+  void wait_all(bool write_early = false);
+  void wait_bucket(size_t index);
+  /// Writes bucket `index` back before the verdict where it can; never throws
+  /// (a local failure is kept in Window::early_failure).
+  void write_back_early(size_t index) noexcept;
   void read_all_meta() const;
   /// The result's loss and metric sums from the verdict, together (the
   /// metric sums allocate: a local failure here comes after the consensus).

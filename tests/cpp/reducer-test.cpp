@@ -824,6 +824,16 @@ TEST_CASE("the timeline starts on the system clock; parameter names in the Accum
     RANK_CHECK(before <= t.origin);
     RANK_CHECK(t.origin + t.finished <= after);
     RANK_CHECK(t.gradients.size() == 6);
+    // Note [Writing back while the last buckets reduce]: each written once
+    // its all-reduce was launched, in launch order, before the window finished.
+    double previous = 0;
+    for (const auto& b : t.buckets) {
+      RANK_CHECK(0 <= b.launched);
+      RANK_CHECK(b.launched <= b.written);
+      RANK_CHECK(previous <= b.written);
+      RANK_CHECK(b.written <= t.finished);
+      previous = b.written;
+    }
     RANK_CHECK(acc.parameter_names() ==
                std::vector<std::string>{"l1.weight", "l1.bias", "l2.weight", "l2.bias", "l3.weight", "l3.bias"});
   });

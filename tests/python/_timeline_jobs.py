@@ -59,6 +59,48 @@ def timeline(rank, world_size, *, steps):
         except RuntimeError as e:
             errors.append(str(e).split("\n")[0])
     out["dropped"] = {"trace": acc.window_trace(), "windows": acc.stats()["dropped_windows"] - dropped,
-                      "errors": errors}
+                      "errors": errors, "grads": [p.grad for p in model.parameters()],
+                      "written": [b["written"] for b in acc.last_window_timeline()["buckets"]]}
+    acc.close()
+    return out
+
+
+@job
+def fractional_weights(rank, world_size, *, steps):
+    """Note [Writing back while the last buckets reduce]: a float64 chain of
+    linear layers of unequal widths with small integer weights and inputs (so
+    every gradient, and every sum of them over ranks, is an exact integer),
+    one parameter per bucket, reduction "items" with fractional item counts.
+    Returns, per window, the reduced .grad before step(), each rank's own raw
+    gradient sums (a copy of the model run alone), window_items and the
+    timeline."""
+    import copy
+
+    import gradaccum
+
+    widths = [8, 12, 5, 9, 7, 11, 4]
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b, dtype=torch.float64)
+                                  for a, b in zip(widths, widths[1:])])
+    same = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-2, 3, p.shape, generator=same))
+    alone = copy.deepcopy(model)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=steps,
+                                reduction="items", bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
+    items = [0.1, 0.2, 0.7, 0.3][rank]
+    g = torch.Generator().manual_seed(100 + rank)
+    windows = []
+    for _ in range(3):
+        for _ in range(steps):
+            x = torch.randint(-3, 4, (4, widths[0]), generator=g).double()
+            acc.backward(model(x).sum(), num_items=items)
+            alone(x).sum().backward()
+        windows.append({"grads": [p.grad.clone() for p in model.parameters()],
+                        "raw": [p.grad.clone() for p in alone.parameters()],
+                        "items": acc.window_items, "timeline": acc.last_window_timeline()})
+        assert acc.step()
+        alone.zero_grad()
+    out = {"windows": windows, "buckets": acc.stats()["buckets"]}
     acc.close()
     return out

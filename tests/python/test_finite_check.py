@@ -38,6 +38,13 @@ CASES = {
     "nan/ignore": case(mode="ignore"),
     "clean/skip": case("none"),
     "clean/skip/clip": case("none", max_grad_norm=1e9),  # clipping: the norm, as clip_grad_norm_
+    # A bucket per parameter: all but the last are checked as they are written
+    # back early (Note [Writing back while the last buckets reduce]).
+    "nan/skip/buckets": case(bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4),
+    "huge/raise/buckets": case("huge", mode="raise", bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4),
+    "inf/skip/flush/buckets": case("inf", flush=True, reduction="items", bucket_cap_mb=1e-4,
+                                   first_bucket_cap_mb=1e-4),
+    "clean/skip/buckets": case("none", bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4),
 }
 
 

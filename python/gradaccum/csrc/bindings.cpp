@@ -293,6 +293,7 @@ void init_accumulator(py::module_& m) {
           d["ready"] = b.ready;
           d["launched"] = b.launched;
           d["completed"] = b.completed;
+          d["written"] = b.written;
           buckets.append(d);
         }
         py::dict out;
