@@ -9,7 +9,8 @@ after a barrier), timing forward, backward and step (DDP: `optimizer.step()`
 and `zero_grad()`). Rank 0 prints each phase's median over the iterations
 after the first 3, and for gradaccum when its timeline says backward ended
 and the reduction finished (`last_window_timeline()`), in ms from the
-reduction's beginning. Used by hand for benchmarks/RESULTS.md ("The default
+reduction's beginning, and how long after the last all-reduce's completion
+it finished (what the write-back left to do then). Used by hand for benchmarks/RESULTS.md ("The default
 bucket cap on one host"); `--json FILE` also writes the medians.
 """
 import argparse
@@ -65,7 +66,9 @@ def main():
                 t2 = time.perf_counter()
                 x.step()
                 t = x.last_window_timeline()
-                timeline[name].append((t["backward_end"], t["finished"]))
+                done = [b["completed"] for b in t["buckets"]]  # (-1: unknown, as for CUDA buckets)
+                timeline[name].append((t["backward_end"], t["finished"],
+                                       t["finished"] - max(done) if min(done) >= 0 else float("nan")))
             else:
                 loss.backward()
                 t2 = time.perf_counter()
@@ -82,11 +85,13 @@ def main():
                          "buckets": len(contenders[name][2].bucket_indices) if name in timeline else None}
             line = f"{name:20s} forward {fwd:6.1f}  backward {bwd:6.1f}  step {step:5.1f}  window {total:6.1f} ms"
             if name in timeline:
-                ends, finished = zip(*timeline[name][3:])
+                ends, finished, after_last = zip(*timeline[name][3:])
                 out[name]["backward_end_ms"] = 1e3 * statistics.median(ends)
                 out[name]["finished_ms"] = 1e3 * statistics.median(finished)
+                out[name]["after_last_completion_ms"] = 1e3 * statistics.median(after_last)
                 line += (f"  ({out[name]['buckets']} buckets; timeline: backward ended "
-                         f"{out[name]['backward_end_ms']:.1f}, finished {out[name]['finished_ms']:.1f})")
+                         f"{out[name]['backward_end_ms']:.1f}, finished {out[name]['finished_ms']:.1f}, "
+                         f"{out[name]['after_last_completion_ms']:.1f} after the last all-reduce completed)")
             print(line, flush=True)
         if args.json:
             with open(args.json, "w") as f:

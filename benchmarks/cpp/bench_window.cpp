@@ -282,7 +282,8 @@ std::string timeline_json(const gradaccum::WindowTimeline& t) {
   for (size_t i = 0; i < t.buckets.size(); ++i) {
     const auto& b = t.buckets[i];
     out << (i ? ", " : "") << "{\"bytes\": " << b.bytes << ", \"ready\": " << b.ready
-        << ", \"launched\": " << b.launched << ", \"completed\": " << b.completed << "}";
+        << ", \"launched\": " << b.launched << ", \"completed\": " << b.completed
+        << ", \"written\": " << b.written << "}";
   }
   out << "], \"backward_end\": " << t.backward_end << ", \"finished\": " << t.finished << "}";
   return out.str();
