@@ -10,7 +10,9 @@ and `zero_grad()`). Rank 0 prints each phase's median over the iterations
 after the first 3, and for gradaccum when its timeline says backward ended
 and the reduction finished (`last_window_timeline()`), in ms from the
 reduction's beginning, and how long after the last all-reduce's completion
-it finished (what the write-back left to do then). Used by hand for benchmarks/RESULTS.md ("The default
+it finished (what the write-back left to do then). "last gradient" is when
+backward accumulated its last gradient (a post-accumulate-grad hook on every
+parameter, for both libraries): backward's compute, without the wait. Used by hand for benchmarks/RESULTS.md ("The default
 bucket cap on one host"); `--json FILE` also writes the medians.
 """
 import argparse
@@ -52,6 +54,12 @@ def main():
         contenders[f"gradaccum cap {cap:g}"] = ("gradaccum", model, acc)
         ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
         contenders[f"DDP cap {cap:g}"] = ("ddp", ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4))
+    # When each contender's last gradient was accumulated: the end of
+    # backward's compute, the same measure for both libraries.
+    last_grad = {}
+    for name, (_, model, _) in contenders.items():
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda _, name=name: last_grad.__setitem__(name, time.perf_counter()))
     phases = {name: [] for name in contenders}
     timeline = {name: [] for name, c in contenders.items() if c[0] == "gradaccum"}
     for it in range(args.iters):
@@ -76,14 +84,16 @@ def main():
                 x.zero_grad()
             t3 = time.perf_counter()
             if it >= 3:
-                phases[name].append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+                phases[name].append((t1 - t0, t2 - t1, t3 - t2, t3 - t0, last_grad[name] - t1))
     if rank == 0:
         out = {}
         for name, rows in phases.items():
-            fwd, bwd, step, total = (1e3 * statistics.median(c) for c in zip(*rows))
+            fwd, bwd, step, total, grads = (1e3 * statistics.median(c) for c in zip(*rows))
             out[name] = {"forward_ms": fwd, "backward_ms": bwd, "step_ms": step, "window_ms": total,
+                         "last_gradient_ms": grads,
                          "buckets": len(contenders[name][2].bucket_indices) if name in timeline else None}
-            line = f"{name:20s} forward {fwd:6.1f}  backward {bwd:6.1f}  step {step:5.1f}  window {total:6.1f} ms"
+            line = (f"{name:20s} forward {fwd:6.1f}  backward {bwd:6.1f} (last gradient {grads:6.1f})  "
+                    f"step {step:5.1f}  window {total:6.1f} ms")
             if name in timeline:
                 ends, finished, after_last = zip(*timeline[name][3:])
                 out[name]["backward_end_ms"] = 1e3 * statistics.median(ends)
