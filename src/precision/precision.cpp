@@ -73,7 +73,7 @@ void accumulate_grads(Bucket& bucket, const std::vector<at::Tensor>& params, std
 }
 
 void write_back_wide(Bucket& bucket, const std::vector<at::Tensor>& params, const std::vector<char>& nowhere,
-                     std::optional<double> divisor) {
+                     std::optional<double> divisor, bool zero_after) {
   // A CPU double scalar: the division runs in the sum's dtype without
   // rounding the divisor first.
   const auto divisor_tensor = at::scalar_tensor(divisor.value_or(1.0), at::kDouble);
@@ -83,7 +83,9 @@ void write_back_wide(Bucket& bucket, const std::vector<at::Tensor>& params, cons
     p.mutable_grad() = nowhere[slot] ? at::Tensor()
         : (divisor ? sum.div(divisor_tensor) : sum).to(p.scalar_type());
   }
-  bucket.gradients.zero_();
+  if (zero_after) {
+    bucket.gradients.zero_();
+  }
 }
 
 void load_wide_sum(Bucket& bucket, size_t slot, const at::Tensor& sum, const std::string& name,

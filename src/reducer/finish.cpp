@@ -108,10 +108,11 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
 // last bucket's): the same per-rank values, summed at another position of
 // another collective, so a fractional weight may round differently.
 // complete_window() writes such a bucket again from its view, where the
-// reduced sum still is. Only plain buckets are written early (neither views
-// nor wide nor compressed, whatever their meta encoding): views are scaled in
-// place (no second chance), wide and compressed buckets have paths of their
-// own. A snapshot leaves .grad as it is.
+// reduced sum still is; a wide bucket (accumulate_dtype) keeps its sums for
+// that until then, and is zeroed for the next window after it. Bucket views
+// (scaled in place: no second chance) and compressed buckets (decompressed in
+// place) are written after the verdict, whatever their meta encoding. A
+// snapshot leaves .grad as it is.
 detail::Reduced Reducer::State::agree(bool closing) {
   try {
     wait_all(/*write_early=*/closing);
@@ -179,8 +180,7 @@ void Reducer::State::wait_bucket(size_t index) {
 void Reducer::State::write_back_early(size_t index) noexcept {
   // See Note [Writing back while the last buckets reduce].
   auto& bucket = buckets.all[index];
-  if (window.early_failure || config.options.gradient_as_bucket_view() || bucket.accumulating ||
-      bucket.compressed) {
+  if (window.early_failure || config.options.gradient_as_bucket_view() || bucket.compressed) {
     return;
   }
   try {
@@ -198,7 +198,7 @@ void Reducer::State::write_back_early(size_t index) noexcept {
     }
     const double weight = meta[kWeight];
     early.bounded = write_back(bucket, meta, window.request.divide && weight > 0, weight,
-                               window.request.check_finite);
+                               window.request.check_finite, /*keep_wide_sum=*/true);
     early.weight = weight;
     early.written = true;
     window.timeline.buckets[index].written = window.elapsed();
@@ -276,6 +276,9 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
       // window's divisor, or written again.
       if (early.written && (!window.request.divide || early.weight == result.global_weight)) {
         known_finite = early.bounded && known_finite;
+        if (buckets.all[b].accumulating) {
+          buckets.all[b].gradients.zero_(); // (kept for a second write: the next window starts at zero)
+        }
         continue;
       }
       known_finite = write_back(buckets.all[b], buckets.all[b].meta_values, divide, result.global_weight,
@@ -348,7 +351,7 @@ void Reducer::State::apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) n
 }
 
 bool Reducer::State::write_back(Bucket& bucket, const std::vector<double>& meta, bool divide,
-                                double divisor, bool check_finite) {
+                                double divisor, bool check_finite, bool keep_wide_sum) {
   const bool as_view = config.options.gradient_as_bucket_view();
   if (bucket.compressed) {
     divide = detail::decompress(bucket, window.expected_weight, divide, divisor);
@@ -370,7 +373,7 @@ bool Reducer::State::write_back(Bucket& bucket, const std::vector<double>& meta,
     nowhere[slot] = meta[kMetaHeader + slot] == 0;
   }
   if (bucket.accumulating) {
-    detail::write_back_wide(bucket, config.params, nowhere, by);
+    detail::write_back_wide(bucket, config.params, nowhere, by, /*zero_after=*/!keep_wide_sum);
     return false; // not checked
   }
   for (const auto slot : c10::irange(bucket.params.size())) {

@@ -66,11 +66,12 @@ def timeline(rank, world_size, *, steps):
 
 
 @job
-def fractional_weights(rank, world_size, *, steps):
+def fractional_weights(rank, world_size, *, steps, wide=False):
     """Note [Writing back while the last buckets reduce]: a float64 chain of
     linear layers of unequal widths with small integer weights and inputs (so
     every gradient, and every sum of them over ranks, is an exact integer),
     one parameter per bucket, reduction "items" with fractional item counts.
+    With `wide`, float32 layers summed in float64 buckets (accumulate_dtype).
     Returns, per window, the reduced .grad before step(), each rank's own raw
     gradient sums (a copy of the model run alone), window_items and the
     timeline."""
@@ -79,21 +80,22 @@ def fractional_weights(rank, world_size, *, steps):
     import gradaccum
 
     widths = [8, 12, 5, 9, 7, 11, 4]
-    model = torch.nn.Sequential(*[torch.nn.Linear(a, b, dtype=torch.float64)
-                                  for a, b in zip(widths, widths[1:])])
+    dtype = torch.float32 if wide else torch.float64
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b, dtype=dtype) for a, b in zip(widths, widths[1:])])
     same = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randint(-2, 3, p.shape, generator=same))
     alone = copy.deepcopy(model)
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=steps,
-                                reduction="items", bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
+                                reduction="items", bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5,
+                                accumulate_dtype=torch.float64 if wide else None)
     items = [0.1, 0.2, 0.7, 0.3][rank]
     g = torch.Generator().manual_seed(100 + rank)
     windows = []
     for _ in range(3):
         for _ in range(steps):
-            x = torch.randint(-3, 4, (4, widths[0]), generator=g).double()
+            x = torch.randint(-3, 4, (4, widths[0]), generator=g).to(dtype)
             acc.backward(model(x).sum(), num_items=items)
             alone(x).sum().backward()
         windows.append({"grads": [p.grad.clone() for p in model.parameters()],

@@ -137,16 +137,20 @@ def test_trace_save_refuses_what_is_not_a_trace(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path):
+@pytest.mark.parametrize("wide", [False, True], ids=["float64", "float32 in float64 buckets"])
+def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path, wide):
     """Note [Writing back while the last buckets reduce]: every bucket but the
     last is written back as soon as its all-reduce completes, dividing by its
     own summed weight. Windows of 0.2, 0.4 and 1.4 items (two micro-steps of
     0.1, 0.2 and 0.7) sum to 2.0 or to 1.9999999999999998 depending on where
     in a collective they are summed, so some of those buckets have another
-    divisor than the window's (the last bucket's): they must be written again. Every gradient is checked bit for
-    bit against the exact integer sum of the ranks' own gradients divided by
-    window_items, on every rank, in 3 windows."""
-    ranks = du.run_job("fractional_weights", 3, tmp_path, module=M, steps=2)
+    divisor than the window's (the last bucket's): they must be written
+    again. Every gradient is checked bit for bit against the exact integer
+    sum of the ranks' own gradients divided by window_items, on every rank,
+    in 3 windows. With float32 parameters in float64 buckets
+    (accumulate_dtype), rounded once to float32 after the division: the wide
+    bucket keeps its sums for the second write."""
+    ranks = du.run_job("fractional_weights", 3, tmp_path, module=M, steps=2, wide=wide)
     for w in range(3):
         exact = [sum(r["windows"][w]["raw"][i] for r in ranks) for i in range(len(ranks[0]["windows"][w]["raw"]))]
         for rank, res in enumerate(ranks):
@@ -154,7 +158,9 @@ def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path):
             assert res["buckets"] == len(exact) >= 10
             for i, (grad, total) in enumerate(zip(window["grads"], exact)):
                 assert torch.equal(total, total.round()), "the reference must be exact"
-                assert torch.equal(grad, total / window["items"]), (w, rank, i)
+                expected = (total.double() / window["items"]).to(grad.dtype)
+                assert grad.dtype == (torch.float32 if wide else torch.float64)
+                assert torch.equal(grad, expected), (w, rank, i)
             # Every bucket written back after its launch; the last one last,
             # once backward ended (Note [The last bucket closes the window]);
             # those written again after the verdict come just before it.
