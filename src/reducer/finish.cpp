@@ -270,6 +270,7 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
     take_metric_sums(reduced);
     const bool divide = window.request.divide && result.global_weight > 0;
     bool known_finite = window.request.check_finite;
+    TORCH_INTERNAL_ASSERT(window.early.size() == buckets.all.size(), "gradaccum: the early writes have no slots");
     for (const auto b : c10::irange(buckets.all.size())) {
       const auto& early = window.early[b];
       // Note [Writing back while the last buckets reduce]: bit for bit the
