@@ -65,23 +65,45 @@ def timeline(rank, world_size, *, steps):
     return out
 
 
+class _Fan(torch.nn.Module):
+    """Linear layers side by side on one input, their outputs summed: each
+    weight's gradient is the loss's scale times a column sum of the input."""
+
+    def __init__(self, widths, dtype):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, w, dtype=dtype) for w in widths)
+
+    def forward(self, x):
+        return sum(layer(x).sum() for layer in self.layers)
+
+
+FAN_SCALE = 699051  # odd: the summed gradients are odd integers half the time
+
+
 @job
 def fractional_weights(rank, world_size, *, steps, wide=False):
-    """Note [Writing back while the last buckets reduce]: a float64 chain of
-    linear layers of unequal widths with small integer weights and inputs (so
-    every gradient, and every sum of them over ranks, is an exact integer),
-    one parameter per bucket, reduction "items" with fractional item counts.
-    With `wide`, float32 layers summed in float64 buckets (accumulate_dtype).
-    Returns, per window, the reduced .grad before step(), each rank's own raw
-    gradient sums (a copy of the model run alone), window_items and the
-    timeline."""
+    """Note [Writing back while the last buckets reduce]: one parameter per
+    bucket, reduction "items" with fractional item counts, and gradients that
+    are exact integers, as are their sums over ranks. Without `wide`, a
+    float64 chain of linear layers of unequal widths with small integer
+    weights and inputs. With `wide`, float32 parameters summed in float64
+    buckets (accumulate_dtype): linear layers side by side (_Fan), the loss
+    scaled by FAN_SCALE and inputs of 1 or 2, so that each window's summed
+    weight gradient is an integer in [2^24, 2^25): half of them odd, which a
+    division by about 2 puts exactly between two float32 values, so the
+    rounding to float32 tells a divisor one float64 ulp off. Returns, per
+    window, the reduced .grad before step(), each rank's own raw gradient
+    sums (a copy of the model run alone), window_items and the timeline."""
     import copy
 
     import gradaccum
 
-    widths = [8, 12, 5, 9, 7, 11, 4]
-    dtype = torch.float32 if wide else torch.float64
-    model = torch.nn.Sequential(*[torch.nn.Linear(a, b, dtype=dtype) for a, b in zip(widths, widths[1:])])
+    if wide:
+        model = _Fan([12, 5, 9, 7, 11, 4], torch.float32)
+    else:
+        widths = [8, 12, 5, 9, 7, 11, 4]
+        model = torch.nn.Sequential(*[torch.nn.Linear(a, b, dtype=torch.float64)
+                                      for a, b in zip(widths, widths[1:])])
     same = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -95,9 +117,14 @@ def fractional_weights(rank, world_size, *, steps, wide=False):
     windows = []
     for _ in range(3):
         for _ in range(steps):
-            x = torch.randint(-3, 4, (4, widths[0]), generator=g).to(dtype)
-            acc.backward(model(x).sum(), num_items=items)
-            alone(x).sum().backward()
+            if wide:
+                x = torch.randint(1, 3, (4, 8), generator=g).float()
+                loss = lambda m: m(x) * FAN_SCALE  # noqa: E731
+            else:
+                x = torch.randint(-3, 4, (4, 8), generator=g).double()
+                loss = lambda m: m(x).sum()  # noqa: E731
+            acc.backward(loss(model), num_items=items)
+            loss(alone).backward()
         windows.append({"grads": [p.grad.clone() for p in model.parameters()],
                         "raw": [p.grad.clone() for p in alone.parameters()],
                         "items": acc.window_items, "timeline": acc.last_window_timeline()})
