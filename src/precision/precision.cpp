@@ -73,7 +73,7 @@ void accumulate_grads(Bucket& bucket, const std::vector<at::Tensor>& params, std
 }
 
 void write_back_wide(Bucket& bucket, const std::vector<at::Tensor>& params, const std::vector<char>& nowhere,
-                     std::optional<double> divisor, bool zero_after) {
+                     std::optional<double> divisor) {
   // A CPU double scalar: the division runs in the sum's dtype without
   // rounding the divisor first.
   const auto divisor_tensor = at::scalar_tensor(divisor.value_or(1.0), at::kDouble);
@@ -82,9 +82,6 @@ void write_back_wide(Bucket& bucket, const std::vector<at::Tensor>& params, cons
     const auto& sum = bucket.views[slot];
     p.mutable_grad() = nowhere[slot] ? at::Tensor()
         : (divisor ? sum.div(divisor_tensor) : sum).to(p.scalar_type());
-  }
-  if (zero_after) {
-    bucket.gradients.zero_();
   }
 }
 

@@ -35,11 +35,11 @@ void accumulate_grads(Bucket& bucket, const std::vector<at::Tensor>& params, std
 
 /// Writes a wide bucket's reduced sums back into `.grad`, rounded once to
 /// each parameter's dtype, divided by `divisor` when given; undefined where
-/// `nowhere`. The bucket starts the next window at zero; with `zero_after`
-/// false the caller zeroes it (written before the verdict, the sums may be
-/// needed again: Note [Writing back while the last buckets reduce]).
+/// `nowhere`. The sums stay: the caller zeroes the bucket for the next window
+/// (the reducer once the window is agreed, since a bucket written before that
+/// may be written again: Note [Writing back while the last buckets reduce]).
 void write_back_wide(Bucket& bucket, const std::vector<at::Tensor>& params, const std::vector<char>& nowhere,
-                     std::optional<double> divisor, bool zero_after = true);
+                     std::optional<double> divisor);
 
 /// Restores one slot's wide sum from a checkpoint (`name`, `sizes`: its
 /// parameter's, for the error).

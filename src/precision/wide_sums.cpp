@@ -57,7 +57,7 @@ void WideSums::write_back(const std::vector<at::Tensor>& params, std::optional<d
     }
     write_back_wide(bucket, params, nowhere, divisor);
   }
-  clear();
+  clear(); // (zeroes the sums)
 }
 
 std::vector<at::Tensor> WideSums::sums() const {

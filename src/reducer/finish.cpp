@@ -198,7 +198,7 @@ void Reducer::State::write_back_early(size_t index) noexcept {
     }
     const double weight = meta[kWeight];
     early.bounded = write_back(bucket, meta, window.request.divide && weight > 0, weight,
-                               window.request.check_finite, /*keep_wide_sum=*/true);
+                               window.request.check_finite);
     early.weight = weight;
     early.written = true;
     window.timeline.buckets[index].written = window.elapsed();
@@ -277,14 +277,16 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
       // window's divisor, or written again.
       if (early.written && (!window.request.divide || early.weight == result.global_weight)) {
         known_finite = early.bounded && known_finite;
-        if (buckets.all[b].accumulating) {
-          buckets.all[b].gradients.zero_(); // (kept for a second write: the next window starts at zero)
-        }
         continue;
       }
       known_finite = write_back(buckets.all[b], buckets.all[b].meta_values, divide, result.global_weight,
                                 window.request.check_finite) && known_finite;
       window.timeline.buckets[b].written = window.elapsed();
+    }
+    for (auto& bucket : buckets.all) {
+      if (bucket.accumulating) {
+        bucket.gradients.zero_(); // the next window's wide sums start at zero
+      }
     }
     result.known_finite = window.last_result.known_finite = known_finite;
   } catch (...) {
@@ -352,7 +354,7 @@ void Reducer::State::apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) n
 }
 
 bool Reducer::State::write_back(Bucket& bucket, const std::vector<double>& meta, bool divide,
-                                double divisor, bool check_finite, bool keep_wide_sum) {
+                                double divisor, bool check_finite) {
   const bool as_view = config.options.gradient_as_bucket_view();
   if (bucket.compressed) {
     divide = detail::decompress(bucket, window.expected_weight, divide, divisor);
@@ -374,7 +376,7 @@ bool Reducer::State::write_back(Bucket& bucket, const std::vector<double>& meta,
     nowhere[slot] = meta[kMetaHeader + slot] == 0;
   }
   if (bucket.accumulating) {
-    detail::write_back_wide(bucket, config.params, nowhere, by, /*zero_after=*/!keep_wide_sum);
+    detail::write_back_wide(bucket, config.params, nowhere, by);
     return false; // not checked
   }
   for (const auto slot : c10::irange(bucket.params.size())) {

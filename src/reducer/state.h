@@ -260,9 +260,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   ReductionResult complete_window(detail::Reduced reduced);
   /// Runs every one of them, whatever fails on this rank, then rethrows.
   void window_collectives(int64_t joined_ranks, std::optional<std::vector<Bucket>>& rebuilt);
-  /// `keep_wide_sum`: a wide bucket keeps its sums (written before the verdict).
+  /// A wide bucket keeps its sums: complete_window() zeroes them.
   bool write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor,
-                  bool check_finite, bool keep_wide_sum = false);
+                  bool check_finite);
   void apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) noexcept;
 
   // Dropping a window, and ending a reduction (drop.cpp).
