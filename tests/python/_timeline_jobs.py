@@ -93,7 +93,8 @@ def fractional_weights(rank, world_size, *, steps, wide=False):
     division by about 2 puts exactly between two float32 values, so the
     rounding to float32 tells a divisor one float64 ulp off. Returns, per
     window, the reduced .grad before step(), each rank's own raw gradient
-    sums (a copy of the model run alone), window_items and the timeline."""
+    sums (a copy of the model run alone), window_items and the timeline;
+    and what the window dropped between the third and fourth of them left."""
     import copy
 
     import gradaccum
@@ -114,22 +115,41 @@ def fractional_weights(rank, world_size, *, steps, wide=False):
                                 accumulate_dtype=torch.float64 if wide else None)
     items = [0.1, 0.2, 0.7, 0.3][rank]
     g = torch.Generator().manual_seed(100 + rank)
-    windows = []
-    for _ in range(3):
-        for _ in range(steps):
-            if wide:
-                x = torch.randint(1, 3, (4, 8), generator=g).float()
-                loss = lambda m: m(x) * FAN_SCALE  # noqa: E731
-            else:
-                x = torch.randint(-3, 4, (4, 8), generator=g).double()
-                loss = lambda m: m(x).sum()  # noqa: E731
-            acc.backward(loss(model), num_items=items)
-            loss(alone).backward()
-        windows.append({"grads": [p.grad.clone() for p in model.parameters()],
-                        "raw": [p.grad.clone() for p in alone.parameters()],
-                        "items": acc.window_items, "timeline": acc.last_window_timeline()})
-        assert acc.step()
+
+    def batch():
+        if wide:
+            return torch.randint(1, 3, (4, 8), generator=g).float(), lambda y: y * FAN_SCALE
+        return torch.randint(-3, 4, (4, 8), generator=g).double(), lambda y: y.sum()
+
+    windows, dropped = [], None
+    for w in range(5):
+        errors = []
+        for k in range(steps):
+            x, loss = batch()
+            if w == 3 and rank == 0 and k == steps - 1:
+                # Window 3 is dropped after its early writes: rank 0's
+                # closing backward fails once every hook has run (Boom on
+                # the input), while the others may already have written
+                # buckets back (into float32 from float64 sums, when wide).
+                try:
+                    acc.backward(loss(model(Boom.apply(x.requires_grad_()))), num_items=items)
+                except RuntimeError as e:
+                    errors.append(str(e))
+                continue
+            try:
+                acc.backward(loss(model(x)), num_items=items)
+            except RuntimeError as e:
+                errors.append(str(e))
+            loss(alone(x)).backward()
+        if w == 3:
+            dropped = {"errors": errors, "grads": [p.grad for p in model.parameters()],
+                       "dropped_windows": acc.stats()["dropped_windows"], "stepped": acc.step()}
+        else:
+            windows.append({"grads": [p.grad.clone() for p in model.parameters()],
+                            "raw": [p.grad.clone() for p in alone.parameters()],
+                            "items": acc.window_items, "timeline": acc.last_window_timeline()})
+            assert acc.step()
         alone.zero_grad()
-    out = {"windows": windows, "buckets": acc.stats()["buckets"]}
+    out = {"windows": windows, "dropped": dropped, "buckets": acc.stats()["buckets"]}
     acc.close()
     return out

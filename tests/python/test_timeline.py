@@ -151,10 +151,23 @@ def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path, w
     (accumulate_dtype), rounded once to float32 after the division, from odd
     sums that put a division by 2 exactly between two float32 values: the
     wide bucket keeps its sums for the second write, and the rounding tells
-    the divisors apart."""
+    the divisors apart. A window dropped after early writes (rank 0's
+    closing backward fails once every hook has run) leaves no gradient on any
+    rank, and the window after it is exact: the drop zeroed the (wide) sums
+    the early writes had read."""
     ranks = du.run_job("fractional_weights", 3, tmp_path, module=M, steps=2, wide=wide)
+    for rank, res in enumerate(ranks):
+        d = res["dropped"]
+        assert d["dropped_windows"] == 1 and d["stepped"] is False
+        assert all(g is None for g in d["grads"]), d["grads"]
+        who = "this rank (rank 0): injected failure on rank 0." if rank == 0 else \
+            "rank 0 (its own error is raised there)."
+        assert d["errors"] == [
+            "gradaccum: acc.backward(): window 3 was dropped on every rank: the synchronising backward (or a "
+            f"micro-step of the window) failed on {who} The window's gradients were cleared on every rank and "
+            "no optimizer step was taken; training can go on from the next window"]
     ties = 0
-    for w in range(3):
+    for w in range(4):
         for r in ranks:  # each rank's own sums are exact in their dtype
             assert all(raw.abs().max() < (2**24 if wide else 2**53) for raw in r["windows"][w]["raw"])
         exact = [sum(r["windows"][w]["raw"][i].double() for r in ranks)
@@ -182,4 +195,4 @@ def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path, w
     # bit-for-bit checks above fail, in both variants.)
     assert any([b["written"] for b in r["windows"][w]["timeline"]["buckets"]] !=
                sorted(b["written"] for b in r["windows"][w]["timeline"]["buckets"])
-               for r in ranks for w in range(3))
+               for r in ranks for w in range(4))
