@@ -1,6 +1,7 @@
 """Instruction counts (valgrind's callgrind): repeatable overhead figures.
 
     python benchmarks/bench_instr.py [--cpp-bench build/bench/bench_window]
+        [--cpp-baseline OTHER/build/bench/bench_window] [--cpp-only]
 
 (bench.py runs it as part of `make bench`.) Two Gloo ranks on loopback, each
 under `valgrind --tool=callgrind --instr-atstart=no`; rank 0's counts are
@@ -23,7 +24,11 @@ the runs' range beside the targets. The small model (297,098 parameters), K=4,
 micro-batches of 32 rows, SGD.
 
 Targets: a no-sync micro-step at or below plain local; a window at or below
-the local window plus one all-reduce.
+the local window plus one all-reduce. With --cpp-baseline (bench_window built
+against an earlier revision, say in a git worktree), that program runs in turn
+with --cpp-bench, run by run, and its gradaccum micro-step and window are the
+targets for this build's: the regression check, free of the lone all-reduce's
+spread.
 """
 import argparse
 import glob
@@ -44,6 +49,7 @@ WORKER = os.path.join(HERE, "_bench_worker.py")
 TIMEOUT_S = 600
 VALGRIND = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--dump-instr=no",
             "--dump-line=no", "--compress-strings=no"]
+LANGUAGES = {"python": "Python", "cpp": "C++", "cpp_baseline": "C++ baseline"}
 LABELS = {"local": "plain local", "ddp_nosync": "DDP + no_sync", "gradaccum_py": "gradaccum",
           "gradaccum": "gradaccum"}
 
@@ -118,22 +124,31 @@ def measure(args):
     os.makedirs(args.log_dir, exist_ok=True)
     out = {"model": "small", "K": args.instr_steps, "windows": args.instr_windows, "micro_batch": 32}
     out["repeats"] = args.instr_repeats
-    programs = [("python", "instr-py", [sys.executable, WORKER, "--model", "small", "--instr", helper])]
+    programs = []
+    if not getattr(args, "cpp_only", False):
+        programs.append(("python", "instr-py", [sys.executable, WORKER, "--model", "small", "--instr", helper]))
     if args.cpp_bench:
         programs.append(("cpp", "instr-cpp", [args.cpp_bench, "--model", "small", "--callgrind"]))
-    for lang, name, argv in programs:
-        argv = argv + ["--steps", str(args.instr_steps), "--windows", str(args.instr_windows)]
-        runs = []
-        for i in range(args.instr_repeats):
+    baseline = getattr(args, "cpp_baseline", None)
+    if baseline:
+        out["cpp_baseline_program"] = baseline
+        programs.append(("cpp_baseline", "instr-cpp-baseline", [baseline, "--model", "small", "--callgrind"]))
+    runs, info = {lang: [] for lang, _, _ in programs}, {}
+    # Run by run, every program in turn: a baseline and the build under test
+    # then alternate, and what drifts on the machine drifts for both.
+    for i in range(args.instr_repeats):
+        for lang, name, argv in programs:
+            argv = argv + ["--steps", str(args.instr_steps), "--windows", str(args.instr_windows)]
             with tempfile.TemporaryDirectory(prefix="gradaccum-callgrind-") as tmp:
                 t0 = time.perf_counter()
-                info, counts = run_pair(f"{name}.{i}", argv, tmp, args.log_dir)
-                runs.append(counts[0])
-                log(f"  callgrind, {'Python' if lang == 'python' else 'C++'} run {i + 1}/{args.instr_repeats}: "
+                info[lang], counts = run_pair(f"{name}.{i}", argv, tmp, args.log_dir)
+                runs[lang].append(counts[0])
+                log(f"  callgrind, {LANGUAGES[lang]} run {i + 1}/{args.instr_repeats}: "
                     f"{time.perf_counter() - t0:.0f} s")
-        labels = sorted(set().union(*runs))
-        out[lang] = {"rank0": {k: statistics.median([r[k] for r in runs if k in r]) for k in labels},
-                     "rank0_runs": runs, "micro_steps": info["micro_steps"]}
+    for lang, lang_runs in runs.items():
+        labels = sorted(set().union(*lang_runs))
+        out[lang] = {"rank0": {k: statistics.median([r[k] for r in lang_runs if k in r]) for k in labels},
+                     "rank0_runs": lang_runs, "micro_steps": info[lang]["micro_steps"]}
     out["rows"], out["targets"] = table(out)
     return out
 
@@ -153,7 +168,8 @@ def table(out):
     """Per-unit counts (one micro-step, one window) and the targets."""
     rows, targets = [], []
     for lang, contenders, ga in (("python", ("local", "ddp_nosync", "gradaccum_py"), "gradaccum_py"),
-                                 ("cpp", ("local", "gradaccum"), "gradaccum")):
+                                 ("cpp", ("local", "gradaccum"), "gradaccum"),
+                                 ("cpp_baseline", ("local", "gradaccum"), "gradaccum")):
         if lang not in out:
             continue
         c0 = out[lang]["rank0"]
@@ -164,13 +180,13 @@ def table(out):
             micro = c0.get(f"{c} micro")
             window = c0.get(f"{c} window")
             per[c] = (micro / n_micro if micro else None, window / out["windows"] if window else None)
-            rows.append({"language": "Python" if lang == "python" else "C++", "contender": LABELS[c],
+            rows.append({"language": LANGUAGES[lang], "contender": LABELS[c],
                          "micro": per[c][0], "window": per[c][1],
                          "micro_ratio": per[c][0] / per["local"][0] if per[c][0] and per["local"][0] else None,
                          "window_ratio": per[c][1] / per["local"][1] if per[c][1] and per["local"][1] else None})
-        rows.append({"language": "Python" if lang == "python" else "C++", "contender": "one all-reduce alone",
+        rows.append({"language": LANGUAGES[lang], "contender": "one all-reduce alone",
                      "micro": None, "window": ar, "micro_ratio": None, "window_ratio": None})
-        name = "Python" if lang == "python" else "C++"
+        name = LANGUAGES[lang]
         gm, gw = per[ga]
         lm, lw = per["local"]
         if gm and lm:
@@ -190,7 +206,35 @@ def table(out):
             targets.append({"target": "Python: gradaccum <= DDP + no_sync (micro-step, window)",
                             "result": "PASS" if gm <= dm and gw <= dw else "MISS",
                             "detail": f"micro-step {gm / dm:.3f}x, window {gw / dw:.3f}x DDP's"})
+    if "cpp" in out and "cpp_baseline" in out:
+        targets += baseline_targets(out)
     return rows, targets
+
+
+def baseline_targets(out):
+    """The C++ build against the baseline build, run by run in the same
+    session: the window and the no-sync micro-step, and what gradaccum adds
+    to the local window (window - local: no lone all-reduce in it, whose count
+    is mostly Gloo's waiting)."""
+    new, old = out["cpp"], out["cpp_baseline"]
+    per_window = {"window": out["windows"], "micro": new["micro_steps"]}
+    targets = []
+    for unit, what in (("micro", "no-sync micro-step"), ("window", "window")):
+        key = f"gradaccum {unit}"
+        n, b = new["rank0"].get(key), old["rank0"].get(key)
+        if not n or not b:
+            continue
+        pairs = [r1[key] / r0[key] for r1, r0 in zip(new["rank0_runs"], old["rank0_runs"])
+                 if key in r1 and key in r0]
+        spread = f"; runs {min(pairs):.4f}–{max(pairs):.4f}x" if len(pairs) > 1 else ""
+        detail = f"{n / per_window[unit]:,.0f} vs {b / per_window[unit]:,.0f} instructions ({n / b:.4f}x{spread})"
+        if unit == "window" and new["rank0"].get("local window") and old["rank0"].get("local window"):
+            added_new = (n - new["rank0"]["local window"]) / out["windows"]
+            added_old = (b - old["rank0"]["local window"]) / out["windows"]
+            detail += f"; window - local window {added_new:,.0f} vs {added_old:,.0f}"
+        targets.append({"target": f"C++: gradaccum {what} <= the baseline build's (same run)",
+                        "result": "PASS" if n <= b else "MISS", "detail": detail})
+    return targets
 
 
 def markdown(out):
@@ -237,6 +281,10 @@ def main():
     p.add_argument("--cpp-bench", default=os.path.join(ROOT, "build", "bench", "bench_window"))
     p.add_argument("--log-dir", default=os.path.join(ROOT, "build", "bench-logs"))
     p.add_argument("--out", default=None)
+    p.add_argument("--cpp-baseline", default=None,
+                   help="a bench_window built against another revision (a git worktree's build/bench): "
+                        "run in turn with --cpp-bench, compared in the targets")
+    p.add_argument("--cpp-only", action="store_true", help="leave out the Python programs")
     add_arguments(p)
     args = p.parse_args()
     if args.cpp_bench and not os.access(args.cpp_bench, os.X_OK):
