@@ -1,6 +1,7 @@
 """Where a window's time goes, gradaccum against torch DDP, at equal bucket caps.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_phases.py [--caps 3,25] [--iters 25]
+        [--bucket-view]
 
 Two Gloo ranks (one host). For each cap, a gradaccum Accumulator (steps=1)
 and a DDP model are built from one transformer (`_bench_worker`'s "gpt"),
@@ -12,8 +13,10 @@ and the reduction finished (`last_window_timeline()`), in ms from the
 reduction's beginning, and how long after the last all-reduce's completion
 it finished (what the write-back left to do then). "last gradient" is when
 backward accumulated its last gradient (a post-accumulate-grad hook on every
-parameter, for both libraries): backward's compute, without the wait. Used by hand for benchmarks/RESULTS.md ("The default
-bucket cap on one host"); `--json FILE` also writes the medians.
+parameter, for both libraries): backward's compute, without the wait.
+`--bucket-view`: both with gradient_as_bucket_view. Used by hand for
+benchmarks/RESULTS.md ("The default bucket cap on one host", "Writing back
+while the last buckets reduce"); `--json FILE` also writes the medians.
 """
 import argparse
 import copy
@@ -36,6 +39,7 @@ def main():
     p.add_argument("--caps", default="3,25", help="bucket caps in MiB, each for both libraries")
     p.add_argument("--iters", type=int, default=25)
     p.add_argument("--json", default=None)
+    p.add_argument("--bucket-view", action="store_true", help="gradient_as_bucket_view for both libraries")
     args = p.parse_args()
 
     import gradaccum
@@ -50,9 +54,10 @@ def main():
     for cap in (float(c) for c in args.caps.split(",")):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-        acc = gradaccum.Accumulator(model, opt, steps=1, bucket_cap_mb=cap)
+        acc = gradaccum.Accumulator(model, opt, steps=1, bucket_cap_mb=cap, gradient_as_bucket_view=args.bucket_view)
         contenders[f"gradaccum cap {cap:g}"] = ("gradaccum", model, acc)
-        ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
+        ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap,
+                                                        gradient_as_bucket_view=args.bucket_view)
         contenders[f"DDP cap {cap:g}"] = ("ddp", ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4))
     # When each contender's last gradient was accumulated: the end of
     # backward's compute, the same measure for both libraries.
@@ -81,7 +86,7 @@ def main():
                 loss.backward()
                 t2 = time.perf_counter()
                 x.step()
-                x.zero_grad()
+                x.zero_grad(set_to_none=not args.bucket_view)
             t3 = time.perf_counter()
             if it >= 3:
                 phases[name].append((t1 - t0, t2 - t1, t3 - t2, t3 - t0, last_grad[name] - t1))
@@ -105,7 +110,8 @@ def main():
             print(line, flush=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"model": args.model, "iters": args.iters, "results": out}, f, indent=1)
+                json.dump({"model": args.model, "iters": args.iters, "bucket_view": args.bucket_view,
+                           "results": out}, f, indent=1)
     dist.destroy_process_group()
 
 

@@ -62,6 +62,10 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 //    sent as (v mod M, (v mod M)^2); over W ranks the values are all equal iff
 //    W * sum(v^2) == sum(v)^2. M is chosen so both sums stay exact (see
 //    consensus_modulus() in src/consensus/window_header.cpp).
+//  - how many ranks send a weight that is not an integer (kInexactWeight):
+//    with none, every bucket's summed kWeight is the window's divisor bit for
+//    bit, whatever order a collective sums it in (Note [Writing back while
+//    the last buckets reduce]),
 //  - the window's loss, summed over micro-steps and ranks (kLoss), and its user
 //    metrics after it (kMetric0...; float32 and float64 meta only:
 //    digit-encoded meta sends 0 there),
@@ -99,6 +103,7 @@ enum MetaField : int64_t {
   kKindSquare,
   kJoined, ///< ranks in Accumulator::join(): out of data, shadowing the others (Note [Joining])
   kLeftJoin, ///< ranks that drop the window leaving their join() block with an exception
+  kInexactWeight, ///< ranks whose kWeight is not an integer (its sum may round by position)
   kLoss, ///< the window's micro-batch losses summed (Note [The window's loss rides in the header])
   kMetric0, ///< then the window's user metrics summed, kMaxWindowMetrics of them (unused ones 0)
   kMetaHeader = kMetric0 + kMaxWindowMetrics, // the header's length

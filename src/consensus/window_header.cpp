@@ -58,6 +58,7 @@ std::vector<double> encode_header(const ReductionRequest& request, int rank, con
   meta[kFlushing] = request.flushing ? 1 : 0;
   meta[kJoined] = request.joined ? 1 : 0;
   meta[kLeftJoin] = request.abort == AbortReason::LeftJoin ? 1 : 0;
+  meta[kInexactWeight] = meta[kWeight] == std::floor(meta[kWeight]) ? 0 : 1;
   // launch_bucket() writes the loss and the metrics on their device.
   std::fill(meta.begin() + kLoss, meta.begin() + kMetaHeader, 0.0);
   meta[kAbort] = aborting ? 1 : 0;

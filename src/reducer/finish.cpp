@@ -12,7 +12,9 @@
 
 #include <c10/util/irange.h>
 
+#include <cmath>
 #include <exception>
+#include <iomanip>
 #include <sstream>
 
 // Note [Finishing a reduction]
@@ -110,9 +112,12 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
 // complete_window() writes such a bucket again from its view, where the
 // reduced sum still is; a wide bucket (accumulate_dtype) keeps its sums for
 // that until then, and is zeroed for the next window after it. Bucket views
-// (scaled in place: no second chance) and compressed buckets (decompressed in
-// place) are written after the verdict, whatever their meta encoding. A
-// snapshot leaves .grad as it is.
+// are scaled in place, with no second chance: one is written early only where
+// its divisor cannot differ, no rank having sent a fractional weight
+// (kInexactWeight) and the sum being exact in the meta's dtype (exact_weight();
+// the usual case: "mean" counts micro-steps, token counts are integers), and
+// complete_window() asserts that it did not. Compressed buckets (decompressed
+// in place) are written after the verdict. A snapshot leaves .grad as it is.
 detail::Reduced Reducer::State::agree(bool closing) {
   try {
     wait_all(/*write_early=*/closing);
@@ -177,17 +182,31 @@ void Reducer::State::wait_bucket(size_t index) {
   }
 }
 
+namespace {
+
+// Whether `meta`'s summed weight is the window's bit for bit, whatever
+// position in whichever collective summed it: every rank sent an integer
+// (kInexactWeight) and the sum is below 2^p, p the meta dtype's mantissa, so
+// no partial sum rounded.
+bool exact_weight(const Bucket& bucket, const std::vector<double>& meta) {
+  const bool wide = bucket.encoding == MetaEncoding::kPlain && bucket.meta.scalar_type() == at::kDouble;
+  return meta[kInexactWeight] == 0 && meta[kWeight] <= std::ldexp(1.0, wide ? 53 : 24);
+}
+
+} // namespace
+
 void Reducer::State::write_back_early(size_t index) noexcept {
   // See Note [Writing back while the last buckets reduce].
   auto& bucket = buckets.all[index];
-  if (window.early_failure || config.options.gradient_as_bucket_view() || bucket.compressed) {
+  if (window.early_failure || bucket.compressed) {
     return;
   }
   try {
     TORCH_INTERNAL_ASSERT(window.early.size() == buckets.all.size() && !window.early[index].written,
                           "gradaccum: bucket ", index, " written back early twice, or without its slot");
     auto& early = window.early[index];
-    for (const auto slot : c10::irange(bucket.params.size())) {
+    const bool as_view = config.options.gradient_as_bucket_view();
+    for (const auto slot : c10::irange(as_view ? 0 : bucket.params.size())) {
       if (detail::on_view(config.params[bucket.params[slot]].grad(), bucket.views[slot])) {
         return; // (a .grad on its view would be divided in place: no second write)
       }
@@ -197,6 +216,9 @@ void Reducer::State::write_back_early(size_t index) noexcept {
       return; // the window is dropped: nothing to write
     }
     const double weight = meta[kWeight];
+    if (as_view && window.request.divide && !exact_weight(bucket, meta)) {
+      return; // (divided in place: it could not be written again with another divisor)
+    }
     early.bounded = write_back(bucket, meta, window.request.divide && weight > 0, weight,
                                window.request.check_finite);
     early.weight = weight;
@@ -279,6 +301,9 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
         known_finite = early.bounded && known_finite;
         continue;
       }
+      TORCH_INTERNAL_ASSERT(!early.written || !config.options.gradient_as_bucket_view(),
+                            "gradaccum: bucket view ", b, " was divided early by ", std::setprecision(17),
+                            early.weight, ", not by the window's ", result.global_weight);
       known_finite = write_back(buckets.all[b], buckets.all[b].meta_values, divide, result.global_weight,
                                 window.request.check_finite) && known_finite;
       window.timeline.buckets[b].written = window.elapsed();

@@ -81,7 +81,7 @@ FAN_SCALE = 699051  # odd: the summed gradients are odd integers half the time
 
 
 @job
-def fractional_weights(rank, world_size, *, steps, wide=False):
+def fractional_weights(rank, world_size, *, steps, wide=False, views=False):
     """Note [Writing back while the last buckets reduce]: one parameter per
     bucket, reduction "items" with fractional item counts, and gradients that
     are exact integers, as are their sums over ranks. Without `wide`, a
@@ -91,7 +91,8 @@ def fractional_weights(rank, world_size, *, steps, wide=False):
     scaled by FAN_SCALE and inputs of 1 or 2, so that each window's summed
     weight gradient is an integer in [2^24, 2^25): half of them odd, which a
     division by about 2 puts exactly between two float32 values, so the
-    rounding to float32 tells a divisor one float64 ulp off. Returns, per
+    rounding to float32 tells a divisor one float64 ulp off. With `views`,
+    the float64 chain with gradient_as_bucket_view. Returns, per
     window, the reduced .grad before step(), each rank's own raw gradient
     sums (a copy of the model run alone), window_items and the timeline;
     and what the window dropped between the third and fourth of them left."""
@@ -112,7 +113,7 @@ def fractional_weights(rank, world_size, *, steps, wide=False):
     alone = copy.deepcopy(model)
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=steps,
                                 reduction="items", bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5,
-                                accumulate_dtype=torch.float64 if wide else None)
+                                accumulate_dtype=torch.float64 if wide else None, gradient_as_bucket_view=views)
     items = [0.1, 0.2, 0.7, 0.3][rank]
     g = torch.Generator().manual_seed(100 + rank)
 
@@ -136,10 +137,13 @@ def fractional_weights(rank, world_size, *, steps, wide=False):
                 except RuntimeError as e:
                     errors.append(str(e))
                 continue
-            try:
+            if w == 3:  # (rank 0's failure drops it on every rank)
+                try:
+                    acc.backward(loss(model(x)), num_items=items)
+                except RuntimeError as e:
+                    errors.append(str(e))
+            else:
                 acc.backward(loss(model(x)), num_items=items)
-            except RuntimeError as e:
-                errors.append(str(e))
             loss(alone(x)).backward()
         if w == 3:
             dropped = {"errors": errors, "grads": [p.grad for p in model.parameters()],
@@ -153,3 +157,52 @@ def fractional_weights(rank, world_size, *, steps, wide=False):
     out = {"windows": windows, "dropped": dropped, "buckets": acc.stats()["buckets"]}
     acc.close()
     return out
+
+
+SLOW_S = 0.5
+
+
+class _Slow(torch.autograd.Function):
+    """Identity forward; its backward sleeps SLOW_S, after every parameter's
+    gradient when applied to the input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(SLOW_S)
+        return grad
+
+
+@job
+def slow_closing_rank(rank, world_size, *, views):
+    """Rank 1's closing backward sleeps after its last gradient hook, so the
+    last bucket (launched at backward's end) completes late on every rank,
+    the others' buckets early. "mean" over micro-steps: integer weights.
+    Returns each window's reduced .grad, each rank's own raw sums (a copy of
+    the model run alone) and the timeline."""
+    import copy
+
+    import gradaccum
+
+    model = du.mlp(3)
+    alone = copy.deepcopy(model)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=2,
+                                bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5, gradient_as_bucket_view=views)
+    g = torch.Generator().manual_seed(rank)
+    windows = []
+    for w in range(2):
+        for k in range(2):
+            x = torch.randn(4, du.D_IN, dtype=torch.float64, generator=g)
+            slow = w == 1 and k == 1 and rank == 1
+            acc.backward(model(_Slow.apply(x.clone().requires_grad_()) if slow else x).pow(2).mean())
+            alone(x).pow(2).mean().backward()
+        windows.append({"grads": [p.grad.clone() for p in model.parameters()],
+                        "raw": [p.grad.clone() for p in alone.parameters()],
+                        "timeline": acc.last_window_timeline()})
+        assert acc.step()
+        alone.zero_grad()
+    acc.close()
+    return {"windows": windows}

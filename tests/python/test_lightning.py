@@ -160,12 +160,12 @@ def test_bf16_mixed_with_bf16_communication(runs):
         assert stats["last_window_collectives"] == stats["buckets"]
         # The gradients take 2 bytes each instead of 4; the rest is the buckets'
         # meta (a tiny model here, so the meta is a large part of the bytes):
-        # float32 on the full wire, 26 header fields and a flag per parameter
+        # float32 on the full wire, 27 header fields and a flag per parameter
         # (Note [Bucket meta layout]); digits of the integer fields on the bf16 wire.
         numel = sum(p.numel() for p in r["params"])
         meta_full = full["last_window_bytes"] - 4 * numel
         meta_half = stats["last_window_bytes"] - 2 * numel
-        assert meta_full == 4 * (26 * full["buckets"] + len(r["params"]))
+        assert meta_full == 4 * (27 * full["buckets"] + len(r["params"]))
         assert 0 < meta_half <= 300 * stats["buckets"]
 
 

@@ -137,8 +137,9 @@ def test_trace_save_refuses_what_is_not_a_trace(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["float64", "float32 in float64 buckets"])
-def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path, wide):
+@pytest.mark.parametrize("wide,views", [(False, False), (True, False), (False, True)],
+                         ids=["float64", "float32 in float64 buckets", "float64 bucket views"])
+def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path, wide, views):
     """Note [Writing back while the last buckets reduce]: every bucket but the
     last is written back as soon as its all-reduce completes, dividing by its
     own summed weight. Windows of 0.2, 0.4 and 1.4 items (two micro-steps of
@@ -151,15 +152,20 @@ def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path, w
     (accumulate_dtype), rounded once to float32 after the division, from odd
     sums that put a division by 2 exactly between two float32 values: the
     wide bucket keeps its sums for the second write, and the rounding tells
-    the divisors apart. A window dropped after early writes (rank 0's
+    the divisors apart. Bucket views, divided in place, are not written
+    early here: some rank's weight is fractional (kInexactWeight), so their
+    divisor could differ. A window dropped after early writes (rank 0's
     closing backward fails once every hook has run) leaves no gradient on any
     rank, and the window after it is exact: the drop zeroed the (wide) sums
     the early writes had read."""
-    ranks = du.run_job("fractional_weights", 3, tmp_path, module=M, steps=2, wide=wide)
+    ranks = du.run_job("fractional_weights", 3, tmp_path, module=M, steps=2, wide=wide, views=views)
     for rank, res in enumerate(ranks):
         d = res["dropped"]
         assert d["dropped_windows"] == 1 and d["stepped"] is False
-        assert all(g is None for g in d["grads"]), d["grads"]
+        if views:  # cleared to zeros on their views
+            assert all(g is not None and not g.any() for g in d["grads"]), d["grads"]
+        else:
+            assert all(g is None for g in d["grads"]), d["grads"]
         who = "this rank (rank 0): injected failure on rank 0." if rank == 0 else \
             "rank 0 (its own error is raised there)."
         assert d["errors"] == [
@@ -192,7 +198,35 @@ def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path, w
     # Some bucket was written early and then again after the verdict: its
     # second stamp comes after a later bucket's first. (Gloo sums the weight
     # in another order at other positions; without the second write the
-    # bit-for-bit checks above fail, in both variants.)
-    assert any([b["written"] for b in r["windows"][w]["timeline"]["buckets"]] !=
+    # bit-for-bit checks above fail, in both variants.) Views are written
+    # once each, after the verdict, in order.
+    assert views != any([b["written"] for b in r["windows"][w]["timeline"]["buckets"]] !=
                sorted(b["written"] for b in r["windows"][w]["timeline"]["buckets"])
                for r in ranks for w in range(4))
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["copies", "bucket views"])
+def test_buckets_are_written_back_while_a_slow_rank_holds_the_last(tmp_path, views):
+    """Note [Writing back while the last buckets reduce]: rank 1's closing
+    backward sleeps after its last gradient hook, so the last bucket, launched
+    at backward's end, completes about SLOW_S late on rank 0, whose other
+    buckets completed before. Rank 0 writes those back while it waits: each
+    written long before the last bucket completed. With integer weights
+    ("mean"), bucket views are divided in place early too. The gradients are
+    the big batch's: the ranks' own sums added and divided by 4, bit for bit."""
+    from _timeline_jobs import SLOW_S
+
+    ranks = du.run_job("slow_closing_rank", 2, tmp_path, module=M, views=views)
+    for w in range(2):
+        for res in ranks:
+            for i, grad in enumerate(res["windows"][w]["grads"]):
+                expected = (ranks[0]["windows"][w]["raw"][i] + ranks[1]["windows"][w]["raw"][i]) / 4
+                assert torch.equal(grad, expected), (w, i)
+    t = ranks[0]["windows"][1]["timeline"]
+    buckets = t["buckets"]
+    assert len(buckets) == 6  # a bucket per parameter
+    last = buckets[-1]["completed"]
+    assert last - t["backward_end"] > SLOW_S / 2, t
+    for b in buckets[:-1]:
+        assert 0 <= b["launched"] <= b["completed"] <= b["written"] < last - SLOW_S / 2, buckets
+    assert last <= buckets[-1]["written"] <= t["finished"]
