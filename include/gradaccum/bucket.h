@@ -63,9 +63,10 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 //    W * sum(v^2) == sum(v)^2. M is chosen so both sums stay exact (see
 //    consensus_modulus() in src/consensus/window_header.cpp).
 //  - how many ranks send a weight that is not an integer (kInexactWeight):
-//    with none, every bucket's summed kWeight is the window's divisor bit for
-//    bit, whatever order a collective sums it in (Note [Writing back while
-//    the last buckets reduce]),
+//    with none, and a sum below 2^24 (2^53 where every bucket's meta is
+//    float64 or digits), every bucket's summed kWeight is the window's divisor
+//    bit for bit, whatever order a collective sums it in (Note [Writing back
+//    while the last buckets reduce]),
 //  - the window's loss, summed over micro-steps and ranks (kLoss), and its user
 //    metrics after it (kMetric0...; float32 and float64 meta only:
 //    digit-encoded meta sends 0 there),

@@ -54,6 +54,7 @@ void BucketSet::use(std::vector<Bucket> built, int world) {
     }
   }
   modulus = header_modulus(all, world);
+  exact_weights_below = exact_weight_bound(all);
 }
 
 bool BucketSet::any(bool Bucket::*flag) const {

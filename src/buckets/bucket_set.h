@@ -49,6 +49,7 @@ struct BucketSet {
   std::vector<Bucket> all; ///< in launch order
   std::vector<std::pair<size_t, size_t>> locator; ///< (bucket, slot) of each parameter
   int64_t modulus = 2; ///< the consensus modulus of all buckets (header_modulus())
+  double exact_weights_below = 0; ///< exact_weight_bound() of all buckets
   bool final = false; ///< rebuilt in ready order, or never to be
   std::vector<size_t> ready_order; ///< the parameters in this window's hook order, while !final
   /// A window ran no hooks (compiled autograd): rank 0 gives the rebuild up.

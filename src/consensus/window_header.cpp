@@ -50,6 +50,16 @@ int64_t header_modulus(const std::vector<Bucket>& buckets, int world) {
   return modulus;
 }
 
+double exact_weight_bound(const std::vector<Bucket>& buckets) {
+  int bits = 53;
+  for (const auto& bucket : buckets) {
+    const bool wide = bucket.encoding == MetaEncoding::kDigits ||
+        (bucket.encoding == MetaEncoding::kPlain && bucket.meta.scalar_type() == at::kDouble);
+    bits = std::min(bits, wide ? 53 : 24);
+  }
+  return std::ldexp(1.0, bits);
+}
+
 std::vector<double> encode_header(const ReductionRequest& request, int rank, const AgreementInputs& mine,
                                   int64_t bucket, int64_t modulus, size_t slots) {
   std::vector<double> meta(static_cast<size_t>(kMetaHeader) + slots, 1.0);

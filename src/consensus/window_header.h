@@ -18,6 +18,13 @@ namespace gradaccum::detail {
 /// `world` ranks: one for all buckets, which the narrowest meta decides.
 int64_t header_modulus(const std::vector<Bucket>& buckets, int world);
 
+/// 2^p, p the fewest exact integer bits among `buckets`' meta (53 where every
+/// bucket's meta is float64 or digits, else 24): a sum of non-negative integer
+/// weights below it is exact in every bucket, whatever order a collective
+/// adds them in, since no partial sum exceeds it (Note [Writing back while
+/// the last buckets reduce]).
+double exact_weight_bound(const std::vector<Bucket>& buckets);
+
 /// Bucket `bucket`'s meta as this rank sends it: the header for `request`
 /// (Note [Bucket meta layout]), then `slots` has-gradient flags, all 1.
 std::vector<double> encode_header(const ReductionRequest& request, int rank, const AgreementInputs& mine,

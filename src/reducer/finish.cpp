@@ -114,10 +114,11 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
 // that until then, and is zeroed for the next window after it. Bucket views
 // are scaled in place, with no second chance: one is written early only where
 // its divisor cannot differ, no rank having sent a fractional weight
-// (kInexactWeight) and the sum being exact in the meta's dtype (exact_weight();
-// the usual case: "mean" counts micro-steps, token counts are integers), and
-// complete_window() asserts that it did not. Compressed buckets (decompressed
-// in place) are written after the verdict. A snapshot leaves .grad as it is.
+// (kInexactWeight) and the sum being exact in every bucket's meta dtype
+// (exact_weight_bound(); the usual case: "mean" counts micro-steps, token
+// counts are integers), and complete_window() asserts that it did not.
+// Compressed buckets (decompressed in place) are written after the verdict.
+// A snapshot leaves .grad as it is.
 detail::Reduced Reducer::State::agree(bool closing) {
   try {
     wait_all(/*write_early=*/closing);
@@ -182,19 +183,6 @@ void Reducer::State::wait_bucket(size_t index) {
   }
 }
 
-namespace {
-
-// Whether `meta`'s summed weight is the window's bit for bit, whatever
-// position in whichever collective summed it: every rank sent an integer
-// (kInexactWeight) and the sum is below 2^p, p the meta dtype's mantissa, so
-// no partial sum rounded.
-bool exact_weight(const Bucket& bucket, const std::vector<double>& meta) {
-  const bool wide = bucket.encoding == MetaEncoding::kPlain && bucket.meta.scalar_type() == at::kDouble;
-  return meta[kInexactWeight] == 0 && meta[kWeight] <= std::ldexp(1.0, wide ? 53 : 24);
-}
-
-} // namespace
-
 void Reducer::State::write_back_early(size_t index) noexcept {
   // See Note [Writing back while the last buckets reduce].
   auto& bucket = buckets.all[index];
@@ -212,12 +200,19 @@ void Reducer::State::write_back_early(size_t index) noexcept {
       }
     }
     const auto& meta = bucket.read_meta();
+    early.read = true;
     if (meta[kAbort] != 0) {
       return; // the window is dropped: nothing to write
     }
     const double weight = meta[kWeight];
-    if (as_view && window.request.divide && !exact_weight(bucket, meta)) {
-      return; // (divided in place: it could not be written again with another divisor)
+    // Divided in place, a view cannot be written again with another divisor:
+    // only where every bucket's summed weight is this one, bit for bit. Every
+    // rank sent an integer (kInexactWeight), and the sum is below the bound
+    // of the narrowest meta: weights are non-negative and rounding monotone,
+    // so no partial sum in any bucket rounded.
+    if (as_view && window.request.divide &&
+        (meta[kInexactWeight] != 0 || !(weight < buckets.exact_weights_below))) {
+      return;
     }
     early.bounded = write_back(bucket, meta, window.request.divide && weight > 0, weight,
                                window.request.check_finite);
@@ -245,7 +240,7 @@ void Reducer::State::write_back_early(size_t index) noexcept {
 // (end_failed_window()).
 void Reducer::State::read_all_meta() const {
   for (const auto b : c10::irange(buckets.all.size())) {
-    if (b >= window.early.size() || !window.early[b].written) { // (those read theirs already)
+    if (b >= window.early.size() || !window.early[b].read) { // (read for an early write already)
       buckets.all[b].read_meta();
     }
   }

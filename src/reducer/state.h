@@ -122,6 +122,7 @@ struct Window {
   /// whether the values it wrote were bounded; and the first local failure
   /// of those write-backs, raised once the window's collectives are done.
   struct EarlyWrite {
+    bool read = false; ///< its meta (Bucket::meta_values), whether written or not
     bool written = false;
     bool bounded = false;
     double weight = 0;

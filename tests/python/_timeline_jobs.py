@@ -177,12 +177,16 @@ class _Slow(torch.autograd.Function):
 
 
 @job
-def slow_closing_rank(rank, world_size, *, views):
-    """Rank 1's closing backward sleeps after its last gradient hook, so the
-    last bucket (launched at backward's end) completes late on every rank,
-    the others' buckets early. "mean" over micro-steps: integer weights.
-    Returns each window's reduced .grad, each rank's own raw sums (a copy of
-    the model run alone) and the timeline."""
+def slow_closing_rank(rank, world_size, *, views, items):
+    """Rank 1's closing backward sleeps after its last gradient hook in
+    windows 1 and 2, so the last bucket (launched at backward's end)
+    completes late on every rank, the others' buckets early. "mean" over
+    micro-steps (integer weights), or with `items` "items" with fractional
+    item counts. In window 2 rank 0's closing backward fails after its hooks
+    ran (Boom on the input): the window is dropped on both ranks after their
+    early writes. Returns each kept window's reduced .grad, each rank's own
+    raw sums (a copy of the model run alone), window_items and the timeline;
+    and what the dropped window left."""
     import copy
 
     import gradaccum
@@ -190,19 +194,77 @@ def slow_closing_rank(rank, world_size, *, views):
     model = du.mlp(3)
     alone = copy.deepcopy(model)
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=2,
+                                reduction="items" if items else "mean",
                                 bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5, gradient_as_bucket_view=views)
     g = torch.Generator().manual_seed(rank)
-    windows = []
-    for w in range(2):
+    windows, dropped = [], None
+    for w in range(4):
+        errors = []
         for k in range(2):
             x = torch.randn(4, du.D_IN, dtype=torch.float64, generator=g)
-            slow = w == 1 and k == 1 and rank == 1
-            acc.backward(model(_Slow.apply(x.clone().requires_grad_()) if slow else x).pow(2).mean())
-            alone(x).pow(2).mean().backward()
-        windows.append({"grads": [p.grad.clone() for p in model.parameters()],
-                        "raw": [p.grad.clone() for p in alone.parameters()],
-                        "timeline": acc.last_window_timeline()})
-        assert acc.step()
+            closing = k == 1
+            if w in (1, 2) and rank == 1 and closing:
+                inp = _Slow.apply(x.clone().requires_grad_())
+            elif w == 2 and rank == 0 and closing:
+                inp = Boom.apply(x.clone().requires_grad_())
+            else:
+                inp = x
+            kwargs = {"num_items": [0.1, 0.2][rank]} if items else {}
+            try:
+                acc.backward(model(inp).pow(2).sum(), **kwargs)
+            except RuntimeError as e:
+                if w != 2:
+                    raise
+                errors.append(str(e).split("\n")[0])
+            alone(x).pow(2).sum().backward()
+        if w == 2:
+            dropped = {"errors": errors, "grads": [p.grad for p in model.parameters()],
+                       "dropped_windows": acc.stats()["dropped_windows"], "stepped": acc.step()}
+        else:
+            windows.append({"grads": [p.grad.clone() for p in model.parameters()],
+                            "raw": [p.grad.clone() for p in alone.parameters()],
+                            "items": acc.window_items, "timeline": acc.last_window_timeline()})
+            assert acc.step()
         alone.zero_grad()
     acc.close()
-    return {"windows": windows}
+    return {"windows": windows, "dropped": dropped}
+
+
+class _TwoDtypes(torch.nn.Module):
+    """A float32 and a float64 linear layer side by side on one input: a
+    float64 bucket launched first, a float32 one last (reverse order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.narrow = torch.nn.Linear(8, 3, dtype=torch.float32)
+        self.wide = torch.nn.Linear(8, 3, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.narrow(x.float()).double().sum() + self.wide(x).sum()
+
+
+@job
+def large_items_two_dtypes(rank, world_size):
+    """Bucket views, "items" with integer item counts whose sum, 2^24 + 1, is
+    exact in the float64 bucket's meta and rounds to 2^24 in the float32
+    one's, which closes the window. Returns the reduced .grad, each rank's
+    own raw sums, window_items and the buckets' dtypes in launch order."""
+    import copy
+
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = _TwoDtypes()
+    alone = copy.deepcopy(model)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=1, reduction="items",
+                                gradient_as_bucket_view=True)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    acc.backward(model(x), num_items=[2**23 + 1, 2**23][rank])
+    alone(x).backward()
+    params = list(model.parameters())
+    out = {"grads": [p.grad.clone() for p in params], "raw": [p.grad.clone() for p in alone.parameters()],
+           "items": acc.window_items,
+           "bucket_dtypes": [sorted({str(params[i].dtype) for i in b}) for b in acc.bucket_indices]}
+    assert acc.step()
+    acc.close()
+    return out

@@ -205,28 +205,62 @@ def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path, w
                for r in ranks for w in range(4))
 
 
-@pytest.mark.parametrize("views", [False, True], ids=["copies", "bucket views"])
-def test_buckets_are_written_back_while_a_slow_rank_holds_the_last(tmp_path, views):
+@pytest.mark.parametrize("views,items", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["copies", "bucket views", "copies, fractional items", "bucket views, fractional items"])
+def test_buckets_are_written_back_while_a_slow_rank_holds_the_last(tmp_path, views, items):
     """Note [Writing back while the last buckets reduce]: rank 1's closing
     backward sleeps after its last gradient hook, so the last bucket, launched
     at backward's end, completes about SLOW_S late on rank 0, whose other
     buckets completed before. Rank 0 writes those back while it waits: each
-    written long before the last bucket completed. With integer weights
-    ("mean"), bucket views are divided in place early too. The gradients are
-    the big batch's: the ranks' own sums added and divided by 4, bit for bit."""
+    written long before the last bucket completed. Bucket views, divided in
+    place, only where no rank's weight is fractional ("mean"; kInexactWeight):
+    with fractional item counts they wait for the verdict. The gradients are
+    the big batch's, bit for bit: the ranks' own sums added and divided by
+    the window's weight. A window dropped after early writes (rank 0's
+    closing backward fails once its hooks ran) leaves nothing on either
+    rank, and the next window is exact again."""
     from _timeline_jobs import SLOW_S
 
-    ranks = du.run_job("slow_closing_rank", 2, tmp_path, module=M, views=views)
-    for w in range(2):
+    ranks = du.run_job("slow_closing_rank", 2, tmp_path, module=M, views=views, items=items)
+    for w in range(3):
         for res in ranks:
-            for i, grad in enumerate(res["windows"][w]["grads"]):
-                expected = (ranks[0]["windows"][w]["raw"][i] + ranks[1]["windows"][w]["raw"][i]) / 4
-                assert torch.equal(grad, expected), (w, i)
+            window = res["windows"][w]
+            assert window["items"] == (pytest.approx(0.6) if items else 4)
+            for i, grad in enumerate(window["grads"]):
+                total = ranks[0]["windows"][w]["raw"][i] + ranks[1]["windows"][w]["raw"][i]
+                assert torch.equal(grad, total / window["items"]), (w, i)
     t = ranks[0]["windows"][1]["timeline"]
     buckets = t["buckets"]
     assert len(buckets) == 6  # a bucket per parameter
     last = buckets[-1]["completed"]
     assert last - t["backward_end"] > SLOW_S / 2, t
     for b in buckets[:-1]:
-        assert 0 <= b["launched"] <= b["completed"] <= b["written"] < last - SLOW_S / 2, buckets
+        assert 0 <= b["launched"] <= b["completed"] <= b["written"], buckets
+        if views and items:  # after the verdict
+            assert b["written"] > last - SLOW_S / 2, buckets
+        else:
+            assert b["written"] < last - SLOW_S / 2, buckets
     assert last <= buckets[-1]["written"] <= t["finished"]
+    for rank, res in enumerate(ranks):
+        d = res["dropped"]
+        assert d["dropped_windows"] == 1 and d["stepped"] is False
+        if views:  # cleared to zeros on their views
+            assert all(g is not None and not g.any() for g in d["grads"]), d["grads"]
+        else:
+            assert all(g is None for g in d["grads"]), d["grads"]
+        assert len(d["errors"]) == 1 and d["errors"][0].startswith(
+            "gradaccum: acc.backward(): window 2 was dropped on every rank"), d["errors"]
+
+
+def test_bucket_views_early_only_below_every_buckets_exact_bound(tmp_path):
+    """Note [Writing back while the last buckets reduce]: integer weights
+    summing to 2^24 + 1, exact in a float64 bucket's meta, are 2^24 in the
+    float32 bucket's that closes the window. The float64 view is not divided
+    early (by 2^24 + 1): exact_weight_bound() is the narrowest meta's. Bit
+    for bit the ranks' sums divided by the window's 2^24."""
+    ranks = du.run_job("large_items_two_dtypes", 2, tmp_path, module=M)
+    for res in ranks:
+        assert res["bucket_dtypes"] == [["torch.float64"], ["torch.float32"]]
+        assert res["items"] == 2**24  # (2^24 + 1 rounded in float32)
+        for i, grad in enumerate(res["grads"]):
+            assert torch.equal(grad, (ranks[0]["raw"][i] + ranks[1]["raw"][i]) / res["items"]), i
