@@ -34,7 +34,6 @@ import argparse
 import glob
 import json
 import os
-import re
 import shutil
 import socket
 import statistics

@@ -77,6 +77,23 @@ class _Fan(torch.nn.Module):
         return sum(layer(x).sum() for layer in self.layers)
 
 
+def _end_window(acc, model, alone, errors=None):
+    """Steps a window and starts `alone`'s next. A kept one (errors None):
+    its reduced .grad, the raw sums of `alone` (the model run alone),
+    window_items and the timeline. A dropped one: its `errors`, what .grad
+    it left, the dropped windows counted and whether step() stepped."""
+    if errors is not None:
+        out = {"errors": errors, "grads": [p.grad for p in model.parameters()],
+               "dropped_windows": acc.stats()["dropped_windows"], "stepped": acc.step()}
+    else:
+        out = {"grads": [p.grad.clone() for p in model.parameters()],
+               "raw": [p.grad.clone() for p in alone.parameters()],
+               "items": acc.window_items, "timeline": acc.last_window_timeline()}
+        assert acc.step()
+    alone.zero_grad()
+    return out
+
+
 FAN_SCALE = 699051  # odd: the summed gradients are odd integers half the time
 
 
@@ -146,14 +163,9 @@ def fractional_weights(rank, world_size, *, steps, wide=False, views=False):
                 acc.backward(loss(model(x)), num_items=items)
             loss(alone(x)).backward()
         if w == 3:
-            dropped = {"errors": errors, "grads": [p.grad for p in model.parameters()],
-                       "dropped_windows": acc.stats()["dropped_windows"], "stepped": acc.step()}
+            dropped = _end_window(acc, model, alone, errors)
         else:
-            windows.append({"grads": [p.grad.clone() for p in model.parameters()],
-                            "raw": [p.grad.clone() for p in alone.parameters()],
-                            "items": acc.window_items, "timeline": acc.last_window_timeline()})
-            assert acc.step()
-        alone.zero_grad()
+            windows.append(_end_window(acc, model, alone))
     out = {"windows": windows, "dropped": dropped, "buckets": acc.stats()["buckets"]}
     acc.close()
     return out
@@ -218,14 +230,9 @@ def slow_closing_rank(rank, world_size, *, views, items):
                 errors.append(str(e).split("\n")[0])
             alone(x).pow(2).sum().backward()
         if w == 2:
-            dropped = {"errors": errors, "grads": [p.grad for p in model.parameters()],
-                       "dropped_windows": acc.stats()["dropped_windows"], "stepped": acc.step()}
+            dropped = _end_window(acc, model, alone, errors)
         else:
-            windows.append({"grads": [p.grad.clone() for p in model.parameters()],
-                            "raw": [p.grad.clone() for p in alone.parameters()],
-                            "items": acc.window_items, "timeline": acc.last_window_timeline()})
-            assert acc.step()
-        alone.zero_grad()
+            windows.append(_end_window(acc, model, alone))
     acc.close()
     return {"windows": windows, "dropped": dropped}
 

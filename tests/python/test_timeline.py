@@ -137,6 +137,18 @@ def test_trace_save_refuses_what_is_not_a_trace(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def _dropped_and_cleared(res, views):
+    """A job's dropped window: counted once, not stepped, its gradients
+    cleared (to zeros on their views, else None)."""
+    d = res["dropped"]
+    assert d["dropped_windows"] == 1 and d["stepped"] is False
+    if views:
+        assert all(g is not None and not g.any() for g in d["grads"]), d["grads"]
+    else:
+        assert all(g is None for g in d["grads"]), d["grads"]
+    return d
+
+
 @pytest.mark.parametrize("wide,views", [(False, False), (True, False), (False, True)],
                          ids=["float64", "float32 in float64 buckets", "float64 bucket views"])
 def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path, wide, views):
@@ -160,12 +172,7 @@ def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path, w
     the early writes had read."""
     ranks = du.run_job("fractional_weights", 3, tmp_path, module=M, steps=2, wide=wide, views=views)
     for rank, res in enumerate(ranks):
-        d = res["dropped"]
-        assert d["dropped_windows"] == 1 and d["stepped"] is False
-        if views:  # cleared to zeros on their views
-            assert all(g is not None and not g.any() for g in d["grads"]), d["grads"]
-        else:
-            assert all(g is None for g in d["grads"]), d["grads"]
+        d = _dropped_and_cleared(res, views)
         who = "this rank (rank 0): injected failure on rank 0." if rank == 0 else \
             "rank 0 (its own error is raised there)."
         assert d["errors"] == [
@@ -241,13 +248,8 @@ def test_buckets_are_written_back_while_a_slow_rank_holds_the_last(tmp_path, vie
         else:
             assert b["written"] < last - SLOW_S / 2, buckets
     assert last <= buckets[-1]["written"] <= t["finished"]
-    for rank, res in enumerate(ranks):
-        d = res["dropped"]
-        assert d["dropped_windows"] == 1 and d["stepped"] is False
-        if views:  # cleared to zeros on their views
-            assert all(g is not None and not g.any() for g in d["grads"]), d["grads"]
-        else:
-            assert all(g is None for g in d["grads"]), d["grads"]
+    for res in ranks:
+        d = _dropped_and_cleared(res, views)
         assert len(d["errors"]) == 1 and d["errors"][0].startswith(
             "gradaccum: acc.backward(): window 2 was dropped on every rank"), d["errors"]
 
