@@ -12,7 +12,6 @@
 
 #include <c10/util/irange.h>
 
-#include <cmath>
 #include <exception>
 #include <iomanip>
 #include <sstream>

@@ -189,7 +189,7 @@ class _Slow(torch.autograd.Function):
 
 
 @job
-def slow_closing_rank(rank, world_size, *, views, items):
+def slow_closing_rank(rank, world_size, *, views, items, dtype=torch.float64):
     """Rank 1's closing backward sleeps after its last gradient hook in
     windows 1 and 2, so the last bucket (launched at backward's end)
     completes late on every rank, the others' buckets early. "mean" over
@@ -198,12 +198,13 @@ def slow_closing_rank(rank, world_size, *, views, items):
     ran (Boom on the input): the window is dropped on both ranks after their
     early writes. Returns each kept window's reduced .grad, each rank's own
     raw sums (a copy of the model run alone), window_items and the timeline;
-    and what the dropped window left."""
+    and what the dropped window left. `dtype`: the model's (bfloat16: the
+    buckets' meta travels as digits)."""
     import copy
 
     import gradaccum
 
-    model = du.mlp(3)
+    model = du.mlp(3, dtype=dtype)
     alone = copy.deepcopy(model)
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=2,
                                 reduction="items" if items else "mean",
@@ -213,7 +214,7 @@ def slow_closing_rank(rank, world_size, *, views, items):
     for w in range(4):
         errors = []
         for k in range(2):
-            x = torch.randn(4, du.D_IN, dtype=torch.float64, generator=g)
+            x = torch.randn(4, du.D_IN, dtype=torch.float64, generator=g).to(dtype)
             closing = k == 1
             if w in (1, 2) and rank == 1 and closing:
                 inp = _Slow.apply(x.clone().requires_grad_())
@@ -238,30 +239,41 @@ def slow_closing_rank(rank, world_size, *, views, items):
 
 
 class _TwoDtypes(torch.nn.Module):
-    """A float32 and a float64 linear layer side by side on one input: a
-    float64 bucket launched first, a float32 one last (reverse order)."""
+    """A float32 and a float64 linear layer side by side on one input, run
+    in registration order, so that backward reaches them in reverse, as the
+    buckets launch: with `narrow_first`, the float64 bucket first and the
+    float32 one last; else the other way."""
 
-    def __init__(self):
+    def __init__(self, narrow_first):
         super().__init__()
-        self.narrow = torch.nn.Linear(8, 3, dtype=torch.float32)
+        self.narrow_first = narrow_first
+        if narrow_first:
+            self.narrow = torch.nn.Linear(8, 3, dtype=torch.float32)
         self.wide = torch.nn.Linear(8, 3, dtype=torch.float64)
+        if not narrow_first:
+            self.narrow = torch.nn.Linear(8, 3, dtype=torch.float32)
 
     def forward(self, x):
-        return self.narrow(x.float()).double().sum() + self.wide(x).sum()
+        if self.narrow_first:
+            narrow = self.narrow(x.float()).double().sum()
+            return narrow + self.wide(x).sum()
+        wide = self.wide(x).sum()
+        return wide + self.narrow(x.float()).double().sum()
 
 
 @job
-def large_items_two_dtypes(rank, world_size):
+def large_items_two_dtypes(rank, world_size, *, narrow_first):
     """Bucket views, "items" with integer item counts whose sum, 2^24 + 1, is
     exact in the float64 bucket's meta and rounds to 2^24 in the float32
-    one's, which closes the window. Returns the reduced .grad, each rank's
-    own raw sums, window_items and the buckets' dtypes in launch order."""
+    one's (_TwoDtypes: which closes the window). Returns the reduced .grad,
+    each rank's own raw sums, window_items and the buckets' dtypes in launch
+    order."""
     import copy
 
     import gradaccum
 
     torch.manual_seed(0)
-    model = _TwoDtypes()
+    model = _TwoDtypes(narrow_first)
     alone = copy.deepcopy(model)
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=1, reduction="items",
                                 gradient_as_bucket_view=True)

@@ -212,9 +212,12 @@ def test_buckets_written_back_early_divide_by_the_windows_own_weight(tmp_path, w
                for r in ranks for w in range(4))
 
 
-@pytest.mark.parametrize("views,items", [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["copies", "bucket views", "copies, fractional items", "bucket views, fractional items"])
-def test_buckets_are_written_back_while_a_slow_rank_holds_the_last(tmp_path, views, items):
+@pytest.mark.parametrize("views,items,dtype", [
+    (False, False, torch.float64), (True, False, torch.float64), (False, True, torch.float64),
+    (True, True, torch.float64), (True, False, torch.bfloat16)],
+    ids=["copies", "bucket views", "copies, fractional items", "bucket views, fractional items",
+         "bfloat16 bucket views (digits)"])
+def test_buckets_are_written_back_while_a_slow_rank_holds_the_last(tmp_path, views, items, dtype):
     """Note [Writing back while the last buckets reduce]: rank 1's closing
     backward sleeps after its last gradient hook, so the last bucket, launched
     at backward's end, completes about SLOW_S late on rank 0, whose other
@@ -225,10 +228,11 @@ def test_buckets_are_written_back_while_a_slow_rank_holds_the_last(tmp_path, vie
     the big batch's, bit for bit: the ranks' own sums added and divided by
     the window's weight. A window dropped after early writes (rank 0's
     closing backward fails once its hooks ran) leaves nothing on either
-    rank, and the next window is exact again."""
+    rank, and the next window is exact again. In bfloat16 the header
+    travels as digits: its integer weights are exact there too."""
     from _timeline_jobs import SLOW_S
 
-    ranks = du.run_job("slow_closing_rank", 2, tmp_path, module=M, views=views, items=items)
+    ranks = du.run_job("slow_closing_rank", 2, tmp_path, module=M, views=views, items=items, dtype=dtype)
     for w in range(3):
         for res in ranks:
             window = res["windows"][w]
@@ -238,7 +242,7 @@ def test_buckets_are_written_back_while_a_slow_rank_holds_the_last(tmp_path, vie
                 assert torch.equal(grad, total / window["items"]), (w, i)
     t = ranks[0]["windows"][1]["timeline"]
     buckets = t["buckets"]
-    assert len(buckets) == 6  # a bucket per parameter
+    assert len(buckets) == (6 if dtype == torch.float64 else 5)  # a bucket per parameter (bf16: two share one)
     last = buckets[-1]["completed"]
     assert last - t["backward_end"] > SLOW_S / 2, t
     for b in buckets[:-1]:
@@ -254,15 +258,19 @@ def test_buckets_are_written_back_while_a_slow_rank_holds_the_last(tmp_path, vie
             "gradaccum: acc.backward(): window 2 was dropped on every rank"), d["errors"]
 
 
-def test_bucket_views_early_only_below_every_buckets_exact_bound(tmp_path):
+@pytest.mark.parametrize("narrow_first", [True, False], ids=["float32 bucket last", "float64 bucket last"])
+def test_bucket_views_early_only_below_every_buckets_exact_bound(tmp_path, narrow_first):
     """Note [Writing back while the last buckets reduce]: integer weights
-    summing to 2^24 + 1, exact in a float64 bucket's meta, are 2^24 in the
-    float32 bucket's that closes the window. The float64 view is not divided
-    early (by 2^24 + 1): exact_weight_bound() is the narrowest meta's. Bit
-    for bit the ranks' sums divided by the window's 2^24."""
-    ranks = du.run_job("large_items_two_dtypes", 2, tmp_path, module=M)
+    summing to 2^24 + 1, exact in a float64 bucket's meta, are 2^24 in a
+    float32 bucket's. Neither view is divided early: exact_weight_bound() is
+    the narrowest meta's, 2^24, and a sum must be below it. With the float32
+    bucket last, the float64 one would otherwise be divided by 2^24 + 1;
+    with it first, by 2^24 (at the bound, not below it). Bit for bit the
+    ranks' sums divided by the window's weight, the last bucket's."""
+    ranks = du.run_job("large_items_two_dtypes", 2, tmp_path, module=M, narrow_first=narrow_first)
     for res in ranks:
-        assert res["bucket_dtypes"] == [["torch.float64"], ["torch.float32"]]
-        assert res["items"] == 2**24  # (2^24 + 1 rounded in float32)
+        order = [["torch.float64"], ["torch.float32"]]
+        assert res["bucket_dtypes"] == (order if narrow_first else order[::-1])
+        assert res["items"] == (2**24 if narrow_first else 2**24 + 1)  # (rounded in float32)
         for i, grad in enumerate(res["grads"]):
             assert torch.equal(grad, (ranks[0]["raw"][i] + ranks[1]["raw"][i]) / res["items"]), i
