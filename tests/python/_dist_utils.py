@@ -1,6 +1,6 @@
 """Multi-process helpers for test_distributed.py.
 
-`run_job(name, world_size, out_dir, **kwargs)` spawns `world_size` processes,
+`run_job(name, world_size, out_dir, **kwargs)` starts `world_size` processes,
 joins them into a Gloo process group on loopback (a free TCP port) and runs the
 job `JOBS[name](rank, world_size, **kwargs)` on every rank. Each rank saves the
 dict its job returns with torch.save; the parent gets the list of them, one per
@@ -55,10 +55,31 @@ def run_example(script, *args, timeout=150):
     return proc.stdout
 
 
-def _entry(rank, world_size, port, name, out_dir, pg_timeout, backend, kwargs, module=None):
+# Ranks are forked from a server that has imported torch and gradaccum once
+# (multiprocessing's "forkserver", started at the first launch): importing
+# them took about 2 s of CPU per rank with "spawn", most of the suite's time on
+# two cores. The server is a fresh interpreter with no threads, no process
+# group and no CUDA; each rank gets the launching test's environment (the
+# server's own is the one it started with). GRADACCUM_TEST_SPAWN=1 spawns
+# every rank afresh instead.
+_PRELOAD = ["torch", "torch.distributed", "gradaccum", "_dist_utils"]
+
+
+def _start_method():
+    if os.environ.get("GRADACCUM_TEST_SPAWN") == "1":
+        return "spawn"
+    import multiprocessing
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    return "forkserver"
+
+
+def _entry(rank, world_size, port, name, out_dir, pg_timeout, backend, kwargs, module=None, env=None):
     import faulthandler
 
     faulthandler.enable()  # a rank that crashes says where (the test shows its stderr)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -105,10 +126,10 @@ def run_job(name, world_size, out_dir, *, timeout=150, pg_timeout=DEFAULT_PG_TIM
     os.makedirs(out_dir, exist_ok=True)
     ctx = mp.start_processes(
         _entry,
-        args=(world_size, free_port(), name, out_dir, pg_timeout, backend, kwargs, module),
+        args=(world_size, free_port(), name, out_dir, pg_timeout, backend, kwargs, module, dict(os.environ)),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method=_start_method(),
     )
     deadline = time.monotonic() + timeout
     if allow_death:

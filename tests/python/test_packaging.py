@@ -101,17 +101,23 @@ def test_stub_names_what_the_module_has():
         assert stubbed == runtime, f"{cls}: stub only {stubbed - runtime}; module only {runtime - stubbed}"
 
 
-@pytest.mark.slow
-def test_examples_pass_mypy_strict(tmp_path):
+@pytest.fixture(scope="module")
+def mypy_cache(tmp_path_factory):
+    """One mypy cache for this module's runs: reading torch's stubs is most
+    of a cold run's minute."""
     pytest.importorskip("mypy", reason="make deps installs mypy")
-    run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", tmp_path, "examples/python"], cwd=REPO)
+    return tmp_path_factory.mktemp("mypy-cache")
 
 
 @pytest.mark.slow
-def test_any_object_with_step_types_as_an_optimizer(tmp_path):
+def test_examples_pass_mypy_strict(mypy_cache):
+    run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", mypy_cache, "examples/python"], cwd=REPO)
+
+
+@pytest.mark.slow
+def test_any_object_with_step_types_as_an_optimizer(tmp_path, mypy_cache):
     """`optimizer` is typed as a Protocol with step(): a custom optimizer
     passes `mypy --strict`, and it trains."""
-    pytest.importorskip("mypy", reason="make deps installs mypy")
     script = tmp_path / "custom_optimizer.py"
     script.write_text(textwrap.dedent("""
         import torch
@@ -137,7 +143,8 @@ def test_any_object_with_step_types_as_an_optimizer(tmp_path):
         assert acc.step()
         assert abs(before - float(model.bias) - 0.5) < 1e-6  # d(sum)/d(bias) = 3 > 0: one signed step
     """))
-    run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", tmp_path / "cache", script], cwd=tmp_path)
+    run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", mypy_cache,
+         "--config-file", REPO / "pyproject.toml", script], cwd=tmp_path)
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
 
