@@ -57,11 +57,13 @@ def run_example(script, *args, timeout=150):
 
 # Ranks are forked from a server that has imported torch and gradaccum once
 # (multiprocessing's "forkserver", started at the first launch): importing
-# them took about 2 s of CPU per rank with "spawn", most of the suite's time on
-# two cores. The server is a fresh interpreter with no threads, no process
-# group and no CUDA; each rank gets the launching test's environment (the
-# server's own is the one it started with). GRADACCUM_TEST_SPAWN=1 spawns
-# every rank afresh instead.
+# them took about 2 s of CPU per rank with "spawn", about a quarter of the
+# suite's time on two cores. The server is a fresh interpreter with no
+# threads, no process group and no CUDA. Each rank's os.environ is the
+# launching test's; what is read at process start or at import (MALLOC_*,
+# LD_*, OMP_* at libgomp's load, TORCH_DISTRIBUTED_DEBUG) is the server's, as
+# the first launch found it: a job that needs such a setting makes it itself.
+# GRADACCUM_TEST_SPAWN=1 spawns every rank afresh instead.
 _PRELOAD = ["torch", "torch.distributed", "gradaccum", "_dist_utils"]
 
 
@@ -665,10 +667,15 @@ def bucket_oom(rank, world_size, *, oom_rank):
     """The reducer's buckets do not fit on `oom_rank` (its address space is
     capped just above what it uses): every rank raises, quickly; then, the cap
     lifted, every rank builds an Accumulator and steps one window alike."""
+    import ctypes
     import resource
     import torch.distributed as dist
     import gradaccum
 
+    # One malloc arena (M_ARENA_MAX): a thread of the capped rank that needs a
+    # new one would fail elsewhere than in the buckets. mallopt, not
+    # MALLOC_ARENA_MAX: glibc reads that at process start, the forkserver's.
+    assert ctypes.CDLL(None).mallopt(-8, 1) == 1
     model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 8))  # 64 MiB of float32
     out = {}
     # Once uncapped first: what the package loads lazily maps memory too.
