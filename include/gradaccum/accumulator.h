@@ -318,7 +318,10 @@ class Accumulator {
   /// parameters] in src/accumulator/refresh.cpp. A call this rank refuses at
   /// a window boundary (no trainable parameter) still meets the other ranks'
   /// (data parallel), so that every rank raises, and nothing changes;
-  /// mid-window it is refused before any collective.
+  /// mid-window it is refused before any collective. Data parallel it opens
+  /// with Reducer::refresh_check(), which a rank that reduces its next window
+  /// instead meets bucket for bucket: every rank raises (Note [A refresh
+  /// pairs like a window]).
   void refresh_parameters(ModelParameters model);
   /// The same, for a caller that refused the call on this rank already
   /// (`refused_here`: why, non-empty; Python's own checks): data parallel it
@@ -449,8 +452,9 @@ class Accumulator {
   void fail_micro_step(AbortReason why);
   /// refuse_micro_batch() inside a call that holds the call guard.
   std::string drop_refused_window(const char* call);
-  /// `saving`: for state_dict() at a boundary, else for step().
-  void check_no_uncounted_backward(bool saving) const;
+  /// At a boundary, for `what`: "acc.step()", "acc.state_dict()" or
+  /// "acc.refresh_parameters()" (each words its error).
+  void check_no_uncounted_backward(const char* what) const;
   double check_micro_step(const at::Tensor& loss, std::optional<double> num_items, const char* what) const;
   void fail_after_peers_ended_epoch();
   void local_micro_step(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);

@@ -100,7 +100,7 @@ enum MetaField : int64_t {
   kReductionModeSquare,
   kBucketIndex,
   kBucketIndexSquare,
-  kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window; +2 while a bucket rebuild is pending
+  kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window, 2: a refresh's check; +3 while a bucket rebuild is pending
   kKindSquare,
   kJoined, ///< ranks in Accumulator::join(): out of data, shadowing the others (Note [Joining])
   kLeftJoin, ///< ranks that drop the window leaving their join() block with an exception

@@ -21,7 +21,7 @@ struct ReducerStats {
   /// this rank alone when it failed after every rank had reduced it (then
   /// the ranks' counts differ, as their replicas do).
   int64_t dropped_windows = 0;
-  int64_t collectives = 0; ///< all-reduces launched, in all
+  int64_t collectives = 0; ///< all-reduces launched, in all (snapshots' and refresh checks' too)
   int64_t bytes_reduced = 0; ///< bytes handed to all-reduces, in all
   int64_t last_window_collectives = 0;
   int64_t last_window_bytes = 0;
@@ -113,6 +113,10 @@ enum class AbortReason : int64_t {
   /// An exception took this rank out of its acc.join() block (Note [Leaving
   /// join() with an exception]): it will not reduce again.
   LeftJoin = 11,
+  /// This rank refused acc.refresh_parameters() at a window boundary (nothing
+  /// trainable left, or its caller's own checks) while others called it
+  /// (Note [A refresh pairs like a window]).
+  RefreshRefused = 12,
 };
 
 /// One reduction, asked for as a value: what this rank contributes.
@@ -224,6 +228,18 @@ class Reducer {
   /// Returns one summed (undivided) gradient per parameter, undefined where no
   /// rank has one; `result.global_weight` sums the request weights.
   std::vector<at::Tensor> snapshot(const ReductionRequest& request, ReductionResult* result = nullptr);
+  /// acc.refresh_parameters()'s collective at a window boundary, before a new
+  /// reducer replaces this one (every rank calls it at the same point): every
+  /// bucket all-reduced with zeros, so that it pairs with whatever a rank that
+  /// did not call it reduces instead (Note [A refresh pairs like a window]).
+  /// `refused`: this rank refuses the refresh. Returns normally when every rank
+  /// called it and none refused; otherwise throws after the pairing, on every
+  /// rank alike, counted as a dropped reduction. Either way `.grad` and the
+  /// residuals stay as they were (a boundary's: call it with no gradient
+  /// written since the last window), and on success the last window's
+  /// counters too. Its all-reduces count in `collectives` and
+  /// `bytes_reduced`; it takes a reduction number, as a snapshot does.
+  void refresh_check(bool refused);
   /// Counters, the window sequence number and the last full window's global
   /// weight (the prescale of half-precision wires with "items", Note [Scaling
   /// before the sum]; the same on every rank), as saved in a checkpoint.

@@ -430,8 +430,11 @@ class Accumulator:
         place, as the constructor does. ``parameters``: the
         module or parameters to train from now on (default: the module the
         Accumulator was built from). Data parallel, a collective: every rank
-        calls it at the same point with the same set (checked). Counters carry
-        over; error-feedback residuals start at zero."""
+        calls it at the same point with the same set (checked: a rank that
+        refuses it, or reduces its next window instead, makes every rank
+        raise, and nothing is refreshed). It all-reduces zeros through the
+        buckets once, then broadcasts rank 0's values of the new set. Counters
+        carry over; error-feedback residuals start at zero."""
         source = parameters if parameters is not None else self._module
         if source is None:
             raise ValueError("gradaccum: acc.refresh_parameters(): this Accumulator was built from an iterable of "

@@ -467,7 +467,7 @@ bool Accumulator::step() {
       "without one, acc.backward() leaves the window's gradient in .grad)");
   if (!window_ready_) {
     if (micro_step_ == 0) {
-      check_no_uncounted_backward(/*saving=*/false);
+      check_no_uncounted_backward("acc.step()");
     }
     return false;
   }

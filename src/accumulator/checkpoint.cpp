@@ -178,7 +178,7 @@ void Accumulator::copy_window_into(AccumulatorState& state) const {
     // acc.step() refuses them. By marks, not values, so that every rank that
     // ran the same calls decides alike (a gradient that happens to be zero on
     // one rank must not let that rank save while the others raise).
-    check_no_uncounted_backward(/*saving=*/true);
+    check_no_uncounted_backward("acc.state_dict()");
   }
   // accumulate_dtype mid-window: the wide sums (in the buckets, or in wide_
   // in one process) are the window's gradient so far; .grad holds none.

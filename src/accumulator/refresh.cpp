@@ -5,8 +5,6 @@
 #include "parameters.h"
 #include "precision/wide_sums.h"
 
-#include <c10/util/irange.h>
-
 #include <exception>
 #include <string>
 #include <unordered_set>
@@ -42,13 +40,15 @@ void Accumulator::refresh_parameters(ModelParameters model) {
 // call by itself at a window boundary (no trainable parameter left, or the
 // caller's own checks: `refused_here`) would skip it and leave the others
 // waiting there for the group's timeout. So, data parallel, every rank at a
-// boundary first gathers whether some rank refused (one integer each): the
-// refusing rank raises its own error, every other rank one naming it, and
-// nothing changes anywhere. Only then is the new reducer built. A rank in
-// the middle of a window refuses before any collective, as before: its next
-// collective is its window's reduction (or a checkpoint's snapshot), which a
-// gather here would meet instead, where the ranks at other micro-steps are
-// told by the reduction's consensus.
+// boundary first takes part in the old reducer's refresh_check(), saying
+// whether it refuses: a reduction through the old buckets that also pairs
+// with the window of a rank that did not call refresh_parameters() at all
+// (Note [A refresh pairs like a window]). If any rank refused, or one reduced
+// something else, every rank raises and nothing changes anywhere: the
+// refusing rank its own error, every other rank one naming it. Only then is
+// the new reducer built. A rank in the middle of a window refuses before any
+// collective: its next collective is its window's reduction (or a
+// checkpoint's snapshot), which meets the others' check there.
 void Accumulator::refresh_parameters(ModelParameters model, const std::string& refused_here) {
   const CallGuard guard(driver_, "acc.refresh_parameters()");
   check_open("acc.refresh_parameters()");
@@ -57,6 +57,11 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
       "gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=", micro_step_,
       window_ready_ ? ", closed but not stepped" : "", "); call it at a window boundary: after acc.step() "
       "returned True, or after acc.flush()");
+  // Gradients no micro-step counted (the manual path before its optimizer
+  // step): refused here, before any collective, as in the middle of a window,
+  // since the check's reduction would drop them (Note [A refresh pairs like a
+  // window]). Decided by marks, alike on every rank that ran the same calls.
+  check_no_uncounted_backward("acc.refresh_parameters()");
   std::exception_ptr refused;
   std::vector<std::pair<std::string, at::Tensor>> frozen;
   if (refused_here.empty()) {
@@ -70,15 +75,25 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
     }
   }
   if (reducer_) {
-    const auto refusals = reducer_->gather(refused || !refused_here.empty() ? 1 : 0);
-    if (refused) {
-      std::rethrow_exception(refused);
+    const auto window = reducer_->progress().sequence;
+    try {
+      reducer_->refresh_check(refused || !refused_here.empty());
+    } catch (...) {
+      // Whether the others were flushing (a flag this may set, never clear).
+      const bool ended = epoch_ended_;
+      note_dropped_window(window);
+      epoch_ended_ = epoch_ended_ || ended;
+      remember_gradients(); // (the check rewrote bucket views in place, with zeros again)
+      if (refused) {
+        std::rethrow_exception(refused);
+      }
+      if (!refused_here.empty()) {
+        return; // the caller raises its own error
+      }
+      throw; // another rank refused, or reduced something else: every rank dropped it
     }
-    for (const auto r : c10::irange(refused_here.empty() ? refusals.size() : 0)) {
-      TORCH_CHECK_VALUE(refusals[r] == 0,
-          "gradaccum: acc.refresh_parameters(): rank ", r, " refused the call (that rank says why), so no rank "
-          "refreshed its parameters; nothing was changed");
-    }
+    TORCH_INTERNAL_ASSERT(!refused && refused_here.empty(), "gradaccum: a refused refresh's check returned");
+    remember_gradients(); // (bucket views hold the check's zeros: written in place, as they were)
   }
   if (!refused_here.empty()) {
     return; // the caller raises its own error

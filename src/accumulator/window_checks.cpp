@@ -36,31 +36,37 @@ void Accumulator::check_gradients_untouched(
   }
 }
 
-void Accumulator::check_no_uncounted_backward(bool saving) const {
+void Accumulator::check_no_uncounted_backward(const char* what) const {
   // At micro-step 0 the gradients are as the last window (or reset) left them;
   // different ones came from a backward this Accumulator did not count. The
   // window would never close: step() would return false for good, silently,
-  // and state_dict() would save a boundary without them. A gradient cleared
-  // to None is no backward: optimizer.zero_grad() at a window boundary is
-  // allowed, and with bucket views the last window left zeroed views in
-  // .grad, which it drops. The decision reads marks, never values: it is the
-  // same on every rank that ran the same calls (a backward whose gradient
-  // happens to be zero on one rank only still counts there).
-  const char* what = saving ? "acc.state_dict()" : "acc.step()";
+  // state_dict() would save a boundary without them, and
+  // refresh_parameters()'s check would drop them (Note [A refresh pairs like
+  // a window]). A gradient cleared to None is no backward:
+  // optimizer.zero_grad() at a window boundary is allowed, and with bucket
+  // views the last window left zeroed views in .grad, which it drops. The
+  // decision reads marks, never values: it is the same on every rank that ran
+  // the same calls (a backward whose gradient happens to be zero on one rank
+  // only still counts there).
+  const std::string call = what;
+  const bool step = call == "acc.step()";
+  const bool saving = call == "acc.state_dict()";
   const auto now = grad_versions();
   for (const auto i : c10::irange(params_.size())) {
     TORCH_CHECK(now[i] == remembered_[i] || !now[i].impl,
         "gradaccum: ", what, ": gradients were written since the last window, but no micro-step was "
         "counted: a plain loss.backward() instead of acc.backward(loss)? ",
         saving ? "A checkpoint now would save a window boundary without them. " : "",
+        step ? "" : saving ? "" : "A refresh now would drop them. ",
         "Call acc.backward(loss) on "
         "each micro-batch: it counts the micro-step and synchronises the window's last one, and "
         "acc.step() then steps once per window. (A plain loss.backward(), inside acc.no_sync() for "
         "all but the last micro-batch, is the manual path, where you step the optimizer yourself",
-        saving ? ", and save after that step, once the gradients are cleared" : "", ".) "
-        "Nothing was changed: drop these gradients with acc.zero_grad(). (Gradients zeroed in place "
+        saving ? ", and save after that step, once the gradients are cleared"
+               : step ? "" : ", and refresh after that step, once the gradients are cleared",
+        ".) Nothing was changed: drop these gradients with acc.zero_grad(). (Gradients zeroed in place "
         "count as written too, e.g. by optimizer.zero_grad(set_to_none=False)",
-        saving ? "" : " with gradient_as_bucket_view", ": clear them to None instead.)");
+        step ? " with gradient_as_bucket_view" : "", ": clear them to None instead.)");
   }
 }
 

@@ -40,11 +40,9 @@ const std::vector<Agreement>& agreements() {
       {"reduction", Shown::Reduction,
        [](const I& in) { return static_cast<double>(static_cast<int>(in.rule.reduction)); },
        true, kReductionMode, true, nullptr},
-      {"what this collective is (a checkpoint's state_dict() on some ranks, a window's "
-       "reduction on others), or whether it rebuilds the buckets after it (rebuild_buckets "
-       "differs across ranks?); the code is 0/1 for a window/checkpoint, plus 2 while a "
-       "rebuild is pending",
-       Shown::Number, [](const I& in) { return static_cast<double>(in.kind); }, false, kKind, true, nullptr},
+      // (Its remedy depends on which part differs: kind_remedy().)
+      {"what this collective is, or whether a bucket rebuild follows it",
+       Shown::Kind, [](const I& in) { return static_cast<double>(in.kind); }, false, kKind, true, nullptr},
       {"the window number", Shown::Number, [](const I& in) { return static_cast<double>(in.window); },
        false, kWindow, false,
        "Some rank ran a reduction the others did not (flush() on some ranks only, or a failed "
@@ -103,6 +101,16 @@ std::string show(Shown shown, double value) {
       return value < 0 ? "None" : c10::toString(static_cast<at::ScalarType>(static_cast<int>(value)));
     case Shown::Flag:
       return value == 1 ? "yes" : value == 0 ? "no" : "?";
+    case Shown::Kind: {
+      // State::kind_code(): the kind, plus 3 while a bucket rebuild is pending.
+      static const char* const kinds[] = {"a window's reduction", "acc.state_dict()'s snapshot of a half-done window",
+                                          "acc.refresh_parameters()'s check at a window boundary"};
+      const auto code = static_cast<int64_t>(value);
+      if (value != static_cast<double>(code) || code < 0 || code > 5) {
+        return "?";
+      }
+      return std::string(kinds[code % 3]) + (code >= 3 ? " (a bucket rebuild pending)" : "");
+    }
     case Shown::Optional:
       if (value < 0) {
         return "None";
@@ -159,6 +167,29 @@ std::string construction_disagreement(const Agreement& agreement,
   return out.str() + " (their hashes differ, their names do not)";
 }
 
+namespace {
+
+// What the ranks should do when their kind codes (State::kind_code(): the
+// call, plus 3 while a bucket rebuild is pending) differ: by the part that
+// differs, or both where the values are not known (more than 2 ranks).
+std::string kind_remedy(const HeaderValues& values) {
+  const std::string calls =
+      "Every rank must call acc.state_dict() at the same micro-step of a window, and "
+      "acc.refresh_parameters() at the same window boundary (a rank that does not call it reduces its "
+      "next window against the others' check)";
+  const std::string rebuild = "rebuild_buckets differs across ranks? Every rank must use the same options";
+  const bool known = values.other.has_value();
+  const bool call_differs = known && values.mine % 3 != *values.other % 3;
+  const bool rebuild_differs = known && (values.mine >= 3) != (*values.other >= 3);
+  if (!call_differs && !rebuild_differs) {
+    return "The codes: 0 a window's reduction, 1 acc.state_dict()'s snapshot, 2 acc.refresh_parameters()'s "
+        "check, plus 3 with a bucket rebuild pending. " + calls + "; or " + rebuild;
+  }
+  return call_differs && rebuild_differs ? calls + ". " + rebuild : call_differs ? calls : rebuild;
+}
+
+} // namespace
+
 std::string window_disagreement(const std::string& where, const Agreement& agreement,
                                 const HeaderValues& values) {
   std::ostringstream out;
@@ -169,7 +200,10 @@ std::string window_disagreement(const std::string& where, const Agreement& agree
   } else {
     out << " (mean over the " << values.world << " ranks: " << values.mean << ")";
   }
-  out << ". " << (agreement.remedy ? agreement.remedy : "Every rank must use the same options")
+  out << ". "
+      << (agreement.shown == Shown::Kind ? kind_remedy(values)
+          : agreement.remedy             ? agreement.remedy
+                                         : "Every rank must use the same options")
       << ". The window was dropped on every rank";
   return out.str();
 }
@@ -222,6 +256,8 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
           "acc.refresh_parameters()";
     case AbortReason::LeftJoin:
       return who + " left its acc.join() block with an exception";
+    case AbortReason::RefreshRefused:
+      return who + " refused acc.refresh_parameters() at the window boundary";
     case AbortReason::None:
     case AbortReason::BackwardFailed:
       break;
@@ -233,7 +269,8 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
 bool raised_there(AbortReason why) {
   return why == AbortReason::None || why == AbortReason::BackwardFailed ||
       why == AbortReason::ClosedWindowNotStepped || why == AbortReason::OutOfMemory ||
-      why == AbortReason::MicroBatchRefused || why == AbortReason::LeftJoin;
+      why == AbortReason::MicroBatchRefused || why == AbortReason::LeftJoin ||
+      why == AbortReason::RefreshRefused;
 }
 
 // Note [A window dropped while ranks shadow]
@@ -245,6 +282,10 @@ bool raised_there(AbortReason why) {
 std::string consequence(AbortReason why, int64_t joined) {
   if (why == AbortReason::ClosedWindowNotStepped) {
     return ": the replicas differ from here on. Resume every rank from a checkpoint";
+  }
+  if (why == AbortReason::RefreshRefused && joined == 0) { // Note [A refresh pairs like a window]
+    return ". No rank refreshed its parameters, no optimizer step was taken, and a window reduced in its "
+        "place was cleared; training can go on from the next window";
   }
   std::string text = ". The window's gradients were cleared on every rank and no optimizer step was taken; ";
   if (why == AbortReason::LeftJoin) { // Note [Leaving join() with an exception]
@@ -265,8 +306,8 @@ std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_
                               int64_t joined, int64_t left) {
   if (aborting > 1) {
     return where + " was dropped on every rank: " + std::to_string(aborting) + " ranks could not "
-        "contribute their window (their synchronising backward failed, or they left the epoch "
-        "early" + (left > 0 ? "; " + std::to_string(left) + " of them left their acc.join() block with an "
+        "contribute their window (their synchronising backward failed, they left the epoch "
+        "early, or they refused acc.refresh_parameters()" + (left > 0 ? "; " + std::to_string(left) + " of them left their acc.join() block with an "
         "exception" : std::string()) + ")" + consequence(left > 0 ? AbortReason::LeftJoin : AbortReason::None, joined);
   }
   return where + " was dropped on every rank: " + abort_phrase(why, "rank " + std::to_string(who)) +

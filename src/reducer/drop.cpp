@@ -114,8 +114,16 @@ void Reducer::State::drop_window() {
   for (auto& times : window.timeline.buckets) {
     times.written = -1; // (Note [Writing back while the last buckets reduce]: undone)
   }
+  // A refresh's check holds no window (Note [A refresh pairs like a window]):
+  // its buckets were zeros at a boundary, and may now hold a peer's window;
+  // zeroed again, they are as they were. .grad and the residual (the last
+  // stepped window's) stay.
+  const bool refresh = window.entry == detail::Entry::Refresh;
   for (auto& bucket : buckets.all) {
     bucket.gradients.zero_();
+    if (refresh) {
+      continue;
+    }
     if (bucket.residual.defined()) {
       bucket.residual.zero_(); // it holds part of the dropped window
     }

@@ -14,6 +14,7 @@
 
 #include <exception>
 #include <iomanip>
+#include <numeric>
 #include <sstream>
 
 // Note [Finishing a reduction]
@@ -43,7 +44,11 @@ ReductionResult Reducer::State::finish_reduction(std::vector<at::Tensor>* snapsh
   window.timeline.backward_end = window.elapsed();
   const auto saved = complete_buckets(snapshot != nullptr);
   launch_rest();
-  auto reduced = agree(/*closing=*/snapshot == nullptr);
+  auto reduced = agree(/*closing=*/window.kind() == 0);
+  if (window.entry == detail::Entry::Refresh) { // Note [A refresh pairs like a window]
+    end_reduction(/*window_closed=*/false);
+    return reduced.result;
+  }
   if (snapshot) {
     return complete_snapshot(std::move(reduced), saved, *snapshot);
   }
@@ -54,6 +59,15 @@ std::vector<at::Tensor> Reducer::State::complete_buckets(bool snapshot) {
   std::string foreign;
   std::vector<at::Tensor> saved;
   try {
+    if (window.entry == detail::Entry::Refresh) {
+      // Note [A refresh pairs like a window]: zeros, no parameter's gradient.
+      for (auto& bucket : buckets.all) {
+        bucket.wire_gradients.zero_();
+        bucket.missing.resize(bucket.params.size());
+        std::iota(bucket.missing.begin(), bucket.missing.end(), size_t{0});
+      }
+      return saved;
+    }
     foreign = window.kind() == 0 ? detail::foreign_hooks(config) : "";
     // Whatever backward did not make ready (unused on this rank, or used only
     // in earlier micro-steps) is sent as it is: its accumulated .grad, or
@@ -139,7 +153,17 @@ detail::Reduced Reducer::State::agree(bool closing) {
   result.left_ranks = verdict.left_ranks;
   window.last_result = result; // (no metric sums yet: copied without allocating)
   if (!verdict.agreed()) {
-    fail_worded([&] { return detail::verdict_error(verdict, where()); });
+    fail_worded([&] {
+      // A refresh's check is no window: say what became of the refresh
+      // (a refusal's text says it already).
+      const bool refusal = verdict.outcome == detail::Verdict::Outcome::Dropped &&
+          verdict.abort_reason == AbortReason::RefreshRefused;
+      return detail::verdict_error(verdict, where()) +
+          (window.entry == detail::Entry::Refresh && !refusal
+               ? ". Nothing was refreshed: call acc.refresh_parameters() again on every rank, at the same "
+                 "window boundary"
+               : "");
+    });
   }
   return reduced;
 }

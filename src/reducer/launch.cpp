@@ -116,7 +116,7 @@ void Reducer::State::launch_bucket(size_t index) {
   for (const auto slot : bucket.missing) {
     meta[kMetaHeader + slot] = 0;
   }
-  if (bucket.compressed) {
+  if (bucket.compressed && window.entry != detail::Entry::Refresh) { // (a refresh sends zeros)
     detail::compress(bucket, bucket.prescaled ? window.expected_weight : 1.0);
   }
   bucket.write_meta(meta);

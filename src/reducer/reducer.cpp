@@ -168,6 +168,54 @@ std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, Reduc
   return sums;
 }
 
+// Note [A refresh pairs like a window]
+// acc.refresh_parameters() replaces the reducer at a window boundary, and the
+// new one's construction is a sequence of collectives. A rank that did not
+// call it (a condition evaluated per rank), or called it in the middle of its
+// window (refused there, before any collective), goes on to its next
+// reduction: its window's buckets. Any other collective first (a gather, the
+// construction's checks) would meet those buckets: mis-sized, an error on one
+// rank and a wait until the group's timeout on another. So the refresh opens
+// with a reduction of its own through the old buckets: the same collectives,
+// in the same order and sizes, as any window's, carrying zeros and every
+// slot flagged as missing, with kKind = 2 (refresh). Whatever a peer reduces
+// instead pairs with it bucket for bucket, and the kinds differ in every
+// header: every rank drops that reduction, and raises, the refreshing ones
+// from acc.refresh_parameters() (nothing refreshed), the others from their
+// call (the window dropped, as any disagreement drops it). A rank that
+// refuses the refresh at the boundary (nothing trainable left, its caller's
+// checks) sends the drop's abort flag (AbortReason::RefreshRefused), so every
+// rank learns that too from the same collectives. It costs one all-reduce of
+// the gradients' size per refresh, beside the new reducer's broadcast of the
+// parameters. The zeros go on the wire without touching `.grad` or the
+// residuals: a compressed bucket zeroes its wire copy and skips compression;
+// otherwise the bucket is zeroed, which at a window boundary it is already
+// (acc.step(), acc.flush() and a dropped window clear it; bucket views are
+// `.grad`, of zeros). The counters of the last window are kept: this is no
+// window, but it takes a reduction number, as a snapshot does.
+void Reducer::refresh_check(bool refused) {
+  const auto keep = state_;
+  auto& s = *keep;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.check_idle("acc.refresh_parameters()");
+  const auto last_collectives = s.stats.last_window_collectives;
+  const auto last_bytes = s.stats.last_window_bytes;
+  const auto last_launched = s.stats.last_window_launched_in_backward;
+  ReductionRequest request;
+  request.weight = 0;
+  request.divide = false;
+  request.abort = refused ? AbortReason::RefreshRefused : AbortReason::None;
+  s.begin_reduction(request, -1, detail::Entry::Refresh);
+  if (request.abort != AbortReason::None) {
+    s.abort_reduction(request.abort);
+    TORCH_CHECK(false, s.window.failure_text());
+  }
+  s.finish_reduction();
+  s.stats.last_window_collectives = last_collectives;
+  s.stats.last_window_bytes = last_bytes;
+  s.stats.last_window_launched_in_backward = last_launched;
+}
+
 void Reducer::zero_grad() {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);

@@ -62,6 +62,7 @@ enum class Entry {
   ManualBackward, ///< a plain loss.backward() outside no_sync (begun by a hook)
   Flush, ///< acc.flush() (reduce() closing a partial window)
   StateDict, ///< acc.state_dict() (snapshot() of a half-done window)
+  Refresh, ///< acc.refresh_parameters() (refresh_check() at a window boundary)
 };
 
 /// How errors name `entry`: the call in which they surface.
@@ -71,6 +72,7 @@ inline const char* call_name(Entry entry) {
     case Entry::ManualBackward: return "loss.backward()";
     case Entry::Flush: return "acc.flush()";
     case Entry::StateDict: return "acc.state_dict()";
+    case Entry::Refresh: return "acc.refresh_parameters()";
   }
   return "?";
 }
@@ -156,9 +158,10 @@ struct Window {
   std::string own_transport;
   ReductionResult last_result;
 
-  /// 0: a window's reduction, 1: a checkpoint's snapshot (kKind).
+  /// 0: a window's reduction, 1: a checkpoint's snapshot, 2: a refresh's
+  /// check (kKind).
   int64_t kind() const {
-    return entry == Entry::StateDict ? 1 : 0;
+    return entry == Entry::StateDict ? 1 : entry == Entry::Refresh ? 2 : 0;
   }
 };
 
@@ -296,9 +299,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
       touched[i].store(false, std::memory_order_relaxed);
     }
   }
-  /// kKind's value: the kind, plus 2 while the bucket rebuild is pending.
+  /// kKind's value: the kind, plus 3 while the bucket rebuild is pending.
   int64_t kind_code() const {
-    return window.kind() + (buckets.final ? 0 : 2);
+    return window.kind() + (buckets.final ? 0 : 3);
   }
   /// This rank's values of what the ranks must agree on, for this reduction.
   detail::AgreementInputs agreement_inputs() const {
@@ -306,6 +309,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   }
   /// What every error of this reduction starts with: "gradaccum: acc.flush(): window 3".
   std::string where() const {
+    if (window.entry == detail::Entry::Refresh) { // (no window: Note [A refresh pairs like a window])
+      return "gradaccum: acc.refresh_parameters(): its check (reduction " + std::to_string(window.sequence) + ")";
+    }
     return std::string("gradaccum: ") + detail::call_name(window.entry, window.request) + ": window " +
         std::to_string(window.sequence);
   }

@@ -95,3 +95,76 @@ def refused_on_one_rank(rank, world_size, *, mode):
     out["params"] = du.params(model)
     acc.close()
     return out
+
+
+@job
+def one_sided(rank, world_size, *, mode, options):
+    """Note [A refresh pairs like a window]: after window 0, rank 0 (every
+    rank but the last) unfreezes the first layer and calls
+    acc.refresh_parameters() at the boundary, but the last rank does not
+    ("skip": it trains on into window 1), calls it one micro-step late
+    ("late": refused there, mid-window), or calls it after a plain backward
+    inside acc.no_sync() ("uncounted": refused before any collective; it then
+    drops those gradients with acc.zero_grad()); either way it then trains
+    window 1, whose reduction meets the others' check. Each rank's errors and
+    parameters then; then every rank refreshes alike and trains window 2 (so
+    the job goes on): its parameters, counters and window loss."""
+    import gradaccum
+
+    model = du.mlp(5)
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=STEPS, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005,
+                                **options)
+    odd = rank == world_size - 1
+    data = windows(5, world_size, 3)
+    out = {"errors": []}
+
+    def train(window, late=False):
+        for k, batch in enumerate(window[rank]):
+            if late and k == 1:
+                try:
+                    acc.refresh_parameters()
+                except RuntimeError as e:
+                    out["errors"].append(f"late: {e}")
+            loss, _ = du.micro_loss(model, batch, "mean")
+            try:
+                acc.backward(loss)
+            except RuntimeError as e:
+                out["errors"].append(f"backward: {type(e).__name__}: {e}")
+                return
+            acc.step()
+
+    train(data[0])
+    out["windows_before"] = acc.stats()["reductions"]
+    out["params_before"] = du.params(model)
+    if odd:
+        if mode == "uncounted":
+            with acc.no_sync():
+                du.micro_loss(model, data[1][rank][0], "mean")[0].backward()
+            grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+            try:
+                acc.refresh_parameters()
+            except RuntimeError as e:
+                out["errors"].append(f"uncounted: {e}")
+            out["grads_kept"] = all((g is None and p.grad is None) or (g is not None and torch.equal(g, p.grad))
+                                    for g, p in zip(grads, model.parameters()))
+            out["grads_written"] = sum(g is not None for g in grads)
+            acc.zero_grad()
+        train(data[1], late=mode == "late")
+    else:
+        model[0].requires_grad_(True)
+        try:
+            acc.refresh_parameters()
+        except RuntimeError as e:
+            out["errors"].append(f"refresh: {type(e).__name__}: {e}")
+    out["params_after_error"] = du.params(model)
+    # Recovery: every rank at a boundary, with the old set; now all alike.
+    model[0].requires_grad_(True)
+    acc.refresh_parameters()
+    train(data[2])
+    out["params"] = du.params(model)
+    out["stats"] = acc.stats()
+    out["window_loss"] = None if acc.window_loss is None else acc.window_loss.item()
+    acc.close()
+    return out

@@ -128,10 +128,14 @@ def test_a_save_at_the_boundary_on_one_rank_only_fails_that_window_on_every_rank
                          timeout=120, saves=[0, 1], reduction="mean")
     # rank 1 snapshots mid-window; rank 0 saved at the boundary with no collective,
     # so rank 1's snapshot meets rank 0's next window: the consensus fails both
-    assert "a checkpoint's state_dict() on some ranks, a window's reduction on others" in results[1]["error"]
+    # (window 0: the one-time bucket rebuild follows it on both ranks)
+    snapshot = "acc.state_dict()'s snapshot of a half-done window (a bucket rebuild pending)"
+    window = "a window's reduction (a bucket rebuild pending)"
+    remedy = ". Every rank must call acc.state_dict() at the same micro-step of a window, and "
+    assert f"this rank (rank 1) has {snapshot}, rank 0 has {window}{remedy}" in results[1]["error"]
     assert results[0]["error"] is None  # its own save was fine; its window failed instead (below)
     assert results[0]["window_error"] is not None
-    assert "a checkpoint's state_dict() on some ranks" in results[0]["window_error"]
+    assert f"this rank (rank 0) has {window}, rank 1 has {snapshot}{remedy}" in results[0]["window_error"]
 
 
 def test_plain_loss_backward_with_acc_step_is_an_error_that_changes_nothing():

@@ -116,13 +116,16 @@ def test_a_refresh_refused_on_one_rank_raises_on_every_rank(tmp_path, mode):
     refuses the call by itself (in C++: nothing trainable; or in Python's
     grad_scaler check); before, rank 0 waited in the new reducer's
     construction until the group's timeout. Now rank 1 raises its own error
-    and rank 0 one naming rank 1, at once, and neither changed its parameters
-    (the refresh broadcasts nothing). (In the middle of a window the call is
+    and rank 0 one naming rank 1 (the drop of the refresh's check, Note [A
+    refresh pairs like a window]), at once, and neither changed its
+    parameters (the refresh broadcasts nothing). (In the middle of a window the call is
     refused before any collective: test_unfreezing_at_a_boundary_...)"""
     results = run("refused_on_one_rank", 2, tmp_path, mode=mode)
     (theirs,) = results[0]["errors"]
-    assert theirs == ("ValueError: gradaccum: acc.refresh_parameters(): rank 1 refused the call (that rank says "
-                      "why), so no rank refreshed its parameters; nothing was changed"), theirs
+    assert theirs == ("RuntimeError: gradaccum: acc.refresh_parameters(): its check (reduction 0) was dropped on "
+                      "every rank: rank 1 refused acc.refresh_parameters() at the window boundary (its own error is "
+                      "raised there). No rank refreshed its parameters, no optimizer step was taken, and a window "
+                      "reduced in its place was cleared; training can go on from the next window"), theirs
     (own,) = results[1]["errors"]
     assert own.startswith(REFUSED_HERE[mode]), own
     # seeded alike: the same values on both ranks, none broadcast or changed
@@ -143,3 +146,94 @@ def test_ranks_that_unfreeze_different_layers_of_one_shape_all_get_an_error(tmp_
             "1 (position 0; rank 0 has 4, rank 1 has 4); every rank must train the same parameters, under the same "
             "names: the same layers frozen (requires_grad=False) and the same module passed"), error
     du.assert_params_close(results[1]["params"], results[0]["params"], "rank 1", tol=0)
+
+
+KIND_REMEDY = ("Every rank must call acc.state_dict() at the same micro-step, and acc.refresh_parameters() at the "
+               "same window boundary (a rank that does not call it reduces its next window instead); a rebuild "
+               "differs when rebuild_buckets does. The window was dropped on every rank")
+REFRESHING = "acc.refresh_parameters()'s check at a window boundary"
+
+
+def one_sided_reference(world_size):
+    """One process on the global batch of windows 0 and 2 (window 1 was
+    dropped on every rank), the first layer frozen in window 0."""
+    model = du.mlp(5)
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = fj.windows(5, world_size, 3)
+    for w in (0, 2):
+        du.global_batch_loss(model, data[w], "mean").backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model[0].requires_grad_(True)
+    return du.params(model)
+
+
+UNCOUNTED = ("uncounted: gradaccum: acc.refresh_parameters(): gradients were written since the last window, but "
+             "no micro-step was counted: a plain loss.backward() instead of acc.backward(loss)? A refresh now would "
+             "drop them. ")
+NOTHING_REFRESHED = (". Nothing was refreshed: call acc.refresh_parameters() again on every rank, at the same "
+                     "window boundary")
+CALLS = ("Every rank must call acc.state_dict() at the same micro-step of a window, and acc.refresh_parameters() at "
+         "the same window boundary (a rank that does not call it reduces its next window against the others' check)")
+LEGEND = ("The codes: 0 a window's reduction, 1 acc.state_dict()'s snapshot, 2 acc.refresh_parameters()'s check, "
+          "plus 3 with a bucket rebuild pending. ")
+
+
+@pytest.mark.parametrize("world_size,mode,options", [
+    (2, "skip", {}),
+    (2, "late", {}),
+    (2, "uncounted", {"gradient_as_bucket_view": True}),
+    (2, "skip", {"gradient_as_bucket_view": True}),
+    (2, "skip", {"comm_dtype": torch.float32, "error_feedback": True}),
+    (2, "skip", {"comm_dtype": torch.bfloat16}),
+    (3, "skip", {}),
+])
+def test_a_rank_that_does_not_refresh_gets_the_same_error_everywhere(tmp_path, world_size, mode, options):
+    """Note [A refresh pairs like a window]: rank 0 (and rank 1 of 3)
+    refreshes at a window boundary while the last rank trains on into its next
+    window without calling acc.refresh_parameters() ("skip"), calls it one
+    micro-step late, where it is refused ("late"), or calls it with gradients
+    of a plain backward no micro-step counted, where it is refused before any
+    collective, those gradients untouched ("uncounted"). Before, rank 0's
+    first refresh collective met that rank's bucket all-reduce: mis-sized, an
+    error on one side and a wait for the group's timeout on the other. Now the
+    refresh's check goes through the old buckets, so the window meets it
+    bucket for bucket: every rank raises at once, naming what each rank ran,
+    nothing is refreshed or stepped, and after a refresh on every rank the
+    job trains on as one process on the windows that were not dropped."""
+    results = run("one_sided", world_size, tmp_path, mode=mode, options=options)
+    odd = world_size - 1
+    for rank, res in enumerate(results):
+        mine, theirs = "a window's reduction", REFRESHING
+        if rank != odd:
+            (error,) = res["errors"]
+            call, what, tail = "refresh: RuntimeError: gradaccum: acc.refresh_parameters(): its check (reduction 1)", \
+                "", NOTHING_REFRESHED
+            mine, theirs = theirs, mine
+        else:
+            *first, error = res["errors"]
+            assert first == {"skip": [], "late": ["late: " + MID_WINDOW]}.get(mode, first), first
+            call, tail = "backward: RuntimeError: gradaccum: acc.backward(): window 1", ""
+        if world_size == 2:
+            rest = f", rank {odd if rank != odd else 0} has {theirs}. {CALLS}"
+        else:
+            rest = f" (mean over the 3 ranks: 1.33333). {LEGEND}{CALLS}; or rebuild_buckets differs across ranks? " \
+                   "Every rank must use the same options"
+        assert error == (f"{call}: the ranks disagree on what this collective is, or whether a bucket rebuild follows "
+                         f"it: this rank (rank {rank}) has {mine}{rest}. The window was dropped on every rank{tail}"), \
+            error
+        assert res["windows_before"] == 1
+        # nothing stepped anywhere between the window before and the error
+        du.assert_params_close(res["params_after_error"], res["params_before"], f"rank {rank}", tol=0)
+        assert res["stats"]["dropped_windows"] == 1 and res["stats"]["reductions"] == 3, res["stats"]
+        assert res["stats"]["optimizer_steps"] == 2
+        assert res["window_loss"] == results[0]["window_loss"]
+        du.assert_params_close(res["params"], results[0]["params"], f"rank {rank}", tol=0)
+    if mode == "uncounted":
+        first = results[odd]["errors"][0]
+        assert first.startswith(UNCOUNTED), first
+        assert results[odd]["grads_kept"] and results[odd]["grads_written"] == 4  # the rejected call kept them
+    wire = options.get("comm_dtype")  # the gradients rounded to the wire's dtype on the way
+    tol = {None: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[wire]
+    du.assert_params_close(results[0]["params"], one_sided_reference(world_size), "rank 0", tol=tol)
