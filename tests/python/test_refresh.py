@@ -208,8 +208,8 @@ def test_a_rank_that_does_not_refresh_gets_the_same_error_everywhere(tmp_path, w
         mine, theirs = "a window's reduction", REFRESHING
         if rank != odd:
             (error,) = res["errors"]
-            call, what, tail = "refresh: RuntimeError: gradaccum: acc.refresh_parameters(): its check (reduction 1)", \
-                "", NOTHING_REFRESHED
+            call = "refresh: RuntimeError: gradaccum: acc.refresh_parameters(): its check (reduction 1)"
+            tail = NOTHING_REFRESHED
             mine, theirs = theirs, mine
         else:
             *first, error = res["errors"]
