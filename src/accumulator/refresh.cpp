@@ -46,9 +46,10 @@ void Accumulator::refresh_parameters(ModelParameters model) {
 // (Note [A refresh pairs like a window]). If any rank refused, or one reduced
 // something else, every rank raises and nothing changes anywhere: the
 // refusing rank its own error, every other rank one naming it. Only then is
-// the new reducer built. A rank in the middle of a window refuses before any
-// collective: its next collective is its window's reduction (or a
-// checkpoint's snapshot), which meets the others' check there.
+// the new reducer built. A rank in the middle of a window, or at a boundary
+// with gradients no micro-step counted (which the check would drop), refuses
+// before any collective: its next collective is its window's reduction (or
+// a checkpoint's snapshot), which meets the others' check there.
 void Accumulator::refresh_parameters(ModelParameters model, const std::string& refused_here) {
   const CallGuard guard(driver_, "acc.refresh_parameters()");
   check_open("acc.refresh_parameters()");
@@ -58,10 +59,13 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
       window_ready_ ? ", closed but not stepped" : "", "); call it at a window boundary: after acc.step() "
       "returned True, or after acc.flush()");
   // Gradients no micro-step counted (the manual path before its optimizer
-  // step): refused here, before any collective, as in the middle of a window,
-  // since the check's reduction would drop them (Note [A refresh pairs like a
-  // window]). Decided by marks, alike on every rank that ran the same calls.
-  check_no_uncounted_backward("acc.refresh_parameters()");
+  // step): refused here, data parallel, before any collective, as in the
+  // middle of a window, since the check's reduction would drop them (Note [A
+  // refresh pairs like a window]). Decided by marks, alike on every rank that
+  // ran the same calls. (One process keeps them: no check runs.)
+  if (reducer_) {
+    check_no_uncounted_backward("acc.refresh_parameters()");
+  }
   std::exception_ptr refused;
   std::vector<std::pair<std::string, at::Tensor>> frozen;
   if (refused_here.empty()) {

@@ -284,8 +284,8 @@ std::string consequence(AbortReason why, int64_t joined) {
     return ": the replicas differ from here on. Resume every rank from a checkpoint";
   }
   if (why == AbortReason::RefreshRefused && joined == 0) { // Note [A refresh pairs like a window]
-    return ". No rank refreshed its parameters, no optimizer step was taken, and a window reduced in its "
-        "place was cleared; training can go on from the next window";
+    return ". No rank refreshed its parameters and no optimizer step was taken (any window a rank reduced "
+        "in the refresh's place was cleared); training can go on from the next window";
   }
   std::string text = ". The window's gradients were cleared on every rank and no optimizer step was taken; ";
   if (why == AbortReason::LeftJoin) { // Note [Leaving join() with an exception]

@@ -137,7 +137,9 @@ detail::Reduced Reducer::State::agree(bool closing) {
     wait_all(/*write_early=*/closing);
     read_all_meta();
   } catch (const std::exception& e) {
-    fail_worded([&] { return where() + ", " + detail::message_of(e); });
+    fail_worded([&] {
+      return where() + ", " + detail::message_of(e) + (window.entry == detail::Entry::Refresh ? ". Nothing was refreshed" : "");
+    });
   }
   // Note [Reading the window allocates nothing]: numbers only from here to
   // the window's other collectives, unless every rank drops the window.
@@ -154,15 +156,22 @@ detail::Reduced Reducer::State::agree(bool closing) {
   window.last_result = result; // (no metric sums yet: copied without allocating)
   if (!verdict.agreed()) {
     fail_worded([&] {
-      // A refresh's check is no window: say what became of the refresh
-      // (a refusal's text says it already).
+      // A refresh's check is no window: say what became of the refresh, and
+      // what to do (a refusal's own text says it already).
       const bool refusal = verdict.outcome == detail::Verdict::Outcome::Dropped &&
           verdict.abort_reason == AbortReason::RefreshRefused;
-      return detail::verdict_error(verdict, where()) +
-          (window.entry == detail::Entry::Refresh && !refusal
-               ? ". Nothing was refreshed: call acc.refresh_parameters() again on every rank, at the same "
-                 "window boundary"
-               : "");
+      std::string next;
+      if (window.entry == detail::Entry::Refresh && !refusal) {
+        next = verdict.joined_ranks > 0
+            ? ". Nothing was refreshed; a rank in acc.join() left it with this error: end training on every "
+              "rank here (or resume every rank from a checkpoint)"
+            : verdict.flushing_ranks > 0
+            ? ". Nothing was refreshed; other ranks ended their epoch with acc.flush() in it: call acc.flush() "
+              "here (a no-op), then acc.refresh_parameters() again on every rank, at the same window boundary"
+            : ". Nothing was refreshed: call acc.refresh_parameters() again on every rank, at the same window "
+              "boundary";
+      }
+      return detail::verdict_error(verdict, where()) + next;
     });
   }
   return reduced;

@@ -189,10 +189,17 @@ std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, Reduc
 // the gradients' size per refresh, beside the new reducer's broadcast of the
 // parameters. The zeros go on the wire without touching `.grad` or the
 // residuals: a compressed bucket zeroes its wire copy and skips compression;
-// otherwise the bucket is zeroed, which at a window boundary it is already
-// (acc.step(), acc.flush() and a dropped window clear it; bucket views are
-// `.grad`, of zeros). The counters of the last window are kept: this is no
-// window, but it takes a reduction number, as a snapshot does.
+// otherwise the bucket itself is zeroed. Nothing a later window needs is
+// there at a boundary: a copy bucket holds the last window's sums (the next
+// window's copy overwrites them), a wide bucket zeros (acc.step(),
+// acc.flush() and a drop clear it), and bucket views are `.grad`: zeros
+// after acc.step(), or values of an uncounted backward, which the
+// Accumulator refuses before this check (Note [A refresh refused on one
+// rank]). A rank that refuses sends its buckets as they are, with the
+// drop's flag: every rank ignores them. A failed check re-zeroes the
+// buckets and leaves `.grad` and the residuals as they were (drop_window()).
+// The counters of the last window are kept: this is no window, but it takes
+// a reduction number, as a snapshot does.
 void Reducer::refresh_check(bool refused) {
   const auto keep = state_;
   auto& s = *keep;

@@ -135,10 +135,25 @@ def one_sided(rank, world_size, *, mode, options):
                 return
             acc.step()
 
+    def residuals():
+        return acc.state_dict(rank_independent=False).get("error_feedback_residuals")
+
     train(data[0])
     out["windows_before"] = acc.stats()["reductions"]
     out["params_before"] = du.params(model)
-    if odd:
+    before = residuals()
+    if mode == "refuse" and rank == 1:  # rank 1 of 3 refuses: nothing left to train
+        model.requires_grad_(False)
+        try:
+            acc.refresh_parameters()
+        except ValueError as e:
+            out["errors"].append(f"refused: {e}")
+    elif odd and mode == "flush":
+        try:
+            acc.flush()
+        except RuntimeError as e:
+            out["errors"].append(f"flush: {type(e).__name__}: {e}")
+    elif odd:
         if mode == "uncounted":
             with acc.no_sync():
                 du.micro_loss(model, data[1][rank][0], "mean")[0].backward()
@@ -149,7 +164,7 @@ def one_sided(rank, world_size, *, mode, options):
                 out["errors"].append(f"uncounted: {e}")
             out["grads_kept"] = all((g is None and p.grad is None) or (g is not None and torch.equal(g, p.grad))
                                     for g, p in zip(grads, model.parameters()))
-            out["grads_written"] = sum(g is not None for g in grads)
+            out["grads_nonzero"] = sum(g is not None and bool(g.abs().sum() > 0) for g in grads)
             acc.zero_grad()
         train(data[1], late=mode == "late")
     else:
@@ -158,9 +173,15 @@ def one_sided(rank, world_size, *, mode, options):
             acc.refresh_parameters()
         except RuntimeError as e:
             out["errors"].append(f"refresh: {type(e).__name__}: {e}")
+        after = residuals()
+        if before is not None:  # error feedback: the failed check kept this rank's residuals
+            out["residuals_nonzero"] = sum(bool(r.abs().sum() > 0) for r in before if r is not None)
+            out["residuals_kept"] = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(before, after))
+        if mode == "flush":
+            acc.flush()  # the peer ended its epoch in the check: a no-op here, as the error says
     out["params_after_error"] = du.params(model)
     # Recovery: every rank at a boundary, with the old set; now all alike.
-    model[0].requires_grad_(True)
+    model.requires_grad_(True)
     acc.refresh_parameters()
     train(data[2])
     out["params"] = du.params(model)
