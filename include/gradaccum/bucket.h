@@ -53,9 +53,12 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 //  - how many ranks closed a partial window with flush() (kFlushing), and
 //    how many of them have joined: are out of data and shadow the others'
 //    reductions until every rank has (kJoined; Note [Joining]),
-//  - how many ranks drop the window, which one and why (kAbort*; see
-//    Note [Dropping a window]), and how many of them left their join() block
-//    with an exception (kLeftJoin: Note [Leaving join() with an exception]),
+//  - how many ranks drop the window (kAbort; Note [Dropping a window]),
+//    their ranks and their ranks' squares summed (which one, when one; which
+//    two, when two), and how many for each AbortReason (kAbortReasons...):
+//    among them those that left their join() block with an exception (Note
+//    [Leaving join() with an exception]) and those that could not step a
+//    window they closed (the replicas then differ: every rank must say so),
 //  - whether every rank agrees on what must be equal (the bucket's index, and
 //    the window number, steps, the reduction and the kind of reduction: Note
 //    [What ranks agree on] in src/consensus/agreement.h): each such value v is
@@ -77,8 +80,10 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 //    header value is sent as base-2^b digits, one element each (kDigits):
 //    digit-wise sums stay exact integers when W * (2^b - 1) fits, and the
 //    reader recombines them (the weight as fixed point with 32 fractional
-//    bits, every other field as an integer below 2^32). Flags go as 0/1: a
-//    sum over ranks only has to be told apart from 0.
+//    bits; a field in which each rank sends 0 or 1, the counts kFlushing,
+//    kAbort, kJoined, kInexactWeight and kAbortReasons..., as one digit;
+//    every other field as an integer below 2^32). The has-gradient flags go
+//    as 0/1: a sum over ranks only has to be told apart from 0.
 //  - A half-precision wire with more ranks than digits allow sends the header
 //    as a float32 tensor of its own, a second collective (kSeparate).
 // The reducer writes the header in launch_bucket() (encode_header(), then
@@ -86,13 +91,20 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 // read_headers()); the layout is the same on every rank because the buckets
 // and the options are (checked at construction, or by the index field at the
 // first window).
+/// AbortReason's values after None (one header field each: kAbortReasons).
+constexpr int64_t kAbortReasonSlots = 12;
+/// Up to this many ranks the header names two ranks that drop a window: the
+/// sum of two ranks' squares, 2 * 2895^2, stays exact in float32 meta (2^24).
+constexpr int64_t kNamedAbortersWorld = 2896;
+
 enum MetaField : int64_t {
   kWeight = 0,
   kFlushing,
-  kAbort,
-  kAbortRank,
-  kAbortReason,
-  kWindow,
+  kAbort, ///< ranks that drop the window (Note [Dropping a window])
+  kAbortRank, ///< their ranks summed
+  kAbortRankSquare, ///< their ranks' squares summed (0 above kNamedAbortersWorld ranks)
+  kAbortReasons, ///< then, for AbortReason r >= 1, the ranks dropping it for r (kAbortReasons + r - 1)
+  kWindow = kAbortReasons + kAbortReasonSlots,
   kWindowSquare,
   kSteps,
   kStepsSquare,
@@ -103,7 +115,6 @@ enum MetaField : int64_t {
   kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window, 2: a refresh's check; +3 while a bucket rebuild is pending
   kKindSquare,
   kJoined, ///< ranks in Accumulator::join(): out of data, shadowing the others (Note [Joining])
-  kLeftJoin, ///< ranks that drop the window leaving their join() block with an exception
   kInexactWeight, ///< ranks whose kWeight is not an integer (its sum may round by position)
   kLoss, ///< the window's micro-batch losses summed (Note [The window's loss rides in the header])
   kMetric0, ///< then the window's user metrics summed, kMaxWindowMetrics of them (unused ones 0)

@@ -155,6 +155,9 @@ struct ReductionResult {
   /// Ranks that dropped the window leaving their join() block with an
   /// exception (AbortReason::LeftJoin): they will not reduce again.
   int64_t left_ranks = 0;
+  /// Ranks that dropped it because they could not step the window they
+  /// closed (AbortReason::ClosedWindowNotStepped): the replicas differ.
+  int64_t unstepped_ranks = 0;
   /// The request loss sums summed over ranks; none where digit-encoded meta
   /// (a bf16/fp16 comm_dtype) cannot carry it.
   std::optional<double> loss_sum;

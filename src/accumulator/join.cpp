@@ -117,8 +117,8 @@ int64_t Accumulator::join() {
 // rank and telling them to end training (no later window can pair with it),
 // and their exceptions leave their own blocks with nothing more to send:
 // their last reduction dropped the window on every rank telling every rank
-// to end training (a rank had left join(), kLeftJoin > 0, or ranks were
-// shadowing, kJoined > 0) and nothing ran since, which is how abandon() tells
+// to end training (a rank had left join(), counted among kAbortReasons, or
+// ranks were shadowing, kJoined > 0) and nothing ran since, which is how abandon() tells
 // that every rank already knows. A drop that told the ranks "training can go
 // on" (a failed backward, a refused micro-batch, nobody in join()) does not
 // count: a rank whose exception then leaves its block still sends its drop,

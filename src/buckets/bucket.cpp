@@ -150,12 +150,18 @@ int digit_bits_for(at::ScalarType dtype, int world) {
 }
 
 // Fixed-point bits of each header field: the weight may be fractional (items,
-// a checkpoint's 1/world share); every other field is an integer below 2^32,
-// except the loss and the metrics, which digits do not carry (no bits: they
-// are 0 and take no room on the wire).
+// a checkpoint's 1/world share); the fields in which each rank sends 0 or 1
+// (its own flags, the one reason it drops the window for) take one bit, one
+// digit; every other field is an integer below 2^32, except the loss and the
+// metrics, which digits do not carry (no bits: they are 0 and take no room on
+// the wire).
 constexpr int kWeightFractionBits = 32;
+bool one_bit_field(int64_t field) {
+  return field == kFlushing || field == kAbort || field == kJoined || field == kInexactWeight ||
+      (field >= kAbortReasons && field < kAbortReasons + kAbortReasonSlots);
+}
 int field_bits(int64_t field) {
-  return field == kWeight ? 63 : field >= kLoss ? 0 : 32;
+  return field == kWeight ? 63 : field >= kLoss ? 0 : one_bit_field(field) ? 1 : 32;
 }
 int field_fraction_bits(int64_t field) {
   return field == kWeight ? kWeightFractionBits : 0;

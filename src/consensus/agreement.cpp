@@ -245,7 +245,7 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
       return who + " destroyed its Accumulator during the synchronising backward";
     case AbortReason::ClosedWindowNotStepped:
       return who + " could not step the last window it closed (ending its data in acc.flush() or "
-          "acc.join()), while the other ranks stepped theirs";
+          "acc.join()), while other ranks stepped theirs";
     case AbortReason::OutOfMemory:
       return who + " ran out of memory in acc.run() on a micro-batch it could not split further (one row) "
           "or run again (part of its gradient had reached .grad)";
@@ -271,6 +271,40 @@ bool raised_there(AbortReason why) {
       why == AbortReason::ClosedWindowNotStepped || why == AbortReason::OutOfMemory ||
       why == AbortReason::MicroBatchRefused || why == AbortReason::LeftJoin ||
       why == AbortReason::RefreshRefused;
+}
+
+// What several ranks that dropped the window did, after a count ("2 ran out
+// of memory ..."), singular or plural alike: the shorter abort_phrase().
+const char* several_phrase(AbortReason why) {
+  switch (why) {
+    case AbortReason::EpochEnded:
+      return "went on training after other ranks had ended the epoch with acc.flush()";
+    case AbortReason::Closed:
+      return "destroyed the Accumulator during the synchronising backward";
+    case AbortReason::ForeignReducer:
+      return "carried another reducer's gradient hooks on the parameters (torch DDP?)";
+    case AbortReason::GradientsChanged:
+      return "had the accumulated gradients cleared or changed outside the Accumulator in the middle of the "
+             "window";
+    case AbortReason::WeightTooLarge:
+      return "had a window weight larger than a bf16/fp16 bucket's meta carries exactly";
+    case AbortReason::WeightTooSmall:
+      return "had a window weight too small for a bf16/fp16 bucket's meta to carry exactly";
+    case AbortReason::ClosedWindowNotStepped:
+      return "could not step the window that acc.flush() or acc.join() closed, while other ranks stepped theirs";
+    case AbortReason::OutOfMemory:
+      return "ran out of memory in acc.run() on a micro-batch that could not be split further or run again";
+    case AbortReason::MicroBatchRefused:
+      return "refused the micro-batch that closes the window";
+    case AbortReason::LeftJoin:
+      return "left the acc.join() block with an exception";
+    case AbortReason::RefreshRefused:
+      return "refused acc.refresh_parameters() at the window boundary";
+    case AbortReason::None:
+    case AbortReason::BackwardFailed:
+      break;
+  }
+  return "failed in the synchronising backward (or a micro-step of the window)";
 }
 
 // Note [A window dropped while ranks shadow]
@@ -300,28 +334,77 @@ std::string consequence(AbortReason why, int64_t joined) {
   return text + "training can go on from the next window";
 }
 
+// Note [Every rank reads what several aborters did]
+// The consequence every rank is told follows from every rank that dropped
+// the window, not only from this one: a rank that could not step a window
+// it closed (the others stepped theirs) means the replicas differ, whatever
+// else failed beside it, then a rank that left join() means nobody may go
+// on. Each such count rides in the header (kAbortReasons), so every rank
+// words the same consequence; with one reason only, it is that reason's.
+AbortReason told(const Aborters& who) {
+  if (who.of(AbortReason::ClosedWindowNotStepped) > 0) {
+    return AbortReason::ClosedWindowNotStepped;
+  }
+  if (who.of(AbortReason::LeftJoin) > 0) {
+    return AbortReason::LeftJoin;
+  }
+  return who.shared();
+}
+
 } // namespace
 
-std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_t who, AbortReason why,
-                              int64_t joined, int64_t left) {
-  if (aborting > 1) {
-    return where + " was dropped on every rank: " + std::to_string(aborting) + " ranks could not "
-        "contribute their window (their synchronising backward failed, they left the epoch "
-        "early, or they refused acc.refresh_parameters()" + (left > 0 ? "; " + std::to_string(left) + " of them left their acc.join() block with an "
-        "exception" : std::string()) + ")" + consequence(left > 0 ? AbortReason::LeftJoin : AbortReason::None, joined);
+AbortReason Aborters::shared() const {
+  for (const auto r : c10::irange(kAbortReasonSlots)) {
+    if (count > 0 && by_reason[static_cast<size_t>(r)] == count) {
+      return static_cast<AbortReason>(r + 1);
+    }
   }
-  return where + " was dropped on every rank: " + abort_phrase(why, "rank " + std::to_string(who)) +
-      (raised_there(why) ? " (its own error is raised there)" : "") + consequence(why, joined);
+  return AbortReason::None;
+}
+
+std::string dropped_elsewhere(const std::string& where, const Aborters& who, int64_t joined) {
+  const auto why = who.shared();
+  if (who.count == 1) {
+    return where + " was dropped on every rank: " + abort_phrase(why, "rank " + std::to_string(who.ranks[0])) +
+        (raised_there(why) ? " (its own error is raised there)" : "") + consequence(why, joined);
+  }
+  std::string text = where + " was dropped on every rank: " + std::to_string(who.count) + " ranks";
+  if (who.ranks[1] >= 0) {
+    text += " (ranks " + std::to_string(who.ranks[0]) + " and " + std::to_string(who.ranks[1]) + ")";
+  }
+  text += " could not contribute their window";
+  bool all_raise = true;
+  std::string sep = ": ";
+  for (const auto r : c10::irange(kAbortReasonSlots)) {
+    const auto n = who.by_reason[static_cast<size_t>(r)];
+    if (n > 0) {
+      const auto reason = static_cast<AbortReason>(r + 1);
+      all_raise = all_raise && raised_there(reason);
+      text += sep + (n == who.count ? std::string(n == 2 ? "both " : "all ") : std::to_string(n) + " ") +
+          several_phrase(reason);
+      sep = "; ";
+    }
+  }
+  return text + (all_raise ? " (each raises its own error there)" : "") + consequence(told(who), joined);
 }
 
 std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
-                         const std::string& transport, int64_t joined, int64_t left) {
-  // Another rank that left join() in the same reduction: nobody may go on.
-  const auto told = left > 0 && why != AbortReason::ClosedWindowNotStepped ? AbortReason::LeftJoin : why;
+                         const std::string& transport, int64_t joined, int64_t left, int64_t unstepped) {
+  // What another rank's drop in the same reduction means for every rank
+  // (Note [Every rank reads what several aborters did]); both counts include
+  // this rank's own reason.
+  const auto told_here = unstepped > 0 ? AbortReason::ClosedWindowNotStepped
+      : left > 0                       ? AbortReason::LeftJoin
+                                       : why;
+  const bool from_others = told_here != why;
   return where + " was dropped on every rank: " +
       abort_phrase(why, "this rank (rank " + std::to_string(rank) + ")") +
-      (local.empty() ? "" : ": " + local) + consequence(told, joined) +
-      (transport.empty() ? "" : ". Dropping it failed too: " + transport);
+      (local.empty() ? "" : ": " + local) +
+      (from_others && told_here == AbortReason::ClosedWindowNotStepped
+           ? "; " + std::to_string(unstepped) + " other rank(s) could not step the window that acc.flush() or "
+                 "acc.join() closed, while other ranks stepped theirs"
+           : "") +
+      consequence(told_here, joined) + (transport.empty() ? "" : ". Dropping it failed too: " + transport);
 }
 
 } // namespace gradaccum::detail

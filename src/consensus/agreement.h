@@ -6,6 +6,7 @@
 #include <gradaccum/bucket.h>
 #include <gradaccum/reducer.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -94,18 +95,36 @@ std::string window_disagreement(const std::string& where, const Agreement& agree
 /// A window's error when bucket `bucket` met another bucket on some rank.
 std::string mispaired(const std::string& where, int64_t bucket);
 
-/// Why the window was dropped, as every rank but the dropping one reads it:
-/// `aborting` ranks dropped it, the only one (when 1) being `who`, for `why`;
-/// `joined` ranks were in acc.join() (Note [A window dropped while ranks shadow]);
-/// `left` of the aborting ranks left their join() block with an exception.
-std::string dropped_elsewhere(const std::string& where, int64_t aborting, int64_t who, AbortReason why,
-                              int64_t joined, int64_t left);
+/// Who dropped a reduction, as its summed header says (kAbort, kAbortRank,
+/// kAbortRankSquare, kAbortReasons...: Note [Bucket meta layout]).
+struct Aborters {
+  int64_t count = 0; ///< ranks that dropped it
+  /// Of them, how many for each AbortReason after None (index: reason - 1).
+  std::array<int64_t, kAbortReasonSlots> by_reason{};
+  /// The one rank (count 1), or the two (count 2, up to kNamedAbortersWorld
+  /// ranks), in increasing order; -1 where the header cannot tell.
+  std::array<int64_t, 2> ranks{-1, -1};
 
-/// The error of the rank that dropped the window itself (this rank, `rank`),
+  int64_t of(AbortReason why) const {
+    const auto r = static_cast<int64_t>(why);
+    return r >= 1 && r <= kAbortReasonSlots ? by_reason[static_cast<size_t>(r - 1)] : 0;
+  }
+  /// The reason every one of them has, None where they differ (or none dropped it).
+  AbortReason shared() const;
+};
+
+/// Why the window was dropped, as every rank but the dropping ones reads it:
+/// `who` dropped it; `joined` ranks were in acc.join() (Note [A window
+/// dropped while ranks shadow]).
+std::string dropped_elsewhere(const std::string& where, const Aborters& who, int64_t joined);
+
+/// The error of a rank that dropped the window itself (this rank, `rank`),
 /// for `why`: the same text as the others', about "this rank", with what
 /// failed here (`local`, when known) and what failed while dropping it
-/// (`transport`, when anything did).
+/// (`transport`, when anything did). `left` of the ranks dropping it left
+/// their join() block with an exception, `unstepped` could not step a window
+/// they closed (this rank among them, or not).
 std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
-                         const std::string& transport, int64_t joined, int64_t left);
+                         const std::string& transport, int64_t joined, int64_t left, int64_t unstepped);
 
 } // namespace gradaccum::detail

@@ -60,20 +60,26 @@ double exact_weight_bound(const std::vector<Bucket>& buckets) {
   return std::ldexp(1.0, bits);
 }
 
-std::vector<double> encode_header(const ReductionRequest& request, int rank, const AgreementInputs& mine,
-                                  int64_t bucket, int64_t modulus, size_t slots) {
+std::vector<double> encode_header(const ReductionRequest& request, int rank, int world,
+                                  const AgreementInputs& mine, int64_t bucket, int64_t modulus, size_t slots) {
   std::vector<double> meta(static_cast<size_t>(kMetaHeader) + slots, 1.0);
   const bool aborting = request.abort != AbortReason::None;
   meta[kWeight] = aborting ? 0 : request.weight;
   meta[kFlushing] = request.flushing ? 1 : 0;
   meta[kJoined] = request.joined ? 1 : 0;
-  meta[kLeftJoin] = request.abort == AbortReason::LeftJoin ? 1 : 0;
   meta[kInexactWeight] = meta[kWeight] == std::floor(meta[kWeight]) ? 0 : 1;
   // launch_bucket() writes the loss and the metrics on their device.
   std::fill(meta.begin() + kLoss, meta.begin() + kMetaHeader, 0.0);
+  // Who drops it, and why (Note [Every rank reads what several aborters did]).
   meta[kAbort] = aborting ? 1 : 0;
   meta[kAbortRank] = aborting ? rank : 0;
-  meta[kAbortReason] = static_cast<double>(static_cast<int64_t>(request.abort));
+  meta[kAbortRankSquare] = aborting && world <= kNamedAbortersWorld ? static_cast<double>(rank) * rank : 0;
+  std::fill(meta.begin() + kAbortReasons, meta.begin() + kAbortReasons + kAbortReasonSlots, 0.0);
+  if (aborting) {
+    const auto why = static_cast<int64_t>(request.abort);
+    TORCH_INTERNAL_ASSERT(why >= 1 && why <= kAbortReasonSlots, "gradaccum: abort reason ", why);
+    meta[kAbortReasons + why - 1] = 1;
+  }
   put_squared(meta, kBucketIndex, bucket, modulus);
   // Among them the kind, which also says whether this reduction ends with
   // the one-time bucket rebuild's collectives (Note [Rebuilding buckets in
@@ -102,6 +108,30 @@ AbortReason unsendable_weight(const std::vector<Bucket>& buckets, double weight)
   return AbortReason::None;
 }
 
+Aborters read_aborters(const std::vector<double>& last, int world) {
+  static_assert(static_cast<int64_t>(AbortReason::RefreshRefused) == kAbortReasonSlots,
+                "gradaccum: one kAbortReasons field per AbortReason after None");
+  Aborters who;
+  who.count = rounded(last[kAbort]);
+  for (const auto r : c10::irange(kAbortReasonSlots)) {
+    who.by_reason[static_cast<size_t>(r)] = rounded(last[kAbortReasons + r]);
+  }
+  const auto sum = rounded(last[kAbortRank]);
+  if (who.count == 1) {
+    who.ranks[0] = sum;
+  } else if (who.count == 2 && world <= kNamedAbortersWorld) {
+    // r0 + r1 = sum and r0^2 + r1^2 = squares, so r1 - r0 = sqrt(2 squares - sum^2).
+    const auto squares = rounded(last[kAbortRankSquare]);
+    const auto gap = rounded(std::sqrt(static_cast<double>(std::max<int64_t>(0, 2 * squares - sum * sum))));
+    const auto r0 = (sum - gap) / 2;
+    const auto r1 = sum - r0;
+    if (gap > 0 && r0 >= 0 && r1 < world && r0 * r0 + r1 * r1 == squares) {
+      who.ranks = {r0, r1};
+    }
+  }
+  return who;
+}
+
 Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& mine, int rank, int world,
                      int64_t modulus) {
   TORCH_INTERNAL_ASSERT(!buckets.empty(), "gradaccum: a reduction without buckets");
@@ -117,7 +147,7 @@ Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& 
   verdict.global_weight = last[kWeight];
   verdict.flushing_ranks = rounded(last[kFlushing]);
   verdict.joined_ranks = rounded(last[kJoined]);
-  verdict.left_ranks = rounded(last[kLeftJoin]);
+  verdict.aborters = read_aborters(last, world);
   verdict.loss_sum = last[kLoss];
   std::copy(last.begin() + kMetric0, last.begin() + kMetaHeader, verdict.metric_sums.begin());
   for (const auto b : c10::irange(buckets.size())) {
@@ -127,11 +157,8 @@ Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& 
       return verdict;
     }
   }
-  if (const auto aborting = rounded(last[kAbort]); aborting > 0) {
+  if (verdict.aborters.count > 0) {
     verdict.outcome = Verdict::Outcome::Dropped;
-    verdict.aborting = aborting;
-    verdict.abort_rank = rounded(last[kAbortRank]);
-    verdict.abort_reason = static_cast<AbortReason>(aborting == 1 ? rounded(last[kAbortReason]) : 0);
     return verdict;
   }
   for (const auto& agreement : agreements()) {
@@ -160,8 +187,7 @@ std::string verdict_error(const Verdict& verdict, const std::string& where) {
     case Verdict::Outcome::Mispaired:
       return mispaired(where, verdict.bucket);
     case Verdict::Outcome::Dropped:
-      return dropped_elsewhere(where, verdict.aborting, verdict.abort_rank, verdict.abort_reason,
-                               verdict.joined_ranks, verdict.left_ranks);
+      return dropped_elsewhere(where, verdict.aborters, verdict.joined_ranks);
     case Verdict::Outcome::Disagreed:
       return window_disagreement(where, *verdict.agreement, verdict.values);
     case Verdict::Outcome::Agreed:

@@ -25,10 +25,11 @@ int64_t header_modulus(const std::vector<Bucket>& buckets, int world);
 /// the last buckets reduce]).
 double exact_weight_bound(const std::vector<Bucket>& buckets);
 
-/// Bucket `bucket`'s meta as this rank sends it: the header for `request`
-/// (Note [Bucket meta layout]), then `slots` has-gradient flags, all 1.
-std::vector<double> encode_header(const ReductionRequest& request, int rank, const AgreementInputs& mine,
-                                  int64_t bucket, int64_t modulus, size_t slots);
+/// Bucket `bucket`'s meta as this rank (`rank` of `world`) sends it: the
+/// header for `request` (Note [Bucket meta layout]), then `slots`
+/// has-gradient flags, all 1.
+std::vector<double> encode_header(const ReductionRequest& request, int rank, int world,
+                                  const AgreementInputs& mine, int64_t bucket, int64_t modulus, size_t slots);
 
 /// Why this rank cannot send `weight` in the headers of `buckets`: digit
 /// encoded meta (kDigits) carries weights up to max_meta_value(kWeight), and
@@ -43,20 +44,17 @@ struct Verdict {
   double global_weight = 0; ///< kWeight summed: the window's divisor
   int64_t flushing_ranks = 0;
   int64_t joined_ranks = 0;
-  int64_t left_ranks = 0; ///< of the ranks dropping it, those that left join() (kLeftJoin)
   double loss_sum = 0;
   std::array<double, kMaxWindowMetrics> metric_sums{};
   /// Whether every rank keeps the window, and if not, why every rank drops it.
   enum class Outcome {
     Agreed,
     Mispaired, ///< `bucket` met another bucket on some rank
-    Dropped, ///< `aborting` ranks dropped it (the only one, when 1: `abort_rank`, for `abort_reason`)
+    Dropped, ///< `aborters` dropped it
     Disagreed, ///< the ranks hold different values of `agreement` (`values`)
   } outcome = Outcome::Agreed;
   int64_t bucket = 0;
-  int64_t aborting = 0;
-  int64_t abort_rank = 0;
-  AbortReason abort_reason = AbortReason::None;
+  Aborters aborters; ///< who dropped it (read from every reduction; none when it is not dropped)
   const Agreement* agreement = nullptr;
   HeaderValues values;
 
@@ -64,6 +62,10 @@ struct Verdict {
     return outcome == Outcome::Agreed;
   }
 };
+
+/// Who dropped the reduction whose last bucket's summed meta is `last`
+/// (Bucket::read_meta()), over `world` ranks.
+Aborters read_aborters(const std::vector<double>& last, int world);
 
 /// Reads the summed meta each of `buckets` holds (Bucket::read_meta(), in
 /// launch order). `mine` and `rank` are this rank's.

@@ -4,6 +4,7 @@
 
 #include "comm.h"
 #include "consensus/agreement.h"
+#include "consensus/window_header.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -48,7 +49,9 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
     const auto& header = buckets.all.back().read_meta();
     window.last_result.flushing_ranks = static_cast<int64_t>(std::llround(header[kFlushing]));
     window.last_result.joined_ranks = static_cast<int64_t>(std::llround(header[kJoined]));
-    window.last_result.left_ranks = static_cast<int64_t>(std::llround(header[kLeftJoin]));
+    const auto who = detail::read_aborters(header, config.world);
+    window.last_result.left_ranks = who.of(AbortReason::LeftJoin);
+    window.last_result.unstepped_ranks = who.of(AbortReason::ClosedWindowNotStepped);
   } catch (const std::exception& e) {
     try {
       window.own_transport = detail::message_of(e);
@@ -78,7 +81,8 @@ std::string Reducer::State::own_failure(const std::string& local) const {
     cause.erase(0, prefix.size());
   }
   return detail::dropped_here(window.own_where, config.rank, window.own_reason, cause, window.own_transport,
-                              window.last_result.joined_ranks, window.last_result.left_ranks);
+                              window.last_result.joined_ranks, window.last_result.left_ranks,
+                              window.last_result.unstepped_ranks);
 }
 
 void Reducer::State::fail(const std::string& message) {

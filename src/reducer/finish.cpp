@@ -152,14 +152,15 @@ detail::Reduced Reducer::State::agree(bool closing) {
   result.global_weight = verdict.global_weight;
   result.flushing_ranks = verdict.flushing_ranks;
   result.joined_ranks = verdict.joined_ranks;
-  result.left_ranks = verdict.left_ranks;
+  result.left_ranks = verdict.aborters.of(AbortReason::LeftJoin);
+  result.unstepped_ranks = verdict.aborters.of(AbortReason::ClosedWindowNotStepped);
   window.last_result = result; // (no metric sums yet: copied without allocating)
   if (!verdict.agreed()) {
     fail_worded([&] {
       // A refresh's check is no window: say what became of the refresh, and
       // what to do (a refusal's own text says it already).
       const bool refusal = verdict.outcome == detail::Verdict::Outcome::Dropped &&
-          verdict.abort_reason == AbortReason::RefreshRefused;
+          verdict.aborters.shared() == AbortReason::RefreshRefused;
       std::string next;
       if (window.entry == detail::Entry::Refresh && !refusal) {
         next = verdict.joined_ranks > 0

@@ -111,7 +111,7 @@ void Reducer::State::launch_rest() {
 void Reducer::State::launch_bucket(size_t index) {
   auto& bucket = buckets.all[index];
   TORCH_INTERNAL_ASSERT(bucket.works.empty(), "gradaccum: bucket ", index, " launched twice in one reduction");
-  auto meta = detail::encode_header(window.request, config.rank, agreement_inputs(), static_cast<int64_t>(index),
+  auto meta = detail::encode_header(window.request, config.rank, config.world, agreement_inputs(), static_cast<int64_t>(index),
                                     buckets.modulus, bucket.params.size());
   for (const auto slot : bucket.missing) {
     meta[kMetaHeader + slot] = 0;

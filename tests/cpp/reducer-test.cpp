@@ -545,10 +545,10 @@ TEST_CASE("a failure after the consensus while shadowing in acc.join() drops the
     stats[rank] = acc.stats().reducer;
   });
   const std::string why = "rank 1) could not step the last window it closed (ending its data in acc.flush() or "
-                          "acc.join()), while the other ranks stepped theirs";
+                          "acc.join()), while other ranks stepped theirs";
   REQUIRE(errors[0].size() == 1);
   CHECK(errors[0][0] == "2: gradaccum: acc.backward(): window 2 was dropped on every rank: rank 1 could not step the "
-                        "last window it closed (ending its data in acc.flush() or acc.join()), while the other ranks "
+                        "last window it closed (ending its data in acc.flush() or acc.join()), while other ranks "
                         "stepped theirs (its own error is raised there): the replicas differ from here on. Resume "
                         "every rank from a checkpoint");
   REQUIRE(errors[1].size() == 1);

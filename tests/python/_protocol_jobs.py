@@ -873,13 +873,14 @@ def view_data_assign(rank, world_size):
 
 
 @job
-def flush_after_closed_window_fails_on_one_rank(rank, world_size, *, how, prior_raise=False):
+def flush_after_closed_window_fails_on_one_rank(rank, world_size, *, how, prior_raise=False, failing=(1,)):
     """Every rank closes a full window and ends the epoch with flush() (which
-    steps the closed window, then pairs the flush collective); on rank 1 that
-    step cannot happen: its `.grad` was replaced ("replaced"), made non-finite
-    in place ("inf_in_place") or its optimizer raises ("optimizer"). Every rank
-    must get an error, none may hang. `prior_raise`: a window before raised
-    with nonfinite="raise" on every rank (and was dropped with zero_grad())."""
+    steps the closed window, then pairs the flush collective); on rank 1 (the
+    ranks in `failing`) that step cannot happen: its `.grad` was replaced
+    ("replaced"), made non-finite in place ("inf_in_place") or its optimizer
+    raises ("optimizer"). Every rank must get an error, none may hang.
+    `prior_raise`: a window before raised with nonfinite="raise" on every rank
+    (and was dropped with zero_grad())."""
     import time
 
     import gradaccum
@@ -887,9 +888,9 @@ def flush_after_closed_window_fails_on_one_rank(rank, world_size, *, how, prior_
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if rank == 1 and how == "optimizer":
+    if rank in failing and how == "optimizer":
         def broken_step(*args, **kwargs):
-            raise RuntimeError("optimizer failed on rank 1")
+            raise RuntimeError(f"optimizer failed on rank {rank}")
         opt.step = broken_step
     acc = gradaccum.Accumulator(model, opt, steps=2, nonfinite="raise")
     if prior_raise:
@@ -901,9 +902,9 @@ def flush_after_closed_window_fails_on_one_rank(rank, world_size, *, how, prior_
             acc.zero_grad()
     for _ in range(2):
         acc.backward(model(torch.ones(2, 3) * (rank + 1)).sum())
-    if rank == 1 and how == "replaced":
+    if rank in failing and how == "replaced":
         model.weight.grad = torch.zeros_like(model.weight)
-    if rank == 1 and how == "inf_in_place":
+    if rank in failing and how == "inf_in_place":
         model.weight.grad.mul_(float("inf"))
     t0 = time.monotonic()
     out = {"error": None}
@@ -1030,13 +1031,14 @@ def refused_reference(world_size, dropped):
 
 
 @job
-def refused_micro_batch(rank, world_size, *, how, closing):
+def refused_micro_batch(rank, world_size, *, how, closing, boom_rank=None):
     """K=2, 3 windows. In window 1 rank 1 hands acc.backward() a micro-batch
     it refuses: `how` "no_grad" (a loss that does not require grad, as an
     empty batch's torch.zeros(()): C++'s check), "not_tensor" (a float:
     Python's check), "num_items" (num_items with reduction="mean": C++'s
     check of num_items). At the closing micro-step (`closing`) the window is
-    dropped on every rank; at the first one rank 1 runs the micro-batch again."""
+    dropped on every rank; at the first one rank 1 runs the micro-batch again.
+    `boom_rank`: at that micro-step, that rank's backward raises."""
     import gradaccum
     model = du.mlp(REFUSE_SEED)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1046,6 +1048,8 @@ def refused_micro_batch(rank, world_size, *, how, closing):
     for w, window in enumerate(windows):
         for k, batch in enumerate(window[rank]):
             loss = du.micro_loss(model, batch, "mean")[0]
+            if rank == boom_rank and w == 1 and k == (1 if closing else 0):
+                loss = du.Boom.apply(loss)
             if rank == 1 and w == 1 and k == (1 if closing else 0):
                 bad = {"no_grad": lambda: acc.backward(torch.zeros((), dtype=torch.float64)),
                        "not_tensor": lambda: acc.backward(0.0),

@@ -126,10 +126,9 @@ def test_several_ranks_leaving_join_are_counted_and_end_training(tmp_path):
                   raise_at=7, go_on=True)
     assert results[0]["went_on_after"] == []
     assert results[0]["error"] == (
-        "RuntimeError: gradaccum: acc.backward(): window 2 was dropped on every rank: 2 ranks could not contribute "
-        "their window (their synchronising backward failed, they left the epoch early, or they refused "
-        "acc.refresh_parameters(); 2 of them left their "
-        "acc.join() block with an exception). The window's gradients were cleared on every rank and no optimizer "
+        "RuntimeError: gradaccum: acc.backward(): window 2 was dropped on every rank: 2 ranks (ranks 1 and 2) could "
+        "not contribute their window: both left the acc.join() block with an exception (each raises its own "
+        "error there). The window's gradients were cleared on every rank and no optimizer "
         "step was taken; a rank that left its acc.join() block reduces no more: end training on every rank here "
         "(or resume every rank from a checkpoint)"), results[0]["error"]
     for rank, res in enumerate(results):

@@ -243,7 +243,7 @@ def test_flush_that_cannot_step_a_closed_window_on_one_rank_fails_on_every_rank(
                          module="_protocol_jobs", how=how, prior_raise=prior_raise,
                          pg_timeout=30, timeout=90)
     assert "rank 1 could not step the last window it closed (ending its data in acc.flush() or acc.join()), " \
-        "while the other ranks stepped theirs (its own error is raised there): the replicas differ from here on" \
+        "while other ranks stepped theirs (its own error is raised there): the replicas differ from here on" \
         in results[0]["error"], results[0]["error"]
     assert "this rank (rank 1) could not step the last window it closed (ending its data in acc.flush()" \
         in results[1]["error"], results[1]["error"]
@@ -255,6 +255,54 @@ def test_flush_that_cannot_step_a_closed_window_on_one_rank_fails_on_every_rank(
              "optimizer": "optimizer failed on rank 1"}[how]
     assert local in results[1]["error"], results[1]["error"]
     assert torch.equal(results[0]["next_grad"], results[1]["next_grad"])
+
+
+def test_ranks_that_cannot_step_their_closed_window_tell_every_rank_the_replicas_differ(tmp_path):
+    """Note [Every rank reads what several aborters did]: two of three ranks
+    cannot step the window flush() steps. Rank 0 stepped it: the replicas
+    differ, and rank 0 must say so, naming both ranks (it once counted them
+    and said training could go on)."""
+    results = du.run_job("flush_after_closed_window_fails_on_one_rank", 3, tmp_path, module="_protocol_jobs",
+                         how="optimizer", failing=(1, 2), pg_timeout=30, timeout=90)
+    assert results[0]["error"] == (
+        "gradaccum: acc.flush(): window 1 was dropped on every rank: 2 ranks (ranks 1 and 2) could not contribute "
+        "their window: both could not step the window that acc.flush() or acc.join() closed, while other ranks "
+        "stepped theirs (each raises its own error there): the replicas differ "
+        "from here on. Resume every rank from a checkpoint"), results[0]["error"]
+    for rank in (1, 2):
+        err = results[rank]["error"]
+        assert err.startswith(f"gradaccum: acc.flush(): window 1 was dropped on every rank: this rank (rank {rank}) "
+                              "could not step the last window it closed (ending its data in acc.flush() or "
+                              "acc.join()), while other ranks stepped theirs: the replicas differ from here on. "
+                              "Resume every rank from a checkpoint. The error on this rank, stepping the closed "
+                              f"window before the flush: RuntimeError: optimizer failed on rank {rank}"), err
+    for res in results:
+        assert res["seconds"] < 10, res["seconds"]
+
+
+def test_two_ranks_dropping_one_window_for_different_reasons_are_both_named(tmp_path):
+    """On 3 ranks, at window 1's closing micro-step, rank 1 refuses its
+    micro-batch and rank 2's backward raises: rank 0 names both, with each
+    reason counted; every rank drops the window and the next one trains (the
+    float64 big batches without window 1)."""
+    results = run("refused_micro_batch", 3, tmp_path, how="no_grad", closing=True, boom_rank=2)
+    assert results[0]["errors"] == [("1/1", "RuntimeError",
+                                     "gradaccum: acc.backward(): window 1 was dropped on every rank: 2 ranks (ranks 1 "
+                                     "and 2) could not contribute their window: 1 failed in the synchronising "
+                                     "backward (or a micro-step of the window); 1 refused the micro-batch that "
+                                     f"closes the window (each raises its own error there){THEN}")]
+    kind, local = REFUSED["no_grad"]
+    assert results[1]["errors"] == [("1/1", kind, f"{local}; window 1 was dropped on every rank: this "
+                                     f"rank (rank 1) {WHY}{THEN}")]
+    (boom,) = results[2]["errors"]
+    assert boom[0] == "1/1" and boom[2].startswith(
+        "gradaccum: acc.backward(): window 1 was dropped on every rank: the synchronising backward (or a "
+        "micro-step of the window) failed on this rank (rank 2): injected failure on rank 2"), boom
+    assert boom[2].endswith(THEN), boom
+    expected = pj.refused_reference(3, dropped=1)
+    for res in results:
+        assert res["stats"]["dropped_windows"] == 1 and res["stats"]["optimizer_steps"] == 2
+        du.assert_params_close(res["params"], expected, "two reasons")
 
 
 def test_a_checkpoint_after_a_midwindow_zero_grad_on_one_rank_drops_the_window_everywhere(tmp_path):
