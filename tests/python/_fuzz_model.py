@@ -223,7 +223,10 @@ class Model:
             all_of.append("left its acc.join() block with an exception")
         if own_boom and culprits.get(r) == "boom":  # its first reason is the one told
             all_of.append("injected failure")
-        # with several culprits the error counts them ("2 ranks could not contribute")
+        # design.md, "Window consensus": two ranks that drop one window are
+        # named to the others; more are counted
+        if len(culprits) == 2 and r not in culprits:
+            all_of.append("2 ranks (ranks {} and {})".format(*sorted(culprits)))
         any_of = [f"rank {c}" for c in sorted(culprits)] if len(culprits) == 1 else []
         return ("err", all_of, any_of, True)
 
