@@ -380,7 +380,7 @@ std::string dropped_elsewhere(const std::string& where, const Aborters& who, int
     if (n > 0) {
       const auto reason = static_cast<AbortReason>(r + 1);
       all_raise = all_raise && raised_there(reason);
-      text += sep + (n == who.count ? std::string(n == 2 ? "both " : "all ") : std::to_string(n) + " ") +
+      text += sep + (n == who.count ? std::string(n == 2 ? "both " : "all ") : std::to_string(n) + " of them ") +
           several_phrase(reason);
       sep = "; ";
     }
@@ -396,15 +396,16 @@ std::string dropped_here(const std::string& where, int rank, AbortReason why, co
   const auto told_here = unstepped > 0 ? AbortReason::ClosedWindowNotStepped
       : left > 0                       ? AbortReason::LeftJoin
                                        : why;
-  const bool from_others = told_here != why;
+  // Where that comes from other ranks, say what they did.
+  std::string others;
+  if (told_here != why) {
+    const auto n = told_here == AbortReason::ClosedWindowNotStepped ? unstepped : left;
+    others = "; " + (n == 1 ? std::string("another rank ") : std::to_string(n) + " other ranks ") +
+        several_phrase(told_here);
+  }
   return where + " was dropped on every rank: " +
-      abort_phrase(why, "this rank (rank " + std::to_string(rank) + ")") +
-      (local.empty() ? "" : ": " + local) +
-      (from_others && told_here == AbortReason::ClosedWindowNotStepped
-           ? "; " + std::to_string(unstepped) + " other rank(s) could not step the window that acc.flush() or "
-                 "acc.join() closed, while other ranks stepped theirs"
-           : "") +
-      consequence(told_here, joined) + (transport.empty() ? "" : ". Dropping it failed too: " + transport);
+      abort_phrase(why, "this rank (rank " + std::to_string(rank) + ")") + (local.empty() ? "" : ": " + local) +
+      others + consequence(told_here, joined) + (transport.empty() ? "" : ". Dropping it failed too: " + transport);
 }
 
 } // namespace gradaccum::detail

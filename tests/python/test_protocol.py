@@ -288,8 +288,9 @@ def test_two_ranks_dropping_one_window_for_different_reasons_are_both_named(tmp_
     results = run("refused_micro_batch", 3, tmp_path, how="no_grad", closing=True, boom_rank=2)
     assert results[0]["errors"] == [("1/1", "RuntimeError",
                                      "gradaccum: acc.backward(): window 1 was dropped on every rank: 2 ranks (ranks 1 "
-                                     "and 2) could not contribute their window: 1 failed in the synchronising "
-                                     "backward (or a micro-step of the window); 1 refused the micro-batch that "
+                                     "and 2) could not contribute their window: 1 of them failed in the "
+                                     "synchronising backward (or a micro-step of the window); 1 of them refused "
+                                     "the micro-batch that "
                                      f"closes the window (each raises its own error there){THEN}")]
     kind, local = REFUSED["no_grad"]
     assert results[1]["errors"] == [("1/1", kind, f"{local}; window 1 was dropped on every rank: this "
