@@ -273,7 +273,7 @@ bool raised_there(AbortReason why) {
       why == AbortReason::RefreshRefused;
 }
 
-// What several ranks that dropped the window did, after a count ("2 ran out
+// What several ranks that dropped the window did, after a count ("2 of them ran out
 // of memory ..."), singular or plural alike: the shorter abort_phrase().
 const char* several_phrase(AbortReason why) {
   switch (why) {
