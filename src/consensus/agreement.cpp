@@ -341,14 +341,10 @@ std::string consequence(AbortReason why, int64_t joined) {
 // else failed beside it, then a rank that left join() means nobody may go
 // on. Each such count rides in the header (kAbortReasons), so every rank
 // words the same consequence; with one reason only, it is that reason's.
-AbortReason told(const Aborters& who) {
-  if (who.of(AbortReason::ClosedWindowNotStepped) > 0) {
-    return AbortReason::ClosedWindowNotStepped;
-  }
-  if (who.of(AbortReason::LeftJoin) > 0) {
-    return AbortReason::LeftJoin;
-  }
-  return who.shared();
+// `unstepped` and `left` count the ranks dropping the window for those two
+// reasons; `otherwise` is told where neither did.
+AbortReason told(int64_t unstepped, int64_t left, AbortReason otherwise) {
+  return unstepped > 0 ? AbortReason::ClosedWindowNotStepped : left > 0 ? AbortReason::LeftJoin : otherwise;
 }
 
 } // namespace
@@ -385,7 +381,8 @@ std::string dropped_elsewhere(const std::string& where, const Aborters& who, int
       sep = "; ";
     }
   }
-  return text + (all_raise ? " (each raises its own error there)" : "") + consequence(told(who), joined);
+  const auto consequence_told = told(who.of(AbortReason::ClosedWindowNotStepped), who.of(AbortReason::LeftJoin), why);
+  return text + (all_raise ? " (each raises its own error there)" : "") + consequence(consequence_told, joined);
 }
 
 std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
@@ -393,9 +390,7 @@ std::string dropped_here(const std::string& where, int rank, AbortReason why, co
   // What another rank's drop in the same reduction means for every rank
   // (Note [Every rank reads what several aborters did]); both counts include
   // this rank's own reason.
-  const auto told_here = unstepped > 0 ? AbortReason::ClosedWindowNotStepped
-      : left > 0                       ? AbortReason::LeftJoin
-                                       : why;
+  const auto told_here = told(unstepped, left, why);
   // Where that comes from other ranks, say what they did.
   std::string others;
   if (told_here != why) {
