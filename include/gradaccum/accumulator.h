@@ -329,6 +329,10 @@ class Accumulator {
   /// raises its own error.
   void refresh_parameters(ModelParameters model, const std::string& refused_here);
   /// Drops the current window: clears gradients and counters of the window.
+  /// Data parallel, a closed window dropped on some ranks but stepped on
+  /// others makes every rank raise in its next reduction (the replicas
+  /// differ); dropped on every rank alike, it is simply gone (Note [A window
+  /// not stepped on some ranks]).
   void zero_grad();
 
   /// The last closed window's loss over every micro-batch of every rank,
@@ -466,6 +470,9 @@ class Accumulator {
   void close_window_loss(const ReductionResult& result, const at::Tensor& like);
   void close_local_window_loss();
   void reset_window();
+  /// zero_grad() without its call guard: a closed window that every rank
+  /// drops alike (acc.step()'s skips) or that a reduction tells of already.
+  void drop_window();
   void note_dropped_window(int64_t window);
   void check_consistent_cut(int64_t window, bool failed_here = false) const;
   void snapshot_window_into(AccumulatorState& state);

@@ -260,6 +260,13 @@ class Reducer {
 
   /// Makes `.grad` zero (bucket views stay views) or undefined (copy mode).
   void zero_grad();
+  /// This rank will not step the last window every rank reduced (`why`, a
+  /// string with static storage, words it in this rank's error): its next
+  /// reduction tells every rank, and where some ranks but not all did so,
+  /// every rank drops that reduction and raises (Note [A window not stepped on
+  /// some ranks]). A failure after a window's reduction marks it itself;
+  /// restore() clears it.
+  void mark_unstepped(const char* why);
   /// With an accumulation dtype: adds each `.grad` of a narrower dtype into its
   /// bucket and releases it (after a no_sync micro-step's backward).
   void accumulate_local();

@@ -60,10 +60,11 @@ namespace detail {
 std::string failed_after_reduction(const char* call, int rank, const ReductionResult& last, const std::exception& e) {
   return c10::str("gradaccum: ", call, ": every rank reduced the window, but this rank (rank ", rank,
       ") failed after that: ", detail::message_of(e), ". This rank dropped its window (no optimizer step here) ",
-      last.global_weight > 0 ? "while the other ranks step theirs: the replicas differ from here on"
+      last.global_weight > 0 ? "while the other ranks step theirs: the replicas differ from here on. Resume every "
+                               "rank from a checkpoint (the next reduction tells every rank, and every rank drops "
+                               "it)"
                              : "and so do the others (it was empty on every rank), but the ranks' buffers may "
-                               "differ from here on",
-      ". Resume every rank from a checkpoint");
+                               "differ from here on. Resume every rank from a checkpoint");
 }
 
 } // namespace detail
@@ -490,6 +491,15 @@ void Accumulator::clear_gradients() {
 
 void Accumulator::zero_grad() {
   const CallGuard guard(driver_, "acc.zero_grad()");
+  if (window_ready_ && reducer_ && !window_empty_) {
+    // A reduced window that other ranks may step: Note [A window not stepped
+    // on some ranks] (src/consensus/window_header.cpp).
+    reducer_->mark_unstepped("acc.zero_grad() dropped it here once it was closed");
+  }
+  drop_window();
+}
+
+void Accumulator::drop_window() {
   // Drops the window; a pending end of epoch (epoch_ended_) stays: it is
   // about where the other ranks are, not about this window's gradients.
   if (window_ready_ && reducer_ && options_.error_feedback()) {

@@ -83,7 +83,7 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
     }
     const auto* error = dynamic_cast<const c10::Error*>(&e);
     *local_failure = error ? error->what_without_backtrace() : e.what();
-    zero_grad();
+    drop_window();
     window_failed_ = true;
     window_failure_ = AbortReason::ClosedWindowNotStepped;
     return false;

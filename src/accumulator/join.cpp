@@ -80,7 +80,8 @@ int64_t Accumulator::join() {
         // nonfinite="raise" on the reduced gradient, which every rank holds
         // alike: the ranks with data raise it, and it tells them to drop the
         // window with acc.zero_grad() and go on. The shadow, with no code of
-        // the user's to run, does that here and keeps pairing (leaving would
+        // the user's to run, does that here (marked as theirs is: Note [A
+        // window not stepped on some ranks]) and keeps pairing (leaving would
         // hang their next window; treating it as its own failure would drop
         // that window too, saying the replicas differ, which they do not).
         // In the last reduction (every rank joined) every rank raises it.

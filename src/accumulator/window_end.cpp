@@ -86,7 +86,7 @@ bool Accumulator::step_window() {
     // nothing to step.
     ++stats_.skipped_steps;
     ++stats_.windows;
-    zero_grad();
+    drop_window();
     return false;
   }
   if (!window_unscaled_) {
@@ -94,7 +94,7 @@ bool Accumulator::step_window() {
     if (before_step_ && !before_step_()) { // Note [One loss scaler path]
       ++stats_.skipped_steps; // e.g. a loss scaler found an overflow: it backs off
       ++stats_.windows;
-      zero_grad();
+      drop_window();
       return false;
     }
     window_unscaled_ = true; // until the window ends: see finish_window()
@@ -121,7 +121,7 @@ bool Accumulator::step_window() {
           "); gradients left in .grad for inspection, call acc.zero_grad() to drop the window");
       ++stats_.skipped_steps;
       ++stats_.windows;
-      zero_grad();
+      drop_window();
       return false;
     }
     if (max_norm && !grads.empty()) {

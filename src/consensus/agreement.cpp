@@ -358,6 +358,35 @@ AbortReason Aborters::shared() const {
   return AbortReason::None;
 }
 
+std::string not_stepped(const std::string& where, const Unstepped& who) {
+  // Note [A window not stepped on some ranks]
+  std::ostringstream out;
+  out << where << ": ";
+  const auto others = who.count - (who.here ? 1 : 0);
+  if (who.here) {
+    out << "this rank (rank " << who.reader << ")";
+    if (others > 0) {
+      out << " and " << others << " other rank" << (others == 1 ? "" : "s");
+    }
+  } else if (who.count == 1 && who.rank >= 0) {
+    out << "rank " << who.rank;
+  } else {
+    out << who.count << " of the " << who.world << " ranks";
+  }
+  out << " did not step a window every rank had reduced";
+  if (who.here) {
+    out << " (" << who.here << ")";
+  }
+  out << ", while the other ranks stepped it";
+  if (!who.here) {
+    out << " (acc.zero_grad() dropped the closed window there, say after acc.step() raised, or a failure there "
+           "after the window's reduction cleared it)";
+  }
+  out << ": the replicas differ from here on. Resume every rank from a checkpoint (acc.load_state_dict() on "
+         "every rank). The window was dropped on every rank";
+  return out.str();
+}
+
 std::string dropped_elsewhere(const std::string& where, const Aborters& who, int64_t joined) {
   const auto why = who.shared();
   if (who.count == 1) {

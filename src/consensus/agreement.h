@@ -42,6 +42,9 @@ struct AgreementInputs {
   bool one_host = false; ///< ReducerConfig::one_host
   /// The trainable parameters' names, in the reducer's order (construction only).
   const std::vector<std::string>* names = nullptr;
+  /// Why this rank did not step the last window every rank reduced (Note [A
+  /// window not stepped on some ranks]); null: it did.
+  const char* unstepped = nullptr;
 };
 
 /// One value every rank must hold alike.
@@ -112,6 +115,20 @@ struct Aborters {
   /// The reason every one of them has, None where they differ (or none dropped it).
   AbortReason shared() const;
 };
+
+/// The ranks that did not step the last window every rank reduced (kUnstepped,
+/// kUnsteppedRank: Note [A window not stepped on some ranks]).
+struct Unstepped {
+  int64_t count = 0;
+  int64_t rank = -1; ///< the one rank (count 1)
+  int world = 1;
+  int reader = 0; ///< this rank
+  const char* here = nullptr; ///< why this rank did not, when it is one of them
+};
+
+/// The error every rank raises when some ranks but not all did not step the
+/// window before.
+std::string not_stepped(const std::string& where, const Unstepped& who);
 
 /// Why the window was dropped, as every rank but the dropping ones reads it:
 /// `who` dropped it; `joined` ranks were in acc.join() (Note [A window

@@ -68,6 +68,8 @@ std::vector<double> encode_header(const ReductionRequest& request, int rank, int
   meta[kFlushing] = request.flushing ? 1 : 0;
   meta[kJoined] = request.joined ? 1 : 0;
   meta[kInexactWeight] = meta[kWeight] == std::floor(meta[kWeight]) ? 0 : 1;
+  meta[kUnstepped] = mine.unstepped ? 1 : 0; // Note [A window not stepped on some ranks]
+  meta[kUnsteppedRank] = mine.unstepped ? rank : 0;
   // launch_bucket() writes the loss and the metrics on their device.
   std::fill(meta.begin() + kLoss, meta.begin() + kMetaHeader, 0.0);
   // Who drops it, and why (Note [Every rank reads what several aborters did]).
@@ -132,6 +134,25 @@ Aborters read_aborters(const std::vector<double>& last, int world) {
   return who;
 }
 
+// Note [A window not stepped on some ranks]
+// Every rank reduces a window alike, but steps it on its own: a rank whose
+// acc.step() raised (its optimizer, a hook) and that then drops the closed
+// window with acc.zero_grad(), or one that failed after every rank agreed on
+// the window (its write-back, a buffer broadcast: the reducer cleared its
+// window, Note [Finishing a reduction]), goes on with other weights than the
+// ranks that stepped it, and nothing else would ever tell them. Such a rank
+// says so in its next reduction, whatever it is (kUnstepped, kUnsteppedRank:
+// Reducer::mark_unstepped()), and where some ranks but not all did, every
+// rank drops that reduction and raises, naming the rank when one: the
+// replicas differ. Where every rank dropped the window alike (a skip decided
+// on the window's global loss, nonfinite="raise" followed by acc.zero_grad()
+// everywhere, Lightning dropping a cut window), the replicas are the same and
+// nothing is said. What acc.step() itself skips (an empty window, a loss
+// scaler's overflow, nonfinite="skip") is decided on the reduced window, the
+// same everywhere, and is no drop; a closed window that acc.flush() cannot
+// step drops the flush's reduction itself (AbortReason::ClosedWindowNotStepped).
+// The mark is kept through a reduction some rank drops (its text would not
+// say it) and cleared by any other, and by acc.load_state_dict().
 Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& mine, int rank, int world,
                      int64_t modulus) {
   TORCH_INTERNAL_ASSERT(!buckets.empty(), "gradaccum: a reduction without buckets");
@@ -159,6 +180,16 @@ Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& 
   }
   if (verdict.aborters.count > 0) {
     verdict.outcome = Verdict::Outcome::Dropped;
+    return verdict;
+  }
+  // Note [A window not stepped on some ranks]
+  verdict.unstepped.count = rounded(last[kUnstepped]);
+  if (verdict.unstepped.count > 0 && verdict.unstepped.count < world) {
+    verdict.unstepped.rank = verdict.unstepped.count == 1 ? rounded(last[kUnsteppedRank]) : -1;
+    verdict.unstepped.world = world;
+    verdict.unstepped.reader = rank;
+    verdict.unstepped.here = mine.unstepped;
+    verdict.outcome = Verdict::Outcome::Unstepped;
     return verdict;
   }
   for (const auto& agreement : agreements()) {
@@ -190,6 +221,8 @@ std::string verdict_error(const Verdict& verdict, const std::string& where) {
       return dropped_elsewhere(where, verdict.aborters, verdict.joined_ranks);
     case Verdict::Outcome::Disagreed:
       return window_disagreement(where, *verdict.agreement, verdict.values);
+    case Verdict::Outcome::Unstepped:
+      return not_stepped(where, verdict.unstepped);
     case Verdict::Outcome::Agreed:
       break;
   }

@@ -52,9 +52,11 @@ struct Verdict {
     Mispaired, ///< `bucket` met another bucket on some rank
     Dropped, ///< `aborters` dropped it
     Disagreed, ///< the ranks hold different values of `agreement` (`values`)
+    Unstepped, ///< some ranks but not all did not step the window before (`unstepped`)
   } outcome = Outcome::Agreed;
   int64_t bucket = 0;
   Aborters aborters; ///< who dropped it (read from every reduction; none when it is not dropped)
+  Unstepped unstepped; ///< who did not step the window before (read unless `aborters` dropped it)
   const Agreement* agreement = nullptr;
   HeaderValues values;
 

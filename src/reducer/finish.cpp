@@ -155,6 +155,9 @@ detail::Reduced Reducer::State::agree(bool closing) {
   result.left_ranks = verdict.aborters.of(AbortReason::LeftJoin);
   result.unstepped_ranks = verdict.aborters.of(AbortReason::ClosedWindowNotStepped);
   window.last_result = result; // (no metric sums yet: copied without allocating)
+  if (verdict.outcome != detail::Verdict::Outcome::Dropped) {
+    window.unstepped_pending = nullptr; // told (Note [A window not stepped on some ranks])
+  }
   if (!verdict.agreed()) {
     fail_worded([&] {
       // A refresh's check is no window: say what became of the refresh, and
@@ -162,7 +165,9 @@ detail::Reduced Reducer::State::agree(bool closing) {
       const bool refusal = verdict.outcome == detail::Verdict::Outcome::Dropped &&
           verdict.aborters.shared() == AbortReason::RefreshRefused;
       std::string next;
-      if (window.entry == detail::Entry::Refresh && !refusal) {
+      if (window.entry == detail::Entry::Refresh && verdict.outcome == detail::Verdict::Outcome::Unstepped) {
+        next = ". Nothing was refreshed";
+      } else if (window.entry == detail::Entry::Refresh && !refusal) {
         next = verdict.joined_ranks > 0
             ? ". Nothing was refreshed; a rank in acc.join() left it with this error: end training on every "
               "rank here (or resume every rank from a checkpoint)"
@@ -351,6 +356,9 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
     } catch (...) {
     }
     ++stats.dropped_windows; // on this rank alone: the others step theirs
+    if (result.global_weight > 0) {
+      window.unstepped_pending = detail::kLostAfterReduction; // Note [A window not stepped on some ranks]
+    }
     apply_rebuild(std::move(rebuilt));
     end_reduction(/*window_closed=*/true);
     throw;

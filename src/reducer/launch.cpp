@@ -27,6 +27,12 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
   window.anchor_task = task;
   window.aborted_here = false;
   window.failure.clear();
+  // Note [A window not stepped on some ranks]: a rank that drops this
+  // reduction because it could not step the window it closed says so already.
+  if (request.abort == AbortReason::ClosedWindowNotStepped) {
+    window.unstepped_pending = nullptr;
+  }
+  window.unstepped = window.unstepped_pending;
   std::fill(window.ready.begin(), window.ready.end(), 0);
   buckets.ready_order.clear();
   for (auto& bucket : buckets.all) {

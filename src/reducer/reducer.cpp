@@ -328,10 +328,19 @@ Reducer::Progress Reducer::progress() const {
   return {state_->stats, state_->window.sequence, state_->window.last_weight};
 }
 
+void Reducer::mark_unstepped(const char* why) {
+  TORCH_INTERNAL_ASSERT(why, "gradaccum: Reducer::mark_unstepped() without a reason");
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.check_idle("acc.zero_grad()");
+  s.window.unstepped_pending = why;
+}
+
 void Reducer::restore(const Progress& progress) {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
   s.check_idle("acc.load_state_dict()");
+  s.window.unstepped_pending = nullptr; // every rank resumes alike (Note [A window not stepped on some ranks])
   // Not in checkpoints: what describes this reducer's buckets and its backwards.
   const auto now = s.stats;
   s.stats = progress.stats;

@@ -95,6 +95,10 @@ constexpr size_t kFailureCapacity = 256;
 constexpr const char* kUnworded =
     "gradaccum: this rank dropped the window (every rank drops it), and ran out of memory wording why";
 
+/// Why a rank did not step a window every rank had reduced (Note [A window
+/// not stepped on some ranks]), as its own error says.
+constexpr const char* kLostAfterReduction = "a failure after its reduction cleared it here";
+
 /// The reduction in flight, and what the last one left. Guarded by
 /// State::mutex; begin_reduction() resets the first part, end_reduction()
 /// ends it.
@@ -135,8 +139,16 @@ struct Window {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - origin).count();
   }
 
+  /// Why this rank did not step the last window every rank reduced, told to
+  /// every rank in its next reduction (Note [A window not stepped on some
+  /// ranks]); null where it did. `unstepped` is what this reduction sends.
+  const char* unstepped = nullptr;
+
   // What outlives a reduction.
   int64_t sequence = 0; ///< Note [What a window number means]
+  /// Why this rank will not step the last window every rank reduced, until a
+  /// reduction tells every rank (Reducer::mark_unstepped()); null: none.
+  const char* unstepped_pending = nullptr;
   WindowTimeline last_timeline; ///< the last completed reduction's (completions unresolved)
   std::vector<std::shared_ptr<Completion>> last_completed;
   /// The global weight of the last full window reduced (the same on every
@@ -305,7 +317,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   }
   /// This rank's values of what the ranks must agree on, for this reduction.
   detail::AgreementInputs agreement_inputs() const {
-    return {config.rule, config.options, config.params.size(), window.sequence, kind_code(), config.one_host};
+    detail::AgreementInputs inputs{config.rule, config.options, config.params.size(), window.sequence, kind_code(),
+                                   config.one_host};
+    inputs.unstepped = window.unstepped;
+    return inputs;
   }
   /// What every error of this reduction starts with: "gradaccum: acc.flush(): window 3".
   std::string where() const {

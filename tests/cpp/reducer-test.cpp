@@ -372,7 +372,9 @@ class FailingBroadcastGroup : public CountingGroup {
 TEST_CASE("a failure between the consensus and the write-back steps nothing on that rank", "[reducer][distributed][errors]") {
   // Rank 1's buffer broadcast fails after pairing: its .grad would hold the
   // undivided sum. It is cleared, the window is dropped there with an error
-  // that says the replicas now differ, and both ranks go on paired. With the
+  // that says the replicas now differ, and both ranks go on paired: the next
+  // window is dropped on both, each saying so (Note [A window not stepped on
+  // some ranks]), and the one after trains again. With the
   // rebuild on, the failure comes in window 0, whose end also agrees on the
   // buckets' ready order: rank 1 still runs that agreement and switches too.
   // The failure is in the first of the window's two buffer broadcasts: rank 1
@@ -395,7 +397,7 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
           Accumulator acc(net, opt, AccumulatorOptions(1).process_group(group).reducer(
               ReducerOptions().rebuild_buckets(rebuild).bucket_cap_mb(0.0001).first_bucket_cap_mb(0.0001)
                   .gradient_as_bucket_view(as_view)));
-          for (int w = 0; w < 3; ++w) {
+          for (int w = 0; w < 4; ++w) { // the window after the failure is dropped everywhere
             group->fail = rank == 1 && w == failing;
             try {
               acc.backward(net->loss(w));
@@ -404,6 +406,10 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
               }
             } catch (const c10::Error& e) {
               errors[rank].push_back(std::to_string(w) + ": " + e.what_without_backtrace());
+              if (w != failing) {
+                stepped[rank].push_back(acc.step());
+                continue;
+              }
               at_failure[rank] = acc.reducer()->last_result();
               own_count = net->count.item<int64_t>();
               int left = 0;
@@ -420,12 +426,24 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
           stats[rank] = acc.stats().reducer;
           buffers[rank] = {net->stat.clone(), net->count.clone()};
         });
-        CHECK(errors[0].empty());
-        REQUIRE(errors[1].size() == 1);
+        // Note [A window not stepped on some ranks]: the next window tells both.
+        const auto next = std::to_string(failing + 1);
+        const std::string replicas = ": the replicas differ from here on. Resume every rank from a checkpoint "
+                                     "(acc.load_state_dict() on every rank). The window was dropped on every rank";
+        REQUIRE(errors[0].size() == 1);
+        CHECK(errors[0][0] == next + ": gradaccum: acc.backward(): window " + next + ": rank 1 did not step a window "
+                              "every rank had reduced, while the other ranks stepped it (acc.zero_grad() dropped the "
+                              "closed window there, say after acc.step() raised, or a failure there after the "
+                              "window's reduction cleared it)" + replicas);
+        REQUIRE(errors[1].size() == 2);
         CHECK(errors[1][0] == std::to_string(failing) + ": gradaccum: acc.backward(): every rank reduced the window, "
                               "but this rank (rank 1) failed after that: injected broadcast failure. This rank "
                               "dropped its window (no optimizer step here) while the other ranks step theirs: the "
-                              "replicas differ from here on. Resume every rank from a checkpoint");
+                              "replicas differ from here on. Resume every rank from a checkpoint (the next reduction "
+                              "tells every rank, and every rank drops it)");
+        CHECK(errors[1][1] == next + ": gradaccum: acc.backward(): window " + next + ": this rank (rank 1) did not "
+                              "step a window every rank had reduced (a failure after its reduction cleared it here), "
+                              "while the other ranks stepped it" + replicas);
         CHECK(grads_left[1] == 0);
         // The window's loss and metric sums reach the result only after its
         // other collectives: the failing rank's has neither, the other's both.
@@ -437,25 +455,25 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
         CHECK_FALSE(at_failure[1].dropped);
         CHECK_FALSE(at_failure[1].loss_sum.has_value());
         CHECK(at_failure[1].metric_sums.empty());
-        CHECK(stepped[0] == std::vector<bool>{true, true, true});
-        CHECK(stepped[1] == std::vector<bool>{failing != 0, failing != 1, true});
+        CHECK(stepped[0] == std::vector<bool>{true, failing != 0, failing != 1, true});
+        CHECK(stepped[1] == std::vector<bool>{failing != 0, false, failing != 1, true});
         CHECK(allreduces[0] == allreduces[1]);
         CHECK(broadcasts[0] == broadcasts[1]);
-        // construction and three windows, and the rebuild's order (an int64 broadcast)
+        // construction and the three windows not dropped, and the rebuild's order (an int64 broadcast)
         const int expected = 4 + (rebuild ? 1 : 0);
         CHECK(long_broadcasts == std::vector<int>{expected, expected});
         CHECK(stats[0].broadcasts == 3);
         CHECK(stats[1].broadcasts == 3);
         CHECK(torch::equal(buffers[0][0], buffers[1][0]));
-        CHECK(buffers[0][1].item<int64_t>() == 3); // rank 0's count, broadcast after every window
+        CHECK(buffers[0][1].item<int64_t>() == 4); // rank 0's count, broadcast after the last window
         // The failed int64 broadcast left rank 1's count its own (rank 0's
         // after the window before, plus 2 from its forward).
         CHECK(own_count == (failing == 0 ? 2 : 1 + 2));
-        CHECK(buffers[1][1].item<int64_t>() == 3);
-        CHECK(stats[0].dropped_windows == 0);
-        CHECK(stats[1].dropped_windows == 1);
-        CHECK(stats[0].windows == 3);
-        CHECK(stats[1].windows == 3);
+        CHECK(buffers[1][1].item<int64_t>() == 4);
+        CHECK(stats[0].dropped_windows == 1);
+        CHECK(stats[1].dropped_windows == 2);
+        CHECK(stats[0].windows == 4);
+        CHECK(stats[1].windows == 4);
         CHECK(stats[0].buckets > 1);
         CHECK(stats[1].buckets == stats[0].buckets);
         CHECK(stats[1].bucket_rebuilds == stats[0].bucket_rebuilds);
@@ -467,7 +485,8 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
 TEST_CASE("a failure after the consensus of a flush steps nothing on that rank", "[reducer][distributed][errors]") {
   // The partial window's reduction in acc.flush() fails on rank 1 after every
   // rank reduced it: rank 1 says so in acc.flush()'s name, steps nothing, and
-  // both ranks go on paired into the next epoch.
+  // both ranks go on paired into the next epoch, whose first window both drop,
+  // saying that the replicas differ; the next one trains.
   std::vector<std::vector<std::string>> errors(2);
   std::vector<std::vector<bool>> stepped(2);
   std::vector<int> allreduces(2);
@@ -489,24 +508,36 @@ TEST_CASE("a failure after the consensus of a flush steps nothing on that rank",
       stepped[rank].push_back(false);
     }
     group->fail = false;
-    for (int k = 0; k < 2; ++k) {
-      acc.backward(net->loss(k, -1));
+    for (int k = 0; k < 4; ++k) { // the next window is dropped everywhere (Note [A window not stepped ...])
+      try {
+        acc.backward(net->loss(k, -1));
+      } catch (const c10::Error& e) {
+        errors[rank].push_back(e.what_without_backtrace());
+      }
       stepped[rank].push_back(acc.step());
     }
     allreduces[rank] = counting->allreduces;
     stats[rank] = acc.stats().reducer;
   });
-  CHECK(errors[0].empty());
-  REQUIRE(errors[1].size() == 1);
+  const std::string replicas = ": the replicas differ from here on. Resume every rank from a checkpoint "
+                               "(acc.load_state_dict() on every rank). The window was dropped on every rank";
+  REQUIRE(errors[0].size() == 1);
+  CHECK(errors[0][0] == "gradaccum: acc.backward(): window 2: rank 1 did not step a window every rank had reduced, "
+                        "while the other ranks stepped it (acc.zero_grad() dropped the closed window there, say after "
+                        "acc.step() raised, or a failure there after the window's reduction cleared it)" + replicas);
+  REQUIRE(errors[1].size() == 2);
   CHECK(errors[1][0] == "gradaccum: acc.flush(): every rank reduced the window, but this rank (rank 1) failed after "
                         "that: injected broadcast failure. This rank dropped its window (no optimizer step here) "
                         "while the other ranks step theirs: the replicas differ from here on. Resume every rank "
-                        "from a checkpoint");
-  CHECK(stepped[0] == std::vector<bool>{false, true, false, true, false, true});
-  CHECK(stepped[1] == std::vector<bool>{false, true, false, false, false, true});
+                        "from a checkpoint (the next reduction tells every rank, and every rank drops it)");
+  CHECK(errors[1][1] == "gradaccum: acc.backward(): window 2: this rank (rank 1) did not step a window every rank had "
+                        "reduced (a failure after its reduction cleared it here), while the other ranks stepped it" +
+                        replicas);
+  CHECK(stepped[0] == std::vector<bool>{false, true, false, true, false, false, false, true});
+  CHECK(stepped[1] == std::vector<bool>{false, true, false, false, false, false, false, true});
   CHECK(allreduces[0] == allreduces[1]);
-  CHECK(stats[0].dropped_windows == 0);
-  CHECK(stats[1].dropped_windows == 1);
+  CHECK(stats[0].dropped_windows == 1);
+  CHECK(stats[1].dropped_windows == 2);
   CHECK(stats[0].windows == stats[1].windows);
 }
 

