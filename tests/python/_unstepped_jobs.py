@@ -7,8 +7,6 @@ a one-process reference in float64.
 """
 import copy
 
-import torch
-
 import _dist_utils as du
 from _dist_utils import job
 
