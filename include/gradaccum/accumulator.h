@@ -481,6 +481,12 @@ class Accumulator {
   std::vector<GradMark> grad_versions() const;
   bool finish_window();
   bool step_window();
+  /// step_window() up to and with the optimizer's step: false where the
+  /// window is skipped (no step).
+  bool step_optimizer();
+  /// A skip of a reduced window, said in the next reduction (Note [A window
+  /// not stepped on some ranks]).
+  void mark_skipped();
   bool reducer_checks_finite() const;
   void clear_gradients();
   std::vector<at::Tensor> defined_grads() const;
@@ -543,6 +549,10 @@ class Accumulator {
   /// This closed window went through the loss scaler / before_step_ already
   /// (a step() that raised after it is retried without them).
   bool window_unscaled_ = false;
+  /// The optimizer stepped this closed window, and then the scheduler raised:
+  /// a retry of step() runs the scheduler only, and acc.zero_grad() drops a
+  /// window that was stepped.
+  bool window_optimizer_stepped_ = false;
   /// The built-in loss scaler, installed as the window callbacks (Note [One
   /// loss scaler path]); null without AccumulatorOptions::loss_scaler.
   std::unique_ptr<detail::LossScaler> loss_scaler_;

@@ -440,6 +440,7 @@ void Accumulator::reset_window() {
   micro_step_ = 0;
   window_ready_ = false;
   window_unscaled_ = false;
+  window_optimizer_stepped_ = false;
   window_weight_ = 0;
   window_loss_sum_ = at::Tensor();
   window_failed_ = false;
@@ -491,7 +492,7 @@ void Accumulator::clear_gradients() {
 
 void Accumulator::zero_grad() {
   const CallGuard guard(driver_, "acc.zero_grad()");
-  if (window_ready_ && reducer_ && !window_empty_) {
+  if (window_ready_ && reducer_ && !window_empty_ && !window_optimizer_stepped_) {
     // A reduced window that other ranks may step: Note [A window not stepped
     // on some ranks] (src/consensus/window_header.cpp).
     reducer_->mark_unstepped("acc.zero_grad() dropped it here once it was closed");

@@ -76,6 +76,10 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   const CallGuard guard(driver_, "acc.state_dict()");
   check_open("acc.state_dict()");
   check_no_open_parts("acc.state_dict()");
+  // (A state saved here would step the optimizer again when resumed.)
+  TORCH_CHECK(!window_optimizer_stepped_,
+      "gradaccum: acc.state_dict(): the optimizer stepped this window but the scheduler raised; call acc.step() "
+      "again (it runs the scheduler only) before saving");
   AccumulatorState state;
   state.steps = options_.steps();
   state.reduction = options_.reduction();
@@ -353,6 +357,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_ready_ = state.window_ready;
   window_weight_ = state.window_weight * share;
   window_failed_ = false;
+  window_optimizer_stepped_ = false;
   // A closed window steps, or is skipped, as it would have been: already
   // unscaled (a retry after a failed optimizer step) or empty everywhere.
   window_unscaled_ = state.window_ready && state.window_unscaled;

@@ -76,6 +76,27 @@ bool Accumulator::reducer_checks_finite() const {
 }
 
 bool Accumulator::step_window() {
+  // A retry after the scheduler raised: the optimizer stepped this window.
+  if (!window_optimizer_stepped_ && !step_optimizer()) {
+    return false;
+  }
+  if (scheduler_step_) {
+    scheduler_step_();
+  }
+  reset_window(); // the window was used: its error-feedback residual carries on
+  return true;
+}
+
+void Accumulator::mark_skipped() {
+  // Decided on the reduced window, alike on every rank, unless a rank could
+  // not reach the decision (its acc.step() raised before it) and dropped the
+  // window instead: neither stepped, and the two marks keep the count whole.
+  if (reducer_) {
+    reducer_->mark_unstepped("acc.step() skipped it here: a loss scaler's overflow or a non-finite gradient");
+  }
+}
+
+bool Accumulator::step_optimizer() {
   for (const auto i : c10::irange(params_.size())) {
     TORCH_CHECK(!params_[i].grad().defined() || !params_[i].grad().is_sparse(),
         "gradaccum: acc.step(): ", names_[i], " has a sparse gradient (Embedding(sparse=True)?); gradaccum "
@@ -94,6 +115,7 @@ bool Accumulator::step_window() {
     if (before_step_ && !before_step_()) { // Note [One loss scaler path]
       ++stats_.skipped_steps; // e.g. a loss scaler found an overflow: it backs off
       ++stats_.windows;
+      mark_skipped();
       drop_window();
       return false;
     }
@@ -121,6 +143,7 @@ bool Accumulator::step_window() {
           "); gradients left in .grad for inspection, call acc.zero_grad() to drop the window");
       ++stats_.skipped_steps;
       ++stats_.windows;
+      mark_skipped();
       drop_window();
       return false;
     }
@@ -130,12 +153,9 @@ bool Accumulator::step_window() {
     }
   }
   optimizer_step_();
-  if (scheduler_step_) {
-    scheduler_step_();
-  }
+  window_optimizer_stepped_ = true;
   ++stats_.optimizer_steps;
   ++stats_.windows;
-  reset_window(); // the window was used: its error-feedback residual carries on
   return true;
 }
 

@@ -147,12 +147,18 @@ Aborters read_aborters(const std::vector<double>& last, int world) {
 // replicas differ. Where every rank dropped the window alike (a skip decided
 // on the window's global loss, nonfinite="raise" followed by acc.zero_grad()
 // everywhere, Lightning dropping a cut window), the replicas are the same and
-// nothing is said. What acc.step() itself skips (an empty window, a loss
-// scaler's overflow, nonfinite="skip") is decided on the reduced window, the
-// same everywhere, and is no drop; a closed window that acc.flush() cannot
-// step drops the flush's reduction itself (AbortReason::ClosedWindowNotStepped).
-// The mark is kept through a reduction some rank drops (its text would not
-// say it) and cleared by any other, and by acc.load_state_dict().
+// nothing is said. What acc.step() itself skips (a loss scaler's overflow,
+// nonfinite="skip") is decided on the reduced window, the same everywhere,
+// and marks it too: a rank whose acc.step() raised before that decision and
+// that dropped the window then keeps the count whole (neither stepped). An
+// empty window is marked nowhere, and a window whose optimizer stepped before
+// its scheduler raised is stepped. A closed window that acc.flush() cannot
+// step drops the flush's reduction itself (AbortReason::ClosedWindowNotStepped),
+// which clears the mark. The mark is kept through a reduction some rank drops
+// or mis-pairs (its text would not say it) and cleared by any other, and by
+// acc.load_state_dict() (every rank resumes alike). A rank with no reduction
+// after its mark (the job's last window) tells nobody: its own error says
+// that the replicas differ.
 Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& mine, int rank, int world,
                      int64_t modulus) {
   TORCH_INTERNAL_ASSERT(!buckets.empty(), "gradaccum: a reduction without buckets");

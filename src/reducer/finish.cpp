@@ -155,8 +155,9 @@ detail::Reduced Reducer::State::agree(bool closing) {
   result.left_ranks = verdict.aborters.of(AbortReason::LeftJoin);
   result.unstepped_ranks = verdict.aborters.of(AbortReason::ClosedWindowNotStepped);
   window.last_result = result; // (no metric sums yet: copied without allocating)
-  if (verdict.outcome != detail::Verdict::Outcome::Dropped) {
-    window.unstepped_pending = nullptr; // told (Note [A window not stepped on some ranks])
+  using Outcome = detail::Verdict::Outcome;
+  if (verdict.outcome != Outcome::Dropped && verdict.outcome != Outcome::Mispaired) {
+    window.unstepped_pending = nullptr; // read and told (Note [A window not stepped on some ranks])
   }
   if (!verdict.agreed()) {
     fail_worded([&] {
