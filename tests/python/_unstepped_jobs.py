@@ -7,6 +7,8 @@ a one-process reference in float64.
 """
 import copy
 
+import torch
+
 import _dist_utils as du
 from _dist_utils import job
 
@@ -25,34 +27,53 @@ def reference(world_size, skip=()):
 
 
 @job
-def closed_window_dropped(rank, world_size, *, droppers, then="window", resume=True):
-    """K=2, momentum SGD, WINDOWS windows. Window 1's acc.step() raises on the
-    ranks in `droppers` (their optimizer), which drop the closed window with
-    acc.zero_grad() and go on, as a script that catches the error would
-    (`droppers` = every rank: a window skipped alike). `then` is the call
-    that runs the next reduction: "window" (window 2's closing backward),
-    "flush" (one micro-step, then acc.flush()), "snapshot" (one micro-step,
-    then a rank-independent acc.state_dict()), "refresh"
-    (acc.refresh_parameters() at the boundary). Where that raises, every rank
-    resumes from the checkpoint taken before window 1 (`resume`) and trains
-    windows 1.. again, with no failure."""
+def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error="resume", fails="optimizer",
+                          recover="zero_grad", resume_at_once=False, boom_rank=None, nan_rank=None):
+    """K=2, momentum SGD, a constant LambdaLR, WINDOWS windows. Window 1's
+    acc.step() raises on the ranks in `droppers`: their optimizer raises
+    (`fails` "optimizer"), their scheduler after the optimizer stepped
+    ("scheduler"), or the script replaced a .grad after the closing backward
+    ("replaced"). They `recover` as a script that catches the error would:
+    drop the closed window with acc.zero_grad() ("zero_grad"), or call
+    acc.step() again ("retry"). `resume_at_once`: every rank then resumes
+    from the checkpoint taken before window 1 before any reduction.
+    `then` is the call that runs the next reduction: "window" (window 2's
+    closing backward), "flush" (one micro-step, then acc.flush()), "snapshot"
+    (one micro-step, then a rank-independent acc.state_dict()), "refresh"
+    (acc.refresh_parameters() at the boundary). `boom_rank`: that rank's
+    closing backward of window 2 raises. `nan_rank`: that rank's first loss
+    of window 1 is NaN (nonfinite="skip" skips the window). Where a reduction
+    raises, `on_error`: every rank resumes from the checkpoint and trains
+    windows 1.. again with no failure ("resume"), stops ("stop"), or goes on
+    ("go_on")."""
     import gradaccum
 
     model = du.mlp(SEED)
     opt = du.make_optimizer("sgd", model.parameters())
-    acc = gradaccum.Accumulator(model, opt, steps=K)
-    data = windows(world_size)[:]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    acc = gradaccum.Accumulator(model, opt, steps=K, scheduler=scheduler)
+    data = windows(world_size)
     errors, saved = [], None
-    real_step = opt.step
     fail = {"armed": False}
 
-    def step(*args, **kwargs):
-        if fail["armed"]:
-            fail["armed"] = False
-            raise RuntimeError(f"optimizer failed on rank {rank}")
-        return real_step(*args, **kwargs)
+    def failing(real, what):
+        def call(*args, **kwargs):
+            if fail["armed"]:
+                fail["armed"] = False
+                raise RuntimeError(f"{what} failed on rank {rank}")
+            return real(*args, **kwargs)
+        return call
 
-    opt.step = step
+    if fails == "optimizer":
+        opt.step = failing(opt.step, "optimizer")
+    elif fails == "scheduler":
+        scheduler.step = failing(scheduler.step, "scheduler")
+
+    def resume():
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        acc.load_state_dict(saved[2])
+
     w = 0
     resumed = False
     dropped_before = None
@@ -73,26 +94,43 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", resume=T
                 acc.refresh_parameters()
                 errors.append((w, "none"))
                 break
-            for batch in micro:
-                acc.backward(du.micro_loss(model, batch, "mean")[0])
-            fail["armed"] = w == 1 and rank in droppers and not resumed
+            for k, batch in enumerate(micro):
+                loss = du.micro_loss(model, batch, "mean")[0]
+                if w == 1 and k == 0 and rank == nan_rank and not resumed:
+                    loss = loss * float("nan")
+                if w == 2 and k == K - 1 and rank == boom_rank and not resumed:
+                    loss = du.Boom.apply(loss)
+                acc.backward(loss)
+            failing_here = w == 1 and rank in droppers and not resumed
+            if failing_here and fails == "replaced":
+                model[0].weight.grad = model[0].weight.grad.clone()
+            fail["armed"] = failing_here
             try:
                 acc.step()
             except RuntimeError as e:
                 errors.append((w, "step", str(e)))
-                acc.zero_grad()
+                if recover == "retry":
+                    acc.step()
+                else:
+                    acc.zero_grad()
+            if w == 1 and resume_at_once and not resumed:  # every rank, before a reduction tells of the drop
+                resume()
+                resumed = True
+                continue
         except RuntimeError as e:
             errors.append((w, "reduction", str(e)))
-            dropped_before = acc.stats()["dropped_windows"]
-            if not resume:
+            if dropped_before is None:
+                dropped_before = acc.stats()["dropped_windows"]
+            if on_error == "stop":
                 break
-            model.load_state_dict(saved[0])
-            opt.load_state_dict(saved[1])
-            acc.load_state_dict(saved[2])
-            resumed = True
-            w = 1
-            continue
+            if on_error == "resume":
+                resume()
+                resumed = True
+                w = 1
+                continue
         w += 1
     stats = acc.stats()
     return {"errors": errors, "params": du.params(model), "resumed": resumed, "dropped_before": dropped_before,
-            "optimizer_steps": stats["optimizer_steps"], "dropped_windows": stats["dropped_windows"]}
+            "optimizer_steps": stats["optimizer_steps"], "dropped_windows": stats["dropped_windows"],
+            "skipped_steps": stats["skipped_steps"], "lr": opt.param_groups[0]["lr"],
+            "scheduler_epoch": scheduler.last_epoch}

@@ -65,7 +65,7 @@ def test_a_window_every_rank_drops_alike_is_no_error(tmp_path):
 def test_several_ranks_that_drop_a_window_are_counted_on_three_ranks(tmp_path):
     """Ranks 1 and 2 of 3 drop window 1: rank 0 counts them, each of them
     says it is one of them."""
-    results = run(3, tmp_path, droppers=(1, 2), resume=False)
+    results = run(3, tmp_path, droppers=(1, 2), on_error="stop")
     assert results[0]["errors"] == [(2, "reduction", "gradaccum: acc.backward(): window 2: 2 of the 3 ranks "
                                      + ELSEWHERE)]
     for rank in (1, 2):
@@ -84,8 +84,111 @@ def test_whatever_reduction_comes_next_tells_every_rank(tmp_path, then, call, wh
     """The next reduction need not be a window's: a flush, a checkpoint's
     snapshot or a refresh's check carries the same word, and every rank raises
     from that call."""
-    results = run(2, tmp_path, droppers=(1,), then=then, resume=False)
+    results = run(2, tmp_path, droppers=(1,), then=then, on_error="stop")
     tail = ". Nothing was refreshed" if then == "refresh" else ""
     assert results[0]["errors"] == [(2, "reduction", f"gradaccum: {call}: {where}: rank 1 " + ELSEWHERE + tail)]
     assert results[1]["errors"] == [step_error(1), (2, "reduction", f"gradaccum: {call}: {where}: this rank "
                                                     "(rank 1) " + HERE + tail)]
+
+
+def test_the_word_outlives_a_reduction_dropped_for_another_reason(tmp_path):
+    """Rank 1 drops window 1; in window 2 rank 0's backward raises, so every
+    rank drops window 2 for that (whose text says nothing of window 1): window
+    3 still tells both ranks that the replicas differ."""
+    results = run(2, tmp_path, droppers=(1,), boom_rank=0, on_error="go_on")
+    (boom0,), (boom1,) = [[e for e in res["errors"] if e[0] == 2] for res in results]
+    assert "injected failure on rank 0" in boom0[2] and "rank 0" in boom1[2], (boom0, boom1)
+    assert "did not step" not in boom0[2] + boom1[2]
+    assert results[0]["errors"][-1] == (3, "reduction", "gradaccum: acc.backward(): window 3: rank 1 " + ELSEWHERE)
+    assert results[1]["errors"][-1] == (3, "reduction", "gradaccum: acc.backward(): window 3: this rank (rank 1) "
+                                        + HERE)
+    for res in results:
+        assert res["dropped_windows"] == 2  # windows 2 and 3; window 4 trains
+
+
+def test_resuming_before_any_reduction_clears_the_word(tmp_path):
+    """Rank 1 drops window 1, and every rank resumes from the checkpoint at
+    once, before any reduction: nothing is raised, and the run ends at the
+    float64 big batches."""
+    results = run(2, tmp_path, droppers=(1,), resume_at_once=True)
+    assert results[0]["errors"] == []
+    assert results[1]["errors"] == [step_error(1)]
+    expected = uj.reference(2)
+    for res in results:
+        assert res["resumed"] and res["optimizer_steps"] == uj.WINDOWS
+        assert_params_close(res["params"], expected)
+
+
+@pytest.mark.parametrize("recover", ["zero_grad", "retry"])
+def test_a_scheduler_that_raises_after_the_optimizer_stepped_is_no_drop(tmp_path, recover):
+    """Rank 1's scheduler raises after its optimizer stepped window 1: the
+    window was stepped, so dropping it then is no divergence, and a retry of
+    acc.step() runs the scheduler only (the optimizer once: the big batches)."""
+    results = run(2, tmp_path, droppers=(1,), fails="scheduler", recover=recover)
+    assert results[0]["errors"] == []
+    assert results[1]["errors"] == [(1, "step", "scheduler failed on rank 1")]
+    expected = uj.reference(2)
+    for res in results:
+        assert not res["resumed"] and res["optimizer_steps"] == uj.WINDOWS
+        assert_params_close(res["params"], expected)
+    epochs = [res["scheduler_epoch"] for res in results]
+    assert epochs == ([uj.WINDOWS, uj.WINDOWS - 1] if recover == "zero_grad" else [uj.WINDOWS] * 2)
+
+
+def test_a_rank_that_drops_a_window_the_others_skip_is_no_error(tmp_path):
+    """Window 1's gradient is NaN (rank 0's loss): nonfinite="skip" skips it
+    on rank 0, while rank 1's acc.step() raises before that decision (its
+    .grad replaced) and rank 1 drops the window. Neither stepped: nothing is
+    raised, and the run is the big batches without window 1."""
+    results = run(2, tmp_path, droppers=(1,), fails="replaced", nan_rank=0)
+    assert results[0]["errors"] == []
+    (step,) = results[1]["errors"]
+    assert step[:2] == (1, "step") and "acc.step()" in step[2], step
+    expected = uj.reference(2, skip=(1,))
+    for res in results:
+        assert not res["resumed"] and res["optimizer_steps"] == uj.WINDOWS - 1
+        assert_params_close(res["params"], expected)
+    assert results[0]["skipped_steps"] == 1
+
+
+def test_one_process_retry_after_the_scheduler_raised_steps_the_optimizer_once():
+    """One process: the optimizer stepped, then the scheduler raised. A
+    checkpoint now would step the optimizer again when resumed: refused,
+    changing nothing; a retry of acc.step() runs the scheduler alone."""
+    import torch
+
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    acc = gradaccum.Accumulator(model, opt, steps=1, scheduler=sched)
+    real, calls = sched.step, []
+
+    def step(*args, **kwargs):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise RuntimeError("scheduler failed")
+        return real(*args, **kwargs)
+
+    sched.step = step
+    x = torch.ones(2, 3, dtype=torch.float64)
+    before = [p.detach().clone() for p in model.parameters()]
+    acc.backward(model(x).sum())
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="scheduler failed"):
+        acc.step()
+    after_one = [p.detach().clone() for p in model.parameters()]
+    for b, g, a in zip(before, grads, after_one):
+        assert torch.equal(a, b - 0.1 * g)
+    with pytest.raises(RuntimeError) as refused:
+        acc.state_dict()
+    assert str(refused.value) == ("gradaccum: acc.state_dict(): the optimizer stepped this window but the scheduler "
+                                  "raised; call acc.step() again (it runs the scheduler only) before saving")
+    assert acc.step() is True
+    assert calls == [0, 1] and acc.stats()["optimizer_steps"] == 1
+    for a, p in zip(after_one, model.parameters()):
+        assert torch.equal(p.detach(), a)  # the optimizer did not step again
+    assert not acc.window_ready
+    acc.state_dict()  # at the boundary now
