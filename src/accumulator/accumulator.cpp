@@ -473,7 +473,9 @@ bool Accumulator::step() {
     }
     return false;
   }
-  check_gradients_untouched("acc.step()", /*allow_in_place=*/true); // clipping in place is fine
+  if (!window_optimizer_stepped_) { // (else only the scheduler is left to run)
+    check_gradients_untouched("acc.step()", /*allow_in_place=*/true); // clipping in place is fine
+  }
   return finish_window();
 }
 
@@ -492,10 +494,12 @@ void Accumulator::clear_gradients() {
 
 void Accumulator::zero_grad() {
   const CallGuard guard(driver_, "acc.zero_grad()");
-  if (window_ready_ && reducer_ && !window_empty_ && !window_optimizer_stepped_) {
-    // A reduced window that other ranks may step: Note [A window not stepped
-    // on some ranks] (src/consensus/window_header.cpp).
-    reducer_->mark_unstepped("acc.zero_grad() dropped it here once it was closed");
+  if (window_ready_ && reducer_ && !window_empty_) {
+    // A reduced window that other ranks may step (their schedulers too):
+    // Note [A window not stepped on some ranks] (src/consensus/window_header.cpp).
+    reducer_->mark_unstepped(window_optimizer_stepped_
+        ? "its optimizer stepped it, but its scheduler raised and acc.zero_grad() dropped the window here"
+        : "acc.zero_grad() dropped it here once it was closed");
   }
   drop_window();
 }
@@ -503,7 +507,7 @@ void Accumulator::zero_grad() {
 void Accumulator::drop_window() {
   // Drops the window; a pending end of epoch (epoch_ended_) stays: it is
   // about where the other ranks are, not about this window's gradients.
-  if (window_ready_ && reducer_ && options_.error_feedback()) {
+  if (window_ready_ && reducer_ && options_.error_feedback() && !window_optimizer_stepped_) {
     // A reduced window thrown away (skipped, or dropped by the user after
     // nonfinite="raise"): what rounding it lost belongs to it alone.
     reducer_->discard_residuals();

@@ -151,14 +151,18 @@ Aborters read_aborters(const std::vector<double>& last, int world) {
 // nonfinite="skip") is decided on the reduced window, the same everywhere,
 // and marks it too: a rank whose acc.step() raised before that decision and
 // that dropped the window then keeps the count whole (neither stepped). An
-// empty window is marked nowhere, and a window whose optimizer stepped before
-// its scheduler raised is stepped. A closed window that acc.flush() cannot
-// step drops the flush's reduction itself (AbortReason::ClosedWindowNotStepped),
-// which clears the mark. The mark is kept through a reduction some rank drops
-// or mis-pairs (its text would not say it) and cleared by any other, and by
-// acc.load_state_dict() (every rank resumes alike). A rank with no reduction
-// after its mark (the job's last window) tells nobody: its own error says
-// that the replicas differ.
+// empty window is marked nowhere. A window whose optimizer stepped before its
+// scheduler raised is marked when dropped (the scheduler's state differs),
+// and a retry of acc.step() runs the scheduler only. A closed window that
+// acc.flush() or acc.join() cannot step drops their reduction itself
+// (AbortReason::ClosedWindowNotStepped), which tells every rank that the
+// replicas differ, and so clears every rank's mark; it says so even where
+// the others skipped that window (a rank failing before the skip decision:
+// a rare false alarm). The mark is kept through a reduction some rank drops
+// for another reason or mis-pairs (its text would not say it) and cleared by
+// any other, and by acc.load_state_dict() (every rank resumes alike). A rank
+// with no reduction after its mark (the job's last window) tells nobody: its
+// own error says that the replicas differ.
 Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& mine, int rank, int world,
                      int64_t modulus) {
   TORCH_INTERNAL_ASSERT(!buckets.empty(), "gradaccum: a reduction without buckets");

@@ -155,9 +155,12 @@ detail::Reduced Reducer::State::agree(bool closing) {
   result.left_ranks = verdict.aborters.of(AbortReason::LeftJoin);
   result.unstepped_ranks = verdict.aborters.of(AbortReason::ClosedWindowNotStepped);
   window.last_result = result; // (no metric sums yet: copied without allocating)
+  // Note [A window not stepped on some ranks]: read and told, or a rank that
+  // could not step its closed window told every rank that the replicas differ.
   using Outcome = detail::Verdict::Outcome;
-  if (verdict.outcome != Outcome::Dropped && verdict.outcome != Outcome::Mispaired) {
-    window.unstepped_pending = nullptr; // read and told (Note [A window not stepped on some ranks])
+  if ((verdict.outcome != Outcome::Dropped && verdict.outcome != Outcome::Mispaired) ||
+      (verdict.outcome == Outcome::Dropped && verdict.aborters.of(AbortReason::ClosedWindowNotStepped) > 0)) {
+    window.unstepped_pending = nullptr;
   }
   if (!verdict.agreed()) {
     fail_worded([&] {
