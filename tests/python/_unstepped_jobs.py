@@ -28,7 +28,8 @@ def reference(world_size, skip=()):
 
 @job
 def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error="resume", fails="optimizer",
-                          recover="zero_grad", resume_at_once=False, boom_rank=None, nan_rank=None):
+                          recover="zero_grad", resume_at_once=False, boom_rank=None, nan_rank=None,
+                          flush_closed=False):
     """K=2, momentum SGD, a constant LambdaLR, WINDOWS windows. Window 1's
     acc.step() raises on the ranks in `droppers`: their optimizer raises
     (`fails` "optimizer"), their scheduler after the optimizer stepped
@@ -42,7 +43,9 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
     (one micro-step, then a rank-independent acc.state_dict()), "refresh"
     (acc.refresh_parameters() at the boundary). `boom_rank`: that rank's
     closing backward of window 2 raises. `nan_rank`: that rank's first loss
-    of window 1 is NaN (nonfinite="skip" skips the window). Where a reduction
+    of window 1 is NaN (nonfinite="skip" skips the window). `flush_closed`:
+    every rank ends window 1 with acc.flush() instead of acc.step() (which
+    steps the closed window, then pairs the flush). Where a reduction
     raises, `on_error`: every rank resumes from the checkpoint and trains
     windows 1.. again with no failure ("resume"), stops ("stop"), or goes on
     ("go_on")."""
@@ -106,7 +109,7 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
                 model[0].weight.grad = model[0].weight.grad.clone()
             fail["armed"] = failing_here
             try:
-                acc.step()
+                acc.flush() if flush_closed and w == 1 else acc.step()
             except RuntimeError as e:
                 errors.append((w, "step", str(e)))
                 if recover == "retry":
