@@ -1,5 +1,6 @@
-"""Jobs of test_mixed_precision.py that need real Gloo ranks: half-precision
-wires (bf16/fp16 buckets, comm_dtype), error feedback, their checkpoints.
+"""Jobs of test_mixed_precision.py that need real Gloo ranks: fp32 accumulation
+of bf16 gradients, half-precision wires (bf16/fp16 buckets, comm_dtype), error
+feedback, their checkpoints.
 
 Each job runs on every rank (spawned by _dist_utils.run_job with
 module="_mixed_jobs") and returns plain data; the parent checks it against a
@@ -490,3 +491,58 @@ def items_wire_resume(rank, world_size, *, comm_dtype):
     acc.load_state_dict(state)
     return {"uninterrupted": uninterrupted, "resumed": window(model, acc, data[2]),
             "last_weight": state["reducer_last_weight"]}
+
+
+# --------------------------------------------------------------------------- #
+# Issue 9: fp32 accumulation of bf16 gradients
+# --------------------------------------------------------------------------- #
+
+def bf16_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(torch.bfloat16)
+
+
+def bf16_batches(seed, rank, steps, device="cpu"):
+    g = torch.Generator().manual_seed(seed + 7 * rank)
+    return [(torch.randn(8, 16, generator=g).to(device, torch.bfloat16),
+             torch.randn(8, 4, generator=g).to(device, torch.bfloat16)) for _ in range(steps)]
+
+
+def bf16_micro_grads(seed, batches, device="cpu"):
+    """Each micro-batch's own bf16 gradient, computed alone (on `device`: its
+    kernels round as the Accumulator's run on it does)."""
+    model = bf16_model(seed).to(device)
+    out = []
+    for x, y in batches:
+        model.zero_grad(set_to_none=True)
+        (model(x).float() - y.float()).pow(2).mean().backward()
+        out.append([p.grad.clone() for p in model.parameters()])
+    return out
+
+
+@job
+def bf16_window(rank, world_size, *, seed, steps, device="cpu", use_group=False):
+    """One window of `steps` micro-batches through the Accumulator, with and
+    without fp32 accumulation; returns the window gradients and every rank's
+    per-micro-batch bf16 gradients for the parent's reference (on the host).
+    One rank reduces through its group only with `use_group` (NCCL at world
+    size 1), else locally."""
+    import gradaccum
+
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    batches = bf16_batches(seed, rank, steps, device)
+    out = {"micro": [[g.cpu() for g in m] for m in bf16_micro_grads(seed, batches, device)]}
+    for wide in (None, torch.float32):
+        model = bf16_model(seed).to(device)
+        acc = gradaccum.Accumulator(model, None, steps=steps, accumulate_dtype=wide,
+                                    process_group=None if world_size > 1 or use_group else False)
+        for i, (x, y) in enumerate(batches):
+            acc.backward((model(x).float() - y.float()).pow(2).mean())
+            if wide is not None and i < steps - 1:
+                assert all(p.grad is None for p in model.parameters()), "released between micro-steps"
+        out[str(wide)] = [p.grad.cpu() for p in model.parameters()]
+        out[f"collectives/{wide}"] = acc.stats()["last_window_collectives"]
+        out[f"buckets/{wide}"] = acc.stats()["buckets"]
+        acc.close()
+    return out

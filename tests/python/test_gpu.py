@@ -94,7 +94,7 @@ def test_cuda_fp32_accumulation_rounds_the_window_once(tmp_path, backend, world_
 
     if backend == "nccl" and not dist.is_nccl_available():
         pytest.skip("torch built without NCCL")
-    check_bf16_window(du.run_job("bf16_window", world_size, tmp_path, module="_protocol_jobs",
+    check_bf16_window(du.run_job("bf16_window", world_size, tmp_path, module="_mixed_jobs",
                                  backend=backend, seed=5, steps=STEPS, device="cuda:0",
                                  use_group=backend == "nccl"),
                       grouped=world_size > 1 or backend == "nccl")

@@ -105,7 +105,7 @@ def test_a_group_created_after_the_accumulator_fails_its_first_backward(tmp_path
 @pytest.mark.parametrize("saves,reduction", [([1, 2], "mean"), ([2, 1], "items"), ([1, 2, 2], "sum")])
 def test_a_checkpoint_at_different_micro_steps_is_an_error_on_every_rank(tmp_path, saves, reduction):
     world = len(saves)
-    results = du.run_job("skewed_checkpoint", world, tmp_path, module="_protocol_jobs", pg_timeout=30,
+    results = du.run_job("skewed_checkpoint", world, tmp_path, module="_misuse_jobs", pg_timeout=30,
                          timeout=120, saves=saves, reduction=reduction)
     each = ", ".join(f"rank {r}: {s}" for r, s in enumerate(saves))
     text = (f"gradaccum: acc.state_dict(): the ranks are at different micro-steps of window 0 ({each}), "
@@ -115,7 +115,7 @@ def test_a_checkpoint_at_different_micro_steps_is_an_error_on_every_rank(tmp_pat
     for res in results:
         assert res["error"] == text
     # the run went on: the same weights as when every rank saves at the same micro-step
-    aligned = du.run_job("skewed_checkpoint", world, tmp_path / "aligned", module="_protocol_jobs",
+    aligned = du.run_job("skewed_checkpoint", world, tmp_path / "aligned", module="_misuse_jobs",
                          pg_timeout=30, timeout=120, saves=[2] * world, reduction=reduction)
     for res, ref in zip(results, aligned):
         assert ref["error"] is None and ref["state_micro_step"] == 2
@@ -124,7 +124,7 @@ def test_a_checkpoint_at_different_micro_steps_is_an_error_on_every_rank(tmp_pat
 
 
 def test_a_save_at_the_boundary_on_one_rank_only_fails_that_window_on_every_rank(tmp_path):
-    results = du.run_job("skewed_checkpoint", 2, tmp_path, module="_protocol_jobs", pg_timeout=30,
+    results = du.run_job("skewed_checkpoint", 2, tmp_path, module="_misuse_jobs", pg_timeout=30,
                          timeout=120, saves=[0, 1], reduction="mean")
     # rank 1 snapshots mid-window; rank 0 saved at the boundary with no collective,
     # so rank 1's snapshot meets rank 0's next window: the consensus fails both

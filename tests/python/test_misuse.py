@@ -10,7 +10,7 @@ import torch.nn as nn
 import gradaccum
 import _dist_utils as du
 
-M = "_protocol_jobs"
+M = "_misuse_jobs"
 
 
 def run(name, world_size, tmp_path, **kwargs):

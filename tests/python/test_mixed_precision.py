@@ -12,7 +12,6 @@ import torch.nn as nn
 import gradaccum
 import _dist_utils as du
 import _mixed_jobs
-import _protocol_jobs as pj
 
 STEPS = 16
 
@@ -47,7 +46,7 @@ def check_bf16_window(results, grouped):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_fp32_accumulation_rounds_the_window_once(tmp_path, world_size):
-    check_bf16_window(du.run_job("bf16_window", world_size, tmp_path, module="_protocol_jobs",
+    check_bf16_window(du.run_job("bf16_window", world_size, tmp_path, module="_mixed_jobs",
                                  seed=5, steps=STEPS), grouped=world_size > 1)
 
 
