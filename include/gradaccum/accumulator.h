@@ -96,6 +96,9 @@ struct AccumulatorState {
   /// window_ready only: the loss scaler (before_step) already unscaled it, and
   /// then the optimizer step failed; a retried step() steps it as it is.
   bool window_unscaled = false;
+  /// window_ready only: max_grad_norm clipped it in place, and then the
+  /// optimizer step failed; a retried step() does not clip it again.
+  bool window_clipped = false;
   double window_weight = 0; ///< micro-steps (mean, sum) or items (items) so far
   bool epoch_ended = false; ///< see Accumulator: flush() owes no collective
   int64_t micro_steps = 0;
@@ -143,6 +146,7 @@ void for_each_state_field(State& s, Visit&& visit) {
   visit("skipped_micro_batches", s.skipped_micro_batches, false);
   visit("window_empty", s.window_empty, false);
   visit("window_unscaled", s.window_unscaled, false);
+  visit("window_clipped", s.window_clipped, false);
   visit("reducer.windows", s.reducer.windows, true);
   visit("reducer.dropped_windows", s.reducer.dropped_windows, true);
   visit("reducer.collectives", s.reducer.collectives, true);
@@ -553,6 +557,10 @@ class Accumulator {
   /// a retry of step() runs the scheduler only, and acc.zero_grad() drops a
   /// window that was stepped.
   bool window_optimizer_stepped_ = false;
+  /// max_grad_norm clipped this closed window's gradient in place (its norm is
+  /// stats().last_grad_norm), and then the optimizer raised: a retry of step()
+  /// steps it as it is, where clipping again would scale it down once more.
+  bool window_clipped_ = false;
   /// The built-in loss scaler, installed as the window callbacks (Note [One
   /// loss scaler path]); null without AccumulatorOptions::loss_scaler.
   std::unique_ptr<detail::LossScaler> loss_scaler_;

@@ -441,6 +441,7 @@ void Accumulator::reset_window() {
   window_ready_ = false;
   window_unscaled_ = false;
   window_optimizer_stepped_ = false;
+  window_clipped_ = false;
   window_weight_ = 0;
   window_loss_sum_ = at::Tensor();
   window_failed_ = false;

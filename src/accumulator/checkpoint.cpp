@@ -91,6 +91,7 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   state.window_weight = window_weight_;
   state.window_empty = window_ready_ && window_empty_;
   state.window_unscaled = window_ready_ && window_unscaled_;
+  state.window_clipped = window_ready_ && window_clipped_;
   state.epoch_ended = epoch_ended_;
   state.micro_steps = stats_.micro_steps;
   state.optimizer_steps = stats_.optimizer_steps;
@@ -255,9 +256,9 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
   TORCH_CHECK_VALUE(!state.window_ready || state.micro_step == 0,
       "gradaccum: acc.load_state_dict(): window_ready=true with micro_step=", state.micro_step,
       " (a closed window has micro_step 0)");
-  TORCH_CHECK_VALUE(state.window_ready || (!state.window_empty && !state.window_unscaled),
-      "gradaccum: acc.load_state_dict(): window_empty or window_unscaled without window_ready (they describe a "
-      "closed window)");
+  TORCH_CHECK_VALUE(state.window_ready || (!state.window_empty && !state.window_unscaled && !state.window_clipped),
+      "gradaccum: acc.load_state_dict(): window_empty, window_unscaled or window_clipped without window_ready (they "
+      "describe a closed window)");
   TORCH_CHECK_VALUE(state.skipped_micro_batches >= 0,
       "gradaccum: acc.load_state_dict(): skipped_micro_batches=", state.skipped_micro_batches, " must be >= 0");
   TORCH_CHECK_VALUE(std::isfinite(state.window_weight) && state.window_weight >= 0,
@@ -361,6 +362,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   // A closed window steps, or is skipped, as it would have been: already
   // unscaled (a retry after a failed optimizer step) or empty everywhere.
   window_unscaled_ = state.window_ready && state.window_unscaled;
+  window_clipped_ = state.window_ready && state.window_clipped;
   window_known_finite_ = false;
   window_empty_ = state.window_ready && state.window_empty;
   epoch_ended_ = state.epoch_ended;

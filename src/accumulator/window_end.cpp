@@ -125,7 +125,11 @@ bool Accumulator::step_optimizer() {
   const auto nonfinite = options_.nonfinite();
   // See Note [The reducer checks the window's gradient].
   const bool known_finite = !max_norm && window_known_finite_ && grad_versions() == remembered_;
-  if (known_finite) {
+  if (window_clipped_) {
+    // A retry after the optimizer raised: the gradient was clipped in place
+    // from a finite norm (in stats already); clipping again would scale it by
+    // max_norm / (norm + 1e-6) once more, on this rank only.
+  } else if (known_finite) {
     stats_.last_grad_norm = std::nullopt; // finite: not computed
   } else if (max_norm || nonfinite != NonFinite::Ignore) {
     // As torch.nn.utils.clip_grad_norm_ computes it, so the two agree bit for bit.
@@ -151,6 +155,7 @@ bool Accumulator::step_optimizer() {
       auto coefficient = at::clamp(*max_norm / (total + 1e-6), c10::nullopt, 1.0);
       at::_foreach_mul_(grads, coefficient);
     }
+    window_clipped_ = max_norm.has_value();
   }
   optimizer_step_();
   window_optimizer_stepped_ = true;

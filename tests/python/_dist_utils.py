@@ -235,15 +235,18 @@ def make_windows(seed, counts, micro_batch, dtype=torch.float64):
     return windows
 
 
-def windows_reference(seed, windows, reduction, *, optimizer="sgd", skip=()):
+def windows_reference(seed, windows, reduction, *, optimizer="sgd", skip=(), max_norm=None):
     """One process, float64: mlp(seed) stepped on each of `windows`' big
-    batches, but those whose index is in `skip` (dropped windows)."""
+    batches, but those whose index is in `skip` (dropped windows); with
+    `max_norm`, each big batch's gradient clipped by clip_grad_norm_."""
     model = mlp(seed)
     opt = make_optimizer(optimizer, model.parameters())
     for w, window in enumerate(windows):
         if w in skip:
             continue
         global_batch_loss(model, window, reduction).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return params(model)

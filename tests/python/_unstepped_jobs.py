@@ -21,15 +21,15 @@ def windows(world_size):
     return du.make_windows(SEED, [[K] * world_size] * WINDOWS, K)
 
 
-def reference(world_size, skip=()):
+def reference(world_size, skip=(), max_norm=None):
     """One process, float64: the big batches of the WINDOWS windows, but `skip`."""
-    return du.windows_reference(SEED, windows(world_size), "mean", optimizer="sgd", skip=skip)
+    return du.windows_reference(SEED, windows(world_size), "mean", optimizer="sgd", skip=skip, max_norm=max_norm)
 
 
 @job
 def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error="resume", fails="optimizer",
                           recover="zero_grad", resume_at_once=False, boom_rank=None, nan_rank=None,
-                          flush_closed=False):
+                          flush_closed=False, max_grad_norm=None):
     """K=2, momentum SGD, a constant LambdaLR, WINDOWS windows. Window 1's
     acc.step() raises on the ranks in `droppers`: their optimizer raises
     (`fails` "optimizer"), their scheduler after the optimizer stepped
@@ -45,7 +45,8 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
     closing backward of window 2 raises. `nan_rank`: that rank's first loss
     of window 1 is NaN (nonfinite="skip" skips the window). `flush_closed`:
     every rank ends window 1 with acc.flush() instead of acc.step() (which
-    steps the closed window, then pairs the flush). Where a reduction
+    steps the closed window, then pairs the flush). `max_grad_norm`: the
+    Accumulator's clipping. Where a reduction
     raises, `on_error`: every rank resumes from the checkpoint and trains
     windows 1.. again with no failure ("resume"), stops ("stop"), or goes on
     ("go_on")."""
@@ -54,7 +55,7 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
     model = du.mlp(SEED)
     opt = du.make_optimizer("sgd", model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    acc = gradaccum.Accumulator(model, opt, steps=K, scheduler=scheduler)
+    acc = gradaccum.Accumulator(model, opt, steps=K, scheduler=scheduler, max_grad_norm=max_grad_norm)
     data = windows(world_size)
     errors, saved = [], None
     fail = {"armed": False}

@@ -271,7 +271,8 @@ STATE_KEYS = ["steps", "reduction", "world_size", "rank", "rank_independent", "m
               "skipped_steps", "windows", "reducer", "reducer_sequence", "loss_scale",
               "loss_scale_growth_tracker", "grads"]
 # Optional: states saved before it was kept load without it (as 0).
-OPTIONAL_STATE_KEYS = ["reducer_last_weight", "skipped_micro_batches", "window_empty", "window_unscaled"]
+OPTIONAL_STATE_KEYS = ["reducer_last_weight", "skipped_micro_batches", "window_empty", "window_unscaled",
+                       "window_clipped"]
 
 
 @pytest.fixture
@@ -464,12 +465,12 @@ def test_split_no_tensor(batch):
         gradaccum.split(batch, 1)
 
 
-@pytest.mark.parametrize("key", ["window_empty", "window_unscaled"])
+@pytest.mark.parametrize("key", ["window_empty", "window_unscaled", "window_clipped"])
 def test_load_state_dict_closed_window_flags_need_a_closed_window(mid_window, key):
     model, acc, state = mid_window
     grads = snapshot_grads(model)
-    with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): window_empty or window_unscaled "
-                       r"without window_ready \(they describe a closed window\)$"):
+    with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): window_empty, window_unscaled or "
+                       r"window_clipped without window_ready \(they describe a closed window\)$"):
         acc.load_state_dict({**state, key: True})
     check_untouched(model, acc, grads)
     with pytest.raises(ValueError, match=r"skipped_micro_batches=-1 must be >= 0"):

@@ -133,6 +133,24 @@ def test_a_retry_after_the_scheduler_raised_runs_the_scheduler_alone(tmp_path):
         assert_params_close(res["params"], expected)
 
 
+def test_a_retry_after_the_optimizer_raised_clips_once(tmp_path):
+    """max_grad_norm clips every window (the norms are above 0.05); rank 1's
+    optimizer raises on window 1 after the clip, and the script retries
+    acc.step(): the gradient is stepped as clipped, not clipped a second time
+    on rank 1 alone (which made the replicas drift by 1e-7, silently). Both
+    ranks end at the float64 big batches, clipped once each."""
+    expected = uj.reference(2, max_norm=0.05)
+    assert max((a - b).abs().max().item() for a, b in zip(expected, uj.reference(2))) > 1e-3  # clipping bites
+    results = run(2, tmp_path, droppers=(1,), recover="retry", max_grad_norm=0.05)
+    assert results[0]["errors"] == []
+    assert results[1]["errors"] == [step_error(1)]
+    for res in results:
+        assert not res["resumed"] and res["optimizer_steps"] == uj.WINDOWS
+        assert_params_close(res["params"], expected)
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert (a - b).abs().max().item() <= 1e-15
+
+
 def test_a_window_dropped_after_the_scheduler_raised_is_told_to_every_rank(tmp_path):
     """Rank 1's optimizer stepped window 1 but its scheduler raised, and the
     script drops the window: the weights agree, the schedulers do not (a
@@ -208,6 +226,55 @@ def test_one_process_retry_after_the_scheduler_raised_steps_the_optimizer_once()
         assert torch.equal(p.detach(), a)  # the optimizer did not step again
     assert not acc.window_ready
     acc.state_dict()  # at the boundary now
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_one_process_retry_after_the_optimizer_raised_clips_once(resume):
+    """One process, max_grad_norm: the optimizer raises once after the clip.
+    A retry of acc.step(), or a checkpoint saved then and resumed by a fresh
+    Accumulator ("window_clipped"), steps the gradient clipped once: bit for
+    bit the run without the failure."""
+    import torch
+
+    import gradaccum
+
+    def run_once(fail):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        acc = gradaccum.Accumulator(model, opt, steps=2, max_grad_norm=0.5)
+        real, seen = opt.step, []
+
+        def step(*args, **kwargs):
+            seen.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            if fail and len(seen) == 1:
+                raise RuntimeError("optimizer failed")
+            return real(*args, **kwargs)
+
+        opt.step = step
+        x = torch.linspace(-3, 3, 32, dtype=torch.float64).reshape(8, 4)
+        for _ in range(2):
+            acc.backward(model(x).pow(2).mean())
+        if fail:
+            with pytest.raises(RuntimeError, match="optimizer failed"):
+                acc.step()
+            assert acc.window_ready
+            if resume:
+                state = acc.state_dict()
+                assert state["window_clipped"]
+                acc.close()
+                acc = gradaccum.Accumulator(model, opt, steps=2, max_grad_norm=0.5)
+                acc.load_state_dict(state)
+        assert acc.step()
+        assert acc.stats()["optimizer_steps"] == 1
+        return seen, [p.detach().clone() for p in model.parameters()]
+
+    clean_seen, clean = run_once(False)
+    assert clean_seen[0].norm().item() == pytest.approx(0.5, rel=1e-5)  # the clip bites
+    seen, got = run_once(True)
+    assert len(seen) == 2 and torch.equal(seen[1], seen[0]) and torch.equal(seen[1], clean_seen[0])
+    for a, b in zip(got, clean):
+        assert torch.equal(a, b)
 
 
 def test_a_flush_that_one_rank_cannot_step_its_closed_window_for_is_told_once(tmp_path):
