@@ -463,6 +463,8 @@ class Accumulator {
   /// At a boundary, for `what`: "acc.step()", "acc.state_dict()" or
   /// "acc.refresh_parameters()" (each words its error).
   void check_no_uncounted_backward(const char* what) const;
+  void check_no_uncounted_gradients(const char* what, const std::vector<GradMark>& now) const;
+  bool has_nonzero_gradient(size_t i) const;
   double check_micro_step(const at::Tensor& loss, std::optional<double> num_items, const char* what) const;
   void fail_after_peers_ended_epoch();
   void local_micro_step(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);

@@ -102,6 +102,14 @@ Accumulator::Accumulator(
     after_window_ = [this] { loss_scaler_->update(); };
   }
   remember_gradients();
+  // Gradients already in .grad (a sanity-check backward, a warm-up loop, the
+  // half-done window of a closed Accumulator) were counted by no micro-step:
+  // Note [Gradients no micro-step counted].
+  for (const auto i : c10::irange(params_.size())) {
+    if (has_nonzero_gradient(i)) {
+      remembered_[i] = GradMark{};
+    }
+  }
 }
 
 Accumulator::~Accumulator() {
@@ -495,6 +503,7 @@ void Accumulator::clear_gradients() {
 
 void Accumulator::zero_grad() {
   const CallGuard guard(driver_, "acc.zero_grad()");
+  check_open("acc.zero_grad()"); // the gradients may be another Accumulator's now
   if (window_ready_ && reducer_ && !window_empty_) {
     // A reduced window that other ranks may step (their schedulers too):
     // Note [A window not stepped on some ranks] (src/consensus/window_header.cpp).

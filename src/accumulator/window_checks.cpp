@@ -36,6 +36,50 @@ void Accumulator::check_gradients_untouched(
   }
 }
 
+// Note [Gradients no micro-step counted]
+// A window's gradients are the sums of its counted micro-steps. A backward
+// that was not acc.backward() (a plain loss.backward(), a sanity check before
+// the Accumulator was built, a stray backward inside acc.no_sync()) writes
+// .grad without a count; in the middle of a window the gradient check tells
+// (check_window_gradients()), and at a boundary:
+// - acc.step(), acc.state_dict() and acc.refresh_parameters() refuse them
+//   (check_no_uncounted_backward(): by marks, never values);
+// - the window's first acc.backward() refuses them where they would change
+//   the window, a non-zero value (check_no_uncounted_gradients()): zeros
+//   written in place (optimizer.zero_grad(set_to_none=False) at the boundary)
+//   sum to the same window, and were always allowed there;
+// - the constructor treats non-zero gradients already in .grad as written by
+//   such a backward (their marks are not remembered), so the two checks above
+//   see them.
+// Refused, nothing changes: acc.zero_grad() drops them. Data parallel the
+// refusal is this rank's alone, before any collective, as any refused call's.
+bool Accumulator::has_nonzero_gradient(size_t i) const {
+  const auto& g = params_[i].grad();
+  if (!g.defined()) {
+    return false;
+  }
+  if (g.is_sparse()) {
+    return g._nnz() > 0;
+  }
+  at::NoGradGuard no_grad;
+  return g.numel() > 0 && g.ne(0).any().item<bool>(); // NaN != 0: refused too
+}
+
+void Accumulator::check_no_uncounted_gradients(const char* what, const std::vector<GradMark>& now) const {
+  for (const auto i : c10::irange(params_.size())) {
+    if (now[i] == remembered_[i] || !has_nonzero_gradient(i)) {
+      continue;
+    }
+    TORCH_CHECK(false,
+        "gradaccum: ", what, ": the gradient of ", names_[i], " was written since the last window (or before "
+        "the Accumulator was built), but no micro-step counted it: a plain loss.backward() instead of "
+        "acc.backward(loss)? This window would sum it in. Call acc.backward(loss) on each micro-batch: it counts "
+        "the micro-step and synchronises the window's last one. (A plain loss.backward(), inside acc.no_sync() "
+        "for all but the last micro-batch, is the manual path, where you step the optimizer and clear the "
+        "gradients yourself.) Nothing was changed: drop these gradients with acc.zero_grad()");
+  }
+}
+
 void Accumulator::check_no_uncounted_backward(const char* what) const {
   // At micro-step 0 the gradients are as the last window (or reset) left them;
   // different ones came from a backward this Accumulator did not count. The
@@ -80,6 +124,9 @@ void Accumulator::check_requires_grad(const char* what) const {
 }
 
 void Accumulator::check_window_gradients(const char* what, const std::vector<GradMark>& before) {
+  if (micro_step_ == 0 && !parts_open_ && !window_ready_ && before != remembered_) {
+    check_no_uncounted_gradients(what, before); // Note [Gradients no micro-step counted]
+  }
   if ((micro_step_ > 0 || parts_open_) && !window_failed_) {
     if (reducer_) {
       // Data parallel, the window must still close on every rank together:
