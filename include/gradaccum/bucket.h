@@ -116,7 +116,7 @@ enum MetaField : int64_t {
   kReductionModeSquare,
   kBucketIndex,
   kBucketIndexSquare,
-  kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window, 2: a refresh's check; +3 while a bucket rebuild is pending
+  kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window, 2: a refresh's check, 3: a plain loss.backward()'s (the manual path); +4 while a bucket rebuild is pending
   kKindSquare,
   kJoined, ///< ranks in Accumulator::join(): out of data, shadowing the others (Note [Joining])
   kInexactWeight, ///< ranks whose kWeight is not an integer (its sum may round by position)

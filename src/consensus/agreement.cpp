@@ -102,14 +102,15 @@ std::string show(Shown shown, double value) {
     case Shown::Flag:
       return value == 1 ? "yes" : value == 0 ? "no" : "?";
     case Shown::Kind: {
-      // State::kind_code(): the kind, plus 3 while a bucket rebuild is pending.
+      // State::kind_code(): the kind, plus 4 while a bucket rebuild is pending.
       static const char* const kinds[] = {"a window's reduction", "acc.state_dict()'s snapshot of a half-done window",
-                                          "acc.refresh_parameters()'s check at a window boundary"};
+                                          "acc.refresh_parameters()'s check at a window boundary",
+                                          "a plain loss.backward()'s reduction (the manual path)"};
       const auto code = static_cast<int64_t>(value);
-      if (value != static_cast<double>(code) || code < 0 || code > 5) {
+      if (value != static_cast<double>(code) || code < 0 || code > 7) {
         return "?";
       }
-      return std::string(kinds[code % 3]) + (code >= 3 ? " (a bucket rebuild pending)" : "");
+      return std::string(kinds[code % 4]) + (code >= 4 ? " (a bucket rebuild pending)" : "");
     }
     case Shown::Optional:
       if (value < 0) {
@@ -170,20 +171,25 @@ std::string construction_disagreement(const Agreement& agreement,
 namespace {
 
 // What the ranks should do when their kind codes (State::kind_code(): the
-// call, plus 3 while a bucket rebuild is pending) differ: by the part that
+// call, plus 4 while a bucket rebuild is pending) differ: by the part that
 // differs, or both where the values are not known (more than 2 ranks).
 std::string kind_remedy(const HeaderValues& values) {
-  const std::string calls =
-      "Every rank must call acc.state_dict() at the same micro-step of a window, and "
-      "acc.refresh_parameters() at the same window boundary (a rank that does not call it reduces its "
-      "next window against the others' check)";
-  const std::string rebuild = "rebuild_buckets differs across ranks? Every rank must use the same options";
   const bool known = values.other.has_value();
-  const bool call_differs = known && values.mine % 3 != *values.other % 3;
-  const bool rebuild_differs = known && (values.mine >= 3) != (*values.other >= 3);
+  const bool manual = known && (values.mine % 4 == 3 || *values.other % 4 == 3);
+  const std::string calls = manual
+      ? "Every rank must reduce its windows the same way: acc.backward(loss) on every micro-batch, or on every "
+        "rank the manual path (a plain loss.backward() outside acc.no_sync() for the window's last micro-batch). "
+        "A stray plain loss.backward() on one rank reduces a window the others do not"
+      : "Every rank must call acc.state_dict() at the same micro-step of a window, and "
+        "acc.refresh_parameters() at the same window boundary (a rank that does not call it reduces its "
+        "next window against the others' check)";
+  const std::string rebuild = "rebuild_buckets differs across ranks? Every rank must use the same options";
+  const bool call_differs = known && values.mine % 4 != *values.other % 4;
+  const bool rebuild_differs = known && (values.mine >= 4) != (*values.other >= 4);
   if (!call_differs && !rebuild_differs) {
     return "The codes: 0 a window's reduction, 1 acc.state_dict()'s snapshot, 2 acc.refresh_parameters()'s "
-        "check, plus 3 with a bucket rebuild pending. " + calls + "; or " + rebuild;
+        "check, 3 a plain loss.backward()'s reduction, plus 4 with a bucket rebuild pending. " + calls +
+        "; or " + rebuild;
   }
   return call_differs && rebuild_differs ? calls + ". " + rebuild : call_differs ? calls : rebuild;
 }

@@ -170,10 +170,13 @@ struct Window {
   std::string own_transport;
   ReductionResult last_result;
 
-  /// 0: a window's reduction, 1: a checkpoint's snapshot, 2: a refresh's
-  /// check (kKind).
+  /// 0: a window's reduction (acc.backward(), acc.flush(), acc.join()),
+  /// 1: a checkpoint's snapshot, 2: a refresh's check, 3: a plain
+  /// loss.backward()'s (the manual path) (kKind). A rank whose stray plain
+  /// backward reduces meets the others' window: the kinds differ, every rank
+  /// drops it, where the two used to pair silently.
   int64_t kind() const {
-    return entry == Entry::StateDict ? 1 : entry == Entry::Refresh ? 2 : 0;
+    return entry == Entry::StateDict ? 1 : entry == Entry::Refresh ? 2 : entry == Entry::ManualBackward ? 3 : 0;
   }
 };
 
@@ -311,9 +314,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
       touched[i].store(false, std::memory_order_relaxed);
     }
   }
-  /// kKind's value: the kind, plus 3 while the bucket rebuild is pending.
+  /// kKind's value: the kind, plus 4 while the bucket rebuild is pending.
   int64_t kind_code() const {
-    return window.kind() + (buckets.final ? 0 : 3);
+    return window.kind() + (buckets.final ? 0 : 4);
   }
   /// This rank's values of what the ranks must agree on, for this reduction.
   detail::AgreementInputs agreement_inputs() const {

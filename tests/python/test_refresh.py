@@ -175,7 +175,7 @@ NOTHING_REFRESHED = (". Nothing was refreshed: call acc.refresh_parameters() aga
 CALLS = ("Every rank must call acc.state_dict() at the same micro-step of a window, and acc.refresh_parameters() at "
          "the same window boundary (a rank that does not call it reduces its next window against the others' check)")
 LEGEND = ("The codes: 0 a window's reduction, 1 acc.state_dict()'s snapshot, 2 acc.refresh_parameters()'s check, "
-          "plus 3 with a bucket rebuild pending. ")
+          "3 a plain loss.backward()'s reduction, plus 4 with a bucket rebuild pending. ")
 
 
 FLUSHED = (". Nothing was refreshed; other ranks ended their epoch with acc.flush() in it: call acc.flush() here (a "
