@@ -108,16 +108,34 @@ void check_settings_match(const ReducerConfig& config, at::Device device) {
   }
 }
 
+// The parameters' signatures (their count is an agreement: check_settings_match),
+// then the buffers'. Rank 0's buffers are broadcast into every rank's, at
+// construction and (broadcast_buffers) at each window's end, one flat tensor
+// per dtype and device: a buffer of another count, dtype or shape on some rank
+// would mix values silently or fail inside the transport, so every rank
+// raises here instead (torch DDP checks its module states alike).
 void check_shapes_match(const ReducerConfig& config, at::Device device) {
   const auto n = static_cast<int64_t>(config.params.size());
-  auto signature = at::full({n, kSignatureWidth}, -1, at::kLong);
+  const auto b = static_cast<int64_t>(config.buffers.size());
+  const auto counts = allgather(*config.group, at::full({1}, b, at::kLong).to(device));
+  for (const auto r : c10::irange(counts.size())) {
+    const auto theirs = counts[r].item<int64_t>();
+    TORCH_CHECK_VALUE(theirs == counts[0].item<int64_t>(),
+        "gradaccum: Accumulator(): the model's buffers differ across ranks: rank ", r, " has ", theirs,
+        " buffers, rank 0 has ", counts[0].item<int64_t>(), ". Rank 0's buffers are broadcast into every rank's "
+        "(as torch DDP does): every rank must hold the same ones");
+  }
+  auto signature = at::full({n + b, kSignatureWidth}, -1, at::kLong);
   auto rows = signature.accessor<int64_t, 2>();
-  for (const auto i : c10::irange(n)) {
-    const auto& p = config.params[i];
-    rows[i][0] = static_cast<int64_t>(p.scalar_type());
-    rows[i][1] = p.dim();
-    for (int64_t d = 0; d < std::min<int64_t>(p.dim(), kMaxCheckedDims); ++d) {
-      rows[i][2 + d] = p.size(d);
+  for (const auto i : c10::irange(n + b)) {
+    const auto& t = i < n ? config.params[i] : config.buffers[i - n];
+    if (!t.defined()) {
+      continue; // (a buffer set to None: -1, which no dtype is)
+    }
+    rows[i][0] = static_cast<int64_t>(t.scalar_type());
+    rows[i][1] = t.dim();
+    for (int64_t d = 0; d < std::min<int64_t>(t.dim(), kMaxCheckedDims); ++d) {
+      rows[i][2 + d] = t.size(d);
     }
   }
   const auto all = allgather(*config.group, signature.to(device));
@@ -127,10 +145,15 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
     const auto differs = theirs.ne(reference).any(1).nonzero();
     if (differs.numel() > 0) {
       const auto i = differs[0][0].item<int64_t>();
+      const auto what = i < n ? config.name(i)
+                              : "buffer " + std::to_string(i - n) + " (of " + std::to_string(b) +
+              ", in the module's buffers() order)";
+      const auto shown = [&](const at::Tensor& row) { return row[0].item<int64_t>() < 0 ? "None" : describe(row); };
       TORCH_CHECK_VALUE(false,
-          "gradaccum: Accumulator(): the model differs across ranks: ", config.name(i), " is ",
-          describe(theirs[i]), " on rank ", r, " but ", describe(reference[i]),
-          " on rank 0");
+          "gradaccum: Accumulator(): the model differs across ranks: ", what, " is ",
+          shown(theirs[i]), " on rank ", r, " but ", shown(reference[i]), " on rank 0",
+          i < n ? "" : ". Rank 0's buffers are broadcast into every rank's (as torch DDP does): every rank must "
+          "hold the same ones");
     }
   }
 }
@@ -138,7 +161,7 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
 } // namespace
 
 void check_ranks_match(const ReducerConfig& config) {
-  // Three collectives on every rank, in this order, whatever this rank finds.
+  // The same collectives on every rank, in this order, whatever this rank finds.
   const auto device = config.metadata_device();
   check_no_foreign_hooks(config, device);
   check_settings_match(config, device);
