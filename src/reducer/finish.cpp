@@ -180,6 +180,11 @@ detail::Reduced Reducer::State::agree(bool closing) {
               "here (a no-op), then acc.refresh_parameters() again on every rank, at the same window boundary"
             : ". Nothing was refreshed: call acc.refresh_parameters() again on every rank, at the same window "
               "boundary";
+      } else if (verdict.outcome == detail::Verdict::Outcome::Disagreed && verdict.joined_ranks > 0) {
+        // Note [A window dropped while ranks shadow]: the shadows leave join() with this error.
+        next = ": " + std::to_string(verdict.joined_ranks) + " rank(s) out of data in acc.join() raise this error "
+            "too and leave it, so no next window can pair there: end training on every rank here (or resume "
+            "every rank from a checkpoint)";
       }
       return detail::verdict_error(verdict, where()) + next;
     });
