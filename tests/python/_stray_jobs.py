@@ -1,0 +1,103 @@
+"""Jobs of test_stray_gradients.py: gradients no micro-step counted, buffers
+that differ across ranks, a disagreement while a rank shadows in join(), on
+real Gloo ranks.
+
+Each job runs on every rank (spawned by _dist_utils.run_job with
+module="_stray_jobs") and returns plain data; the parent checks it.
+"""
+import torch
+import torch.nn as nn
+
+from _dist_utils import job
+
+K = 2
+WINDOWS = 3
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Linear(3, 1).double()
+
+
+def batch(rank, w, k):
+    g = torch.Generator().manual_seed(1000 * rank + 10 * w + k)
+    return torch.randn(4, 3, generator=g, dtype=torch.float64)
+
+
+@job
+def stray_reducing_backward(rank, world_size):
+    """K=2, SGD, WINDOWS windows; before window 1, rank 1 runs one plain
+    loss.backward() outside no_sync (a reducing backward of the manual path)
+    while rank 0 runs window 1 through acc.backward(). The two reductions
+    used to pair as one window, silently; now every rank drops it, and
+    training goes on: rank 1 drops its stray gradient with acc.zero_grad()."""
+    import gradaccum
+
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(m, opt, steps=K)
+    errors = []
+    for w in range(WINDOWS):
+        if rank == 1 and w == 1:
+            try:
+                m(batch(rank, 99, 0)).pow(2).mean().backward()
+            except RuntimeError as e:
+                errors.append(("stray", str(e)))
+                acc.zero_grad()
+                continue  # as rank 0, whose window 1 was dropped: both go on to window 2
+        for k in range(K):
+            try:
+                acc.backward(m(batch(rank, w, k)).pow(2).mean())
+            except RuntimeError as e:
+                errors.append((f"w{w}", str(e)))
+        acc.step()
+    stats = acc.stats()
+    return {"errors": errors, "params": [p.detach().clone() for p in m.parameters()],
+            "optimizer_steps": stats["optimizer_steps"], "dropped_windows": stats["dropped_windows"]}
+
+
+@job
+def buffers_differ(rank, world_size, *, how):
+    """The parameters agree; a buffer does not ("shape": 4 values on rank 0,
+    6 on rank 1; "count": rank 1 has a second buffer; "dtype")."""
+    import gradaccum
+
+    m = model()
+    if how == "shape":
+        m.register_buffer("cache", torch.zeros(4 if rank == 0 else 6, dtype=torch.float64))
+    elif how == "count":
+        m.register_buffer("cache", torch.zeros(4, dtype=torch.float64))
+        if rank == 1:
+            m.register_buffer("extra", torch.zeros(2, dtype=torch.float64))
+    else:
+        m.register_buffer("cache", torch.zeros(4, dtype=torch.float64 if rank == 0 else torch.float32))
+    before = m.cache.clone()
+    try:
+        gradaccum.Accumulator(m, torch.optim.SGD(m.parameters(), lr=0.1), steps=K)
+        return {"error": None}
+    except ValueError as e:
+        return {"error": str(e), "untouched": torch.equal(m.cache, before)}
+
+
+@job
+def snapshot_meets_shadow(rank, world_size):
+    """Rank 1 has no data and shadows in acc.join(); rank 0 takes a
+    rank-independent acc.state_dict() mid-window, which meets rank 1's
+    shadow: every rank is told, and told that the shadows leave join()."""
+    import gradaccum
+
+    m = model()
+    acc = gradaccum.Accumulator(m, torch.optim.SGD(m.parameters(), lr=0.1), steps=K)
+    out = {"state_dict": None, "join": None}
+    try:
+        with acc.join():
+            if rank == 0:
+                acc.backward(m(batch(rank, 0, 0)).pow(2).mean())
+                try:
+                    acc.state_dict()
+                except RuntimeError as e:
+                    out["state_dict"] = str(e)
+                    raise
+    except RuntimeError as e:
+        out["join"] = str(e)
+    return out

@@ -1,0 +1,175 @@
+"""Gradients no micro-step counted (Note [Gradients no micro-step counted]),
+a retried acc.step() after clipping, calls on a closed Accumulator, buffers
+that differ across ranks, and a disagreement while a rank shadows in join().
+Exact error texts; real Gloo ranks where ranks are involved.
+"""
+import pytest
+import torch
+
+import _dist_utils as du
+import gradaccum
+
+M = "_stray_jobs"
+
+STRAY = ("gradaccum: acc.backward(): the gradient of weight was written since the last window (or before the "
+         "Accumulator was built), but no micro-step counted it: a plain loss.backward() instead of "
+         "acc.backward(loss)? This window would sum it in. Call acc.backward(loss) on each micro-batch: it counts "
+         "the micro-step and synchronises the window's last one. (A plain loss.backward(), inside acc.no_sync() "
+         "for all but the last micro-batch, is the manual path, where you step the optimizer and clear the "
+         "gradients yourself.) Nothing was changed: drop these gradients with acc.zero_grad()")
+
+
+def linear():
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1).double()
+
+
+def data(n):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+def big_batch_grads(m, xs):
+    m.zero_grad(set_to_none=True)
+    (sum(m(x).pow(2).mean() for x in xs) / len(xs)).backward()
+    out = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("where", ["boundary", "construction", "closed_accumulator"])
+def test_gradients_no_micro_step_counted_are_refused_at_the_window_start(where):
+    """A plain backward at a window boundary, before the Accumulator was
+    built, or a closed Accumulator's half-done window: the window's first
+    acc.backward() refuses them (they used to be summed into the window,
+    silently), changing nothing; acc.zero_grad() drops them and the window
+    is then the big batch."""
+    m = linear()
+    xs = data(3)
+    want = big_batch_grads(m, xs[:2])
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    if where == "construction":
+        m(xs[2]).pow(2).mean().backward()
+        acc = gradaccum.Accumulator(m, opt, steps=2)
+    elif where == "closed_accumulator":
+        old = gradaccum.Accumulator(m, None, steps=2)
+        old.backward(m(xs[2]).pow(2).mean())  # half a window, left in .grad
+        old.close()
+        acc = gradaccum.Accumulator(m, opt, steps=2)
+    else:
+        acc = gradaccum.Accumulator(m, opt, steps=2)
+        m(xs[2]).pow(2).mean().backward()
+    stray = [p.grad.clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError) as info:
+        acc.backward(m(xs[0]).pow(2).mean())
+    assert str(info.value) == STRAY
+    for p, g in zip(m.parameters(), stray):
+        assert torch.equal(p.grad, g)
+    assert acc.stats()["micro_steps"] == 0
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.step\(\): gradients were written since the last window"):
+        acc.step()
+    acc.zero_grad()
+    for x in xs[:2]:
+        acc.backward(m(x).pow(2).mean())
+    assert acc.window_ready
+    for p, g in zip(m.parameters(), want):
+        assert (p.grad - g).abs().max().item() <= 1e-15
+
+
+def test_zeros_written_in_place_at_the_boundary_are_no_stray_gradient():
+    """optimizer.zero_grad(set_to_none=False) at a window boundary leaves
+    zeros in .grad: they sum to the same window, as before."""
+    m = linear()
+    xs = data(2)
+    want = big_batch_grads(m, xs)
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    m(xs[0]).sum().backward()
+    opt.zero_grad(set_to_none=False)  # zeros, before the Accumulator and at its boundary
+    acc = gradaccum.Accumulator(m, opt, steps=2)
+    for window in range(2):
+        opt.zero_grad(set_to_none=False)
+        for x in xs:
+            acc.backward(m(x).pow(2).mean())
+        for p, g in zip(m.parameters(), want):
+            assert (p.grad - g).abs().max().item() <= 1e-15
+        assert acc.step()
+
+
+def test_a_non_finite_stray_gradient_is_refused_too():
+    m = linear()
+    acc = gradaccum.Accumulator(m, None, steps=2)
+    m.weight.grad = torch.full_like(m.weight, float("nan"))
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.backward\(\): the gradient of weight was written"):
+        acc.backward(m(data(1)[0]).sum())
+
+
+def test_zero_grad_on_a_closed_accumulator_is_refused():
+    """close() says later calls raise; acc.zero_grad() used to clear the
+    gradients of whatever Accumulator owned the parameters next."""
+    m = linear()
+    xs = data(1)
+    old = gradaccum.Accumulator(m, None, steps=2)
+    old.close()
+    acc = gradaccum.Accumulator(m, None, steps=2)
+    acc.backward(m(xs[0]).pow(2).mean())
+    grads = [p.grad.clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.zero_grad\(\): this Accumulator was closed$"):
+        old.zero_grad()
+    for p, g in zip(m.parameters(), grads):
+        assert torch.equal(p.grad, g)
+
+
+def test_a_stray_reducing_backward_on_one_rank_is_told_to_every_rank(tmp_path):
+    """Rank 1's plain loss.backward() outside no_sync reduces (the manual
+    path) while rank 0 closes window 1 with acc.backward(): the two used to
+    pair as one window, and rank 0 stepped rank 1's stray gradient with no
+    error anywhere. Now the kinds differ: both drop it, each told; then both
+    train on alike (the replicas stay equal)."""
+    results = du.run_job("stray_reducing_backward", 2, tmp_path, module=M, timeout=120, pg_timeout=30)
+    remedy = ("Every rank must reduce its windows the same way: acc.backward(loss) on every micro-batch, or on "
+              "every rank the manual path (a plain loss.backward() outside acc.no_sync() for the window's last "
+              "micro-batch). A stray plain loss.backward() on one rank reduces a window the others do not. The "
+              "window was dropped on every rank")
+    manual, window = "a plain loss.backward()'s reduction (the manual path)", "a window's reduction"
+    assert results[0]["errors"] == [("w1", f"gradaccum: acc.backward(): window 1: the ranks disagree on what this "
+                                           f"collective is, or whether a bucket rebuild follows it: this rank "
+                                           f"(rank 0) has {window}, rank 1 has {manual}. {remedy}")]
+    assert results[1]["errors"] == [("stray", f"gradaccum: loss.backward(): window 1: the ranks disagree on what "
+                                              f"this collective is, or whether a bucket rebuild follows it: this "
+                                              f"rank (rank 1) has {manual}, rank 0 has {window}. {remedy}")]
+    for res in results:
+        assert res["dropped_windows"] == 1 and res["optimizer_steps"] == 2, res
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("how", ["shape", "count", "dtype"])
+def test_buffers_that_differ_across_ranks_fail_every_rank_at_construction(tmp_path, how):
+    """Rank 0's buffers are broadcast into every rank's: one of another
+    shape used to be mixed silently (or kill a rank inside Gloo)."""
+    results = du.run_job("buffers_differ", 2, tmp_path, module=M, timeout=120, pg_timeout=30, how=how)
+    tail = ". Rank 0's buffers are broadcast into every rank's (as torch DDP does): every rank must hold the same ones"
+    if how == "count":
+        want = "gradaccum: Accumulator(): the model's buffers differ across ranks: rank 1 has 2 buffers, rank 0 has 1"
+    else:
+        theirs = "Double [6]" if how == "shape" else "Float [4]"
+        want = (f"gradaccum: Accumulator(): the model differs across ranks: buffer 0 (of 1, in the module's "
+                f"buffers() order) is {theirs} on rank 1 but Double [4] on rank 0")
+    for res in results:
+        assert res["error"] == want + tail
+        assert res["untouched"]
+
+
+def test_a_disagreement_while_a_rank_shadows_in_join_says_to_end_training(tmp_path):
+    """Rank 0's mid-window snapshot meets rank 1's shadow in acc.join(): both
+    raise, and the text says the shadows leave join() (rank 0 had no word of
+    it, went on, and waited for a shadow that was gone)."""
+    results = du.run_job("snapshot_meets_shadow", 2, tmp_path, module=M, timeout=120, pg_timeout=30)
+    tail = (" The window was dropped on every rank: 1 rank(s) out of data in acc.join() raise this error too and "
+            "leave it, so no next window can pair there: end training on every rank here (or resume every rank "
+            "from a checkpoint)")
+    assert results[0]["state_dict"].startswith("gradaccum: acc.state_dict(): window 0: the ranks disagree on what "
+                                               "this collective is"), results[0]
+    assert results[0]["state_dict"].endswith(tail), results[0]
+    assert results[0]["join"] == results[0]["state_dict"]
+    assert results[1]["join"].endswith(tail), results[1]
