@@ -463,8 +463,14 @@ class Accumulator {
   /// At a boundary, for `what`: "acc.step()", "acc.state_dict()" or
   /// "acc.refresh_parameters()" (each words its error).
   void check_no_uncounted_backward(const char* what) const;
-  void check_no_uncounted_gradients(const char* what, const std::vector<GradMark>& now) const;
-  bool has_nonzero_gradient(size_t i) const;
+  /// Note [Gradients no micro-step counted]: the first parameter whose .grad
+  /// changed since `remembered_` and holds a non-zero value.
+  std::optional<size_t> uncounted_gradient(const std::vector<GradMark>& now) const;
+  /// Raises (one process) or fails the window (data parallel, true) for one.
+  bool refuse_uncounted_gradients(const char* what, const std::vector<GradMark>& now);
+  void forget_nonzero_gradients();
+  /// Those of `which` whose .grad holds a non-zero (or NaN) value, in order.
+  std::vector<size_t> nonzero_gradients(const std::vector<size_t>& which) const;
   double check_micro_step(const at::Tensor& loss, std::optional<double> num_items, const char* what) const;
   void fail_after_peers_ended_epoch();
   void local_micro_step(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);

@@ -105,11 +105,7 @@ Accumulator::Accumulator(
   // Gradients already in .grad (a sanity-check backward, a warm-up loop, the
   // half-done window of a closed Accumulator) were counted by no micro-step:
   // Note [Gradients no micro-step counted].
-  for (const auto i : c10::irange(params_.size())) {
-    if (has_nonzero_gradient(i)) {
-      remembered_[i] = GradMark{};
-    }
-  }
+  forget_nonzero_gradients();
 }
 
 Accumulator::~Accumulator() {

@@ -26,6 +26,8 @@ bool Accumulator::flush() {
     } else if (!reducer_) {
       check_gradients_untouched("acc.flush()", /*allow_in_place=*/false);
     }
+  } else if (!window_ready_ && micro_step_ == 0 && reducer_) {
+    refuse_uncounted_gradients("acc.flush()", grad_versions()); // the flush then drops, on every rank
   }
   std::string local_failure;
   const bool stepped = step_before_flush(&local_failure);

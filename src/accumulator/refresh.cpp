@@ -156,6 +156,7 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
   window_loss_ = at::Tensor(); // the last window's loss was of the old set; the counters stay
   window_metrics_ = at::Tensor();
   remember_gradients();
+  forget_nonzero_gradients(); // a newly trainable parameter's stale .grad (Note [Gradients no micro-step counted])
 }
 
 } // namespace gradaccum

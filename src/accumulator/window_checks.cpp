@@ -4,6 +4,9 @@
 
 #include <c10/util/irange.h>
 
+#include <algorithm>
+#include <numeric>
+
 namespace gradaccum {
 
 void Accumulator::check_open(const char* what) const {
@@ -44,40 +47,106 @@ void Accumulator::check_gradients_untouched(
 // (check_window_gradients()), and at a boundary:
 // - acc.step(), acc.state_dict() and acc.refresh_parameters() refuse them
 //   (check_no_uncounted_backward(): by marks, never values);
-// - the window's first acc.backward() refuses them where they would change
-//   the window, a non-zero value (check_no_uncounted_gradients()): zeros
-//   written in place (optimizer.zero_grad(set_to_none=False) at the boundary)
-//   sum to the same window, and were always allowed there;
-// - the constructor treats non-zero gradients already in .grad as written by
-//   such a backward (their marks are not remembered), so the two checks above
-//   see them.
-// Refused, nothing changes: acc.zero_grad() drops them. Data parallel the
-// refusal is this rank's alone, before any collective, as any refused call's.
-bool Accumulator::has_nonzero_gradient(size_t i) const {
-  const auto& g = params_[i].grad();
-  if (!g.defined()) {
-    return false;
-  }
-  if (g.is_sparse()) {
-    return g._nnz() > 0;
-  }
+// - the window's first micro-step (acc.backward(), acc.run(),
+//   acc.empty_micro_step()) and, data parallel, acc.flush() and acc.join()
+//   at a boundary, refuse them where they would change the window: a non-zero
+//   value (uncounted_gradient()). Zeros written in place
+//   (optimizer.zero_grad(set_to_none=False) at the boundary) sum to the same
+//   window, and were always allowed there. One process the call raises and
+//   changes nothing. Data parallel the window goes on, failed
+//   (AbortReason::GradientsChanged), and its reduction drops it on every
+//   rank, each told: a refusal of this rank's alone would leave the others
+//   waiting in the reduction it skipped where this micro-step closes the
+//   window (steps=1, a flush), and the decision reads values, which a rank
+//   whose stray gradient happens to be zero reads otherwise;
+// - the constructor and acc.refresh_parameters() treat non-zero gradients
+//   already in .grad as written by such a backward (forget_nonzero_gradients():
+//   their marks are not remembered), so the checks above see them.
+// acc.zero_grad() drops them.
+std::vector<size_t> Accumulator::nonzero_gradients(const std::vector<size_t>& which) const {
+  // One host synchronisation per device in the common answer, none: each
+  // gradient's flag stays on its device until they are stacked there.
+  std::vector<size_t> sparse;
+  std::vector<std::pair<at::Device, std::vector<size_t>>> by_device;
   at::NoGradGuard no_grad;
-  return g.numel() > 0 && g.ne(0).any().item<bool>(); // NaN != 0: refused too
-}
-
-void Accumulator::check_no_uncounted_gradients(const char* what, const std::vector<GradMark>& now) const {
-  for (const auto i : c10::irange(params_.size())) {
-    if (now[i] == remembered_[i] || !has_nonzero_gradient(i)) {
+  for (const auto i : which) {
+    const auto& g = params_[i].grad();
+    if (!g.defined() || g.numel() == 0) {
       continue;
     }
-    TORCH_CHECK(false,
-        "gradaccum: ", what, ": the gradient of ", names_[i], " was written since the last window (or before "
-        "the Accumulator was built), but no micro-step counted it: a plain loss.backward() instead of "
-        "acc.backward(loss)? This window would sum it in. Call acc.backward(loss) on each micro-batch: it counts "
-        "the micro-step and synchronises the window's last one. (A plain loss.backward(), inside acc.no_sync() "
-        "for all but the last micro-batch, is the manual path, where you step the optimizer and clear the "
-        "gradients yourself.) Nothing was changed: drop these gradients with acc.zero_grad()");
+    if (g.is_sparse()) {
+      if (g._nnz() > 0) {
+        sparse.push_back(i);
+      }
+      continue;
+    }
+    auto it = std::find_if(by_device.begin(), by_device.end(), [&](const auto& e) { return e.first == g.device(); });
+    if (it == by_device.end()) {
+      by_device.emplace_back(g.device(), std::vector<size_t>{});
+      it = std::prev(by_device.end());
+    }
+    it->second.push_back(i);
   }
+  std::vector<size_t> out = sparse;
+  for (const auto& [device, indices] : by_device) {
+    std::vector<at::Tensor> flags;
+    for (const auto i : indices) {
+      flags.push_back(params_[i].grad().ne(0).any()); // NaN != 0: counted too
+    }
+    const auto stacked = at::stack(flags).cpu();
+    if (!stacked.any().item<bool>()) {
+      continue;
+    }
+    const auto* f = stacked.const_data_ptr<bool>();
+    for (const auto k : c10::irange(indices.size())) {
+      if (f[k]) {
+        out.push_back(indices[k]);
+      }
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::optional<size_t> Accumulator::uncounted_gradient(const std::vector<GradMark>& now) const {
+  std::vector<size_t> changed;
+  for (const auto i : c10::irange(params_.size())) {
+    if (now[i] != remembered_[i]) {
+      changed.push_back(i);
+    }
+  }
+  const auto nonzero = changed.empty() ? std::vector<size_t>{} : nonzero_gradients(changed);
+  return nonzero.empty() ? std::nullopt : std::optional<size_t>(nonzero.front());
+}
+
+void Accumulator::forget_nonzero_gradients() {
+  std::vector<size_t> all(params_.size());
+  std::iota(all.begin(), all.end(), size_t{0});
+  for (const auto i : nonzero_gradients(all)) {
+    remembered_[i] = GradMark{};
+  }
+}
+
+bool Accumulator::refuse_uncounted_gradients(const char* what, const std::vector<GradMark>& now) {
+  if (now == remembered_ || window_failed_) {
+    return false;
+  }
+  const auto i = uncounted_gradient(now);
+  if (!i) {
+    return false;
+  }
+  if (reducer_) {
+    window_failed_ = true;
+    window_failure_ = AbortReason::GradientsChanged;
+    return true;
+  }
+  TORCH_CHECK(false,
+      "gradaccum: ", what, ": the gradient of ", names_[*i], " was written since the last window (or before "
+      "the Accumulator was built), but no micro-step counted it: a plain loss.backward() instead of "
+      "acc.backward(loss)? A window would sum it in. Call acc.backward(loss) on each micro-batch: it counts "
+      "the micro-step and synchronises the window's last one. (A plain loss.backward(), inside acc.no_sync() "
+      "for all but the last micro-batch, is the manual path, where you step the optimizer and clear the "
+      "gradients yourself.) Nothing was changed: drop these gradients with acc.zero_grad()");
 }
 
 void Accumulator::check_no_uncounted_backward(const char* what) const {
@@ -124,8 +193,8 @@ void Accumulator::check_requires_grad(const char* what) const {
 }
 
 void Accumulator::check_window_gradients(const char* what, const std::vector<GradMark>& before) {
-  if (micro_step_ == 0 && !parts_open_ && !window_ready_ && before != remembered_) {
-    check_no_uncounted_gradients(what, before); // Note [Gradients no micro-step counted]
+  if (micro_step_ == 0 && !parts_open_ && !window_ready_) {
+    refuse_uncounted_gradients(what, before); // Note [Gradients no micro-step counted]
   }
   if ((micro_step_ > 0 || parts_open_) && !window_failed_) {
     if (reducer_) {

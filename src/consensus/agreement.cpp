@@ -175,7 +175,9 @@ namespace {
 // differs, or both where the values are not known (more than 2 ranks).
 std::string kind_remedy(const HeaderValues& values) {
   const bool known = values.other.has_value();
-  const bool manual = known && (values.mine % 4 == 3 || *values.other % 4 == 3);
+  // The manual path against a window: a stray plain backward, or another path.
+  const bool manual = known && ((values.mine % 4 == 3 && *values.other % 4 == 0) ||
+                                (values.mine % 4 == 0 && *values.other % 4 == 3));
   const std::string calls = manual
       ? "Every rank must reduce its windows the same way: acc.backward(loss) on every micro-batch, or on every "
         "rank the manual path (a plain loss.backward() outside acc.no_sync() for the window's last micro-batch). "
@@ -242,8 +244,9 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
       return "on " + who + " the accumulated gradients were cleared or changed outside the "
           "Accumulator in the middle of the window (optimizer.zero_grad() or model.zero_grad() "
           "between micro-steps, or a backward other than acc.backward() through these parameters, "
-          "such as another model's loss?); clear them only after acc.step() returns True, or drop "
-          "a window with acc.zero_grad()";
+          "such as another model's loss?), or held a gradient no micro-step counted when it began (a "
+          "plain loss.backward() at the window boundary, or .grad left before the Accumulator was "
+          "built?); clear them only after acc.step() returns True, or drop a window with acc.zero_grad()";
     case AbortReason::ForeignReducer:
       return who + "'s parameters carry another reducer's gradient hooks (the model is also "
           "wrapped in torch DDP there?)";
@@ -291,7 +294,7 @@ const char* several_phrase(AbortReason why) {
       return "carried another reducer's gradient hooks on the parameters (torch DDP?)";
     case AbortReason::GradientsChanged:
       return "had the accumulated gradients cleared or changed outside the Accumulator in the middle of the "
-             "window";
+             "window, or a gradient no micro-step counted when it began";
     case AbortReason::WeightTooLarge:
       return "had a window weight larger than a bf16/fp16 bucket's meta carries exactly";
     case AbortReason::WeightTooSmall:

@@ -58,6 +58,7 @@ def _half_done_state(world_size=2, rank=1, rank_independent=False, **extra):
         acc.backward(du.micro_loss(model, batch, "mean")[0])
     state = acc.state_dict()
     acc.close()
+    model.zero_grad(set_to_none=True)  # the half window is in the state; a new Accumulator refuses it in .grad
     state.update(world_size=world_size, rank=rank, rank_independent=rank_independent, **extra)
     return model, state
 
