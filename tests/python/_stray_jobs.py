@@ -101,3 +101,49 @@ def snapshot_meets_shadow(rank, world_size):
     except RuntimeError as e:
         out["join"] = str(e)
     return out
+
+
+@job
+def stray_at_a_closing_start(rank, world_size, *, how, steps=1):
+    """Rank 0 holds a gradient no micro-step counted (a plain backward before
+    the Accumulator was built) where its next call closes a window: the
+    first micro-step of a steps=1 window ("backward"), or acc.flush() /
+    acc.join() at a boundary while rank 1 has one micro-step ("flush",
+    "join"). Rank 0 alone reading it used to skip the reduction (steps=1) or
+    sum it in (flush, join); now every rank drops that window, told, and the
+    next window trains alike."""
+    import gradaccum
+
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    if rank == 0:
+        (m(batch(rank, 98, 0)).pow(2).mean() * 1000).backward()
+    k_steps = steps if how == "backward" else 2
+    acc = gradaccum.Accumulator(m, opt, steps=k_steps)
+    errors = []
+
+    def attempt(tag, fn):
+        try:
+            fn()
+        except RuntimeError as e:
+            errors.append((tag, str(e)))
+            acc.zero_grad()
+
+    if how == "backward":
+        attempt("w0", lambda: acc.backward(m(batch(rank, 0, 0)).pow(2).mean()))
+        acc.step()
+    else:
+        if rank == 1:
+            acc.backward(m(batch(rank, 0, 0)).pow(2).mean())
+        if how == "flush":
+            attempt("w0", acc.flush)
+        else:
+            def joined():
+                with acc.join():
+                    pass
+            attempt("w0", joined)
+    for k in range(k_steps):  # the next window, on every rank
+        acc.backward(m(batch(rank, 1, k)).pow(2).mean())
+    stepped = acc.step()
+    return {"errors": errors, "stepped": stepped, "params": [p.detach().clone() for p in m.parameters()],
+            "dropped_windows": acc.stats()["dropped_windows"]}

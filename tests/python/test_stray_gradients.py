@@ -13,7 +13,7 @@ M = "_stray_jobs"
 
 STRAY = ("gradaccum: acc.backward(): the gradient of weight was written since the last window (or before the "
          "Accumulator was built), but no micro-step counted it: a plain loss.backward() instead of "
-         "acc.backward(loss)? This window would sum it in. Call acc.backward(loss) on each micro-batch: it counts "
+         "acc.backward(loss)? A window would sum it in. Call acc.backward(loss) on each micro-batch: it counts "
          "the micro-step and synchronises the window's last one. (A plain loss.backward(), inside acc.no_sync() "
          "for all but the last micro-batch, is the manual path, where you step the optimizer and clear the "
          "gradients yourself.) Nothing was changed: drop these gradients with acc.zero_grad()")
@@ -74,6 +74,22 @@ def test_gradients_no_micro_step_counted_are_refused_at_the_window_start(where):
     assert acc.window_ready
     for p, g in zip(m.parameters(), want):
         assert (p.grad - g).abs().max().item() <= 1e-15
+
+
+def test_a_stale_gradient_of_a_parameter_unfrozen_by_a_refresh_is_refused():
+    """A parameter frozen when the Accumulator was built kept a .grad from
+    before; unfrozen and refreshed, that stale gradient would be summed into
+    the next window: refused there, as at construction."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).double()
+    x = data(1)[0]
+    m(x).sum().backward()  # every parameter has a gradient now
+    m[1].zero_grad(set_to_none=True)
+    m[0].requires_grad_(False)  # frozen, its stale .grad kept
+    acc = gradaccum.Accumulator(m, torch.optim.SGD(m.parameters(), lr=0.0), steps=2)
+    m[0].requires_grad_(True)
+    acc.refresh_parameters()
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.backward\(\): the gradient of 0\.weight was written "):
+        acc.backward(m(x).sum())
 
 
 def test_zeros_written_in_place_at_the_boundary_are_no_stray_gradient():
@@ -173,3 +189,27 @@ def test_a_disagreement_while_a_rank_shadows_in_join_says_to_end_training(tmp_pa
     assert results[0]["state_dict"].endswith(tail), results[0]
     assert results[0]["join"] == results[0]["state_dict"]
     assert results[1]["join"].endswith(tail), results[1]
+
+
+@pytest.mark.parametrize("how", ["backward", "flush", "join"])
+def test_a_stray_gradient_on_one_rank_where_its_call_closes_a_window_drops_it_everywhere(tmp_path, how):
+    """Rank 0 holds a gradient no micro-step counted where its call closes a
+    window (steps=1, or acc.flush() / acc.join() at a boundary while rank 1
+    has a micro-step): every rank drops that window with one text each, and
+    the next window trains alike on both ranks."""
+    results = du.run_job("stray_at_a_closing_start", 2, tmp_path, module=M, timeout=120, pg_timeout=30, how=how)
+    call = {"backward": "acc.backward()", "flush": "acc.flush()", "join": "acc.join()"}[how]
+    why = ("the accumulated gradients were cleared or changed outside the Accumulator in the middle of the window "
+           "(optimizer.zero_grad() or model.zero_grad() between micro-steps, or a backward other than "
+           "acc.backward() through these parameters, such as another model's loss?), or held a gradient no "
+           "micro-step counted when it began (a plain loss.backward() at the window boundary, or .grad left before "
+           "the Accumulator was built?)")
+    calls = [call, "acc.backward()" if how == "backward" else call]
+    for rank, res in enumerate(results):
+        (err,) = res["errors"]
+        assert err[0] == "w0", err
+        who = "this rank (rank 0)" if rank == 0 else "rank 0"
+        assert err[1].startswith(f"gradaccum: {calls[rank]}: window 0 was dropped on every rank: on {who} {why}"), err
+        assert res["dropped_windows"] == 1 and res["stepped"], res
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
