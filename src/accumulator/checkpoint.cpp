@@ -109,9 +109,10 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
       "with comm_dtype (the half-done window would be rounded to the wire's dtype); save at a "
       "window boundary (micro_step 0), or use acc.state_dict(rank_independent=False)");
   TORCH_CHECK(!(reducer_ && !rank_independent && window_failed_),
-      "gradaccum: acc.state_dict(rank_independent=False): a micro-step of this window failed on this rank, so the "
-      "window will be dropped on every rank when it closes; a state saved now would resume it as "
-      "if nothing had failed. Save at a window boundary (after the window closes)");
+      "gradaccum: acc.state_dict(rank_independent=False): a micro-step of this window failed on this rank (or its "
+      "gradients were changed outside the Accumulator), so the window will be dropped on every rank when it "
+      "closes; a state saved now would resume it as if nothing had failed. Save at a window boundary (after the "
+      "window closes)");
   if (reducer_ && rank_independent && micro_step_ > 0) {
     snapshot_window_into(state);
   } else {
@@ -135,7 +136,7 @@ void Accumulator::snapshot_window_into(AccumulatorState& state) {
   ReductionRequest request;
   request.weight = window_weight_;
   request.divide = false;
-  request.abort = window_failed_ ? AbortReason::BackwardFailed : AbortReason::None;
+  request.abort = window_failed_ ? window_failure_ : AbortReason::None; // (what failed: its text)
   if (!window_failed_ && grad_versions() != remembered_) {
     // Cleared or changed since the last micro-step (optimizer.zero_grad()?):
     // a snapshot of it would save, and then continue, a silently wrong window.

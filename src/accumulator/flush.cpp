@@ -26,8 +26,10 @@ bool Accumulator::flush() {
     } else if (!reducer_) {
       check_gradients_untouched("acc.flush()", /*allow_in_place=*/false);
     }
-  } else if (!window_ready_ && micro_step_ == 0 && reducer_) {
-    refuse_uncounted_gradients("acc.flush()", grad_versions()); // the flush then drops, on every rank
+  } else if (!window_ready_ && micro_step_ == 0 && reducer_ && !epoch_ended_ && !epoch_ended_raised_) {
+    // Only where a reduction follows, which then drops the window on every
+    // rank; otherwise the next window's first micro-step reads them.
+    refuse_uncounted_gradients("acc.flush()", grad_versions());
   }
   std::string local_failure;
   const bool stepped = step_before_flush(&local_failure);

@@ -46,8 +46,9 @@ int64_t Accumulator::join() {
     // The collective must still run on every rank: drop the window there.
     window_failed_ = true;
     window_failure_ = AbortReason::GradientsChanged;
-  } else if (!window_ready_ && micro_step_ == 0) {
-    refuse_uncounted_gradients("acc.join()", grad_versions()); // Note [Gradients no micro-step counted]
+  } else if (!window_ready_ && micro_step_ == 0 && !epoch_ended_ && !epoch_ended_raised_) {
+    // Where a reduction follows (see flush()): Note [Gradients no micro-step counted].
+    refuse_uncounted_gradients("acc.join()", grad_versions());
   }
   std::string local_failure;
   int64_t stepped = step_before_flush(&local_failure) ? 1 : 0;
