@@ -147,3 +147,38 @@ def stray_at_a_closing_start(rank, world_size, *, how, steps=1):
     stepped = acc.step()
     return {"errors": errors, "stepped": stepped, "params": [p.detach().clone() for p in m.parameters()],
             "dropped_windows": acc.stats()["dropped_windows"]}
+
+
+@job
+def stray_after_the_epoch_ended(rank, world_size, *, clear):
+    """steps=2. Rank 0 closes a full window, which meets rank 1's flush() of
+    one micro-step: rank 0's epoch ended with it, and its own acc.flush()
+    then has no reduction. Rank 0 runs a stray backward inside no_sync
+    before that flush. With `clear` the script clears it (to None) before
+    the next epoch, which trains on both ranks; without, the next window's
+    first micro-step reads it, and that window is dropped on both."""
+    import gradaccum
+
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(m, opt, steps=2)
+    out = {"errors": []}
+    for k in range(2 if rank == 0 else 1):
+        acc.backward(m(batch(rank, 0, k)).pow(2).mean())
+    if acc.window_ready:
+        acc.step()
+    if rank == 0:
+        with acc.no_sync():
+            m(batch(rank, 97, 0)).pow(2).mean().backward()
+    out["flush"] = acc.flush()
+    if rank == 0 and clear:
+        opt.zero_grad(set_to_none=True)
+        acc.state_dict(rank_independent=False)  # a boundary, nothing failed
+    try:
+        for k in range(2):
+            acc.backward(m(batch(rank, 1, k)).pow(2).mean())
+    except RuntimeError as e:
+        out["errors"].append(str(e))
+    out["stepped"] = acc.step()
+    out["dropped_windows"] = acc.stats()["dropped_windows"]
+    return out

@@ -213,3 +213,23 @@ def test_a_stray_gradient_on_one_rank_where_its_call_closes_a_window_drops_it_ev
         assert res["dropped_windows"] == 1 and res["stepped"], res
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("clear", [True, False])
+def test_a_stray_gradient_where_no_reduction_follows_waits_for_the_next_window(tmp_path, clear):
+    """Rank 0's flush() after its epoch ended with rank 1's runs no
+    reduction: a stray gradient there marks nothing (it used to fail the
+    window that had not begun, and the next clean epoch was dropped). Left
+    in .grad, the next window's first micro-step reads it: dropped on both."""
+    results = du.run_job("stray_after_the_epoch_ended", 2, tmp_path, module=M, timeout=120, pg_timeout=30,
+                         clear=clear)
+    assert [r["flush"] for r in results] == [False, True]
+    for rank, res in enumerate(results):
+        if clear:
+            assert res["errors"] == [] and res["stepped"] and res["dropped_windows"] == 0, res
+        else:
+            (err,) = res["errors"]
+            who = "this rank (rank 0)" if rank == 0 else "rank 0"
+            assert err.startswith(f"gradaccum: acc.backward(): window 1 was dropped on every rank: on {who} the "
+                                  f"accumulated gradients were cleared or changed"), err
+            assert not res["stepped"] and res["dropped_windows"] == 1, res
