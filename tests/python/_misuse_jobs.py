@@ -25,6 +25,15 @@ def _train_micro(model, acc, batches, reduction):
         acc.step()
 
 
+def _refusal(acc, state):
+    """acc.load_state_dict(state)'s ValueError text; None where it loaded."""
+    try:
+        acc.load_state_dict(state)
+        return None
+    except ValueError as e:
+        return str(e)
+
+
 @job
 def checkpoint(rank, world_size, *, seed, reduction, ckpt_dir, save_after):
     """The uninterrupted run against a run saved mid-window and resumed, in
@@ -71,29 +80,17 @@ def checkpoint(rank, world_size, *, seed, reduction, ckpt_dir, save_after):
         if mode == "per_rank" and world_size > 1:
             other = torch.load(os.path.join(ckpt_dir, f"ckpt-per_rank-{1 - rank if rank < 2 else 0}.pt"),
                                weights_only=False)["acc"]
-            try:
-                acc.load_state_dict(other)
-                out["wrong_rank"] = None
-            except ValueError as e:
-                out["wrong_rank"] = str(e)
+            out["wrong_rank"] = _refusal(acc, other)
         acc.close()
     # A state of this world size into a single process, and into another reduction.
     saved = out["rank0"]["saved"]
     local = gradaccum.Accumulator(du.mlp(seed), None, steps=steps, reduction=reduction,
                                   process_group=False)
-    try:
-        local.load_state_dict(saved)
-        out["other_world"] = None
-    except ValueError as e:
-        out["other_world"] = str(e)
+    out["other_world"] = _refusal(local, saved)
     local.close()
     other = gradaccum.Accumulator(du.mlp(seed), None, steps=steps,
                                   reduction="sum" if reduction != "sum" else "mean", process_group=False)
-    try:
-        other.load_state_dict(dict(saved, world_size=1))
-        out["other_reduction"] = None
-    except ValueError as e:
-        out["other_reduction"] = str(e)
+    out["other_reduction"] = _refusal(other, dict(saved, world_size=1))
     return out
 
 
