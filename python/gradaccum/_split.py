@@ -1,5 +1,6 @@
 """gradaccum.split: one batch into micro-batches."""
 import copy
+import numbers
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Dict, List, NamedTuple
 
@@ -133,8 +134,9 @@ def split(batch: Any, steps: int) -> list:
     >>> [m["text"] for m in gradaccum.split({"ids": torch.arange(3), "text": ["a", "b", "c"]}, 2)]
     [['a', 'b'], ['c']]
     """
-    if isinstance(steps, bool) or not isinstance(steps, int):
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):  # as Accumulator(steps=)
         raise TypeError(f"gradaccum: split(): steps must be an int, got {type(steps).__name__}")
+    steps = int(steps)  # numpy's integers too
     leaves = _Leaves()
     template = _flatten(batch, leaves)
     if not leaves.tensors and not leaves.samples:

@@ -278,8 +278,11 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
           state.loss_scale_growth_tracker >= 0,
       "gradaccum: acc.load_state_dict(): loss_scale=", state.loss_scale, " does not fit this Accumulator (",
       loss_scaler_ ? "it has a loss_scaler: the scale must be > 0" : "it has no loss_scaler: 0", ")");
+  const auto& r = state.reducer;
   TORCH_CHECK_VALUE(state.micro_steps >= 0 && state.optimizer_steps >= 0 &&
-          state.skipped_steps >= 0 && state.windows >= 0 && state.reducer_sequence >= 0,
+          state.skipped_steps >= 0 && state.windows >= 0 && state.reducer_sequence >= 0 && r.windows >= 0 &&
+          r.dropped_windows >= 0 && r.collectives >= 0 && r.bytes_reduced >= 0 && r.last_window_collectives >= 0 &&
+          r.last_window_bytes >= 0 && r.broadcasts >= 0 && r.snapshots >= 0,
       "gradaccum: acc.load_state_dict(): counters must be >= 0");
   // At a boundary a state holds no gradient, so it fits another trainable set
   // too (a fine-tuning run saved after unfreezing, resumed frozen: Note

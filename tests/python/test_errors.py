@@ -419,6 +419,13 @@ def test_split_steps_wrong_type(steps):
         gradaccum.split(torch.randn(4, 2), steps)
 
 
+def test_split_takes_numpy_integers_as_the_accumulator_does():
+    import numpy as np
+
+    parts = gradaccum.split(torch.arange(6), np.int64(3))
+    assert [p.tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
+
+
 @pytest.mark.parametrize("rows,steps", [(3, 4), (1, 2), (0, 1)])
 def test_split_more_steps_than_rows(rows, steps):
     with pytest.raises(ValueError, match=f"{rows} rows into {steps}"):
@@ -475,4 +482,14 @@ def test_load_state_dict_closed_window_flags_need_a_closed_window(mid_window, ke
     check_untouched(model, acc, grads)
     with pytest.raises(ValueError, match=r"skipped_micro_batches=-1 must be >= 0"):
         acc.load_state_dict({**state, "skipped_micro_batches": -1})
+    check_untouched(model, acc, grads)
+
+
+@pytest.mark.parametrize("key", ["windows", "dropped_windows", "collectives", "bytes_reduced", "broadcasts",
+                                 "snapshots"])
+def test_load_state_dict_refuses_negative_reducer_counters(mid_window, key):
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): counters must be >= 0$"):
+        acc.load_state_dict({**state, "reducer": {**state["reducer"], key: -1}})
     check_untouched(model, acc, grads)
