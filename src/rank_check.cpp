@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <exception>
 #include <cstring>
 #include <sstream>
 
@@ -33,21 +34,27 @@ std::string describe(const at::Tensor& row) {
   return out.str();
 }
 
-// Another reducer's hooks (torch DDP) on some rank fail every rank alike.
-void check_no_foreign_hooks(const ReducerConfig& config, at::Device device) {
-  const auto foreign = foreign_hooks(config);
-  auto flag = at::full({1}, foreign.empty() ? 0.0 : 1.0, at::kDouble);
-  const auto flags = allgather(*config.group, flag.to(device));
-  TORCH_CHECK_VALUE(foreign.empty(), "gradaccum: Accumulator(): ", foreign);
-  for (const auto r : c10::irange(flags.size())) {
-    TORCH_CHECK_VALUE(flags[r].item<double>() == 0,
-        "gradaccum: Accumulator(): rank ", r, "'s parameters carry another reducer's gradient hooks "
-        "(the model is also wrapped in torch DDP there?)");
+// Every rank's `mine`, in rank order (two collectives: the lengths, then the
+// bytes; only on the way to an error, which every rank takes alike).
+std::vector<std::string> allgather_text(c10d::ProcessGroup& group, at::Device device, const std::string& mine) {
+  const auto lengths = allgather(group, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device));
+  int64_t longest = 1;
+  for (const auto& length : lengths) {
+    longest = std::max(longest, length.item<int64_t>());
   }
+  auto bytes = at::zeros({longest}, at::kByte);
+  std::memcpy(bytes.data_ptr<uint8_t>(), mine.data(), mine.size());
+  const auto all = allgather(group, bytes.to(device));
+  std::vector<std::string> texts;
+  for (const auto r : c10::irange(all.size())) {
+    const auto theirs = all[r].cpu();
+    const auto* data = reinterpret_cast<const char*>(theirs.const_data_ptr<uint8_t>());
+    texts.emplace_back(data, data + std::min(lengths[r].item<int64_t>(), longest));
+  }
+  return texts;
 }
 
-// Every rank's list of names (two collectives; only on the way to an error,
-// which every rank takes alike: they all hold the same gathered values).
+// Every rank's list of names (allgather_text(), '\0'-separated).
 std::vector<std::vector<std::string>> allgather_names(
     const ReducerConfig& config, at::Device device, const std::vector<std::string>& mine) {
   std::string joined;
@@ -55,23 +62,12 @@ std::vector<std::vector<std::string>> allgather_names(
     joined += name;
     joined.push_back('\0');
   }
-  const auto lengths = allgather(*config.group,
-      at::full({1}, static_cast<int64_t>(joined.size()), at::kLong).to(device));
-  int64_t longest = 1;
-  for (const auto& length : lengths) {
-    longest = std::max(longest, length.item<int64_t>());
-  }
-  auto bytes = at::zeros({longest}, at::kByte);
-  std::memcpy(bytes.data_ptr<uint8_t>(), joined.data(), joined.size());
-  const auto all = allgather(*config.group, bytes.to(device));
-  std::vector<std::vector<std::string>> names(all.size());
-  for (const auto r : c10::irange(all.size())) {
-    const auto theirs = all[r].cpu();
-    const auto* data = reinterpret_cast<const char*>(theirs.const_data_ptr<uint8_t>());
-    const auto length = std::min(lengths[r].item<int64_t>(), longest);
-    for (int64_t start = 0, i = 0; i < length; ++i) {
-      if (data[i] == '\0') {
-        names[r].emplace_back(data + start, data + i);
+  std::vector<std::vector<std::string>> names;
+  for (const auto& text : allgather_text(*config.group, device, joined)) {
+    names.emplace_back();
+    for (size_t start = 0, i = 0; i < text.size(); ++i) {
+      if (text[i] == '\0') {
+        names.back().emplace_back(text.substr(start, i - start));
         start = i + 1;
       }
     }
@@ -160,10 +156,117 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
 
 } // namespace
 
+Refusal Refusal::of(const std::exception& error) {
+  if (dynamic_cast<const c10::ValueError*>(&error)) {
+    return {Value, message_of(error)};
+  }
+  if (dynamic_cast<const c10::TypeError*>(&error)) {
+    return {Type, message_of(error)};
+  }
+  return {Other, message_of(error)};
+}
+
+Refusal Refusal::of(std::exception_ptr error) {
+  if (!error) {
+    return {};
+  }
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return of(e);
+  } catch (...) {
+    return {Other, "an unknown error"};
+  }
+}
+
+// Note [Construction refused on one rank]
+// Building an Accumulator (or a Reducer) over a group is a collective: the
+// construction checks and the broadcasts pair across ranks. A rank that
+// refuses before them (an option out of range, no trainable parameter,
+// parameters still claimed by another live Accumulator, another reducer's
+// hooks, a Python-side check) would leave the others waiting in the first
+// collective until the group's timeout. So the first collective of every
+// construction is this one, on every rank whatever it found: an all-gather
+// of (refused?, check_parameters). The refusal's message follows (two more
+// collectives, only on the way to the error); every rank then raises: the
+// refusing ranks their own error, the others the lowest refusing rank's,
+// named, as the same kind of error. check_parameters is compared here, as the
+// collectives that follow depend on it. The Python package's own checks
+// refuse through the same call (_C._refuse_construction), so the sequence
+// is the same whichever side refused. Nothing before this collective may
+// run one.
+void agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const Refusal& mine,
+                    bool check_parameters, const char* call) {
+  // A device the group cannot reach (a refusing rank's CPU or meta
+  // parameters under NCCL) would fail here on this rank alone: the current
+  // CUDA device then, which is where such a group's metadata goes.
+  const bool reachable = params_device.type() != at::kMeta && group_reaches(group, params_device.type());
+  const auto device = metadata_device(group, reachable ? params_device : at::Device(at::kCUDA));
+  auto flags = at::empty({2}, at::kLong);
+  flags[0] = static_cast<int64_t>(mine.kind);
+  flags[1] = check_parameters ? 1 : 0;
+  const auto all = allgather(group, flags.to(device));
+  int refuser = -1;
+  int refusers = 0;
+  std::vector<int> checking, not_checking;
+  for (const auto r : c10::irange(all.size())) {
+    const auto theirs = all[r].cpu();
+    if (theirs[0].item<int64_t>() != Refusal::None) {
+      refuser = refuser < 0 ? static_cast<int>(r) : refuser;
+      ++refusers;
+    }
+    (theirs[1].item<int64_t>() ? checking : not_checking).push_back(static_cast<int>(r));
+  }
+  if (refuser >= 0) {
+    const auto texts = allgather_text(group, device, mine.message);
+    if (mine.kind != Refusal::None) {
+      return; // the caller raises this rank's own error
+    }
+    auto reason = texts[static_cast<size_t>(refuser)];
+    if (reason.empty()) {
+      reason = "(no message)";
+    }
+    for (const auto& prefix : {std::string("gradaccum: "), std::string(call) + ": "}) {
+      if (reason.rfind(prefix, 0) == 0) {
+        reason.erase(0, prefix.size());
+      }
+    }
+    const auto kind = all[static_cast<size_t>(refuser)][0].item<int64_t>();
+    const auto message = c10::str("gradaccum: ", call, ": rank ", refuser, " refused",
+        refusers > 1 ? c10::str(" (as did ", refusers - 1, " more rank", refusers > 2 ? "s" : "", ")") : "",
+        ", so every rank raises (rank ", refuser, " its own error): ", reason);
+    TORCH_CHECK_VALUE(kind != Refusal::Value, message);
+    TORCH_CHECK_TYPE(kind != Refusal::Type, message);
+    TORCH_CHECK(false, message);
+  }
+  if (!checking.empty() && !not_checking.empty()) {
+    const auto list = [](const std::vector<int>& ranks) {
+      std::string out = ranks.size() > 1 ? "ranks " : "rank ";
+      for (const auto i : c10::irange(ranks.size())) {
+        out += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
+      }
+      return out;
+    };
+    TORCH_CHECK_VALUE(false, "gradaccum: ", call, ": check_parameters differs across ranks: true on ",
+        list(checking), "; false on ", list(not_checking), "; the ranks would run different construction "
+        "collectives. Pass the same value on every rank");
+  }
+}
+
+void tell_construction_refused(c10d::ProcessGroup& group, const std::vector<at::Tensor>& params) {
+  const auto refusal = Refusal::of(std::current_exception());
+  TORCH_INTERNAL_ASSERT(refusal.kind != Refusal::None, "gradaccum: tell_construction_refused() outside a catch block");
+  const auto device = params.empty() || !params.front().defined() ? at::Device(at::kCUDA) : params.front().device();
+  try {
+    agree_to_build(group, device, refusal, /*check_parameters=*/true, "Accumulator()");
+  } catch (const std::exception&) {
+    // Nobody to tell: the caller's error stands.
+  }
+}
+
 void check_ranks_match(const ReducerConfig& config) {
   // The same collectives on every rank, in this order, whatever this rank finds.
   const auto device = config.metadata_device();
-  check_no_foreign_hooks(config, device);
   check_settings_match(config, device);
   check_shapes_match(config, device);
 }

@@ -5,13 +5,40 @@
 
 #include "reducer/config.h"
 
+#include <exception>
 #include <string>
 
 namespace gradaccum::detail {
 
+/// Why this rank cannot build its Accumulator or Reducer: the kind of error
+/// (none, ValueError, TypeError, any other) and its message.
+struct Refusal {
+  enum Kind : int64_t { None = 0, Value = 1, Type = 2, Other = 3 };
+  Kind kind = None;
+  std::string message;
+
+  static Refusal of(const std::exception& error);
+  static Refusal of(std::exception_ptr error); ///< none for a null one
+};
+
+/// Note [Construction refused on one rank]: the first collective of every
+/// construction over a group. Tells every rank whether some rank refused to
+/// build (and, if one did, its message), and whether check_parameters agrees.
+/// On a rank that refused it returns (the caller raises its own error); on
+/// the others it throws that rank's error, named. `call` names the call
+/// ("Accumulator()"); `params_device` places the small tensors.
+void agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const Refusal& mine,
+                    bool check_parameters, const char* call);
+
+/// For a rank that refuses before its Reducer's construction, inside the catch
+/// block of its error: agree_to_build() as a refusing rank, the parameters'
+/// device placing the tensors. If the others cannot be told (a broken group)
+/// it returns all the same: the caller rethrows its own error.
+void tell_construction_refused(c10d::ProcessGroup& group, const std::vector<at::Tensor>& params);
+
 /// Compares every rank's options (Note [What ranks agree on]) and parameter
-/// shapes, and whether another reducer hooks some rank's parameters; throws
-/// the same error on every rank when they differ. A collective.
+/// and buffer shapes; throws the same error on every rank when they differ.
+/// A collective, after agree_to_build().
 void check_ranks_match(const ReducerConfig& config);
 
 /// Why this rank's parameters cannot be reduced here: another reducer (torch

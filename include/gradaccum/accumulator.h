@@ -582,4 +582,16 @@ class Accumulator {
   std::shared_ptr<void> claim_; ///< releases the parameters for another Accumulator
 };
 
+/// Building an Accumulator over a group is a collective, and a rank that
+/// cannot build one tells the others in the construction's first collective,
+/// so that every rank raises (Note [Construction refused on one rank],
+/// src/rank_check.cpp). A check of your own before the constructor does the
+/// same: call this, in place of the constructor, on the rank that refuses,
+/// then raise `why` there. The other ranks' constructors raise its message,
+/// naming this rank, as the same kind of error (c10::ValueError,
+/// c10::TypeError, or else c10::Error). `device`: the parameters' device; one
+/// the group cannot reach (the CPU under NCCL) means the current CUDA device.
+void refuse_construction(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::exception& why,
+                         at::Device device = at::kCPU);
+
 } // namespace gradaccum

@@ -6,6 +6,7 @@
 #include "precision/loss_scaler.h"
 #include "precision/wide_sums.h"
 #include "parameters.h"
+#include "rank_check.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
@@ -70,6 +71,12 @@ std::string failed_after_reduction(const char* call, int rank, const ReductionRe
 } // namespace detail
 
 
+void refuse_construction(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::exception& why,
+                         at::Device device) {
+  TORCH_CHECK_VALUE(group, "gradaccum: refuse_construction(): process_group is null");
+  detail::agree_to_build(*group, device, detail::Refusal::of(why), /*check_parameters=*/true, "Accumulator()");
+}
+
 Accumulator::Accumulator(
     ModelParameters model,
     AccumulatorOptions options,
@@ -78,13 +85,23 @@ Accumulator::Accumulator(
     : options_(std::move(options)),
       optimizer_step_(std::move(optimizer_step)),
       scheduler_step_(std::move(scheduler_step)) {
-  options_.validate();
-  frozen_ = detail::checked_trainable(model, "Accumulator()");
-  check_launch_has_group(options_);
-  params_ = model.parameters;
-  names_ = model.names;
-  claim_ = detail::claim(params_, names_);
-  if (options_.process_group()) {
+  const auto& group = options_.process_group();
+  try {
+    options_.validate();
+    frozen_ = detail::checked_trainable(model, "Accumulator()");
+    check_launch_has_group(options_);
+    params_ = model.parameters;
+    names_ = model.names;
+    claim_ = detail::claim(params_, names_);
+  } catch (const std::exception&) {
+    // Note [Construction refused on one rank]: the other ranks are told
+    // (they wait in the Reducer's first collective).
+    if (group) {
+      detail::tell_construction_refused(*group, model.parameters);
+    }
+    throw;
+  }
+  if (group) {
     reducer_ = std::make_unique<Reducer>(
         params_, options_.process_group(), options_.reducer(),
         std::move(model.buffers), std::move(model.names),

@@ -4,6 +4,7 @@
 #include "call_guard.h"
 #include "parameters.h"
 #include "precision/wide_sums.h"
+#include "rank_check.h"
 
 #include <exception>
 #include <string>
@@ -109,7 +110,14 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
   std::unique_ptr<Reducer> reducer;
   std::unique_ptr<detail::WideSums> wide;
   try {
-    claim = detail::claim(model.parameters, model.names);
+    try {
+      claim = detail::claim(model.parameters, model.names);
+    } catch (const std::exception&) {
+      if (reducer_) { // the others wait in the new reducer's first collective
+        detail::tell_construction_refused(*reducer_->process_group(), model.parameters);
+      }
+      throw;
+    }
     if (reducer_) {
       const auto progress = reducer_->progress();
       reducer = std::make_unique<Reducer>(

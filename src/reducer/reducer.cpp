@@ -11,6 +11,8 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <cmath>
+#include <exception>
+#include <optional>
 
 namespace gradaccum {
 
@@ -46,14 +48,38 @@ Reducer::Reducer(
     std::vector<at::Tensor> buffers,
     std::vector<std::string> names,
     WindowRule rule) {
-  detail::ReducerConfig config(
-      std::move(params), std::move(group), options, std::move(buffers), std::move(names), rule);
+  // Note [Construction refused on one rank]: what this rank refuses is told
+  // to every rank by the first collective, before any other.
+  TORCH_CHECK_VALUE(group, "gradaccum: Reducer(): process_group is null");
+  // (With no parameter to go by, CUDA: metadata_device() keeps the CPU for
+  // any group that reaches it.)
+  const auto params_device = params.empty() || !params.front().defined() ? at::Device(at::kCUDA)
+                                                                         : params.front().device();
+  std::optional<detail::ReducerConfig> built;
+  std::exception_ptr refused;
+  try {
+    built.emplace(std::move(params), group, options, std::move(buffers), std::move(names), rule);
+    const auto foreign = detail::foreign_hooks(*built);
+    TORCH_CHECK_VALUE(foreign.empty(), "gradaccum: Accumulator(): ", foreign);
+  } catch (const std::exception&) {
+    refused = std::current_exception();
+  }
+  try {
+    detail::agree_to_build(*group, built ? built->metadata_device() : params_device,
+                           detail::Refusal::of(refused), options.check_parameters(), "Accumulator()");
+  } catch (...) {
+    if (refused) { // the others could not be told (a group that cannot reach the device): our reason stands
+      std::rethrow_exception(refused);
+    }
+    throw;
+  }
+  if (refused) {
+    std::rethrow_exception(refused);
+  }
+  auto config = std::move(*built);
   // Before any bucket is allocated; a collective with check_parameters.
   if (config.options.check_parameters()) {
     detail::check_ranks_match(config);
-  } else {
-    const auto foreign = detail::foreign_hooks(config);
-    TORCH_CHECK_VALUE(foreign.empty(), "gradaccum: Accumulator(): ", foreign);
   }
   // Note [Construction fails on every rank]: the buckets' memory is this
   // rank's alone to find (out of memory on one rank); the others would wait

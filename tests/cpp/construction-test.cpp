@@ -1,0 +1,158 @@
+// Building an Accumulator or Reducer over a group is a collective: a rank that
+// refuses to build tells the others in the first one (Note [Construction
+// refused on one rank], src/rank_check.cpp), so every rank raises at once, the
+// others naming the refusing rank, as the same kind of error; the group still
+// pairs afterwards. Real Gloo groups, one thread per rank.
+#include "test_util.h"
+
+#include "catch_torch.h"
+
+#include <string>
+
+using namespace gradaccum;
+using gradaccum::test::CountingGroup;
+using gradaccum::test::run_ranks;
+
+namespace {
+
+enum class Kind { None, Value, Type, Other };
+
+struct Outcome {
+  Kind kind = Kind::None;
+  std::string message;
+};
+
+template <typename Body>
+Outcome outcome_of(Body&& body) {
+  try {
+    body();
+  } catch (const c10::ValueError& e) {
+    return {Kind::Value, e.what_without_backtrace()};
+  } catch (const c10::TypeError& e) {
+    return {Kind::Type, e.what_without_backtrace()};
+  } catch (const c10::Error& e) {
+    return {Kind::Other, e.what_without_backtrace()};
+  }
+  return {};
+}
+
+// After the refusal: one window of 2 micro-steps on every rank, through the
+// same group. Returns the first layer's weight after the step.
+at::Tensor train_one_window(int rank, const c10::intrusive_ptr<CountingGroup>& group) {
+  auto net = gradaccum::test::mlp();
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  Accumulator acc(net.ptr(), opt, AccumulatorOptions(2).process_group(group));
+  for (int k = 0; k < 2; ++k) {
+    acc.backward(net->forward(torch::full({2, 6}, double(rank + k), torch::kFloat64)).pow(2).mean());
+    acc.step();
+  }
+  return net->parameters()[0].detach().clone();
+}
+
+} // namespace
+
+TEST_CASE("one rank refusing to build an Accumulator raises on every rank", "[construction][distributed]") {
+  std::vector<Outcome> got(2);
+  std::vector<at::Tensor> after(2);
+  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    auto net = gradaccum::test::mlp();
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    got[rank] = outcome_of([&] {
+      Accumulator acc(net.ptr(), opt, AccumulatorOptions(rank == 1 ? 0 : 2).process_group(group));
+    });
+    after[rank] = train_one_window(rank, group);
+  });
+  const std::string own = "gradaccum: Accumulator(): invalid steps: 0 (must be a positive integer)";
+  CHECK(got[1].kind == Kind::Value);
+  CHECK(got[1].message == own);
+  CHECK(got[0].kind == Kind::Value);
+  CHECK(got[0].message == "gradaccum: Accumulator(): rank 1 refused, so every rank raises (rank 1 its "
+                          "own error): invalid steps: 0 (must be a positive integer)");
+  CHECK(torch::equal(after[0], after[1]));
+}
+
+TEST_CASE("a Reducer that one rank refuses raises on every rank", "[construction][distributed]") {
+  std::vector<Outcome> got(3);
+  run_ranks(3, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    auto net = gradaccum::test::mlp();
+    auto params = net->parameters();
+    if (rank == 2) {
+      params[0] = params[0] * 2; // not a leaf
+    }
+    got[rank] = outcome_of([&] { Reducer reducer(params, group); });
+    train_one_window(rank, group);
+  });
+  CHECK(got[2].kind == Kind::Value);
+  CHECK(got[2].message == "gradaccum: Reducer(): parameter 0 must be a leaf tensor that requires grad");
+  for (int r = 0; r < 2; ++r) {
+    CHECK(got[r].kind == Kind::Value);
+    CHECK(got[r].message == "gradaccum: Accumulator(): rank 2 refused, so every rank raises (rank 2 its "
+                            "own error): Reducer(): parameter 0 must be a leaf tensor that "
+                            "requires grad");
+  }
+}
+
+TEST_CASE("refuse_construction() tells the other ranks a check of the caller's own", "[construction][distributed]") {
+  std::vector<Outcome> got(2);
+  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    auto net = gradaccum::test::mlp();
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    got[rank] = outcome_of([&] {
+      if (rank == 0) {
+        const c10::TypeError why({"test", __FILE__, __LINE__}, "my_trainer: the model config is not a dict");
+        refuse_construction(group, why);
+        throw why;
+      }
+      Accumulator acc(net.ptr(), opt, AccumulatorOptions(2).process_group(group));
+    });
+    train_one_window(rank, group);
+  });
+  CHECK(got[0].kind == Kind::Type);
+  CHECK(got[1].kind == Kind::Type);
+  CHECK(got[1].message == "gradaccum: Accumulator(): rank 0 refused, so every rank raises (rank 0 its "
+                          "own error): my_trainer: the model config is not a dict");
+}
+
+TEST_CASE("check_parameters that differs across ranks is refused on every rank", "[construction][distributed]") {
+  std::vector<Outcome> got(2);
+  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    auto net = gradaccum::test::mlp();
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    got[rank] = outcome_of([&] {
+      Accumulator acc(net.ptr(), opt,
+          AccumulatorOptions(2).process_group(group).reducer(ReducerOptions().check_parameters(rank == 0)));
+    });
+    train_one_window(rank, group);
+  });
+  for (const auto& outcome : got) {
+    CHECK(outcome.kind == Kind::Value);
+    CHECK(outcome.message == "gradaccum: Accumulator(): check_parameters differs across ranks: true on rank 0; "
+                             "false on rank 1; the ranks would run different construction collectives. Pass the "
+                             "same value on every rank");
+  }
+}
+
+TEST_CASE("several refusing ranks: the lowest one's error, the others counted", "[construction][distributed]") {
+  std::vector<Outcome> got(4);
+  run_ranks(4, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    auto net = gradaccum::test::mlp();
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    got[rank] = outcome_of([&] {
+      if (rank == 1) {
+        const c10::TypeError why({"test", __FILE__, __LINE__}, "");
+        refuse_construction(group, why);
+        throw why;
+      }
+      Accumulator acc(net.ptr(), opt, AccumulatorOptions(rank >= 2 ? 0 : 2).process_group(group));
+    });
+    train_one_window(rank, group);
+  });
+  CHECK(got[0].kind == Kind::Type); // rank 1's kind, though ranks 2 and 3 raise ValueErrors
+  CHECK(got[0].message == "gradaccum: Accumulator(): rank 1 refused (as did 2 more ranks), so every rank raises "
+                          "(rank 1 its own error): (no message)");
+  CHECK(got[1].kind == Kind::Type);
+  for (int r = 2; r < 4; ++r) {
+    CHECK(got[r].kind == Kind::Value);
+    CHECK(got[r].message == "gradaccum: Accumulator(): invalid steps: 0 (must be a positive integer)");
+  }
+}
