@@ -8,6 +8,7 @@ import torch
 
 from gradaccum import _C, _run
 from gradaccum._lifetime import _LIVE, _optimizer_step
+from gradaccum._refusal import _refuse_construction
 from gradaccum import trace as _trace
 
 from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list, the adapters read it here)
@@ -35,6 +36,7 @@ class Optimizer(Protocol):
     too, as GradScaler does."""
 
     def step(self) -> Any: ...
+
 
 
 class Accumulator:
@@ -122,17 +124,33 @@ class Accumulator:
         metrics: Iterable[str] = (),
     ) -> None:
         metrics = tuple(metrics) if isinstance(metrics, (list, tuple)) else metrics
-        _check_options(steps, reduction, nonfinite, max_grad_norm, optimizer, scheduler,
-                       accumulate_dtype, comm_dtype, error_feedback, grad_scaler, metrics)
-        _check_layout_options(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
-                              gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers,
-                              check_parameters=check_parameters, rebuild_buckets=rebuild_buckets)
-        params, names, buffers = _parameters(model)
-        if _scaling(grad_scaler):  # before the C++ side claims the parameters
-            _check_scaled_parameters(params, names, isinstance(model, torch.nn.Module), optimizer)
         # A default group that appears after construction: backward() raises.
         self._watch_for_group = process_group is None and not _dist_initialized()
         process_group, local_only = _resolve_group(process_group)
+        params: Optional[List[torch.Tensor]] = None
+        try:
+            _check_options(steps, reduction, nonfinite, max_grad_norm, optimizer, scheduler,
+                           accumulate_dtype, comm_dtype, error_feedback, grad_scaler, metrics)
+            _check_layout_options(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
+                                  gradient_as_bucket_view=gradient_as_bucket_view,
+                                  broadcast_buffers=broadcast_buffers, check_parameters=check_parameters,
+                                  rebuild_buckets=rebuild_buckets)
+            params, names, buffers = _parameters(model)
+            if _scaling(grad_scaler):  # before the C++ side claims the parameters
+                _check_scaled_parameters(params, names, isinstance(model, torch.nn.Module), optimizer)
+            # Converted here, where a failure is still told to the other ranks.
+            native = dict(
+                steps=int(steps), reduction=reduction,
+                max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+                nonfinite=nonfinite, bucket_cap_mb=None if bucket_cap_mb is None else float(bucket_cap_mb),
+                first_bucket_cap_mb=float(first_bucket_cap_mb), gradient_as_bucket_view=bool(gradient_as_bucket_view),
+                broadcast_buffers=bool(broadcast_buffers), check_parameters=bool(check_parameters),
+                rebuild_buckets=bool(rebuild_buckets), accumulate_dtype=accumulate_dtype, comm_dtype=comm_dtype,
+                error_feedback=error_feedback, metrics=list(metrics))
+        except Exception as error:  # (the user's objects may raise anything)
+            if process_group is not None:
+                _refuse_construction(process_group, error, params if params is not None else model)
+            raise
         self.optimizer: Any = optimizer  # an Optimizer; grad_scaler reads its param_groups too
         self.scheduler = scheduler
         # refresh_parameters() takes a module's trainable set again.
@@ -140,15 +158,7 @@ class Accumulator:
         self.process_group = process_group
         self._pre_step_hook: Optional[Callable[[], None]] = None
         self._c = _C.Accumulator(
-            params, names, buffers, steps=int(steps), reduction=reduction,
-            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-            nonfinite=nonfinite, process_group=process_group, local_only=local_only,
-            bucket_cap_mb=None if bucket_cap_mb is None else float(bucket_cap_mb),
-            first_bucket_cap_mb=float(first_bucket_cap_mb),
-            gradient_as_bucket_view=bool(gradient_as_bucket_view),
-            broadcast_buffers=bool(broadcast_buffers), check_parameters=bool(check_parameters),
-            rebuild_buckets=bool(rebuild_buckets), accumulate_dtype=accumulate_dtype,
-            comm_dtype=comm_dtype, error_feedback=error_feedback, metrics=list(metrics),
+            params, names, buffers, process_group=process_group, local_only=local_only, **native,
             # Looked up at each call: an LR scheduler created later wraps optimizer.step.
             optimizer_step=_optimizer_step(self, optimizer) if optimizer is not None else None,
             scheduler_step=(lambda: scheduler.step()) if scheduler is not None else None,

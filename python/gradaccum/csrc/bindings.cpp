@@ -342,5 +342,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("split", py::overload_cast<const std::vector<at::Tensor>&, int64_t>(&gradaccum::split),
         py::arg("tensors"), py::arg("steps"), "Split tensors of one batch alike along dim 0.");
   m.def("nccl_available", &gradaccum::nccl_available);
+  // The Python package's own construction checks refuse through this (Note
+  // [Construction refused on one rank]); kind: "value", "type" or "runtime".
+  m.def("_refuse_construction",
+        [](const py::object& group, const std::string& message, const std::string& kind, at::Device device) {
+          const c10::SourceLocation where{"Accumulator", __FILE__, __LINE__};
+          const auto pg = gradaccum::python::to_process_group(group);
+          py::gil_scoped_release no_gil;
+          if (kind == "value") {
+            gradaccum::refuse_construction(pg, c10::ValueError(where, message), device);
+          } else if (kind == "type") {
+            gradaccum::refuse_construction(pg, c10::TypeError(where, message), device);
+          } else {
+            gradaccum::refuse_construction(pg, c10::Error(where, message), device);
+          }
+        },
+        py::arg("process_group"), py::arg("message"), py::arg("kind"), py::arg("device"));
   m.attr("__version__") = GRADACCUM_VERSION;
 }

@@ -1,0 +1,119 @@
+"""Jobs of test_construction.py: an Accumulator that one rank refuses to
+build (Note [Construction refused on one rank]), on real Gloo ranks.
+
+Each job runs on every rank (spawned by _dist_utils.run_job with
+module="_construction_jobs") and returns plain data; the parent checks it.
+"""
+import torch
+import torch.nn as nn
+
+from _dist_utils import job
+
+K = 2
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Linear(3, 1).double()
+
+
+def batch(rank, k):
+    g = torch.Generator().manual_seed(100 * rank + k)
+    return torch.randn(4, 3, generator=g, dtype=torch.float64)
+
+
+def refusing_kwargs(case, rank, refusers):
+    """What a refusing rank passes (or holds) that the others do not."""
+    if rank not in refusers:
+        return {}
+    return {"python_value": {"reduction": "avg"},
+            "conversion": {"max_grad_norm": 10**400},
+            "cpp_options": {"steps": 0},
+            "python_type": {"metrics": 5},
+            "check_parameters": {"check_parameters": False},
+            }.get(case, {})
+
+
+@job
+def refused(rank, world_size, *, case, refusers):
+    """Every rank builds an Accumulator over the default group; the ranks in
+    `refusers` cannot (a Python-side check, a C++-side one, the parameters
+    still held by another live Accumulator, a frozen model). Every rank must
+    raise at once (no hang), then the group still pairs: every rank builds a
+    good Accumulator and trains one window of K micro-batches."""
+    import gradaccum
+
+    m = model()
+    held = None
+    if rank in refusers and case == "claimed":
+        held = gradaccum.Accumulator(m, None, steps=K, process_group=False)
+    target = m
+    if rank in refusers and case == "frozen":
+        target = model().requires_grad_(False)
+    if rank in refusers and case == "cpp_value":
+        target = [m.weight * 1.0]  # not a leaf: refused on the C++ side
+    ddp = None
+    if case == "foreign_hooks":
+        # torch DDP over a group of the refusing ranks alone hooks their
+        # parameters; with check_parameters=False the Reducer refuses them
+        # by itself, inside its construction.
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        alone = dist.new_group(sorted(refusers))
+        ddp = DDP(m, process_group=alone) if rank in refusers else None
+    out = {}
+    try:
+        kwargs = {"steps": K, **refusing_kwargs(case, rank, refusers)}
+        if case == "foreign_hooks":
+            kwargs["check_parameters"] = False
+        gradaccum.Accumulator(target, None, **kwargs).close()
+        out["error"] = None
+    except (ValueError, TypeError, RuntimeError, OverflowError) as e:
+        out["error"] = (type(e).__name__, str(e))
+    if held is not None:
+        held.close()
+    del ddp
+    # The group still pairs: one good window on every rank.
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(m, opt, steps=K)
+    for k in range(K):
+        acc.backward(m(batch(rank, k)).pow(2).mean())
+        acc.step()
+    acc.close()
+    out["params"] = [p.detach().clone() for p in m.parameters()]
+    return out
+
+
+@job
+def refused_refresh(rank, world_size):
+    """Layer 1 is frozen when the Accumulator is built, then unfrozen on
+    every rank; on rank 1 another live (local-only) Accumulator holds it, so
+    rank 1's refresh_parameters() cannot claim it, after the refresh's check
+    passed on every rank. Every rank raises (the others wait in the new
+    reducer's first collective otherwise) and keeps its old reducer; rank 1
+    lets the other go, and the refresh and a window then run on every rank."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)).double()
+    m[1].requires_grad_(False)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    acc = gradaccum.Accumulator(m, opt, steps=K)
+    m[1].requires_grad_(True)
+    held = gradaccum.Accumulator(m[1], None, steps=K, process_group=False) if rank == 1 else None
+    out = {}
+    try:
+        acc.refresh_parameters()
+        out["error"] = None
+    except (ValueError, RuntimeError) as e:
+        out["error"] = (type(e).__name__, str(e))
+    if held is not None:
+        held.close()
+    acc.refresh_parameters()
+    for k in range(K):
+        acc.backward(m(batch(rank, k)).pow(2).mean())
+        acc.step()
+    acc.close()
+    out["params"] = [p.detach().clone() for p in m.parameters()]
+    return out

@@ -1,0 +1,113 @@
+"""An Accumulator that some rank refuses to build (Note [Construction refused
+on one rank]): every rank raises at once, the others naming the refusing
+rank and its reason, as the same kind of error; the group still pairs after.
+Real Gloo ranks; exact error texts."""
+import pytest
+import torch
+
+import _dist_utils as du
+from _construction_jobs import K, batch, model
+
+M = "_construction_jobs"
+# Before the fix the other ranks waited in the first construction collective
+# until the group's timeout: a short one makes that a quick failure here.
+PG_TIMEOUT = 20
+
+
+def run(tmp_path, world_size, case, refusers):
+    return du.run_job("refused", world_size, tmp_path, module=M, timeout=90, pg_timeout=PG_TIMEOUT,
+                      case=case, refusers=list(refusers))
+
+
+def reference(world_size):
+    """The good window every rank trains after the refusal: SGD on the mean of
+    every rank's K micro-batch losses, in float64."""
+    m = model()
+    loss = sum(m(batch(r, k)).pow(2).mean() for r in range(world_size) for k in range(K)) / (world_size * K)
+    loss.backward()
+    with torch.no_grad():
+        for p in m.parameters():
+            p -= 0.5 * p.grad
+    return [p.detach() for p in m.parameters()]
+
+
+def peer_text(refuser, reason, more=0):
+    also = f" (as did {more} more rank{'s' if more > 1 else ''})" if more else ""
+    return (f"gradaccum: Accumulator(): rank {refuser} refused{also}, so every rank raises (rank {refuser} its "
+            f"own error): {reason}")
+
+
+CASES = {
+    # case: (the refusing rank's error type, its message)
+    "python_value": ("ValueError", "gradaccum: Accumulator(): invalid reduction: 'avg' (expected one of ('mean', "
+                     "'sum', 'items'))"),
+    "cpp_options": ("ValueError", "gradaccum: Accumulator(): invalid steps: 0 (must be a positive integer)"),
+    "python_type": ("TypeError", "gradaccum: Accumulator(): metrics must be a list or tuple of names, got 5"),
+    "claimed": ("ValueError", "gradaccum: Accumulator(): weight already belongs to another live Accumulator, "
+                "whose hooks would keep running (reducing every micro-step). Drop the old one (del acc) or call "
+                "its close() before building a new one"),
+    "conversion": ("OverflowError", "int too large to convert to float"),
+    "foreign_hooks": ("ValueError", "gradaccum: Accumulator(): weight already has a post-hook on its gradient "
+                      "accumulator that gradaccum did not add: the model is also wrapped in torch "
+                      "DistributedDataParallel (accelerator.prepare(model), HF Trainer?) or another reducer is "
+                      "attached, and the gradient would be reduced twice. Delete the DDP wrapper (del ddp_model; "
+                      "with Accelerate, do not prepare the model) before building the Accumulator: gradaccum does "
+                      "the data-parallel reduction"),
+    "frozen": ("ValueError", "gradaccum: Accumulator(): the model has no trainable parameters (none requires grad)"),
+    "cpp_value": ("ValueError", "gradaccum: Accumulator(): parameter 0 is not a leaf tensor; pass the model's "
+                  "parameters"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_rank_refusing_to_build_raises_on_every_rank(tmp_path, case):
+    kind, own = CASES[case]
+    results = run(tmp_path, 2, case, [1])
+    got_kind, got_own = results[1]["error"]
+    assert (got_kind, got_own) == (kind, own)
+    reason = own[len("gradaccum: Accumulator(): "):] if own.startswith("gradaccum: ") else own
+    # (an error of another kind than ValueError or TypeError reaches the others as a RuntimeError)
+    assert results[0]["error"] == (kind if kind in ("ValueError", "TypeError") else "RuntimeError",
+                                   peer_text(1, reason))
+    expected = reference(2)
+    for res in results:
+        for got, want in zip(res["params"], expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+
+
+def test_several_refusing_ranks_are_counted_and_each_raises_its_own(tmp_path):
+    results = run(tmp_path, 3, "python_value", [1, 2])
+    own = CASES["python_value"][1]
+    assert results[1]["error"] == ("ValueError", own)
+    assert results[2]["error"] == ("ValueError", own)
+    assert results[0]["error"] == ("ValueError", peer_text(1, own[len("gradaccum: Accumulator(): "):], more=1))
+    for res in results:
+        for got, want in zip(res["params"], reference(3)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+
+
+def test_check_parameters_that_differs_across_ranks_is_an_error_on_every_rank(tmp_path):
+    # It decides which collectives follow: compared before any of them.
+    results = run(tmp_path, 3, "check_parameters", [2])
+    text = ("gradaccum: Accumulator(): check_parameters differs across ranks: true on ranks 0 and 1; false on "
+            "rank 2; the ranks would run different construction collectives. Pass the same value on every rank")
+    for res in results:
+        assert res["error"] == ("ValueError", text)
+        for got, want in zip(res["params"], reference(3)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+
+
+def test_a_refresh_one_rank_cannot_claim_raises_on_every_rank(tmp_path):
+    results = du.run_job("refused_refresh", 2, tmp_path, module=M, timeout=90, pg_timeout=PG_TIMEOUT)
+    own = ("1.weight already belongs to another live Accumulator, whose hooks would keep running (reducing every "
+           "micro-step). Drop the old one (del acc) or call its close() before building a new one")
+    assert results[1]["error"] == ("ValueError", "gradaccum: acc.refresh_parameters(): " + own)
+    assert results[0]["error"] == ("ValueError", "gradaccum: acc.refresh_parameters(): rank 1 refused, so every "
+                                   "rank raises (rank 1 its own error): " + own)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)).double()
+    loss = sum(m(batch(r, k)).pow(2).mean() for r in range(2) for k in range(K)) / (2 * K)
+    loss.backward()
+    for res in results:
+        for got, p in zip(res["params"], m.parameters()):
+            torch.testing.assert_close(got, p.detach() - 0.5 * p.grad, rtol=0, atol=1e-15)
