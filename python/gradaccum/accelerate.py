@@ -150,6 +150,7 @@ from gradaccum._accelerate_parts import (
     _SchedulerDriver,
 )
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+from gradaccum._refusal import _any_rank_has, _refuse_before_building
 from gradaccum._adapter_options import _adapter_options, _with_ddp_kwargs
 from gradaccum._hf import keep_float64_causal_lm_loss
 
@@ -300,9 +301,18 @@ class Accelerator(_accelerate.Accelerator):
 
     def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
         result = super().prepare(*args, device_placement=device_placement)
-        if self.accumulator is None and self._trained_models() and self._optimizers:
+        if self.accumulator is None and self._optimizers and self._models and self._any_rank_trains():
             self._ensure_accumulator("Accelerator.prepare()")
         return result
+
+    def _any_rank_trains(self) -> bool:
+        """Whether some rank's prepared models train (one small all-reduce,
+        data parallel). Those ranks build the Accumulator now; a rank with
+        nothing trainable then refuses through their construction (Note
+        [Construction refused on one rank]), not later and alone. Where no
+        rank's model trains, the first accumulate() builds it, as in one process."""
+        return _any_rank_has(bool(self._trained_models()), self._accumulator_options.get("process_group"),
+                             self.device)
 
     def _trained_models(self) -> List[torch.nn.Module]:
         return [m for m in self._models if any(p.requires_grad for p in m.parameters())]
@@ -312,10 +322,13 @@ class Accelerator(_accelerate.Accelerator):
             return self.accumulator
         models, optimizers = self._trained_models(), self._optimizers
         if len(models) != 1 or len(optimizers) != 1:
-            raise ValueError(
+            error = ValueError(
                 f"gradaccum: {what}: the Accumulator needs exactly one prepared model with trainable parameters and "
                 f"one prepared optimizer; prepared so far: {len(models)} trained model(s), {len(optimizers)} "
                 "optimizer(s). Pass the model and its optimizer to accelerator.prepare()")
+            _refuse_before_building(self._accumulator_options.get("process_group"), error,
+                                    (models or self._models or [None])[0])
+            raise error
         optimizer = optimizers[0]
         inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
         scaler = self.scaler if (self.scaler is not None and getattr(self.scaler, "is_enabled", lambda: True)()) else None

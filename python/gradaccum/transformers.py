@@ -116,6 +116,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     ) from error
 
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+from gradaccum._refusal import _refuse_before_building
 from gradaccum._adapter_options import _adapter_options
 from gradaccum._hf import _float64_causal_lm_loss, keep_float64_causal_lm_loss
 
@@ -255,8 +256,12 @@ class Trainer(transformers.Trainer):
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = model
         if resume_from_checkpoint is not None:
-            self._load_optimizer_and_scheduler(resume_from_checkpoint)
-            self._load_scaler(resume_from_checkpoint)
+            try:
+                self._load_optimizer_and_scheduler(resume_from_checkpoint)
+                self._load_scaler(resume_from_checkpoint)
+            except Exception as error:  # one node's unreadable file: told to the others, building
+                _refuse_before_building(self.accumulator_options.get("process_group"), error, self.model)
+                raise
         self._build_accumulator()
         if resume_from_checkpoint is not None:
             path = os.path.join(resume_from_checkpoint, CHECKPOINT_NAME)

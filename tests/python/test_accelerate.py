@@ -466,3 +466,42 @@ def test_side_loaders_and_unordered_workers_keep_the_padding_batch_right(tmp_pat
             diff = float((torch.tensor([float(v) for v in weights], dtype=torch.float64) - want).abs().max())
             assert diff <= F64, (case, rank, diff)
     assert all(int(got["side_batch", r][3]) == 1 for r in (0, 1)), got  # warned on every rank
+
+
+FROZEN_SCRIPT = '''
+import os
+import torch
+from gradaccum.accelerate import Accelerator
+
+def say(*words):
+    os.write(1, (" ".join(str(w) for w in words) + "\\n").encode())
+
+acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+rank = acc.process_index
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 1).double()
+if rank == 1:
+    model.requires_grad_(False)  # frozen on one rank only
+try:
+    acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    say("built", rank)
+except ValueError as e:
+    say("error", rank, str(e))
+'''
+
+
+def test_a_model_frozen_on_one_rank_is_refused_on_every_rank_at_prepare(tmp_path):
+    """Rank 1 has nothing to train: before, it skipped building the
+    Accumulator in prepare() while rank 0 built one, and rank 0 waited in its
+    construction until the group's timeout. Now prepare() raises on both."""
+    script = tmp_path / "frozen.py"
+    script.write_text(FROZEN_SCRIPT)
+    out = sorted(launch(script, [], 2, tmp_path, timeout=120).splitlines())
+    own = ("gradaccum: Accelerator.prepare(): the Accumulator needs exactly one prepared model with trainable "
+           "parameters and one prepared optimizer; prepared so far: 0 trained model(s), 1 optimizer(s). Pass the "
+           "model and its optimizer to accelerator.prepare()")
+    assert out == [
+        "error 0 gradaccum: Accumulator(): rank 1 refused, so every rank raises (rank 1 its own error): "
+        + own[len("gradaccum: "):],
+        "error 1 " + own,
+    ], out
