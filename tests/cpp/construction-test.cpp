@@ -49,18 +49,38 @@ at::Tensor train_one_window(int rank, const c10::intrusive_ptr<CountingGroup>& g
   return net->parameters()[0].detach().clone();
 }
 
+// A check of the caller's own that fails: told to the others, then raised.
+[[noreturn]] void refuse_by_hand(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::string& text) {
+  const c10::TypeError why({"test", __FILE__, __LINE__}, text);
+  refuse_construction(group, why);
+  throw why;
+}
+
+// On `world` ranks: each rank's outcome of build(rank, group, net, opt),
+// then one window trained by every rank through the same group (its first
+// layer's weight after the step).
+struct Built {
+  std::vector<Outcome> outcomes;
+  std::vector<at::Tensor> after;
+};
+
+template <typename Build>
+Built build_on_ranks(int world, Build&& build) {
+  Built out{std::vector<Outcome>(world), std::vector<at::Tensor>(world)};
+  run_ranks(world, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    auto net = gradaccum::test::mlp();
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    out.outcomes[rank] = outcome_of([&] { build(rank, group, net, opt); });
+    out.after[rank] = train_one_window(rank, group);
+  });
+  return out;
+}
+
 } // namespace
 
 TEST_CASE("one rank refusing to build an Accumulator raises on every rank", "[construction][distributed]") {
-  std::vector<Outcome> got(2);
-  std::vector<at::Tensor> after(2);
-  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
-    auto net = gradaccum::test::mlp();
-    torch::optim::SGD opt(net->parameters(), 0.1);
-    got[rank] = outcome_of([&] {
-      Accumulator acc(net.ptr(), opt, AccumulatorOptions(rank == 1 ? 0 : 2).process_group(group));
-    });
-    after[rank] = train_one_window(rank, group);
+  const auto [got, after] = build_on_ranks(2, [](int rank, auto group, auto& net, auto& opt) {
+    Accumulator acc(net.ptr(), opt, AccumulatorOptions(rank == 1 ? 0 : 2).process_group(group));
   });
   const std::string own = "gradaccum: Accumulator(): invalid steps: 0 (must be a positive integer)";
   CHECK(got[1].kind == Kind::Value);
@@ -72,16 +92,13 @@ TEST_CASE("one rank refusing to build an Accumulator raises on every rank", "[co
 }
 
 TEST_CASE("a Reducer that one rank refuses raises on every rank", "[construction][distributed]") {
-  std::vector<Outcome> got(3);
-  run_ranks(3, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
-    auto net = gradaccum::test::mlp();
+  const auto got = build_on_ranks(3, [](int rank, auto group, auto& net, auto&) {
     auto params = net->parameters();
     if (rank == 2) {
       params[0] = params[0] * 2; // not a leaf
     }
-    got[rank] = outcome_of([&] { Reducer reducer(params, group); });
-    train_one_window(rank, group);
-  });
+    Reducer reducer(params, group);
+  }).outcomes;
   CHECK(got[2].kind == Kind::Value);
   CHECK(got[2].message == "gradaccum: Reducer(): parameter 0 must be a leaf tensor that requires grad");
   for (int r = 0; r < 2; ++r) {
@@ -93,20 +110,12 @@ TEST_CASE("a Reducer that one rank refuses raises on every rank", "[construction
 }
 
 TEST_CASE("refuse_construction() tells the other ranks a check of the caller's own", "[construction][distributed]") {
-  std::vector<Outcome> got(2);
-  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
-    auto net = gradaccum::test::mlp();
-    torch::optim::SGD opt(net->parameters(), 0.1);
-    got[rank] = outcome_of([&] {
-      if (rank == 0) {
-        const c10::TypeError why({"test", __FILE__, __LINE__}, "my_trainer: the model config is not a dict");
-        refuse_construction(group, why);
-        throw why;
-      }
-      Accumulator acc(net.ptr(), opt, AccumulatorOptions(2).process_group(group));
-    });
-    train_one_window(rank, group);
-  });
+  const auto got = build_on_ranks(2, [](int rank, auto group, auto& net, auto& opt) {
+    if (rank == 0) {
+      refuse_by_hand(group, "my_trainer: the model config is not a dict");
+    }
+    Accumulator acc(net.ptr(), opt, AccumulatorOptions(2).process_group(group));
+  }).outcomes;
   CHECK(got[0].kind == Kind::Type);
   CHECK(got[1].kind == Kind::Type);
   CHECK(got[1].message == "gradaccum: Accumulator(): rank 0 refused, so every rank raises (rank 0 its "
@@ -114,16 +123,10 @@ TEST_CASE("refuse_construction() tells the other ranks a check of the caller's o
 }
 
 TEST_CASE("check_parameters that differs across ranks is refused on every rank", "[construction][distributed]") {
-  std::vector<Outcome> got(2);
-  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
-    auto net = gradaccum::test::mlp();
-    torch::optim::SGD opt(net->parameters(), 0.1);
-    got[rank] = outcome_of([&] {
-      Accumulator acc(net.ptr(), opt,
-          AccumulatorOptions(2).process_group(group).reducer(ReducerOptions().check_parameters(rank == 0)));
-    });
-    train_one_window(rank, group);
-  });
+  const auto got = build_on_ranks(2, [](int rank, auto group, auto& net, auto& opt) {
+    Accumulator acc(net.ptr(), opt,
+        AccumulatorOptions(2).process_group(group).reducer(ReducerOptions().check_parameters(rank == 0)));
+  }).outcomes;
   for (const auto& outcome : got) {
     CHECK(outcome.kind == Kind::Value);
     CHECK(outcome.message == "gradaccum: Accumulator(): check_parameters differs across ranks: true on rank 0; "
@@ -133,20 +136,12 @@ TEST_CASE("check_parameters that differs across ranks is refused on every rank",
 }
 
 TEST_CASE("several refusing ranks: the lowest one's error, the others counted", "[construction][distributed]") {
-  std::vector<Outcome> got(4);
-  run_ranks(4, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
-    auto net = gradaccum::test::mlp();
-    torch::optim::SGD opt(net->parameters(), 0.1);
-    got[rank] = outcome_of([&] {
-      if (rank == 1) {
-        const c10::TypeError why({"test", __FILE__, __LINE__}, "");
-        refuse_construction(group, why);
-        throw why;
-      }
-      Accumulator acc(net.ptr(), opt, AccumulatorOptions(rank >= 2 ? 0 : 2).process_group(group));
-    });
-    train_one_window(rank, group);
-  });
+  const auto got = build_on_ranks(4, [](int rank, auto group, auto& net, auto& opt) {
+    if (rank == 1) {
+      refuse_by_hand(group, "");
+    }
+    Accumulator acc(net.ptr(), opt, AccumulatorOptions(rank >= 2 ? 0 : 2).process_group(group));
+  }).outcomes;
   CHECK(got[0].kind == Kind::Type); // rank 1's kind, though ranks 2 and 3 raise ValueErrors
   CHECK(got[0].message == "gradaccum: Accumulator(): rank 1 refused (as did 2 more ranks), so every rank raises "
                           "(rank 1 its own error): (no message)");

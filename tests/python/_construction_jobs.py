@@ -22,6 +22,15 @@ def batch(rank, k):
     return torch.randn(4, 3, generator=g, dtype=torch.float64)
 
 
+def train_window(rank, m, acc):
+    """One window of K micro-batches through `acc`; the parameters after it."""
+    for k in range(K):
+        acc.backward(m(batch(rank, k)).pow(2).mean())
+        acc.step()
+    acc.close()
+    return [p.detach().clone() for p in m.parameters()]
+
+
 def refusing_kwargs(case, rank, refusers):
     """What a refusing rank passes (or holds) that the others do not."""
     if rank not in refusers:
@@ -75,13 +84,7 @@ def refused(rank, world_size, *, case, refusers):
         held.close()
     del ddp
     # The group still pairs: one good window on every rank.
-    opt = torch.optim.SGD(m.parameters(), lr=0.5)
-    acc = gradaccum.Accumulator(m, opt, steps=K)
-    for k in range(K):
-        acc.backward(m(batch(rank, k)).pow(2).mean())
-        acc.step()
-    acc.close()
-    out["params"] = [p.detach().clone() for p in m.parameters()]
+    out["params"] = train_window(rank, m, gradaccum.Accumulator(m, torch.optim.SGD(m.parameters(), lr=0.5), steps=K))
     return out
 
 
@@ -111,9 +114,5 @@ def refused_refresh(rank, world_size):
     if held is not None:
         held.close()
     acc.refresh_parameters()
-    for k in range(K):
-        acc.backward(m(batch(rank, k)).pow(2).mean())
-        acc.step()
-    acc.close()
-    out["params"] = [p.detach().clone() for p in m.parameters()]
+    out["params"] = train_window(rank, m, acc)
     return out
