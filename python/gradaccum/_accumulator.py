@@ -29,6 +29,16 @@ from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list
 )
 
 
+def _as_float(name: str, value: Any) -> Optional[float]:
+    """An option as the float the C++ side takes (None stays None)."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"gradaccum: Accumulator(): {name} does not fit in a float64") from None
+
+
 class Optimizer(Protocol):
     """What the Accumulator needs of an optimizer: ``step()``. A
     ``torch.optim.Optimizer`` is one; so is any object with ``step()`` (a
@@ -140,10 +150,10 @@ class Accumulator:
                 _check_scaled_parameters(params, names, isinstance(model, torch.nn.Module), optimizer)
             # Converted here, where a failure is still told to the other ranks.
             native = dict(
-                steps=int(steps), reduction=reduction,
-                max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                nonfinite=nonfinite, bucket_cap_mb=None if bucket_cap_mb is None else float(bucket_cap_mb),
-                first_bucket_cap_mb=float(first_bucket_cap_mb), gradient_as_bucket_view=bool(gradient_as_bucket_view),
+                steps=int(steps), reduction=reduction, max_grad_norm=_as_float("max_grad_norm", max_grad_norm),
+                nonfinite=nonfinite, bucket_cap_mb=_as_float("bucket_cap_mb", bucket_cap_mb),
+                first_bucket_cap_mb=_as_float("first_bucket_cap_mb", first_bucket_cap_mb),
+                gradient_as_bucket_view=bool(gradient_as_bucket_view),
                 broadcast_buffers=bool(broadcast_buffers), check_parameters=bool(check_parameters),
                 rebuild_buckets=bool(rebuild_buckets), accumulate_dtype=accumulate_dtype, comm_dtype=comm_dtype,
                 error_feedback=error_feedback, metrics=list(metrics))

@@ -236,8 +236,8 @@ def _check_options(steps: Any, reduction: Any, nonfinite: Any, max_grad_norm: An
     """Accumulator()'s options, each refused with a gradaccum: error naming it."""
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
         raise TypeError(f"gradaccum: Accumulator(): steps must be a positive int, got {steps!r}")
-    if steps >= 2**63:
-        raise ValueError(f"gradaccum: Accumulator(): steps must be below 2**63, got {steps}")
+    if not -2**63 <= steps < 2**63:
+        raise ValueError(f"gradaccum: Accumulator(): steps must be a positive int below 2**63, got {steps}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"gradaccum: Accumulator(): invalid reduction: {reduction!r} (expected one of {_REDUCTIONS})")
     if nonfinite not in _NONFINITE:

@@ -16,19 +16,18 @@ def _refuse_construction(process_group: Any, error: BaseException, model: Any) -
     collective, that this rank refused to build it: they raise its message,
     naming this rank. If they cannot be told (no usable group, a broken one),
     the caller's own error is raised all the same."""
-    kind = "value" if isinstance(error, ValueError) else "type" if isinstance(error, TypeError) else "runtime"
-    first = None
-    if isinstance(model, torch.nn.Module):
-        first = next(model.parameters(), None)
-    elif isinstance(model, (list, tuple)) and model and isinstance(model[0], torch.Tensor):
-        first = model[0]
-    # (A device the group cannot reach, the CPU under NCCL, becomes the current CUDA device there.)
-    device = first.device if first is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
+    try:  # (whatever fails here, the caller raises `error` itself)
+        kind = "value" if isinstance(error, ValueError) else "type" if isinstance(error, TypeError) else "runtime"
+        first = None
+        if isinstance(model, torch.nn.Module):
+            first = next(model.parameters(), None)
+        elif isinstance(model, (list, tuple)) and model and isinstance(model[0], torch.Tensor):
+            first = model[0]
+        # (A device the group cannot reach, the CPU under NCCL, becomes the current CUDA device there.)
+        device = first.device if first is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         _C._refuse_construction(process_group, str(error), kind, device)
-    except Exception:  # noqa: BLE001 - the caller raises `error` itself
+    except Exception:  # noqa: BLE001
         pass
-
 
 def _group_of(process_group: Any) -> Any:
     """The group an Accumulator built with this ``process_group`` option
@@ -49,13 +48,17 @@ def _refuse_before_building(process_group: Any, error: BaseException, model: Any
 def _any_rank_has(flag: bool, process_group: Any, device: Any) -> bool:
     """Whether `flag` holds on some rank of the group an Accumulator with this
     ``process_group`` option would reduce over (a MAX all-reduce of one
-    number on `device` under NCCL, else on the CPU); `flag` without a group."""
+    number, on the CPU or on `device`); `flag` without a group."""
     group = _group_of(process_group)
     if group is None:
         return flag
     import torch.distributed as dist
 
+    # Gloo (alone or beside NCCL, "cpu:gloo,cuda:nccl") and MPI take CPU
+    # tensors; NCCL and the other accelerators' backends the device's.
+    backend = str(dist.get_backend(group))
+    on_cpu = "gloo" in backend or "mpi" in backend
     values: List[float] = [float(flag)]
-    tensor = torch.tensor(values, device=device if dist.get_backend(group) == "nccl" else "cpu")
+    tensor = torch.tensor(values, device="cpu" if on_cpu else device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return bool(tensor.item())

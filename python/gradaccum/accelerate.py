@@ -300,19 +300,23 @@ class Accelerator(_accelerate.Accelerator):
         return skipped
 
     def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
+        before = (len(self._models), len(self._optimizers))
         result = super().prepare(*args, device_placement=device_placement)
-        if self.accumulator is None and self._optimizers and self._models and self._any_rank_trains():
+        added = (len(self._models), len(self._optimizers)) != before
+        if self.accumulator is None and added and self._any_rank_trains():
             self._ensure_accumulator("Accelerator.prepare()")
         return result
 
     def _any_rank_trains(self) -> bool:
-        """Whether some rank's prepared models train (one small all-reduce,
-        data parallel). Those ranks build the Accumulator now; a rank with
-        nothing trainable then refuses through their construction (Note
+        """Whether some rank has a trained model and an optimizer prepared
+        (one small all-reduce, data parallel, in a prepare() that added a
+        model or an optimizer). Those ranks build the Accumulator now; a rank
+        without them then refuses through their construction (Note
         [Construction refused on one rank]), not later and alone. Where no
-        rank's model trains, the first accumulate() builds it, as in one process."""
-        return _any_rank_has(bool(self._trained_models()), self._accumulator_options.get("process_group"),
-                             self.device)
+        rank has them yet, a later prepare() or the first accumulate() builds
+        it, as in one process."""
+        ready = bool(self._trained_models()) and bool(self._optimizers)
+        return _any_rank_has(ready, self._accumulator_options.get("process_group"), self.device)
 
     def _trained_models(self) -> List[torch.nn.Module]:
         return [m for m in self._models if any(p.requires_grad for p in m.parameters())]

@@ -255,18 +255,20 @@ class Trainer(transformers.Trainer):
         model = self.accelerator.prepare_model(self.model, evaluation_mode=True)
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = model
+        saved = None
         if resume_from_checkpoint is not None:
             try:
                 self._load_optimizer_and_scheduler(resume_from_checkpoint)
                 self._load_scaler(resume_from_checkpoint)
+                path = os.path.join(resume_from_checkpoint, CHECKPOINT_NAME)
+                if os.path.isfile(path):
+                    saved = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as error:  # one node's unreadable file: told to the others, building
                 _refuse_before_building(self.accumulator_options.get("process_group"), error, self.model)
                 raise
         self._build_accumulator()
-        if resume_from_checkpoint is not None:
-            path = os.path.join(resume_from_checkpoint, CHECKPOINT_NAME)
-            if os.path.isfile(path):
-                self.accumulator.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        if saved is not None:
+            self.accumulator.load_state_dict(saved)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader

@@ -480,26 +480,32 @@ acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
 rank = acc.process_index
 torch.manual_seed(0)
 model = torch.nn.Linear(3, 1).double()
-if rank == 1:
+if rank == 1 and "{case}" == "frozen":
     model.requires_grad_(False)  # frozen on one rank only
 try:
-    acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if rank == 1 and "{case}" == "no_optimizer":  # the optimizer forgotten on one rank
+        acc.prepare(model)
+    else:
+        acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     say("built", rank)
 except ValueError as e:
     say("error", rank, str(e))
 '''
 
 
-def test_a_model_frozen_on_one_rank_is_refused_on_every_rank_at_prepare(tmp_path):
-    """Rank 1 has nothing to train: before, it skipped building the
-    Accumulator in prepare() while rank 0 built one, and rank 0 waited in its
-    construction until the group's timeout. Now prepare() raises on both."""
+@pytest.mark.parametrize("case", ["frozen", "no_optimizer"])
+def test_a_model_frozen_on_one_rank_is_refused_on_every_rank_at_prepare(tmp_path, case):
+    """Rank 1 has nothing to train (its model frozen, or no optimizer
+    prepared): before, it skipped building the Accumulator in prepare() while
+    rank 0 built one, and rank 0 waited in its construction until the group's
+    timeout. Now both prepare() calls raise, rank 0's naming rank 1's error."""
     script = tmp_path / "frozen.py"
-    script.write_text(FROZEN_SCRIPT)
+    script.write_text(FROZEN_SCRIPT.replace("{case}", case))
     out = sorted(launch(script, [], 2, tmp_path, timeout=120).splitlines())
+    trained, optimizers = (0, 1) if case == "frozen" else (1, 0)
     own = ("gradaccum: Accelerator.prepare(): the Accumulator needs exactly one prepared model with trainable "
-           "parameters and one prepared optimizer; prepared so far: 0 trained model(s), 1 optimizer(s). Pass the "
-           "model and its optimizer to accelerator.prepare()")
+           f"parameters and one prepared optimizer; prepared so far: {trained} trained model(s), {optimizers} "
+           "optimizer(s). Pass the model and its optimizer to accelerator.prepare()")
     assert out == [
         "error 0 gradaccum: Accumulator(): rank 1 refused, so every rank raises (rank 1 its own error): "
         + own[len("gradaccum: "):],
