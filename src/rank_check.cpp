@@ -253,12 +253,15 @@ void agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const R
   }
 }
 
-void tell_construction_refused(c10d::ProcessGroup& group, const std::vector<at::Tensor>& params) {
+at::Device device_of(const std::vector<at::Tensor>& params) {
+  return params.empty() || !params.front().defined() ? at::Device(at::kMeta) : params.front().device();
+}
+
+void tell_construction_refused(c10d::ProcessGroup& group, at::Device params_device) {
   const auto refusal = Refusal::of(std::current_exception());
   TORCH_INTERNAL_ASSERT(refusal.kind != Refusal::None, "gradaccum: tell_construction_refused() outside a catch block");
-  const auto device = params.empty() || !params.front().defined() ? at::Device(at::kCUDA) : params.front().device();
   try {
-    agree_to_build(group, device, refusal, /*check_parameters=*/true, "Accumulator()");
+    agree_to_build(group, params_device, refusal, /*check_parameters=*/true, "Accumulator()");
   } catch (const std::exception&) {
     // Nobody to tell: the caller's error stands.
   }

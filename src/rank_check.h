@@ -30,11 +30,15 @@ struct Refusal {
 void agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const Refusal& mine,
                     bool check_parameters, const char* call);
 
-/// For a rank that refuses before its Reducer's construction, inside the catch
-/// block of its error: agree_to_build() as a refusing rank, the parameters'
-/// device placing the tensors. If the others cannot be told (a broken group)
-/// it returns all the same: the caller rethrows its own error.
-void tell_construction_refused(c10d::ProcessGroup& group, const std::vector<at::Tensor>& params);
+/// The first parameter's device, or meta where there is none (agree_to_build()
+/// then picks one the group reaches).
+at::Device device_of(const std::vector<at::Tensor>& params);
+
+/// For a rank that refuses before or in its Reducer's construction, inside
+/// the catch block of its error: agree_to_build() as a refusing rank. If the
+/// others cannot be told (a broken group) it returns all the same: the
+/// caller rethrows its own error.
+void tell_construction_refused(c10d::ProcessGroup& group, at::Device params_device);
 
 /// Compares every rank's options (Note [What ranks agree on]) and parameter
 /// and buffer shapes; throws the same error on every rank when they differ.

@@ -23,8 +23,8 @@ def _refuse_construction(process_group: Any, error: BaseException, model: Any) -
             first = next(model.parameters(), None)
         elif isinstance(model, (list, tuple)) and model and isinstance(model[0], torch.Tensor):
             first = model[0]
-        # (A device the group cannot reach, the CPU under NCCL, becomes the current CUDA device there.)
-        device = first.device if first is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # (None, or one the group cannot reach: the C++ side picks one it reaches.)
+        device = first.device if first is not None else torch.device("meta")
         _C._refuse_construction(process_group, str(error), kind, device)
     except Exception:  # noqa: BLE001
         pass

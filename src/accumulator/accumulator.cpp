@@ -97,7 +97,7 @@ Accumulator::Accumulator(
     // Note [Construction refused on one rank]: the other ranks are told
     // (they wait in the Reducer's first collective).
     if (group) {
-      detail::tell_construction_refused(*group, model.parameters);
+      detail::tell_construction_refused(*group, detail::device_of(model.parameters));
     }
     throw;
   }

@@ -114,7 +114,7 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
       claim = detail::claim(model.parameters, model.names);
     } catch (const std::exception&) {
       if (reducer_) { // the others wait in the new reducer's first collective
-        detail::tell_construction_refused(*reducer_->process_group(), model.parameters);
+        detail::tell_construction_refused(*reducer_->process_group(), detail::device_of(model.parameters));
       }
       throw;
     }

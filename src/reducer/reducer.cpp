@@ -51,31 +51,17 @@ Reducer::Reducer(
   // Note [Construction refused on one rank]: what this rank refuses is told
   // to every rank by the first collective, before any other.
   TORCH_CHECK_VALUE(group, "gradaccum: Reducer(): process_group is null");
-  // (With no parameter to go by, CUDA: metadata_device() keeps the CPU for
-  // any group that reaches it.)
-  const auto params_device = params.empty() || !params.front().defined() ? at::Device(at::kCUDA)
-                                                                         : params.front().device();
+  const auto params_device = detail::device_of(params);
   std::optional<detail::ReducerConfig> built;
-  std::exception_ptr refused;
   try {
     built.emplace(std::move(params), group, options, std::move(buffers), std::move(names), rule);
     const auto foreign = detail::foreign_hooks(*built);
     TORCH_CHECK_VALUE(foreign.empty(), "gradaccum: Accumulator(): ", foreign);
   } catch (const std::exception&) {
-    refused = std::current_exception();
-  }
-  try {
-    detail::agree_to_build(*group, built ? built->metadata_device() : params_device,
-                           detail::Refusal::of(refused), options.check_parameters(), "Accumulator()");
-  } catch (...) {
-    if (refused) { // the others could not be told (a group that cannot reach the device): our reason stands
-      std::rethrow_exception(refused);
-    }
+    detail::tell_construction_refused(*group, params_device);
     throw;
   }
-  if (refused) {
-    std::rethrow_exception(refused);
-  }
+  detail::agree_to_build(*group, built->metadata_device(), {}, options.check_parameters(), "Accumulator()");
   auto config = std::move(*built);
   // Before any bucket is allocated; a collective with check_parameters.
   if (config.options.check_parameters()) {
