@@ -12,7 +12,16 @@ GEN     := $(if $(shell command -v ninja),-G Ninja,)
 CMAKE_FLAGS := $(GEN) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
 
 # ccache's compiler links first: the extension and the CMake builds both hit the cache.
+# Note [One compiler cache for every checkout]: paths under the checkout are
+# hashed relative to the build folder (CCACHE_BASEDIR), and the sanitizer
+# tree's -g objects leave the build folder out (CCACHE_NOHASHDIR), so a clone
+# in another folder (CI's fresh clone, a second worktree) hits what this one
+# compiled. Every tree that should share objects therefore sits two levels
+# below the checkout (build/cmake, setup.py's build/cmake-temp.*, the
+# packaging test's build/static-runtime).
 export PATH     := /usr/lib/ccache:$(PATH)
+export CCACHE_BASEDIR   := $(CURDIR)
+export CCACHE_NOHASHDIR := 1
 export MAX_JOBS := $(JOBS)
 
 .PHONY: all deps build install-python build-cpp test test-cpp test-python test-gpu check-cuda sanitize demo bench bench-gpu clean fuzz

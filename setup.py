@@ -12,7 +12,7 @@ The wheel is also the C++ SDK. Inside the package:
     gradaccum/_build_info.py           the torch it was built against (checked at import)
 
 The library is compiled once, by the project's own CMakeLists.txt (in
-<build_temp>/cmake); with ccache on PATH, as under `make`, the sources that the
+build/cmake-temp.*); with ccache on PATH, as under `make`, the sources that the
 `make build` CMake tree already compiled are cache hits.
 """
 import os
@@ -87,8 +87,12 @@ class BuildGradaccum(BuildExtension):
         if cmake is None:
             sys.exit("gradaccum: building libgradaccum needs CMake >= 3.18 on PATH "
                      "(apt-get install cmake, or pip install cmake)")
-        build_dir = os.path.abspath(os.path.join(self.build_temp, "cmake"))
-        prefix = os.path.abspath(os.path.join(self.build_temp, "cmake-install"))
+        # build/cmake-temp.*: two levels below the checkout, as the Makefile's
+        # build/cmake, so the two share ccache's objects (Note [One compiler
+        # cache for every checkout] in the Makefile).
+        temp = os.path.abspath(self.build_temp)
+        build_dir = os.path.join(os.path.dirname(temp), "cmake-" + os.path.basename(temp))
+        prefix = os.path.join(temp, "cmake-install")
         configure = [
             cmake, "-S", ROOT, "-B", build_dir,
             "-DCMAKE_BUILD_TYPE=Release",

@@ -248,7 +248,11 @@ def test_a_statically_linked_cxx_runtime_stays_private(tmp_path):
     pieces stay private] in CMakeLists.txt): built with -static-libstdc++ (the
     sources hit ccache), swapped into a copy of the installed package, it must
     format numbers and reduce over a group as the normal build does."""
-    build = tmp_path / "build"
+    # build/static-runtime: two levels below the checkout, as build/cmake,
+    # so that its compiles hit ccache under the Makefile's CCACHE_BASEDIR
+    # (Note [One compiler cache for every checkout] in the Makefile)
+    build = REPO / "build" / "static-runtime"
+    shutil.rmtree(build, ignore_errors=True)
     configure = ["cmake", "-S", REPO, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGRADACCUM_TEST=OFF",
                  "-DGRADACCUM_INSTALL=OFF", "-DGRADACCUM_PYTHON_PACKAGE=ON",
                  f"-DTorch_DIR={os.path.join(torch.utils.cmake_prefix_path, 'Torch')}",
