@@ -102,11 +102,17 @@ def test_stub_names_what_the_module_has():
 
 
 @pytest.fixture(scope="module")
-def mypy_cache(tmp_path_factory):
-    """One mypy cache for this module's runs: reading torch's stubs is most
-    of a cold run's minute."""
-    pytest.importorskip("mypy", reason="make deps installs mypy")
-    return tmp_path_factory.mktemp("mypy-cache")
+def mypy_cache():
+    """One mypy cache for every run on this machine, as ccache is for the
+    compiles: reading torch's stubs is most of a cold run's minute. mypy's
+    incremental mode checks each cached module against its source, and a
+    module with errors is checked again, so a warm cache reports what a
+    cold one does."""
+    mypy = pytest.importorskip("mypy.version", reason="make deps installs mypy")
+    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    cache = base / "gradaccum-tests" / f"mypy-{mypy.__version__}-py{sys.version_info[0]}.{sys.version_info[1]}"
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
 
 
 @pytest.mark.slow
@@ -192,7 +198,13 @@ def test_wheel_is_the_cpp_sdk(tmp_path):
     # environment's site-packages (--system-site-packages would see the base
     # interpreter's, another torch when this one is itself a venv, as under
     # make check-cuda); --force-reinstall: a gradaccum outside it does not count
-    venv = tmp_path / "venv"
+    # The venv and the consumer's build sit in the checkout's build folder,
+    # at the same places every run: the consumer's compile, which names the
+    # venv's headers, then hits ccache (Note [One compiler cache for every
+    # checkout] in the Makefile).
+    work = REPO / "build" / "wheel-sdk"
+    shutil.rmtree(work, ignore_errors=True)
+    venv = work / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", venv])
     python = venv / "bin" / "python"
     venv_site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
@@ -222,7 +234,7 @@ def test_wheel_is_the_cpp_sdk(tmp_path):
             assert all(p.startswith("$ORIGIN") or os.path.realpath(p) == TORCH_LIB for p in runpath), f"{binary}: {runpath}"
 
     # a C++ user's project, with nothing but that pip install
-    build = tmp_path / "consumer"
+    build = work / "consumer"
     configure = ["cmake", "-S", REPO / "tests" / "consumer", "-B", build, "-DCMAKE_BUILD_TYPE=Release",
                  f"-DCMAKE_PREFIX_PATH={prefix_path}"]
     if shutil.which("ninja"):
