@@ -16,9 +16,12 @@ CMAKE_FLAGS := $(GEN) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER_LAUNCHER=c
 # hashed relative to the build folder (CCACHE_BASEDIR), and the sanitizer
 # tree's -g objects leave the build folder out (CCACHE_NOHASHDIR), so a clone
 # in another folder (CI's fresh clone, a second worktree) hits what this one
-# compiled. Every tree that should share objects therefore sits two levels
-# below the checkout (build/cmake, setup.py's build/cmake-temp.*, the
-# packaging test's build/static-runtime).
+# compiled. Trees that share objects with each other therefore sit two
+# levels below the checkout (build/cmake, setup.py's build/cmake-temp.*, the
+# packaging test's build/static-runtime), and every tree at a fixed place in
+# build/ (build/sanitize, the packaging test's build/wheel-sdk), never in a
+# temporary folder. Measured on 2 cores: `make build` in a second clone took
+# 40 s, against 12.5 min with an empty cache.
 export PATH     := /usr/lib/ccache:$(PATH)
 export CCACHE_BASEDIR   := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
