@@ -60,6 +60,7 @@ except ImportError as error:  # pragma: no cover - exercised by a test in a subp
     ) from error
 
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+from gradaccum._refusal import _refuse_before_building
 
 __all__ = ["GradaccumStrategy"]
 
@@ -196,30 +197,16 @@ class GradaccumStrategy(DDPStrategy):
     def _build_accumulator(self, trainer: "pl.Trainer") -> None:
         module = self.lightning_module
         assert module is not None
-        if not module.automatic_optimization:
-            raise ValueError(
-                "gradaccum: GradaccumStrategy: it drives backward and the optimizer step, which needs automatic "
-                "optimization; with manual optimization use gradaccum.Accumulator in training_step"
-            )
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"gradaccum: GradaccumStrategy needs exactly one optimizer, configure_optimizers gave {len(self.optimizers)}"
-            )
+        try:
+            self._check_buildable(trainer, module)
+        except ValueError as error:
+            # The other ranks wait in their Accumulator()'s first collective:
+            # they raise this rank's error, named, instead of waiting there
+            # until the group's timeout (Note [Construction refused on one rank]).
+            _refuse_before_building(None, error, module)
+            raise
         steps = trainer.accumulate_grad_batches
         clip = trainer.gradient_clip_val
-        if clip is not None and float(clip) > 0:
-            algorithm = trainer.gradient_clip_algorithm  # None means Lightning's default, "norm"
-            algorithm = None if algorithm is None else str(getattr(algorithm, "value", algorithm))
-            if algorithm not in (None, "norm"):
-                raise ValueError(
-                    f"gradaccum: GradaccumStrategy clips the window's gradient by its norm (gradient_clip_val); "
-                    f"gradient_clip_algorithm={algorithm!r} is not supported"
-                )
-        if is_overridden("configure_gradient_clipping", module):
-            raise ValueError(
-                "gradaccum: GradaccumStrategy does not call configure_gradient_clipping: the Accumulator clips "
-                "the window's gradient once, by norm, to the Trainer's gradient_clip_val"
-            )
         scaler = getattr(self.precision_plugin, "scaler", None)
         self.accumulator = Accumulator(
             module,
@@ -242,6 +229,34 @@ class GradaccumStrategy(DDPStrategy):
             self.accumulator._set_gradient_hook(self._before_optimizer_step_hooks)
         self._gate_step_schedulers(module)
         self._trainable = tuple(p.requires_grad for p in module.parameters())
+
+    def _check_buildable(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
+        """What the strategy refuses before it builds the Accumulator (the
+        same on every rank of a launch, unless a rank's module or Trainer
+        differs)."""
+        if not module.automatic_optimization:
+            raise ValueError(
+                "gradaccum: GradaccumStrategy: it drives backward and the optimizer step, which needs automatic "
+                "optimization; with manual optimization use gradaccum.Accumulator in training_step"
+            )
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"gradaccum: GradaccumStrategy needs exactly one optimizer, configure_optimizers gave {len(self.optimizers)}"
+            )
+        clip = trainer.gradient_clip_val
+        if clip is not None and float(clip) > 0:
+            algorithm = trainer.gradient_clip_algorithm  # None means Lightning's default, "norm"
+            algorithm = None if algorithm is None else str(getattr(algorithm, "value", algorithm))
+            if algorithm not in (None, "norm"):
+                raise ValueError(
+                    f"gradaccum: GradaccumStrategy clips the window's gradient by its norm (gradient_clip_val); "
+                    f"gradient_clip_algorithm={algorithm!r} is not supported"
+                )
+        if is_overridden("configure_gradient_clipping", module):
+            raise ValueError(
+                "gradaccum: GradaccumStrategy does not call configure_gradient_clipping: the Accumulator clips "
+                "the window's gradient once, by norm, to the Trainer's gradient_clip_val"
+            )
 
     def _before_optimizer_step_hooks(self) -> None:
         module = self.lightning_module

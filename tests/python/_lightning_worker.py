@@ -154,6 +154,10 @@ SCENARIOS = {
                                 epochs=1),
     "count_without_items": dict(kind="items", reduction="mean", optimizer="sgd", batches_per_rank=2, steps=2,
                                 epochs=1),
+    # one rank's module overrides configure_gradient_clipping, which the
+    # strategy refuses before it builds the Accumulator: every rank raises
+    "clip_hook_on_rank1": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=2, steps=2,
+                               epochs=1, clip_hook_rank=1),
     # a checkpoint in the middle of a window under data parallelism: rank 0's
     # file holds the half-done window summed over the ranks
     "ckpt_midwindow": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3,
@@ -326,6 +330,12 @@ def run(name, out_dir):
         data = (*data, torch.arange(len(data[0])))
     loader = DataLoader(TensorDataset(*data), batch_size=B, shuffle=False)
     model = Net()
+    if cfg.get("clip_hook_rank") == int(os.environ.get("LOCAL_RANK", "0")):
+        class ClippingNet(Net):
+            def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+                pass
+
+        model = ClippingNet()
     result = {}
     try:
         ckpt_path = os.path.join(ckpt_dir, "epoch0.ckpt") if cfg.get("resume") else None

@@ -332,6 +332,18 @@ def test_reduction_and_training_step_output_must_agree(runs):
         assert "pass GradaccumStrategy(reduction='items')" in r["error"]
 
 
+def test_a_configuration_refused_on_one_rank_is_raised_on_every_rank(runs):
+    """Rank 1's module overrides configure_gradient_clipping: the strategy
+    refuses it before building the Accumulator, and rank 0, already in the
+    Accumulator's first collective, raises it too instead of waiting there."""
+    mine = ("gradaccum: GradaccumStrategy does not call configure_gradient_clipping: the Accumulator clips the "
+            "window's gradient once, by norm, to the Trainer's gradient_clip_val")
+    zero, one = runs("clip_hook_on_rank1")
+    assert one["error"] == "ValueError: " + mine
+    assert zero["error"] == ("ValueError: gradaccum: Accumulator(): rank 1 refused, so every rank raises (rank 1 its "
+                             "own error): " + mine.removeprefix("gradaccum: "))
+
+
 def test_bad_arguments():
     from gradaccum.lightning import GradaccumStrategy
 
