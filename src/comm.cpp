@@ -161,6 +161,17 @@ bool group_reaches(c10d::ProcessGroup& group, c10::DeviceType type) {
   }
 }
 
+at::Device reached_device(c10d::ProcessGroup& group) {
+  if (group.hasBackends()) {
+    for (const auto& device : group.getDeviceTypes()) {
+      if (device.type() != c10::DeviceType::CPU) {
+        return at::Device(device.type());
+      }
+    }
+  }
+  return at::Device(at::kCUDA);
+}
+
 at::Device metadata_device(c10d::ProcessGroup& group, at::Device params_device) {
   // NCCL reduces device tensors only; every other backend takes CPU tensors.
   // A group of per-device backends without one for the CPU gets its metadata

@@ -53,6 +53,12 @@ int lowest_rank_where(c10d::ProcessGroup& group, bool here, at::Tensor scratch);
 /// per-device backends (a wrapper overriding the collectives) is trusted.
 bool group_reaches(c10d::ProcessGroup& group, c10::DeviceType type);
 
+/// A device the group reaches when the parameters' device is not one (a
+/// refusing rank's CPU or meta parameters): the current device of the
+/// group's first per-device backend other than the CPU's (NCCL's CUDA,
+/// XCCL's XPU, ...); CUDA's for a group without per-device backends.
+at::Device reached_device(c10d::ProcessGroup& group);
+
 /// Where the group's small collectives (checks, orders, a bucket's meta) put
 /// their tensors, for parameters on `params_device`.
 at::Device metadata_device(c10d::ProcessGroup& group, at::Device params_device);

@@ -199,9 +199,10 @@ void agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const R
                     bool check_parameters, const char* call) {
   // A device the group cannot reach (a refusing rank's CPU or meta
   // parameters under NCCL) would fail here on this rank alone: the current
-  // CUDA device then, which is where such a group's metadata goes.
+  // device of the group's accelerator then, which is where such a group's
+  // metadata goes.
   const bool reachable = params_device.type() != at::kMeta && group_reaches(group, params_device.type());
-  const auto device = metadata_device(group, reachable ? params_device : at::Device(at::kCUDA));
+  const auto device = metadata_device(group, reachable ? params_device : reached_device(group));
   auto flags = at::empty({2}, at::kLong);
   flags[0] = static_cast<int64_t>(mine.kind);
   flags[1] = check_parameters ? 1 : 0;
