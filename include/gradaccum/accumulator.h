@@ -445,6 +445,8 @@ class Accumulator {
   void backward_as(const char* call, const at::Tensor& loss, std::optional<double> num_items,
                    const at::Tensor& reported, const at::Tensor& metrics);
   void check_metrics(const at::Tensor& metrics, const char* what) const;
+  /// The loss window_loss reports in place of the one backward runs on.
+  static void check_reported(const at::Tensor& reported, const char* what);
   /// A request naming the public call in progress (for the reducer's errors).
   ReductionRequest new_request() const {
     ReductionRequest request;
@@ -485,6 +487,9 @@ class Accumulator {
   /// zero_grad() without its call guard: a closed window that every rank
   /// drops alike (acc.step()'s skips) or that a reduction tells of already.
   void drop_window();
+  /// zero_grad() and flush() inside a call of this Accumulator's own (join()).
+  void zero_grad_in_call();
+  bool flush_in_call();
   void note_dropped_window(int64_t window);
   void check_consistent_cut(int64_t window, bool failed_here = false) const;
   void snapshot_window_into(AccumulatorState& state);
@@ -550,6 +555,9 @@ class Accumulator {
   bool closed_ = false;
   /// The thread inside a public call, if any (Note [One thread drives an Accumulator]).
   std::atomic<std::thread::id> driver_{};
+  /// The outermost public call in progress (set by its CallGuard); null
+  /// between calls.
+  const char* driving_ = nullptr;
   /// The outermost public call in progress that runs reductions (set by its
   /// CallGuard); null between calls.
   const char* call_ = nullptr;

@@ -320,6 +320,8 @@ def _metric_values(what: str, names: Tuple[str, ...], metrics: Any, like: torch.
             if value.numel() != 1:
                 raise ValueError(f"gradaccum: {what}: metric {name!r} must be a scalar, got a tensor of shape "
                                  f"{tuple(value.shape)}")
+            if value.is_complex():
+                raise TypeError(f"gradaccum: {what}: metric {name!r} must be real, got a {value.dtype} tensor")
             values.append(value.detach().reshape(()).to(device=like.device, dtype=torch.float64))
         elif isinstance(value, numbers.Real) and not isinstance(value, bool):
             values.append(torch.tensor(float(value), dtype=torch.float64, device=like.device))

@@ -137,6 +137,8 @@ def split(batch: Any, steps: int) -> list:
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):  # as Accumulator(steps=)
         raise TypeError(f"gradaccum: split(): steps must be an int, got {type(steps).__name__}")
     steps = int(steps)  # numpy's integers too
+    if not -2**63 <= steps < 2**63:  # (what the C++ side takes: as Accumulator(steps=))
+        raise ValueError(f"gradaccum: split(): steps must be a positive int below 2**63, got {steps}")
     leaves = _Leaves()
     template = _flatten(batch, leaves)
     if not leaves.tensors and not leaves.samples:

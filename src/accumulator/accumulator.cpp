@@ -193,7 +193,7 @@ void Accumulator::backward_whole(const at::Tensor& loss, std::optional<double> n
 
 void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::optional<double> num_items,
                               const at::Tensor& reported, const at::Tensor& metrics) {
-  const CallGuard guard(driver_, call, &call_);
+  const CallGuard guard(driver_, driving_, call, &call_);
   check_no_open_parts(call);
   check_micro_step_state(call);
   // Every check comes before backward: a rejected call changes nothing, but
@@ -201,8 +201,7 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
   double weight = 1.0;
   try {
     weight = check_micro_step(loss, num_items, call);
-    TORCH_CHECK_VALUE(!reported.defined() || reported.numel() == 1,
-        "gradaccum: ", call, ": the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
+    check_reported(reported, call);
     check_metrics(metrics, call);
   } catch (const c10::Error& e) {
     const auto dropped = drop_refused_window(call);
@@ -234,7 +233,7 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
 
 void Accumulator::empty_micro_step() {
   const char* call = "acc.empty_micro_step()";
-  const CallGuard guard(driver_, call, &call_);
+  const CallGuard guard(driver_, driving_, call, &call_);
   check_no_open_parts(call);
   check_micro_step_state(call);
   const auto before = grad_versions();
@@ -293,6 +292,9 @@ double Accumulator::check_micro_step(
     const at::Tensor& loss, std::optional<double> num_items, const char* what) const {
   check_micro_step_state(what);
   TORCH_CHECK_VALUE(loss.defined(), "gradaccum: ", what, ": loss is undefined");
+  // (Backward of a complex loss fails in autograd, after the micro-step began.)
+  TORCH_CHECK_TYPE(at::isFloatingType(loss.scalar_type()),
+      "gradaccum: ", what, ": loss must be a real floating-point tensor, got ", loss.scalar_type());
   TORCH_CHECK_VALUE(loss.numel() == 1,
       "gradaccum: ", what, ": loss must be a scalar, got a tensor of shape ", loss.sizes());
   TORCH_CHECK_VALUE(loss.requires_grad(),
@@ -483,7 +485,7 @@ std::vector<at::Tensor> Accumulator::defined_grads() const {
 }
 
 bool Accumulator::step() {
-  const CallGuard guard(driver_, "acc.step()");
+  const CallGuard guard(driver_, driving_, "acc.step()");
   check_open("acc.step()");
   check_no_open_parts("acc.step()");
   TORCH_CHECK(optimizer_step_,
@@ -515,8 +517,12 @@ void Accumulator::clear_gradients() {
 }
 
 void Accumulator::zero_grad() {
-  const CallGuard guard(driver_, "acc.zero_grad()");
+  const CallGuard guard(driver_, driving_, "acc.zero_grad()");
   check_open("acc.zero_grad()"); // the gradients may be another Accumulator's now
+  zero_grad_in_call();
+}
+
+void Accumulator::zero_grad_in_call() {
   if (window_ready_ && reducer_ && !window_empty_) {
     // A reduced window that other ranks may step (their schedulers too):
     // Note [A window not stepped on some ranks] (src/consensus/window_header.cpp).

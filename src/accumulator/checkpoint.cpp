@@ -73,7 +73,7 @@ void Accumulator::check_consistent_cut(int64_t window, bool failed_here) const {
 }
 
 AccumulatorState Accumulator::state_dict(bool rank_independent) {
-  const CallGuard guard(driver_, "acc.state_dict()");
+  const CallGuard guard(driver_, driving_, "acc.state_dict()");
   check_open("acc.state_dict()");
   check_no_open_parts("acc.state_dict()");
   // (A state saved here would step the optimizer again when resumed.)
@@ -295,6 +295,9 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
   for (const auto i : c10::irange(std::min(params_.size(), state.grads.size()))) {
     const auto& g = state.grads[i];
     if (g.defined()) {
+      TORCH_CHECK_VALUE(g.layout() == at::kStrided && !g.is_meta(),
+          "gradaccum: acc.load_state_dict(): gradient ", i, " is a ", g.layout(), " tensor on ", g.device(),
+          "; a state's gradients are dense tensors holding values, as acc.state_dict() saves them");
       // Mid-window, a parameter summed in accumulate_dtype takes its sum in
       // that dtype (or its own, widened).
       const bool wide = state.micro_step > 0 && accumulates_wide(i) &&
@@ -313,25 +316,33 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
 }
 
 void Accumulator::load_state_dict(const AccumulatorState& state) {
-  const CallGuard guard(driver_, "acc.load_state_dict()");
+  const CallGuard guard(driver_, driving_, "acc.load_state_dict()");
   check_open("acc.load_state_dict()");
   check_no_open_parts("acc.load_state_dict()");
   check_loadable(state);
-  if (reducer_) {
-    reducer_->set_residuals(state.residuals); // all or nothing; the last check that can fail
-  }
-  clear_gradients();
   const int64_t world = reducer_ ? reducer_->process_group()->getSize() : 1;
   const int64_t rank = reducer_ ? reducer_->process_group()->getRank() : 0;
   // See Note [Resuming on another shape].
   const double share = state.micro_step == 0 || state.world_size == world
       ? 1.0 : (rank == 0 ? static_cast<double>(state.world_size) : 0.0);
+  at::NoGradGuard no_grad;
+  // All or nothing: every gradient is on its parameter's device, scaled,
+  // before anything changes (a copy that fails leaves the window as it was).
+  std::vector<at::Tensor> staged(params_.size());
+  for (const auto i : c10::irange(std::min(params_.size(), state.grads.size()))) {
+    if (state.grads[i].defined() && share != 0.0) {
+      const auto g = state.grads[i].detach();
+      staged[i] = (share == 1.0 ? g : g.mul(share)).to(params_[i].device());
+    }
+  }
+  if (reducer_) {
+    reducer_->set_residuals(state.residuals); // the last check that can fail
+  }
+  clear_gradients();
   {
-    at::NoGradGuard no_grad;
     std::vector<size_t> restored;
     for (const auto i : c10::irange(params_.size())) {
-      const auto g = i >= state.grads.size() || !state.grads[i].defined() || share == 0.0 ? at::Tensor()
-          : share == 1.0 ? state.grads[i] : state.grads[i].mul(share);
+      const auto& g = staged[i];
       if (!g.defined()) {
         if (state.window_ready) {
           params_[i].mutable_grad() = at::Tensor(); // no gradient anywhere: None, not a zero view
@@ -341,9 +352,9 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
       restored.push_back(i);
       if (state.micro_step > 0 && accumulates_wide(i)) {
         if (reducer_) {
-          reducer_->load_accumulated(i, g.to(params_[i].device()));
+          reducer_->load_accumulated(i, g);
         } else {
-          wide_->load(i, g.to(params_[i].device()), names_[i], params_[i].sizes());
+          wide_->load(i, g, names_[i], params_[i].sizes());
         }
         continue;
       }
@@ -351,7 +362,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
       if (grad.defined()) {
         grad.copy_(g); // a bucket view stays a view
       } else {
-        grad = g.detach().to(params_[i].device()).clone();
+        grad = g.is_alias_of(state.grads[i]) ? g.clone() : g; // (never the state's own tensor)
       }
     }
     if (reducer_) {

@@ -13,7 +13,11 @@ namespace gradaccum {
 using detail::CallGuard;
 
 bool Accumulator::flush() {
-  const CallGuard guard(driver_, "acc.flush()", &call_);
+  const CallGuard guard(driver_, driving_, "acc.flush()", &call_);
+  return flush_in_call();
+}
+
+bool Accumulator::flush_in_call() {
   check_open("acc.flush()");
   check_no_open_parts("acc.flush()");
   TORCH_CHECK(optimizer_step_,

@@ -34,11 +34,11 @@ using detail::CallGuard;
 // waiting; both sides see it in the header (kFlushing > kJoined, or kJoined
 // > 0 at a flush) and raise (check_join_partners()).
 int64_t Accumulator::join() {
-  const CallGuard guard(driver_, "acc.join()", &call_);
+  const CallGuard guard(driver_, driving_, "acc.join()", &call_);
   check_open("acc.join()");
   check_no_open_parts("acc.join()");
   if (!reducer_) {
-    return flush() ? 1 : 0; // one process: nobody to shadow
+    return flush_in_call() ? 1 : 0; // one process: nobody to shadow
   }
   TORCH_CHECK(optimizer_step_,
       "gradaccum: acc.join(): this Accumulator has no optimizer (pass one to the constructor)");
@@ -88,7 +88,7 @@ int64_t Accumulator::join() {
         // hang their next window; treating it as its own failure would drop
         // that window too, saying the replicas differ, which they do not).
         // In the last reduction (every rank joined) every rank raises it.
-        zero_grad();
+        zero_grad_in_call();
         continue;
       }
       // Stepping it failed here only (the optimizer, a hook, the scaler):
@@ -132,7 +132,7 @@ int64_t Accumulator::join() {
 // gradients, as any drop does, and waits for the peers' next reduction (a
 // peer in a collective of the script's own meets a gradient all-reduce).
 void Accumulator::abandon() noexcept {
-  if (!reducer_ || closed_ || call_ != nullptr) {
+  if (!reducer_ || closed_ || driving_ != nullptr) {
     return; // one process, closed, or inside a call of its own (a hook's exception)
   }
   const auto last = reducer_->last_result();
@@ -143,7 +143,7 @@ void Accumulator::abandon() noexcept {
     return;
   }
   try {
-    const CallGuard guard(driver_, "acc.join()", &call_);
+    const CallGuard guard(driver_, driving_, "acc.join()", &call_);
     parts_open_ = false;
     auto abort = new_request();
     abort.abort = AbortReason::LeftJoin;

@@ -61,13 +61,12 @@ void Accumulator::check_no_open_parts(const char* what) const {
 
 void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> num_items,
                                 const at::Tensor& reported, double share, const at::Tensor& metrics) {
-  const CallGuard guard(driver_, "acc.run()", &call_);
+  const CallGuard guard(driver_, driving_, "acc.run()", &call_);
   // Every check comes before backward: a rejected call changes nothing.
   double weight = check_micro_step(loss, num_items, "acc.run()");
   TORCH_CHECK_VALUE(std::isfinite(share) && share > 0 && share <= 1,
       "gradaccum: acc.run(): a part's share of its micro-batch must be in (0, 1], got ", share);
-  TORCH_CHECK_VALUE(!reported.defined() || reported.numel() == 1,
-      "gradaccum: acc.run(): the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
+  check_reported(reported, "acc.run()");
   check_metrics(metrics, "acc.run()");
   // Mean: the part's loss is a mean over its rows, weighted by their share;
   // sum and items: a sum over its rows, which adds as it is.
@@ -131,7 +130,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
 }
 
 void Accumulator::end_micro_step(bool failed, bool out_of_memory) {
-  const CallGuard guard(driver_, "acc.run()", &call_);
+  const CallGuard guard(driver_, driving_, "acc.run()", &call_);
   check_open("acc.run()");
   if (failed) {
     if (!parts_open_) {
@@ -201,7 +200,7 @@ void Accumulator::fail_micro_step(AbortReason why) {
 // reject alike on every rank and drop nothing; nor does a refusal before the
 // closing micro-step, where nobody waits.
 std::string Accumulator::refuse_micro_batch(const char* call) {
-  const CallGuard guard(driver_, call, &call_);
+  const CallGuard guard(driver_, driving_, call, &call_);
   return drop_refused_window(call);
 }
 

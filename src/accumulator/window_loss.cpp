@@ -44,6 +44,18 @@ void Accumulator::check_metrics(const at::Tensor& metrics, const char* what) con
   TORCH_CHECK_VALUE(metrics.dim() <= 1 && metrics.numel() == n,
       "gradaccum: ", what, ": metrics must hold ", n, " value(s), one per metric name, got a tensor of shape ",
       metrics.sizes());
+  TORCH_CHECK_TYPE(!metrics.is_complex(),
+      "gradaccum: ", what, ": metrics must be real numbers, got ", metrics.scalar_type());
+}
+
+void Accumulator::check_reported(const at::Tensor& reported, const char* what) {
+  if (!reported.defined()) {
+    return;
+  }
+  TORCH_CHECK_VALUE(reported.numel() == 1,
+      "gradaccum: ", what, ": the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
+  TORCH_CHECK_TYPE(!reported.is_complex(),
+      "gradaccum: ", what, ": the reported loss must be real, got ", reported.scalar_type());
 }
 
 void Accumulator::add_micro_loss(const at::Tensor& loss, const at::Tensor& metrics) {

@@ -161,6 +161,9 @@ def bad_backward_calls():
          ValueError, "loss.*scalar"),
         ("loss_no_grad", "mean", lambda a, m, x, y: a.backward(loss_of(m, x, y).detach()),
          ValueError, "loss.*require grad"),
+        # (autograd refuses it only after the micro-step began)
+        ("loss_complex", "mean", lambda a, m, x, y: a.backward(loss_of(m, x, y) * (1 + 0j)),
+         TypeError, r"^gradaccum: acc.backward\(\): loss must be a real floating-point tensor, got ComplexDouble$"),
         ("num_items_in_mean", "mean", lambda a, m, x, y: a.backward(loss_of(m, x, y), num_items=8),
          ValueError, "num_items"),
         ("num_items_in_sum", "sum", lambda a, m, x, y: a.backward(loss_of(m, x, y), num_items=8),
@@ -243,6 +246,86 @@ def test_failed_autograd_backward_changes_nothing():
     loss_of(ref, x, y).backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def nested(call, outer):
+    return (f"gradaccum: {call}: called from inside {outer} on the same Accumulator (by a gradient hook, the "
+            f"optimizer, a scheduler or a callback that it runs). It would change the window while {outer} builds "
+            "it: call it after that call returns. This call was refused and changed nothing")
+
+
+def test_a_call_from_a_hook_inside_backward_is_refused():
+    """acc.zero_grad() from a gradient hook during the window's closing
+    backward used to clear part of the window and step the rest: refused,
+    the backward fails, and the window is dropped as after any failed
+    backward that reached .grad (one process)."""
+    K = 2
+    x, y = make_data(8)
+    micro = gradaccum.split((x, y), K)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=K)
+    acc.backward(loss_of(model, *micro[0]))
+    handle = model[0].weight.register_hook(lambda g: acc.zero_grad())
+    with pytest.raises(RuntimeError) as error:
+        acc.backward(loss_of(model, *micro[1]))
+    handle.remove()
+    assert nested("acc.zero_grad()", "acc.backward()") in str(error.value)
+    assert acc.micro_step == 0 and not acc.window_ready
+    assert all(p.grad is None for p in model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    assert acc.step() is False
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    # the next window is the big batch's
+    for xb, yb in micro:
+        acc.backward(loss_of(model, xb, yb))
+    ref = make_model()
+    loss_of(ref, x, y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_a_call_from_the_optimizer_inside_step_is_refused():
+    """An optimizer whose step() calls acc.step() again (it used to recurse
+    until Python's limit): refused; the window stays closed, and a retry with
+    a plain step steps it once."""
+    x, y = make_data(8)
+    model = make_model()
+
+    class Calling(torch.optim.SGD):
+        def step(self, closure=None):
+            if self.calls_back:
+                acc.step()
+            return super().step(closure)
+
+    opt = Calling(model.parameters(), lr=0.1)
+    opt.calls_back = True
+    acc = gradaccum.Accumulator(model, opt, steps=1)
+    acc.backward(loss_of(model, x, y))
+    grads = snapshot_grads(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError) as error:
+        acc.step()
+    assert str(error.value).startswith(nested("acc.step()", "acc.step()"))
+    assert acc.window_ready and acc.stats()["optimizer_steps"] == 0
+    assert_grads_equal(model, grads)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.calls_back = False
+    assert acc.step() is True
+    assert acc.stats()["optimizer_steps"] == 1
+
+
+def test_complex_metrics_are_refused():
+    x, y = make_data(8)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, steps=2, metrics=["acc"])
+    acc.backward(loss_of(model, x, y), metrics={"acc": 0.5})
+    grads = snapshot_grads(model)
+    with pytest.raises(TypeError, match=r"^gradaccum: acc.backward\(\): metric 'acc' must be real, got a "
+                                        r"torch.complex64 tensor$"):
+        acc.backward(loss_of(model, x, y), metrics={"acc": torch.tensor(0.5 + 1j)})
+    assert_grads_equal(model, grads)
+    assert acc.micro_step == 1
 
 
 def test_backward_after_closed_window():
@@ -349,6 +432,21 @@ def test_load_state_dict_wrong_number_of_grads(mid_window, delta):
     check_untouched(model, acc, grads)
 
 
+@pytest.mark.parametrize("how", ["meta", "sparse"])
+def test_load_state_dict_grad_without_dense_values(mid_window, how):
+    """Refused before anything changes: copying a meta tensor fails only
+    once the load has begun (it used to clear the window's gradients)."""
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    g = list(state["grads"])
+    g[0] = g[0].to("meta") if how == "meta" else g[0].to_sparse()
+    layout, device = ("Strided", "meta") if how == "meta" else ("Sparse", "cpu")
+    with pytest.raises(ValueError, match=rf"^gradaccum: acc.load_state_dict\(\): gradient 0 is a {layout} tensor on "
+                                         rf"{device}; a state's gradients are dense tensors holding values"):
+        acc.load_state_dict({**state, "grads": g})
+    check_untouched(model, acc, grads)
+
+
 @pytest.mark.parametrize("how", ["swapped", "transposed", "dtype"])
 def test_load_state_dict_wrong_grad_shape_or_dtype(mid_window, how):
     model, acc, state = mid_window
@@ -411,6 +509,12 @@ def test_load_state_dict_not_a_dict(mid_window, value):
 def test_split_steps_not_positive(steps):
     with pytest.raises(ValueError, match="steps"):
         gradaccum.split(torch.randn(4, 2), steps)
+
+
+def test_split_steps_beyond_int64():
+    with pytest.raises(ValueError, match=r"^gradaccum: split\(\): steps must be a positive int below 2\*\*63, "
+                                         r"got 1180591620717411303424$"):
+        gradaccum.split(torch.randn(4, 2), 2**70)
 
 
 @pytest.mark.parametrize("steps", [2.0, "2", True, None])
