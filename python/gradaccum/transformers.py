@@ -80,6 +80,13 @@ Keyword-only arguments besides the Trainer's:
 - ``accumulator_options``: a dict of further :class:`gradaccum.Accumulator`
   options (``bucket_cap_mb``, ``gradient_as_bucket_view``, ``comm_dtype``, ...).
 
+``TrainingArguments``' ``ddp_bucket_cap_mb`` and ``ddp_broadcast_buffers``
+are the Accumulator's ``bucket_cap_mb`` and ``broadcast_buffers``, as they are
+DDP's under the stock Trainer (an ``accumulator_options`` value that
+disagrees is a ValueError); ``ddp_find_unused_parameters`` and
+``ddp_static_graph`` change nothing (a parameter without a gradient is sent as
+zeros flagged missing, and the graph may change between windows).
+
 The Accumulator is ``trainer.accumulator`` while training; it is closed when
 ``train()`` returns (its hooks leave the model), and its last ``stats()`` are
 ``trainer.accumulator_stats``.
@@ -117,7 +124,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
 from gradaccum._refusal import _refuse_before_building
-from gradaccum._adapter_options import _adapter_options
+from gradaccum._adapter_options import _adapter_options, _with_ddp_kwargs
 from gradaccum._hf import _float64_causal_lm_loss, keep_float64_causal_lm_loss
 
 __all__ = ["Trainer", "CHECKPOINT_NAME"]
@@ -286,9 +293,7 @@ class Trainer(transformers.Trainer):
         self._keep_float64_loss()
         self.reduction = self._choose_reduction()
         scheduler = self.lr_scheduler if not isinstance(self.lr_scheduler, _METRIC_SCHEDULERS) else None
-        options = dict(self.accumulator_options)
-        if getattr(self.accelerator, "scaler", None) is not None:
-            options.setdefault("grad_scaler", self.accelerator.scaler)
+        options = self._accumulator_kwargs()
         clip = self.args.max_grad_norm
         self.accumulator = Accumulator(
             self.model,
@@ -307,6 +312,16 @@ class Trainer(transformers.Trainer):
             # not for a window skipped as non-finite.
             self.accumulator._set_pre_step_hook(self._pre_optimizer_step_callbacks)
         self._loss_windows = 0
+
+    def _accumulator_kwargs(self) -> Dict[str, Any]:
+        """accumulator_options, with what the Trainer's arguments give DDP
+        (ddp_bucket_cap_mb, ddp_broadcast_buffers, through the accelerator's
+        DistributedDataParallelKwargs) and the accelerator's GradScaler."""
+        options = _with_ddp_kwargs(getattr(self.accelerator, "ddp_handler", None), self.accumulator_options,
+                                   "gradaccum: Trainer: TrainingArguments' DistributedDataParallelKwargs")
+        if getattr(self.accelerator, "scaler", None) is not None:
+            options.setdefault("grad_scaler", self.accelerator.scaler)
+        return options
 
     @property
     def _acc(self) -> Accumulator:

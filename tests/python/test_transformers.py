@@ -227,6 +227,31 @@ def test_invalid_options():
         Trainer(model=ex.make_model(SEED), accumulator_options={"bucket_cap": 1})
 
 
+def test_ddp_arguments_are_the_accumulators_options(tmp_path, monkeypatch):
+    """ddp_bucket_cap_mb and ddp_broadcast_buffers reach the Accumulator, as
+    they reach DDP under the stock Trainer (they were ignored: rank 0's
+    BatchNorm statistics were still broadcast into every rank's)."""
+    from transformers import TrainingArguments
+    from gradaccum.transformers import Trainer
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def kwargs(accumulator_options=None, **ddp):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **ddp)
+        trainer = Trainer(model=ex.make_model(SEED), args=args, accumulator_options=accumulator_options)
+        return trainer._accumulator_kwargs()
+
+    assert kwargs() == {}
+    assert kwargs(ddp_bucket_cap_mb=1, ddp_broadcast_buffers=False, ddp_find_unused_parameters=False,
+                  ddp_static_graph=True) == {"bucket_cap_mb": 1, "broadcast_buffers": False}
+    assert kwargs({"bucket_cap_mb": 1, "comm_dtype": torch.bfloat16}, ddp_bucket_cap_mb=1) == {
+        "bucket_cap_mb": 1, "comm_dtype": torch.bfloat16}
+    with pytest.raises(ValueError, match=r"^gradaccum: Trainer: TrainingArguments' DistributedDataParallelKwargs"
+                                         r"\(bucket_cap_mb=1\) and accumulator_options bucket_cap_mb=2 disagree$"):
+        kwargs({"bucket_cap_mb": 2}, ddp_bucket_cap_mb=1)
+
+
 def test_a_float64_causal_lm_keeps_its_loss_in_float64():
     """transformers' ForCausalLMLoss rounds logits to float32; both adapters
     give a float64 model the same loss in float64 (gradaccum._hf)."""
