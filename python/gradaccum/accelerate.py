@@ -112,7 +112,9 @@ other than ``num_items`` and ``metrics``. ``GradientAccumulationPlugin``'s
 ``sync_each_batch`` has no effect (the Accumulator decides when to reduce);
 ``sync_with_dataloader=False`` is refused (each epoch's last window closes at
 the loader's end), and so is changing ``gradient_accumulation_steps`` after
-``prepare()`` built the Accumulator. With fp16, ``unscale_gradients()`` raises:
+``prepare()`` built the Accumulator. ``no_sync()`` and
+``trigger_sync_in_backward()`` (accumulating by hand) raise: use
+``gradient_accumulation_steps`` and ``accumulate()``. With fp16, ``unscale_gradients()`` raises:
 the Accumulator unscales inside its step, and ``clip_grad_norm_()`` clips the
 unscaled window gradient.
 Not covered by the tests: iterable datasets and ``dispatch_batches=True``
@@ -158,6 +160,13 @@ __all__ = ["Accelerator"]
 
 _SUPPORTED = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
               "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON"}
+
+
+_MANUAL_SYNC = (
+    "gradaccum: {call}: the Accumulator decides by itself which micro-step synchronises (the last of each window "
+    "of gradient_accumulation_steps), so accumulating by hand with no_sync() is not supported. Set "
+    "Accelerator(gradient_accumulation_steps=K), run each micro-batch inside accelerator.accumulate(model), and "
+    "do not divide the loss by K (the window's gradient is the mean over its micro-batches)")
 
 
 def _launched_without_accelerator() -> bool:
@@ -518,6 +527,17 @@ class Accelerator(_accelerate.Accelerator):
         acc = self._ensure_accumulator("accelerator.accumulate()")
         self.gradient_state._set_sync_gradients(self._closing(acc))
         yield
+
+    def no_sync(self, model: Any = None) -> Any:
+        """Refused: with stock Accelerate, DDP's ``no_sync`` lets a loop
+        accumulate by hand; here the Accumulator decides which micro-step
+        synchronises, and a window of 1 would close at every backward."""
+        raise RuntimeError(_MANUAL_SYNC.format(call="accelerator.no_sync()"))
+
+    @staticmethod
+    def trigger_sync_in_backward(model: Any = None) -> Any:
+        """Refused, as no_sync() is."""
+        raise RuntimeError(_MANUAL_SYNC.format(call="accelerator.trigger_sync_in_backward()"))
 
     def backward(self, loss: torch.Tensor, num_items: Any = None, **kwargs: Any) -> None:
         metrics = kwargs.pop("metrics", None)

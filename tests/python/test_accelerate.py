@@ -211,9 +211,11 @@ def test_bad_arguments_are_refused_before_accelerate_starts():
 
 def test_k_is_fixed_once_prepared_and_fp16_unscale_is_refused(tmp_path):
     """In a process of its own (Accelerate's state is per process): a changed
-    gradient_accumulation_steps after prepare(), and unscale_gradients() with
-    a GradScaler (fp16 needs a GPU: the scaler is handed over by hand), are
-    refused with their errors; setting K again to its value is fine."""
+    gradient_accumulation_steps after prepare(), unscale_gradients() with
+    a GradScaler (fp16 needs a GPU: the scaler is handed over by hand), and
+    accumulating by hand with no_sync() (it was a silent no-op, then a
+    misleading "the window closed" error) are refused with their errors;
+    setting K again to its value is fine."""
     lines, err = run_alone(tmp_path, "k_and_unscale.py",
         "import torch\n"
         "from gradaccum.accelerate import Accelerator\n"
@@ -227,7 +229,9 @@ def test_k_is_fixed_once_prepared_and_fp16_unscale_is_refused(tmp_path):
         "assert acc.accumulator is not None and acc.accumulator.steps == 3\n"
         "acc.gradient_accumulation_steps = 3\n"
         "for what, call in [('k', lambda: setattr(acc, 'gradient_accumulation_steps', 4)),\n"
-        "                   ('unscale', acc.unscale_gradients)]:\n"
+        "                   ('unscale', acc.unscale_gradients),\n"
+        "                   ('no_sync', lambda: acc.no_sync(model).__enter__()),\n"
+        "                   ('trigger', lambda: acc.trigger_sync_in_backward(model).__enter__())]:\n"
         "    try:\n"
         "        call()\n"
         "        print(what, 'none')\n"
@@ -241,6 +245,11 @@ def test_k_is_fixed_once_prepared_and_fp16_unscale_is_refused(tmp_path):
         "window's gradient once, inside its step, so the gradients here are still scaled (and GradScaler allows one "
         "unscale per step). Clip with accelerator.clip_grad_norm_() or clip_grad_value_(): they are applied to the "
         "unscaled window gradient",
+        *[f"{what} RuntimeError gradaccum: accelerator.{call}(): the Accumulator decides by itself which micro-step "
+          "synchronises (the last of each window of gradient_accumulation_steps), so accumulating by hand with "
+          "no_sync() is not supported. Set Accelerator(gradient_accumulation_steps=K), run each micro-batch inside "
+          "accelerator.accumulate(model), and do not divide the loss by K (the window's gradient is the mean over "
+          "its micro-batches)" for what, call in [("no_sync", "no_sync"), ("trigger", "trigger_sync_in_backward")]],
         "k now 3",
     ], "\n".join(lines) + err
 
