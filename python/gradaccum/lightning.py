@@ -47,6 +47,7 @@ import torch
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
     from lightning.pytorch.trainer import call as _call
     from lightning.pytorch.trainer.states import TrainerFn
@@ -94,9 +95,11 @@ class GradaccumStrategy(DDPStrategy):
         parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
         as for Lightning's ``DDPStrategy``.
 
-    ``K`` is the Trainer's ``accumulate_grad_batches`` and ``max_grad_norm`` its
-    ``gradient_clip_val`` (by norm). The Accumulator is built in ``setup`` and
-    is ``strategy.accumulator`` while fitting.
+    ``K`` is the Trainer's ``accumulate_grad_batches`` (a
+    ``GradientAccumulationScheduler``'s for each epoch: the Accumulator is
+    rebuilt with the new K at the epoch's first batch) and ``max_grad_norm``
+    its ``gradient_clip_val`` (by norm). The Accumulator is built in ``setup``
+    and is ``strategy.accumulator`` while fitting.
     """
 
     strategy_name = "gradaccum"
@@ -205,7 +208,22 @@ class GradaccumStrategy(DDPStrategy):
             # until the group's timeout (Note [Construction refused on one rank]).
             _refuse_before_building(None, error, module)
             raise
-        steps = trainer.accumulate_grad_batches
+        self._new_accumulator(trainer, self._scheduled_steps(trainer))
+        self._gate_step_schedulers(module)
+        self._trainable = tuple(p.requires_grad for p in module.parameters())
+
+    def _scheduled_steps(self, trainer: "pl.Trainer") -> int:
+        """The window size for the current epoch: a GradientAccumulationScheduler's
+        (it sets accumulate_grad_batches only at each epoch's start, after the
+        Accumulator is built), else the Trainer's accumulate_grad_batches."""
+        for callback in trainer.callbacks:
+            if isinstance(callback, GradientAccumulationScheduler):
+                return int(callback.get_accumulate_grad_batches(trainer.current_epoch))
+        return int(trainer.accumulate_grad_batches)
+
+    def _new_accumulator(self, trainer: "pl.Trainer", steps: int) -> None:
+        module = self.lightning_module
+        assert module is not None
         clip = trainer.gradient_clip_val
         scaler = getattr(self.precision_plugin, "scaler", None)
         self.accumulator = Accumulator(
@@ -227,8 +245,21 @@ class GradaccumStrategy(DDPStrategy):
         if is_overridden("on_before_optimizer_step", module, pl.LightningModule) or any(
                 is_overridden("on_before_optimizer_step", callback, pl.Callback) for callback in trainer.callbacks):
             self.accumulator._set_gradient_hook(self._before_optimizer_step_hooks)
-        self._gate_step_schedulers(module)
-        self._trainable = tuple(p.requires_grad for p in module.parameters())
+
+    def _resize_window(self, trainer: "pl.Trainer", steps: int) -> None:
+        """Another window size at a window boundary (a GradientAccumulationScheduler
+        at an epoch's start, a resume): a new Accumulator with `steps`, which
+        takes the old one's state (counters, the loss scale), as a checkpoint
+        saved at a boundary resumes with another K. Every rank runs the same
+        callbacks, so every rank rebuilds here alike (the construction is a
+        collective)."""
+        old = self.accumulator
+        assert old is not None and old.micro_step == 0 and not old.window_ready
+        state = old.state_dict()
+        old.close()
+        self.accumulator = None
+        self._new_accumulator(trainer, steps)
+        self.accumulator.load_state_dict(state)
 
     def _check_buildable(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
         """What the strategy refuses before it builds the Accumulator (the
@@ -327,8 +358,13 @@ class GradaccumStrategy(DDPStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.accumulator is not None and self.lightning_module is not None:
+            trainer = self.lightning_module.trainer
             if self._resumed:
-                self._check_resumed_position(self.lightning_module.trainer)
+                self._check_resumed_position(trainer)
+            accumulator = self.accumulator
+            if (trainer.accumulate_grad_batches != accumulator.steps and accumulator.micro_step == 0
+                    and not accumulator.window_ready):
+                self._resize_window(trainer, trainer.accumulate_grad_batches)
             self._refresh_if_unfrozen(self.lightning_module)  # before the forward: it may broadcast
         output = super().training_step(*args, **kwargs)
         if self.accumulator is not None:
@@ -447,8 +483,8 @@ class GradaccumStrategy(DDPStrategy):
         if trainer is not None and trainer.accumulate_grad_batches != accumulator.steps:
             raise ValueError(
                 f"gradaccum: GradaccumStrategy: accumulate_grad_batches changed from {accumulator.steps} to "
-                f"{trainer.accumulate_grad_batches} during fit (GradientAccumulationScheduler?): "
-                "GradaccumStrategy's window size is fixed when fitting starts"
+                f"{trainer.accumulate_grad_batches} in the middle of a window: GradaccumStrategy changes the window "
+                "size at a window boundary only (a GradientAccumulationScheduler changes it at an epoch's start)"
             )
         result = closure()  # training_step and backward of this batch
         # on_before_optimizer_step hooks: from inside step()/flush(), on the
@@ -499,6 +535,21 @@ class GradaccumStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         state, self._saved_state = self._saved_state, None
+        module = self.lightning_module
+        if self.accumulator is not None and module is not None:
+            # A GradientAccumulationScheduler's size for the epoch that resumes
+            # (known now that the checkpoint set the epoch), before a
+            # mid-window state is loaded into it.
+            trainer = module.trainer
+            steps = self._scheduled_steps(trainer)
+            if steps != self.accumulator.steps:
+                self._resize_window(trainer, steps)
+            # Lightning calls on_train_epoch_start, where the scheduler sets
+            # accumulate_grad_batches, only when an epoch starts, not when a
+            # run resumes in the middle of one: its batch counter would then
+            # close windows of the Trainer's own value (1). Set here, after
+            # the scheduler's on_train_start checks it is unset.
+            trainer.accumulate_grad_batches = steps
         if state is not None and self.accumulator is not None:
             self.accumulator.load_state_dict(state)
             # At a window boundary Lightning's counter may be anywhere in its

@@ -91,14 +91,15 @@ def reference(*, kind, reduction, optimizer, batches_per_rank, steps, epochs, dt
         if epoch == unfreeze_epoch:  # as BaseFinetuning.unfreeze_and_add_param_group
             model[0].requires_grad_(True)
             opt.add_param_group({"params": list(model[0].parameters()), "lr": opt.param_groups[0]["lr"] / 10})
-        for w, rows in enumerate(windows(batches_per_rank, steps, epoch)):
+        k = steps if isinstance(steps, int) else steps[max(e for e in steps if e <= epoch)]  # a schedule
+        for w, rows in enumerate(windows(batches_per_rank, k, epoch)):
             if (epoch, w) in skip:
                 continue
             loss = window_loss(model, data, rows, reduction)
             if losses is not None:
                 losses.append((epoch, w, loss.item()))
             if divide_partial_by_k:
-                loss = loss * (len(rows) // (WORLD * B)) / steps
+                loss = loss * (len(rows) // (WORLD * B)) / k
             loss.backward()
             if grad_norms is not None:
                 grad_norms.append(float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm()))
@@ -195,6 +196,13 @@ SCENARIOS = {
     # and closes the window with 1 + 2 micro-batches
     "mid_1to2_end": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
                          rows=True, resume_from="mid_1dev.b3"),
+    # a GradientAccumulationScheduler (`steps` is its schedule): windows of 2
+    # in epoch 0 (2, 2, 1), of 3 from epoch 1 (3, 2); a checkpoint after batch
+    # 1 of epoch 1, in the middle of a window of 3, resumed on 2 devices
+    "gas": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps={0: 2, 1: 3}, epochs=2,
+                save_at_batch=(1,), save_epoch=1, rows=True),
+    "gas_resume": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps={0: 2, 1: 3},
+                       epochs=2, resume_from="gas.b1", rows=True),
     "mid_1to2_late": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
                           rows=True, resume_from="mid_1dev.b7"),
 }
@@ -225,7 +233,8 @@ def replay(before, after, steps, after_steps=None, kind="plain", reduction="mean
     def group(seen, steps):
         grouped = {}
         for epoch, batch_idx, rows in seen:
-            grouped.setdefault((epoch, batch_idx // steps), []).append(list(rows))
+            k = steps if isinstance(steps, int) else steps[max(e for e in steps if e <= epoch)]  # a schedule
+            grouped.setdefault((epoch, batch_idx // k), []).append(list(rows))
         return [grouped[key] for key in sorted(grouped)], sorted(grouped)
 
     (old, old_keys), (new, new_keys) = group(before, steps), group(after, after_steps or steps)
@@ -244,7 +253,7 @@ def replay(before, after, steps, after_steps=None, kind="plain", reduction="mean
 
 def run(name, out_dir):
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import BaseFinetuning, Callback, ModelCheckpoint
+    from lightning.pytorch.callbacks import BaseFinetuning, Callback, GradientAccumulationScheduler, ModelCheckpoint
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from gradaccum.lightning import CHECKPOINT_KEY, GradaccumStrategy
@@ -295,7 +304,7 @@ def run(name, out_dir):
 
     class SaveMidWindow(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.current_epoch == 0 and batch_idx in cfg["save_at_batch"]:
+            if trainer.current_epoch == cfg.get("save_epoch", 0) and batch_idx in cfg["save_at_batch"]:
                 pl_module.seen_at_save[batch_idx] = len(pl_module.seen)
                 trainer.save_checkpoint(os.path.join(out_dir, f"{name}.b{batch_idx}.ckpt"))
 
@@ -315,13 +324,16 @@ def run(name, out_dir):
                                          auto_insert_metric_name=False))
     if "save_at_batch" in cfg:
         callbacks.append(SaveMidWindow())
+    scheduled = isinstance(cfg["steps"], dict)
+    if scheduled:
+        callbacks.append(GradientAccumulationScheduler(dict(cfg["steps"])))
     strategy = "ddp" if cfg.get("ddp") else GradaccumStrategy(reduction=reduction,
                                                               **cfg.get("strategy_options", {}))
     trainer = pl.Trainer(
         accelerator="cpu", devices=cfg.get("devices", WORLD), strategy=strategy, precision=cfg.get("precision"),
         plugins=[MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 17))]
         if cfg.get("fp16_plugin") else None,
-        accumulate_grad_batches=cfg["steps"], max_epochs=cfg["epochs"], gradient_clip_val=cfg.get("clip"),
+        accumulate_grad_batches=1 if scheduled else cfg["steps"], max_epochs=cfg["epochs"], gradient_clip_val=cfg.get("clip"),
         logger=False, enable_checkpointing=bool(cfg.get("checkpoint")), callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )

@@ -332,6 +332,33 @@ def test_reduction_and_training_step_output_must_agree(runs):
         assert "pass GradaccumStrategy(reduction='items')" in r["error"]
 
 
+def test_a_gradient_accumulation_scheduler_resizes_the_window_at_each_epoch(runs):
+    """GradientAccumulationScheduler({0: 2, 1: 3}): windows of 2 batches in
+    epoch 0 and of 3 from epoch 1, the big batches' (it was refused after the
+    first batch: "accumulate_grad_batches changed during fit"). A checkpoint
+    after batch 1 of epoch 1, in the middle of a window of 3, resumes on 2
+    devices with windows of 3 (Lightning does not run on_train_epoch_start,
+    where the scheduler sets accumulate_grad_batches, when it resumes in the
+    middle of an epoch), against one process over the micro-batches each rank
+    trained on (Lightning replays the epoch's first batches)."""
+    ref, _ = reference("gas")
+    whole = ok(runs("gas"))
+    for r in whole:
+        assert max_rel(r["params"], ref) < F64
+        # 3 + 2 windows, 10 micro-steps a rank
+        assert r["stats"]["optimizer_steps"] == 5 and r["stats"]["micro_steps"] == 10
+    saved = whole[0]["checkpoint_state"]
+    assert saved["steps"] == 3 and saved["micro_step"] == 2
+    before = [entry for r in whole for entry in r["seen"][:r["seen_at_save"][1]]]
+    after = ok(runs("gas_resume"))
+    ref, windows = worker.replay(before, [entry for r in after for entry in r["seen"]], worker.SCENARIOS["gas"]["steps"])
+    assert windows == [4, 4, 2, 2 * 2 + 2 * 1, 4]
+    for r in after:
+        assert r["seen"][0][:2] == (1, 2)
+        assert max_rel(r["params"], ref) < 1e-12
+        assert r["stats"]["optimizer_steps"] == len(windows)
+
+
 def test_a_configuration_refused_on_one_rank_is_raised_on_every_rank(runs):
     """Rank 1's module overrides configure_gradient_clipping: the strategy
     refuses it before building the Accumulator, and rank 0, already in the
