@@ -557,7 +557,7 @@ class Accumulator {
   std::atomic<std::thread::id> driver_{};
   /// The outermost public call in progress (set by its CallGuard); null
   /// between calls.
-  const char* driving_ = nullptr;
+  std::atomic<const char*> driving_{nullptr};
   /// The outermost public call in progress that runs reductions (set by its
   /// CallGuard); null between calls.
   const char* call_ = nullptr;

@@ -40,8 +40,7 @@ _DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "broadcast_buffers")
 _DDP_MOOT = ("find_unused_parameters", "static_graph", "check_reduction", "dim")
 
 
-def _with_ddp_kwargs(handler: Any, options: Dict[str, Any],
-                     what: str = "gradaccum: Accelerator(): DistributedDataParallelKwargs") -> Dict[str, Any]:
+def _with_ddp_kwargs(handler: Any, options: Dict[str, Any]) -> Dict[str, Any]:
     """The Accumulator's options with a ``DistributedDataParallelKwargs``
     handler's settings, which stock Accelerate gives DDP: the bucket cap,
     bucket views and buffer broadcast as they are; an fp16/bf16 compression
@@ -51,6 +50,7 @@ def _with_ddp_kwargs(handler: Any, options: Dict[str, Any],
     if handler is None:
         return options
     options = dict(options)
+    what = "gradaccum: Accelerator(): DistributedDataParallelKwargs"
     for name, value in handler.to_kwargs().items():
         if name in _DDP_MOOT:
             continue

@@ -80,10 +80,10 @@ Keyword-only arguments besides the Trainer's:
 - ``accumulator_options``: a dict of further :class:`gradaccum.Accumulator`
   options (``bucket_cap_mb``, ``gradient_as_bucket_view``, ``comm_dtype``, ...).
 
-``TrainingArguments``' ``ddp_bucket_cap_mb`` and ``ddp_broadcast_buffers``
-are the Accumulator's ``bucket_cap_mb`` and ``broadcast_buffers``, as they are
-DDP's under the stock Trainer (an ``accumulator_options`` value that
-disagrees is a ValueError); ``ddp_find_unused_parameters`` and
+``TrainingArguments``' ``ddp_bucket_cap_mb`` and ``ddp_broadcast_buffers``,
+when given, are the Accumulator's ``bucket_cap_mb`` and
+``broadcast_buffers``, as they are DDP's under the stock Trainer (an
+``accumulator_options`` value that disagrees is a ValueError); ``ddp_find_unused_parameters`` and
 ``ddp_static_graph`` change nothing (a parameter without a gradient is sent as
 zeros flagged missing, and the graph may change between windows).
 
@@ -124,7 +124,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
 from gradaccum._refusal import _refuse_before_building
-from gradaccum._adapter_options import _adapter_options, _with_ddp_kwargs
+from gradaccum._adapter_options import _adapter_options
 from gradaccum._hf import _float64_causal_lm_loss, keep_float64_causal_lm_loss
 
 __all__ = ["Trainer", "CHECKPOINT_NAME"]
@@ -317,8 +317,18 @@ class Trainer(transformers.Trainer):
         """accumulator_options, with what the Trainer's arguments give DDP
         (ddp_bucket_cap_mb, ddp_broadcast_buffers, through the accelerator's
         DistributedDataParallelKwargs) and the accelerator's GradScaler."""
-        options = _with_ddp_kwargs(getattr(self.accelerator, "ddp_handler", None), self.accumulator_options,
-                                   "gradaccum: Trainer: TrainingArguments' DistributedDataParallelKwargs")
+        options = dict(self.accumulator_options)
+        # Read from the arguments, not from the accelerator's
+        # DistributedDataParallelKwargs: those leave out a value equal to
+        # DDP's default (ddp_bucket_cap_mb=25), which is not always ours.
+        for name in ("bucket_cap_mb", "broadcast_buffers"):
+            value = getattr(self.args, f"ddp_{name}", None)
+            if value is None:
+                continue
+            if options.get(name) is not None and options[name] != value:
+                raise ValueError(f"gradaccum: Trainer: TrainingArguments(ddp_{name}={value!r}) and "
+                                 f"accumulator_options {name}={options[name]!r} disagree")
+            options[name] = value
         if getattr(self.accelerator, "scaler", None) is not None:
             options.setdefault("grad_scaler", self.accelerator.scaler)
         return options

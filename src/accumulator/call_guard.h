@@ -15,41 +15,51 @@ namespace gradaccum::detail {
 // interleave a window's micro-steps and misalign the collectives across ranks.
 // So each public call that changes the window claims the Accumulator for its
 // thread; a call from another thread meanwhile is refused before it touches
-// anything, so the window stays as the first call leaves it. A call from the
-// same thread while one runs (from a gradient hook inside acc.backward(), the
-// optimizer or a scheduler inside acc.step(), a window callback) is refused
-// too: it would change the window under the call that is building it (an
-// acc.zero_grad() from a hook left a closed window holding part of a
-// gradient, and stepped it). The Accumulator's own calls that end in another
-// (acc.join() dropping or flushing) call its unguarded part.
+// anything, so the window stays as the first call leaves it. (A gradient hook
+// on an accelerator's tensors runs on autograd's device thread: a call from
+// there is another thread's.) A call from the same thread while one runs
+// (from a gradient hook inside acc.backward(), the optimizer or a scheduler
+// inside acc.step(), a window callback) is refused too: it would read or
+// change the window half-built (an acc.zero_grad() from a hook left a closed
+// window holding part of a gradient, and stepped it). Except a call that
+// only reads and runs no collective where it is made (acc.state_dict() of a
+// closed window, inside acc.step(): a checkpoint callback's, as the Hugging
+// Face Trainer's JIT checkpoint runs before the optimizer step): `may_nest`.
+// The Accumulator's own calls that end in another (acc.join() dropping or
+// flushing) call its unguarded part.
 class CallGuard {
  public:
-  /// `driving` holds the outermost call's name while it runs (what a nested
-  /// call's error names); `call`, if given, holds it too (what the reductions
-  /// it starts name in their errors).
-  CallGuard(std::atomic<std::thread::id>& driver, const char*& driving, const char* what,
-            const char** call = nullptr)
+  /// `driving` holds the outermost call's name while it runs (what the
+  /// refusals name); `call`, if given, holds it too (what the reductions it
+  /// starts name in their errors).
+  CallGuard(std::atomic<std::thread::id>& driver, std::atomic<const char*>& driving, const char* what,
+            const char** call = nullptr, bool may_nest = false)
       : driver_(driver), driving_(driving) {
     const auto me = std::this_thread::get_id();
     std::thread::id current{};
     if (driver_.compare_exchange_strong(current, me, std::memory_order_acquire)) {
       owner_ = true;
-      driving_ = what;
+      driving_.store(what, std::memory_order_relaxed);
       if (call) {
         call_ = call;
         *call_ = what;
       }
       return;
     }
+    const char* outer = driving_.load(std::memory_order_relaxed);
+    outer = outer ? outer : "another call";
+    if (current == me && may_nest) {
+      return;
+    }
     TORCH_CHECK(current != me,
-        "gradaccum: ", what, ": called from inside ", driving_ ? driving_ : "another call", " on the same "
-        "Accumulator (by a gradient hook, the optimizer, a scheduler or a callback that it runs). It would change "
-        "the window while ", driving_ ? driving_ : "that call", " builds it: call it after that call returns. "
-        "This call was refused and changed nothing");
+        "gradaccum: ", what, ": called from inside ", outer, " on the same Accumulator (by a gradient hook, the "
+        "optimizer, a scheduler or a callback that it runs), where the window is half-built: call it after ",
+        outer, " returns. This call was refused and changed nothing");
     TORCH_CHECK(false,
-        "gradaccum: ", what, ": called while another thread is inside a call on this Accumulator. "
+        "gradaccum: ", what, ": called while another thread is inside ", outer, " on this Accumulator. "
         "An Accumulator is not thread-safe (its calls are collectives whose order every rank "
-        "follows): drive it from one thread. This call was refused and changed nothing");
+        "follows): drive it from one thread (a gradient hook on an accelerator's tensors runs on autograd's "
+        "device thread: it must not call the Accumulator). This call was refused and changed nothing");
   }
   CallGuard(const CallGuard&) = delete;
   CallGuard& operator=(const CallGuard&) = delete;
@@ -58,14 +68,14 @@ class CallGuard {
       if (call_) {
         *call_ = nullptr;
       }
-      driving_ = nullptr;
+      driving_.store(nullptr, std::memory_order_relaxed);
       driver_.store(std::thread::id{}, std::memory_order_release);
     }
   }
 
  private:
   std::atomic<std::thread::id>& driver_;
-  const char*& driving_;
+  std::atomic<const char*>& driving_;
   const char** call_ = nullptr;
   bool owner_ = false;
 };

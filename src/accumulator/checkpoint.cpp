@@ -73,7 +73,9 @@ void Accumulator::check_consistent_cut(int64_t window, bool failed_here) const {
 }
 
 AccumulatorState Accumulator::state_dict(bool rank_independent) {
-  const CallGuard guard(driver_, driving_, "acc.state_dict()");
+  // At a boundary or a closed window no collective runs: it may be read from
+  // inside a call (Note [One thread drives an Accumulator]).
+  const CallGuard guard(driver_, driving_, "acc.state_dict()", nullptr, /*may_nest=*/micro_step_ == 0);
   check_open("acc.state_dict()");
   check_no_open_parts("acc.state_dict()");
   // (A state saved here would step the optimizer again when resumed.)
@@ -325,24 +327,19 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   // See Note [Resuming on another shape].
   const double share = state.micro_step == 0 || state.world_size == world
       ? 1.0 : (rank == 0 ? static_cast<double>(state.world_size) : 0.0);
-  at::NoGradGuard no_grad;
-  // All or nothing: every gradient is on its parameter's device, scaled,
-  // before anything changes (a copy that fails leaves the window as it was).
-  std::vector<at::Tensor> staged(params_.size());
-  for (const auto i : c10::irange(std::min(params_.size(), state.grads.size()))) {
-    if (state.grads[i].defined() && share != 0.0) {
-      const auto g = state.grads[i].detach();
-      staged[i] = (share == 1.0 ? g : g.mul(share)).to(params_[i].device());
-    }
-  }
   if (reducer_) {
-    reducer_->set_residuals(state.residuals); // the last check that can fail
+    reducer_->set_residuals(state.residuals); // all or nothing; the last check that can fail
   }
+  // check_loadable() refused what cannot be copied (meta, sparse). One
+  // gradient at a time from here, as a resume's peak memory is one set of
+  // gradients beside the state's: only running out of memory fails now.
   clear_gradients();
   {
+    at::NoGradGuard no_grad;
     std::vector<size_t> restored;
     for (const auto i : c10::irange(params_.size())) {
-      const auto& g = staged[i];
+      const auto g = i >= state.grads.size() || !state.grads[i].defined() || share == 0.0 ? at::Tensor()
+          : (share == 1.0 ? state.grads[i].detach() : state.grads[i].detach().mul(share)).to(params_[i].device());
       if (!g.defined()) {
         if (state.window_ready) {
           params_[i].mutable_grad() = at::Tensor(); // no gradient anywhere: None, not a zero view

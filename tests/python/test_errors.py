@@ -250,8 +250,8 @@ def test_failed_autograd_backward_changes_nothing():
 
 def nested(call, outer):
     return (f"gradaccum: {call}: called from inside {outer} on the same Accumulator (by a gradient hook, the "
-            f"optimizer, a scheduler or a callback that it runs). It would change the window while {outer} builds "
-            "it: call it after that call returns. This call was refused and changed nothing")
+            f"optimizer, a scheduler or a callback that it runs), where the window is half-built: call it after "
+            f"{outer} returns. This call was refused and changed nothing")
 
 
 def test_a_call_from_a_hook_inside_backward_is_refused():
@@ -313,6 +313,40 @@ def test_a_call_from_the_optimizer_inside_step_is_refused():
     opt.calls_back = False
     assert acc.step() is True
     assert acc.stats()["optimizer_steps"] == 1
+
+
+def test_state_dict_may_read_a_closed_window_from_inside_step():
+    """A checkpoint callback inside acc.step() (the Hugging Face Trainer's JIT
+    checkpoint runs before the optimizer step) reads the closed window: no
+    collective runs there. Mid-window, from a hook inside acc.backward(), it
+    is refused (data parallel it would run the window's snapshot)."""
+    K = 3
+    x, y = make_data(9)
+    micro = gradaccum.split((x, y), K)
+    model = make_model()
+    saved = []
+
+    class Saving(torch.optim.SGD):
+        def step(self, closure=None):
+            saved.append(acc.state_dict())
+            return super().step(closure)
+
+    acc = gradaccum.Accumulator(model, Saving(model.parameters(), lr=0.1), steps=K)
+    acc.backward(loss_of(model, *micro[0]))
+    handle = model[0].weight.register_hook(lambda g: saved.append(acc.state_dict()))
+    with pytest.raises(RuntimeError) as error:
+        acc.backward(loss_of(model, *micro[1]))
+    handle.remove()
+    assert nested("acc.state_dict()", "acc.backward()") in str(error.value) and saved == []
+    acc.zero_grad()
+    for xb, yb in micro:
+        acc.backward(loss_of(model, xb, yb))
+    grads = snapshot_grads(model)
+    assert acc.step() is True
+    (state,) = saved
+    assert state["window_ready"] and state["micro_step"] == 0
+    for g, want in zip(state["grads"], grads):
+        assert torch.equal(g, want)
 
 
 def test_complex_metrics_are_refused():

@@ -184,9 +184,11 @@ def test_a_second_thread_calling_in_is_refused_and_changes_nothing():
     handle.remove()
     assert len(errors) == 4
     for e, call in zip(errors, ("acc.backward()", "acc.step()", "acc.zero_grad()", "acc.state_dict()")):
-        assert e == (f"gradaccum: {call}: called while another thread is inside a call on this Accumulator. "
-                     "An Accumulator is not thread-safe (its calls are collectives whose order every rank "
-                     "follows): drive it from one thread. This call was refused and changed nothing")
+        assert e == (f"gradaccum: {call}: called while another thread is inside acc.backward() on this "
+                     "Accumulator. An Accumulator is not thread-safe (its calls are collectives whose order every "
+                     "rank follows): drive it from one thread (a gradient hook on an accelerator's tensors runs on "
+                     "autograd's device thread: it must not call the Accumulator). This call was refused and changed "
+                     "nothing")
     assert acc.micro_step == 1  # the first thread's micro-step only
     assert torch.allclose(model.weight.grad, torch.full((1, 3), 2.0))
 

@@ -247,9 +247,39 @@ def test_ddp_arguments_are_the_accumulators_options(tmp_path, monkeypatch):
                   ddp_static_graph=True) == {"bucket_cap_mb": 1, "broadcast_buffers": False}
     assert kwargs({"bucket_cap_mb": 1, "comm_dtype": torch.bfloat16}, ddp_bucket_cap_mb=1) == {
         "bucket_cap_mb": 1, "comm_dtype": torch.bfloat16}
-    with pytest.raises(ValueError, match=r"^gradaccum: Trainer: TrainingArguments' DistributedDataParallelKwargs"
-                                         r"\(bucket_cap_mb=1\) and accumulator_options bucket_cap_mb=2 disagree$"):
+    assert kwargs(ddp_bucket_cap_mb=25) == {"bucket_cap_mb": 25}  # DDP's default, given: ours across hosts differs
+    with pytest.raises(ValueError, match=r"^gradaccum: Trainer: TrainingArguments\(ddp_bucket_cap_mb=1\) and "
+                                         r"accumulator_options bucket_cap_mb=2 disagree$"):
         kwargs({"bucket_cap_mb": 2}, ddp_bucket_cap_mb=1)
+
+
+def test_a_jit_checkpoint_saves_from_inside_the_window_step(tmp_path, monkeypatch):
+    """TrainingArguments(enable_jit_checkpoint=True): after a SIGTERM the JIT
+    checkpoint callback saves from on_pre_optimizer_step, inside acc.step();
+    the Accumulator's closed window is read there (the flag is set by hand,
+    as the signal handler sets it)."""
+    from transformers import TrainerCallback, default_data_collator
+    from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+    from gradaccum.transformers import CHECKPOINT_NAME, Trainer
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+    class Request(TrainerCallback):
+        def on_substep_end(self, args, state, control, **kwargs):
+            for callback in trainer.callback_handler.callbacks:
+                if isinstance(callback, JITCheckpointCallback) and callback.jit_manager is not None:
+                    callback.jit_manager.is_checkpoint_requested = True
+
+    opts = ex.parse_args(["--accum", str(K), "--batch", str(B), "--lr", str(LR), "--seed", str(SEED)])
+    args = ex.training_args("partial", opts, str(tmp_path))
+    args.enable_jit_checkpoint = True
+    trainer = Trainer(model=ex.make_model(SEED), args=args, train_dataset=ex.make_data("partial", SEED),
+                      data_collator=default_data_collator, callbacks=[Request()])
+    trainer.train()
+    (folder,) = [f for f in os.listdir(tmp_path) if f.startswith("checkpoint-")]
+    state = torch.load(tmp_path / folder / CHECKPOINT_NAME, weights_only=True)
+    assert state["window_ready"] and state["micro_step"] == 0 and state["optimizer_steps"] == 0
 
 
 def test_a_float64_causal_lm_keeps_its_loss_in_float64():
