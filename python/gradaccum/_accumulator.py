@@ -559,7 +559,9 @@ class Accumulator:
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state_dict(); all or nothing: a rejected state leaves the
-        window, the counters and the grad_scaler as they were."""
+        window, the counters and the grad_scaler as they were (every check
+        runs before anything changes; the gradients are then copied one at a
+        time, where only running out of memory can fail)."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"gradaccum: acc.load_state_dict(): expected a dict, got {type(state_dict).__name__}")
         scaler = self.grad_scaler

@@ -255,7 +255,7 @@ class GradaccumStrategy(DDPStrategy):
         collective)."""
         old = self.accumulator
         assert old is not None and old.micro_step == 0 and not old.window_ready
-        state = old.state_dict()
+        state = old.state_dict(rank_independent=False)  # this rank's: its error-feedback residuals too
         old.close()
         self.accumulator = None
         self._new_accumulator(trainer, steps)
@@ -342,6 +342,14 @@ class GradaccumStrategy(DDPStrategy):
         if self.accumulator is not None and module is not None and not self._resumed \
                 and batch_idx % module.trainer.accumulate_grad_batches == 0:
             self._drop_cut_window()
+            # Another window size (a GradientAccumulationScheduler at an epoch's
+            # start): here, before the batch's training_step, and before its
+            # optimizer_step where the batch closes a window (K=1, or an epoch
+            # of one batch), which runs training_step inside it.
+            trainer, accumulator = module.trainer, self.accumulator
+            if trainer.accumulate_grad_batches != accumulator.steps and accumulator.micro_step == 0 \
+                    and not accumulator.window_ready:
+                self._resize_window(trainer, trainer.accumulate_grad_batches)
 
     def _drop_cut_window(self) -> None:
         """Drops a half-done window that no optimizer step will close (see
@@ -358,13 +366,8 @@ class GradaccumStrategy(DDPStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.accumulator is not None and self.lightning_module is not None:
-            trainer = self.lightning_module.trainer
             if self._resumed:
-                self._check_resumed_position(trainer)
-            accumulator = self.accumulator
-            if (trainer.accumulate_grad_batches != accumulator.steps and accumulator.micro_step == 0
-                    and not accumulator.window_ready):
-                self._resize_window(trainer, trainer.accumulate_grad_batches)
+                self._check_resumed_position(self.lightning_module.trainer)
             self._refresh_if_unfrozen(self.lightning_module)  # before the forward: it may broadcast
         output = super().training_step(*args, **kwargs)
         if self.accumulator is not None:

@@ -183,6 +183,7 @@ class Trainer(transformers.Trainer):
         self.reduction: Optional[str] = None
         self._shard_lengths: Optional[list] = None
         self._loss_windows = 0
+        self._window_start: Optional[Dict[str, Any]] = None
         super().__init__(model, _own_args(args) if args is not None else None, *positional, **kwargs)
 
     # ------------------------------------------------------------------ set-up
@@ -276,6 +277,7 @@ class Trainer(transformers.Trainer):
         self._build_accumulator()
         if saved is not None:
             self.accumulator.load_state_dict(saved)
+        self._remember_window_start()
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
@@ -505,6 +507,7 @@ class Trainer(transformers.Trainer):
         windows = acc.stats()["windows"]
         learning_rate = self._get_learning_rate()  # the rate this step uses, before the scheduler moves it
         stepped = close()
+        self._remember_window_start()
         stats = acc.stats()
         if stats["windows"] == windows:
             return  # nothing to close anywhere
@@ -547,11 +550,26 @@ class Trainer(transformers.Trainer):
 
     # ------------------------------------------------------------- checkpoints
 
+    def _remember_window_start(self) -> None:
+        """The Accumulator's state at a window boundary (counters only, no
+        collective), for a checkpoint saved inside the next window's step."""
+        acc = self.accumulator
+        if acc is not None and acc.micro_step == 0 and not acc.window_ready:
+            self._window_start = acc.state_dict()
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.accumulator is not None:
-            # Every rank gets here; at a window boundary this is no collective,
-            # mid-window (a user's own save) it is one, on every rank alike.
-            state = self.accumulator.state_dict()
+            if self.accumulator.window_ready:
+                # Inside the window's step: the JIT checkpoint's on_pre_optimizer_step
+                # (enable_jit_checkpoint), before the optimizer step. The Trainer's
+                # global_step is the window's start, and a resume replays its
+                # batches: so is the Accumulator's state (the window's own is half
+                # stepped, and the Accumulator refuses to read it there).
+                state = self._window_start
+            else:
+                # Every rank gets here; at a window boundary this is no collective,
+                # mid-window (a user's own save) it is one, on every rank alike.
+                state = self.accumulator.state_dict()
             if self.args.should_save:
                 torch.save(state, os.path.join(output_dir, CHECKPOINT_NAME))

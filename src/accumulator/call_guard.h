@@ -21,11 +21,12 @@ namespace gradaccum::detail {
 // (from a gradient hook inside acc.backward(), the optimizer or a scheduler
 // inside acc.step(), a window callback) is refused too: it would read or
 // change the window half-built (an acc.zero_grad() from a hook left a closed
-// window holding part of a gradient, and stepped it). Except a call that
-// only reads and runs no collective where it is made (acc.state_dict() of a
-// closed window, inside acc.step(): a checkpoint callback's, as the Hugging
-// Face Trainer's JIT checkpoint runs before the optimizer step): `may_nest`.
-// The Accumulator's own calls that end in another (acc.join() dropping or
+// window holding part of a gradient, and stepped it). acc.state_dict() too:
+// inside acc.step() the window is half-stepped (unscaled, clipped, the
+// optimizer perhaps stepped), and what a resume should do with it depends on
+// the framework (the Hugging Face Trainer's JIT checkpoint, saved there,
+// replays the window's batches: its adapter saves the window's start). The
+// Accumulator's own calls that end in another (acc.join() dropping or
 // flushing) call its unguarded part.
 class CallGuard {
  public:
@@ -33,7 +34,7 @@ class CallGuard {
   /// refusals name); `call`, if given, holds it too (what the reductions it
   /// starts name in their errors).
   CallGuard(std::atomic<std::thread::id>& driver, std::atomic<const char*>& driving, const char* what,
-            const char** call = nullptr, bool may_nest = false)
+            const char** call = nullptr)
       : driver_(driver), driving_(driving) {
     const auto me = std::this_thread::get_id();
     std::thread::id current{};
@@ -48,9 +49,6 @@ class CallGuard {
     }
     const char* outer = driving_.load(std::memory_order_relaxed);
     outer = outer ? outer : "another call";
-    if (current == me && may_nest) {
-      return;
-    }
     TORCH_CHECK(current != me,
         "gradaccum: ", what, ": called from inside ", outer, " on the same Accumulator (by a gradient hook, the "
         "optimizer, a scheduler or a callback that it runs), where the window is half-built: call it after ",

@@ -73,9 +73,7 @@ void Accumulator::check_consistent_cut(int64_t window, bool failed_here) const {
 }
 
 AccumulatorState Accumulator::state_dict(bool rank_independent) {
-  // At a boundary or a closed window no collective runs: it may be read from
-  // inside a call (Note [One thread drives an Accumulator]).
-  const CallGuard guard(driver_, driving_, "acc.state_dict()", nullptr, /*may_nest=*/micro_step_ == 0);
+  const CallGuard guard(driver_, driving_, "acc.state_dict()");
   check_open("acc.state_dict()");
   check_no_open_parts("acc.state_dict()");
   // (A state saved here would step the optimizer again when resumed.)

@@ -201,6 +201,9 @@ SCENARIOS = {
     # 1 of epoch 1, in the middle of a window of 3, resumed on 2 devices
     "gas": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps={0: 2, 1: 3}, epochs=2,
                 save_at_batch=(1,), save_epoch=1, rows=True),
+    # a scheduler that lowers K to 1: every batch of epoch 1 closes a window
+    "gas_down": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps={0: 2, 1: 1},
+                     epochs=2),
     "gas_resume": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps={0: 2, 1: 3},
                        epochs=2, resume_from="gas.b1", rows=True),
     "mid_1to2_late": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,

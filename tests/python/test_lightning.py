@@ -357,6 +357,12 @@ def test_a_gradient_accumulation_scheduler_resizes_the_window_at_each_epoch(runs
         assert r["seen"][0][:2] == (1, 2)
         assert max_rel(r["params"], ref) < 1e-12
         assert r["stats"]["optimizer_steps"] == len(windows)
+    # K lowered to 1: the first batch of epoch 1 closes a window (its
+    # optimizer_step runs training_step inside it): resized before it
+    ref, _ = reference("gas_down")
+    for r in ok(runs("gas_down")):
+        assert max_rel(r["params"], ref) < F64
+        assert r["stats"]["optimizer_steps"] == 3 + 5
 
 
 def test_a_configuration_refused_on_one_rank_is_raised_on_every_rank(runs):

@@ -253,11 +253,14 @@ def test_ddp_arguments_are_the_accumulators_options(tmp_path, monkeypatch):
         kwargs({"bucket_cap_mb": 2}, ddp_bucket_cap_mb=1)
 
 
-def test_a_jit_checkpoint_saves_from_inside_the_window_step(tmp_path, monkeypatch):
+def test_a_jit_checkpoint_saved_inside_the_window_step_resumes_exactly(tmp_path, monkeypatch):
     """TrainingArguments(enable_jit_checkpoint=True): after a SIGTERM the JIT
-    checkpoint callback saves from on_pre_optimizer_step, inside acc.step();
-    the Accumulator's closed window is read there (the flag is set by hand,
-    as the signal handler sets it)."""
+    checkpoint callback saves from on_pre_optimizer_step, inside acc.step(),
+    where the Accumulator refuses to be read (the window is half stepped). The
+    Trainer's global_step is the window's start and a resume replays its
+    batches: the adapter saves the Accumulator's state at the window's start,
+    and the resumed run ends where the uninterrupted one does (the flag is set
+    by hand, as the signal handler sets it)."""
     from transformers import TrainerCallback, default_data_collator
     from transformers.trainer_jit_checkpoint import JITCheckpointCallback
     from gradaccum.transformers import CHECKPOINT_NAME, Trainer
@@ -265,21 +268,35 @@ def test_a_jit_checkpoint_saves_from_inside_the_window_step(tmp_path, monkeypatc
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
 
+    running = {}
+
     class Request(TrainerCallback):
         def on_substep_end(self, args, state, control, **kwargs):
-            for callback in trainer.callback_handler.callbacks:
-                if isinstance(callback, JITCheckpointCallback) and callback.jit_manager is not None:
-                    callback.jit_manager.is_checkpoint_requested = True
+            if state.global_step == 1:  # in the second window
+                for callback in running["trainer"].callback_handler.callbacks:
+                    if isinstance(callback, JITCheckpointCallback) and callback.jit_manager is not None:
+                        callback.jit_manager.is_checkpoint_requested = True
 
     opts = ex.parse_args(["--accum", str(K), "--batch", str(B), "--lr", str(LR), "--seed", str(SEED)])
-    args = ex.training_args("partial", opts, str(tmp_path))
-    args.enable_jit_checkpoint = True
-    trainer = Trainer(model=ex.make_model(SEED), args=args, train_dataset=ex.make_data("partial", SEED),
-                      data_collator=default_data_collator, callbacks=[Request()])
-    trainer.train()
-    (folder,) = [f for f in os.listdir(tmp_path) if f.startswith("checkpoint-")]
-    state = torch.load(tmp_path / folder / CHECKPOINT_NAME, weights_only=True)
-    assert state["window_ready"] and state["micro_step"] == 0 and state["optimizer_steps"] == 0
+
+    def train(out, jit=False, resume=None, callbacks=()):
+        args = ex.training_args("partial", opts, str(out))
+        args.enable_jit_checkpoint = jit
+        model = ex.make_model(SEED)
+        trainer = running["trainer"] = Trainer(model=model, args=args, train_dataset=ex.make_data("partial", SEED),
+                                               data_collator=default_data_collator, callbacks=list(callbacks))
+        trainer.train(resume_from_checkpoint=resume)
+        return [p.detach().clone() for p in model.parameters()]
+
+    whole = train(tmp_path / "whole")
+    train(tmp_path / "jit", jit=True, callbacks=[Request()])
+    (folder,) = [f for f in os.listdir(tmp_path / "jit") if f.startswith("checkpoint-")]
+    assert folder == "checkpoint-1"
+    state = torch.load(tmp_path / "jit" / folder / CHECKPOINT_NAME, weights_only=True)
+    assert not state["window_ready"] and state["micro_step"] == 0 and state["optimizer_steps"] == 1
+    resumed = train(tmp_path / "jit", resume=str(tmp_path / "jit" / folder))
+    for a, b in zip(resumed, whole):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_a_float64_causal_lm_keeps_its_loss_in_float64():
