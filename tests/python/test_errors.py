@@ -254,6 +254,17 @@ def nested(call, outer):
             f"{outer} returns. This call was refused and changed nothing")
 
 
+def backward_calling_from_a_hook(acc, model, loss, call):
+    """acc.backward(loss) with a gradient hook that calls `call()`: its error."""
+    handle = model[0].weight.register_hook(lambda g: call())
+    try:
+        with pytest.raises(RuntimeError) as error:
+            acc.backward(loss)
+    finally:
+        handle.remove()
+    return str(error.value)
+
+
 def test_a_call_from_a_hook_inside_backward_is_refused():
     """acc.zero_grad() from a gradient hook during the window's closing
     backward used to clear part of the window and step the rest: refused,
@@ -266,11 +277,8 @@ def test_a_call_from_a_hook_inside_backward_is_refused():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     acc = gradaccum.Accumulator(model, opt, steps=K)
     acc.backward(loss_of(model, *micro[0]))
-    handle = model[0].weight.register_hook(lambda g: acc.zero_grad())
-    with pytest.raises(RuntimeError) as error:
-        acc.backward(loss_of(model, *micro[1]))
-    handle.remove()
-    assert nested("acc.zero_grad()", "acc.backward()") in str(error.value)
+    error = backward_calling_from_a_hook(acc, model, loss_of(model, *micro[1]), acc.zero_grad)
+    assert nested("acc.zero_grad()", "acc.backward()") in error
     assert acc.micro_step == 0 and not acc.window_ready
     assert all(p.grad is None for p in model.parameters())
     before = [p.detach().clone() for p in model.parameters()]
@@ -285,21 +293,26 @@ def test_a_call_from_a_hook_inside_backward_is_refused():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
 
 
+class CallingOptimizer(torch.optim.SGD):
+    """SGD whose step() first calls `call()`, while `calls_back` is set."""
+
+    def __init__(self, params, call):
+        super().__init__(params, lr=0.1)
+        self.call, self.calls_back = call, True
+
+    def step(self, closure=None):
+        if self.calls_back:
+            self.call()
+        return super().step(closure)
+
+
 def test_a_call_from_the_optimizer_inside_step_is_refused():
     """An optimizer whose step() calls acc.step() again (it used to recurse
     until Python's limit): refused; the window stays closed, and a retry with
     a plain step steps it once."""
     x, y = make_data(8)
     model = make_model()
-
-    class Calling(torch.optim.SGD):
-        def step(self, closure=None):
-            if self.calls_back:
-                acc.step()
-            return super().step(closure)
-
-    opt = Calling(model.parameters(), lr=0.1)
-    opt.calls_back = True
+    opt = CallingOptimizer(model.parameters(), lambda: acc.step())
     acc = gradaccum.Accumulator(model, opt, steps=1)
     acc.backward(loss_of(model, x, y))
     grads = snapshot_grads(model)
@@ -323,22 +336,11 @@ def test_state_dict_from_inside_a_call_is_refused():
     x, y = make_data(9)
     micro = gradaccum.split((x, y), K)
     model = make_model()
-
-    class Saving(torch.optim.SGD):
-        def step(self, closure=None):
-            if self.saves:
-                acc.state_dict()
-            return super().step(closure)
-
-    opt = Saving(model.parameters(), lr=0.1)
-    opt.saves = True
+    opt = CallingOptimizer(model.parameters(), lambda: acc.state_dict())
     acc = gradaccum.Accumulator(model, opt, steps=K)
     acc.backward(loss_of(model, *micro[0]))
-    handle = model[0].weight.register_hook(lambda g: acc.state_dict())
-    with pytest.raises(RuntimeError) as error:
-        acc.backward(loss_of(model, *micro[1]))
-    handle.remove()
-    assert nested("acc.state_dict()", "acc.backward()") in str(error.value)
+    error = backward_calling_from_a_hook(acc, model, loss_of(model, *micro[1]), acc.state_dict)
+    assert nested("acc.state_dict()", "acc.backward()") in error
     acc.zero_grad()
     for xb, yb in micro:
         acc.backward(loss_of(model, xb, yb))
@@ -348,7 +350,7 @@ def test_state_dict_from_inside_a_call_is_refused():
     assert str(error.value).startswith(nested("acc.state_dict()", "acc.step()"))
     assert acc.window_ready and acc.stats()["optimizer_steps"] == 0
     assert_grads_equal(model, grads)
-    opt.saves = False
+    opt.calls_back = False
     assert acc.step() is True
 
 
