@@ -83,9 +83,10 @@ Keyword-only arguments besides the Trainer's:
 ``TrainingArguments``' ``ddp_bucket_cap_mb`` and ``ddp_broadcast_buffers``,
 when given, are the Accumulator's ``bucket_cap_mb`` and
 ``broadcast_buffers``, as they are DDP's under the stock Trainer (an
-``accumulator_options`` value that disagrees is a ValueError); ``ddp_find_unused_parameters`` and
-``ddp_static_graph`` change nothing (a parameter without a gradient is sent as
-zeros flagged missing, and the graph may change between windows).
+``accumulator_options`` value that disagrees is a ValueError);
+``ddp_find_unused_parameters`` and ``ddp_static_graph`` change nothing (a
+parameter without a gradient is sent as zeros flagged missing, and the graph
+may change between windows).
 
 The Accumulator is ``trainer.accumulator`` while training; it is closed when
 ``train()`` returns (its hooks leave the model), and its last ``stats()`` are
@@ -317,8 +318,8 @@ class Trainer(transformers.Trainer):
 
     def _accumulator_kwargs(self) -> Dict[str, Any]:
         """accumulator_options, with what the Trainer's arguments give DDP
-        (ddp_bucket_cap_mb, ddp_broadcast_buffers, through the accelerator's
-        DistributedDataParallelKwargs) and the accelerator's GradScaler."""
+        (ddp_bucket_cap_mb, ddp_broadcast_buffers) and the accelerator's
+        GradScaler."""
         options = dict(self.accumulator_options)
         # Read from the arguments, not from the accelerator's
         # DistributedDataParallelKwargs: those leave out a value equal to
