@@ -118,6 +118,10 @@ struct AccumulatorState {
   /// one per parameter (undefined where none). Empty: none saved; loading such
   /// a state (rank-independent ones) starts the residual at zero.
   std::vector<at::Tensor> residuals;
+  /// The trainable parameters' names (parameter_names()) that grads and
+  /// residuals follow, one each. Empty in older checkpoints: a
+  /// held gradient then loads by position only.
+  std::vector<std::string> parameter_names;
 };
 
 // Note [The checkpoint schema]
@@ -374,6 +378,13 @@ class Accumulator {
   bool window_ready() const {
     return window_ready_;
   }
+  /// True where the other ranks ended the epoch with flush() in the reduction
+  /// that closed this rank's last window (its shard ended on a boundary,
+  /// theirs did not): this rank's own flush() is owed, a no-op with no
+  /// collective, before its state is saved or the next epoch trains.
+  bool epoch_ended() const {
+    return epoch_ended_;
+  }
   /// DDP-style manual control of the reducer (no-op without a process group).
   NoSync no_sync();
   /// The reducer's expect-hooks flag (true without a process group).
@@ -495,6 +506,9 @@ class Accumulator {
   void snapshot_window_into(AccumulatorState& state);
   void copy_window_into(AccumulatorState& state) const;
   void check_loadable(const AccumulatorState& state) const;
+  /// What the reducer's ranks must agree on, from the options (and the
+  /// built-in loss scaler's scale now, where it exists).
+  WindowRule window_rule() const;
   std::vector<GradMark> grad_versions() const;
   bool finish_window();
   bool step_window();

@@ -150,6 +150,13 @@ struct AccumulatorOptions {
   /// A dynamic loss scaler (fp16). Example:
   /// `AccumulatorOptions(8).loss_scaler(LossScalerOptions().init_scale(1024))`.
   TORCH_ARG(std::optional<LossScalerOptions>, loss_scaler) = std::nullopt;
+  /// A loss scaler outside the Accumulator, wired in after construction with
+  /// set_window_callbacks (Python's GradScaler): its scale now and its
+  /// schedule. Only compared across ranks at construction, so that ranks
+  /// scaling differently (one rank without it, another scale) are refused
+  /// instead of summing gradients in different units (Note [What ranks
+  /// agree on]). Unset: none.
+  TORCH_ARG(std::optional<LossScalerOptions>, external_loss_scaler) = std::nullopt;
 
 
  public:

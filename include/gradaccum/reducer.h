@@ -81,6 +81,13 @@ struct WindowRule {
   /// The names of the user metrics the window's loss sum carries after the
   /// loss (AccumulatorOptions::metrics), in order.
   std::vector<std::string> metrics;
+  /// What the step does with the reduced window, the same on every rank
+  /// (compared at construction: Note [What ranks agree on]; the reducer
+  /// itself does not use them): the clip, the non-finite policy, and the loss
+  /// scaler's scale and schedule (unset: no scaling).
+  std::optional<double> max_grad_norm;
+  NonFinite nonfinite = NonFinite::Skip;
+  std::optional<LossScalerOptions> loss_scaler;
 };
 
 /// Why a rank drops the window it is reducing (see Note [Dropping a window]).

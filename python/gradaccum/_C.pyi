@@ -1,7 +1,7 @@
 # Types of gradaccum._C, the pybind11 module built from
 # python/gradaccum/csrc/bindings.cpp. Use the gradaccum package, not this module.
 # tests/python/test_packaging.py checks this stub against the built module (mypy's stubtest).
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -31,6 +31,7 @@ class Accumulator:
         comm_dtype: Optional[torch.dtype],
         error_feedback: bool,
         metrics: List[str],
+        grad_scaler: Optional[Tuple[float, float, float, int]],
         optimizer_step: Optional[Callable[[], Any]],
         scheduler_step: Optional[Callable[[], Any]],
     ) -> None: ...
@@ -68,6 +69,8 @@ class Accumulator:
     def micro_step(self) -> int: ...
     @property
     def window_ready(self) -> bool: ...
+    @property
+    def epoch_ended(self) -> bool: ...
     def stats(self) -> Dict[str, Any]: ...
     def last_window_timeline(self) -> Dict[str, Any]: ...
     def state_dict(self, rank_independent: bool = True) -> Dict[str, Any]: ...

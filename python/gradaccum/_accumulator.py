@@ -20,6 +20,7 @@ from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list
     _check_scaler_setting,
     _check_scaler_state,
     _default_world_size,
+    _finite_float,
     _dist_initialized,
     _metric_values,
     _parameters,
@@ -37,6 +38,21 @@ def _as_float(name: str, value: Any) -> Optional[float]:
         return float(value)
     except OverflowError:
         raise ValueError(f"gradaccum: Accumulator(): {name} does not fit in a float64") from None
+
+
+def _scaler_rule(grad_scaler: Any) -> Optional[Tuple[float, float, float, int]]:
+    """An enabled GradScaler's scale and schedule, which every rank must
+    share (compared when the C++ side is built); None where nothing scales.
+    A scaler-like object without GradScaler's getters reads 0 for them."""
+    if not _scaling(grad_scaler):
+        return None
+
+    def get(name: str) -> float:
+        getter = getattr(grad_scaler, name, None)
+        return float(getter()) if callable(getter) else 0.0
+
+    return (get("get_scale"), get("get_growth_factor"), get("get_backoff_factor"),
+            int(get("get_growth_interval")))
 
 
 class Optimizer(Protocol):
@@ -156,7 +172,7 @@ class Accumulator:
                 gradient_as_bucket_view=bool(gradient_as_bucket_view),
                 broadcast_buffers=bool(broadcast_buffers), check_parameters=bool(check_parameters),
                 rebuild_buckets=bool(rebuild_buckets), accumulate_dtype=accumulate_dtype, comm_dtype=comm_dtype,
-                error_feedback=error_feedback, metrics=list(metrics))
+                error_feedback=error_feedback, metrics=list(metrics), grad_scaler=_scaler_rule(grad_scaler))
         except Exception as error:  # (the user's objects may raise anything)
             if process_group is not None:
                 _refuse_construction(process_group, error, params if params is not None else model)
@@ -282,7 +298,7 @@ class Accumulator:
             # magnitudes; step() unscales and multiplies back. window_loss
             # reports the loss as given.
             reported, loss = loss, self.grad_scaler.scale(loss) / self.steps
-        return loss, None if num_items is None else float(num_items), reported
+        return loss, None if num_items is None else _finite_float(what, "num_items", num_items), reported
 
     def backward(self, loss: torch.Tensor, num_items: Union[None, int, float, torch.Tensor] = None,
                  metrics: Optional[Dict[str, Any]] = None) -> None:
@@ -492,6 +508,14 @@ class Accumulator:
     def window_ready(self) -> bool:
         """True between a window's last ``backward()`` and ``step()``."""
         return self._c.window_ready
+
+    @property
+    def epoch_ended(self) -> bool:
+        """True where the other ranks ended the epoch with ``flush()`` in the
+        reduction that closed this rank's last window (this rank's shard ended
+        on a window boundary, theirs did not): this rank's ``flush()`` is owed,
+        a no-op with no collective, before ``state_dict()`` or the next epoch."""
+        return self._c.epoch_ended
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -302,6 +302,15 @@ def _resolve_group(process_group: Any) -> "tuple[Any, bool]":
     return process_group, process_group is None
 
 
+def _finite_float(what: str, label: str, value: numbers.Real) -> float:
+    """A number as a float, a ValueError (a refused micro-batch, told to the
+    other ranks) where it does not fit in one (an int of 10**400)."""
+    try:
+        return float(value)
+    except OverflowError as error:
+        raise ValueError(f"gradaccum: {what}: {label} does not fit in a float64 ({error})") from None
+
+
 def _metric_values(what: str, names: Tuple[str, ...], metrics: Any, like: torch.Tensor) -> Optional[torch.Tensor]:
     """A ``{name: value}`` dict as the tensor the C++ side takes (the
     constructor's names' order; a name left out is 0)."""
@@ -324,7 +333,8 @@ def _metric_values(what: str, names: Tuple[str, ...], metrics: Any, like: torch.
                 raise TypeError(f"gradaccum: {what}: metric {name!r} must be real, got a {value.dtype} tensor")
             values.append(value.detach().reshape(()).to(device=like.device, dtype=torch.float64))
         elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-            values.append(torch.tensor(float(value), dtype=torch.float64, device=like.device))
+            number = _finite_float(what, f"metric {name!r}", value)
+            values.append(torch.tensor(number, dtype=torch.float64, device=like.device))
         else:
             raise TypeError(f"gradaccum: {what}: metric {name!r} must be a number or a one-element tensor, "
                             f"got {value!r}")

@@ -105,8 +105,7 @@ Accumulator::Accumulator(
     reducer_ = std::make_unique<Reducer>(
         params_, options_.process_group(), options_.reducer(),
         std::move(model.buffers), std::move(model.names),
-        WindowRule{options_.steps(), options_.reduction(), options_.accumulate_dtype(),
-                   options_.comm_dtype(), options_.error_feedback(), options_.metrics()});
+        window_rule());
   } else if (const auto wide = options_.accumulate_dtype()) {
     // One process: the window's sums of narrower gradients (Note [One
     // accumulate_dtype path]).
@@ -123,6 +122,18 @@ Accumulator::Accumulator(
   // half-done window of a closed Accumulator) were counted by no micro-step:
   // Note [Gradients no micro-step counted].
   forget_nonzero_gradients();
+}
+
+WindowRule Accumulator::window_rule() const {
+  WindowRule rule{options_.steps(), options_.reduction(), options_.accumulate_dtype(),
+                  options_.comm_dtype(), options_.error_feedback(), options_.metrics()};
+  rule.max_grad_norm = options_.max_grad_norm();
+  rule.nonfinite = options_.nonfinite();
+  rule.loss_scaler = options_.loss_scaler() ? options_.loss_scaler() : options_.external_loss_scaler();
+  if (loss_scaler_ && rule.loss_scaler) {
+    rule.loss_scaler->init_scale(loss_scaler_->scale()); // (a refresh: where it is now)
+  }
+  return rule;
 }
 
 Accumulator::~Accumulator() {

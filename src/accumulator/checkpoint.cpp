@@ -100,6 +100,7 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   state.skipped_micro_batches = stats_.skipped_micro_batches;
   state.loss_scale = loss_scaler_ ? loss_scaler_->scale() : 0.0;
   state.loss_scale_growth_tracker = loss_scaler_ ? loss_scaler_->growth_tracker() : 0;
+  state.parameter_names = names_;
   TORCH_CHECK(!(reducer_ && rank_independent && epoch_ended_),
       "gradaccum: acc.state_dict(): other ranks ended the epoch with acc.flush() in the reduction that closed "
       "this rank's last window; call acc.flush() (a no-op here) before saving, so that the "
@@ -246,6 +247,75 @@ void check_shape(const AccumulatorState& state, const AccumulatorOptions& option
   }
 }
 
+// A parameter's name with torch.compile's wrapper ("_orig_mod.") left out,
+// so that a model compiled on one side of a resume and not on the other
+// still names its parameters alike.
+std::string plain_name(const std::string& name) {
+  static const std::string wrapper = "_orig_mod.";
+  std::string out;
+  size_t from = 0;
+  while (from <= name.size()) {
+    const auto dot = name.find('.', from);
+    const auto end = dot == std::string::npos ? name.size() : dot + 1;
+    if (name.compare(from, end - from, wrapper) != 0) {
+      out.append(name, from, end - from);
+    }
+    from = end;
+    if (dot == std::string::npos) {
+      break;
+    }
+  }
+  return out;
+}
+
+// Whether `names` are ModelParameters' own for bare parameters, which say
+// nothing but the position.
+bool positional(const std::vector<std::string>& names) {
+  for (const auto i : c10::irange(names.size())) {
+    if (names[i] != "parameter " + std::to_string(i)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Note [A held gradient belongs to a named parameter]
+// grads and residuals are lists in the trainable parameters' order, so a
+// state that holds any of them (mid-window, a closed window, error
+// feedback) loads only onto the same trainable parameters: the same count
+// and shapes are not enough (another layer of the same shape, trained
+// instead, would silently take its gradient). A boundary state holds none
+// and fits any set (Note [Refreshing the parameters]). Bare parameters
+// (names "parameter i") and older checkpoints (no names) load by position.
+void check_parameter_names(const AccumulatorState& state, const std::vector<std::string>& names,
+                           bool no_gradient) {
+  if (state.parameter_names.empty() || (no_gradient && state.residuals.empty()) ||
+      positional(state.parameter_names) || positional(names)) {
+    return; // an older checkpoint, or bare parameters (by position); or nothing held
+  }
+  const auto& saved = state.parameter_names;
+  TORCH_CHECK_VALUE(saved.size() == state.grads.size() &&
+          (state.residuals.empty() || saved.size() == state.residuals.size()),
+      "gradaccum: acc.load_state_dict(): the state names ", saved.size(), " parameters but holds ",
+      state.grads.size(), " gradients", state.residuals.empty() ? "" : " and " +
+          std::to_string(state.residuals.size()) + " residuals");
+  std::ostringstream differ;
+  int64_t count = 0;
+  for (const auto i : c10::irange(std::max(saved.size(), names.size()))) {
+    const std::string was = i < saved.size() ? plain_name(saved[i]) : std::string("(none)");
+    const std::string is = i < names.size() ? plain_name(names[i]) : std::string("(none)");
+    if (was != is && count++ < 3) {
+      differ << (count > 1 ? "; " : "") << "parameter " << i << " was '" << was << "', is '" << is << "'";
+    }
+  }
+  TORCH_CHECK_VALUE(count == 0,
+      "gradaccum: acc.load_state_dict(): the state holds the gradients of a window in progress for other "
+      "trainable parameters than this Accumulator's (", differ.str(), count > 3 ? "; ..." : "", "), so they "
+      "would land on the wrong parameters. Resume with the trainable parameters that saved it (the same "
+      "requires_grad settings), or save at a window boundary (after acc.step() returned True), which holds no "
+      "gradient and resumes on any set");
+}
+
 } // namespace
 
 void Accumulator::check_loadable(const AccumulatorState& state) const {
@@ -292,6 +362,7 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
   TORCH_CHECK_VALUE(state.grads.size() == params_.size() || (no_gradient && state.micro_step == 0),
       "gradaccum: acc.load_state_dict(): the state holds ", state.grads.size(),
       " gradients but the model has ", params_.size(), " trainable parameters");
+  check_parameter_names(state, names_, no_gradient);
   for (const auto i : c10::irange(std::min(params_.size(), state.grads.size()))) {
     const auto& g = state.grads[i];
     if (g.defined()) {
@@ -448,6 +519,11 @@ void Accumulator::save(torch::serialize::OutputArchive& archive, bool rank_indep
   });
   write_tensors(archive, "gradaccum.grads", "gradaccum.grad.", state.grads);
   write_tensors(archive, "gradaccum.residuals", "gradaccum.residual.", state.residuals);
+  c10::List<std::string> names;
+  for (const auto& name : state.parameter_names) {
+    names.push_back(name);
+  }
+  archive.write("gradaccum.parameter_names", c10::IValue(names));
 }
 
 void Accumulator::load(torch::serialize::InputArchive& archive) {
@@ -466,6 +542,11 @@ void Accumulator::load(torch::serialize::InputArchive& archive) {
   state.grads = read_tensors(archive, "gradaccum.grad.", value.toInt());
   if (archive.try_read("gradaccum.residuals", value)) { // older archives have none
     state.residuals = read_tensors(archive, "gradaccum.residual.", value.toInt());
+  }
+  if (archive.try_read("gradaccum.parameter_names", value)) { // older archives load by position
+    for (const auto& name : value.toListRef()) {
+      state.parameter_names.push_back(name.toStringRef());
+    }
   }
   load_state_dict(state);
 }

@@ -122,8 +122,7 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
       const auto progress = reducer_->progress();
       reducer = std::make_unique<Reducer>(
           model.parameters, reducer_->process_group(), options_.reducer(), std::move(model.buffers), model.names,
-          WindowRule{options_.steps(), options_.reduction(), options_.accumulate_dtype(),
-                     options_.comm_dtype(), options_.error_feedback(), options_.metrics()});
+          window_rule());
       reducer->restore(progress);
     } else if (const auto dtype = options_.accumulate_dtype()) {
       wide = std::make_unique<detail::WideSums>(model.parameters, *dtype);

@@ -73,6 +73,29 @@ const std::vector<Agreement>& agreements() {
        true, kMetaHeader, false, nullptr},
       {"error_feedback", Shown::Number, [](const I& in) { return in.rule.error_feedback ? 1.0 : 0.0; },
        true, kMetaHeader, false, nullptr},
+      // The step's treatment of the reduced window: a rank that clips, skips or
+      // unscales differently steps another gradient (a rank that scales its
+      // loss and one that does not would even sum different units).
+      {"max_grad_norm", Shown::Optional, [](const I& in) { return in.rule.max_grad_norm.value_or(-1.0); },
+       true, kMetaHeader, false, nullptr},
+      {"nonfinite", Shown::NonFinite, [](const I& in) { return static_cast<double>(in.rule.nonfinite); },
+       true, kMetaHeader, false, nullptr},
+      {"the loss scale (grad_scaler's or loss_scaler's scale; None: no loss scaling)", Shown::Optional,
+       [](const I& in) { return in.rule.loss_scaler ? in.rule.loss_scaler->init_scale() : -1.0; },
+       true, kMetaHeader, false,
+       "every rank must scale its loss alike: the same grad_scaler settings (enabled, init_scale) and the "
+       "same scaler state (load it on every rank)"},
+      {"the loss scaler's growth_factor", Shown::Optional,
+       [](const I& in) { return in.rule.loss_scaler ? in.rule.loss_scaler->growth_factor() : -1.0; },
+       true, kMetaHeader, false, nullptr},
+      {"the loss scaler's backoff_factor", Shown::Optional,
+       [](const I& in) { return in.rule.loss_scaler ? in.rule.loss_scaler->backoff_factor() : -1.0; },
+       true, kMetaHeader, false, nullptr},
+      {"the loss scaler's growth_interval", Shown::Optional,
+       [](const I& in) {
+         return in.rule.loss_scaler ? static_cast<double>(in.rule.loss_scaler->growth_interval()) : -1.0;
+       },
+       true, kMetaHeader, false, nullptr},
       {"the metric names (AccumulatorOptions::metrics, in their order)", Shown::Names,
        [](const I& in) { return names_code(in.rule.metrics); }, true, kMetaHeader, false, nullptr,
        [](const I& in) { return &in.rule.metrics; }},
@@ -101,6 +124,12 @@ std::string show(Shown shown, double value) {
       return value < 0 ? "None" : c10::toString(static_cast<at::ScalarType>(static_cast<int>(value)));
     case Shown::Flag:
       return value == 1 ? "yes" : value == 0 ? "no" : "?";
+    case Shown::NonFinite: {
+      const auto code = static_cast<int>(value);
+      return value == code && code >= 0 && code <= static_cast<int>(NonFinite::SkipMicroBatch)
+          ? "'" + to_string(static_cast<NonFinite>(code)) + "'"
+          : "?";
+    }
     case Shown::Kind: {
       // State::kind_code(): the kind, plus 4 while a bucket rebuild is pending.
       static const char* const kinds[] = {"a window's reduction", "acc.state_dict()'s snapshot of a half-done window",

@@ -27,10 +27,11 @@
 namespace gradaccum::detail {
 
 /// How a value reads in an error (Optional: a negative value reads "None";
-/// Flag: 1 reads "yes", 0 "no"; Names: a hash of a list of names, which the
-/// construction error replaces by the first name that differs; Kind: a
-/// reduction's kind code, State::kind_code(), as the call that ran it).
-enum class Shown { Number, Reduction, Dtype, Optional, Flag, Names, Kind };
+/// Flag: 1 reads "yes", 0 "no"; NonFinite: the policy's name; Names: a hash
+/// of a list of names, which the construction error replaces by the first
+/// name that differs; Kind: a reduction's kind code, State::kind_code(), as
+/// the call that ran it).
+enum class Shown { Number, Reduction, Dtype, Optional, Flag, Names, Kind, NonFinite };
 
 /// Where one rank's values come from.
 struct AgreementInputs {

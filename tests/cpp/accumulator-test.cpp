@@ -448,6 +448,51 @@ TEST_CASE("save and load through archives resume mid-window exactly", "[accumula
   CHECK(resumed_stats.loss_scale == straight_stats.loss_scale);
 }
 
+TEST_CASE("a mid-window archive loads only onto the parameters that saved it", "[accumulator][state]") {
+  // Note [A held gradient belongs to a named parameter]: two layers of one
+  // shape, one trained and the other frozen on each side of the resume.
+  auto two_layers = [](int trained) {
+    torch::manual_seed(3);
+    torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+    for (auto& p : net[1 - trained]->parameters()) {
+      p.requires_grad_(false);
+    }
+    return net;
+  };
+  auto saving = two_layers(0);
+  Accumulator saver(saving.ptr(), AccumulatorOptions(2));
+  saver.backward(saving->forward(torch::ones({2, 4})).pow(2).mean());
+  std::stringstream file;
+  torch::serialize::OutputArchive out;
+  saver.save(out);
+  out.save_to(file);
+  CHECK(saver.state_dict().parameter_names == std::vector<std::string>{"0.weight", "0.bias"});
+
+  auto other = two_layers(1);
+  Accumulator resumed(other.ptr(), AccumulatorOptions(2));
+  torch::serialize::InputArchive in;
+  in.load_from(file);
+  CHECK_THROWS_AS(resumed.load(in), c10::ValueError);
+  CHECK_THROWS_WITH(resumed.load_state_dict(saver.state_dict()), Catch::StartsWith(
+      "gradaccum: acc.load_state_dict(): the state holds the gradients of a window in progress for other trainable "
+      "parameters than this Accumulator's (parameter 0 was '0.weight', is '1.weight'; parameter 1 was '0.bias', is "
+      "'1.bias'), so they would land on the wrong parameters. Resume with the trainable parameters that saved it "
+      "(the same requires_grad settings), or save at a window boundary (after acc.step() returned True), which "
+      "holds no gradient and resumes on any set"));
+  CHECK(resumed.micro_step() == 0);
+  for (auto& p : other->parameters()) {
+    CHECK_FALSE(p.grad().defined());
+  }
+  auto same = two_layers(0);
+  Accumulator again(same.ptr(), AccumulatorOptions(2));
+  torch::serialize::InputArchive in_again;
+  file.seekg(0);
+  in_again.load_from(file);
+  again.load(in_again);
+  CHECK(again.micro_step() == 1);
+  CHECK(torch::equal(same[0]->parameters()[0].grad(), saving[0]->parameters()[0].grad()));
+}
+
 TEST_CASE("no process group under a multi-rank launch is an error unless local_only", "[accumulator][launch]") {
   // torchrun sets WORLD_SIZE; every rank reads the same value, so every rank fails alike.
   const char* saved = std::getenv("WORLD_SIZE");

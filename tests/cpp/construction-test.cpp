@@ -154,6 +154,39 @@ TEST_CASE("check_parameters that differs across ranks is refused on every rank",
   }
 }
 
+TEST_CASE("ranks whose steps treat the window differently are refused on every rank", "[construction][distributed]") {
+  // A clip, a non-finite policy or a loss scale on one rank only would step
+  // another gradient there (a scaled and an unscaled rank sum different units).
+  const auto loss_scale = build_on_ranks(2, [](int rank, auto group, auto& net, auto& opt) {
+    auto options = AccumulatorOptions(2).process_group(group);
+    if (rank == 1) {
+      options.loss_scaler(LossScalerOptions().init_scale(1024));
+    }
+    Accumulator acc(net.ptr(), opt, options);
+  }).outcomes;
+  const auto clip = build_on_ranks(2, [](int rank, auto group, auto& net, auto& opt) {
+    Accumulator acc(net.ptr(), opt, AccumulatorOptions(2).process_group(group).max_grad_norm(
+        rank == 0 ? std::optional<double>(0.5) : std::nullopt));
+  }).outcomes;
+  const auto growth = build_on_ranks(2, [](int rank, auto group, auto& net, auto& opt) {
+    Accumulator acc(net.ptr(), opt, AccumulatorOptions(2).process_group(group).loss_scaler(
+        LossScalerOptions().growth_interval(rank == 0 ? 2000 : 100)));
+  }).outcomes;
+  for (const auto rank : {0, 1}) {
+    CHECK(loss_scale[rank].kind == Kind::Value);
+    CHECK(loss_scale[rank].message == "gradaccum: Accumulator(): the ranks disagree on the loss scale (grad_scaler's "
+        "or loss_scaler's scale; None: no loss scaling) (rank 0: None, rank 1: 1024); every rank must scale its "
+        "loss alike: the same grad_scaler settings (enabled, init_scale) and the same scaler state (load it on "
+        "every rank)");
+    CHECK(clip[rank].kind == Kind::Value);
+    CHECK(clip[rank].message == "gradaccum: Accumulator(): the ranks disagree on max_grad_norm (rank 0: 0.5, rank 1: "
+        "None); every rank must build its Accumulator with the same options and model");
+    CHECK(growth[rank].kind == Kind::Value);
+    CHECK_THAT(growth[rank].message, Catch::Contains("the ranks disagree on the loss scaler's growth_interval "
+        "(rank 0: 2000, rank 1: 100)"));
+  }
+}
+
 TEST_CASE("several refusing ranks: the lowest one's error, the others counted", "[construction][distributed]") {
   const auto got = build_on_ranks(4, [](int rank, auto group, auto& net, auto& opt) {
     if (rank == 1) {

@@ -191,12 +191,21 @@ def disagree(rank, world_size, *, case, check_parameters):
     caps = {"bucket_cap_mb": {"bucket_cap_mb": (None, 25.0)[rank % 2]}}.get(case, {})
     # one_host: rank 0 launched as if every rank ran on its host, rank 1 as one of two hosts
     launch = {"one_host": {"LOCAL_WORLD_SIZE": ("2", "1")[rank % 2], "WORLD_SIZE": "2"}}.get(case, {})
+    # What the step does with the reduced window: a clip, a non-finite policy,
+    # a GradScaler (enabled on one rank; another scale; another schedule).
+    scaler = {"grad_scaler": lambda: torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=rank % 2 == 0),
+              "init_scale": lambda: torch.amp.GradScaler("cpu", init_scale=(1024.0, 16.0)[rank % 2]),
+              "growth_interval": lambda: torch.amp.GradScaler("cpu", growth_interval=(2000, 100)[rank % 2])}
+    step_options = {"max_grad_norm": {"max_grad_norm": (None, 0.5)[rank % 2]},
+                    "nonfinite": {"nonfinite": ("skip", "ignore")[rank % 2]}}.get(case, {})
+    if case in scaler:
+        step_options = {"grad_scaler": scaler[case]()}
     g = torch.Generator().manual_seed(rank)
     start = time.monotonic()
     try:
         with du.launch_env(**launch):  # no names: leaves the environment as it is
             acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction, metrics=metrics,
-                                        check_parameters=check_parameters, **caps)
+                                        check_parameters=check_parameters, **caps, **step_options)
         for i in range(24):
             x = torch.randn(2, du.D_IN, generator=g, dtype=torch.float64)
             acc.backward(model(x).pow(2).mean())
@@ -610,7 +619,8 @@ def refused_micro_batch(rank, world_size, *, how, closing, boom_rank=None):
     it refuses: `how` "no_grad" (a loss that does not require grad, as an
     empty batch's torch.zeros(()): C++'s check), "not_tensor" (a float:
     Python's check), "num_items" (num_items with reduction="mean": C++'s
-    check of num_items). At the closing micro-step (`closing`) the window is
+    check of num_items), "huge_num_items" (an int no float holds: Python's
+    conversion, an OverflowError before it was refused). At the closing micro-step (`closing`) the window is
     dropped on every rank; at the first one rank 1 runs the micro-batch again.
     `boom_rank`: at that micro-step, that rank's backward raises."""
     import gradaccum
@@ -627,7 +637,8 @@ def refused_micro_batch(rank, world_size, *, how, closing, boom_rank=None):
             if rank == 1 and w == 1 and k == (1 if closing else 0):
                 bad = {"no_grad": lambda: acc.backward(torch.zeros((), dtype=torch.float64)),
                        "not_tensor": lambda: acc.backward(0.0),
-                       "num_items": lambda: acc.backward(loss, num_items=2)}[how]
+                       "num_items": lambda: acc.backward(loss, num_items=2),
+                       "huge_num_items": lambda: acc.backward(loss, num_items=10 ** 400)}[how]
                 try:
                     bad()
                 except Exception as e:  # noqa

@@ -494,6 +494,70 @@ def test_load_state_dict_replaces_current_window():
     assert_all_close(grads_of(model), grads_of(ref), rtol=1e-12, atol=1e-14)
 
 
+class _TwoLayers(torch.nn.Module):
+    """Two layers of one shape, one of them trained."""
+
+    def __init__(self, trained):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4).double()
+        self.b = torch.nn.Linear(4, 4).double()
+        (self.b if trained == "a" else self.a).requires_grad_(False)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_held_gradient_loads_only_onto_the_parameters_that_saved_it():
+    """Note [A held gradient belongs to a named parameter]: a half-done window
+    of layer a is refused by an Accumulator training layer b, of the same
+    shapes, leaving its own window as it was (before, b took a's gradient and
+    the window stepped it); a boundary state loads onto either; a state saved
+    before the names were kept, or loaded into bare parameters, loads by
+    position; a compiled model's names (``_orig_mod.``) match the plain
+    model's."""
+    x = torch.randn(8, 4, dtype=torch.float64)
+    saving = _TwoLayers("a")
+    acc = gradaccum.Accumulator(saving, None, steps=2)
+    boundary = acc.state_dict()
+    acc.backward(saving(x).pow(2).mean())
+    mid = acc.state_dict()
+    assert mid["parameter_names"] == ["a.weight", "a.bias"]
+    acc.close()
+
+    other = _TwoLayers("b")
+    resumed = gradaccum.Accumulator(other, None, steps=2)
+    resumed.backward(other(x).pow(2).mean())
+    before = [other.b.weight.grad.clone(), other.b.bias.grad.clone()]
+    with pytest.raises(ValueError) as refused:
+        resumed.load_state_dict(mid)
+    assert str(refused.value) == (
+        "gradaccum: acc.load_state_dict(): the state holds the gradients of a window in progress for other trainable "
+        "parameters than this Accumulator's (parameter 0 was 'a.weight', is 'b.weight'; parameter 1 was 'a.bias', "
+        "is 'b.bias'), so they would land on the wrong parameters. Resume with the trainable parameters that saved "
+        "it (the same requires_grad settings), or save at a window boundary (after acc.step() returned True), which "
+        "holds no gradient and resumes on any set")
+    assert resumed.micro_step == 1
+    assert torch.equal(other.b.weight.grad, before[0]) and torch.equal(other.b.bias.grad, before[1])
+    resumed.load_state_dict(boundary)
+    assert resumed.micro_step == 0
+    legacy = {k: v for k, v in mid.items() if k != "parameter_names"}
+    resumed.load_state_dict(legacy)  # by position, as before
+    assert resumed.micro_step == 1 and torch.equal(other.b.weight.grad, mid["grads"][0])
+    resumed.close()
+    fresh = _TwoLayers("b")
+    bare = gradaccum.Accumulator([fresh.b.weight, fresh.b.bias], None, steps=2)  # named by position only
+    bare.load_state_dict(mid)
+    assert bare.micro_step == 1 and torch.equal(fresh.b.weight.grad, mid["grads"][0])
+    bare.close()
+
+    plain = _TwoLayers("a")
+    compiled = gradaccum.Accumulator(torch.compile(plain), None, steps=2)  # (never run: only its names)
+    assert compiled.parameter_names == ["_orig_mod.a.weight", "_orig_mod.a.bias"]
+    compiled.load_state_dict(mid)
+    assert compiled.micro_step == 1 and torch.equal(plain.a.weight.grad, mid["grads"][0])
+
+
 def _resumed(build, model, opt, acc):
     """A fresh model, optimizer and Accumulator from build(), loaded with
     what `model`, `opt` and `acc` hold now (through torch.save)."""

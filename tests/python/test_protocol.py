@@ -135,6 +135,16 @@ def test_mismatched_options_fail_in_the_first_reduction_on_every_rank(tmp_path, 
                  "WORLD_SIZE), which an unset bucket_cap_mb follows (25 MiB on one host, a sixteenth of the "
                  "model across hosts) (rank 0: yes, rank 1: no); launch every rank alike (torchrun sets both on "
                  "every node), or pass bucket_cap_mb explicitly"),
+    # what the step does with the reduced window (each rank would step another gradient)
+    ("max_grad_norm", "the ranks disagree on max_grad_norm (rank 0: None, rank 1: 0.5)"),
+    ("nonfinite", "the ranks disagree on nonfinite (rank 0: 'skip', rank 1: 'ignore')"),
+    # scaled and unscaled gradients would be summed in one all-reduce
+    ("grad_scaler", "the ranks disagree on the loss scale (grad_scaler's or loss_scaler's scale; None: no loss "
+                    "scaling) (rank 0: 1024, rank 1: None); every rank must scale its loss alike: the same "
+                    "grad_scaler settings (enabled, init_scale) and the same scaler state (load it on every rank)"),
+    ("init_scale", "the ranks disagree on the loss scale (grad_scaler's or loss_scaler's scale; None: no loss "
+                   "scaling) (rank 0: 1024, rank 1: 16)"),
+    ("growth_interval", "the ranks disagree on the loss scaler's growth_interval (rank 0: 2000, rank 1: 100)"),
 ])
 def test_mismatched_options_fail_at_construction_naming_every_rank(tmp_path, case, text):
     results = run("disagree", 2, tmp_path, case=case, check_parameters=True)
@@ -331,6 +341,8 @@ REFUSED = {
     "not_tensor": ("TypeError", "gradaccum: acc.backward(): loss must be a torch.Tensor, got float"),
     "num_items": ("ValueError", "gradaccum: acc.backward(): num_items is only used with reduction='items' "
                   "(reduction is 'mean')"),
+    "huge_num_items": ("ValueError", "gradaccum: acc.backward(): num_items does not fit in a float64 (int too "
+                       "large to convert to float)"),
 }
 WHY = ("refused the micro-batch that closes the window: its acc.backward() or acc.run() rejected its loss, "
        "num_items or metrics (a loss that is not a scalar or does not require grad, a num_items that is not a number >= 0, ...) "

@@ -58,6 +58,9 @@ def test_metrics_are_checked_before_anything_changes():
         acc.backward(loss, n, metrics={"wrong": 1})
     with pytest.raises(TypeError, match=r"metric 'correct' must be a number or a one-element tensor"):
         acc.backward(loss, n, metrics={"correct": "3"})
+    with pytest.raises(ValueError, match=r"gradaccum: acc.backward\(\): metric 'correct' does not fit in a float64 "
+                       r"\(int too large to convert to float\)"):
+        acc.backward(loss, n, metrics={"correct": 10 ** 400})
     assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
     acc.backward(loss, n, metrics={"correct": torch.tensor(3)})
     acc.backward(*du.micro_loss(model, batch, "items"))  # a micro-batch with none: zeros

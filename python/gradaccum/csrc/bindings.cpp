@@ -127,6 +127,7 @@ py::dict state_to_dict(const AccumulatorState& s) {
   if (!s.residuals.empty()) {
     d["error_feedback_residuals"] = tensor_list(s.residuals);
   }
+  d["parameter_names"] = s.parameter_names;
   return d;
 }
 
@@ -151,6 +152,13 @@ AccumulatorState state_from_dict(const py::dict& d) {
   s.grads = tensors_from_list(d, "grads");
   if (d.contains("error_feedback_residuals")) {
     s.residuals = tensors_from_list(d, "error_feedback_residuals");
+  }
+  if (d.contains("parameter_names")) { // older states load by position
+    try {
+      s.parameter_names = d["parameter_names"].cast<std::vector<std::string>>();
+    } catch (const py::cast_error&) {
+      throw py::type_error("gradaccum: acc.load_state_dict(): 'parameter_names' must be a list of str");
+    }
   }
   return s;
 }
@@ -191,6 +199,7 @@ std::unique_ptr<Accumulator> make_accumulator(
     std::optional<at::ScalarType> comm_dtype,
     bool error_feedback,
     std::vector<std::string> metrics,
+    std::optional<std::tuple<double, double, double, int64_t>> grad_scaler,
     Accumulator::StepFunction optimizer_step,
     Accumulator::StepFunction scheduler_step) {
   auto options = AccumulatorOptions(steps)
@@ -209,6 +218,11 @@ std::unique_ptr<Accumulator> make_accumulator(
                                   .broadcast_buffers(broadcast_buffers)
                                   .check_parameters(check_parameters)
                                   .rebuild_buckets(rebuild_buckets));
+  if (grad_scaler) { // (scale, growth_factor, backoff_factor, growth_interval), compared across ranks
+    const auto [scale, growth, backoff, interval] = *grad_scaler;
+    options.external_loss_scaler(
+        LossScalerOptions().init_scale(scale).growth_factor(growth).backoff_factor(backoff).growth_interval(interval));
+  }
   if (!process_group.is_none()) {
     options.process_group(to_process_group(process_group));
   }
@@ -228,7 +242,7 @@ void init_accumulator(py::module_& m) {
            py::arg("first_bucket_cap_mb"), py::arg("gradient_as_bucket_view"),
            py::arg("broadcast_buffers"), py::arg("check_parameters"), py::arg("rebuild_buckets"),
            py::arg("accumulate_dtype"), py::arg("comm_dtype"), py::arg("error_feedback"),
-           py::arg("metrics"), py::arg("optimizer_step"), py::arg("scheduler_step"),
+           py::arg("metrics"), py::arg("grad_scaler"), py::arg("optimizer_step"), py::arg("scheduler_step"),
            "See gradaccum.Accumulator.")
       .def("backward",
            [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
@@ -282,6 +296,7 @@ void init_accumulator(py::module_& m) {
       .def_property_readonly("sync_gradients", &Accumulator::sync_gradients)
       .def_property_readonly("micro_step", &Accumulator::micro_step)
       .def_property_readonly("window_ready", &Accumulator::window_ready)
+      .def_property_readonly("epoch_ended", &Accumulator::epoch_ended)
       .def_property("expect_hooks", &Accumulator::expect_hooks, &Accumulator::set_expect_hooks)
       .def("stats", [](const Accumulator& a) { return stats_to_dict(a.stats()); })
       .def("last_window_timeline", [](const Accumulator& a) {
