@@ -36,8 +36,9 @@ never wrapped in DDP), and the window's gradient is that of the big batch:
 - **No duplicated samples, partial windows weighted by what they hold.** The
   training data loader is sharded without Accelerate's ``even_batches``
   padding (which repeats the first samples to even out the last batches): rank
-  r gets batches r, r + world, ..., so ranks differ by at most one batch. At the
-  end of each epoch every rank calls ``acc.flush()``, which closes the partial
+  r gets batches r, r + world, ..., so ranks differ by at most one batch
+  (evaluation and prediction loaders keep ``even_batches``: their
+  ``gather_for_metrics`` must pair on every rank). At the end of each epoch every rank calls ``acc.flush()``, which closes the partial
   window with its own count (``items`` or micro-batches over all ranks). The
   number of optimizer steps per epoch is that of the rank with the most batches
   (one all-gather of the ranks' loader lengths when training starts), so every
@@ -103,7 +104,6 @@ transformers is an optional dependency, imported only by this module.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 from typing import Any, Dict, Optional
 
@@ -123,6 +123,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         f"({error}). Install them with: pip install transformers accelerate"
     ) from error
 
+from gradaccum._accelerate_parts import _find_shard_sampler
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
 from gradaccum._refusal import _refuse_before_building
 from gradaccum._adapter_options import _adapter_options
@@ -152,15 +153,22 @@ class _Longest:
 
 def _own_args(args: "transformers.TrainingArguments") -> "transformers.TrainingArguments":
     """A copy of the arguments with what this Trainer changes (the caller's
-    object is left alone): no all-gathered token counts, no padded shards."""
+    object is left alone): no all-gathered token counts."""
     args = copy.copy(args)
     args.average_tokens_across_devices = False
-    config = args.accelerator_config
-    if dataclasses.is_dataclass(config):
-        args.accelerator_config = dataclasses.replace(config, even_batches=False)
-    elif isinstance(config, dict):  # pragma: no cover - __post_init__ converts it
-        args.accelerator_config = dict(config, even_batches=False)
     return args
+
+
+def _unpadded_shards(loader: Any) -> None:
+    """The training loader's shards without Accelerate's ``even_batches``
+    copies (as ``join_uneven_inputs`` switches them off, on the prepared
+    loader's sampler): every sample once, ranks a batch apart at most.
+    Evaluation and prediction loaders keep ``even_batches``: the Trainer's
+    ``gather_for_metrics`` at each of their batches pairs only if every rank
+    has as many (it drops the copies)."""
+    sampler = _find_shard_sampler(loader)
+    if sampler is not None:
+        sampler.even_batches = False
 
 
 class Trainer(transformers.Trainer):
@@ -185,12 +193,13 @@ class Trainer(transformers.Trainer):
         self._shard_lengths: Optional[list] = None
         self._loss_windows = 0
         self._window_start: Optional[Dict[str, Any]] = None
+        self._flushed_epoch = False
         super().__init__(model, _own_args(args) if args is not None else None, *positional, **kwargs)
 
     # ------------------------------------------------------------------ set-up
 
     def create_accelerator_and_postprocess(self) -> None:
-        if self.args.average_tokens_across_devices or getattr(self.args.accelerator_config, "even_batches", False):
+        if self.args.average_tokens_across_devices:
             self.args = _own_args(self.args)  # Trainer(args=None): its own default arguments
         super().create_accelerator_and_postprocess()
 
@@ -237,6 +246,7 @@ class Trainer(transformers.Trainer):
         by at most a batch, and the one with the most sets the number of
         windows (steps) per epoch, on every rank alike."""
         self._shard_lengths = None
+        _unpadded_shards(dataloader)
         if has_length(dataloader) and torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             device = self.args.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
@@ -456,6 +466,7 @@ class Trainer(transformers.Trainer):
         window = dict(model=model, epoch=epoch, steps_in_epoch=steps_in_epoch, trial=trial,
                       ignore_keys_for_eval=ignore_keys_for_eval, start_time=start_time)
         exhausted = True
+        self._flushed_epoch = False
         for inputs in train_dataloader:
             if rng_to_sync:  # as the Trainer: after the skipped batches were drawn
                 self._load_rng_state(resume_from_checkpoint)
@@ -474,7 +485,7 @@ class Trainer(transformers.Trainer):
                 exhausted = False
                 break
 
-        if self._needs_flush(exhausted):
+        if self._needs_flush(exhausted) and not self._flushed_epoch:
             self._end_window(acc.flush, step=step, **window)
 
         if step < 0:
@@ -508,6 +519,13 @@ class Trainer(transformers.Trainer):
         windows = acc.stats()["windows"]
         learning_rate = self._get_learning_rate()  # the rate this step uses, before the scheduler moves it
         stepped = close()
+        if acc.epoch_ended:
+            # This rank's shard ended on a boundary and the others flushed their
+            # partial window in the reduction that closed it: its flush() is a
+            # no-op owed now, before a checkpoint saves its state (the same as
+            # the others'); _run_epoch does not flush again.
+            acc.flush()
+            self._flushed_epoch = True
         self._remember_window_start()
         stats = acc.stats()
         if stats["windows"] == windows:
@@ -548,6 +566,13 @@ class Trainer(transformers.Trainer):
             self.control.should_log = False
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
                                          learning_rate=learning_rate)
+
+    def store_flos(self) -> None:
+        # The Trainer resets current_flos to the int 0, and a rank without a
+        # micro-batch since then (shards a batch apart) would broadcast an
+        # int64 tensor against the others' float32.
+        self.current_flos = float(self.current_flos)
+        super().store_flos()
 
     # ------------------------------------------------------------- checkpoints
 

@@ -18,6 +18,7 @@ a resume from the mid-epoch checkpoint-4 equals the uninterrupted run.
 import importlib.util
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -47,17 +48,27 @@ def _example():
 ex = _example()
 
 
+def _launch(cmd, env, timeout):
+    """Runs torchrun in a session of its own: a hang kills its workers too
+    (killing torchrun alone would leave them running)."""
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"torchrun hung:\n{stdout}\n{stderr[-6000:]}")
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{stdout}\n{stderr[-6000:]}"
+    return stdout
+
+
 def torchrun(out, *args, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            str(EXAMPLE), "--out", str(out), "--accum", str(K), "--batch", str(B), "--lr", str(LR),
            "--seed", str(SEED), *map(str, args)]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun hung: {e.stdout}\n{e.stderr}")
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    return proc.stdout
+    return _launch(cmd, env, timeout)
 
 
 def reference(case, world=WORLD):
@@ -400,3 +411,84 @@ def test_loss_is_scaled_for_ga_false_trains_on_the_mean(tmp_path, monkeypatch):
     want = reference.lin.weight.detach()
     assert (weights["stock"] - want).abs().max().item() <= 1e-15
     assert (weights["gradaccum"] - want).abs().max().item() <= 1e-15
+
+
+# --------------------------------------------------------------------------- #
+# Shards a batch apart (tests/python/_hf_shards_worker.py)
+# --------------------------------------------------------------------------- #
+
+SHARDS = REPO / "tests" / "python" / "_hf_shards_worker.py"
+
+
+def _shards_worker():
+    spec = importlib.util.spec_from_file_location("_hf_shards_worker", SHARDS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def shards_run(out, *args, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", str(SHARDS),
+           "--out", str(out), *map(str, args)]
+    return _launch(cmd, env, timeout)
+
+
+def shards_reference(n):
+    """One process: batch b of 2 rows on rank b % 2, window w the micro-batches
+    w*K..w*K+K-1 of every rank (the last window what is left), its gradient
+    that of the mean of its micro-batch losses, clipped to norm 1; SGD."""
+    w = _shards_worker()
+    model, rows = w.Regression(), w.Rows(n)
+    batches = [(rows.x[i:i + w.B], rows.y[i:i + w.B]) for i in range(0, n, w.B)]
+    shards = [batches[r::WORLD] for r in range(WORLD)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=w.LR)
+    for start in range(0, max(len(s) for s in shards), w.K):
+        micro = [b for shard in shards for b in shard[start:start + w.K]]
+        loss = sum(torch.nn.functional.mse_loss(model.net(x), y) for x, y in micro) / len(micro)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # TrainingArguments' max_grad_norm
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return [p.detach() for p in model.parameters()], math.ceil(max(len(s) for s in shards) / w.K)
+
+
+@pytest.fixture(scope="module")
+def shard_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_shards")
+    shards_run(out, "--case", "eval,save_at_flush,flos")
+    shards_run(out, "--case", "eval", "--stock")
+
+    def load(case):
+        return [torch.load(out / f"{case}-{r}.pt", weights_only=True) for r in range(WORLD)]
+    return load
+
+
+@pytest.mark.parametrize("case", ["eval", "save_at_flush", "flos"])
+def test_shards_a_batch_apart_train_as_the_big_batch(shard_runs, case):
+    """Every case completes on both ranks (before: evaluation paired its
+    gather_for_metrics with other calls and hung, since the eval loader lost
+    even_batches; a checkpoint at the step where rank 0's last full window met
+    rank 1's flush() raised on rank 0 only; a window with a batch on rank 0
+    only broadcast an int64 current_flos on rank 1 against float32, and
+    Gloo aborted) and ends at the one-process big batch."""
+    n = _shards_worker().ROWS[case]
+    expected, windows = shards_reference(n)
+    for res in shard_runs(case):
+        assert res["global_step"] == windows
+        for got, want in zip(res["params"], expected):
+            assert torch.allclose(got, want, rtol=1e-12, atol=1e-14), (case, (got - want).abs().max())
+    if case == "save_at_flush":
+        assert shard_runs(case)[0]["checkpoints"] == ["checkpoint-2"]
+
+
+def test_evaluation_with_uneven_eval_shards_equals_the_stock_trainers(shard_runs):
+    """Evaluation loaders keep even_batches: 5 eval rows over 2 ranks x 2 give
+    every rank the stock Trainer's eval_loss after every step, and at the end."""
+    ours, stock = shard_runs("eval"), shard_runs("eval-stock")
+    assert len(stock[0]["evals"]) == 2  # one per step
+    for res in ours + stock:
+        assert len(res["evals"]) == len(stock[0]["evals"])
+        for a, b in zip(res["evals"], stock[0]["evals"]):
+            assert abs(a - b) <= 1e-12 * abs(b), (a, b)
+        assert abs(res["final_eval"] - stock[0]["final_eval"]) <= 1e-12 * abs(stock[0]["final_eval"])
