@@ -289,7 +289,11 @@ bool positional(const std::vector<std::string>& names) {
 // (names "parameter i") and older checkpoints (no names) load by position.
 void check_parameter_names(const AccumulatorState& state, const std::vector<std::string>& names,
                            bool no_gradient) {
-  if (state.parameter_names.empty() || (no_gradient && state.residuals.empty()) ||
+  // (A per-rank state of error feedback lists a residual per parameter, None
+  // where its wire kept none.)
+  const bool no_residual = std::none_of(state.residuals.begin(), state.residuals.end(),
+                                        [](const at::Tensor& r) { return r.defined(); });
+  if (state.parameter_names.empty() || (no_gradient && no_residual) ||
       positional(state.parameter_names) || positional(names)) {
     return; // an older checkpoint, or bare parameters (by position); or nothing held
   }
@@ -308,6 +312,11 @@ void check_parameter_names(const AccumulatorState& state, const std::vector<std:
       differ << (count > 1 ? "; " : "") << "parameter " << i << " was '" << was << "', is '" << is << "'";
     }
   }
+  TORCH_CHECK_VALUE(count == 0 || !no_gradient,
+      "gradaccum: acc.load_state_dict(): the state holds error-feedback residuals of other trainable parameters "
+      "than this Accumulator's (", differ.str(), count > 3 ? "; ..." : "", "), so they would land on the wrong "
+      "parameters. Resume with the trainable parameters that saved it (the same requires_grad settings), or leave "
+      "out its 'error_feedback_residuals' (they restart at zero, as after acc.refresh_parameters())");
   TORCH_CHECK_VALUE(count == 0,
       "gradaccum: acc.load_state_dict(): the state holds the gradients of a window in progress for other "
       "trainable parameters than this Accumulator's (", differ.str(), count > 3 ? "; ..." : "", "), so they "

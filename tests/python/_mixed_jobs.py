@@ -546,3 +546,46 @@ def bf16_window(rank, world_size, *, seed, steps, device="cpu", use_group=False)
         out[f"buckets/{wide}"] = acc.stats()["buckets"]
         acc.close()
     return out
+
+
+@job
+def error_feedback_state_on_another_set(rank, world_size):
+    """A per-rank boundary state with error feedback (float32 wire) loaded
+    where the other one of two same-shaped layers is trained: its residuals
+    (float64 layers: real ones; float32: None, the wire kept nothing) name
+    the saved layer."""
+    import gradaccum
+
+    class Two(nn.Module):
+        def __init__(self, trained, dtype):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(4, 4).to(dtype), nn.Linear(4, 4).to(dtype)
+            (self.b if trained == "a" else self.a).requires_grad_(False)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    out = {}
+    for dtype in (torch.float64, torch.float32):
+        model = Two("a", dtype)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        acc = gradaccum.Accumulator(model, opt, steps=2, comm_dtype=torch.float32, error_feedback=True)
+        for _ in range(2):
+            acc.backward(model(torch.randn(2, 4, dtype=dtype)).pow(2).mean())
+        acc.step()
+        state = acc.state_dict(rank_independent=False)
+        acc.close()
+        other = Two("b", dtype)
+        opt = torch.optim.SGD([p for p in other.parameters() if p.requires_grad], lr=0.1)
+        acc = gradaccum.Accumulator(other, opt, steps=2, comm_dtype=torch.float32, error_feedback=True)
+        held = [r is not None for r in state["error_feedback_residuals"]]
+        try:
+            acc.load_state_dict(state)
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        acc.load_state_dict({k: v for k, v in state.items() if k != "error_feedback_residuals"})
+        out[str(dtype)] = {"held": held, "refused": refused, "micro_step": acc.micro_step}
+        acc.close()
+    return out

@@ -395,3 +395,21 @@ def test_a_step_that_raises_after_unscaling_leaves_the_grad_scaler_usable(then):
         _, want, _, want_scale = run(False)
         assert all(torch.equal(a, b) for a, b in zip(params, want)), (params, want)
         assert scale == want_scale
+
+
+def test_error_feedback_residuals_load_only_onto_their_parameters(tmp_path):
+    """Note [A held gradient belongs to a named parameter]: real residuals of
+    layer a are refused where layer b is trained (they restart at zero when
+    left out); a state whose residuals are all None (the wire kept nothing)
+    holds nothing and loads onto any set, as any boundary state."""
+    for res in du.run_job("error_feedback_state_on_another_set", 2, tmp_path, module="_mixed_jobs"):
+        real, none = res["torch.float64"], res["torch.float32"]
+        assert real["held"] == [True, True] and none["held"] == [False, False]
+        assert real["refused"] == (
+            "gradaccum: acc.load_state_dict(): the state holds error-feedback residuals of other trainable "
+            "parameters than this Accumulator's (parameter 0 was 'a.weight', is 'b.weight'; parameter 1 was "
+            "'a.bias', is 'b.bias'), so they would land on the wrong parameters. Resume with the trainable "
+            "parameters that saved it (the same requires_grad settings), or leave out its "
+            "'error_feedback_residuals' (they restart at zero, as after acc.refresh_parameters())")
+        assert none["refused"] is None
+        assert real["micro_step"] == none["micro_step"] == 0
