@@ -255,6 +255,10 @@ class GradaccumStrategy(DDPStrategy):
         collective)."""
         old = self.accumulator
         assert old is not None and old.micro_step == 0 and not old.window_ready
+        # A fine-tuning callback's new trainable set first (this batch's refresh
+        # would come after the resize): the state then belongs to it, and the
+        # new Accumulator is built over it (residuals restart, as at any refresh).
+        self._refresh_if_unfrozen(self.lightning_module)
         state = old.state_dict(rank_independent=False)  # this rank's: its error-feedback residuals too
         old.close()
         self.accumulator = None

@@ -204,6 +204,11 @@ SCENARIOS = {
     # a scheduler that lowers K to 1: every batch of epoch 1 closes a window
     "gas_down": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps={0: 2, 1: 1},
                      epochs=2),
+    # with error feedback, and BaseFinetuning unfreezing net[0] at the epoch
+    # whose first batch resizes the window: the resize takes the new set first
+    "gas_finetune_ef": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps={0: 2, 1: 3},
+                            epochs=2, unfreeze_epoch=1,
+                            strategy_options=dict(comm_dtype=torch.float32, error_feedback=True)),
     "gas_resume": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps={0: 2, 1: 3},
                        epochs=2, resume_from="gas.b1", rows=True),
     "mid_1to2_late": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,

@@ -363,6 +363,16 @@ def test_a_gradient_accumulation_scheduler_resizes_the_window_at_each_epoch(runs
     for r in ok(runs("gas_down")):
         assert max_rel(r["params"], ref) < F64
         assert r["stats"]["optimizer_steps"] == 3 + 5
+    # unfrozen at the resize's epoch, with error feedback on a float32 wire
+    # (it failed on every rank: the old set's residuals met the new set)
+    ref, _ = reference("gas_finetune_ef")
+    never, _ = reference("gas_finetune_ef", unfreeze_epoch=99)
+    results = ok(runs("gas_finetune_ef"))
+    for r in results:
+        assert max_rel(r["params"], ref) < 1e-6  # the wire's rounding, fed back
+        assert max_rel(r["params"][:2], never[:2]) > 1e-3  # the backbone did train
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
 
 
 def test_a_configuration_refused_on_one_rank_is_raised_on_every_rank(runs):
