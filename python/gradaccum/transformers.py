@@ -159,16 +159,21 @@ def _own_args(args: "transformers.TrainingArguments") -> "transformers.TrainingA
     return args
 
 
-def _unpadded_shards(loader: Any) -> None:
+def _unpadded_shards(loader: Any) -> bool:
     """The training loader's shards without Accelerate's ``even_batches``
     copies (as ``join_uneven_inputs`` switches them off, on the prepared
     loader's sampler): every sample once, ranks a batch apart at most.
     Evaluation and prediction loaders keep ``even_batches``: the Trainer's
     ``gather_for_metrics`` at each of their batches pairs only if every rank
-    has as many (it drops the copies)."""
+    has as many (it drops the copies). Returns whether ``len(loader)`` is
+    still this rank's own count of batches: with ``split_batches`` it is the
+    global batches' count, and a rank whose slice of the short last batch is
+    empty gets one fewer."""
     sampler = _find_shard_sampler(loader)
-    if sampler is not None:
-        sampler.even_batches = False
+    if sampler is None:
+        return True
+    sampler.even_batches = False
+    return not getattr(sampler, "split_batches", False)
 
 
 class Trainer(transformers.Trainer):
@@ -246,7 +251,7 @@ class Trainer(transformers.Trainer):
         by at most a batch, and the one with the most sets the number of
         windows (steps) per epoch, on every rank alike."""
         self._shard_lengths = None
-        _unpadded_shards(dataloader)
+        own_lengths = _unpadded_shards(dataloader)
         if has_length(dataloader) and torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             device = self.args.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
@@ -257,6 +262,8 @@ class Trainer(transformers.Trainer):
             dataloader = _Longest(dataloader, max(self._shard_lengths))
         elif has_length(dataloader):
             self._shard_lengths = [len(dataloader)]
+        if not own_lengths:
+            self._shard_lengths = None  # (the same on every rank) every epoch ends with a flush everywhere
         return super().set_initial_training_values(args, dataloader)
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Optional[str]):

@@ -10,6 +10,9 @@ case per --case, each rank's results written to <out>/<case>-<rank>.pt.
   flush(); a checkpoint is saved at that step.
 - ``flos``: 26 rows, 13 batches: rank 0 has 7, rank 1 has 6, so the epoch's
   last window holds a batch on rank 0 only; logging at every step.
+- ``split_batches``: 15 rows, each batch of 2 split over the ranks (a row
+  each): rank 0 has 8 micro-batches, rank 1 has 7 (its slice of the last
+  batch is empty), though both loaders' len() is 8.
 """
 import argparse
 import os
@@ -20,7 +23,7 @@ import transformers
 from transformers import TrainingArguments
 
 B, K, LR = 2, 2, 0.1
-ROWS = {"eval": 16, "save_at_flush": 14, "flos": 26}
+ROWS = {"eval": 16, "save_at_flush": 14, "flos": 26, "split_batches": 15}
 
 
 class Regression(nn.Module):
@@ -59,6 +62,7 @@ def run(case, out, stock):
         "eval": dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=B, save_strategy="no"),
         "save_at_flush": dict(save_strategy="steps", save_steps=2),
         "flos": dict(logging_steps=1, save_strategy="no"),
+        "split_batches": dict(accelerator_config={"split_batches": True}, save_strategy="no"),
     }[case]
     args = TrainingArguments(folder, per_device_train_batch_size=B, gradient_accumulation_steps=K, num_train_epochs=1,
                              learning_rate=LR, lr_scheduler_type="constant", optim="sgd", report_to=[], use_cpu=True,

@@ -434,13 +434,14 @@ def shards_run(out, *args, timeout=240):
     return _launch(cmd, env, timeout)
 
 
-def shards_reference(n):
-    """One process: batch b of 2 rows on rank b % 2, window w the micro-batches
+def shards_reference(n, rows_per_batch=None):
+    """One process: batch b of `rows_per_batch` rows (B) on rank b % 2, window w the micro-batches
     w*K..w*K+K-1 of every rank (the last window what is left), its gradient
     that of the mean of its micro-batch losses, clipped to norm 1; SGD."""
     w = _shards_worker()
-    model, rows = w.Regression(), w.Rows(n)
-    batches = [(rows.x[i:i + w.B], rows.y[i:i + w.B]) for i in range(0, n, w.B)]
+    model, data = w.Regression(), w.Rows(n)
+    size = rows_per_batch or w.B
+    batches = [(data.x[i:i + size], data.y[i:i + size]) for i in range(0, n, size)]
     shards = [batches[r::WORLD] for r in range(WORLD)]
     optimizer = torch.optim.SGD(model.parameters(), lr=w.LR)
     for start in range(0, max(len(s) for s in shards), w.K):
@@ -456,7 +457,7 @@ def shards_reference(n):
 @pytest.fixture(scope="module")
 def shard_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_shards")
-    shards_run(out, "--case", "eval,save_at_flush,flos")
+    shards_run(out, "--case", "eval,save_at_flush,flos,split_batches")
     shards_run(out, "--case", "eval", "--stock")
 
     def load(case):
@@ -464,16 +465,18 @@ def shard_runs(tmp_path_factory):
     return load
 
 
-@pytest.mark.parametrize("case", ["eval", "save_at_flush", "flos"])
+@pytest.mark.parametrize("case", ["eval", "save_at_flush", "flos", "split_batches"])
 def test_shards_a_batch_apart_train_as_the_big_batch(shard_runs, case):
     """Every case completes on both ranks (before: evaluation paired its
     gather_for_metrics with other calls and hung, since the eval loader lost
     even_batches; a checkpoint at the step where rank 0's last full window met
     rank 1's flush() raised on rank 0 only; a window with a batch on rank 0
     only broadcast an int64 current_flos on rank 1 against float32, and
-    Gloo aborted) and ends at the one-process big batch."""
+    Gloo aborted; with split_batches every loader's len() counted 8 batches,
+    rank 1 got 7, no rank flushed, and it hung) and ends at the one-process
+    big batch."""
     n = _shards_worker().ROWS[case]
-    expected, windows = shards_reference(n)
+    expected, windows = shards_reference(n, 1 if case == "split_batches" else None)
     for res in shard_runs(case):
         assert res["global_step"] == windows
         for got, want in zip(res["params"], expected):
