@@ -255,15 +255,21 @@ class GradaccumStrategy(DDPStrategy):
         collective)."""
         old = self.accumulator
         assert old is not None and old.micro_step == 0 and not old.window_ready
-        # A fine-tuning callback's new trainable set first (this batch's refresh
-        # would come after the resize): the state then belongs to it, and the
-        # new Accumulator is built over it (residuals restart, as at any refresh).
-        self._refresh_if_unfrozen(self.lightning_module)
         state = old.state_dict(rank_independent=False)  # this rank's: its error-feedback residuals too
+        trainable = tuple(p.requires_grad for p in self.lightning_module.parameters())
+        if self._trainable is not None and trainable != self._trainable:
+            # A fine-tuning callback changed the trainable set at this epoch's
+            # start: the new Accumulator is built over the new set (its
+            # construction compares it across ranks, so a rank that differs is
+            # an error on every rank), and the old set's residuals restart at
+            # zero, as at a refresh. (A refresh of the old one here would be a
+            # collective on the changed ranks only.)
+            state.pop("error_feedback_residuals", None)
         old.close()
         self.accumulator = None
         self._new_accumulator(trainer, steps)
         self.accumulator.load_state_dict(state)
+        self._trainable = trainable
 
     def _check_buildable(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
         """What the strategy refuses before it builds the Accumulator (the

@@ -209,6 +209,10 @@ SCENARIOS = {
     "gas_finetune_ef": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps={0: 2, 1: 3},
                             epochs=2, unfreeze_epoch=1,
                             strategy_options=dict(comm_dtype=torch.float32, error_feedback=True)),
+    # the same with rank 1 alone unfreezing: the resize's new Accumulator
+    # refuses it on every rank (a refresh there was a collective on rank 1 only)
+    "gas_finetune_rank1": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5,
+                               steps={0: 2, 1: 3}, epochs=2, unfreeze_epoch=1, unfreeze_rank=1),
     "gas_resume": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps={0: 2, 1: 3},
                        epochs=2, resume_from="gas.b1", rows=True),
     "mid_1to2_late": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
@@ -321,7 +325,8 @@ def run(name, out_dir):
             self.freeze(pl_module.net[0])
 
         def finetune_function(self, pl_module, epoch, optimizer):
-            if epoch == cfg["unfreeze_epoch"]:
+            only = cfg.get("unfreeze_rank")  # a callback that differs on one rank
+            if epoch == cfg["unfreeze_epoch"] and only in (None, int(os.environ.get("LOCAL_RANK", "0"))):
                 self.unfreeze_and_add_param_group(pl_module.net[0], optimizer, train_bn=True)
 
     ckpt_dir = os.path.join(out_dir, "ckpt")

@@ -226,6 +226,16 @@ def test_a_fine_tuning_callback_unfreezes_the_backbone_mid_fit(runs):
         assert torch.equal(a, b)
 
 
+def test_the_new_trainable_set_of_a_resize_is_compared_across_ranks(runs):
+    """Rank 1 alone unfreezes net[0] at the epoch whose first batch resizes
+    the window: both ranks raise the new Accumulator's construction error
+    (a refresh of the old one, on rank 1 only, hung)."""
+    for r in runs("gas_finetune_rank1"):
+        assert r["error"] == ("ValueError: gradaccum: Accumulator(): the ranks disagree on the number of trainable "
+                              "parameters (rank 0: 2, rank 1: 4); every rank must build its Accumulator with the "
+                              "same options and model"), r["error"]
+
+
 def test_a_two_device_checkpoint_resumes_on_one_device_with_twice_the_steps(runs):
     """devices=2, accumulate_grad_batches=3 -> devices=1, 6: the same global
     batches, so the same training as the uninterrupted 2-device run."""
