@@ -394,7 +394,7 @@ STATE_KEYS = ["steps", "reduction", "world_size", "rank", "rank_independent", "m
               "loss_scale_growth_tracker", "grads"]
 # Optional: states saved before it was kept load without it (as 0).
 OPTIONAL_STATE_KEYS = ["reducer_last_weight", "skipped_micro_batches", "window_empty", "window_unscaled",
-                       "window_clipped"]
+                       "window_clipped", "parameter_names"]
 
 
 @pytest.fixture
@@ -443,6 +443,7 @@ def test_load_state_dict_missing_key(mid_window, key):
     ("micro_steps", 1.5), ("optimizer_steps", "0"), ("skipped_steps", None), ("windows", []),
     ("grads", 5), ("grads", None), ("micro_steps", True), ("windows", False),
     ("window_weight", True), ("rank_independent", 1), ("reducer", None),
+    ("parameter_names", "0.weight"), ("parameter_names", [0, 1, 2, 3]),
 ])
 def test_load_state_dict_wrong_type(mid_window, key, value):
     model, acc, state = mid_window

@@ -157,7 +157,7 @@ AccumulatorState state_from_dict(const py::dict& d) {
     try {
       s.parameter_names = d["parameter_names"].cast<std::vector<std::string>>();
     } catch (const py::cast_error&) {
-      throw py::type_error("gradaccum: acc.load_state_dict(): 'parameter_names' must be a list of str");
+      throw py::value_error("gradaccum: acc.load_state_dict(): 'parameter_names' must be a list of str");
     }
   }
   return s;
