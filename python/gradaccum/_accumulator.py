@@ -32,12 +32,7 @@ from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list
 
 def _as_float(name: str, value: Any) -> Optional[float]:
     """An option as the float the C++ side takes (None stays None)."""
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"gradaccum: Accumulator(): {name} does not fit in a float64") from None
+    return None if value is None else _finite_float("Accumulator()", name, value)
 
 
 def _scaler_rule(grad_scaler: Any) -> Optional[Tuple[float, float, float, int]]:

@@ -38,8 +38,9 @@ never wrapped in DDP), and the window's gradient is that of the big batch:
   padding (which repeats the first samples to even out the last batches): rank
   r gets batches r, r + world, ..., so ranks differ by at most one batch
   (evaluation and prediction loaders keep ``even_batches``: their
-  ``gather_for_metrics`` must pair on every rank). At the end of each epoch every rank calls ``acc.flush()``, which closes the partial
-  window with its own count (``items`` or micro-batches over all ranks). The
+  ``gather_for_metrics`` must pair on every rank). At the end of each epoch
+  every rank calls ``acc.flush()``, which closes the partial window with its
+  own count (``items`` or micro-batches over all ranks). The
   number of optimizer steps per epoch is that of the rank with the most batches
   (one all-gather of the ranks' loader lengths when training starts), so every
   rank has the same ``max_steps`` and LR schedule.

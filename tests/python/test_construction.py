@@ -46,7 +46,8 @@ CASES = {
     "claimed": ("ValueError", "gradaccum: Accumulator(): weight already belongs to another live Accumulator, "
                 "whose hooks would keep running (reducing every micro-step). Drop the old one (del acc) or call "
                 "its close() before building a new one"),
-    "conversion": ("ValueError", "gradaccum: Accumulator(): max_grad_norm does not fit in a float64"),
+    "conversion": ("ValueError", "gradaccum: Accumulator(): max_grad_norm does not fit in a float64 (int too large "
+                   "to convert to float)"),
     "foreign_hooks": ("ValueError", "gradaccum: Accumulator(): weight already has a post-hook on its gradient "
                       "accumulator that gradaccum did not add: the model is also wrapped in torch "
                       "DistributedDataParallel (accelerator.prepare(model), HF Trainer?) or another reducer is "
