@@ -56,7 +56,10 @@ never wrapped in DDP), and the window's gradient is that of the big batch:
 - **Logged loss.** ``loss`` in the logs is the mean over the logged windows of
   ``acc.window_loss``: each window's global loss (every micro-batch of every
   rank, weighted as its gradient: total loss / total items with ``items``),
-  with no all-gather. ``grad_norm`` is the window's gradient norm before
+  with no all-gather. On a bf16/fp16 wire (``comm_dtype``), which carries
+  no loss (``window_loss`` is None there), each rank keeps its share of each
+  window's loss, and one all-reduce at each log sums them over ranks: the
+  same global loss. ``grad_norm`` is the window's gradient norm before
   clipping (``stats()["last_grad_norm"]``), when the Accumulator computed it.
   ``on_pre_optimizer_step`` callbacks run right before each real optimizer
   step, on the window's final gradient (reduced, divided and clipped, as the
@@ -198,6 +201,10 @@ class Trainer(transformers.Trainer):
         self.reduction: Optional[str] = None
         self._shard_lengths: Optional[list] = None
         self._loss_windows = 0
+        # This rank's loss sum in the open window, and its share of each closed
+        # window's loss that the wire did not carry (_sum_loss_shares).
+        self._local_loss: Optional[torch.Tensor] = None
+        self._loss_shares: list = []
         self._window_start: Optional[Dict[str, Any]] = None
         self._flushed_epoch = False
         super().__init__(model, _own_args(args) if args is not None else None, *positional, **kwargs)
@@ -333,6 +340,7 @@ class Trainer(transformers.Trainer):
             # not for a window skipped as non-finite.
             self.accumulator._set_pre_step_hook(self._pre_optimizer_step_callbacks)
         self._loss_windows = 0
+        self._local_loss, self._loss_shares = None, []
 
     def _accumulator_kwargs(self) -> Dict[str, Any]:
         """accumulator_options, with what the Trainer's arguments give DDP
@@ -375,6 +383,8 @@ class Trainer(transformers.Trainer):
 
     def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any) -> Any:
         try:
+            if self.accumulator is not None:
+                self._sum_loss_shares()  # the windows since the last log (every rank gets here)
             return super()._finalize_training(trial, num_train_samples, start_time)
         finally:
             self._close_accumulator()
@@ -431,18 +441,24 @@ class Trainer(transformers.Trainer):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
+        skipped = acc.stats()["skipped_micro_batches"] if self.nonfinite == "skip_micro_batch" else None
         if self.reduction == "items":
             count = self.count_items(inputs)
             divisor = count.clamp(min=1)  # no targets: a zero loss sum, not 0 / 0
             with self.compute_loss_context_manager():
                 loss = self.compute_loss(model, inputs, num_items_in_batch=divisor)
             del inputs
-            acc.backward(loss * divisor.to(loss.device, loss.dtype), num_items=count)
+            summed = loss * divisor.to(loss.device, loss.dtype)
+            acc.backward(summed, num_items=count)
         else:
             with self.compute_loss_context_manager():
                 loss = self.compute_loss(model, inputs)
             del inputs
+            summed = loss
             acc.backward(loss)
+        if skipped is None or acc.stats()["skipped_micro_batches"] == skipped:  # (a skipped one is not in the window)
+            summed = summed.detach().to(torch.float64)
+            self._local_loss = summed if self._local_loss is None else self._local_loss + summed
         return loss.detach()
 
     def _run_epoch(self, model, epoch, train_dataloader, steps_in_epoch, num_update_steps_per_epoch, trial,
@@ -541,7 +557,15 @@ class Trainer(transformers.Trainer):
         if stepped:
             self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
         loss = acc.window_loss
-        if loss is not None and not (self.args.logging_nan_inf_filter and not torch.isfinite(loss)):
+        local, self._local_loss = self._local_loss, None
+        if loss is None and acc.window_items > 0:
+            # A bf16/fp16 wire carries no loss (Note [The window's loss rides in
+            # the header]): this rank's share of it, summed over ranks at the
+            # next log. Every rank reads the same window_loss and window_items,
+            # so every rank keeps a share here, and the all-reduce pairs.
+            share = local if local is not None else self._tr_loss.new_zeros(())
+            self._loss_shares.append(share if self.reduction == "sum" else share / acc.window_items)
+        elif loss is not None and not (self.args.logging_nan_inf_filter and not torch.isfinite(loss)):
             self._tr_loss += loss.to(self._tr_loss.device, self._tr_loss.dtype)
             self._loss_windows += 1
         self.state.global_step += 1
@@ -555,6 +579,7 @@ class Trainer(transformers.Trainer):
         """The Trainer's, with the loss logged as the mean of the windows'
         global losses since the last log (no all-gather: every rank has it)."""
         if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
+            self._sum_loss_shares()
             total = float(tr_loss)
             tr_loss -= tr_loss
             logs: Dict[str, float] = {}
@@ -574,6 +599,21 @@ class Trainer(transformers.Trainer):
             self.control.should_log = False
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
                                          learning_rate=learning_rate)
+
+    def _sum_loss_shares(self) -> None:
+        """The windows whose loss the wire did not carry: their shares summed
+        over ranks (one all-reduce; every rank logs at the same step, with as
+        many shares), each a window's global loss, into the logged total."""
+        shares, self._loss_shares = self._loss_shares, []
+        if not shares:
+            return
+        losses = torch.stack([s.to(self._tr_loss.device) for s in shares])
+        if self._acc.stats()["data_parallel"]:
+            torch.distributed.all_reduce(losses, group=self._acc.process_group)
+        if self.args.logging_nan_inf_filter:
+            losses = losses[torch.isfinite(losses)]
+        self._tr_loss += losses.sum().to(self._tr_loss.dtype)
+        self._loss_windows += losses.numel()
 
     def store_flos(self) -> None:
         # The Trainer resets current_flos to the int 0, and a rank without a

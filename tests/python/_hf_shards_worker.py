@@ -13,6 +13,9 @@ case per --case, each rank's results written to <out>/<case>-<rank>.pt.
 - ``split_batches``: 15 rows, each batch of 2 split over the ranks (a row
   each): rank 0 has 8 micro-batches, rank 1 has 7 (its slice of the last
   batch is empty), though both loaders' len() is 8.
+- ``bf16_wire``: the ``flos`` shards on a bf16 wire (``comm_dtype``), which
+  carries no loss, logging every 2 steps, learning rate 0 (every window's
+  loss is then the reference's).
 """
 import argparse
 import os
@@ -23,7 +26,7 @@ import transformers
 from transformers import TrainingArguments
 
 B, K, LR = 2, 2, 0.1
-ROWS = {"eval": 16, "save_at_flush": 14, "flos": 26, "split_batches": 15}
+ROWS = {"eval": 16, "save_at_flush": 14, "flos": 26, "split_batches": 15, "bf16_wire": 26}
 
 
 class Regression(nn.Module):
@@ -63,17 +66,21 @@ def run(case, out, stock):
         "save_at_flush": dict(save_strategy="steps", save_steps=2),
         "flos": dict(logging_steps=1, save_strategy="no"),
         "split_batches": dict(accelerator_config={"split_batches": True}, save_strategy="no"),
+        "bf16_wire": dict(logging_steps=2, save_strategy="no"),
     }[case]
+    options = {"accumulator_options": {"comm_dtype": torch.bfloat16}} if case == "bf16_wire" and not stock else {}
     args = TrainingArguments(folder, per_device_train_batch_size=B, gradient_accumulation_steps=K, num_train_epochs=1,
-                             learning_rate=LR, lr_scheduler_type="constant", optim="sgd", report_to=[], use_cpu=True,
+                             learning_rate=0.0 if case == "bf16_wire" else LR, lr_scheduler_type="constant", optim="sgd", report_to=[], use_cpu=True,
                              seed=0, train_sampling_strategy="sequential", **extra)
     model = Regression()
     trainer = trainer_class(model=model, args=args, train_dataset=Rows(ROWS[case]), data_collator=collate,
-                            eval_dataset=Rows(5, seed=2) if case == "eval" else None)
-    trainer.train()
+                            eval_dataset=Rows(5, seed=2) if case == "eval" else None, **options)
+    output = trainer.train()
     result = {"params": [p.detach().clone() for p in model.parameters()], "global_step": trainer.state.global_step,
               "evals": [log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log],
-              "checkpoints": sorted(f for f in os.listdir(folder) if f.startswith("checkpoint-"))}
+              "checkpoints": sorted(f for f in os.listdir(folder) if f.startswith("checkpoint-")),
+              "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+              "train_loss": output.training_loss}
     if case == "eval":
         result["final_eval"] = trainer.evaluate()["eval_loss"]
     torch.save(result, os.path.join(out, f"{case}{'-stock' if stock else ''}-{os.environ['RANK']}.pt"))

@@ -119,6 +119,9 @@ def reference(*, kind, reduction, optimizer, batches_per_rank, steps, epochs, dt
 SCENARIOS = {
     # partial last window, mean, SGD with momentum: 5 batches per rank, K = 3
     "partial": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=3, epochs=2),
+    # the same on a bf16 wire (comm_dtype), which carries no loss: train_loss by sync_dist
+    "partial_comm": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=3, epochs=2,
+                         strategy_options=dict(comm_dtype=torch.bfloat16)),
     # the same with Lightning's own DDP + accumulate_grad_batches, for contrast
     "partial_ddp": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=3, epochs=2,
                         ddp=True),

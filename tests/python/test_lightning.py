@@ -124,6 +124,26 @@ def test_train_loss_is_each_windows_global_loss(runs, name):
         assert r["stats"]["collectives"] == r["stats"]["reductions"] * r["stats"]["buckets"]
 
 
+def test_train_loss_on_a_bf16_wire_is_summed_from_each_ranks_share(runs):
+    """A bf16 wire carries no loss (window_loss is None): each rank logs its
+    share of the window's loss with sync_dist (reduce_fx "sum"). The first
+    window's (the parameters still the reference's) is the reference's to
+    float64 rounding; the later ones follow the bf16 wire's own trajectory
+    (before: nothing was logged)."""
+    losses = []
+    reference("partial", losses=losses)
+    steps, per_rank = worker.SCENARIOS["partial_comm"]["steps"], worker.SCENARIOS["partial_comm"]["batches_per_rank"]
+    ends = {(epoch, (w + 1) * steps - 1 if (w + 1) * steps <= per_rank else per_rank - 1): loss
+            for epoch, w, loss in losses}
+    first = min(ends)
+    for r in ok(runs("partial_comm")):
+        logged = {(epoch, batch): value for epoch, batch, value in r["logged_losses"] if (epoch, batch) in ends}
+        assert len(logged) == len(ends) == 4 and None not in logged.values(), r["logged_losses"]
+        assert abs(logged[first] - ends[first]) <= 1e-12 * abs(ends[first]), (logged[first], ends[first])
+        for key, want in ends.items():
+            assert abs(logged[key] - want) <= 2e-2 * abs(want), (key, logged[key], want)
+
+
 def test_nonfinite_window_skipped_clipped_once_scheduler_only_on_real_steps(runs):
     # a NaN on rank 1 in epoch 0's first window: skipped on both ranks; the
     # other three windows clipped once (to 0.05) and stepped, LambdaLR with them

@@ -457,7 +457,7 @@ def shards_reference(n, rows_per_batch=None):
 @pytest.fixture(scope="module")
 def shard_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_shards")
-    shards_run(out, "--case", "eval,save_at_flush,flos,split_batches")
+    shards_run(out, "--case", "eval,save_at_flush,flos,split_batches,bf16_wire")
     shards_run(out, "--case", "eval", "--stock")
 
     def load(case):
@@ -495,3 +495,29 @@ def test_evaluation_with_uneven_eval_shards_equals_the_stock_trainers(shard_runs
         for a, b in zip(res["evals"], stock[0]["evals"]):
             assert abs(a - b) <= 1e-12 * abs(b), (a, b)
         assert abs(res["final_eval"] - stock[0]["final_eval"]) <= 1e-12 * abs(stock[0]["final_eval"])
+
+
+def test_a_bf16_wire_logs_the_global_loss(shard_runs):
+    """A bf16 wire carries no loss (window_loss is None): each rank keeps its
+    share of each window's loss and one all-reduce per log sums them. With
+    learning rate 0, the logged losses (every 2 windows) and train_loss are
+    the one-process means of the windows' losses (before: no loss logged, and
+    train_loss 0.0). The shards are a batch apart: the last window holds a
+    batch on rank 0 only."""
+    w = _shards_worker()
+    model, data = w.Regression(), w.Rows(w.ROWS["bf16_wire"])
+    batches = [(data.x[i:i + w.B], data.y[i:i + w.B]) for i in range(0, len(data.x), w.B)]
+    shards = [batches[r::WORLD] for r in range(WORLD)]
+    windows = []
+    with torch.no_grad():
+        for start in range(0, max(len(s) for s in shards), w.K):
+            micro = [b for shard in shards for b in shard[start:start + w.K]]
+            windows.append(sum(float(torch.nn.functional.mse_loss(model.net(x), y)) for x, y in micro) / len(micro))
+    assert len(windows) == 4
+    logged = [(windows[0] + windows[1]) / 2, (windows[2] + windows[3]) / 2]
+    for res in shard_runs("bf16_wire"):
+        assert res["global_step"] == 4
+        assert len(res["losses"]) == 2
+        for got, want in zip(res["losses"], logged):
+            assert abs(got - want) <= 1e-12 * want, (got, want)
+        assert abs(res["train_loss"] - sum(windows) / 4) <= 1e-12 * res["train_loss"], (res["train_loss"], windows)
