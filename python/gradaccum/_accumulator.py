@@ -437,13 +437,16 @@ class Accumulator:
         optimizer with each window's gradient as they do, until every rank has
         left its block; every rank leaves at the same reduction, so a failure
         on any rank reaches all of them. The result is the exact mean of the
-        data that exists. Ranks with data pay no extra collective. Data
+        data that exists. Ranks with data pay no extra collective, except, with
+        buffers and ``broadcast_buffers``, one small all-reduce in a window
+        where some ranks have joined (which rank ran micro-batches: the
+        buffers are broadcast from the lowest of them). Data
         parallel, every rank ends its data this way (not with ``flush()``: a
         mix is an error on every rank); the epoch's windows are then closed,
         no ``flush()`` is needed. An exception leaves the block at once; data
         parallel, the other ranks raise an error naming this rank in their next
         reduction (shadows too) instead of waiting for it, and are told to end
-        training there. Buffers are not broadcast while some ranks have joined."""
+        training there."""
         try:
             yield
         except GeneratorExit:  # closed unfinished (garbage collected): no exception of the script's

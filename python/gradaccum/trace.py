@@ -26,6 +26,7 @@ src/reducer/launch.cpp), which C++ programs read as
 ``Accumulator::last_window_timeline()``; ``from_timeline`` takes that dict.
 """
 import json
+from collections import abc
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 __all__ = ["from_timeline", "save"]
@@ -104,7 +105,13 @@ def from_timeline(timeline: Dict[str, Any], *, rank: int = 0, names: Optional[Se
 def save(path: str, traces: Union[Trace, Iterable[Trace]]) -> None:
     """Write one trace, or several (ranks, or windows of one rank) merged into
     one file."""
-    items = [traces] if isinstance(traces, dict) else list(traces)
+    if isinstance(traces, dict):
+        items = [traces]
+    elif isinstance(traces, abc.Iterable) and not isinstance(traces, (str, bytes)):
+        items = list(traces)
+    else:
+        raise TypeError(f"gradaccum: gradaccum.trace.save(): traces must be a trace or a list of them "
+                        f"(acc.window_trace()), got {type(traces).__name__}")
     events: List[Dict[str, Any]] = []
     for i, trace in enumerate(items):
         if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):

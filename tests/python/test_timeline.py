@@ -274,3 +274,11 @@ def test_bucket_views_early_only_below_every_buckets_exact_bound(tmp_path, narro
         assert res["items"] == (2**24 if narrow_first else 2**24 + 1)  # (rounded in float32)
         for i, grad in enumerate(res["grads"]):
             assert torch.equal(grad, (ranks[0]["raw"][i] + ranks[1]["raw"][i]) / res["items"]), i
+
+
+def test_trace_save_refuses_what_is_not_a_list_of_traces(tmp_path):
+    with pytest.raises(TypeError) as e:
+        gradaccum.trace.save(str(tmp_path / "x.json"), 5)
+    assert str(e.value) == ("gradaccum: gradaccum.trace.save(): traces must be a trace or a list of them "
+                            "(acc.window_trace()), got int")
+    assert not (tmp_path / "x.json").exists()
