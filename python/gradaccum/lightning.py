@@ -27,7 +27,7 @@ Lightning's own accumulation:
 - each window's global loss (over every micro-batch of every rank, weighted as
   the gradient) is logged as ``train_loss`` (``log_loss=``) at each optimizer
   step, with no ``sync_dist`` and no collective of its own (on a bf16/fp16
-  wire, which carries no loss: each rank's share, summed by ``sync_dist``).
+  wire, which carries no loss: each rank's share, summed by one all-reduce).
 
 Precision: ``32-true``, ``64-true``, ``bf16-mixed``, ``16-mixed`` (the precision
 plugin's GradScaler becomes the Accumulator's ``grad_scaler``; once per window
@@ -62,6 +62,7 @@ except ImportError as error:  # pragma: no cover - exercised by a test in a subp
     ) from error
 
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+from gradaccum._loss_share import LossShare
 from gradaccum._refusal import _refuse_before_building
 
 __all__ = ["GradaccumStrategy"]
@@ -93,8 +94,8 @@ class GradaccumStrategy(DDPStrategy):
             no ``sync_dist`` is needed) is logged at each optimizer step, on
             the progress bar too; ``None`` logs nothing. A bf16/fp16 wire
             (``comm_dtype``) carries no loss (``window_loss`` is None): each
-            rank logs its share of the window's loss with ``sync_dist`` (one
-            all-reduce per window), which sums to the same global loss.
+            rank's share of the window's loss is summed over ranks by one
+            small all-reduce per window: the same global loss.
         process_group_backend, timeout, start_method, accelerator,
         parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
         as for Lightning's ``DDPStrategy``.
@@ -163,9 +164,10 @@ class GradaccumStrategy(DDPStrategy):
         self.accumulator: Optional[Accumulator] = None
         # training_step's own loss and item count, for the backward that follows
         self._micro_batch: Optional[Tuple[torch.Tensor, Optional[Any]]] = None
-        # this rank's loss sum in the open window (logged when the wire carries
-        # none), and whether a mid-window resume cut the open window
-        self._local_loss: Optional[torch.Tensor] = None
+        # this rank's share of the window's loss where the wire carries none
+        # (Note [A wire without the loss]), and whether a mid-window resume cut
+        # the open window
+        self._loss_share = LossShare()
         self._cut_window = False
         # which parameters required grad at the last window boundary (_refresh_if_unfrozen)
         self._trainable: Optional[Tuple[bool, ...]] = None
@@ -340,6 +342,7 @@ class GradaccumStrategy(DDPStrategy):
         if callable(close):
             close()
         self.accumulator = None  # its hooks go with it
+        self._loss_share = LossShare()
         self._micro_batch = None
         self._saved_state = None
         self._resumed = False
@@ -381,6 +384,7 @@ class GradaccumStrategy(DDPStrategy):
                 "returned -1?), whose gradients Lightning clears at its next batch: the window is dropped, as "
                 "Lightning drops it")
             acc.zero_grad()
+            self._loss_share.drop()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.accumulator is not None and self.lightning_module is not None:
@@ -467,11 +471,8 @@ class GradaccumStrategy(DDPStrategy):
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward hooks
-        skipped = self.accumulator.stats()["skipped_micro_batches"] if self.nonfinite == "skip_micro_batch" else None
         self.accumulator.backward(loss, num_items=num_items)
-        if skipped is None or self.accumulator.stats()["skipped_micro_batches"] == skipped:
-            summed = loss.detach().to(torch.float64)  # (a skipped micro-batch is not in the window)
-            self._local_loss = summed if self._local_loss is None else self._local_loss + summed
+        self._loss_share.add(loss, self.nonfinite == "skip_micro_batch")
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward hooks
         self.post_backward(closure_loss)
         return closure_loss
@@ -517,22 +518,17 @@ class GradaccumStrategy(DDPStrategy):
         # window's final gradient (_before_optimizer_step_hooks).
         self._stepped = accumulator.step() if accumulator.window_ready else accumulator.flush()
         loss = accumulator.window_loss
-        local, self._local_loss = self._local_loss, None
+        share = self._loss_share.take(accumulator, self.reduction, self.root_device)
         cut, self._cut_window = self._cut_window, False
         if self.log_loss is not None and self.lightning_module is not None:
+            if share is not None and not cut:
+                # The wire carried no loss: the shares summed over ranks (Note
+                # [A wire without the loss]; every rank gets here alike).
+                torch.distributed.all_reduce(share, group=accumulator.process_group)
+                loss = share
             if loss is not None:
                 # The same value on every rank already: no sync_dist.
                 self.lightning_module.log(self.log_loss, loss, on_step=True, on_epoch=False, prog_bar=True)
-            elif not cut and accumulator.window_items > 0 and accumulator.stats()["data_parallel"]:
-                # A bf16/fp16 wire carries no loss (Note [The window's loss
-                # rides in the header]): this rank's share of it, summed over
-                # ranks. Every rank reads the same window_loss and
-                # window_items, so every rank logs here and the sums pair.
-                share = local if local is not None else torch.zeros((), dtype=torch.float64)
-                if self.reduction != "sum":
-                    share = share / accumulator.window_items
-                self.lightning_module.log(self.log_loss, share.to(self.root_device), on_step=True, on_epoch=False,
-                                          prog_bar=True, sync_dist=True, reduce_fx="sum")
         return result
 
     # ------------------------------------------------------------- checkpoints

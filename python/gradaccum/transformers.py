@@ -132,6 +132,7 @@ from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
 from gradaccum._refusal import _refuse_before_building
 from gradaccum._adapter_options import _adapter_options
 from gradaccum._hf import _float64_causal_lm_loss, keep_float64_causal_lm_loss
+from gradaccum._loss_share import LossShare
 
 __all__ = ["Trainer", "CHECKPOINT_NAME"]
 
@@ -201,9 +202,9 @@ class Trainer(transformers.Trainer):
         self.reduction: Optional[str] = None
         self._shard_lengths: Optional[list] = None
         self._loss_windows = 0
-        # This rank's loss sum in the open window, and its share of each closed
-        # window's loss that the wire did not carry (_sum_loss_shares).
-        self._local_loss: Optional[torch.Tensor] = None
+        # Each closed window's loss that the wire did not carry: this rank's
+        # share, until _sum_loss_shares (Note [A wire without the loss]).
+        self._loss_share = LossShare()
         self._loss_shares: list = []
         self._window_start: Optional[Dict[str, Any]] = None
         self._flushed_epoch = False
@@ -340,7 +341,7 @@ class Trainer(transformers.Trainer):
             # not for a window skipped as non-finite.
             self.accumulator._set_pre_step_hook(self._pre_optimizer_step_callbacks)
         self._loss_windows = 0
-        self._local_loss, self._loss_shares = None, []
+        self._loss_share, self._loss_shares = LossShare(), []
 
     def _accumulator_kwargs(self) -> Dict[str, Any]:
         """accumulator_options, with what the Trainer's arguments give DDP
@@ -441,7 +442,6 @@ class Trainer(transformers.Trainer):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
-        skipped = acc.stats()["skipped_micro_batches"] if self.nonfinite == "skip_micro_batch" else None
         if self.reduction == "items":
             count = self.count_items(inputs)
             divisor = count.clamp(min=1)  # no targets: a zero loss sum, not 0 / 0
@@ -456,9 +456,7 @@ class Trainer(transformers.Trainer):
             del inputs
             summed = loss
             acc.backward(loss)
-        if skipped is None or acc.stats()["skipped_micro_batches"] == skipped:  # (a skipped one is not in the window)
-            summed = summed.detach().to(torch.float64)
-            self._local_loss = summed if self._local_loss is None else self._local_loss + summed
+        self._loss_share.add(summed, self.nonfinite == "skip_micro_batch")
         return loss.detach()
 
     def _run_epoch(self, model, epoch, train_dataloader, steps_in_epoch, num_update_steps_per_epoch, trial,
@@ -557,14 +555,11 @@ class Trainer(transformers.Trainer):
         if stepped:
             self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
         loss = acc.window_loss
-        local, self._local_loss = self._local_loss, None
-        if loss is None and acc.window_items > 0:
-            # A bf16/fp16 wire carries no loss (Note [The window's loss rides in
-            # the header]): this rank's share of it, summed over ranks at the
-            # next log. Every rank reads the same window_loss and window_items,
-            # so every rank keeps a share here, and the all-reduce pairs.
-            share = local if local is not None else self._tr_loss.new_zeros(())
-            self._loss_shares.append(share if self.reduction == "sum" else share / acc.window_items)
+        share = self._loss_share.take(acc, self.reduction, self._tr_loss.device)
+        if share is not None:
+            # The wire carried no loss: this rank's share, summed over ranks at
+            # the next log (Note [A wire without the loss]).
+            self._loss_shares.append(share)
         elif loss is not None and not (self.args.logging_nan_inf_filter and not torch.isfinite(loss)):
             self._tr_loss += loss.to(self._tr_loss.device, self._tr_loss.dtype)
             self._loss_windows += 1

@@ -122,6 +122,10 @@ SCENARIOS = {
     # the same on a bf16 wire (comm_dtype), which carries no loss: train_loss by sync_dist
     "partial_comm": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=3, epochs=2,
                          strategy_options=dict(comm_dtype=torch.bfloat16)),
+    # the same, epoch 0 cut one micro-batch into its first window (on_train_batch_start
+    # returns -1 at batch 1): the window is dropped, and so is its loss
+    "cut_comm": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=3, epochs=2,
+                     strategy_options=dict(comm_dtype=torch.bfloat16), cut_at=(0, 1)),
     # the same with Lightning's own DDP + accumulate_grad_batches, for contrast
     "partial_ddp": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=3, epochs=2,
                         ddp=True),
@@ -287,6 +291,11 @@ def run(name, out_dir):
             self.hook_norms = []
             self.seen = []
             self.seen_at_save = {}
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if cfg.get("cut_at") == (self.current_epoch, batch_idx):
+                return -1  # the rest of the epoch is skipped
+            return None
 
         def on_before_optimizer_step(self, optimizer):
             # What Lightning's hooks see (grad-norm logging, gradient edits).

@@ -144,6 +144,21 @@ def test_train_loss_on_a_bf16_wire_is_summed_from_each_ranks_share(runs):
             assert abs(logged[key] - want) <= 2e-2 * abs(want), (key, logged[key], want)
 
 
+def test_a_window_dropped_at_an_epoch_cut_leaves_no_loss_behind(runs):
+    """Epoch 0 is cut one micro-batch into its first window (on_train_batch_start
+    returns -1): the strategy drops the window, no step ran, and epoch 1's first
+    window logs its own loss at the initial parameters, on the bf16 wire too
+    (before, the dropped micro-batch's loss was left in that rank's share)."""
+    cfg = worker.SCENARIOS["cut_comm"]
+    rows = worker.windows(cfg["batches_per_rank"], cfg["steps"], 1)[0]
+    with torch.no_grad():
+        want = worker.window_loss(worker.mlp(torch.float64), worker.dataset("plain", cfg["batches_per_rank"]), rows,
+                                  "mean").item()
+    for r in ok(runs("cut_comm")):
+        logged = {(epoch, batch): value for epoch, batch, value in r["logged_losses"]}
+        assert logged[(0, 0)] is None and abs(logged[(1, 2)] - want) <= 1e-12 * want, (r["logged_losses"], want)
+
+
 def test_nonfinite_window_skipped_clipped_once_scheduler_only_on_real_steps(runs):
     # a NaN on rank 1 in epoch 0's first window: skipped on both ranks; the
     # other three windows clipped once (to 0.05) and stepped, LambdaLR with them
