@@ -64,6 +64,9 @@ void LossScalerOptions::validate() const {
 
 void AccumulatorOptions::validate() const {
   TORCH_CHECK_VALUE(steps_ > 0, "gradaccum: Accumulator(): invalid steps: ", steps_, " (must be a positive integer)");
+  TORCH_CHECK_VALUE(!(local_only_ && process_group_),
+      "gradaccum: Accumulator(): local_only(true) trains each rank alone, but a process_group was given too; "
+      "pass one or the other");
   if (max_grad_norm_) {
     TORCH_CHECK_VALUE(std::isfinite(*max_grad_norm_) && *max_grad_norm_ >= 0,
         "gradaccum: Accumulator(): invalid max_grad_norm: ", *max_grad_norm_, " (must be a finite number >= 0)");

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <exception>
 #include <sstream>
 #include <mutex>
 #include <unordered_map>
@@ -137,7 +138,10 @@ WindowRule Accumulator::window_rule() const {
 }
 
 Accumulator::~Accumulator() {
-  close();
+  if (std::uncaught_exceptions() > 0) {
+    close(); // (the drop, where one is owed: Note [Closed in the middle of a window])
+  }
+  close_now();
 }
 
 void Accumulator::set_window_callbacks(std::function<bool()> before_step, std::function<void()> after_window) {
@@ -148,7 +152,28 @@ void Accumulator::set_window_callbacks(std::function<bool()> before_step, std::f
   after_window_ = std::move(after_window);
 }
 
+// Note [Closed in the middle of a window]
+// A rank whose Accumulator goes away after micro-steps of a window and before
+// the window's reduction (the script's own exception between micro-steps
+// unwinds it, or acc.close()) would leave the other ranks waiting in their
+// closing reduction until the group's timeout. It first sends that reduction
+// as a drop (AbortReason::Closed), as a rank leaving join() with an exception
+// does (Note [Leaving join() with an exception]): every other rank raises an
+// error naming it and telling them to end training. Ranks that all close in
+// the middle of a window pair their drops with each other. A closed window
+// (window_ready_) was reduced already, and an epoch ended by flush() or
+// join() owes nothing. The destructor sends the drop only while an exception
+// unwinds: a destructor run at a moment of its own (Python's garbage
+// collector) must not start a collective.
 void Accumulator::close() {
+  if (!closed_ && reducer_ && driving_ == nullptr && !window_ready_ && !epoch_ended_ && !epoch_ended_raised_ &&
+      (micro_step_ > 0 || parts_open_ || window_failed_)) {
+    send_drop(AbortReason::Closed, "acc.close()");
+  }
+  close_now();
+}
+
+void Accumulator::close_now() {
   if (closed_) {
     return;
   }

@@ -217,6 +217,9 @@ void check_shape(const AccumulatorState& state, const AccumulatorOptions& option
       " in the middle of a window (micro_step=", state.micro_step, state.window_ready ? ", closed, not yet stepped" : "",
       ") but this Accumulator has steps=", options.steps(), "; resume with steps=", state.steps,
       ", or save at a window boundary (after acc.step() returned True) to change steps");
+  const auto code = static_cast<int64_t>(state.reduction);
+  TORCH_CHECK_VALUE(code >= static_cast<int64_t>(Reduction::Mean) && code <= static_cast<int64_t>(Reduction::Items),
+      "gradaccum: acc.load_state_dict(): the state's reduction is ", code, ", which names no reduction");
   TORCH_CHECK_VALUE(state.reduction == options.reduction(),
       "gradaccum: acc.load_state_dict(): the state was saved with reduction='", to_string(state.reduction),
       "' but this Accumulator has reduction='", to_string(options.reduction()), "'");
@@ -488,10 +491,34 @@ c10::IValue to_ivalue(int64_t v) { return c10::IValue(v); }
 c10::IValue to_ivalue(double v) { return c10::IValue(v); }
 c10::IValue to_ivalue(bool v) { return c10::IValue(v); }
 c10::IValue to_ivalue(Reduction v) { return c10::IValue(static_cast<int64_t>(v)); }
-void from_ivalue(const c10::IValue& v, int64_t& out) { out = v.toInt(); }
-void from_ivalue(const c10::IValue& v, double& out) { out = v.toDouble(); }
-void from_ivalue(const c10::IValue& v, bool& out) { out = v.toBool(); }
-void from_ivalue(const c10::IValue& v, Reduction& out) { out = static_cast<Reduction>(v.toInt()); }
+// Reading one: an archive written by something else (or damaged) gets an
+// error naming the key, not torch's internal assert.
+constexpr const char* kLoad = "gradaccum: acc.load(): the archive's ";
+void from_ivalue(const std::string& key, const c10::IValue& v, int64_t& out) {
+  TORCH_CHECK_VALUE(v.isInt(), kLoad, key, " must be an integer, got ", v.tagKind());
+  out = v.toInt();
+}
+void from_ivalue(const std::string& key, const c10::IValue& v, double& out) {
+  TORCH_CHECK_VALUE(v.isDouble() || v.isInt(), kLoad, key, " must be a number, got ", v.tagKind());
+  out = v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+}
+void from_ivalue(const std::string& key, const c10::IValue& v, bool& out) {
+  TORCH_CHECK_VALUE(v.isBool(), kLoad, key, " must be a bool, got ", v.tagKind());
+  out = v.toBool();
+}
+void from_ivalue(const std::string& key, const c10::IValue& v, Reduction& out) {
+  TORCH_CHECK_VALUE(v.isInt(), kLoad, key, " must be an integer, got ", v.tagKind());
+  const auto code = v.toInt();
+  TORCH_CHECK_VALUE(code >= static_cast<int64_t>(Reduction::Mean) && code <= static_cast<int64_t>(Reduction::Items),
+      kLoad, key, " is ", code, ", which names no reduction");
+  out = static_cast<Reduction>(code);
+}
+int64_t read_count(const std::string& key, const c10::IValue& v) {
+  int64_t count = 0;
+  from_ivalue(key, v, count);
+  TORCH_CHECK_VALUE(count >= 0, kLoad, key, " is ", count, ", not a count");
+  return count;
+}
 
 // A list of tensors, undefined ones included: `count_key`, then per entry
 // `prefix<i>.defined` and `prefix<i>` (an empty tensor where undefined).
@@ -514,7 +541,9 @@ std::vector<at::Tensor> read_tensors(torch::serialize::InputArchive& archive, co
     const auto key = prefix + std::to_string(i);
     archive.read(key + ".defined", defined);
     archive.read(key, tensor, /*is_buffer=*/true);
-    tensors.push_back(defined.toBool() ? tensor : at::Tensor());
+    bool is_defined = false;
+    from_ivalue(key + ".defined", defined, is_defined);
+    tensors.push_back(is_defined ? tensor : at::Tensor());
   }
   return tensors;
 }
@@ -545,15 +574,19 @@ void Accumulator::load(torch::serialize::InputArchive& archive) {
     } else if (!archive.try_read(key, value)) {
       return; // an older archive: the field keeps its default
     }
-    from_ivalue(value, field);
+    from_ivalue(key, value, field);
   });
   archive.read("gradaccum.grads", value);
-  state.grads = read_tensors(archive, "gradaccum.grad.", value.toInt());
+  state.grads = read_tensors(archive, "gradaccum.grad.", read_count("gradaccum.grads", value));
   if (archive.try_read("gradaccum.residuals", value)) { // older archives have none
-    state.residuals = read_tensors(archive, "gradaccum.residual.", value.toInt());
+    state.residuals = read_tensors(archive, "gradaccum.residual.", read_count("gradaccum.residuals", value));
   }
   if (archive.try_read("gradaccum.parameter_names", value)) { // older archives load by position
+    TORCH_CHECK_VALUE(value.isList(), kLoad, "gradaccum.parameter_names must be a list of names, got ",
+                      value.tagKind());
     for (const auto& name : value.toListRef()) {
+      TORCH_CHECK_VALUE(name.isString(), kLoad, "gradaccum.parameter_names must be a list of names, got a ",
+                        name.tagKind());
       state.parameter_names.push_back(name.toStringRef());
     }
   }
