@@ -57,6 +57,9 @@ struct ReducerOptions {
   /// the first all-reduce starts early in backward.
   TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
   /// Make each `.grad` a view into its bucket: no second copy of the gradients.
+  /// `acc.step()` clears them; LibTorch's `Optimizer::zero_grad()` cannot (it
+  /// detaches each `.grad` in place, which a view refuses), so do not call it
+  /// with views (as with torch DDP's gradient_as_bucket_view).
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// Broadcast rank 0's buffers (batch-norm statistics…) at each window's
   /// end, as DDP does (before each forward): one broadcast per window and

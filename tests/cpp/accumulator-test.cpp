@@ -6,10 +6,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <sstream>
+#include <type_traits>
 
 using namespace gradaccum;
 using gradaccum::test::max_rel_diff;
 using gradaccum::test::mlp;
+using gradaccum::test::CountingGroup;
+using gradaccum::test::run_ranks;
 
 namespace {
 
@@ -491,6 +494,57 @@ TEST_CASE("a mid-window archive loads only onto the parameters that saved it", "
   again.load(in_again);
   CHECK(again.micro_step() == 1);
   CHECK(torch::equal(same[0]->parameters()[0].grad(), saving[0]->parameters()[0].grad()));
+}
+
+TEST_CASE("a damaged archive is an error naming its key, and changes nothing", "[accumulator][state]") {
+  // An archive written field by field as save() does, with one value replaced.
+  auto net = gradaccum::test::mlp();
+  Accumulator acc(net, AccumulatorOptions(2));
+  acc.backward(net->forward(torch::ones({2, 6}, torch::kFloat64)).pow(2).mean());
+  const auto grad = net->parameters()[0].grad().clone();
+  const auto state = acc.state_dict();
+  auto load_with = [&](const std::string& bad_key, const c10::IValue& bad) {
+    torch::serialize::OutputArchive out;
+    auto put = [&](const std::string& key, const c10::IValue& value) { out.write(key, key == bad_key ? bad : value); };
+    gradaccum::for_each_state_field(state, [&](const char* name, const auto& field, bool) {
+      using T = std::decay_t<decltype(field)>;
+      if constexpr (std::is_same_v<T, Reduction>) {
+        put(std::string("gradaccum.") + name, c10::IValue(static_cast<int64_t>(field)));
+      } else {
+        put(std::string("gradaccum.") + name, c10::IValue(field));
+      }
+    });
+    put("gradaccum.grads", c10::IValue(int64_t{0}));
+    std::stringstream file;
+    out.save_to(file);
+    torch::serialize::InputArchive in;
+    in.load_from(file);
+    acc.load(in);
+  };
+  CHECK_THROWS_WITH(load_with("gradaccum.micro_step", c10::IValue(std::string("1"))),
+      Catch::StartsWith("gradaccum: acc.load(): the archive's gradaccum.micro_step must be an integer, got String"));
+  CHECK_THROWS_WITH(load_with("gradaccum.window_ready", c10::IValue(int64_t{1})),
+      Catch::StartsWith("gradaccum: acc.load(): the archive's gradaccum.window_ready must be a bool, got Int"));
+  CHECK_THROWS_WITH(load_with("gradaccum.reduction", c10::IValue(int64_t{7})),
+      Catch::StartsWith("gradaccum: acc.load(): the archive's gradaccum.reduction is 7, which names no reduction"));
+  CHECK_THROWS_WITH(load_with("gradaccum.grads", c10::IValue(int64_t{-5})),
+      Catch::StartsWith("gradaccum: acc.load(): the archive's gradaccum.grads is -5, not a count"));
+  CHECK_THROWS_AS(load_with("gradaccum.steps", c10::IValue(3.5)), c10::ValueError);
+  auto bad_reduction = state;
+  bad_reduction.reduction = static_cast<Reduction>(9);
+  CHECK_THROWS_WITH(acc.load_state_dict(bad_reduction),
+      Catch::StartsWith("gradaccum: acc.load_state_dict(): the state's reduction is 9, which names no reduction"));
+  CHECK(acc.micro_step() == 1);
+  CHECK(torch::equal(net->parameters()[0].grad(), grad));
+}
+
+TEST_CASE("local_only and a process group together are refused", "[accumulator][launch]") {
+  auto net = gradaccum::test::mlp();
+  run_ranks(1, [&](int, c10::intrusive_ptr<CountingGroup> group) {
+    CHECK_THROWS_WITH(Accumulator(net, AccumulatorOptions(2).local_only(true).process_group(group)),
+        Catch::StartsWith("gradaccum: Accumulator(): local_only(true) trains each rank alone, but a process_group was given too; "
+        "pass one or the other"));
+  });
 }
 
 TEST_CASE("no process group under a multi-rank launch is an error unless local_only", "[accumulator][launch]") {

@@ -270,7 +270,7 @@ TEST_CASE("an Accumulator unwound mid-window on one rank drops the window on eve
       RANK_CHECK_FALSE(p.grad().defined());
     }
     std::vector<at::Tensor> one{torch::ones({1})};
-    group->allreduce(one)->wait();
+    group->allreduce(one, c10d::AllreduceOptions())->wait();
     after[rank] = one[0].item<int64_t>();
   });
   CHECK(errors[1] == "the script's own error");
