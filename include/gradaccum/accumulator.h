@@ -420,12 +420,9 @@ class Accumulator {
   void set_window_callbacks(std::function<bool()> before_step, std::function<void()> after_window);
 
   /// Removes the hooks and releases the parameters for another Accumulator;
-  /// every later call but stats() is an error. Data parallel, in the middle
-  /// of a window (micro-steps run, the window's reduction not), it first runs
-  /// that reduction as a drop, so that the other ranks raise an error naming
-  /// this rank instead of waiting for it (Note [Closed in the middle of a
-  /// window]). The destructor does the same; it runs the drop only while an
-  /// exception unwinds (C++ RAII: the script's own error between micro-steps).
+  /// every later call but stats() is an error. The destructor does the same.
+  /// No collective: in the middle of a window the other ranks still wait for
+  /// this rank's reduction (Note [Closed in the middle of a window]).
   void close();
   bool closed() const {
     return closed_;
@@ -500,10 +497,6 @@ class Accumulator {
   void close_window_loss(const ReductionResult& result, const at::Tensor& like);
   void close_local_window_loss();
   void reset_window();
-  /// Runs the reduction the other ranks wait for as a drop for `why`
-  /// (abandon(), close()); raises nothing.
-  void send_drop(AbortReason why, const char* call) noexcept;
-  void close_now();
   /// zero_grad() without its call guard: a closed window that every rank
   /// drops alike (acc.step()'s skips) or that a reduction tells of already.
   void drop_window();

@@ -622,27 +622,11 @@ class Accumulator:
     def close(self) -> None:
         """Removes the hooks and releases the parameters (for another
         Accumulator over them) and the process group; later calls raise. Also
-        on ``with`` exit. Data parallel, in the middle of a window, it first
-        runs the window's reduction as a drop, so that the other ranks raise
-        an error naming this rank instead of waiting for it (Note [Closed in
-        the middle of a window]); not when an exception leaves the ``with``
-        block (see _close_quietly)."""
+        on ``with`` exit. No collective: in the middle of a window the other
+        ranks still wait for this rank's reduction (Note [Closed in the middle
+        of a window])."""
         self._c.close()
         self.process_group = None
-
-    def _close_quietly(self) -> None:
-        """close() without that drop: the window is dropped here alone. For
-        an exception leaving a ``with`` block, and the adapters' teardown:
-        the process usually ends next, which the other ranks' transport sees
-        at once, while a drop could meet a collective the script or the
-        framework runs in the meantime (Lightning broadcasts at every batch)
-        and wait with it until the group's timeout."""
-        if not self.closed and not self.window_ready:
-            try:
-                self._c.zero_grad()
-            except RuntimeError:
-                pass  # (inside a call of its own: close() sends nothing there either)
-        self.close()
 
     @property
     def closed(self) -> bool:
@@ -651,11 +635,8 @@ class Accumulator:
     def __enter__(self) -> "Accumulator":
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._close_quietly()
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         if self.closed:

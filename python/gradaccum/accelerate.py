@@ -632,6 +632,6 @@ class Accelerator(_accelerate.Accelerator):
 
     def free_memory(self, *objects: Any) -> Any:
         if self.accumulator is not None:
-            self.accumulator._close_quietly()  # (find_executable_batch_size calls it after an OOM)
+            self.accumulator.close()
             self.accumulator = None
         return super().free_memory(*objects)

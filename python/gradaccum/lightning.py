@@ -338,9 +338,9 @@ class GradaccumStrategy(DDPStrategy):
         if self._gated_module is not None:
             del self._gated_module.lr_scheduler_step  # back to the class's own hook
             self._gated_module = None
-        close = getattr(self.accumulator, "_close_quietly", None)
+        close = getattr(self.accumulator, "close", None)
         if callable(close):
-            close()  # (after an exception: Lightning's own collectives come next)
+            close()
         self.accumulator = None  # its hooks go with it
         self._loss_share = LossShare()
         self._micro_batch = None

@@ -380,7 +380,7 @@ class Trainer(transformers.Trainer):
         acc, self.accumulator = self.accumulator, None
         if acc is not None and not acc.closed:
             self.accumulator_stats = acc.stats()
-            acc._close_quietly()  # (also after an exception: the Trainer's own collectives may come next)
+            acc.close()
 
     def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any) -> Any:
         try:

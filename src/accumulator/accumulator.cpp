@@ -16,7 +16,6 @@
 
 #include <cmath>
 #include <cstdlib>
-#include <exception>
 #include <sstream>
 #include <mutex>
 #include <unordered_map>
@@ -138,10 +137,7 @@ WindowRule Accumulator::window_rule() const {
 }
 
 Accumulator::~Accumulator() {
-  if (std::uncaught_exceptions() > 0) {
-    close(); // (the drop, where one is owed: Note [Closed in the middle of a window])
-  }
-  close_now();
+  close();
 }
 
 void Accumulator::set_window_callbacks(std::function<bool()> before_step, std::function<void()> after_window) {
@@ -153,27 +149,17 @@ void Accumulator::set_window_callbacks(std::function<bool()> before_step, std::f
 }
 
 // Note [Closed in the middle of a window]
-// A rank whose Accumulator goes away after micro-steps of a window and before
-// the window's reduction (the script's own exception between micro-steps
-// unwinds it, or acc.close()) would leave the other ranks waiting in their
-// closing reduction until the group's timeout. It first sends that reduction
-// as a drop (AbortReason::Closed), as a rank leaving join() with an exception
-// does (Note [Leaving join() with an exception]): every other rank raises an
-// error naming it and telling them to end training. Ranks that all close in
-// the middle of a window pair their drops with each other. A closed window
-// (window_ready_) was reduced already, and an epoch ended by flush() or
-// join() owes nothing. The destructor sends the drop only while an exception
-// unwinds: a destructor run at a moment of its own (Python's garbage
-// collector) must not start a collective.
+// close() (and the destructor) start no collective, even in the middle of a
+// window whose reduction the other ranks will wait for. Sending that
+// reduction as a drop (as abandon() does for join()) would tell them when
+// they are in their closing reduction, but a rank closes mid-window as often
+// with nothing owed (ranks whose data ran out unevenly, without flush()) or
+// while the others run a collective of their own (a logging all-reduce, a
+// barrier, Lightning's per-batch broadcast): a drop meeting one of those
+// aborts that process in Gloo, or waits with it until the group's timeout
+// (both measured), where a close without it costs nothing and a process that
+// ends is seen by the others' transport at once.
 void Accumulator::close() {
-  if (!closed_ && reducer_ && driving_ == nullptr && !window_ready_ && !epoch_ended_ && !epoch_ended_raised_ &&
-      (micro_step_ > 0 || parts_open_ || window_failed_)) {
-    send_drop(AbortReason::Closed, "acc.close()");
-  }
-  close_now();
-}
-
-void Accumulator::close_now() {
   if (closed_) {
     return;
   }

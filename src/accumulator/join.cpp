@@ -142,15 +142,11 @@ void Accumulator::abandon() noexcept {
   if (everyone_knows || epoch_ended_ || epoch_ended_raised_) {
     return;
   }
-  send_drop(AbortReason::LeftJoin, "acc.join()");
-}
-
-void Accumulator::send_drop(AbortReason why, const char* call) noexcept {
   try {
-    const CallGuard guard(driver_, driving_, call, &call_);
+    const CallGuard guard(driver_, driving_, "acc.join()", &call_);
     parts_open_ = false;
     auto abort = new_request();
-    abort.abort = why;
+    abort.abort = AbortReason::LeftJoin;
     reset_window();
     try {
       reducer_->reduce(abort); // throws the dropped window's error, as on every rank

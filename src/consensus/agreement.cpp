@@ -280,8 +280,7 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
       return who + "'s parameters carry another reducer's gradient hooks (the model is also "
           "wrapped in torch DDP there?)";
     case AbortReason::Closed:
-      return who + " closed or destroyed its Accumulator in the middle of the window (an exception of the "
-          "script's between micro-steps?) or during its synchronising backward";
+      return who + " destroyed its Accumulator during the synchronising backward";
     case AbortReason::ClosedWindowNotStepped:
       return who + " could not step the last window it closed (ending its data in acc.flush() or "
           "acc.join()), while other ranks stepped theirs";
@@ -319,7 +318,7 @@ const char* several_phrase(AbortReason why) {
     case AbortReason::EpochEnded:
       return "went on training after other ranks had ended the epoch with acc.flush()";
     case AbortReason::Closed:
-      return "closed or destroyed the Accumulator in the middle of the window";
+      return "destroyed the Accumulator during the synchronising backward";
     case AbortReason::ForeignReducer:
       return "carried another reducer's gradient hooks on the parameters (torch DDP?)";
     case AbortReason::GradientsChanged:
@@ -364,10 +363,6 @@ std::string consequence(AbortReason why, int64_t joined) {
   if (why == AbortReason::LeftJoin) { // Note [Leaving join() with an exception]
     return text + "a rank that left its acc.join() block reduces no more: end training on every rank here (or resume every rank "
         "from a checkpoint)";
-  }
-  if (why == AbortReason::Closed) { // Note [Closed in the middle of a window]
-    return text + "a rank whose Accumulator is closed reduces no more: end training on every rank here (or resume "
-        "every rank from a checkpoint)";
   }
   if (joined > 0) {
     return text + std::to_string(joined) + " rank(s) out of data in acc.join() raise this error too and leave "

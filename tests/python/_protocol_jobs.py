@@ -315,37 +315,6 @@ def drop_during_backward(rank, world_size):
 
 
 @job
-def closed_mid_window(rank, world_size, *, how):
-    """K=3: rank 1 runs one micro-step, then its Accumulator goes away (how:
-    "close", acc.close(); "with", its ``with gradaccum.Accumulator(...) as
-    acc:`` block ends there); rank 0 runs the window to its end. Then both run
-    a plain all-reduce of their own: nothing is left unpaired."""
-    import gradaccum
-
-    model = du.mlp(5)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(3, du.D_IN, dtype=torch.float64)
-    error = None
-    if rank == 1:
-        with gradaccum.Accumulator(model, opt, steps=3) as acc:
-            acc.backward(model(x).pow(2).mean())
-            if how == "close":
-                acc.close()
-    else:
-        acc = gradaccum.Accumulator(model, opt, steps=3)
-        try:
-            for _ in range(3):
-                acc.backward(model(x).pow(2).mean())
-        except RuntimeError as e:
-            error = str(e)
-        grads = [p.grad for p in model.parameters()]
-        assert all(g is None for g in grads), "the dropped window left gradients"
-    t = torch.ones(1)
-    torch.distributed.all_reduce(t)
-    return {"error": error, "after": t.item()}
-
-
-@job
 def peer_killed(rank, world_size):
     import gradaccum
 
