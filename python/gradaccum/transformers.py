@@ -603,8 +603,8 @@ class Trainer(transformers.Trainer):
         if not shares:
             return
         losses = torch.stack([s.to(self._tr_loss.device) for s in shares])
-        if self._acc.stats()["data_parallel"]:
-            torch.distributed.all_reduce(losses, group=self._acc.process_group)
+        # (LossShare.take gives shares only data parallel)
+        torch.distributed.all_reduce(losses, group=self._acc.process_group)
         if self.args.logging_nan_inf_filter:
             losses = losses[torch.isfinite(losses)]
         self._tr_loss += losses.sum().to(self._tr_loss.dtype)
