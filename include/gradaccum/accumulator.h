@@ -111,6 +111,9 @@ struct AccumulatorState {
   /// The last full window's global weight (the same on every rank): the
   /// prescale of half-precision wires with reduction "items".
   double reducer_last_weight = 0;
+  /// error_feedback, per-rank states: the global weight of the window whose
+  /// rounding `residuals` hold (0: unknown, or no residuals saved).
+  double reducer_residual_weight = 0;
   double loss_scale = 0; ///< the loss scaler's scale (0 without one)
   int64_t loss_scale_growth_tracker = 0;
   std::vector<at::Tensor> grads; ///< one per parameter; undefined for None
@@ -161,6 +164,7 @@ void for_each_state_field(State& s, Visit&& visit) {
   visit("reducer.snapshots", s.reducer.snapshots, true);
   visit("reducer_sequence", s.reducer_sequence, true);
   visit("reducer_last_weight", s.reducer_last_weight, false);
+  visit("reducer_residual_weight", s.reducer_residual_weight, false);
   visit("loss_scale", s.loss_scale, true);
   visit("loss_scale_growth_tracker", s.loss_scale_growth_tracker, true);
 }

@@ -252,11 +252,14 @@ class Reducer {
   void refresh_check(bool refused);
   /// Counters, the window sequence number and the last full window's global
   /// weight (the prescale of half-precision wires with "items", Note [Scaling
-  /// before the sum]; the same on every rank), as saved in a checkpoint.
+  /// before the sum]; the same on every rank), as saved in a checkpoint; and
+  /// the global weight of the window whose rounding the error-feedback
+  /// residuals hold (0: unknown; Note [Error feedback across window weights]).
   struct Progress {
     ReducerStats stats;
     int64_t sequence = 0;
     double last_weight = 0;
+    double residual_weight = 0;
   };
   Progress progress() const;
   /// Restores what progress() returned (every rank must load the same).

@@ -126,6 +126,7 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
     state.reducer_last_weight = progress.last_weight;
     if (!state.rank_independent && options_.error_feedback()) {
       state.residuals = reducer_->residuals(); // a rank's own: see AccumulatorState
+      state.reducer_residual_weight = progress.residual_weight;
     }
   }
   return state;
@@ -348,6 +349,8 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
       "gradaccum: acc.load_state_dict(): window_weight=", state.window_weight, " must be >= 0");
   TORCH_CHECK_VALUE(std::isfinite(state.reducer_last_weight) && state.reducer_last_weight >= 0,
       "gradaccum: acc.load_state_dict(): reducer_last_weight=", state.reducer_last_weight, " must be >= 0");
+  TORCH_CHECK_VALUE(std::isfinite(state.reducer_residual_weight) && state.reducer_residual_weight >= 0,
+      "gradaccum: acc.load_state_dict(): reducer_residual_weight=", state.reducer_residual_weight, " must be >= 0");
   // Mid-window the weight is this rank's share of the micro-steps or items
   // so far (after a resume on another number of ranks, not a count of its
   // own), and may be 0 (num_items=0); a window not yet begun has none.
@@ -479,7 +482,10 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
     // The last full window's global weight, as it would be on this many ranks.
     const double last_weight = state.reducer_last_weight * static_cast<double>(world) /
         static_cast<double>(state.world_size);
-    reducer_->restore({state.reducer, state.reducer_sequence, last_weight});
+    // Residuals load only from a per-rank state on as many ranks (or start at
+    // zero): their window's weight is as saved.
+    reducer_->restore({state.reducer, state.reducer_sequence, last_weight,
+                       state.residuals.empty() ? 0.0 : state.reducer_residual_weight});
   }
   remember_gradients();
 }

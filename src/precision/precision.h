@@ -19,10 +19,17 @@ namespace gradaccum::detail {
 /// sum]); `last_weight`: the global weight of the last full window (0: none).
 double expected_weight(const WindowRule& rule, int world, double last_weight);
 
+/// What a rank multiplies its error-feedback residual by before adding it to
+/// the reduction `request` asks for (Note [Error feedback across window
+/// weights]); `residual_weight`: the global weight of the window whose
+/// rounding the residual holds (0: unknown).
+double residual_carry(const ReductionRequest& request, int world, double residual_weight);
+
 /// Fills the wire of a compressed bucket (Bucket::compressed) from its
 /// gradients, divided by `scale` (E when prescaled, else 1), keeping the
-/// rounding error as the residual with error feedback.
-void compress(Bucket& bucket, double scale);
+/// rounding error as the residual with error feedback (carried in multiplied
+/// by `carry`: residual_carry()).
+void compress(Bucket& bucket, double scale, double carry);
 
 /// The inverse of compress(), into the bucket's gradients, with the window's
 /// division folded in when the wire was prescaled. Returns whether the

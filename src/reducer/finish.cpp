@@ -325,6 +325,9 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   if (result.global_weight > 0 && result.flushing_ranks == 0) {
     window.last_weight = result.global_weight; // Note [Scaling before the sum]
   }
+  if (result.global_weight > 0) {
+    window.residual_weight = result.global_weight; // Note [Error feedback across window weights]
+  }
   std::optional<std::vector<Bucket>> rebuilt;
   try {
     window_collectives(result.joined_ranks, rebuilt);

@@ -337,7 +337,8 @@ void Reducer::discard_residuals() {
 
 Reducer::Progress Reducer::progress() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return {state_->stats, state_->window.sequence, state_->window.last_weight};
+  const auto& w = state_->window;
+  return {state_->stats, w.sequence, w.last_weight, w.residual_weight};
 }
 
 void Reducer::mark_unstepped(const char* why) {
@@ -365,6 +366,7 @@ void Reducer::restore(const Progress& progress) {
   // Note [Scaling before the sum]: the same on every rank, as saved (states
   // from before it was saved hold 0: the first window uses world * steps).
   s.window.last_weight = progress.last_weight;
+  s.window.residual_weight = progress.residual_weight;
 }
 
 int64_t Reducer::windows() const {

@@ -116,6 +116,10 @@ struct Window {
   /// before rounding them (so that fp16 cannot overflow in the sum), fixed when
   /// the reduction begins (Note [Scaling before the sum]).
   double expected_weight = 1.0;
+  /// Error feedback: what each rank multiplies its residual by before adding
+  /// it to this reduction's gradients, fixed when the reduction begins (Note
+  /// [Error feedback across window weights]).
+  double residual_carry = 1.0;
 
   /// Note [The window's timeline]: times from `origin`, the reduction's
   /// beginning; each bucket's completion is stamped by a callback on its
@@ -154,6 +158,10 @@ struct Window {
   /// The global weight of the last full window reduced (the same on every
   /// rank); 0 before the first. The expected weight of the next items window.
   double last_weight = 0;
+  /// Error feedback: the global weight of the window whose rounding the
+  /// residuals hold (0: unknown, carried as they are; Note [Error feedback
+  /// across window weights]).
+  double residual_weight = 0;
   int last_anchor_task = -1;
   bool aborted_here = false; ///< this rank dropped the last reduction itself
   /// Why the last reduction dropped its window ("" if it did not; also if

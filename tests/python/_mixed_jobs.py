@@ -456,7 +456,9 @@ def tiny_items_weight(rank, world_size, *, comm_dtype, num_items):
 def items_wire_resume(rank, world_size, *, comm_dtype):
     """reduction="items" over a prescaled half-precision wire with error
     feedback: a per-rank state saved at a window boundary resumes bit for bit
-    (the prescale is the last full window's global weight, kept in the state)."""
+    (the prescale is the last full window's global weight, kept in the state,
+    and so are the residuals and the weight of the window they are from; the
+    windows' weights differ). Learning rate 0: a new model is the same one."""
     import copy
 
     import gradaccum
@@ -473,24 +475,26 @@ def items_wire_resume(rank, world_size, *, comm_dtype):
         for x, n in micro:
             acc.backward(model(x).pow(2).sum(), num_items=n)
         grads = [p.grad.clone() for p in model.parameters()]
-        acc.zero_grad()
+        assert acc.step()  # a stepped window keeps its residuals (zero_grad() would drop them)
         return grads
 
     dtype = getattr(torch, comm_dtype)
     model = make()
-    acc = gradaccum.Accumulator(model, None, steps=2, reduction="items", comm_dtype=dtype,
-                                error_feedback=True)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=2,
+                                reduction="items", comm_dtype=dtype, error_feedback=True)
     window(model, acc, data[0])
     window(model, acc, data[1])
     state = copy.deepcopy(acc.state_dict(rank_independent=False))
     uninterrupted = window(model, acc, data[2])
     acc.close()
     model = make()
-    acc = gradaccum.Accumulator(model, None, steps=2, reduction="items", comm_dtype=dtype,
-                                error_feedback=True)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=2,
+                                reduction="items", comm_dtype=dtype, error_feedback=True)
     acc.load_state_dict(state)
     return {"uninterrupted": uninterrupted, "resumed": window(model, acc, data[2]),
-            "last_weight": state["reducer_last_weight"]}
+            "last_weight": state["reducer_last_weight"],
+            "residual": max(float(r.abs().max()) for r in state["error_feedback_residuals"]),
+            "weights": (state["reducer_residual_weight"], float(acc.window_items))}
 
 
 # --------------------------------------------------------------------------- #
@@ -587,5 +591,61 @@ def error_feedback_state_on_another_set(rank, world_size):
             refused = str(e)
         acc.load_state_dict({k: v for k, v in state.items() if k != "error_feedback_residuals"})
         out[str(dtype)] = {"held": held, "refused": refused, "micro_step": acc.micro_step}
+        acc.close()
+    return out
+
+
+
+class _GradRecorder(torch.optim.SGD):
+    """SGD at learning rate 0 that keeps each step's gradient, flat."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append(torch.cat([p.grad.reshape(-1) for g in self.param_groups for p in g["params"]]))
+        return super().step(closure)
+
+
+@job
+def error_feedback_changing_weights(rank, world_size, *, windows, reduction, steps, zero_ranks=()):
+    """Windows of very different weights, a bf16 wire without and with error
+    feedback against a float32 wire: each window's reduced gradient, as the
+    optimizer sees it. `windows[w][rank]` lists the rows of each micro-batch
+    of window w (fewer than `steps`: closed by flush()); the loss sums over
+    rows with reduction "items" (num_items = rows), else averages. Ranks in
+    `zero_ranks` have zero inputs: their gradients are exactly 0 (no bias), so
+    the bf16 sum over ranks rounds nothing. With error feedback, also what
+    each rank holds back after each window, and that window's weight."""
+    import gradaccum
+
+    out = {}
+    for name, comm, feedback in (("fp32", None, False), ("bf16", torch.bfloat16, False),
+                                 ("bf16+ef", torch.bfloat16, True)):
+        torch.manual_seed(0)
+        model = nn.Linear(16, 1, bias=False)
+        opt = _GradRecorder(model.parameters())
+        acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction, comm_dtype=comm,
+                                    error_feedback=feedback)
+        for w, per_rank in enumerate(windows):
+            for i, rows in enumerate(per_rank[rank]):
+                g = torch.Generator().manual_seed(1000 * w + 10 * i + rank)
+                x, y = torch.randn(rows, 16, generator=g), torch.randn(rows, 1, generator=g)
+                if rank in zero_ranks:
+                    x = torch.zeros_like(x)
+                if reduction == "items":
+                    acc.backward((model(x) - y).pow(2).sum(), num_items=rows)
+                else:
+                    acc.backward((model(x) - y).pow(2).mean())
+                acc.step()
+            if len(per_rank[rank]) < steps:
+                assert acc.flush()
+            if feedback:
+                state = acc.state_dict(rank_independent=False)
+                out.setdefault("held", []).append(
+                    (torch.cat([r.reshape(-1) for r in state["error_feedback_residuals"]]),
+                     state["reducer_residual_weight"]))
+        out[name] = opt.seen
         acc.close()
     return out

@@ -393,8 +393,8 @@ STATE_KEYS = ["steps", "reduction", "world_size", "rank", "rank_independent", "m
               "skipped_steps", "windows", "reducer", "reducer_sequence", "loss_scale",
               "loss_scale_growth_tracker", "grads"]
 # Optional: states saved before it was kept load without it (as 0).
-OPTIONAL_STATE_KEYS = ["reducer_last_weight", "skipped_micro_batches", "window_empty", "window_unscaled",
-                       "window_clipped", "parameter_names"]
+OPTIONAL_STATE_KEYS = ["reducer_last_weight", "reducer_residual_weight", "skipped_micro_batches",
+                       "window_empty", "window_unscaled", "window_clipped", "parameter_names"]
 
 
 @pytest.fixture
@@ -626,6 +626,16 @@ def test_load_state_dict_closed_window_flags_need_a_closed_window(mid_window, ke
     check_untouched(model, acc, grads)
     with pytest.raises(ValueError, match=r"skipped_micro_batches=-1 must be >= 0"):
         acc.load_state_dict({**state, "skipped_micro_batches": -1})
+    check_untouched(model, acc, grads)
+
+
+@pytest.mark.parametrize("key", ["reducer_last_weight", "reducer_residual_weight"])
+@pytest.mark.parametrize("value", [-1.0, float("nan")])
+def test_load_state_dict_refuses_a_negative_or_nan_reducer_weight(mid_window, key, value):
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    with pytest.raises(ValueError, match=rf"^gradaccum: acc\.load_state_dict\(\): {key}=(-1|nan) must be >= 0$"):
+        acc.load_state_dict({**state, key: value})
     check_untouched(model, acc, grads)
 
 
