@@ -253,7 +253,7 @@ class Reducer {
   /// Counters, the window sequence number and the last full window's global
   /// weight (the prescale of half-precision wires with "items", Note [Scaling
   /// before the sum]; the same on every rank), as saved in a checkpoint; and
-  /// the global weight of the window whose rounding the error-feedback
+  /// this rank's weight in the window whose rounding the error-feedback
   /// residuals hold (0: unknown; Note [Error feedback across window weights]).
   struct Progress {
     ReducerStats stats;

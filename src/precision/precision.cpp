@@ -38,32 +38,43 @@ double expected_weight(const WindowRule& rule, int world, double last_weight) {
 // 4096 tokens, then one of 10), and a flushed partial window is lighter too;
 // carried as it was, the residual of a heavy window swamped the gradient of a
 // light one (a relative error of 0.65 on 1-item windows after 4096-item ones,
-// where bf16 alone errs by 0.003). W_{k+1} is known only once the window is
-// reduced (it travels with the gradients), so each rank carries its residual
-// multiplied by world * w / W_k, where w is its own weight in window k+1:
-// its estimate of W_{k+1} (exact where the ranks' weights are equal). W_k is
-// the same on every rank (summed in the meta; Window::residual_weight, kept
-// in per-rank checkpoints with the residuals). A rank with no weight in the
-// window (out of data, joined) drops its residual: no more is lost than
-// without error feedback. Reduction "sum" divides by nothing: carried as it
-// is. Where the ranks' weights differ, the rest of the estimate's error is of
-// the order of the residual itself, the rounding of one window.
-double residual_carry(const ReductionRequest& request, int world, double residual_weight) {
-  if (!request.divide || !(residual_weight > 0)) {
+// where bf16 alone errs by 0.003). The right factor, W_{k+1} / W_k, is known
+// only once the window is reduced (W_{k+1} travels with the gradients), so
+// each rank multiplies its residual by its own weight's ratio, w_{k+1} / w_k
+// (Window::residual_weight keeps w_k, in per-rank checkpoints with the
+// residuals too): exact wherever each rank's share of the global weight is
+// the same in both windows (steady weights, even or not; windows that swing
+// on every rank together). Where the shares change, each window's error is
+// of the order of the residual itself (bf16's rounding of one window): what
+// the optimizer gets over many windows stays closer to the float32 sum than
+// without error feedback, unlike a factor of W_k / W_{k+1} (a heavy window
+// after light ones), or world * w_{k+1} / W_k, which over-feeds a rank that
+// holds more than its share by the same ratio at every window. In a window
+// where this rank has no weight (no micro-step in a flushed window, joined,
+// num_items=0) the ratio is 0: the residual is held back, untouched, for the
+// next window that has weight (Window::residual_weight stays that of its own
+// window), as sending it whole would feed it at the others' weight. Before
+// the first window with weight (or from an older checkpoint) it is carried
+// as it is. Reduction "sum" divides by nothing: carried as it is.
+double residual_carry(const ReductionRequest& request, double residual_weight) {
+  if (!request.divide) {
     return 1.0;
   }
-  return static_cast<double>(world) * request.weight / residual_weight;
+  if (!(request.weight > 0)) {
+    return 0.0; // held back: see compress()
+  }
+  return residual_weight > 0 ? request.weight / residual_weight : 1.0;
 }
 
 void compress(Bucket& bucket, double scale, double carry) {
   // In place, no temporary: the bucket's gradients are rewritten from the
   // wire by decompress() (or cleared with a dropped window) in any case.
   at::NoGradGuard no_grad;
-  if (bucket.residual.defined()) {
+  if (bucket.residual.defined() && carry != 0.0) {
     // Error feedback: send what was lost last time too (Note [Error feedback
-    // across window weights]), and keep what is lost now (unscaled). What
-    // overflowed or was not finite is not kept: it would poison every later
-    // window.
+    // across window weights]; a carry of 0 holds it back, as it is, below),
+    // and keep what is lost now (unscaled). What overflowed or was not finite
+    // is not kept: it would poison every later window.
     if (carry == 1.0) {
       bucket.residual.add_(bucket.gradients);
     } else {

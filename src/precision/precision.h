@@ -21,14 +21,14 @@ double expected_weight(const WindowRule& rule, int world, double last_weight);
 
 /// What a rank multiplies its error-feedback residual by before adding it to
 /// the reduction `request` asks for (Note [Error feedback across window
-/// weights]); `residual_weight`: the global weight of the window whose
+/// weights]); `residual_weight`: this rank's weight in the window whose
 /// rounding the residual holds (0: unknown).
-double residual_carry(const ReductionRequest& request, int world, double residual_weight);
+double residual_carry(const ReductionRequest& request, double residual_weight);
 
 /// Fills the wire of a compressed bucket (Bucket::compressed) from its
 /// gradients, divided by `scale` (E when prescaled, else 1), keeping the
 /// rounding error as the residual with error feedback (carried in multiplied
-/// by `carry`: residual_carry()).
+/// by `carry`: residual_carry(); 0 leaves the residual as it is).
 void compress(Bucket& bucket, double scale, double carry);
 
 /// The inverse of compress(), into the bucket's gradients, with the window's

@@ -325,8 +325,8 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   if (result.global_weight > 0 && result.flushing_ranks == 0) {
     window.last_weight = result.global_weight; // Note [Scaling before the sum]
   }
-  if (result.global_weight > 0) {
-    window.residual_weight = result.global_weight; // Note [Error feedback across window weights]
+  if (window.residual_carry != 0.0) { // (0: held back, still its own window's: Note [Error feedback across window weights])
+    window.residual_weight = window.request.weight;
   }
   std::optional<std::vector<Bucket>> rebuilt;
   try {

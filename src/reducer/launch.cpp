@@ -43,7 +43,7 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
   window.next_launch = 0;
   // See Note [Scaling before the sum]: the same value on every rank.
   window.expected_weight = detail::expected_weight(config.rule, config.world, window.last_weight);
-  window.residual_carry = detail::residual_carry(request, config.world, window.residual_weight);
+  window.residual_carry = detail::residual_carry(request, window.residual_weight);
   // A weight the meta cannot carry drops the window on every rank (raising
   // here, before the collectives, would leave the others waiting).
   if (window.request.abort == AbortReason::None) {

@@ -158,7 +158,7 @@ struct Window {
   /// The global weight of the last full window reduced (the same on every
   /// rank); 0 before the first. The expected weight of the next items window.
   double last_weight = 0;
-  /// Error feedback: the global weight of the window whose rounding the
+  /// Error feedback: this rank's weight in the window whose rounding the
   /// residuals hold (0: unknown, carried as they are; Note [Error feedback
   /// across window weights]).
   double residual_weight = 0;
