@@ -111,7 +111,7 @@ struct AccumulatorState {
   /// The last full window's global weight (the same on every rank): the
   /// prescale of half-precision wires with reduction "items".
   double reducer_last_weight = 0;
-  /// error_feedback, per-rank states: the global weight of the window whose
+  /// error_feedback, per-rank states: this rank's weight in the window whose
   /// rounding `residuals` hold (0: unknown, or no residuals saved).
   double reducer_residual_weight = 0;
   double loss_scale = 0; ///< the loss scaler's scale (0 without one)
@@ -203,9 +203,13 @@ struct GradMark {
 class Accumulator {
  public:
   using StepFunction = std::function<void()>;
+  /// The tensors an optimizer steps (its param_groups' parameters, in order).
+  using ParameterList = std::function<std::vector<at::Tensor>()>;
 
   /// `optimizer` (and `scheduler`, stepped only after a real optimizer step)
-  /// must outlive the Accumulator.
+  /// must outlive the Accumulator. Each of its parameters that requires grad
+  /// must be one of the model's, when built and at each step (Note
+  /// [Parameters only the optimizer steps]).
   Accumulator(
       ModelParameters model,
       torch::optim::Optimizer& optimizer,
@@ -214,12 +218,14 @@ class Accumulator {
   /// No optimizer: backward() leaves the window's gradient in `.grad`; step()
   /// and flush() are errors.
   Accumulator(ModelParameters model, AccumulatorOptions options);
-  /// Any optimizer, as callbacks (the Python binding's form).
+  /// Any optimizer, as callbacks (the Python binding's form);
+  /// `optimizer_parameters`, where given, says what it steps, checked as above.
   Accumulator(
       ModelParameters model,
       AccumulatorOptions options,
       StepFunction optimizer_step,
-      StepFunction scheduler_step = nullptr);
+      StepFunction scheduler_step = nullptr,
+      ParameterList optimizer_parameters = nullptr);
 
   Accumulator(const Accumulator&) = delete;
   Accumulator& operator=(const Accumulator&) = delete;
@@ -453,6 +459,7 @@ class Accumulator {
                                  const std::vector<GradMark>& now) const;
   void remember_gradients();
   void check_requires_grad(const char* what) const;
+  void check_optimizer_parameters(const char* what) const;
   void check_no_open_parts(const char* what) const;
   /// After a local backward that ran no gradient hook (compiled autograd):
   /// tells the reducer which gradients it changed (Note [Compiled autograd]).
@@ -516,7 +523,7 @@ class Accumulator {
   /// built-in loss scaler's scale now, where it exists).
   WindowRule window_rule() const;
   std::vector<GradMark> grad_versions() const;
-  bool finish_window();
+  bool finish_window(const char* call);
   bool step_window();
   /// step_window() up to and with the optimizer's step: false where the
   /// window is skipped (no step).
@@ -532,6 +539,7 @@ class Accumulator {
   std::vector<at::Tensor> params_;
   StepFunction optimizer_step_;
   StepFunction scheduler_step_;
+  ParameterList optimizer_parameters_;
   std::unique_ptr<Reducer> reducer_;
 
   int64_t micro_step_ = 0;

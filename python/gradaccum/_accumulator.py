@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 import torch
 
 from gradaccum import _C, _run
-from gradaccum._lifetime import _LIVE, _optimizer_step
+from gradaccum._lifetime import _LIVE, _optimizer_parameters, _optimizer_step
 from gradaccum._refusal import _refuse_construction
 from gradaccum import trace as _trace
 
@@ -183,6 +183,7 @@ class Accumulator:
             # Looked up at each call: an LR scheduler created later wraps optimizer.step.
             optimizer_step=_optimizer_step(self, optimizer) if optimizer is not None else None,
             scheduler_step=(lambda: scheduler.step()) if scheduler is not None else None,
+            optimizer_parameters=_optimizer_parameters(optimizer),
         )
         _LIVE.add(self)
         self.steps = int(steps)

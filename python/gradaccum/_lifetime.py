@@ -1,11 +1,14 @@
 """What the Accumulator holds and how it lets go: every open one, closed at
 interpreter exit, and the optimizer step the C++ side calls, which holds its
-Accumulator weakly (see Accumulator._weakly)."""
+Accumulator weakly (see Accumulator._weakly), with the list of what that
+optimizer steps."""
 import atexit
 import os
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
+
+import torch
 
 if TYPE_CHECKING:
     from gradaccum._accumulator import Accumulator
@@ -71,3 +74,17 @@ def _optimizer_step(acc: "Accumulator", optimizer: Any) -> Callable[[], None]:
         optimizer.step()
 
     return step
+
+
+def _optimizer_parameters(optimizer: Any) -> Optional[Callable[[], List[torch.Tensor]]]:
+    """What the optimizer steps, for the C++ side's check that each parameter
+    is the model's (Note [Parameters only the optimizer steps]); None for an
+    optimizer without param_groups (any object with step())."""
+    if optimizer is None or getattr(optimizer, "param_groups", None) is None:
+        return None
+
+    def parameters() -> List[torch.Tensor]:
+        return [p for group in optimizer.param_groups if isinstance(group, dict)
+                for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
+
+    return parameters

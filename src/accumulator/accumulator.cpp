@@ -81,10 +81,12 @@ Accumulator::Accumulator(
     ModelParameters model,
     AccumulatorOptions options,
     StepFunction optimizer_step,
-    StepFunction scheduler_step)
+    StepFunction scheduler_step,
+    ParameterList optimizer_parameters)
     : options_(std::move(options)),
       optimizer_step_(std::move(optimizer_step)),
-      scheduler_step_(std::move(scheduler_step)) {
+      scheduler_step_(std::move(scheduler_step)),
+      optimizer_parameters_(std::move(optimizer_parameters)) {
   const auto& group = options_.process_group();
   try {
     options_.validate();
@@ -92,6 +94,7 @@ Accumulator::Accumulator(
     check_launch_has_group(options_);
     params_ = model.parameters;
     names_ = model.names;
+    check_optimizer_parameters("Accumulator()");
     claim_ = detail::claim(params_, names_);
   } catch (const std::exception&) {
     // Note [Construction refused on one rank]: the other ranks are told
@@ -180,7 +183,14 @@ Accumulator::Accumulator(
           std::move(model),
           std::move(options),
           [&optimizer] { optimizer.step(); },
-          scheduler ? StepFunction([scheduler] { scheduler->step(); }) : nullptr) {}
+          scheduler ? StepFunction([scheduler] { scheduler->step(); }) : nullptr,
+          [&optimizer] {
+            std::vector<at::Tensor> params;
+            for (const auto& group : optimizer.param_groups()) {
+              params.insert(params.end(), group.params().begin(), group.params().end());
+            }
+            return params;
+          }) {}
 
 Accumulator::Accumulator(ModelParameters model, AccumulatorOptions options)
     : Accumulator(std::move(model), std::move(options), nullptr, nullptr) {}
@@ -522,7 +532,7 @@ bool Accumulator::step() {
   if (!window_optimizer_stepped_) { // (else only the scheduler is left to run)
     check_gradients_untouched("acc.step()", /*allow_in_place=*/true); // clipping in place is fine
   }
-  return finish_window();
+  return finish_window("acc.step()");
 }
 
 void Accumulator::clear_gradients() {

@@ -17,6 +17,7 @@ bool Accumulator::flush() {
   return flush_in_call();
 }
 
+// (call_: acc.flush(), or acc.join(), which flushes through here.)
 bool Accumulator::flush_in_call() {
   check_open("acc.flush()");
   check_no_open_parts("acc.flush()");
@@ -47,7 +48,7 @@ bool Accumulator::flush_in_call() {
     micro_step_ = 0;
     window_loss_sum_ = at::Tensor();
     window_ready_ = true;
-    return finish_window();
+    return finish_window(call_ ? call_ : "acc.flush()");
   }
   if (epoch_ended_) {
     // This rank's last window was already reduced together with the other
@@ -71,7 +72,7 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
   }
   if (!reducer_ || epoch_ended_) {
     check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
-    return finish_window();
+    return finish_window(call_ ? call_ : "acc.flush()");
   }
   // The flush collective after this pairs with the other ranks' whatever happens
   // to this closed window here: a rank that cannot step it (its .grad was
@@ -82,7 +83,7 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
   const bool as_reduced = grad_versions() == remembered_;
   try {
     check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
-    return finish_window();
+    return finish_window(call_ ? call_ : "acc.flush()");
   } catch (const std::exception& e) {
     if (raised_alike_ && as_reduced) {
       // nonfinite="raise" on the reduced gradient, untouched since: every
@@ -148,7 +149,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
   window_ready_ = true;
   window_known_finite_ = result.known_finite;
   remember_gradients(); // what the reducer checked, as step_window() compares
-  return finish_window();
+  return finish_window(call_ ? call_ : "acc.flush()");
 }
 
 } // namespace gradaccum

@@ -5,7 +5,9 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
+#include <unordered_set>
 
 namespace gradaccum {
 
@@ -180,6 +182,54 @@ void Accumulator::check_no_uncounted_backward(const char* what) const {
         ".) Nothing was changed: drop these gradients with acc.zero_grad(). (Gradients zeroed in place "
         "count as written too, e.g. by optimizer.zero_grad(set_to_none=False)",
         step ? " with gradient_as_bucket_view" : "", ": clear them to None instead.)");
+  }
+}
+
+// Note [Parameters only the optimizer steps]
+// A parameter the optimizer steps that the Accumulator does not hold (a head
+// outside the module it was built over, a layer added with add_param_group
+// since) gets every micro-step's gradient summed into `.grad`, and nothing
+// divides it by the window's weight, reduces it over ranks or clears it: the
+// optimizer steps it with K times the window's gradient, then 2K, ..., and
+// data parallel each rank with its own, silently. So the optimizer's
+// parameters are checked when the Accumulator is built (a refusal there is
+// told to the other ranks) and before each optimizer step (after a refresh,
+// against the new set): each one that requires grad must be one of the
+// model's, trainable or frozen when the Accumulator was built (unfreezing
+// one has its own check). It reads which tensors the optimizer holds and
+// requires_grad, never gradients, so ranks that built the same optimizer
+// decide alike; a step refused on some ranks only is told to every rank by
+// the next reduction once acc.zero_grad() drops the window (Note [A window
+// not stepped on some ranks]). It costs a pass over the optimizer's list per
+// window. Optimizers given as a step function alone (C++) are not checked.
+void Accumulator::check_optimizer_parameters(const char* what) const {
+  if (!optimizer_parameters_) {
+    return;
+  }
+  const auto optimized = optimizer_parameters_();
+  std::unordered_set<const c10::TensorImpl*> known;
+  known.reserve(params_.size() + frozen_.size());
+  for (const auto& p : params_) {
+    known.insert(p.unsafeGetTensorImpl());
+  }
+  for (const auto& entry : frozen_) {
+    known.insert(entry.second.unsafeGetTensorImpl());
+  }
+  const bool building = std::strcmp(what, "Accumulator()") == 0;
+  for (const auto i : c10::irange(optimized.size())) {
+    const auto& p = optimized[i];
+    if (!p.defined() || !p.requires_grad() || known.count(p.unsafeGetTensorImpl())) {
+      continue;
+    }
+    TORCH_CHECK_VALUE(false,
+        "gradaccum: ", what, ": the optimizer steps a parameter that is not the model's (its parameter ", i,
+        " counting through param_groups, of shape ", p.sizes(), building ? "" : ", added since the Accumulator "
+        "was built", "): nothing would divide its gradient by the window's weight, reduce it over ranks or clear "
+        "it, so it would be stepped with every micro-step's gradient summed, window after window. Build the "
+        "Accumulator over a module that holds every parameter the optimizer steps (Python: "
+        "torch.nn.ModuleList([model, head]))",
+        building ? "" : "; for a layer added to the model, call acc.refresh_parameters() at a window boundary. "
+                        "Nothing was stepped: acc.zero_grad() drops this window");
   }
 }
 

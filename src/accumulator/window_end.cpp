@@ -26,7 +26,10 @@ std::optional<at::ScalarType> norm_dtype(const std::vector<at::Tensor>& grads) {
 
 } // namespace
 
-bool Accumulator::finish_window() {
+bool Accumulator::finish_window(const char* call) {
+  if (!window_optimizer_stepped_ && !window_empty_) {
+    check_optimizer_parameters(call); // Note [Parameters only the optimizer steps]
+  }
   // A retry of step() after a failure past the unscale: the scaler already
   // unscaled this window's gradient and closed its window (see below).
   const bool retry = window_unscaled_;

@@ -71,12 +71,16 @@ def refused(rank, world_size, *, case, refusers):
 
         alone = dist.new_group(sorted(refusers))
         ddp = DDP(m, process_group=alone) if rank in refusers else None
+    optimizer = None
+    if rank in refusers and case == "outside_optimizer":  # a head the model does not hold
+        head = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        optimizer = torch.optim.SGD([*m.parameters(), head], lr=0.5)
     out = {}
     try:
         kwargs = {"steps": K, **refusing_kwargs(case, rank, refusers)}
         if case == "foreign_hooks":
             kwargs["check_parameters"] = False
-        gradaccum.Accumulator(target, None, **kwargs).close()
+        gradaccum.Accumulator(target, optimizer, **kwargs).close()
         out["error"] = None
     except (ValueError, TypeError, RuntimeError) as e:
         out["error"] = (type(e).__name__, str(e))

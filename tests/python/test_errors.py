@@ -130,6 +130,81 @@ def test_non_leaf_parameter():
         gradaccum.Accumulator([w * 2], steps=2)
 
 
+# Parameters only the optimizer steps (Note [Parameters only the optimizer steps]) --------
+
+OUTSIDE = ("the optimizer steps a parameter that is not the model's (its parameter {i} counting through "
+           "param_groups, of shape [{shape}]{since}): nothing would divide its gradient by the window's weight, "
+           "reduce it over ranks or clear it, so it would be stepped with every micro-step's gradient summed, "
+           "window after window. Build the Accumulator over a module that holds every parameter the optimizer "
+           "steps (Python: torch.nn.ModuleList([model, head])){then}")
+ADDED = ", added since the Accumulator was built"
+THEN = ("; for a layer added to the model, call acc.refresh_parameters() at a window boundary. Nothing was stepped: "
+        "acc.zero_grad() drops this window")
+
+
+def test_an_optimizer_stepping_a_parameter_outside_the_model_is_refused():
+    # Accumulated unchecked, its gradient was K times the window's, then 2K, ...
+    model = make_model()
+    head = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    opt = torch.optim.SGD([{"params": model.parameters()}, {"params": [head]}], lr=0.1)
+    text = "gradaccum: Accumulator(): " + OUTSIDE.format(i=4, shape=2, since="", then="")
+    with pytest.raises(ValueError) as info:
+        gradaccum.Accumulator(model, opt, steps=2)
+    assert str(info.value) == text
+    # Not claimed: a good Accumulator over the same model builds and trains.
+    head.requires_grad_(False)  # a frozen one is never stepped: fine
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    x, y = make_data()
+    acc.backward(loss_of(model, x[:4], y[:4]))
+    acc.backward(loss_of(model, x[4:], y[4:]))
+    assert acc.step()
+
+
+@pytest.mark.parametrize("call", ["step", "flush"])
+def test_a_parameter_added_to_the_optimizer_later_is_refused_at_the_step(call):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    x, y = make_data()
+    head = torch.nn.Parameter(torch.ones(3, 2, dtype=torch.float64))
+    opt.add_param_group({"params": [head]})
+    acc.backward((model(x[:4]) - y[:4] - head.sum()).pow(2).mean())
+    if call == "step":
+        acc.backward((model(x[4:]) - y[4:] - head.sum()).pow(2).mean())
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = snapshot_grads(model)
+    with pytest.raises(ValueError) as info:
+        getattr(acc, call)()
+    assert str(info.value) == f"gradaccum: acc.{call}(): " + OUTSIDE.format(i=4, shape="3, 2", since=ADDED, then=THEN)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # nothing stepped
+    if call == "step":
+        assert_grads_equal(model, grads)
+    assert acc.window_ready  # (flush() closed its partial window before the step)
+    acc.zero_grad()
+    assert not acc.window_ready
+
+
+def test_a_layer_added_to_model_and_optimizer_steps_after_a_refresh():
+    """The layer in both, then acc.refresh_parameters() at the boundary: the
+    check passes, and the window is the big batch's gradient (float64)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    model.append(torch.nn.Linear(3, 2).double())
+    opt.add_param_group({"params": model[1].parameters()})
+    acc.refresh_parameters()
+    x, y = make_data()
+    acc.backward(loss_of(model, x[:4], y[:4]))
+    acc.backward(loss_of(model, x[4:], y[4:]))
+    got = [p.grad.clone() for p in model.parameters()]
+    assert acc.step()
+    model.zero_grad()
+    loss_of(model, x, y).backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=1e-15)
+
+
 # step() / flush() without an optimizer ---------------------------------------------
 
 

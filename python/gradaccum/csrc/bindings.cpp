@@ -201,7 +201,8 @@ std::unique_ptr<Accumulator> make_accumulator(
     std::vector<std::string> metrics,
     std::optional<std::tuple<double, double, double, int64_t>> grad_scaler,
     Accumulator::StepFunction optimizer_step,
-    Accumulator::StepFunction scheduler_step) {
+    Accumulator::StepFunction scheduler_step,
+    Accumulator::ParameterList optimizer_parameters) {
   auto options = AccumulatorOptions(steps)
                      .reduction(reduction_from_string(reduction))
                      .max_grad_norm(max_grad_norm)
@@ -229,7 +230,7 @@ std::unique_ptr<Accumulator> make_accumulator(
   py::gil_scoped_release no_gil; // the reducer's setup runs collectives
   return std::make_unique<Accumulator>(
       ModelParameters(std::move(params), std::move(names), std::move(buffers)),
-      std::move(options), std::move(optimizer_step), std::move(scheduler_step));
+      std::move(options), std::move(optimizer_step), std::move(scheduler_step), std::move(optimizer_parameters));
 }
 
 void init_accumulator(py::module_& m) {
@@ -243,7 +244,7 @@ void init_accumulator(py::module_& m) {
            py::arg("broadcast_buffers"), py::arg("check_parameters"), py::arg("rebuild_buckets"),
            py::arg("accumulate_dtype"), py::arg("comm_dtype"), py::arg("error_feedback"),
            py::arg("metrics"), py::arg("grad_scaler"), py::arg("optimizer_step"), py::arg("scheduler_step"),
-           "See gradaccum.Accumulator.")
+           py::arg("optimizer_parameters"), "See gradaccum.Accumulator.")
       .def("backward",
            [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
               std::optional<at::Tensor> reported, std::optional<at::Tensor> metrics) {
