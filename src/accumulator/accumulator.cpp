@@ -570,7 +570,9 @@ void Accumulator::drop_window() {
   // about where the other ranks are, not about this window's gradients.
   if (window_ready_ && reducer_ && options_.error_feedback() && !window_optimizer_stepped_) {
     // A reduced window thrown away (skipped, or dropped by the user after
-    // nonfinite="raise"): what rounding it lost belongs to it alone.
+    // nonfinite="raise"): what rounding it lost belongs to it alone (a
+    // residual held back through it, at weight 0 here, goes with it: one
+    // window's rounding, as without error feedback).
     reducer_->discard_residuals();
   }
   reset_window();

@@ -194,14 +194,16 @@ void Accumulator::check_no_uncounted_backward(const char* what) const {
 // data parallel each rank with its own, silently. So the optimizer's
 // parameters are checked when the Accumulator is built (a refusal there is
 // told to the other ranks) and before each optimizer step (after a refresh,
-// against the new set): each one that requires grad must be one of the
-// model's, trainable or frozen when the Accumulator was built (unfreezing
-// one has its own check). It reads which tensors the optimizer holds and
-// requires_grad, never gradients, so ranks that built the same optimizer
-// decide alike; a step refused on some ranks only is told to every rank by
-// the next reduction once acc.zero_grad() drops the window (Note [A window
-// not stepped on some ranks]). It costs a pass over the optimizer's list per
-// window. Optimizers given as a step function alone (C++) are not checked.
+// against the new set): each one that requires grad and has a gradient must
+// be one of the model's, trainable or frozen when the Accumulator was built
+// (unfreezing one has its own check). One without a gradient is let be: the
+// optimizer skips it (the old head of a model whose head was replaced and
+// refreshed, still in param_groups; torch has no call that removes it). A
+// step refused on some ranks only (a parameter used on some ranks only) is
+// told to every rank by the next reduction once acc.zero_grad() drops the
+// window (Note [A window not stepped on some ranks]). It costs a pass over
+// the optimizer's list per window. Optimizers given as a step function alone
+// (C++) are not checked.
 void Accumulator::check_optimizer_parameters(const char* what) const {
   if (!optimizer_parameters_) {
     return;
@@ -218,18 +220,17 @@ void Accumulator::check_optimizer_parameters(const char* what) const {
   const bool building = std::strcmp(what, "Accumulator()") == 0;
   for (const auto i : c10::irange(optimized.size())) {
     const auto& p = optimized[i];
-    if (!p.defined() || !p.requires_grad() || known.count(p.unsafeGetTensorImpl())) {
+    if (!p.defined() || !p.requires_grad() || !p.grad().defined() || known.count(p.unsafeGetTensorImpl())) {
       continue;
     }
     TORCH_CHECK_VALUE(false,
-        "gradaccum: ", what, ": the optimizer steps a parameter that is not the model's (its parameter ", i,
-        " counting through param_groups, of shape ", p.sizes(), building ? "" : ", added since the Accumulator "
-        "was built", "): nothing would divide its gradient by the window's weight, reduce it over ranks or clear "
-        "it, so it would be stepped with every micro-step's gradient summed, window after window. Build the "
-        "Accumulator over a module that holds every parameter the optimizer steps (Python: "
-        "torch.nn.ModuleList([model, head]))",
-        building ? "" : "; for a layer added to the model, call acc.refresh_parameters() at a window boundary. "
-                        "Nothing was stepped: acc.zero_grad() drops this window");
+        "gradaccum: ", what, ": the optimizer steps a parameter that is not the model's and has a gradient (its "
+        "parameter ", i, " counting through param_groups, of shape ", p.sizes(), "): nothing would divide that "
+        "gradient by the window's weight, reduce it over ranks or clear it, so it would be stepped with every "
+        "micro-step's gradient summed, window after window. Build the Accumulator over a module that holds every "
+        "parameter the optimizer steps (Python: torch.nn.ModuleList([model, head])); for a layer added to the "
+        "model, call acc.refresh_parameters() at a window boundary",
+        building ? "" : ". Nothing was stepped: acc.zero_grad() drops this window");
   }
 }
 

@@ -129,7 +129,7 @@ void Reducer::State::drop_window() {
       continue;
     }
     if (bucket.residual.defined()) {
-      bucket.residual.zero_(); // it holds part of the dropped window
+      bucket.residual.zero_(); // it holds part of the dropped window (or was held back through it)
     }
     for (const auto slot : c10::irange(bucket.params.size())) {
       auto& grad = config.params[bucket.params[slot]].mutable_grad();

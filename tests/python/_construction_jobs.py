@@ -74,6 +74,7 @@ def refused(rank, world_size, *, case, refusers):
     optimizer = None
     if rank in refusers and case == "outside_optimizer":  # a head the model does not hold
         head = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        head.grad = torch.ones_like(head)
         optimizer = torch.optim.SGD([*m.parameters(), head], lr=0.5)
     out = {}
     try:

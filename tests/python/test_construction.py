@@ -58,11 +58,12 @@ CASES = {
     "cpp_value": ("ValueError", "gradaccum: Accumulator(): parameter 0 is not a leaf tensor; pass the model's "
                   "parameters"),
     "outside_optimizer": ("ValueError", "gradaccum: Accumulator(): the optimizer steps a parameter that is not the "
-                          "model's (its parameter 2 counting through param_groups, of shape [1]): nothing would "
-                          "divide its gradient by the window's weight, reduce it over ranks or clear it, so it would "
-                          "be stepped with every micro-step's gradient summed, window after window. Build the "
-                          "Accumulator over a module that holds every parameter the optimizer steps (Python: "
-                          "torch.nn.ModuleList([model, head]))"),
+                          "model's and has a gradient (its parameter 2 counting through param_groups, of shape [1]): "
+                          "nothing would divide that gradient by the window's weight, reduce it over ranks or clear "
+                          "it, so it would be stepped with every micro-step's gradient summed, window after window. "
+                          "Build the Accumulator over a module that holds every parameter the optimizer steps "
+                          "(Python: torch.nn.ModuleList([model, head])); for a layer added to the model, call "
+                          "acc.refresh_parameters() at a window boundary"),
 }
 
 

@@ -132,22 +132,22 @@ def test_non_leaf_parameter():
 
 # Parameters only the optimizer steps (Note [Parameters only the optimizer steps]) --------
 
-OUTSIDE = ("the optimizer steps a parameter that is not the model's (its parameter {i} counting through "
-           "param_groups, of shape [{shape}]{since}): nothing would divide its gradient by the window's weight, "
-           "reduce it over ranks or clear it, so it would be stepped with every micro-step's gradient summed, "
-           "window after window. Build the Accumulator over a module that holds every parameter the optimizer "
-           "steps (Python: torch.nn.ModuleList([model, head])){then}")
-ADDED = ", added since the Accumulator was built"
-THEN = ("; for a layer added to the model, call acc.refresh_parameters() at a window boundary. Nothing was stepped: "
-        "acc.zero_grad() drops this window")
+OUTSIDE = ("the optimizer steps a parameter that is not the model's and has a gradient (its parameter {i} "
+           "counting through param_groups, of shape [{shape}]): nothing would divide that gradient by the window's "
+           "weight, reduce it over ranks or clear it, so it would be stepped with every micro-step's gradient "
+           "summed, window after window. Build the Accumulator over a module that holds every parameter the "
+           "optimizer steps (Python: torch.nn.ModuleList([model, head])); for a layer added to the model, call "
+           "acc.refresh_parameters() at a window boundary{then}")
+THEN = ". Nothing was stepped: acc.zero_grad() drops this window"
 
 
 def test_an_optimizer_stepping_a_parameter_outside_the_model_is_refused():
     # Accumulated unchecked, its gradient was K times the window's, then 2K, ...
     model = make_model()
     head = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    head.grad = torch.ones_like(head)  # (a warm-up backward, say)
     opt = torch.optim.SGD([{"params": model.parameters()}, {"params": [head]}], lr=0.1)
-    text = "gradaccum: Accumulator(): " + OUTSIDE.format(i=4, shape=2, since="", then="")
+    text = "gradaccum: Accumulator(): " + OUTSIDE.format(i=4, shape=2, then="")
     with pytest.raises(ValueError) as info:
         gradaccum.Accumulator(model, opt, steps=2)
     assert str(info.value) == text
@@ -158,6 +158,28 @@ def test_an_optimizer_stepping_a_parameter_outside_the_model_is_refused():
     acc.backward(loss_of(model, x[:4], y[:4]))
     acc.backward(loss_of(model, x[4:], y[4:]))
     assert acc.step()
+
+
+def test_a_replaced_head_left_in_the_optimizer_is_no_error():
+    """The old head's parameters stay in param_groups (torch cannot remove
+    them) but get no gradient: the optimizer skips them, and so does the
+    check. The window equals the big batch's gradient through the new head."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    model[1] = torch.nn.Linear(3, 2).double()
+    opt.add_param_group({"params": model[1].parameters()})
+    acc.refresh_parameters()
+    x, y = make_data()
+    acc.backward(loss_of(model, x[:4], y[:4]))
+    acc.backward(loss_of(model, x[4:], y[4:]))
+    got = [p.grad.clone() for p in model.parameters()]
+    assert acc.step()
+    model.zero_grad()
+    loss_of(model, x, y).backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=1e-15)
 
 
 @pytest.mark.parametrize("call", ["step", "flush"])
@@ -175,7 +197,7 @@ def test_a_parameter_added_to_the_optimizer_later_is_refused_at_the_step(call):
     grads = snapshot_grads(model)
     with pytest.raises(ValueError) as info:
         getattr(acc, call)()
-    assert str(info.value) == f"gradaccum: acc.{call}(): " + OUTSIDE.format(i=4, shape="3, 2", since=ADDED, then=THEN)
+    assert str(info.value) == f"gradaccum: acc.{call}(): " + OUTSIDE.format(i=4, shape="3, 2", then=THEN)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # nothing stepped
     if call == "step":
         assert_grads_equal(model, grads)
