@@ -208,8 +208,8 @@ class Accumulator {
 
   /// `optimizer` (and `scheduler`, stepped only after a real optimizer step)
   /// must outlive the Accumulator. Each of its parameters that requires grad
-  /// must be one of the model's, when built and at each step (Note
-  /// [Parameters only the optimizer steps]).
+  /// and has a gradient must be one of the model's, when built and at each
+  /// step (Note [Parameters only the optimizer steps]).
   Accumulator(
       ModelParameters model,
       torch::optim::Optimizer& optimizer,
