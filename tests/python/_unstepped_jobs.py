@@ -34,7 +34,9 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
     acc.step() raises on the ranks in `droppers`: their optimizer raises
     (`fails` "optimizer"), their scheduler after the optimizer stepped
     ("scheduler"), or the script replaced a .grad after the closing backward
-    ("replaced"). They `recover` as a script that catches the error would:
+    ("replaced"), or their optimizer gains a parameter the model does not
+    hold, with a gradient ("outside": acc.step() refuses; the script then
+    removes it). They `recover` as a script that catches the error would:
     drop the closed window with acc.zero_grad() ("zero_grad"), or call
     acc.step() again ("retry"). `resume_at_once`: every rank then resumes
     from the checkpoint taken before window 1 before any reduction.
@@ -108,11 +110,17 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
             failing_here = w == 1 and rank in droppers and not resumed
             if failing_here and fails == "replaced":
                 model[0].weight.grad = model[0].weight.grad.clone()
-            fail["armed"] = failing_here
+            fail["armed"] = failing_here and fails in ("optimizer", "scheduler")
+            if failing_here and fails == "outside":
+                head = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+                head.grad = torch.ones_like(head)
+                opt.add_param_group({"params": [head]})
             try:
                 acc.flush() if flush_closed and w == 1 else acc.step()
-            except RuntimeError as e:
+            except (RuntimeError, ValueError) as e:
                 errors.append((w, "step", str(e)))
+                if failing_here and fails == "outside":
+                    opt.param_groups.pop()
                 if recover == "retry":
                     acc.step()
                 else:

@@ -50,6 +50,29 @@ def test_a_window_one_rank_drops_after_its_step_failed_makes_every_rank_raise_th
         assert_params_close(res["params"], expected)
 
 
+def test_a_step_one_rank_refuses_for_a_parameter_outside_the_model_makes_every_rank_raise(tmp_path):
+    """Rank 1's optimizer gained a parameter the model does not hold, with a
+    gradient (Note [Parameters only the optimizer steps]): its acc.step()
+    refuses window 1 before stepping anything, and the script drops it. Rank 0
+    stepped it: window 2 is dropped on both ranks with one text each, and
+    both resume to the float64 big batches."""
+    results = run(2, tmp_path, droppers=(1,), fails="outside")
+    assert results[0]["errors"] == [(2, "reduction", "gradaccum: acc.backward(): window 2: rank 1 " + ELSEWHERE)]
+    assert results[1]["errors"][0] == (1, "step", (
+        "gradaccum: acc.step(): the optimizer steps a parameter that is not the model's and has a gradient (its "
+        "parameter 6 counting through param_groups, of shape [2]): nothing would divide that gradient by the "
+        "window's weight, reduce it over ranks or clear it, so it would be stepped with every micro-step's gradient "
+        "summed, window after window. Build the Accumulator over a module that holds every parameter the optimizer "
+        "steps (Python: torch.nn.ModuleList([model, head])); for a layer added to the model, call "
+        "acc.refresh_parameters() at a window boundary. Nothing was stepped: acc.zero_grad() drops this window"))
+    assert results[1]["errors"][1:] == [(2, "reduction", "gradaccum: acc.backward(): window 2: this rank (rank 1) "
+                                         + HERE)]
+    expected = uj.reference(2)
+    for res in results:
+        assert res["resumed"] and res["optimizer_steps"] == uj.WINDOWS
+        assert_params_close(res["params"], expected)
+
+
 def test_a_window_every_rank_drops_alike_is_no_error(tmp_path):
     """Every rank drops window 1 (a skip every rank decides alike): the
     replicas are the same, nothing is raised, and training goes on as the big
