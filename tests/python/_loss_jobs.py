@@ -43,11 +43,11 @@ def reference(seed, world_size, n_windows, last, reduction, metrics=None):
 
 
 @job
-def window_losses(rank, world_size, *, seed, n_windows, last, reduction, comm_dtype=None):
+def window_losses(rank, world_size, *, seed, n_windows, last, reduction, comm_dtype=None, device="cpu"):
     import torch
     import gradaccum
 
-    model = du.mlp(seed)
+    model = du.mlp(seed).to(device)
     opt = du.make_optimizer("adam", model.parameters())
     acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction, bucket_cap_mb=0.001,
                                 first_bucket_cap_mb=0.0005,
@@ -57,10 +57,12 @@ def window_losses(rank, world_size, *, seed, n_windows, last, reduction, comm_dt
     windows = schedule(seed, world_size, n_windows, last)
     for w, window in enumerate(windows):
         for batch in window[rank]:
+            batch = tuple(t.to(device) for t in batch)
             loss, n = du.micro_loss(model, batch, reduction)
             acc.backward(loss, num_items=n, metrics=metric_values(model, batch))
             if acc.window_ready:
-                out["mid"] = acc.window_loss  # readable before step()
+                mid = acc.window_loss  # readable before step()
+                out["mid"] = None if mid is None else mid.cpu()
             acc.step()
         if w == len(windows) - 1 and last:
             acc.flush()
@@ -107,7 +109,7 @@ def bad_reference(seed, world_size, n_windows, reduction, nan_at=(), empty_at=()
 
 @job
 def bad_micro_batches(rank, world_size, *, seed, n_windows, reduction, nan_at=(), empty_at=(), padding_at=(),
-                      nonfinite="skip_micro_batch"):
+                      nonfinite="skip_micro_batch", device="cpu"):
     """`padding_at`: micro-steps this rank has no micro-batch for
     (acc.empty_micro_step())."""
     import gradaccum
@@ -115,7 +117,7 @@ def bad_micro_batches(rank, world_size, *, seed, n_windows, reduction, nan_at=()
     nan_at = {tuple(t) for t in nan_at}
     empty_at = {tuple(t) for t in empty_at}
     padding_at = {tuple(t) for t in padding_at}
-    model = du.mlp(seed)
+    model = du.mlp(seed).to(device)
     opt = du.make_optimizer("adam", model.parameters())
     acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction, nonfinite=nonfinite,
                                 process_group=None if world_size > 1 else False)
@@ -125,13 +127,14 @@ def bad_micro_batches(rank, world_size, *, seed, n_windows, reduction, nan_at=()
             if (w, rank, k) in padding_at:
                 acc.empty_micro_step()
             else:
-                loss, n = du.micro_loss(model, batch, reduction)
+                loss, n = du.micro_loss(model, tuple(t.to(device) for t in batch), reduction)
                 if (w, rank, k) in nan_at:
                     loss = loss * float("nan")
                 acc.backward(loss, num_items=n)
             if acc.window_ready:
                 stepped.append(acc.step())
                 losses.append(None if acc.window_loss is None else float(acc.window_loss))
-    out = {"params": du.params(model), "stats": acc.stats(), "stepped": stepped, "losses": losses}
+    out = {"params": [p.cpu() for p in du.params(model)], "stats": acc.stats(), "stepped": stepped,
+           "losses": losses}
     acc.close()
     return out

@@ -259,7 +259,7 @@ class _Sandwich(nn.Module):
 
 
 @job
-def accumulate_checkpoint(rank, world_size, *, seed, steps, save_at, sandwich=False):
+def accumulate_checkpoint(rank, world_size, *, seed, steps, save_at, sandwich=False, device="cpu"):
     """bf16 parameters summed in float32, saved in the middle of a window
     (rank-independent and per-rank) and resumed in a fresh Accumulator: the
     window's gradient equals the uninterrupted one's."""
@@ -267,12 +267,15 @@ def accumulate_checkpoint(rank, world_size, *, seed, steps, save_at, sandwich=Fa
 
     import gradaccum
 
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
     g = torch.Generator().manual_seed(seed + 5 * rank)
-    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(steps)]
+    batches = [(torch.randn(8, 16, generator=g).to(device), torch.randn(8, 8, generator=g).to(device))
+               for _ in range(steps)]
     group = None if world_size > 1 else False
 
     def make():
-        model = _Sandwich(seed) if sandwich else _mlp(seed, torch.bfloat16)
+        model = (_Sandwich(seed) if sandwich else _mlp(seed, torch.bfloat16)).to(device)
         return model, gradaccum.Accumulator(model, None, steps=steps, accumulate_dtype=torch.float32,
                                             process_group=group, bucket_cap_mb=0.001,
                                             first_bucket_cap_mb=0.001)
@@ -288,17 +291,18 @@ def accumulate_checkpoint(rank, world_size, *, seed, steps, save_at, sandwich=Fa
     states = {"independent": copy.deepcopy(acc.state_dict()),
               "per_rank": copy.deepcopy(acc.state_dict(rank_independent=False))}
     out["saved_dtypes"] = sorted({str(t.dtype) for t in states["independent"]["grads"] if t is not None})
+    out["saved_devices"] = sorted({str(t.device) for t in states["independent"]["grads"] if t is not None})
     out["buckets"] = acc.bucket_indices
     for b in batches[save_at:]:
         micro(model, acc, b)
-    out["uninterrupted"] = [p.grad.clone() for p in model.parameters()]
+    out["uninterrupted"] = [p.grad.cpu() for p in model.parameters()]
     acc.close()
     for kind, state in states.items():
         model, acc = make()
         acc.load_state_dict(state)
         for b in batches[save_at:]:
             micro(model, acc, b)
-        out[kind] = [p.grad.clone() for p in model.parameters()]
+        out[kind] = [p.grad.cpu() for p in model.parameters()]
         acc.close()
     return out
 
@@ -609,7 +613,8 @@ class _GradRecorder(torch.optim.SGD):
 
 
 @job
-def error_feedback_changing_weights(rank, world_size, *, windows, reduction, steps, zero_ranks=()):
+def error_feedback_changing_weights(rank, world_size, *, windows, reduction, steps, zero_ranks=(),
+                                    device="cpu"):
     """Windows of very different weights, a bf16 wire without and with error
     feedback against a float32 wire: each window's reduced gradient, as the
     optimizer sees it. `windows[w][rank]` lists the rows of each micro-batch
@@ -620,11 +625,13 @@ def error_feedback_changing_weights(rank, world_size, *, windows, reduction, ste
     each rank holds back after each window, and that window's weight."""
     import gradaccum
 
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
     out = {}
     for name, comm, feedback in (("fp32", None, False), ("bf16", torch.bfloat16, False),
                                  ("bf16+ef", torch.bfloat16, True)):
         torch.manual_seed(0)
-        model = nn.Linear(16, 1, bias=False)
+        model = nn.Linear(16, 1, bias=False).to(device)
         opt = _GradRecorder(model.parameters())
         acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction, comm_dtype=comm,
                                     error_feedback=feedback)
@@ -634,6 +641,7 @@ def error_feedback_changing_weights(rank, world_size, *, windows, reduction, ste
                 x, y = torch.randn(rows, 16, generator=g), torch.randn(rows, 1, generator=g)
                 if rank in zero_ranks:
                     x = torch.zeros_like(x)
+                x, y = x.to(device), y.to(device)
                 if reduction == "items":
                     acc.backward((model(x) - y).pow(2).sum(), num_items=rows)
                 else:
@@ -644,8 +652,8 @@ def error_feedback_changing_weights(rank, world_size, *, windows, reduction, ste
             if feedback:
                 state = acc.state_dict(rank_independent=False)
                 out.setdefault("held", []).append(
-                    (torch.cat([r.reshape(-1) for r in state["error_feedback_residuals"]]),
+                    (torch.cat([r.reshape(-1) for r in state["error_feedback_residuals"]]).cpu(),
                      state["reducer_residual_weight"]))
-        out[name] = opt.seen
+        out[name] = [g.cpu() for g in opt.seen]
         acc.close()
     return out

@@ -1,7 +1,10 @@
 """CUDA paths: NCCL at world size 1 and Gloo over CUDA tensors with 2 ranks;
 half-precision wires (bf16/fp16 buckets, comm_dtype) on both; the mixed
 precision checks of test_mixed_precision.py (fp32 accumulation of bf16
-gradients, GradScaler with fp16 autocast, bytes on the wire) on CUDA tensors.
+gradients, GradScaler with fp16 autocast, bytes on the wire, error feedback,
+a mid-window checkpoint of float32 sums), the window's loss and a NaN
+micro-batch skipped, on CUDA tensors; a forward with a side stream under
+bucket views and fused AdamW (_cuda_jobs.py, no CPU twin).
 
 Each CUDA test runs the same job and the same checks as its CPU twin in the
 other test files (which CI runs), on cuda:0. Run them on a CUDA machine:
@@ -140,3 +143,85 @@ def test_run_survives_a_real_cuda_out_of_memory(tmp_path, reduction):
     print("calls", res["calls"], "oom_retries", res["oom_retries"], "peak GiB", round(res["peak_gib"], 1))
     assert res["calls"][:2] == [8, 4] and max(res["calls"][2:]) <= 4, res["calls"]
     assert res["oom_retries"] >= 2 and res["max_rows"] <= 2 and res["optimizer_steps"] == 2
+
+
+@cuda
+@pytest.mark.parametrize("backend,world_size", [("gloo", 2), ("nccl", 1)])
+def test_side_stream_forward_with_bucket_views_and_fused_adamw(tmp_path, backend, world_size):
+    """A branch of the forward on a side stream, whose backward spins ~10 ms on
+    the GPU first; buckets of 0.7 MiB (so one bucket mixes that branch's
+    gradients with the default stream's), and one bucket; copies and views;
+    fused AdamW stepping the views. Each window's reduced gradient and the
+    final parameters against one process on the global batch (CPU, float64):
+    a bucket read before the side stream's copies landed would be off by a
+    whole gradient."""
+    import _cuda_jobs as cj
+
+    if backend == "nccl" and not dist.is_nccl_available():
+        pytest.skip("torch built without NCCL")
+    configs = [(True, True, 0.7), (False, False, 0.7), (True, False, 0.7), (False, True, 4.0)]
+    results = du.run_job("side_stream_windows", world_size, tmp_path, module="_cuda_jobs", backend=backend,
+                         timeout=240, seed=7, steps=2, windows=3, configs=configs)
+    refs = {c_first: cj.reference(7, world_size, 2, 3, c_first) for c_first in (False, True)}
+    for res in results:
+        for (views, c_first, cap), r in zip(configs, res):
+            print("views", views, "c_first", c_first, "cap", cap, "buckets", r["buckets"])
+            want_grads, want_params = refs[c_first]
+            assert r["steps"] == 3 and len(r["grads"]) == 3
+            for w, (got, want) in enumerate(zip(r["grads"], want_grads)):
+                for i, (g, e) in enumerate(zip(got, want)):
+                    torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5 * e.abs().max().item(),
+                                               msg=f"window {w} param {i} views={views} c_first={c_first}")
+            for g, e in zip(r["params"], want_params):
+                torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
+    for a, b in zip(results[0], results[-1]):
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+@cuda
+def test_cuda_window_loss_is_the_big_batch_loss(tmp_path):
+    """test_window_loss.py's check on cuda:0, 2 Gloo ranks, items: the
+    window's loss and metrics ride in the bucket header, summed on the device."""
+    from test_window_loss import check_window_losses
+
+    check_window_losses(du.run_job("window_losses", 2, tmp_path, module="_loss_jobs", timeout=180, seed=6,
+                                   n_windows=3, last=2, reduction="items", device="cuda:0"),
+                        2, "items", 3, 2)
+
+
+@cuda
+def test_cuda_skip_micro_batch(tmp_path):
+    """test_window_loss.py's NaN micro-batches on cuda:0, 2 Gloo ranks: the
+    finite check runs on device tensors; every rank skips alike."""
+    from test_window_loss import check_skip_micro_batch, skip_micro_batch_nans
+
+    nan_at = skip_micro_batch_nans(2)
+    check_skip_micro_batch(du.run_job("bad_micro_batches", 2, tmp_path, module="_loss_jobs", timeout=180, seed=9,
+                                      n_windows=4, reduction="mean", nan_at=nan_at, device="cuda:0"),
+                           2, nan_at)
+
+
+@cuda
+def test_cuda_error_feedback_when_window_weights_change(tmp_path):
+    """test_mixed_precision.py's error-feedback check on cuda:0 (residuals and
+    their carry on the device), 2 Gloo ranks, items windows swinging 4096 <-> 1."""
+    from test_mixed_precision import WEIGHTS, check_error_feedback_weights
+
+    world, kwargs = WEIGHTS["items swinging"]
+    check_error_feedback_weights(du.run_job("error_feedback_changing_weights", world, tmp_path,
+                                            module="_mixed_jobs", zero_ranks=(1,), device="cuda:0", **kwargs),
+                                 kwargs)
+
+
+@cuda
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cuda_mid_window_checkpoint_with_accumulate_dtype(tmp_path, world_size):
+    """test_mixed_precision.py's mid-window checkpoint on cuda:0: bf16
+    parameters summed in float32 buckets on the device, saved (rank-independent
+    and per-rank) and resumed in a fresh Accumulator."""
+    from test_mixed_precision import check_accumulate_checkpoint
+
+    results = du.run_job("accumulate_checkpoint", world_size, tmp_path, module="_mixed_jobs", seed=10, steps=4,
+                         save_at=2, device="cuda:0")
+    assert all(res["saved_devices"] == ["cuda:0"] for res in results)
+    check_accumulate_checkpoint(results, world_size, sandwich=False)

@@ -249,8 +249,14 @@ def test_error_feedback_loses_nothing_when_window_weights_change(tmp_path, case)
     has no weight holds its residual back, whole: sent there, it reached the
     optimizer at the other ranks' weight."""
     world, kwargs = WEIGHTS[case]
-    results = du.run_job("error_feedback_changing_weights", world, tmp_path, module="_mixed_jobs",
-                         zero_ranks=tuple(range(1, world)), **kwargs)
+    check_error_feedback_weights(du.run_job("error_feedback_changing_weights", world, tmp_path,
+                                            module="_mixed_jobs", zero_ranks=tuple(range(1, world)), **kwargs),
+                                 kwargs)
+
+
+def check_error_feedback_weights(results, kwargs):
+    """The check of test_error_feedback_loses_nothing_when_window_weights_change
+    (test_gpu.py runs it on CUDA tensors)."""
     res = results[0]
     def weight(rows):
         return sum(rows) if kwargs["reduction"] == "items" else len(rows)
@@ -325,8 +331,12 @@ def test_comm_dtype_arguments_are_checked():
 def test_mid_window_checkpoint_with_accumulate_dtype(tmp_path, world_size, sandwich):
     """sandwich: the wide bucket sits between float32 buckets (a checkpoint's
     collective must leave every wide bucket as it was, not only the outer ones)."""
-    results = du.run_job("accumulate_checkpoint", world_size, tmp_path, module="_mixed_jobs",
-                         seed=10, steps=4, save_at=2, sandwich=sandwich)
+    check_accumulate_checkpoint(du.run_job("accumulate_checkpoint", world_size, tmp_path, module="_mixed_jobs",
+                                           seed=10, steps=4, save_at=2, sandwich=sandwich),
+                                world_size, sandwich)
+
+
+def check_accumulate_checkpoint(results, world_size, sandwich):
     for res in results:
         if sandwich:
             assert res["buckets"] == [[5, 4], [3, 2], [1, 0]]  # the bf16 one in the middle
