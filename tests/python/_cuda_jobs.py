@@ -35,18 +35,23 @@ class _SlowBackward(torch.autograd.Function):
 
 
 class SideStreamNet(nn.Module):
-    """b(tanh(a-branch + c(x))): on CUDA the a-branch runs on a side stream;
-    `c_first` says whether c runs before it (so its backward runs after the
-    a-branch's) or after."""
+    """h = tanh(e(x)); b(tanh(a-branch(h) + c(h))): on CUDA the a-branch runs
+    on a side stream; `c_first` says whether c runs before it (so the engine
+    runs c's backward after the a-branch's: a bucket holding a's and c's
+    gradients is then filled last by c, on the default stream, while a's are
+    still being computed on the side stream) or after. e's gradients come
+    last, so that bucket is not the window's last one (which only the end of
+    backward launches)."""
 
     def __init__(self, seed, c_first):
         super().__init__()
         torch.manual_seed(seed)
-        self.a, self.c, self.b = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, OUT)
+        self.e, self.a, self.c, self.b = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, OUT)
         self.c_first = c_first
         self.side = None
 
     def forward(self, x):
+        x = torch.tanh(self.e(x))
         if not x.is_cuda:
             return self.b(torch.tanh(torch.tanh(self.a(x)) + self.c(x)))
         if self.side is None:
@@ -89,7 +94,8 @@ def reference(seed, world_size, steps, windows, c_first):
 
 @job
 def side_stream_windows(rank, world_size, *, seed, steps, windows, configs):
-    """For each (gradient_as_bucket_view, c_first, bucket_cap_mb) in
+    """For each (gradient_as_bucket_view, c_first, first_bucket_cap_mb,
+    bucket_cap_mb) in
     `configs`: `windows` windows of `steps` micro-steps on cuda:0, fused AdamW;
     each window's reduced gradient (read before acc.step()) and the final
     parameters, in float64 on the CPU."""
@@ -97,11 +103,11 @@ def side_stream_windows(rank, world_size, *, seed, steps, windows, configs):
 
     torch.cuda.set_device(0)
     out = []
-    for views, c_first, cap_mb in configs:
+    for views, c_first, first_cap_mb, cap_mb in configs:
         model = SideStreamNet(seed, c_first).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
         acc = gradaccum.Accumulator(model, opt, steps=steps, gradient_as_bucket_view=views,
-                                    bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb)
+                                    bucket_cap_mb=cap_mb, first_bucket_cap_mb=first_cap_mb)
         grads = []
         for w in range(windows):
             for k in range(steps):

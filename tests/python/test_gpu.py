@@ -149,23 +149,29 @@ def test_run_survives_a_real_cuda_out_of_memory(tmp_path, reduction):
 @pytest.mark.parametrize("backend,world_size", [("gloo", 2), ("nccl", 1)])
 def test_side_stream_forward_with_bucket_views_and_fused_adamw(tmp_path, backend, world_size):
     """A branch of the forward on a side stream, whose backward spins ~10 ms on
-    the GPU first; buckets of 0.7 MiB (so one bucket mixes that branch's
-    gradients with the default stream's), and one bucket; copies and views;
-    fused AdamW stepping the views. Each window's reduced gradient and the
-    final parameters against one process on the global batch (CPU, float64):
-    a bucket read before the side stream's copies landed would be off by a
-    whole gradient."""
+    the GPU first. Buckets of 1 MiB (and a first one of 1 KiB): the middle
+    bucket holds that branch's gradients and those of a layer on the default
+    stream, and is launched during backward by whichever of the two comes
+    last (c_first: the default stream's layer, while the side stream is
+    still spinning); and one bucket for all. Copies and views; fused AdamW
+    stepping the views. Each window's reduced gradient and the final
+    parameters against one process on the global batch (CPU, float64): a
+    bucket sent before the side stream's copies landed in it would be off by
+    a whole gradient."""
     import _cuda_jobs as cj
 
     if backend == "nccl" and not dist.is_nccl_available():
         pytest.skip("torch built without NCCL")
-    configs = [(True, True, 0.7), (False, False, 0.7), (True, False, 0.7), (False, True, 4.0)]
+    configs = [(True, True, 0.001, 1.0), (False, True, 0.001, 1.0), (True, False, 0.001, 1.0),
+               (False, True, 4.0, 4.0)]
     results = du.run_job("side_stream_windows", world_size, tmp_path, module="_cuda_jobs", backend=backend,
                          timeout=240, seed=7, steps=2, windows=3, configs=configs)
     refs = {c_first: cj.reference(7, world_size, 2, 3, c_first) for c_first in (False, True)}
     for res in results:
-        for (views, c_first, cap), r in zip(configs, res):
+        for (views, c_first, _, cap), r in zip(configs, res):
             print("views", views, "c_first", c_first, "cap", cap, "buckets", r["buckets"])
+            if cap == 1.0:  # a's (2, 3) and c's (4, 5) in a bucket launched during backward
+                assert any({2, 3, 4, 5} <= set(b) for b in r["buckets"][:-1]), r["buckets"]
             want_grads, want_params = refs[c_first]
             assert r["steps"] == 3 and len(r["grads"]) == 3
             for w, (got, want) in enumerate(zip(r["grads"], want_grads)):
