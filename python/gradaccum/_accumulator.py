@@ -22,6 +22,7 @@ from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list
     _default_world_size,
     _finite_float,
     _dist_initialized,
+    _group_ranks,
     _metric_values,
     _parameters,
     _resolve_group,
@@ -574,8 +575,15 @@ class Accumulator:
         1/world of it, so saving rank 0's state only (as Lightning and
         Accelerate do) and loading it on every rank resumes exactly.
         ``rank_independent=False`` gives this rank's own state (no collective),
-        which only this rank can load."""
+        which only this rank can load: with a process group that
+        torch.distributed knows, it also holds the group's global ranks
+        (``group_ranks``), so that a subgroup's rank refuses another
+        subgroup's state."""
         state = self._c.state_dict(bool(rank_independent))
+        if not state["rank_independent"]:
+            ranks = _group_ranks(self.process_group)
+            if ranks is not None:
+                state["group_ranks"] = ranks
         if self.grad_scaler is not None:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
@@ -587,6 +595,7 @@ class Accumulator:
         time, where only running out of memory can fail)."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"gradaccum: acc.load_state_dict(): expected a dict, got {type(state_dict).__name__}")
+        self._check_group_ranks(state_dict)
         scaler = self.grad_scaler
         _check_scaler_setting(scaler, state_dict)
         load_scaler = _scaling(scaler) and _saved_scaled(state_dict)
@@ -605,6 +614,27 @@ class Accumulator:
             if load_scaler:
                 scaler.load_state_dict(previous)
             raise
+
+    def _check_group_ranks(self, state_dict: Dict[str, Any]) -> None:
+        """A per-rank state names the global ranks of the group it was saved
+        in (state_dict()): with subgroups, group rank r of another group
+        passes the C++ side's rank check, and its half-done window is that
+        group's. A group of another size is the C++ side's to judge."""
+        saved = state_dict.get("group_ranks")
+        if saved is None or state_dict.get("rank_independent") is not False:
+            return
+        if not isinstance(saved, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool)
+                                                           for r in saved):
+            raise ValueError(f"gradaccum: acc.load_state_dict(): 'group_ranks' must be a list of global ranks, "
+                             f"got {saved!r}")
+        mine = _group_ranks(self.process_group)
+        if mine is None or len(mine) != len(saved) or list(saved) == mine:
+            return
+        raise ValueError(f"gradaccum: acc.load_state_dict(): this is a rank's own state "
+                         f"(acc.state_dict(rank_independent=False)) saved in the process group of global ranks "
+                         f"{list(saved)}, but this Accumulator's group is global ranks {mine}: its counters, "
+                         f"half-done window and residuals are the other group's. Load the state this rank saved, "
+                         f"or save with acc.state_dict() (rank-independent) to load one state on every rank")
 
     @property
     def parameter_names(self) -> List[str]:

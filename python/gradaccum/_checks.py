@@ -208,6 +208,28 @@ def _default_world_size() -> int:
     return dist.get_world_size()
 
 
+def _non_member(process_group: Any) -> bool:
+    """What new_group() returns on a rank outside the group (an int, -100)."""
+    if isinstance(process_group, bool) or not isinstance(process_group, int) or not _dist_initialized():
+        return False
+    import torch.distributed as dist
+
+    return process_group == dist.GroupMember.NON_GROUP_MEMBER
+
+
+def _group_ranks(process_group: Any) -> Optional[List[int]]:
+    """The global ranks of `process_group`'s members, in group-rank order;
+    None where torch.distributed does not know the group (one built in C++)."""
+    if process_group is None or not _dist_initialized():
+        return None
+    import torch.distributed as dist
+
+    try:
+        return [int(r) for r in dist.get_process_group_ranks(process_group)]
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def _default_group():
     import torch.distributed as dist
 
@@ -293,6 +315,13 @@ def _resolve_group(process_group: Any) -> "tuple[Any, bool]":
     if process_group is True:
         raise TypeError("gradaccum: Accumulator(): process_group must be a ProcessGroup, None "
                         "(the default group) or False (local-only), got True")
+    if _non_member(process_group):
+        import torch.distributed as dist
+
+        # Only this rank raises: the group's members pair no collective with it.
+        raise ValueError(f"gradaccum: Accumulator(): this rank (global rank {dist.get_rank()}) is not a member of "
+                         "process_group: torch.distributed.new_group() returns GroupMember.NON_GROUP_MEMBER on "
+                         "the ranks it leaves out. Build the Accumulator on the group's ranks only")
     if process_group is None:
         process_group = _default_group()
         if process_group is None:
