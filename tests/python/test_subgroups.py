@@ -2,7 +2,7 @@
 hybrid parallelism): each pair equals one process on its own big batch;
 per-rank states carry their group's global ranks (another pair's is refused);
 a rank outside the group gets a clear error. Ranks in gradaccum's messages
-are the group's ranks (docs/design.md)."""
+are the group's ranks (docs/integrations.md)."""
 import _dist_utils as du
 import _subgroup_jobs as sj
 
