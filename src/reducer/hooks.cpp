@@ -189,8 +189,9 @@ void Reducer::State::mark_ready(size_t index) {
   }
   TORCH_CHECK(!window.ready[index],
       where(), ": ", config.name(index), " got its gradient twice in one synchronising "
-      "backward (a parameter used both inside and outside a reentrant checkpoint, or a "
-      "second backward over it?); each parameter may be reduced once per window");
+      "backward (a parameter used both inside and outside a reentrant checkpoint, a block under "
+      "reentrant checkpointing called twice in one forward, or a second backward over it?); each "
+      "parameter may be reduced once per window: use torch.utils.checkpoint(..., use_reentrant=False)");
   window.ready[index] = 1;
   window.timeline.gradients[index] = window.elapsed(); // Note [The window's timeline]
   window.early_launches = window.hook_launches; // made before this hook, which may be backward's last
