@@ -108,15 +108,17 @@ def side_stream_windows(rank, world_size, *, seed, steps, windows, configs):
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
         acc = gradaccum.Accumulator(model, opt, steps=steps, gradient_as_bucket_view=views,
                                     bucket_cap_mb=cap_mb, first_bucket_cap_mb=first_cap_mb)
-        grads = []
+        grads, launched = [], []
         for w in range(windows):
             for k in range(steps):
                 x, y = batch(seed, w, rank, k)
                 acc.backward((model(x.cuda()) - y.cuda()).pow(2).mean())
                 if acc.window_ready:
                     grads.append([p.grad.double().cpu() for p in model.parameters()])
+                    launched.append(acc.stats()["last_window_launched_in_backward"])
                 acc.step()
         out.append({"grads": grads, "params": [p.detach().double().cpu() for p in model.parameters()],
-                    "buckets": acc.bucket_indices, "steps": acc.stats()["optimizer_steps"]})
+                    "buckets": acc.bucket_indices, "steps": acc.stats()["optimizer_steps"],
+                    "launched_in_backward": launched})
         acc.close()
     return out

@@ -20,13 +20,13 @@ def run(name, world_size, tmp_path, **kwargs):
 def test_window_loss_is_the_big_batch_loss(tmp_path, world_size, reduction):
     n_windows, last = 3, 2  # and a partial last window (flush)
     check_window_losses(run("window_losses", world_size, tmp_path, seed=6, n_windows=n_windows, last=last,
-                            reduction=reduction), world_size, reduction, n_windows, last)
+                            reduction=reduction), world_size, reduction, n_windows, last, seed=6)
 
 
-def check_window_losses(results, world_size, reduction, n_windows, last):
+def check_window_losses(results, world_size, reduction, n_windows, last, seed):
     """test_gpu.py runs this check on CUDA tensors too."""
     metrics = []
-    expected = lj.reference(6, world_size, n_windows, last, reduction, metrics=metrics)
+    expected = lj.reference(seed, world_size, n_windows, last, reduction, metrics=metrics)
     for rank, res in enumerate(results):
         assert res["before_first"] is None
         # the user metrics ride in the same header: summed over the window and every rank
@@ -102,7 +102,7 @@ def test_window_loss_reports_the_loss_a_grad_scaler_scales():
 def test_skip_micro_batch_leaves_out_only_the_bad_micro_batch(tmp_path, world_size):
     nan_at = skip_micro_batch_nans(world_size)
     check_skip_micro_batch(run("bad_micro_batches", world_size, tmp_path, seed=9, n_windows=4, reduction="mean",
-                               nan_at=nan_at), world_size, nan_at)
+                               nan_at=nan_at), world_size, nan_at, seed=9)
 
 
 def skip_micro_batch_nans(world_size):
@@ -112,9 +112,9 @@ def skip_micro_batch_nans(world_size):
     return [(1, last, 0), (2, 0, lj.STEPS - 1)] + [(3, r, k) for r in range(world_size) for k in range(lj.STEPS)]
 
 
-def check_skip_micro_batch(results, world_size, nan_at):
+def check_skip_micro_batch(results, world_size, nan_at, seed):
     """test_gpu.py runs this check on CUDA tensors too."""
-    expected, skipped = lj.bad_reference(9, world_size, 4, "mean", nan_at={tuple(t) for t in nan_at})
+    expected, skipped = lj.bad_reference(seed, world_size, 4, "mean", nan_at={tuple(t) for t in nan_at})
     assert skipped == 1
     for rank, res in enumerate(results):
         for i, (a, e) in enumerate(zip(res["params"], expected)):
