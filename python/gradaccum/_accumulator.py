@@ -634,7 +634,9 @@ class Accumulator:
                          f"(acc.state_dict(rank_independent=False)) saved in the process group of global ranks "
                          f"{list(saved)}, but this Accumulator's group is global ranks {mine}: its counters, "
                          f"half-done window and residuals are the other group's. Load the state this rank saved, "
-                         f"or save with acc.state_dict() (rank-independent) to load one state on every rank")
+                         f"or save with acc.state_dict() (rank-independent) to load one state on every rank; "
+                         f"if this is the same group under other global ranks (renumbered on purpose), delete "
+                         f"'group_ranks' from the state")
 
     @property
     def parameter_names(self) -> List[str]:

@@ -26,7 +26,9 @@ def test_two_pairs_train_apart_and_refuse_each_others_states(tmp_path):
             "gradaccum: acc.load_state_dict(): this is a rank's own state (acc.state_dict(rank_independent=False)) "
             f"saved in the process group of global ranks {other}, but this Accumulator's group is global ranks "
             f"{mine}: its counters, half-done window and residuals are the other group's. Load the state this "
-            "rank saved, or save with acc.state_dict() (rank-independent) to load one state on every rank")
+            "rank saved, or save with acc.state_dict() (rank-independent) to load one state on every rank; if "
+            "this is the same group under other global ranks (renumbered on purpose), delete 'group_ranks' from "
+            "the state")
         assert res["untouched"]
     for rank in (0, 3):
         assert results[rank]["non_member"] == (
