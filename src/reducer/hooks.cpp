@@ -181,7 +181,7 @@ void Reducer::State::mark_ready(size_t index) {
         "after a nested (reentrant) backward had already reduced the window. With reentrant "
         "activation checkpointing and a plain loss.backward(), the reduction ends with the first "
         "graph task that reached a parameter; run the backward through acc.backward(), or use "
-        "torch.utils.checkpoint(..., use_reentrant=False)");
+        "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)");
     begin_in_task(manual_request(), task, detail::Entry::ManualBackward);
   } else if (task != window.anchor_task && older_task(task, window.anchor_task)) {
     window.anchor_task = task; // an outer task of a reentrant backward: finish at its end
@@ -191,7 +191,8 @@ void Reducer::State::mark_ready(size_t index) {
       where(), ": ", config.name(index), " got its gradient twice in one synchronising "
       "backward (a parameter used both inside and outside a reentrant checkpoint, a block under "
       "reentrant checkpointing called twice in one forward, or a second backward over it?); each "
-      "parameter may be reduced once per window: use torch.utils.checkpoint(..., use_reentrant=False)");
+      "parameter may be reduced once per window. With reentrant checkpointing use "
+      "torch.utils.checkpoint.checkpoint(..., use_reentrant=False); otherwise put the losses into one backward");
   window.ready[index] = 1;
   window.timeline.gradients[index] = window.elapsed(); // Note [The window's timeline]
   window.early_launches = window.hook_launches; // made before this hook, which may be backward's last
