@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <exception>
 #include <cstring>
 #include <sstream>
@@ -195,20 +196,44 @@ Refusal Refusal::of(std::exception_ptr error) {
 // refuse through the same call (_C._refuse_construction), so the sequence
 // is the same whichever side refused. Nothing before this collective may
 // run one.
-void agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const Refusal& mine,
-                    bool check_parameters, const char* call) {
+// Note [Which Accumulator a collective belongs to]
+// Two Accumulators over one group (a GAN's generator and discriminator) pair
+// their collectives by launch order, as any two users of a group do. A rank
+// that runs one's window where another rank runs the other's (uneven data,
+// one micro-batch short of one of them) would sum the two, and with buckets
+// of the same sizes nothing else in the header tells them apart: each
+// numbers its windows from 0, and their steps and kinds may agree. So every
+// reducer gets a number when it is built, the same on every rank, and every
+// bucket's header carries it (kInstance, the first row of Note [What ranks
+// agree on]): a reduction that pairs two reducers is dropped on every rank,
+// saying so. The number is agreed here, in the construction's first
+// collective: each rank proposes its process's next number (a counter over
+// every reducer built in the process, on any group), the largest is taken,
+// and every rank's counter moves past it. So a process that built more
+// reducers elsewhere (other groups, or ones since destroyed) still agrees,
+// and no two reducers built over the same group in turn share a number.
+// Buckets of different sizes cannot be told apart this way: Gloo checks the
+// sizes first (docs/design.md, Limits).
+namespace {
+std::atomic<int64_t> next_instance{0};
+} // namespace
+
+int64_t agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const Refusal& mine,
+                       bool check_parameters, const char* call) {
   // A device the group cannot reach (a refusing rank's CPU or meta
   // parameters under NCCL) would fail here on this rank alone: the current
   // device of the group's accelerator then, which is where such a group's
   // metadata goes.
   const bool reachable = params_device.type() != at::kMeta && group_reaches(group, params_device.type());
   const auto device = metadata_device(group, reachable ? params_device : reached_device(group));
-  auto flags = at::empty({2}, at::kLong);
+  auto flags = at::empty({3}, at::kLong);
   flags[0] = static_cast<int64_t>(mine.kind);
   flags[1] = check_parameters ? 1 : 0;
+  flags[2] = next_instance.load();
   const auto all = allgather(group, flags.to(device));
   int refuser = -1;
   int refusers = 0;
+  int64_t instance = 0;
   std::vector<int> checking, not_checking;
   for (const auto r : c10::irange(all.size())) {
     const auto theirs = all[r].cpu();
@@ -217,11 +242,16 @@ void agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const R
       ++refusers;
     }
     (theirs[1].item<int64_t>() ? checking : not_checking).push_back(static_cast<int>(r));
+    instance = std::max(instance, theirs[2].item<int64_t>());
+  }
+  // Past it on every rank, refused or not (Note [Which Accumulator a
+  // collective belongs to]).
+  for (auto seen = next_instance.load(); seen <= instance && !next_instance.compare_exchange_weak(seen, instance + 1);) {
   }
   if (refuser >= 0) {
     const auto texts = allgather_text(group, device, mine.message);
     if (mine.kind != Refusal::None) {
-      return; // the caller raises this rank's own error
+      return 0; // the caller raises this rank's own error
     }
     auto reason = texts[static_cast<size_t>(refuser)];
     if (reason.empty()) {
@@ -252,6 +282,7 @@ void agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const R
         list(checking), "; false on ", list(not_checking), "; the ranks would run different construction "
         "collectives. Pass the same value on every rank");
   }
+  return instance;
 }
 
 at::Device device_of(const std::vector<at::Tensor>& params) {

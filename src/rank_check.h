@@ -26,9 +26,11 @@ struct Refusal {
 /// build (and, if one did, its message), and whether check_parameters agrees.
 /// On a rank that refused it returns (the caller raises its own error); on
 /// the others it throws that rank's error, named. `call` names the call
-/// ("Accumulator()"); `params_device` places the small tensors.
-void agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const Refusal& mine,
-                    bool check_parameters, const char* call);
+/// ("Accumulator()"); `params_device` places the small tensors. Returns the
+/// number the ranks agreed for what is being built (Note [Which Accumulator
+/// a collective belongs to]; 0 on a refusing rank).
+int64_t agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const Refusal& mine,
+                       bool check_parameters, const char* call);
 
 /// The first parameter's device, or meta where there is none (agree_to_build()
 /// then picks one the group reaches).

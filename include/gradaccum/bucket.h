@@ -60,8 +60,9 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 //    [Leaving join() with an exception]) and those that could not step a
 //    window they closed (the replicas then differ: every rank must say so),
 //  - whether every rank agrees on what must be equal (the bucket's index, and
-//    the window number, steps, the reduction and the kind of reduction: Note
-//    [What ranks agree on] in src/consensus/agreement.h): each such value v is
+//    which reducer sends it, the window number, steps, the reduction and the
+//    kind of reduction: Note [What ranks agree on] in
+//    src/consensus/agreement.h): each such value v is
 //    sent as (v mod M, (v mod M)^2); over W ranks the values are all equal iff
 //    W * sum(v^2) == sum(v)^2. M is chosen so both sums stay exact (see
 //    consensus_modulus() in src/consensus/window_header.cpp).
@@ -118,6 +119,8 @@ enum MetaField : int64_t {
   kBucketIndexSquare,
   kKind, ///< 0: a window's reduction, 1: a checkpoint's snapshot of a half-done window, 2: a refresh's check, 3: a plain loss.backward()'s (the manual path); +4 while a bucket rebuild is pending
   kKindSquare,
+  kInstance, ///< which reducer (Accumulator) of the group sends it (Note [Which Accumulator a collective belongs to])
+  kInstanceSquare,
   kJoined, ///< ranks in Accumulator::join(): out of data, shadowing the others (Note [Joining])
   kInexactWeight, ///< ranks whose kWeight is not an integer (its sum may round by position)
   kUnstepped, ///< ranks that did not step the window before (Note [A window not stepped on some ranks])

@@ -35,6 +35,14 @@ double names_code(const std::vector<std::string>& names) {
 const std::vector<Agreement>& agreements() {
   using I = AgreementInputs;
   static const std::vector<Agreement> table{
+      // First: when it differs, the others (steps, the window number) are
+      // another Accumulator's, not a mistake in this one's options.
+      {"which Accumulator this collective belongs to (the Accumulators built over this process group, "
+       "numbered alike on every rank)", Shown::Number, [](const I& in) { return static_cast<double>(in.instance); },
+       false, kInstance, true,
+       "Several Accumulators over one process group pair their collectives in launch order: every rank must "
+       "run their windows in the same order, with the same number of micro-batches for each (equal shards); "
+       "docs/design.md, Limits"},
       {"steps", Shown::Number, [](const I& in) { return static_cast<double>(in.rule.steps); },
        true, kSteps, true, nullptr},
       {"reduction", Shown::Reduction,

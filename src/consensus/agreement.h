@@ -46,6 +46,9 @@ struct AgreementInputs {
   /// Why this rank did not step the last window every rank reduced (Note [A
   /// window not stepped on some ranks]); null: it did.
   const char* unstepped = nullptr;
+  /// The reducer's number among those built over the group, agreed when it
+  /// was built (Note [Which Accumulator a collective belongs to]).
+  int64_t instance = 0;
 };
 
 /// One value every rank must hold alike.

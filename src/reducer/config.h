@@ -37,6 +37,9 @@ struct ReducerConfig {
   /// keeps it; refresh_parameters() builds a new config, which reads it again
   /// and is checked across ranks again.
   bool one_host = false;
+  /// Its number among the reducers built over the group, the same on every
+  /// rank (agree_to_build(); Note [Which Accumulator a collective belongs to]).
+  int64_t instance = 0;
 
   const std::string& name(size_t index) const {
     return names[index];

@@ -61,7 +61,8 @@ Reducer::Reducer(
     detail::tell_construction_refused(*group, params_device);
     throw;
   }
-  detail::agree_to_build(*group, built->metadata_device(), {}, options.check_parameters(), "Accumulator()");
+  built->instance =
+      detail::agree_to_build(*group, built->metadata_device(), {}, options.check_parameters(), "Accumulator()");
   auto config = std::move(*built);
   // Before any bucket is allocated; a collective with check_parameters.
   if (config.options.check_parameters()) {

@@ -331,6 +331,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
     detail::AgreementInputs inputs{config.rule, config.options, config.params.size(), window.sequence, kind_code(),
                                    config.one_host};
     inputs.unstepped = window.unstepped;
+    inputs.instance = config.instance;
     return inputs;
   }
   /// What every error of this reduction starts with: "gradaccum: acc.flush(): window 3".

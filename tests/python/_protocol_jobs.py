@@ -651,3 +651,113 @@ def refused_micro_batch(rank, world_size, *, how, closing, boom_rank=None):
                 errors.append((f"{w}/{k}", type(e).__name__, str(e)))
         acc.step()
     return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
+
+
+def two_towers_batches(rank, n, salt):
+    g = torch.Generator().manual_seed(4 + rank + 10 * salt)
+    return [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+def two_towers_reference(world_size):
+    """One process: each tower's windows on the global batch (equal data)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+    for tower, salt, sign in ((a, 0, -1), (b, 1, 1)):
+        opt = torch.optim.SGD(tower.parameters(), lr=0.1)
+        data = [two_towers_batches(r, 4, salt) for r in range(world_size)]
+        for w in range(2):
+            xs = [x for r in range(world_size) for x in data[r][2 * w:2 * w + 2]]
+            (sum((tower(x) + sign).pow(2).mean() for x in xs) / len(xs)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in [*a.parameters(), *b.parameters()]]
+
+
+@job
+def two_accumulators_uneven(rank, world_size, *, short):
+    """Two Accumulators over the default group, same shapes (two towers),
+    one window of A then one of B, K=2; with `short`, rank 1 has one
+    micro-batch fewer for A, so its B window meets rank 0's closing A window
+    (Note [Which Accumulator a collective belongs to]). Then a fresh pair of
+    Accumulators with equal data on every rank: the group still pairs."""
+    import gradaccum
+
+    def models():
+        torch.manual_seed(0)
+        return nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+
+    def batches(n, salt):
+        return two_towers_batches(rank, n, salt)
+
+    out = {"errors": []}
+    for phase, n_a in (("uneven", 4 - (1 if short and rank == 1 else 0)), ("even", 4)):
+        a, b = models()
+        acc_a = gradaccum.Accumulator(a, torch.optim.SGD(a.parameters(), lr=0.1), steps=2)
+        acc_b = gradaccum.Accumulator(b, torch.optim.SGD(b.parameters(), lr=0.1), steps=2)
+        xa, xb = batches(n_a, 0), batches(4, 1)
+        try:
+            for w in range(2):
+                for x in xa[2 * w:2 * w + 2]:
+                    acc_a.backward((a(x) - 1).pow(2).mean())
+                    acc_a.step()
+                for x in xb[2 * w:2 * w + 2]:
+                    acc_b.backward((b(x) + 1).pow(2).mean())
+                    acc_b.step()
+        except RuntimeError as e:
+            out["errors"].append((phase, str(e)))
+        out[phase] = [p.detach().clone() for p in [*a.parameters(), *b.parameters()]]
+        acc_a.close()
+        acc_b.close()
+    return out
+
+
+class _Siamese(nn.Module):
+    """One tower under activation checkpointing, run on both inputs."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tower = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.head = nn.Linear(4, 1)
+        self.reentrant = reentrant
+
+    def forward(self, a, b):
+        from torch.utils.checkpoint import checkpoint
+
+        if self.reentrant is None:
+            return self.head(self.tower(a) - self.tower(b))
+        return self.head(checkpoint(self.tower, a, use_reentrant=self.reentrant)
+                         - checkpoint(self.tower, b, use_reentrant=self.reentrant))
+
+
+def siamese_inputs(rank):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(3, 4, generator=g, dtype=torch.float64)
+
+
+def siamese_reference(world_size):
+    model = _Siamese(None).double()
+    for r in range(world_size):
+        (model(*siamese_inputs(r)).pow(2).mean() / world_size).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@job
+def checkpointed_twice(rank, world_size, *, reentrant):
+    """A checkpointed tower run twice in one forward (a Siamese network), one
+    synchronising backward: reentrant checkpointing brings the tower's
+    gradients twice (an error on every rank), non-reentrant works."""
+    import gradaccum
+
+    model = _Siamese(reentrant).double()
+    acc = gradaccum.Accumulator(model, None, steps=1)
+    try:
+        # (inputs that require grad: a reentrant checkpoint of inputs that do
+        # not gives its parameters no gradient at all)
+        a, b = (x.requires_grad_() for x in siamese_inputs(rank))
+        acc.backward(model(a, b).pow(2).mean())
+        out = {"error": None, "grads": [p.grad.clone() for p in model.parameters()]}
+    except RuntimeError as e:
+        out = {"error": str(e)}
+    acc.close()
+    return out

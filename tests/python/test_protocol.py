@@ -375,3 +375,53 @@ def test_a_micro_batch_refused_on_one_rank_drops_the_window_only_if_it_closes_it
         assert res["stats"]["dropped_windows"] == (1 if closing else 0)
         assert res["stats"]["optimizer_steps"] == (2 if closing else 3)
         du.assert_params_close(res["params"], expected, "refused")
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_two_accumulators_whose_windows_cross_raise_on_every_rank(tmp_path, short):
+    """Two Accumulators over one group with buckets of the same sizes; rank 1
+    one micro-batch short of A's data, so its closing B reduction meets rank
+    0's closing A reduction. Both ranks drop it with the same error naming
+    the Accumulators (Note [Which Accumulator a collective belongs to]);
+    without the header's number the two were summed silently. Fresh
+    Accumulators after it train on equal data to the big batch (float64)."""
+    results = run("two_accumulators_uneven", 2, tmp_path, short=short)
+    want = pj.two_towers_reference(2)
+    for rank, res in enumerate(results):
+        assert_params_close(res["even"], want, tol=1e-12, what=f"rank {rank}, even")
+        if not short:
+            assert res["errors"] == []
+            assert_params_close(res["uneven"], want, tol=1e-12, what=f"rank {rank}, uneven")
+            continue
+        ((phase, text),) = res["errors"]
+        call, mine, theirs = "acc.backward()", rank, 1 - rank  # A is Accumulator 0, B is 1
+        assert phase == "uneven"
+        assert text == (
+            f"gradaccum: {call}: window 1: the ranks disagree on which Accumulator "
+            "this collective belongs to (the Accumulators built over this process group, numbered alike on every "
+            f"rank): this rank (rank {rank}) has {mine}, rank {1 - rank} has {theirs}. Several Accumulators over "
+            "one process group pair their collectives in launch order: every rank must run their windows in the "
+            "same order, with the same number of micro-batches for each (equal shards); docs/design.md, Limits. "
+            "The window was dropped on every rank"), text
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpointed_block_run_twice_in_one_forward(tmp_path, reentrant):
+    """Reentrant checkpointing of a tower run twice (a Siamese network) brings
+    its parameters' gradients twice into one synchronising backward: every
+    rank drops the window and says to use use_reentrant=False, which gives
+    the one-process gradients (float64)."""
+    results = run("checkpointed_twice", 2, tmp_path, reentrant=reentrant)
+    if not reentrant:
+        want = pj.siamese_reference(2)
+        for res in results:
+            assert res["error"] is None
+            assert_params_close(res["grads"], want, tol=1e-12)
+        return
+    for rank, res in enumerate(results):
+        assert res["error"].startswith("gradaccum: acc.backward(): window 0 was dropped on every rank"), res["error"]
+        assert ("got its gradient twice in one synchronising backward (a parameter used both inside and outside a "
+                "reentrant checkpoint, a block under reentrant checkpointing called twice in one forward, or a "
+                "second backward over it?); each parameter may be reduced once per window. With reentrant "
+                "checkpointing use torch.utils.checkpoint.checkpoint(..., use_reentrant=False); otherwise put the "
+                "losses into one backward") in res["error"], res["error"]
