@@ -10,7 +10,9 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
 #include <exception>
 #include <cstring>
 #include <sstream>
@@ -207,16 +209,40 @@ Refusal Refusal::of(std::exception_ptr error) {
 // bucket's header carries it (kInstance, the first row of Note [What ranks
 // agree on]): a reduction that pairs two reducers is dropped on every rank,
 // saying so. The number is agreed here, in the construction's first
-// collective: each rank proposes its process's next number (a counter over
-// every reducer built in the process, on any group), the largest is taken,
-// and every rank's counter moves past it. So a process that built more
-// reducers elsewhere (other groups, or ones since destroyed) still agrees,
-// and no two reducers built over the same group in turn share a number.
-// Buckets of different sizes cannot be told apart this way: Gloo checks the
-// sizes first (docs/design.md, Limits).
+// collective: each rank sends the numbers that live reducers over this
+// group hold in its process (a mask of kMaxInstances bits, InstanceHold),
+// and every rank takes the lowest number no rank holds. So no two reducers
+// alive over one group share a number, whatever each process built before
+// (other groups, reducers since destroyed, a reducer one rank still keeps
+// alive), and numbers stay small: below the header's modulus, they are
+// carried exactly and shown as they are. Buckets of different sizes cannot
+// be told apart this way: Gloo checks the sizes first (docs/design.md,
+// Limits).
 namespace {
-std::atomic<int64_t> next_instance{0};
+constexpr int64_t kMaxInstances = 62; // bits of a non-negative int64 mask
+std::mutex held_mutex;
+std::unordered_map<const c10d::ProcessGroup*, uint64_t> held; // bit n: number n is held
+
+uint64_t held_mask(const c10d::ProcessGroup* group) {
+  const std::lock_guard<std::mutex> lock(held_mutex);
+  const auto it = held.find(group);
+  return it == held.end() ? 0 : it->second;
+}
 } // namespace
+
+InstanceHold::InstanceHold(const c10d::ProcessGroup* group, int64_t instance) : group_(group), instance_(instance) {
+  TORCH_INTERNAL_ASSERT(instance >= 0 && instance < kMaxInstances);
+  const std::lock_guard<std::mutex> lock(held_mutex);
+  held[group_] |= uint64_t{1} << instance_;
+}
+
+InstanceHold::~InstanceHold() {
+  const std::lock_guard<std::mutex> lock(held_mutex);
+  const auto it = held.find(group_);
+  if (it != held.end() && (it->second &= ~(uint64_t{1} << instance_)) == 0) {
+    held.erase(it);
+  }
+}
 
 int64_t agree_to_build(c10d::ProcessGroup& group, at::Device params_device, const Refusal& mine,
                        bool check_parameters, const char* call) {
@@ -229,11 +255,11 @@ int64_t agree_to_build(c10d::ProcessGroup& group, at::Device params_device, cons
   auto flags = at::empty({3}, at::kLong);
   flags[0] = static_cast<int64_t>(mine.kind);
   flags[1] = check_parameters ? 1 : 0;
-  flags[2] = next_instance.load();
+  flags[2] = static_cast<int64_t>(held_mask(&group));
   const auto all = allgather(group, flags.to(device));
   int refuser = -1;
   int refusers = 0;
-  int64_t instance = 0;
+  uint64_t taken = 0;
   std::vector<int> checking, not_checking;
   for (const auto r : c10::irange(all.size())) {
     const auto theirs = all[r].cpu();
@@ -242,11 +268,11 @@ int64_t agree_to_build(c10d::ProcessGroup& group, at::Device params_device, cons
       ++refusers;
     }
     (theirs[1].item<int64_t>() ? checking : not_checking).push_back(static_cast<int>(r));
-    instance = std::max(instance, theirs[2].item<int64_t>());
+    taken |= static_cast<uint64_t>(theirs[2].item<int64_t>());
   }
-  // Past it on every rank, refused or not (Note [Which Accumulator a
-  // collective belongs to]).
-  for (auto seen = next_instance.load(); seen <= instance && !next_instance.compare_exchange_weak(seen, instance + 1);) {
+  int64_t instance = 0; // the lowest number no rank holds (Note [Which Accumulator a collective belongs to])
+  while (instance < kMaxInstances && (taken >> instance) & 1) {
+    ++instance;
   }
   if (refuser >= 0) {
     const auto texts = allgather_text(group, device, mine.message);
@@ -282,6 +308,9 @@ int64_t agree_to_build(c10d::ProcessGroup& group, at::Device params_device, cons
         list(checking), "; false on ", list(not_checking), "; the ranks would run different construction "
         "collectives. Pass the same value on every rank");
   }
+  // The same mask on every rank: every rank raises here alike.
+  TORCH_CHECK(instance < kMaxInstances, "gradaccum: ", call, ": ", kMaxInstances, " Accumulators are alive over "
+      "this process group already (on some rank): close the ones no longer used (acc.close())");
   return instance;
 }
 

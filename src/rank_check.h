@@ -36,6 +36,21 @@ int64_t agree_to_build(c10d::ProcessGroup& group, at::Device params_device, cons
 /// then picks one the group reaches).
 at::Device device_of(const std::vector<at::Tensor>& params);
 
+/// Marks `instance` as held by a live reducer over `group` while it lives
+/// (Note [Which Accumulator a collective belongs to]): agree_to_build()
+/// then gives the next reducer over that group another number.
+class InstanceHold {
+ public:
+  InstanceHold(const c10d::ProcessGroup* group, int64_t instance);
+  ~InstanceHold();
+  InstanceHold(const InstanceHold&) = delete;
+  InstanceHold& operator=(const InstanceHold&) = delete;
+
+ private:
+  const c10d::ProcessGroup* group_;
+  int64_t instance_;
+};
+
 /// For a rank that refuses before or in its Reducer's construction, inside
 /// the catch block of its error: agree_to_build() as a refusing rank. If the
 /// others cannot be told (a broken group) it returns all the same: the

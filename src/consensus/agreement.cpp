@@ -37,8 +37,8 @@ const std::vector<Agreement>& agreements() {
   static const std::vector<Agreement> table{
       // First: when it differs, the others (steps, the window number) are
       // another Accumulator's, not a mistake in this one's options.
-      {"which Accumulator this collective belongs to (the Accumulators built over this process group, "
-       "numbered alike on every rank)", Shown::Number, [](const I& in) { return static_cast<double>(in.instance); },
+      {"which Accumulator this collective belongs to (a number each Accumulator over this process group gets "
+       "when built, the same on every rank and none shared by two alive; refresh_parameters() gives a new one)", Shown::Number, [](const I& in) { return static_cast<double>(in.instance); },
        false, kInstance, true,
        "Several Accumulators over one process group pair their collectives in launch order: every rank must "
        "run their windows in the same order, with the same number of micro-batches for each (equal shards); "

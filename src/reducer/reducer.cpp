@@ -27,7 +27,7 @@ void check_request(const ReductionRequest& request, Entry entry) {
 } // namespace detail
 
 Reducer::State::State(detail::ReducerConfig config_)
-    : config(std::move(config_)), buffer_broadcast(config.buffers) {
+    : config(std::move(config_)), instance_hold(config.group.get(), config.instance), buffer_broadcast(config.buffers) {
   const auto n = config.params.size();
   touched.reset(new std::atomic<bool>[n]);
   clear_touched();

@@ -13,6 +13,7 @@
 #include "comm.h"
 #include "consensus/agreement.h"
 #include "consensus/window_header.h"
+#include "rank_check.h"
 #include "reducer/config.h"
 
 #include <gradaccum/reducer.h>
@@ -207,6 +208,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   explicit State(detail::ReducerConfig config);
 
   const detail::ReducerConfig config;
+  /// config.instance, held while this state lives (Note [Which Accumulator a
+  /// collective belongs to]).
+  const detail::InstanceHold instance_hold;
   /// config.buffers' broadcast, its flat copies allocated here
   /// (Note [The buffers' broadcast allocates nothing]); emptied after the
   /// construction's broadcast without broadcast_buffers.

@@ -397,9 +397,10 @@ def test_two_accumulators_whose_windows_cross_raise_on_every_rank(tmp_path, shor
         call, mine, theirs = "acc.backward()", rank, 1 - rank  # A is Accumulator 0, B is 1
         assert phase == "uneven"
         assert text == (
-            f"gradaccum: {call}: window 1: the ranks disagree on which Accumulator "
-            "this collective belongs to (the Accumulators built over this process group, numbered alike on every "
-            f"rank): this rank (rank {rank}) has {mine}, rank {1 - rank} has {theirs}. Several Accumulators over "
+            f"gradaccum: {call}: window 1: the ranks disagree on which Accumulator this collective belongs to (a "
+            "number each Accumulator over this process group gets when built, the same on every rank and none "
+            "shared by two alive; refresh_parameters() gives a new one): this rank (rank "
+            f"{rank}) has {mine}, rank {1 - rank} has {theirs}. Several Accumulators over "
             "one process group pair their collectives in launch order: every rank must run their windows in the "
             "same order, with the same number of micro-batches for each (equal shards); docs/design.md, Limits. "
             "The window was dropped on every rank"), text
