@@ -8,6 +8,7 @@ import torch
 
 from gradaccum import _C, _run
 from gradaccum._lifetime import _LIVE, _optimizer_parameters, _optimizer_step
+from gradaccum._checkpoint import load_state, save_state
 from gradaccum._refusal import _refuse_construction
 from gradaccum import trace as _trace
 
@@ -17,38 +18,16 @@ from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list
     _check_layout_options,
     _check_options,
     _check_scaled_parameters,
-    _check_scaler_setting,
-    _check_scaler_state,
     _default_world_size,
+    _as_float,
     _finite_float,
     _dist_initialized,
-    _group_ranks,
     _metric_values,
     _parameters,
     _resolve_group,
-    _saved_scaled,
+    _scaler_rule,
     _scaling,
 )
-
-
-def _as_float(name: str, value: Any) -> Optional[float]:
-    """An option as the float the C++ side takes (None stays None)."""
-    return None if value is None else _finite_float("Accumulator()", name, value)
-
-
-def _scaler_rule(grad_scaler: Any) -> Optional[Tuple[float, float, float, int]]:
-    """An enabled GradScaler's scale and schedule, which every rank must
-    share (compared when the C++ side is built); None where nothing scales.
-    A scaler-like object without GradScaler's getters reads 0 for them."""
-    if not _scaling(grad_scaler):
-        return None
-
-    def get(name: str) -> float:
-        getter = getattr(grad_scaler, name, None)
-        return float(getter()) if callable(getter) else 0.0
-
-    return (get("get_scale"), get("get_growth_factor"), get("get_backoff_factor"),
-            int(get("get_growth_interval")))
 
 
 class Optimizer(Protocol):
@@ -579,64 +558,14 @@ class Accumulator:
         torch.distributed knows, it also holds the group's global ranks
         (``group_ranks``), so that a subgroup's rank refuses another
         subgroup's state."""
-        state = self._c.state_dict(bool(rank_independent))
-        if not state["rank_independent"]:
-            ranks = _group_ranks(self.process_group)
-            if ranks is not None:
-                state["group_ranks"] = ranks
-        if self.grad_scaler is not None:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return state
+        return save_state(self._c, self.grad_scaler, self.process_group, rank_independent)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state_dict(); all or nothing: a rejected state leaves the
         window, the counters and the grad_scaler as they were (every check
         runs before anything changes; the gradients are then copied one at a
         time, where only running out of memory can fail)."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"gradaccum: acc.load_state_dict(): expected a dict, got {type(state_dict).__name__}")
-        self._check_group_ranks(state_dict)
-        scaler = self.grad_scaler
-        _check_scaler_setting(scaler, state_dict)
-        load_scaler = _scaling(scaler) and _saved_scaled(state_dict)
-        if load_scaler:
-            _check_scaler_state(state_dict["grad_scaler"])
-            # The scaler first, the C++ state last: a C++ rejection puts it back.
-            previous = scaler.state_dict()
-            try:
-                scaler.load_state_dict(state_dict["grad_scaler"])
-            except BaseException:
-                scaler.load_state_dict(previous)
-                raise
-        try:
-            self._c.load_state_dict(state_dict)
-        except BaseException:
-            if load_scaler:
-                scaler.load_state_dict(previous)
-            raise
-
-    def _check_group_ranks(self, state_dict: Dict[str, Any]) -> None:
-        """A per-rank state names the global ranks of the group it was saved
-        in (state_dict()): with subgroups, group rank r of another group
-        passes the C++ side's rank check, and its half-done window is that
-        group's. A group of another size is the C++ side's to judge."""
-        saved = state_dict.get("group_ranks")
-        if saved is None or state_dict.get("rank_independent") is not False:
-            return
-        if not isinstance(saved, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool)
-                                                           for r in saved):
-            raise ValueError(f"gradaccum: acc.load_state_dict(): 'group_ranks' must be a list of global ranks, "
-                             f"got {saved!r}")
-        mine = _group_ranks(self.process_group)
-        if mine is None or len(mine) != len(saved) or list(saved) == mine:
-            return
-        raise ValueError(f"gradaccum: acc.load_state_dict(): this is a rank's own state "
-                         f"(acc.state_dict(rank_independent=False)) saved in the process group of global ranks "
-                         f"{list(saved)}, but this Accumulator's group is global ranks {mine}: its counters, "
-                         f"half-done window and residuals are the other group's. Load the state this rank saved, "
-                         f"or save with acc.state_dict() (rank-independent) to load one state on every rank; "
-                         f"if this is the same group under other global ranks (renumbered on purpose), delete "
-                         f"'group_ranks' from the state")
+        load_state(self._c, self.grad_scaler, self.process_group, state_dict)
 
     @property
     def parameter_names(self) -> List[str]:

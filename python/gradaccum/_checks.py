@@ -370,3 +370,23 @@ def _metric_values(what: str, names: Tuple[str, ...], metrics: Any, like: torch.
     if not values:
         return None  # metrics={} on an Accumulator built without metrics: nothing to carry
     return torch.stack(values)
+
+
+def _as_float(name: str, value: Any) -> Optional[float]:
+    """An option as the float the C++ side takes (None stays None)."""
+    return None if value is None else _finite_float("Accumulator()", name, value)
+
+
+def _scaler_rule(grad_scaler: Any) -> Optional[Tuple[float, float, float, int]]:
+    """An enabled GradScaler's scale and schedule, which every rank must
+    share (compared when the C++ side is built); None where nothing scales.
+    A scaler-like object without GradScaler's getters reads 0 for them."""
+    if not _scaling(grad_scaler):
+        return None
+
+    def get(name: str) -> float:
+        getter = getattr(grad_scaler, name, None)
+        return float(getter()) if callable(getter) else 0.0
+
+    return (get("get_scale"), get("get_growth_factor"), get("get_backoff_factor"),
+            int(get("get_growth_interval")))
