@@ -39,6 +39,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cmath>
@@ -638,8 +639,16 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (!serve) {
-      for (const auto k : steps) {
-        for (const auto& c : contenders) {
+      // Each entry of --steps is a block: every other block runs the
+      // contenders in reverse order (as _bench_worker.py rotates them), so
+      // a contender is not always the one that runs first after the other.
+      for (size_t block = 0; block < steps.size(); ++block) {
+        const auto k = steps[block];
+        auto order = contenders;
+        if (block % 2 == 1) {
+          std::reverse(order.begin(), order.end());
+        }
+        for (const auto& c : order) {
           std::cout << (c == "local" ? runner.run_local(k, windows, warmup) : runner.run(k, windows, warmup))
                     << std::endl;
         }
