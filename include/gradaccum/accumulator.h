@@ -23,6 +23,7 @@
 namespace gradaccum {
 
 namespace detail {
+class LateBackwardWatch; // src/detail/late_backward.h
 class LossScaler; // src/precision/loss_scaler.h
 class WideSums; // src/precision/wide_sums.h
 } // namespace detail
@@ -489,6 +490,11 @@ class Accumulator {
   /// At a boundary, for `what`: "acc.step()", "acc.state_dict()" or
   /// "acc.refresh_parameters()" (each words its error).
   void check_no_uncounted_backward(const char* what) const;
+  /// Every write of window_ready_: holding a closed window arms the check
+  /// below (Note [A backward after the window closed]).
+  void set_window_ready(bool ready);
+  /// Refuses a closed window a backward reached after it closed.
+  void check_no_late_backward(const char* what) const;
   /// Note [Gradients no micro-step counted]: the first parameter whose .grad
   /// changed since `remembered_` and holds a non-zero value.
   std::optional<size_t> uncounted_gradient(const std::vector<GradMark>& now) const;
@@ -614,6 +620,9 @@ class Accumulator {
   /// One process with accumulate_dtype: the window's sums of narrower
   /// gradients (data parallel: in the reducer's buckets).
   std::unique_ptr<detail::WideSums> wide_;
+  /// One process: the hooks that see a backward after the window closed
+  /// (data parallel, the reducer's do).
+  std::unique_ptr<detail::LateBackwardWatch> late_watch_;
   std::vector<std::string> names_;
   std::shared_ptr<void> claim_; ///< releases the parameters for another Accumulator
 };

@@ -286,6 +286,13 @@ class Reducer {
   /// Gradient hooks run so far: unchanged over a backward that changed
   /// gradients, the engine ran none (compiled autograd).
   uint64_t hook_calls() const;
+  /// From a window's close to its step (Note [A backward after the window
+  /// closed]): while held, a hook starts no reduction (a manual-path
+  /// backward would); it records the first parameter a backward reached.
+  /// Holding again forgets that record.
+  void hold_closed_window(bool hold);
+  /// While held: the first parameter a backward reached since, if any.
+  std::optional<size_t> reached_while_held() const;
   /// Whether some bucket sums in a wider dtype than its parameters.
   bool accumulating() const;
   /// With an accumulation dtype, mid-window: the window's sum so far of each

@@ -3,6 +3,7 @@
 #include "call_guard.h"
 #include "window_errors.h"
 #include "comm.h"
+#include "detail/late_backward.h"
 #include "precision/loss_scaler.h"
 #include "precision/wide_sums.h"
 #include "parameters.h"
@@ -114,6 +115,9 @@ Accumulator::Accumulator(
     // accumulate_dtype path]).
     wide_ = std::make_unique<detail::WideSums>(params_, *wide);
   }
+  if (!reducer_) {
+    late_watch_ = std::make_unique<detail::LateBackwardWatch>(params_, names_);
+  }
   if (options_.loss_scaler()) {
     // Note [One loss scaler path]: the built-in scaler is the window callbacks.
     loss_scaler_ = std::make_unique<detail::LossScaler>(*options_.loss_scaler());
@@ -168,6 +172,7 @@ void Accumulator::close() {
   }
   closed_ = true;
   reducer_.reset(); // removes the hooks; a reduction in flight completes its pairing
+  late_watch_.reset(); // (one process: its hooks)
   claim_.reset();
   // The group's last reference may be ours (destroy_process_group() ran):
   // let it go now, not whenever this object is destroyed.
@@ -305,7 +310,7 @@ void Accumulator::close_window(const at::Tensor& scaled, double weight, const st
   micro_step_ = 0;
   window_weight_ = 0;
   window_loss_sum_ = at::Tensor();
-  window_ready_ = true;
+  set_window_ready(true);
   remember_gradients();
 }
 
@@ -445,7 +450,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
       micro_step_ = 0;
       window_weight_ = 0;
       window_loss_sum_ = at::Tensor();
-      window_ready_ = true;
+      set_window_ready(true);
       window_known_finite_ = false;
       remember_gradients();
       throw;
@@ -493,7 +498,7 @@ void Accumulator::reset_window() {
   window_loss_cut_ = false;
   clear_gradients();
   micro_step_ = 0;
-  window_ready_ = false;
+  set_window_ready(false);
   window_unscaled_ = false;
   window_optimizer_stepped_ = false;
   window_clipped_ = false;
@@ -531,6 +536,7 @@ bool Accumulator::step() {
   }
   if (!window_optimizer_stepped_) { // (else only the scheduler is left to run)
     check_gradients_untouched("acc.step()", /*allow_in_place=*/true); // clipping in place is fine
+    check_no_late_backward("acc.step()");
   }
   return finish_window("acc.step()");
 }

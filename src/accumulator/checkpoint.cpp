@@ -180,6 +180,7 @@ void Accumulator::copy_window_into(AccumulatorState& state) const {
     // A window cleared or replaced since its last micro-step would be saved,
     // and resumed, without what it lost (no collective here: a local error).
     check_gradients_untouched("acc.state_dict()", /*allow_in_place=*/window_ready_);
+    check_no_late_backward("acc.state_dict()");
   } else {
     // Gradients no micro-step counted (the manual no_sync path before its
     // optimizer step) would be saved as a boundary without them: refused, as
@@ -451,7 +452,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
     }
   }
   micro_step_ = state.micro_step;
-  window_ready_ = state.window_ready;
+  set_window_ready(state.window_ready);
   window_weight_ = state.window_weight * share;
   window_failed_ = false;
   window_optimizer_stepped_ = false;

@@ -47,7 +47,7 @@ bool Accumulator::flush_in_call() {
     scale_local_gradients();
     micro_step_ = 0;
     window_loss_sum_ = at::Tensor();
-    window_ready_ = true;
+    set_window_ready(true);
     return finish_window(call_ ? call_ : "acc.flush()");
   }
   if (epoch_ended_) {
@@ -72,6 +72,7 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
   }
   if (!reducer_ || epoch_ended_) {
     check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
+    check_no_late_backward("acc.flush()");
     return finish_window(call_ ? call_ : "acc.flush()");
   }
   // The flush collective after this pairs with the other ranks' whatever happens
@@ -83,6 +84,7 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
   const bool as_reduced = grad_versions() == remembered_;
   try {
     check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
+    check_no_late_backward("acc.flush()");
     return finish_window(call_ ? call_ : "acc.flush()");
   } catch (const std::exception& e) {
     if (raised_alike_ && as_reduced) {
@@ -146,7 +148,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
   micro_step_ = 0;
   window_weight_ = 0;
   window_loss_sum_ = at::Tensor();
-  window_ready_ = true;
+  set_window_ready(true);
   window_known_finite_ = result.known_finite;
   remember_gradients(); // what the reducer checked, as step_window() compares
   return finish_window(call_ ? call_ : "acc.flush()");

@@ -2,6 +2,7 @@
 #include <gradaccum/accumulator.h>
 
 #include "call_guard.h"
+#include "detail/late_backward.h"
 #include "parameters.h"
 #include "precision/wide_sums.h"
 #include "rank_check.h"
@@ -160,6 +161,9 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
   params_ = std::move(model.parameters);
   names_ = std::move(model.names);
   frozen_ = std::move(frozen);
+  if (!reducer_) {
+    late_watch_ = std::make_unique<detail::LateBackwardWatch>(params_, names_); // (the old one's hooks go)
+  }
   window_loss_ = at::Tensor(); // the last window's loss was of the old set; the counters stay
   window_metrics_ = at::Tensor();
   remember_gradients();

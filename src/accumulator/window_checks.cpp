@@ -2,6 +2,8 @@
 // cleared, replaced or written around acc.backward() in the middle of a window.
 #include <gradaccum/accumulator.h>
 
+#include "detail/late_backward.h"
+
 #include <c10/util/irange.h>
 
 #include <algorithm>
@@ -263,6 +265,25 @@ void Accumulator::check_window_gradients(const char* what, const std::vector<Gra
   if (epoch_ended_) {
     fail_after_peers_ended_epoch();
   }
+}
+
+void Accumulator::set_window_ready(bool ready) {
+  window_ready_ = ready;
+  if (reducer_) {
+    reducer_->hold_closed_window(ready);
+  } else if (late_watch_) {
+    late_watch_->arm(ready);
+  }
+}
+
+void Accumulator::check_no_late_backward(const char* what) const {
+  if (!window_ready_) {
+    return;
+  }
+  // Note [A backward after the window closed] (src/detail/late_backward.cpp)
+  const auto reached = reducer_ ? reducer_->reached_while_held()
+      : late_watch_ ? late_watch_->reached() : std::nullopt;
+  TORCH_CHECK(!reached, detail::late_backward_error(what, names_[*reached], reducer_ != nullptr));
 }
 
 std::vector<GradMark> Accumulator::grad_versions() const {

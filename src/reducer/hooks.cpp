@@ -6,6 +6,7 @@
 #include "reducer/state.h"
 
 #include "comm.h"
+#include "detail/late_backward.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -43,8 +44,18 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
       : state_(std::move(state)), index_(index) {}
   torch::autograd::variable_list operator()(
       const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list& /*inputs*/) override {
+      const torch::autograd::variable_list& inputs) override {
     if (auto state = state_.lock()) {
+      if (state->held.load()) {
+        // Note [A backward after the window closed]: no reduction; acc.step()
+        // refuses what reached .grad (AccumulateGrad adds nothing for an
+        // undefined gradient or a parameter frozen since the forward).
+        if (!inputs.empty() && inputs[0].defined() && state->config.params[index_].requires_grad()) {
+          int64_t none = -1;
+          state->held_first.compare_exchange_strong(none, static_cast<int64_t>(index_));
+        }
+        return outputs;
+      }
       state->mark_ready(index_);
     }
     return outputs;
@@ -61,6 +72,10 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   // and alike on every rank that runs it.
   void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
     const auto state = state_.lock();
+    // Note [A backward after the window closed]: no hook runs to record it.
+    TORCH_CHECK(
+        !state || state->closed.load() || !state->held.load() || !state->config.params[index_].requires_grad(),
+        detail::late_backward_error("loss.backward()", state->config.name(index_), /*data_parallel=*/true));
     TORCH_CHECK(!state || state->closed.load() || !state->expect_hooks.load() || state->in_backward.load(),
         "gradaccum: loss.backward(): under compiled autograd the reducer's gradient hooks do not run, so a plain "
         "loss.backward() (the manual path) cannot reduce the window; call acc.backward(loss), which reduces "

@@ -282,6 +282,16 @@ uint64_t Reducer::hook_calls() const {
   return state_->hook_calls.load(std::memory_order_relaxed);
 }
 
+void Reducer::hold_closed_window(bool hold) {
+  state_->held_first.store(-1);
+  state_->held.store(hold);
+}
+
+std::optional<size_t> Reducer::reached_while_held() const {
+  const auto first = state_->held_first.load();
+  return state_->held.load() && first >= 0 ? std::optional<size_t>(static_cast<size_t>(first)) : std::nullopt;
+}
+
 std::vector<at::Tensor> Reducer::accumulated() const {
   const auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);

@@ -34,7 +34,8 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
     acc.step() raises on the ranks in `droppers`: their optimizer raises
     (`fails` "optimizer"), their scheduler after the optimizer stepped
     ("scheduler"), or the script replaced a .grad after the closing backward
-    ("replaced"), or their optimizer gains a parameter the model does not
+    ("replaced"), or another backward reached the model after the closing
+    one ("late_backward": acc.step() refuses), or their optimizer gains a parameter the model does not
     hold, with a gradient ("outside": acc.step() refuses; the script then
     removes it). They `recover` as a script that catches the error would:
     drop the closed window with acc.zero_grad() ("zero_grad"), or call
@@ -110,6 +111,10 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
             failing_here = w == 1 and rank in droppers and not resumed
             if failing_here and fails == "replaced":
                 model[0].weight.grad = model[0].weight.grad.clone()
+            if failing_here and fails == "late_backward":
+                # Another loss's backward through the model after its window
+                # closed, before acc.step() (a GAN's generator step).
+                du.micro_loss(model, micro[0], "mean")[0].backward()
             fail["armed"] = failing_here and fails in ("optimizer", "scheduler")
             if failing_here and fails == "outside":
                 head = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
@@ -144,5 +149,6 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
     stats = acc.stats()
     return {"errors": errors, "params": du.params(model), "resumed": resumed, "dropped_before": dropped_before,
             "optimizer_steps": stats["optimizer_steps"], "dropped_windows": stats["dropped_windows"],
-            "skipped_steps": stats["skipped_steps"], "lr": opt.param_groups[0]["lr"],
+            "skipped_steps": stats["skipped_steps"], "reductions": stats["reductions"],
+            "lr": opt.param_groups[0]["lr"],
             "scheduler_epoch": scheduler.last_epoch}

@@ -45,7 +45,8 @@ def test_compiled_autograd_trains_as_eager(tmp_path, world_size, reduction, as_v
 
 
 def test_compiled_autograd_without_a_group():
-    """Local accumulation has no hooks at all: compiled equals eager."""
+    """Local accumulation's hooks only watch for a backward after the window
+    closed: compiled equals eager."""
     results = []
     for compiled in (False, True):
         model = du.mlp(3)
@@ -84,3 +85,27 @@ def test_the_manual_path_is_refused_under_compiled_autograd(tmp_path):
         assert res["error"] is not None and "gradaccum: loss.backward(): under compiled autograd" in res["error"], \
             res["error"]
         assert res["stats"]["windows"] == 0
+
+
+def test_a_backward_after_the_window_closed_is_refused_as_it_compiles():
+    """One process: under compiled autograd no hook runs to tell acc.step() of
+    a backward that reached the parameters after the window closed (Note [A
+    backward after the window closed]): it is refused while it compiles,
+    before it writes any gradient, and the window still steps."""
+    model = du.mlp(3)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=cj.STEPS,
+                                process_group=False)
+    batches = cj.windows(3, 1, 1)[0][0]
+    with cj.compiled_autograd(True):
+        for batch in batches:
+            acc.backward(du.micro_loss(model, batch, "mean")[0])
+        grads = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError) as info:
+            du.micro_loss(model, batches[0], "mean")[0].backward()
+    text = str(info.value)
+    assert "gradaccum: loss.backward(): a backward reached " in text, text
+    assert text.endswith("Under compiled autograd the hooks that would tell acc.step() do not run, so this backward "
+                         "was refused before it wrote anything"), text
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+    assert acc.step()

@@ -233,3 +233,77 @@ def test_a_stray_gradient_where_no_reduction_follows_waits_for_the_next_window(t
             assert err.startswith(f"gradaccum: acc.backward(): window 1 was dropped on every rank: on {who} the "
                                   f"accumulated gradients were cleared or changed"), err
             assert not res["stepped"] and res["dropped_windows"] == 1, res
+
+
+def late_backward_error(call, name, data_parallel=False, outcome="Nothing was stepped: acc.zero_grad() drops this "
+                        "window"):
+    return (f"gradaccum: {call}: a backward reached {name} after the acc.backward() that closed the window and "
+            "before acc.step() (another loss's backward through these parameters, e.g. a GAN's generator loss "
+            "through a discriminator that is not frozen?): it sums into the window's gradients a gradient no "
+            "micro-step counted" + (", reduced over no rank" if data_parallel else "") + ". Call acc.step() right "
+            "after the micro-step that closes the window, or freeze the other network for that backward "
+            f"(requires_grad_(False)). {outcome}")
+
+
+def test_a_backward_after_the_window_closed_is_refused_before_the_step():
+    """A GAN's generator loss runs backward through the discriminator after
+    the discriminator's window closed and before its acc.step(): that
+    gradient was summed into the step, silently (data parallel, it began a
+    reduction of its own: test_unstepped.py). acc.step() and acc.state_dict()
+    refuse it, changing nothing; clipping in place in between is no backward;
+    frozen for the generator's backward, the discriminator steps its window;
+    acc.zero_grad() drops the window and the next one is the big batch."""
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Linear(2, 3).double(), torch.nn.Linear(3, 1).double()
+    g = torch.Generator().manual_seed(7)
+    real = [torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(2)]
+    noise = torch.randn(4, 2, generator=g, dtype=torch.float64)
+    want = big_batch_grads(disc, real)
+    opt = torch.optim.SGD(disc.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(disc, opt, steps=2)
+    for x in real:
+        acc.backward(disc(x).pow(2).mean())
+    torch.nn.utils.clip_grad_norm_(disc.parameters(), 1e9)  # in place: no backward
+    disc(gen(noise)).sum().backward()  # the generator's loss, the discriminator not frozen
+    weights = [p.detach().clone() for p in disc.parameters()]
+    grads = [p.grad.clone() for p in disc.parameters()]
+    for call, outcome in [("acc.step()", "Nothing was stepped: acc.zero_grad() drops this window"),
+                          ("acc.state_dict()", "Nothing was saved: acc.zero_grad() drops this window")]:
+        with pytest.raises(RuntimeError) as info:
+            acc.step() if call == "acc.step()" else acc.state_dict()
+        assert str(info.value) == late_backward_error(call, "bias", outcome=outcome)
+        assert acc.window_ready and acc.stats()["optimizer_steps"] == 0
+        for p, w, gr in zip(disc.parameters(), weights, grads):
+            assert torch.equal(p, w) and torch.equal(p.grad, gr)
+    acc.zero_grad()
+    for x in real:
+        acc.backward(disc(x).pow(2).mean())
+    for p, gr in zip(disc.parameters(), want):
+        assert (p.grad - gr).abs().max().item() <= 1e-15
+    fake = disc(gen(noise)).sum()  # its forward before the window closed, for the generator's step
+    disc.requires_grad_(False)  # the generator's step done right: nothing reaches the discriminator
+    disc(gen(noise)).sum().backward()
+    fake.backward()  # frozen since that forward: AccumulateGrad adds nothing (its hooks still run)
+    disc.requires_grad_(True)
+    torch.nn.utils.clip_grad_norm_(disc.parameters(), 1e9)
+    assert acc.step()
+    assert acc.stats()["optimizer_steps"] == 1
+
+
+def test_an_accumulator_closed_inside_a_backward_leaves_its_hooks_inert():
+    """A hook that closes the Accumulator while backward runs (its hooks on
+    the gradient accumulators are being iterated): they stay, inert, and the
+    next Accumulator over the parameters trains as the big batch."""
+    m = linear()
+    xs = data(2)
+    want = big_batch_grads(m, xs)
+    old = gradaccum.Accumulator(m, None, steps=2)
+    node = m.weight.view_as(m.weight).grad_fn.next_functions[0][0]  # weight's AccumulateGrad
+    node.register_hook(lambda grad_inputs, grad_outputs: old.close())
+    m(xs[0]).pow(2).mean().backward()  # (a crash here, before)
+    m.zero_grad(set_to_none=True)
+    acc = gradaccum.Accumulator(m, None, steps=2)
+    for x in xs:
+        acc.backward(m(x).pow(2).mean())
+    for p, g in zip(m.parameters(), want):
+        assert (p.grad - g).abs().max().item() <= 1e-15

@@ -317,3 +317,43 @@ def test_a_flush_that_one_rank_cannot_step_its_closed_window_for_is_told_once(tm
     for res in results:
         assert res["optimizer_steps"] == uj.WINDOWS - 1
         assert_params_close(res["params"], expected)
+
+
+def late_backward_error(name):
+    return (f"gradaccum: acc.step(): a backward reached {name} after the acc.backward() that closed the window and "
+            "before acc.step() (another loss's backward through these parameters, e.g. a GAN's generator loss "
+            "through a discriminator that is not frozen?): it sums into the window's gradients a gradient no "
+            "micro-step counted, reduced over no rank. Call acc.step() right after the micro-step that closes the "
+            "window, or freeze the other network for that backward (requires_grad_(False)). Nothing was stepped: "
+            "acc.zero_grad() drops this window")
+
+
+def test_a_backward_after_the_window_closed_on_every_rank_is_refused_alike(tmp_path):
+    """Every rank runs another loss's backward through the model after window
+    1 closed, before acc.step() (a GAN's generator step through a discriminator
+    that is not frozen). Its hooks began a reduction of their own (the manual
+    path), so the step was neither the window nor the sum, on every rank,
+    silently. Now no reduction begins (one per window, none more), acc.step()
+    refuses alike on every rank, the script drops the window, and training
+    goes on as the big batches without window 1."""
+    results = run(2, tmp_path, droppers=(0, 1), fails="late_backward")
+    expected = uj.reference(2, skip=(1,))
+    for res in results:
+        assert res["errors"] == [(1, "step", late_backward_error("4.bias"))]
+        assert res["optimizer_steps"] == uj.WINDOWS - 1 and res["reductions"] == uj.WINDOWS
+        assert_params_close(res["params"], expected)
+
+
+def test_a_backward_after_the_window_closed_on_one_rank_is_told_to_every_rank(tmp_path):
+    """Rank 1 alone runs that backward: its acc.step() refuses, and its
+    acc.zero_grad() is told to every rank by window 2's reduction (before,
+    that backward's own reduction met rank 0's window 2 instead). Both resume
+    from the checkpoint before window 1 and end at the float64 big batches."""
+    results = run(2, tmp_path, droppers=(1,), fails="late_backward")
+    assert results[0]["errors"] == [(2, "reduction", "gradaccum: acc.backward(): window 2: rank 1 " + ELSEWHERE)]
+    assert results[1]["errors"] == [(1, "step", late_backward_error("4.bias")),
+                                    (2, "reduction", "gradaccum: acc.backward(): window 2: this rank (rank 1) " + HERE)]
+    expected = uj.reference(2)
+    for res in results:
+        assert res["resumed"] and res["optimizer_steps"] == uj.WINDOWS
+        assert_params_close(res["params"], expected)
