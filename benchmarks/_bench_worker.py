@@ -339,6 +339,28 @@ def backward_alone(bench, reps):
     return times
 
 
+def backward_beside_allreduce(bench, reps):
+    """Seconds of one local backward alone and with the lone all-reduce of
+    the gradient's size running alongside (begun as it starts, on every rank),
+    in turns: how much the communication slows the compute on this machine."""
+    model, _ = bench.local()
+    x, y = bench.data[0]
+    flat = torch.zeros(num_parameters(bench.model_name))
+    times = {"alone": [], "beside": []}
+    for _ in range(reps):
+        for how in ("alone", "beside"):
+            loss = loss_of(model, x, y)
+            dist.barrier()
+            work = dist.all_reduce(flat, async_op=True) if how == "beside" else None
+            t0 = time.perf_counter()
+            loss.backward()
+            times[how].append(time.perf_counter() - t0)
+            if work is not None:
+                work.wait()
+            model.zero_grad(set_to_none=True)
+    return times
+
+
 def batch(args):
     """Blocks of timed windows for each model (see the module docstring)."""
     contenders = args.contenders.split(",")
@@ -377,6 +399,7 @@ def batch(args):
                     traces[k][c].append(trace)
         ar = bench.allreduce(args.allreduce_reps)
         bwd = backward_alone(bench, 5)
+        beside = backward_beside_allreduce(bench, args.beside_reps) if args.beside_reps else None
         bench.marks = None
         stats = {k: bench._acc[k][1].stats() for k in ks if k in bench._acc}
         acc_model = next(iter(bench._acc.values()))[0] if bench._acc else bench.base
@@ -385,7 +408,7 @@ def batch(args):
             "parameters": num_parameters(model_name), "windows_per_k": per_k,
             "micro_batch": micro_batch_desc(model_name),
             "times": {str(k): v for k, v in times.items()}, "allreduce": ar["times"],
-            "allreduce_bytes": ar["bytes"], "backward": bwd,
+            "allreduce_bytes": ar["bytes"], "backward": bwd, **({"backward_beside": beside} if beside else {}),
             "stats": {str(k): v for k, v in stats.items()},
             "traces": {str(k): v for k, v in traces.items()},
             # The Accumulator's parameter order (trainable model.parameters()).
@@ -516,6 +539,8 @@ def main():
     p.add_argument("--ks", default="1,4,16")
     p.add_argument("--micro", type=int, default=4, help="micro-steps per timed command (windows = micro // K)")
     p.add_argument("--blocks", type=int, default=3)
+    p.add_argument("--beside-reps", type=int, default=0,
+                   help="batch: also time a local backward with the lone all-reduce alongside, this many times")
     p.add_argument("--budget-s", type=float, default=60.0, help="stop adding blocks after this (at least 1)")
     p.add_argument("--allreduce-reps", type=int, default=10)
     p.add_argument("--instr", default=None, help="instruction mode: path of the callgrind helper library")

@@ -93,10 +93,11 @@ def launch(cluster, argv, no_python, env, log_path, port, budget_s=0.0):
     return parse_lines(results), time.perf_counter() - t0
 
 
-def run_python(cluster, args, models, ks, contenders, micro, blocks, budget, env, name):
+def run_python(cluster, args, models, ks, contenders, micro, blocks, budget, env, name, beside_reps=0):
     argv = [WORKER, "--batch", "--models", ",".join(models), "--ks", ",".join(map(str, ks)),
             "--contenders", ",".join(contenders), "--micro", str(micro), "--blocks", str(blocks),
-            "--budget-s", str(budget), "--allreduce-reps", str(args.allreduce_reps)]
+            "--budget-s", str(budget), "--allreduce-reps", str(args.allreduce_reps),
+            "--beside-reps", str(beside_reps)]
     lines, secs = launch(cluster, argv, False, env, os.path.join(args.log_dir, f"{name}.log"), 29431,
                          budget_s=budget * len(models))
     ranks = sorted((l for l in lines if "models" in l), key=lambda l: l["rank"])
@@ -114,6 +115,10 @@ def run_python(cluster, args, models, ks, contenders, micro, blocks, budget, env
                 per_rank = [r["models"][model]["times"][k][c] for r in ranks]
                 row[c] = [max(block) for block in zip(*per_rank)]
         m["backward"] = [max(b) for b in zip(*[r["models"][model]["backward"] for r in ranks])]
+        if all("backward_beside" in r["models"][model] for r in ranks):
+            m["backward_beside"] = {how: [max(b) for b in zip(*[r["models"][model]["backward_beside"][how]
+                                                                 for r in ranks])]
+                                    for how in ("alone", "beside")}
     return out
 
 
@@ -283,7 +288,7 @@ def bound_cells(m, k, rate, contenders, cpp=None):
     per = {"bound": [], "bucket_bound": [], "backward_end_ms": [], "done_by_end": [], "lag_ms": [],
            "launched_in_backward": [], "tail_ms": [], "timeline_hidden": [], "timeline_ratio": []}
     hidden = {c: hidden_fraction(times[c], times["local"], ar) for c in contenders if c in times}
-    analyses = []
+    analyses, rest = [], []
     for b in range(blocks):
         ranks = window_ranks(m["rank_traces"], k, "gradaccum_py", b)
         if ranks is None:
@@ -304,6 +309,8 @@ def bound_cells(m, k, rate, contenders, cpp=None):
         per["tail_ms"].append(tail)
         per["timeline_hidden"].append(th)
         per["timeline_ratio"].append(tr)
+        if "gradaccum_py" in hidden:
+            rest.append(th - hidden["gradaccum_py"][b])
         for cap, v in _bound.cap_bounds(a["combined"], rate, [c * 2**20 for c in CAPS_MB]).items():
             per.setdefault(f"cap_bound_{cap / 2**20:g}", []).append(v)
         # The call-to-return time of the synchronising acc.backward() less the
@@ -318,9 +325,12 @@ def bound_cells(m, k, rate, contenders, cpp=None):
             cell[c]["ratio"] = spread([x / bnd for x, bnd in zip(h, per["bound"])])
         if c == "gradaccum_py":  # the schedule's figures are from its timelines: kept with it, as C++'s
             cell[c].update({key: cell.pop(key) for key in ("tail_ms", "timeline_hidden", "timeline_ratio")})
+            # What the window lost besides the schedule, per block: its time
+            # over the floor that is not the communication left after backward.
+            cell[c]["rest"] = spread(rest)
     if cpp and cpp.get("rank_traces"):
         h = hidden_fraction(cpp["gradaccum_cpp"], cpp["local_cpp"], ar)
-        bnds, tails, ths, trs = [], [], [], []
+        bnds, tails, ths, trs, rests = [], [], [], [], []
         for b in range(len(h)):
             ranks = window_ranks([rt for rt in cpp["rank_traces"]], k, None, b)
             a = _bound.analyse(ranks, pb, rate) if ranks else None
@@ -330,10 +340,11 @@ def bound_cells(m, k, rate, contenders, cpp=None):
                 tails.append(tail)
                 ths.append(th)
                 trs.append(tr)
+                rests.append(th - h[b])
         cell["gradaccum_cpp"] = {"hidden": spread(h), "hidden_blocks": h, "bound": spread(bnds),
                                  "ratio": spread([x / bnd for x, bnd in zip(h, bnds)]),
                                  "tail_ms": spread(tails), "timeline_hidden": spread(ths),
-                                 "timeline_ratio": spread(trs),
+                                 "timeline_ratio": spread(trs), "rest": spread(rests),
                                  "window_ms": 1e3 * median(cpp["gradaccum_cpp"]),
                                  "floor_ms": 1e3 * median(cpp["local_cpp"])}
         ph = phases(cpp["rank_traces"], k, None)
@@ -373,7 +384,7 @@ def bound_runs(args):
         f"bucket caps {cap:g} / {args.first_bucket_cap_mb:g} MiB")
     with _netns.Cluster(nodes=2, rate=args.bound_rate, delay=args.delay) as cluster:
         py = run_python(cluster, args, models, ks, contenders, micro, blocks, 30 if args.quick else args.bound_budget_s,
-                        env, "bound-py")
+                        env, "bound-py", beside_reps=2 if args.quick else 5)
         cpps = {}
         if args.cpp_bench and not args.bound_no_cpp:
             for model in models:
@@ -389,6 +400,9 @@ def bound_runs(args):
                "bytes_per_window": st.get("last_window_bytes"), "collectives_per_window":
                    st.get("last_window_collectives"), "micro_batch": m["micro_batch"],
                "allreduce_ms": 1e3 * ar, "rate_MBps": rate / 1e6, "backward_ms": 1e3 * median(m["backward"]),
+               # The local backward alone and with the lone all-reduce alongside, in turns (ms).
+               "backward_beside_ms": {how: spread([1e3 * t for t in ts])
+                                      for how, ts in (m.get("backward_beside") or {}).items()},
                "bucket_indices": m["bucket_indices"].get(str(ks[-1])), "param_names": m["param_names"],
                "param_bytes": m["param_bytes"], "cells": {}}
         for k in ks:
@@ -420,7 +434,10 @@ def bound_runs(args):
         log(f"  {model}: {res['parameters']:,} parameters, {res['gradient_bytes']:,} B of gradients, "
             f"{res['bytes_per_window']} B and {res['collectives_per_window']} all-reduces per window; lone "
             f"all-reduce {res['allreduce_ms']:.0f} ms ({res['rate_MBps']:.0f} MB/s), local backward "
-            f"{res['backward_ms']:.0f} ms")
+            f"{res['backward_ms']:.0f} ms"
+            + (f"; local backward {res['backward_beside_ms']['alone']['median']:.0f} ms alone, "
+               f"{res['backward_beside_ms']['beside']['median']:.0f} ms with the lone all-reduce alongside"
+               if res["backward_beside_ms"] else ""))
     return out
 
 
@@ -640,13 +657,18 @@ def bound_markdown(bnd, rel):
              + (f" Each rank's compute thread capped at {bnd['compute_quota']:g} of a core (cgroup cpu quota; "
                 f"Gloo's threads uncapped: `--compute-quota`), the floor's too." if bnd.get("compute_quota") else ""),
              "",
-             "| model | parameters | bytes / window | micro-batch | lone all-reduce (ms) | local backward (ms) |",
-             "|---|---:|---:|---|---:|---:|"]
+             "| model | parameters | bytes / window | micro-batch | lone all-reduce (ms) | local backward (ms) | "
+             "local backward, alone / with the lone all-reduce alongside (ms) | slowed ÷ lone all-reduce |",
+             "|---|---:|---:|---|---:|---:|---:|---:|"]
     for model, r in bnd["models"].items():
         label = "transformer (`gpt`)" if model in TRANSFORMERS else f"MLP (`{model}`)"
+        bb = r.get("backward_beside_ms") or {}
+        beside = (f"{bb['alone']['median']:.0f} [{bb['alone']['min']:.0f}–{bb['alone']['max']:.0f}] / "
+                  f"{bb['beside']['median']:.0f} [{bb['beside']['min']:.0f}–{bb['beside']['max']:.0f}] | "
+                  f"{(bb['beside']['median'] - bb['alone']['median']) / r['allreduce_ms']:.2f}") if bb else "— | —"
         lines.append(f"| {label} | {r['parameters']:,} | {r['bytes_per_window']:,} in "
                      f"{r['collectives_per_window']} all-reduces | {r['micro_batch']} | {r['allreduce_ms']:.0f} "
-                     f"({r['rate_MBps']:.0f} MB/s) | {r['backward_ms']:.0f} |")
+                     f"({r['rate_MBps']:.0f} MB/s) | {r['backward_ms']:.0f} | {beside} |")
     lines += ["", "| model | K | blocks | synchronising backward (ms) | bound | bound, these buckets | "
                   "gradaccum hidden | ÷ bound | DDP + no_sync hidden | ÷ bound | gradaccum (C++) hidden | ÷ bound "
                   "| done by backward's end (timeline) |",
@@ -667,17 +689,21 @@ def bound_markdown(bnd, rel):
             ga, cc = c.get("gradaccum_py", {}), c.get("gradaccum_cpp", {})
             if ga.get("tail_ms"):
                 rows.append(f"| {label} | {k} | {sp(ga.get('tail_ms'), '{:.0f}')} | {sp(ga.get('timeline_hidden'))} | "
-                            f"{sp(ga.get('timeline_ratio'))} | {sp(cc.get('tail_ms'), '{:.0f}')} | "
-                            f"{sp(cc.get('timeline_hidden'))} | {sp(cc.get('timeline_ratio'))} |")
+                            f"{sp(ga.get('timeline_ratio'))} | {sp(ga.get('rest'))} | "
+                            f"{sp(cc.get('tail_ms'), '{:.0f}')} | {sp(cc.get('timeline_hidden'))} | "
+                            f"{sp(cc.get('timeline_ratio'))} | {sp(cc.get('rest'))} |")
     if rows:
         lines += ["", "The reducer's schedule alone, from the same timelines: the time from the end of the last "
                       "rank's backward to the last rank's window written back (the buckets still on the link, the "
                       "write-back), and 1 − that ÷ lone all-reduce, against the bound. Unlike the hidden fraction "
                       "above, compute slowed by the communication (both ranks' Gloo threads and TCP work share the "
-                      "cores their compute uses) does not count here, as the bound assumes; DDP keeps no timeline:",
-                  "", "| model | K | Python: left after backward (ms) | hidden by the schedule | ÷ bound | "
-                      "C++: left after backward (ms) | hidden by the schedule | ÷ bound |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"] + rows
+                      "cores their compute uses) does not count here, as the bound assumes; DDP keeps no timeline. "
+                      "The rest: hidden by the schedule less the wall-clock hidden fraction, per block: the "
+                      "window's time over its floor, besides what was left after backward, ÷ lone all-reduce "
+                      "(compute slowed by the communication, and any cost of the library's own):",
+                  "", "| model | K | Python: left after backward (ms) | hidden by the schedule | ÷ bound | the rest | "
+                      "C++: left after backward (ms) | hidden by the schedule | ÷ bound | the rest |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"] + rows
     rows = []
     for model, r in bnd["models"].items():
         label = "transformer" if model in TRANSFORMERS else f"MLP {model}"
