@@ -272,7 +272,7 @@ void Accumulator::set_window_ready(bool ready) {
   if (reducer_) {
     reducer_->hold_closed_window(ready);
   } else if (late_watch_) {
-    late_watch_->arm(ready);
+    late_watch_->record().arm(ready);
   }
 }
 
@@ -282,7 +282,7 @@ void Accumulator::check_no_late_backward(const char* what) const {
   }
   // Note [A backward after the window closed] (src/detail/late_backward.cpp)
   const auto reached = reducer_ ? reducer_->reached_while_held()
-      : late_watch_ ? late_watch_->reached() : std::nullopt;
+      : late_watch_ ? late_watch_->record().reached() : std::nullopt;
   TORCH_CHECK(!reached, detail::late_backward_error(what, names_[*reached], reducer_ != nullptr));
 }
 

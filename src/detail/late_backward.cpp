@@ -56,19 +56,15 @@ class WatchHook : public torch::autograd::FunctionPostHook {
   torch::autograd::variable_list operator()(
       const torch::autograd::variable_list& outputs,
       const torch::autograd::variable_list& inputs) override {
-    // AccumulateGrad adds nothing for an undefined gradient or a parameter
-    // frozen since the forward (its post-hooks run all the same).
-    if (auto shared = shared_.lock(); shared && shared->armed.load(std::memory_order_relaxed) &&
-        !inputs.empty() && inputs[0].defined() && shared->params[index_].requires_grad()) {
-      int64_t none = -1;
-      shared->first.compare_exchange_strong(none, static_cast<int64_t>(index_));
+    if (auto shared = shared_.lock(); shared && shared->record.armed()) {
+      shared->record.note(index_, shared->params[index_], inputs);
     }
     return outputs;
   }
   // Note [Compiled autograd] (src/reducer/hooks.cpp): registers nothing.
   void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
     const auto shared = shared_.lock();
-    TORCH_CHECK(!shared || !shared->armed.load() || !shared->params[index_].requires_grad(),
+    TORCH_CHECK(!shared || !shared->record.armed() || !shared->params[index_].requires_grad(),
         late_backward_error("loss.backward()", shared ? shared->names[index_] : "", /*data_parallel=*/false));
   }
 
@@ -104,16 +100,6 @@ LateBackwardWatch::~LateBackwardWatch() {
   } catch (const std::exception& e) {
     TORCH_WARN("gradaccum: removing the Accumulator's hooks failed: ", e.what());
   }
-}
-
-void LateBackwardWatch::arm(bool armed) {
-  shared_->first.store(-1);
-  shared_->armed.store(armed);
-}
-
-std::optional<size_t> LateBackwardWatch::reached() const {
-  const auto first = shared_->first.load();
-  return shared_->armed.load() && first >= 0 ? std::optional<size_t>(static_cast<size_t>(first)) : std::nullopt;
 }
 
 } // namespace gradaccum::detail

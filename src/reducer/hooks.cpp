@@ -46,14 +46,10 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
       const torch::autograd::variable_list& outputs,
       const torch::autograd::variable_list& inputs) override {
     if (auto state = state_.lock()) {
-      if (state->held.load()) {
+      if (state->late.armed()) {
         // Note [A backward after the window closed]: no reduction; acc.step()
-        // refuses what reached .grad (AccumulateGrad adds nothing for an
-        // undefined gradient or a parameter frozen since the forward).
-        if (!inputs.empty() && inputs[0].defined() && state->config.params[index_].requires_grad()) {
-          int64_t none = -1;
-          state->held_first.compare_exchange_strong(none, static_cast<int64_t>(index_));
-        }
+        // refuses what reached .grad.
+        state->late.note(index_, state->config.params[index_], inputs);
         return outputs;
       }
       state->mark_ready(index_);
@@ -74,7 +70,7 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
     const auto state = state_.lock();
     // Note [A backward after the window closed]: no hook runs to record it.
     TORCH_CHECK(
-        !state || state->closed.load() || !state->held.load() || !state->config.params[index_].requires_grad(),
+        !state || state->closed.load() || !state->late.armed() || !state->config.params[index_].requires_grad(),
         detail::late_backward_error("loss.backward()", state->config.name(index_), /*data_parallel=*/true));
     TORCH_CHECK(!state || state->closed.load() || !state->expect_hooks.load() || state->in_backward.load(),
         "gradaccum: loss.backward(): under compiled autograd the reducer's gradient hooks do not run, so a plain "

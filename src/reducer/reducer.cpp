@@ -283,13 +283,11 @@ uint64_t Reducer::hook_calls() const {
 }
 
 void Reducer::hold_closed_window(bool hold) {
-  state_->held_first.store(-1);
-  state_->held.store(hold);
+  state_->late.arm(hold);
 }
 
 std::optional<size_t> Reducer::reached_while_held() const {
-  const auto first = state_->held_first.load();
-  return state_->held.load() && first >= 0 ? std::optional<size_t>(static_cast<size_t>(first)) : std::nullopt;
+  return state_->late.reached();
 }
 
 std::vector<at::Tensor> Reducer::accumulated() const {

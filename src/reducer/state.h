@@ -13,6 +13,7 @@
 #include "comm.h"
 #include "consensus/agreement.h"
 #include "consensus/window_header.h"
+#include "detail/late_backward.h"
 #include "rank_check.h"
 #include "reducer/config.h"
 
@@ -233,10 +234,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// without hooks is then reduced after it (Note [Compiled autograd]).
   std::atomic<bool> in_backward{false};
   std::atomic<bool> closed{false}; ///< the Reducer was destroyed: hooks are inert
-  /// Note [A backward after the window closed]: the Accumulator's window is
-  /// closed and not yet stepped; hooks record the first parameter reached.
-  std::atomic<bool> held{false};
-  std::atomic<int64_t> held_first{-1};
+  /// Note [A backward after the window closed]: armed while the Accumulator's
+  /// window is closed and not yet stepped (held: hooks begin no reduction).
+  detail::LateBackwardRecord late;
 
   // Everything below is guarded by mutex: CUDA backward runs hooks on device
   // threads, and a failed backward's guard runs wherever torch frees the task.
