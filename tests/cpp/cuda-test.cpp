@@ -19,7 +19,7 @@ using gradaccum::test::max_rel_diff;
 namespace {
 
 constexpr int64_t kK = 3;       // micro-steps per window
-constexpr int64_t kRows = 4;    // rows per micro-batch
+constexpr int64_t kCudaRows = 4;    // rows per micro-batch
 constexpr int kWindows = 3;
 
 void require_cuda() {
@@ -38,7 +38,7 @@ std::vector<at::Tensor> cpu_params(const torch::nn::Sequential& net) {
 std::vector<at::Tensor> reference(int world, const torch::Tensor& x, const torch::Tensor& y) {
   auto net = gradaccum::test::mlp(torch::kFloat64, 7);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  const int64_t rows = world * kK * kRows;
+  const int64_t rows = world * kK * kCudaRows;
   for (int w = 0; w < kWindows; ++w) {
     opt.zero_grad();
     torch::mse_loss(net->forward(x.narrow(0, w * rows, rows)), y.narrow(0, w * rows, rows)).backward();
@@ -61,9 +61,9 @@ std::vector<at::Tensor> train_on_cuda(int rank, int world, const c10::intrusive_
                   AccumulatorOptions(kK).process_group(group).reducer(ReducerOptions().rebuild_buckets(false)));
   for (int w = 0; w < kWindows; ++w) {
     for (int64_t k = 0; k < kK; ++k) {
-      const int64_t start = ((w * world + rank) * kK + k) * kRows;
-      const auto xb = x.narrow(0, start, kRows).to(cuda, dtype);
-      const auto yb = y.narrow(0, start, kRows).to(cuda, dtype);
+      const int64_t start = ((w * world + rank) * kK + k) * kCudaRows;
+      const auto xb = x.narrow(0, start, kCudaRows).to(cuda, dtype);
+      const auto yb = y.narrow(0, start, kCudaRows).to(cuda, dtype);
       const int before = group->allreduces;
       acc.backward(torch::mse_loss(net->forward(xb), yb));
       counts.push_back(group->allreduces - before);
@@ -93,8 +93,8 @@ TEST_CASE("an NCCL group at world size 1 accumulates CUDA gradients as the big b
   require_cuda();
   REQUIRE(gradaccum::nccl_available());
   torch::manual_seed(21);
-  auto x = torch::randn({kWindows * kK * kRows, 6}, torch::kFloat64);
-  auto y = torch::randn({kWindows * kK * kRows, 3}, torch::kFloat64);
+  auto x = torch::randn({kWindows * kK * kCudaRows, 6}, torch::kFloat64);
+  auto y = torch::randn({kWindows * kK * kCudaRows, 3}, torch::kFloat64);
   const auto expected = reference(1, x, y);
   for (auto [dtype, tol] : {std::pair{torch::kFloat64, 1e-10}, std::pair{torch::kFloat32, 1e-5}}) {
     DYNAMIC_SECTION("dtype " << c10::toString(dtype)) {
@@ -136,8 +136,8 @@ TEST_CASE("Gloo over CUDA tensors equals one process on the global batch", "[.cu
   require_cuda();
   const int world = torch::cuda::device_count() >= 2 ? 2 : 1;
   torch::manual_seed(22);
-  auto x = torch::randn({kWindows * world * kK * kRows, 6}, torch::kFloat64);
-  auto y = torch::randn({kWindows * world * kK * kRows, 3}, torch::kFloat64);
+  auto x = torch::randn({kWindows * world * kK * kCudaRows, 6}, torch::kFloat64);
+  auto y = torch::randn({kWindows * world * kK * kCudaRows, 3}, torch::kFloat64);
   const auto expected = reference(world, x, y);
   std::vector<std::vector<at::Tensor>> results(world);
   std::vector<std::vector<int>> counts(world);
