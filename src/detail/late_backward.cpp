@@ -21,6 +21,9 @@
 //   begin nothing and record the first parameter reached.
 // - One process, LateBackwardWatch's hooks record it (they are armed only
 //   then; otherwise each costs a check per backward).
+// Both record into a LateBackwardRecord, and only a gradient AccumulateGrad
+// adds: its post-hooks run for an undefined gradient, or a parameter frozen
+// since the forward (the other network frozen for that backward), too.
 // acc.step(), acc.flush() (stepping a closed window first) and
 // acc.state_dict() then refuse, changing nothing; acc.zero_grad() drops the
 // window. The decision reads hooks, never values: it is the same on every

@@ -19,7 +19,7 @@ using gradaccum::test::max_rel_diff;
 namespace {
 
 constexpr int64_t kK = 3;       // micro-steps per window
-constexpr int64_t kCudaRows = 4;    // rows per micro-batch
+constexpr int64_t kCudaRows = 4; // rows per micro-batch
 constexpr int kWindows = 3;
 
 void require_cuda() {
