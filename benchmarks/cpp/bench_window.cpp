@@ -27,7 +27,8 @@
 //
 // --contenders gradaccum,local: also time plain LibTorch without communication
 // (the floor: loss / K, backward, optimizer step), one JSON line per K and
-// contender, alternating. --widths 512,1024,10 replaces --model's layer widths.
+// contender, in the other order each time a K comes again in --steps.
+// --widths 512,1024,10 replaces --model's layer widths.
 //
 // --callgrind: count instructions instead of time (run under
 // `valgrind --tool=callgrind --instr-atstart=no`): after warm-up windows,
@@ -639,13 +640,13 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (!serve) {
-      // Each entry of --steps is a block: every other block runs the
-      // contenders in reverse order (as _bench_worker.py rotates them), so
-      // a contender is not always the one that runs first after the other.
-      for (size_t block = 0; block < steps.size(); ++block) {
-        const auto k = steps[block];
+      // Each time a K comes again in --steps (bench_net.py passes its K
+      // values once per block), its contenders run in the other order (as
+      // _bench_worker.py rotates them), so that neither always runs first.
+      std::map<int64_t, int64_t> seen;
+      for (const auto k : steps) {
         auto order = contenders;
-        if (block % 2 == 1) {
+        if (seen[k]++ % 2 == 1) {
           std::reverse(order.begin(), order.end());
         }
         for (const auto& c : order) {
