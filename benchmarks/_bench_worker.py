@@ -342,13 +342,14 @@ def backward_alone(bench, reps):
 def backward_beside_allreduce(bench, reps):
     """Seconds of one local backward alone and with the lone all-reduce of
     the gradient's size running alongside (begun as it starts, on every rank),
-    in turns: how much the communication slows the compute on this machine."""
+    in turns (each turn one of each, the first of them alternating): how much
+    the communication slows the compute on this machine."""
     model, _ = bench.local()
     x, y = bench.data[0]
     flat = torch.zeros(num_parameters(bench.model_name))
     times = {"alone": [], "beside": []}
-    for _ in range(reps):
-        for how in ("alone", "beside"):
+    for turn in range(reps):
+        for how in ("alone", "beside") if turn % 2 == 0 else ("beside", "alone"):
             loss = loss_of(model, x, y)
             dist.barrier()
             work = dist.all_reduce(flat, async_op=True) if how == "beside" else None

@@ -2,6 +2,7 @@
 bucket-timeline plot and Chrome traces of the schedule-bound part, and the
 growth plot (split out of bench_net.py, which imports it; not run by hand)."""
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -19,6 +20,12 @@ CAPS_MB = [1, 2, 4, 8, 16, 25]
 
 def log(msg):
     print(msg, flush=True)
+
+
+def spread(xs):
+    """{median, min, max} of the numbers in xs (NaN left out); None if none."""
+    xs = [x for x in xs if x == x]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else None
 
 
 def write_bound_outputs(bnd, base, quick):
@@ -206,14 +213,15 @@ def bound_markdown(bnd, rel):
                 f"Gloo's threads uncapped: `--compute-quota`), the floor's too." if bnd.get("compute_quota") else ""),
              "",
              "| model | parameters | bytes / window | micro-batch | lone all-reduce (ms) | local backward (ms) | "
-             "local backward, alone / with the lone all-reduce alongside (ms) | slowed ÷ lone all-reduce |",
+             "local backward, alone / with the lone all-reduce alongside (ms) | slowed ÷ lone all-reduce "
+             "(per turn) |",
              "|---|---:|---:|---|---:|---:|---:|---:|"]
     for model, r in bnd["models"].items():
         label = "transformer (`gpt`)" if model in TRANSFORMERS else f"MLP (`{model}`)"
-        bb = r.get("backward_beside_ms") or {}
-        beside = (f"{bb['alone']['median']:.0f} [{bb['alone']['min']:.0f}–{bb['alone']['max']:.0f}] / "
-                  f"{bb['beside']['median']:.0f} [{bb['beside']['min']:.0f}–{bb['beside']['max']:.0f}] | "
-                  f"{(bb['beside']['median'] - bb['alone']['median']) / r['allreduce_ms']:.2f}") if bb else "— | —"
+        bb, slowed = r.get("backward_beside_ms") or {}, r.get("backward_slowed_ms")
+        beside = (f"{sp(spread(bb['alone']), '{:.0f}')} / {sp(spread(bb['beside']), '{:.0f}')} | "
+                  f"{slowed['median'] / r['allreduce_ms']:.2f} [{slowed['min'] / r['allreduce_ms']:.2f}–"
+                  f"{slowed['max'] / r['allreduce_ms']:.2f}]") if slowed else "— | —"
         lines.append(f"| {label} | {r['parameters']:,} | {r['bytes_per_window']:,} in "
                      f"{r['collectives_per_window']} all-reduces | {r['micro_batch']} | {r['allreduce_ms']:.0f} "
                      f"({r['rate_MBps']:.0f} MB/s) | {r['backward_ms']:.0f} | {beside} |")
@@ -248,7 +256,8 @@ def bound_markdown(bnd, rel):
                       "cores their compute uses) does not count here, as the bound assumes; DDP keeps no timeline. "
                       "The rest: hidden by the schedule less the wall-clock hidden fraction, per block: the "
                       "window's time over its floor, besides what was left after backward, ÷ lone all-reduce "
-                      "(compute slowed by the communication, and any cost of the library's own):",
+                      "(compute slowed by the communication, and any cost of the library's own; the timeline is "
+                      "the block's last window's, the hidden fraction its median window's):",
                   "", "| model | K | Python: left after backward (ms) | hidden by the schedule | ÷ bound | the rest | "
                       "C++: left after backward (ms) | hidden by the schedule | ÷ bound | the rest |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"] + rows

@@ -41,7 +41,7 @@ sys.path.insert(0, HERE)
 import _bound  # noqa: E402
 import _netns  # noqa: E402
 from _bench_worker import num_parameters  # noqa: E402
-from _net_report import (CAPS_MB, LABELS, NET_MICRO_BATCH, log, markdown, plot_growth,  # noqa: E402
+from _net_report import (CAPS_MB, LABELS, NET_MICRO_BATCH, log, markdown, plot_growth, spread,  # noqa: E402
                          write_bound_outputs)
 
 WORKER = os.path.join(HERE, "_bench_worker.py")
@@ -223,11 +223,6 @@ def link_runs(args, configs, ks):
     return out
 
 
-def spread(xs):
-    xs = [x for x in xs if x == x]
-    return {"median": median(xs), "min": min(xs), "max": max(xs)} if xs else None
-
-
 def window_ranks(rank_traces, k, contender, block):
     """Each rank's {"timeline", "origin", "marks"} of one block's last window
     (origin: the clock just before the synchronising acc.backward())."""
@@ -387,13 +382,16 @@ def bound_runs(args):
         ar = median(m["allreduce"])
         rate = m["allreduce_bytes"] / ar
         st = m["stats"].get(str(ks[-1])) or {}
+        beside = m.get("backward_beside") or {}
         res = {"parameters": m["parameters"], "gradient_bytes": sum(m["param_bytes"]),
                "bytes_per_window": st.get("last_window_bytes"), "collectives_per_window":
                    st.get("last_window_collectives"), "micro_batch": m["micro_batch"],
                "allreduce_ms": 1e3 * ar, "rate_MBps": rate / 1e6, "backward_ms": 1e3 * median(m["backward"]),
-               # The local backward alone and with the lone all-reduce alongside, in turns (ms).
-               "backward_beside_ms": {how: spread([1e3 * t for t in ts])
-                                      for how, ts in (m.get("backward_beside") or {}).items()},
+               # The local backward alone and with the lone all-reduce alongside, in turns (ms;
+               # each turn's slowest rank), and per turn the one less the other.
+               "backward_beside_ms": {how: [1e3 * t for t in ts] for how, ts in beside.items()},
+               "backward_slowed_ms": spread([1e3 * (b - a) for a, b in zip(beside["alone"], beside["beside"])])
+               if beside else None,
                "bucket_indices": m["bucket_indices"].get(str(ks[-1])), "param_names": m["param_names"],
                "param_bytes": m["param_bytes"], "cells": {}}
         for k in ks:
@@ -426,9 +424,9 @@ def bound_runs(args):
             f"{res['bytes_per_window']} B and {res['collectives_per_window']} all-reduces per window; lone "
             f"all-reduce {res['allreduce_ms']:.0f} ms ({res['rate_MBps']:.0f} MB/s), local backward "
             f"{res['backward_ms']:.0f} ms"
-            + (f"; local backward {res['backward_beside_ms']['alone']['median']:.0f} ms alone, "
-               f"{res['backward_beside_ms']['beside']['median']:.0f} ms with the lone all-reduce alongside"
-               if res["backward_beside_ms"] else ""))
+            + (f"; a local backward {res['backward_slowed_ms']['median']:.0f} ms slower with the lone all-reduce "
+               f"alongside (median of {len(res['backward_beside_ms']['alone'])} turns)"
+               if res["backward_slowed_ms"] else ""))
     return out
 
 
