@@ -493,7 +493,8 @@ class Accumulator {
   /// Every write of window_ready_: holding a closed window arms the check
   /// below (Note [A backward after the window closed]).
   void set_window_ready(bool ready);
-  /// Refuses a closed window a backward reached after it closed.
+  /// Refuses a closed window a backward reached after it closed (part of
+  /// check_gradients_untouched()).
   void check_no_late_backward(const char* what) const;
   /// Note [Gradients no micro-step counted]: the first parameter whose .grad
   /// changed since `remembered_` and holds a non-zero value.

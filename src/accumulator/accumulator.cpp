@@ -536,7 +536,6 @@ bool Accumulator::step() {
   }
   if (!window_optimizer_stepped_) { // (else only the scheduler is left to run)
     check_gradients_untouched("acc.step()", /*allow_in_place=*/true); // clipping in place is fine
-    check_no_late_backward("acc.step()");
   }
   return finish_window("acc.step()");
 }

@@ -180,7 +180,6 @@ void Accumulator::copy_window_into(AccumulatorState& state) const {
     // A window cleared or replaced since its last micro-step would be saved,
     // and resumed, without what it lost (no collective here: a local error).
     check_gradients_untouched("acc.state_dict()", /*allow_in_place=*/window_ready_);
-    check_no_late_backward("acc.state_dict()");
   } else {
     // Gradients no micro-step counted (the manual no_sync path before its
     // optimizer step) would be saved as a boundary without them: refused, as

@@ -72,7 +72,6 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
   }
   if (!reducer_ || epoch_ended_) {
     check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
-    check_no_late_backward("acc.flush()");
     return finish_window(call_ ? call_ : "acc.flush()");
   }
   // The flush collective after this pairs with the other ranks' whatever happens
@@ -84,7 +83,6 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
   const bool as_reduced = grad_versions() == remembered_;
   try {
     check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
-    check_no_late_backward("acc.flush()");
     return finish_window(call_ ? call_ : "acc.flush()");
   } catch (const std::exception& e) {
     if (raised_alike_ && as_reduced) {

@@ -23,6 +23,7 @@ void Accumulator::remember_gradients() {
 
 void Accumulator::check_gradients_untouched(const char* what, bool allow_in_place) const {
   check_gradients_untouched(what, allow_in_place, grad_versions());
+  check_no_late_backward(what); // a closed window: no backward since it closed either
 }
 
 void Accumulator::check_gradients_untouched(
