@@ -429,6 +429,12 @@ class Accumulator {
   /// window (no optimizer or scheduler step, counted in skipped_steps).
   /// `after_window` runs once per closed window, stepped or skipped.
   void set_window_callbacks(std::function<bool()> before_step, std::function<void()> after_window);
+  /// For a loss scaler of the caller's (the callbacks above) with error
+  /// feedback: its `after_window` tells the ratio of the new scale to the
+  /// window's (a one-element tensor, read on no host) when it changed, so
+  /// that the residuals join the next window in its units. The built-in
+  /// loss_scaler and the Python `grad_scaler` do it themselves.
+  void rescale_residuals(const at::Tensor& ratio);
 
   /// Removes the hooks and releases the parameters for another Accumulator;
   /// every later call but stats() is an error. The destructor does the same.

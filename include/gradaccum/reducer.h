@@ -316,6 +316,12 @@ class Reducer {
   /// zero_grad() of a closed window): its residual holds what rounding that
   /// window lost, which must not reach the next window that steps.
   void discard_residuals();
+  /// Error feedback under a loss scaler whose scale went from s to s' at a
+  /// window's end: the residuals (in units of s) join the next window
+  /// multiplied by `ratio` = s' / s, a one-element tensor on the gradients'
+  /// device or the CPU, never read on the host (Note [Error feedback across
+  /// loss scales]). Nothing without residuals.
+  void rescale_residuals(const at::Tensor& ratio);
 
   /// Number of reductions completed (synchronising backwards and reduce()).
   int64_t windows() const;

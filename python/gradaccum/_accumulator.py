@@ -172,9 +172,10 @@ class Accumulator:
         self._no_sync_depth = 0
         self._run_state = _run.RunState()
         self.grad_scaler = grad_scaler
+        self._error_feedback = error_feedback
         self._gradient_hook: Optional[Callable[[], None]] = None
         if _scaling(grad_scaler):
-            self._c.set_window_callbacks(self._weakly("_unscale_and_check"), grad_scaler.update)
+            self._c.set_window_callbacks(self._weakly("_unscale_and_check"), self._weakly("_update_scaler"))
 
     def _weakly(self, method: str) -> Callable[[], bool]:
         """A callback for the C++ side that holds this object weakly: the C++
@@ -237,6 +238,20 @@ class Accumulator:
         if self._gradient_hook is not None:
             self._gradient_hook()
         return not found_inf
+
+    def _update_scaler(self) -> None:
+        """GradScaler.update(), once per closed window. With error feedback the
+        residuals are in the units of the window's scale: the new scale's
+        ratio to it goes to them, on the device (Note [Error feedback across
+        loss scales])."""
+        scaler = self.grad_scaler
+        before = getattr(scaler, "_scale", None)
+        if not self._error_feedback or before is None:
+            scaler.update()
+            return
+        before = before.clone()  # update() changes it in place
+        scaler.update()
+        self._c.rescale_residuals(scaler._scale / before)
 
     def _check_micro_step(self, what: str) -> None:
         """What Python checks of any micro-step before the C++ side's checks."""

@@ -122,7 +122,13 @@ Accumulator::Accumulator(
     // Note [One loss scaler path]: the built-in scaler is the window callbacks.
     loss_scaler_ = std::make_unique<detail::LossScaler>(*options_.loss_scaler());
     before_step_ = [this] { return loss_scaler_->unscale(defined_grads(), options_.steps()); };
-    after_window_ = [this] { loss_scaler_->update(); };
+    after_window_ = [this] {
+      const double before = loss_scaler_->scale();
+      loss_scaler_->update();
+      if (loss_scaler_->scale() != before) { // Note [Error feedback across loss scales]
+        rescale_residuals(at::scalar_tensor(loss_scaler_->scale() / before, at::kDouble));
+      }
+    };
   }
   remember_gradients();
   // Gradients already in .grad (a sanity-check backward, a warm-up loop, the

@@ -74,6 +74,18 @@ bool Accumulator::finish_window(const char* call) {
 // the reduction, which the versions remembered then tell, an unchecked dtype
 // or device, a value that failed) takes the norm, as before, so the skip,
 // raise and ignore behaviours and their messages are unchanged.
+void Accumulator::rescale_residuals(const at::Tensor& ratio) {
+  check_open("acc.rescale_residuals()");
+  TORCH_CHECK_VALUE(ratio.defined() && ratio.numel() == 1 && at::isFloatingType(ratio.scalar_type()),
+      "gradaccum: acc.rescale_residuals(): the ratio must be a one-element floating-point tensor, got ",
+      !ratio.defined() ? std::string("an undefined one")
+                       : std::string("a ") + c10::toString(ratio.scalar_type()) + " tensor of " +
+                             std::to_string(ratio.numel()) + (ratio.numel() == 1 ? " element" : " elements"));
+  if (reducer_) { // (one process keeps no residual)
+    reducer_->rescale_residuals(ratio);
+  }
+}
+
 bool Accumulator::reducer_checks_finite() const {
   return !options_.max_grad_norm() && options_.nonfinite() != NonFinite::Ignore && !before_step_;
 }

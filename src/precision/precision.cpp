@@ -66,7 +66,25 @@ double residual_carry(const ReductionRequest& request, double residual_weight) {
   return residual_weight > 0 ? request.weight / residual_weight : 1.0;
 }
 
-void compress(Bucket& bucket, double scale, double carry) {
+// Note [Error feedback across loss scales]
+// Under a loss scaler (GradScaler, the C++ loss_scaler) a window's gradients
+// are its sum times the scale s_k, and so is the residual compress() keeps of
+// them. The scaler's update at the window's end may change the scale (×2
+// after growth_interval good windows; a backoff follows an overflow, whose
+// window is thrown away with its residual): added as it is to the next
+// window's gradients, in units of s_{k+1}, the residual reached the optimizer
+// times s_k / s_{k+1}, half its size after each growth. So the update tells
+// the reducer the ratio s_{k+1} / s_k (Reducer::rescale_residuals(), a 0-dim
+// tensor: GradScaler's scale lives on the device and is never read on the
+// host for it), which multiplies what the residuals still owe
+// (Window::residual_rescale) and is folded into the next compress() that
+// carries them: one addcmul in place of the add, no pass of its own.
+// residuals() hands them out with it applied (a per-rank checkpoint holds
+// them in the units of the scale saved beside them), and whatever replaces
+// or clears the residuals (set_residuals(), discard_residuals(), a dropped
+// window) clears it. A window where this rank has no weight holds the
+// residual back (carry 0) and the ratio with it, compounding.
+void compress(Bucket& bucket, double scale, double carry, const at::Tensor& rescale) {
   // In place, no temporary: the bucket's gradients are rewritten from the
   // wire by decompress() (or cleared with a dropped window) in any case.
   at::NoGradGuard no_grad;
@@ -75,7 +93,9 @@ void compress(Bucket& bucket, double scale, double carry) {
     // across window weights]; a carry of 0 holds it back, as it is, below),
     // and keep what is lost now (unscaled). What overflowed or was not finite
     // is not kept: it would poison every later window.
-    if (carry == 1.0) {
+    if (rescale.defined()) {
+      at::addcmul_out(bucket.residual, bucket.gradients, bucket.residual, rescale, carry);
+    } else if (carry == 1.0) {
       bucket.residual.add_(bucket.gradients);
     } else {
       at::add_out(bucket.residual, bucket.gradients, bucket.residual, carry);

@@ -28,8 +28,10 @@ double residual_carry(const ReductionRequest& request, double residual_weight);
 /// Fills the wire of a compressed bucket (Bucket::compressed) from its
 /// gradients, divided by `scale` (E when prescaled, else 1), keeping the
 /// rounding error as the residual with error feedback (carried in multiplied
-/// by `carry`: residual_carry(); 0 leaves the residual as it is).
-void compress(Bucket& bucket, double scale, double carry);
+/// by `carry`: residual_carry(); 0 leaves the residual as it is), and by
+/// `rescale` too where defined (a 0-dim tensor: Note [Error feedback across
+/// loss scales]).
+void compress(Bucket& bucket, double scale, double carry, const at::Tensor& rescale = {});
 
 /// The inverse of compress(), into the bucket's gradients, with the window's
 /// division folded in when the wire was prescaled. Returns whether the

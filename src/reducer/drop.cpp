@@ -123,6 +123,9 @@ void Reducer::State::drop_window() {
   // zeroed again, they are as they were. .grad and the residual (the last
   // stepped window's) stay.
   const bool refresh = window.entry == detail::Entry::Refresh;
+  if (!refresh) {
+    window.residual_rescale = at::Tensor(); // (the residuals are zeroed below)
+  }
   for (auto& bucket : buckets.all) {
     bucket.gradients.zero_();
     if (refresh) {

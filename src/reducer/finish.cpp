@@ -327,6 +327,7 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   }
   if (window.residual_carry != 0.0) { // (0: held back, still its own window's: Note [Error feedback across window weights])
     window.residual_weight = window.request.weight;
+    window.residual_rescale = at::Tensor(); // carried in (Note [Error feedback across loss scales])
   }
   std::optional<std::vector<Bucket>> rebuilt;
   try {

@@ -124,7 +124,8 @@ void Reducer::State::launch_bucket(size_t index) {
     meta[kMetaHeader + slot] = 0;
   }
   if (bucket.compressed && window.entry != detail::Entry::Refresh) { // (a refresh sends zeros)
-    detail::compress(bucket, bucket.prescaled ? window.expected_weight : 1.0, window.residual_carry);
+    detail::compress(bucket, bucket.prescaled ? window.expected_weight : 1.0, window.residual_carry,
+                     window.residual_rescale);
   }
   bucket.write_meta(meta);
   if (window.request.loss_sum.defined() && bucket.encoding != MetaEncoding::kDigits) {

@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <optional>
@@ -324,7 +325,16 @@ bool Reducer::compressing() const {
 
 std::vector<at::Tensor> Reducer::residuals() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return detail::residuals(state_->buckets.all, state_->config.params.size());
+  auto out = detail::residuals(state_->buckets.all, state_->config.params.size());
+  if (const auto& rescale = state_->window.residual_rescale; rescale.defined()) {
+    at::NoGradGuard no_grad;
+    for (auto& r : out) {
+      if (r.defined()) {
+        r.mul_(rescale); // (a copy: Note [Error feedback across loss scales])
+      }
+    }
+  }
+  return out;
 }
 
 void Reducer::set_residuals(const std::vector<at::Tensor>& residuals) {
@@ -332,6 +342,7 @@ void Reducer::set_residuals(const std::vector<at::Tensor>& residuals) {
   std::lock_guard<std::mutex> lock(s.mutex);
   s.check_idle("acc.load_state_dict()");
   detail::set_residuals(s.buckets.all, s.config, residuals);
+  s.window.residual_rescale = at::Tensor();
 }
 
 void Reducer::discard_residuals() {
@@ -339,6 +350,26 @@ void Reducer::discard_residuals() {
   std::lock_guard<std::mutex> lock(s.mutex);
   s.check_idle("acc.zero_grad()");
   detail::discard_residuals(s.buckets.all);
+  s.window.residual_rescale = at::Tensor();
+}
+
+void Reducer::rescale_residuals(const at::Tensor& ratio) {
+  TORCH_INTERNAL_ASSERT(ratio.defined() && ratio.numel() == 1, "gradaccum: rescale_residuals(): not one ratio");
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.check_idle("acc.rescale_residuals()");
+  const auto kept = std::find_if(s.buckets.all.begin(), s.buckets.all.end(),
+                                 [](const Bucket& b) { return b.residual.defined(); });
+  if (kept == s.buckets.all.end()) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  // A 0-dim tensor on the residuals' device (or a CPU scalar, which any
+  // device takes), detached from the scaler's own, which it updates in place.
+  auto r = ratio.detach().reshape({});
+  r = r.device() == kept->residual.device() || r.is_cpu() ? r.clone() : r.to(kept->residual.device());
+  auto& pending = s.window.residual_rescale;
+  pending = pending.defined() ? pending * r : r;
 }
 
 // ---------------------------------------------------------------------------

@@ -164,6 +164,10 @@ struct Window {
   /// residuals hold (0: unknown, carried as they are; Note [Error feedback
   /// across window weights]).
   double residual_weight = 0;
+  /// Error feedback under a loss scaler: what the residuals still owe the
+  /// scale's changes since their window, a 0-dim tensor (undefined: 1; Note
+  /// [Error feedback across loss scales]).
+  at::Tensor residual_rescale;
   int last_anchor_task = -1;
   bool aborted_here = false; ///< this rank dropped the last reduction itself
   /// Why the last reduction dropped its window ("" if it did not; also if

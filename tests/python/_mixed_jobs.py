@@ -614,7 +614,7 @@ class _GradRecorder(torch.optim.SGD):
 
 @job
 def error_feedback_changing_weights(rank, world_size, *, windows, reduction, steps, zero_ranks=(),
-                                    device="cpu"):
+                                    device="cpu", scaler_growth_interval=None):
     """Windows of very different weights, a bf16 wire without and with error
     feedback against a float32 wire: each window's reduced gradient, as the
     optimizer sees it. `windows[w][rank]` lists the rows of each micro-batch
@@ -622,7 +622,9 @@ def error_feedback_changing_weights(rank, world_size, *, windows, reduction, ste
     rows with reduction "items" (num_items = rows), else averages. Ranks in
     `zero_ranks` have zero inputs: their gradients are exactly 0 (no bias), so
     the bf16 sum over ranks rounds nothing. With error feedback, also what
-    each rank holds back after each window, and that window's weight."""
+    each rank holds back after each window, and that window's weight. With
+    `scaler_growth_interval`, every contender has a GradScaler that doubles
+    its scale every that many windows; "scale" lists it after each window."""
     import gradaccum
 
     if device != "cpu":
@@ -633,8 +635,12 @@ def error_feedback_changing_weights(rank, world_size, *, windows, reduction, ste
         torch.manual_seed(0)
         model = nn.Linear(16, 1, bias=False).to(device)
         opt = _GradRecorder(model.parameters())
+        scaler = None
+        if scaler_growth_interval:
+            scaler = torch.amp.GradScaler(device=torch.device(device).type, init_scale=2.0 ** 8,
+                                          growth_interval=scaler_growth_interval)
         acc = gradaccum.Accumulator(model, opt, steps=steps, reduction=reduction, comm_dtype=comm,
-                                    error_feedback=feedback)
+                                    error_feedback=feedback, grad_scaler=scaler)
         for w, per_rank in enumerate(windows):
             for i, rows in enumerate(per_rank[rank]):
                 g = torch.Generator().manual_seed(1000 * w + 10 * i + rank)
@@ -654,6 +660,8 @@ def error_feedback_changing_weights(rank, world_size, *, windows, reduction, ste
                 out.setdefault("held", []).append(
                     (torch.cat([r.reshape(-1) for r in state["error_feedback_residuals"]]).cpu(),
                      state["reducer_residual_weight"]))
+                if scaler is not None:
+                    out.setdefault("scale", []).append(scaler.get_scale())
         out[name] = [g.cpu() for g in opt.seen]
         acc.close()
     return out

@@ -210,12 +210,16 @@ def test_cuda_skip_micro_batch(tmp_path):
 
 
 @cuda
-def test_cuda_error_feedback_when_window_weights_change(tmp_path):
+@pytest.mark.parametrize("scaler_growth_interval", [None, 1])
+def test_cuda_error_feedback_when_window_weights_change(tmp_path, scaler_growth_interval):
     """test_mixed_precision.py's error-feedback check on cuda:0 (residuals and
-    their carry on the device), 2 Gloo ranks, items windows swinging 4096 <-> 1."""
+    their carry on the device), 2 Gloo ranks, items windows swinging 4096 <-> 1;
+    and with a GradScaler on the device whose scale doubles after every window
+    (the ratio carried into the residuals on the device)."""
     from test_mixed_precision import WEIGHTS, check_error_feedback_weights
 
     world, kwargs = WEIGHTS["items swinging"]
+    kwargs = dict(kwargs, scaler_growth_interval=scaler_growth_interval)
     check_error_feedback_weights(du.run_job("error_feedback_changing_weights", world, tmp_path,
                                             module="_mixed_jobs", zero_ranks=tuple(range(1, world)),
                                             device="cuda:0", **kwargs),

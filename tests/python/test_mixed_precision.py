@@ -254,6 +254,20 @@ def test_error_feedback_loses_nothing_when_window_weights_change(tmp_path, case)
                                  kwargs)
 
 
+@pytest.mark.parametrize("case", ["items swinging", "mean+flush"])
+def test_error_feedback_follows_a_growing_loss_scale(tmp_path, case):
+    """The same promise with a GradScaler whose scale doubles after every
+    window: a residual is in the units of its window's scaled gradients, so
+    it must grow with the scale before the next window takes it. Carried as
+    it was, each window's residual reached the optimizer at half its size."""
+    world, kwargs = WEIGHTS[case]
+    kwargs = dict(kwargs, scaler_growth_interval=1)
+    results = du.run_job("error_feedback_changing_weights", world, tmp_path, module="_mixed_jobs",
+                         zero_ranks=tuple(range(1, world)), **kwargs)
+    assert results[0]["scale"] == [2.0 ** (9 + w) for w in range(len(kwargs["windows"]))]
+    check_error_feedback_weights(results, kwargs)
+
+
 def check_error_feedback_weights(results, kwargs):
     """The check of test_error_feedback_loses_nothing_when_window_weights_change
     (test_gpu.py runs it on CUDA tensors)."""
@@ -274,6 +288,8 @@ def check_error_feedback_weights(results, kwargs):
             continue
         assert res["held"][w][1] == weight(per_rank[0])
         held_back = res["held"][w][0] / sum(weight(rows) for rows in per_rank)
+        if "scale" in res:  # held in the units of the next window's scaled gradients
+            held_back = held_back * kwargs["steps"] / res["scale"][w]
         assert _relative(got + held_back, want) < 1e-6, w
         assert _relative(plain, want) > 1e-4, w  # bf16 alone loses what it rounds
     assert res["held"][-1][0].abs().max() > 0

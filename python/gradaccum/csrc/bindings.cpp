@@ -334,6 +334,8 @@ void init_accumulator(py::module_& m) {
       .def("close", &Accumulator::close, release(), "Remove the hooks; release the parameters.")
       .def("set_window_callbacks", &Accumulator::set_window_callbacks, py::arg("before_step"),
            py::arg("after_window"), "Callbacks around each window's optimizer step.")
+      .def("rescale_residuals", &Accumulator::rescale_residuals, py::arg("ratio"),
+           "A loss scale's change at a window's end, for the error-feedback residuals.")
       .def_property_readonly("closed", &Accumulator::closed)
       .def("load_state_dict", [](Accumulator& a, const py::dict& d) { a.load_state_dict(state_from_dict(d)); },
            py::arg("state_dict"))

@@ -1,0 +1,101 @@
+// Error feedback under the built-in loss scaler, on two Gloo ranks (Note
+// [Error feedback across loss scales]): what the optimizer got over the
+// windows plus what the ranks hold back is the float32 wire's sum.
+#include "test_util.h"
+
+#include "catch_torch.h"
+
+using namespace gradaccum;
+using gradaccum::test::CountingGroup;
+using gradaccum::test::run_ranks;
+
+namespace {
+
+constexpr int64_t kFeedbackRows = 32;
+constexpr int64_t kFeedbackSteps = 2;
+constexpr int kFeedbackWindows = 5;
+
+struct FeedbackRun {
+  std::vector<at::Tensor> got; ///< each window's gradient, as the optimizer saw it
+  std::vector<at::Tensor> held; ///< rank 0's residual after each window
+  std::vector<double> scale; ///< the loss scale after each window
+};
+
+// Rank 0's gradients only: rank 1's inputs are zeros (no bias), so the bf16
+// sum over ranks rounds nothing and only compression loses.
+FeedbackRun feedback_run(int rank, const c10::intrusive_ptr<CountingGroup>& group,
+                         std::optional<at::ScalarType> comm, bool feedback) {
+  torch::nn::Linear model{nullptr};
+  {
+    std::lock_guard<std::mutex> lock(gradaccum::test::init_mutex()); // (the seed is global)
+    torch::manual_seed(0);
+    model = torch::nn::Linear(torch::nn::LinearOptions(16, 1).bias(false));
+  }
+  FeedbackRun run;
+  auto step = [&] { run.got.push_back(model->weight.grad().reshape(-1).clone()); };
+  Accumulator acc(model, AccumulatorOptions(kFeedbackSteps).process_group(group).comm_dtype(comm)
+                             .error_feedback(feedback)
+                             .loss_scaler(LossScalerOptions().init_scale(256).growth_interval(1)),
+                  step);
+  for (int w = 0; w < kFeedbackWindows; ++w) {
+    for (int k = 0; k < kFeedbackSteps; ++k) {
+      auto g = at::detail::createCPUGenerator(1000 * w + 10 * k);
+      auto x = torch::randn({kFeedbackRows, 16}, g);
+      auto y = torch::randn({kFeedbackRows, 1}, g);
+      if (rank != 0) {
+        x = torch::zeros_like(x);
+      }
+      acc.backward((model->forward(x) - y).pow(2).mean());
+      acc.step();
+    }
+    if (feedback) {
+      const auto state = acc.state_dict(/*rank_independent=*/false);
+      run.held.push_back(state.residuals.at(0).reshape(-1).clone());
+    }
+    run.scale.push_back(acc.stats().loss_scale.value());
+  }
+  return run;
+}
+
+double relative(const at::Tensor& a, const at::Tensor& b) {
+  return ((a - b).norm() / b.norm()).item<double>();
+}
+
+} // namespace
+
+TEST_CASE("error feedback follows the built-in loss scaler's growth", "[reducer][distributed][loss_scaler]") {
+  const int world = 2;
+  std::vector<FeedbackRun> fp32(world), bf16(world), ef(world);
+  run_ranks(world, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    fp32[rank] = feedback_run(rank, group, std::nullopt, false);
+    bf16[rank] = feedback_run(rank, group, at::kBFloat16, false);
+    ef[rank] = feedback_run(rank, group, at::kBFloat16, true);
+  });
+  at::Tensor got, want, plain;
+  for (int w = 0; w < kFeedbackWindows; ++w) {
+    // The scale doubles after every window.
+    CHECK(ef[0].scale[w] == 256.0 * std::pow(2.0, w + 1));
+    CHECK(ef[1].held[w].abs().max().item<double>() == 0);
+    got = w == 0 ? ef[0].got[w] : got + ef[0].got[w];
+    want = w == 0 ? fp32[0].got[w] : want + fp32[0].got[w];
+    plain = w == 0 ? bf16[0].got[w] : plain + bf16[0].got[w];
+    // A residual is in units of the next window's scaled gradients (the loss
+    // scaled by the scale / steps), over the window's global weight: the
+    // micro-steps of every rank.
+    const auto held_back = ef[0].held[w] * kFeedbackSteps / (ef[0].scale[w] * world * kFeedbackSteps);
+    CHECK(relative(got + held_back, want) < 1e-6);
+    CHECK(relative(plain, want) > 1e-4); // bf16 alone loses what it rounds
+  }
+  CHECK(ef[0].held.back().abs().max().item<double>() > 0);
+}
+
+TEST_CASE("rescale_residuals() takes one floating-point ratio", "[accumulator][loss_scaler][errors]") {
+  torch::nn::Linear model(2, 1);
+  Accumulator acc(model, AccumulatorOptions(2));
+  const std::string what = "gradaccum: acc.rescale_residuals(): the ratio must be a one-element floating-point tensor";
+  CHECK_THROWS_WITH(acc.rescale_residuals(torch::ones({2})), Catch::StartsWith(what + ", got a Float tensor of 2 elements"));
+  CHECK_THROWS_WITH(acc.rescale_residuals(torch::ones({1}, torch::kLong)),
+                    Catch::StartsWith(what + ", got a Long tensor of 1 element"));
+  CHECK_THROWS_WITH(acc.rescale_residuals(at::Tensor()), Catch::StartsWith(what + ", got an undefined one"));
+  acc.rescale_residuals(torch::full({1}, 2.0)); // one process keeps no residual: nothing
+}
