@@ -277,6 +277,11 @@ class Reducer {
   /// some ranks]). A failure after a window's reduction marks it itself;
   /// restore() clears it.
   void mark_unstepped(const char* why);
+  /// This rank dropped its window in its middle (acc.zero_grad()): its next
+  /// reduction tells every rank, and where some ranks but not all did so,
+  /// every rank drops that reduction and raises (Note [A window dropped in
+  /// its middle on some ranks]). restore() clears it.
+  void mark_mid_dropped();
   /// With an accumulation dtype: adds each `.grad` of a narrower dtype into its
   /// bucket and releases it (after a no_sync micro-step's backward).
   void accumulate_local();

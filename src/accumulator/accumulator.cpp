@@ -572,6 +572,8 @@ void Accumulator::zero_grad_in_call() {
     reducer_->mark_unstepped(window_optimizer_stepped_
         ? "its optimizer stepped it, but its scheduler raised and acc.zero_grad() dropped the window here"
         : "acc.zero_grad() dropped it here once it was closed");
+  } else if (!window_ready_ && reducer_ && micro_step_ > 0) {
+    reducer_->mark_mid_dropped(); // Note [A window dropped in its middle on some ranks]
   }
   drop_window();
 }

@@ -152,3 +152,68 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
             "skipped_steps": stats["skipped_steps"], "reductions": stats["reductions"],
             "lr": opt.param_groups[0]["lr"],
             "scheduler_epoch": scheduler.last_epoch}
+
+
+MID_STEPS = 3
+MID_BATCHES = 15
+
+
+def mid_stream(world_size):
+    """Each rank's stream of MID_BATCHES micro-batches (stream[rank][i])."""
+    return du.make_windows(SEED, [[MID_BATCHES] * world_size], MID_STEPS)[0]
+
+
+def mid_reference(world_size, windows):
+    """One process, float64: the big batch of each stepped window, where
+    windows[k][rank] lists the micro-batches rank contributed to window k."""
+    stream = mid_stream(world_size)
+    return du.windows_reference(SEED, [[[stream[r][i] for i in per_rank[r]] for r in range(world_size)]
+                                       for per_rank in windows], "mean", optimizer="sgd")
+
+
+@job
+def mid_window_dropped(rank, world_size, *, droppers, fail=True, at=4, then="go_on"):
+    """K=3, momentum SGD; each rank trains on its stream of micro-batches,
+    acc.step() after each. At micro-batch `at` (in window 1) the ranks in
+    `droppers` drop their window in its middle with acc.zero_grad(): after
+    that micro-batch's backward raised on them (`fail`: a script that catches
+    a failed micro-step there), or after it ran. Then every rank goes on with
+    its stream and ends the epoch with acc.flush() (`then` "go_on"), or ends
+    it with acc.flush() at the next micro-batch ("flush"). Returns each error
+    with the micro-batch it came at, and the micro-batches each stepped
+    window got from this rank."""
+    import gradaccum
+
+    model = du.mlp(SEED)
+    opt = du.make_optimizer("sgd", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=MID_STEPS)
+    stream = mid_stream(world_size)[rank]
+    errors, stepped, current = [], [], []
+    for i, batch in enumerate(stream + [None]):
+        if batch is None or (then == "flush" and i == at + 1):
+            try:
+                if acc.flush():
+                    stepped.append(current)
+            except RuntimeError as e:
+                errors.append((i, "flush", str(e)))
+            break
+        loss = du.micro_loss(model, batch, "mean")[0]
+        dropping = i == at and rank in droppers
+        if dropping and fail:
+            loss = du.Boom.apply(loss)
+        current.append(i)
+        try:
+            acc.backward(loss)
+            if acc.step():
+                stepped.append(current)
+                current = []
+        except RuntimeError as e:
+            errors.append((i, "backward", str(e)))
+            if not dropping:
+                current = []  # a reduction dropped on every rank
+        if dropping:
+            acc.zero_grad()
+            current = []
+    stats = acc.stats()
+    return {"errors": errors, "stepped": stepped, "params": du.params(model),
+            "dropped_windows": stats["dropped_windows"], "optimizer_steps": stats["optimizer_steps"]}

@@ -357,3 +357,74 @@ def test_a_backward_after_the_window_closed_on_one_rank_is_told_to_every_rank(tm
     for res in results:
         assert res["resumed"] and res["optimizer_steps"] == uj.WINDOWS
         assert_params_close(res["params"], expected)
+
+
+# Note [A window dropped in its middle on some ranks]
+MID_WHY = ("window in the middle with acc.zero_grad() while {went} went on, so the ranks' micro-steps no longer "
+           "lined up (to drop a window on purpose, call acc.zero_grad() on every rank at the same micro-step; after "
+           "a failed micro-step, go on: its window is dropped on every rank when it closes). The window's gradients "
+           "were cleared on every rank and no optimizer step was taken; training can go on from the next window")
+
+
+def run_mid(world_size, tmp_path, **kwargs):
+    results = du.run_job("mid_window_dropped", world_size, tmp_path, module=M, timeout=120, pg_timeout=30, **kwargs)
+    stepped = [r["stepped"] for r in results]
+    assert len({len(s) for s in stepped}) == 1, stepped  # every rank stepped as many windows
+    expected = uj.mid_reference(world_size, list(zip(*stepped)))
+    for res in results:
+        assert_params_close(res["params"], expected)
+    return results
+
+
+def test_a_window_one_rank_drops_in_its_middle_is_dropped_on_every_rank(tmp_path):
+    """Rank 1's backward fails at micro-batch 4, in window 1; its script
+    catches that and drops the window with acc.zero_grad(). Before, rank 1's
+    windows started two micro-batches after rank 0's from then on, so every
+    later window paired micro-batches of other positions: no error anywhere,
+    and no big batch's gradient. Now rank 1's next reduction (at its
+    micro-batch 7) says so and meets rank 0's window 1 (its micro-batch 5):
+    both raise, drop it, and every later window is the float64 big batch of
+    what the ranks fed it."""
+    results = run_mid(2, tmp_path, droppers=(1,))
+    assert results[0]["errors"] == [(5, "backward", "gradaccum: acc.backward(): window 1 was dropped on every "
+                                     "rank: rank 1 dropped its " + MID_WHY.format(went="this rank"))]
+    assert results[1]["errors"] == [
+        (4, "backward", "injected failure on rank 1"),
+        (7, "backward", "gradaccum: acc.backward(): window 1 was dropped on every rank: this rank (rank 1) dropped "
+         "its " + MID_WHY.format(went="the other ranks"))]
+    # Rank 1 ends one micro-batch into a window: its flush meets rank 0's last full one.
+    assert results[0]["stepped"] == [[0, 1, 2], [6, 7, 8], [9, 10, 11], [12, 13, 14]]
+    assert results[1]["stepped"] == [[0, 1, 2], [8, 9, 10], [11, 12, 13], [14]]
+    for res in results:
+        assert res["dropped_windows"] == 1
+
+
+def test_a_window_every_rank_drops_in_its_middle_alike_is_no_error(tmp_path):
+    """Every rank drops window 1 at the same micro-step: the next window
+    starts after it on every rank, as in one process; nothing is said."""
+    results = run_mid(2, tmp_path, droppers=(0, 1), fail=False)
+    for res in results:
+        assert res["errors"] == []
+        assert res["stepped"] == [[0, 1, 2], [5, 6, 7], [8, 9, 10], [11, 12, 13], [14]]
+        assert res["dropped_windows"] == 0
+
+
+def test_two_of_three_ranks_that_drop_a_window_in_its_middle_are_counted(tmp_path):
+    results = run_mid(3, tmp_path, droppers=(1, 2), fail=False)
+    assert results[0]["errors"] == [(5, "backward", "gradaccum: acc.backward(): window 1 was dropped on every "
+                                     "rank: 2 of the 3 ranks dropped their " + MID_WHY.format(went="this rank"))]
+    for rank in (1, 2):
+        assert results[rank]["errors"] == [
+            (7, "backward", f"gradaccum: acc.backward(): window 1 was dropped on every rank: this rank (rank {rank}) "
+             "and 1 other rank dropped their " + MID_WHY.format(went="the other ranks"))]
+
+
+def test_a_flush_after_a_window_one_rank_dropped_in_its_middle_raises_on_every_rank(tmp_path):
+    """The next reduction may be a flush at the epoch's end: it tells every
+    rank as well, and the flush is dropped on every rank."""
+    results = run_mid(2, tmp_path, droppers=(1,), then="flush")
+    assert results[0]["errors"] == [(5, "flush", "gradaccum: acc.flush(): window 1 was dropped on every rank: "
+                                     "rank 1 dropped its " + MID_WHY.format(went="this rank"))]
+    assert results[1]["errors"][1] == (
+        5, "flush", "gradaccum: acc.flush(): window 1 was dropped on every rank: this rank (rank 1) dropped its " +
+        MID_WHY.format(went="the other ranks"))
