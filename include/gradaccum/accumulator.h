@@ -537,10 +537,10 @@ class Accumulator {
   WindowRule window_rule() const;
   std::vector<GradMark> grad_versions() const;
   bool finish_window(const char* call);
-  bool step_window();
+  bool step_window(const char* call);
   /// step_window() up to and with the optimizer's step: false where the
   /// window is skipped (no step).
-  bool step_optimizer();
+  bool step_optimizer(const char* call);
   /// A skip of a reduced window, said in the next reduction (Note [A window
   /// not stepped on some ranks]).
   void mark_skipped();
@@ -607,6 +607,9 @@ class Accumulator {
   /// step_window() raised a decision every rank makes alike (nonfinite="raise"
   /// on the reduced gradient): flush() need not drop the window everywhere.
   bool raised_alike_ = false;
+  /// This closed window's step raised nonfinite="raise" already (Note [A
+  /// non-finite window left for the epoch's end]).
+  bool window_raised_nonfinite_ = false;
   /// This closed window went through the loss scaler / before_step_ already
   /// (a step() that raised after it is retried without them).
   bool window_unscaled_ = false;

@@ -50,8 +50,9 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 // collective sums all of it over ranks, so with no collective of its own
 // every rank learns:
 //  - the window's divisor (kWeight: items or micro-steps, all ranks),
-//  - how many ranks closed a partial window with flush() (kFlushing), and
-//    how many of them have joined: are out of data and shadow the others'
+//  - how many ranks closed a partial window with flush() (kFlushing), how
+//    many of those windows hold micro-steps (kFlushingSteps), and how many
+//    of the ranks have joined: are out of data and shadow the others'
 //    reductions until every rank has (kJoined; Note [Joining]),
 //  - how many ranks drop the window (kAbort; Note [Dropping a window]),
 //    their ranks and their ranks' squares summed (which one, when one; which
@@ -86,8 +87,8 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 //    digit-wise sums stay exact integers when W * (2^b - 1) fits, and the
 //    reader recombines them (the weight as fixed point with 32 fractional
 //    bits; a field in which each rank sends 0 or 1, the counts kFlushing,
-//    kAbort, kJoined, kInexactWeight, kUnstepped, kMidDropped and
-//    kAbortReasons..., as
+//    kFlushingSteps, kAbort, kJoined, kInexactWeight, kUnstepped,
+//    kMidDropped and kAbortReasons..., as
 //    one digit;
 //    every other field as an integer below 2^32). The has-gradient flags go
 //    as 0/1: a sum over ranks only has to be told apart from 0.
@@ -107,6 +108,7 @@ constexpr int64_t kNamedAbortersWorld = 2896;
 enum MetaField : int64_t {
   kWeight = 0,
   kFlushing,
+  kFlushingSteps, ///< of them, ranks whose partial window holds micro-steps (Note [A flushed window with no weight])
   kAbort, ///< ranks that drop the window (Note [Dropping a window])
   kAbortRank, ///< their ranks summed
   kAbortRankSquare, ///< their ranks' squares summed (0 above kNamedAbortersWorld ranks)

@@ -134,6 +134,8 @@ struct ReductionRequest {
   bool divide = true;
   /// This rank closes a partial window (flush()).
   bool flushing = false;
+  /// With `flushing`: the partial window holds micro-steps (of any weight).
+  bool flushing_steps = false;
   /// This rank is out of data and shadows the others' reductions until every
   /// rank is (Accumulator::join(); with `flushing`).
   bool joined = false;
@@ -158,6 +160,8 @@ struct ReductionResult {
   int64_t window = -1; ///< the reduction's sequence number (the same on every rank)
   double global_weight = 0; ///< request weights summed over ranks
   int64_t flushing_ranks = 0; ///< ranks that closed a partial window with flush()
+  /// Of them, ranks whose partial window held micro-steps (any weight).
+  int64_t flushing_steps_ranks = 0;
   int64_t joined_ranks = 0; ///< of them, ranks in Accumulator::join()
   /// Ranks that dropped the window leaving their join() block with an
   /// exception (AbortReason::LeftJoin): they will not reduce again.

@@ -511,6 +511,7 @@ void Accumulator::reset_window() {
   window_weight_ = 0;
   window_loss_sum_ = at::Tensor();
   window_failed_ = false;
+  window_raised_nonfinite_ = false;
   parts_open_ = false;
   window_known_finite_ = false;
   window_empty_ = false;

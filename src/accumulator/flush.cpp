@@ -66,6 +66,21 @@ bool Accumulator::flush_in_call() {
   return reduce_partial_window(local_failure, /*joined=*/false) || stepped;
 }
 
+// Note [A non-finite window left for the epoch's end]
+// nonfinite="raise" raises in acc.step() on every rank alike (every rank
+// holds the same reduced gradient), and the error says to drop the window
+// with acc.zero_grad(). A script that catches it and goes on to acc.flush()
+// or acc.join() without that reaches them with the window still closed; and
+// a script that skips acc.step() at the epoch's last window meets the error
+// there first. Raising there, before the flush's collective, is alike on
+// every rank only where every rank holds the window and none shadows: the
+// ranks already in acc.join() dropped it without a word when it was reduced
+// (Note [Joining]) and wait in their next shadow reduction, and so does a
+// rank whose script did call acc.zero_grad(). So a window whose error
+// acc.step() raised already, or one reduced while ranks shadowed, is dropped
+// there, as acc.zero_grad() drops it (marked as such: Note [A window not
+// stepped on some ranks]), with a warning, and the flush's collective runs;
+// only a first raise with nobody shadowing is raised there, alike.
 bool Accumulator::step_before_flush(std::string* local_failure) {
   if (!window_ready_) {
     return false;
@@ -81,14 +96,24 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
   // They have stepped theirs by then: the message says the replicas differ.
   raised_alike_ = false;
   const bool as_reduced = grad_versions() == remembered_;
+  const bool raised_before = window_raised_nonfinite_;
   try {
     check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
     return finish_window(call_ ? call_ : "acc.flush()");
   } catch (const std::exception& e) {
     if (raised_alike_ && as_reduced) {
       // nonfinite="raise" on the reduced gradient, untouched since: every
-      // rank holds the same one and raises here alike, before the collective.
-      throw;
+      // rank holds the same one and raises here alike, before the collective,
+      // unless Note [A non-finite window left for the epoch's end].
+      if (!raised_before && reducer_->last_result().joined_ranks == 0) {
+        throw;
+      }
+      TORCH_WARN("gradaccum: ", call_name(), ": the closed window's gradient is not finite (nonfinite=\"raise\"",
+          raised_before ? "; acc.step() raised it already" : "", "): ", call_name(), " dropped the window, as "
+          "acc.zero_grad() would", raised_before ? "" : " and as the ranks in acc.join() did",
+          ", so that every rank ends the data together");
+      zero_grad_in_call();
+      return false;
     }
     const auto* error = dynamic_cast<const c10::Error*>(&e);
     *local_failure = error ? error->what_without_backtrace() : e.what();
@@ -99,6 +124,16 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
   }
 }
 
+// Note [A flushed window with no weight]
+// A reduction closes a window wherever some rank closes one in it: a full
+// window (a closing backward, which flush() and join() pair with), or a
+// partial one that holds micro-steps. It may have no weight anywhere (every
+// micro-batch left out by "skip_micro_batch", num_items=0): then it steps
+// nothing and is counted in skipped_steps, with window_loss None and
+// window_items 0, as in one process, and alike on every rank, the ranks that
+// only flushed nothing or shadowed it in join() too (kFlushingSteps tells
+// them). A reduction in which every rank flushed an empty window closes none:
+// the last window's loss stays.
 bool Accumulator::reduce_partial_window(const std::string& local_failure, bool joined) {
   if (window_failed_) {
     auto abort = new_request();
@@ -122,6 +157,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
   request.weight = window_weight_;
   request.divide = options_.reduction() != Reduction::Sum;
   request.flushing = true;
+  request.flushing_steps = micro_step_ > 0;
   request.joined = joined;
   request.check_finite = reducer_checks_finite();
   request.loss_sum = window_loss_sum_;
@@ -138,10 +174,13 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
     throw;
   }
   check_join_partners(result, joined); // Note [Joining]
-  if (result.global_weight == 0) {
-    reset_window(); // no rank had anything: no step anywhere
+  // Note [A flushed window with no weight]
+  const auto world = reducer_->process_group()->getSize();
+  if (result.global_weight == 0 && result.flushing_ranks == world && result.flushing_steps_ranks == 0) {
+    reset_window(); // no rank had anything: no window anywhere
     return false;
   }
+  window_empty_ = result.global_weight == 0; // (step_optimizer() counts it skipped)
   close_window_loss(result, window_loss_sum_);
   micro_step_ = 0;
   window_weight_ = 0;

@@ -38,7 +38,7 @@ bool Accumulator::finish_window(const char* call) {
   raised_alike_ = false;
   bool stepped = false;
   try {
-    stepped = step_window();
+    stepped = step_window(call);
   } catch (...) {
     // The optimizer step, nonfinite="raise" or the callback itself raised
     // after before_step_ (GradScaler.unscale_()) ran: after_window_
@@ -90,9 +90,9 @@ bool Accumulator::reducer_checks_finite() const {
   return !options_.max_grad_norm() && options_.nonfinite() != NonFinite::Ignore && !before_step_;
 }
 
-bool Accumulator::step_window() {
+bool Accumulator::step_window(const char* call) {
   // A retry after the scheduler raised: the optimizer stepped this window.
-  if (!window_optimizer_stepped_ && !step_optimizer()) {
+  if (!window_optimizer_stepped_ && !step_optimizer(call)) {
     return false;
   }
   if (scheduler_step_) {
@@ -111,10 +111,10 @@ void Accumulator::mark_skipped() {
   }
 }
 
-bool Accumulator::step_optimizer() {
+bool Accumulator::step_optimizer(const char* call) {
   for (const auto i : c10::irange(params_.size())) {
     TORCH_CHECK(!params_[i].grad().defined() || !params_[i].grad().is_sparse(),
-        "gradaccum: acc.step(): ", names_[i], " has a sparse gradient (Embedding(sparse=True)?); gradaccum "
+        "gradaccum: ", call, ": ", names_[i], " has a sparse gradient (Embedding(sparse=True)?); gradaccum "
         "supports dense gradients only: use sparse=False");
   }
   if (window_empty_) {
@@ -157,8 +157,9 @@ bool Accumulator::step_optimizer() {
     stats_.last_grad_norm = norm;
     if (!std::isfinite(norm) && nonfinite != NonFinite::Ignore) {
       raised_alike_ = nonfinite == NonFinite::Raise; // every rank holds this gradient
+      window_raised_nonfinite_ = raised_alike_;
       TORCH_CHECK(nonfinite != NonFinite::Raise,
-          "gradaccum: acc.step(): the window's gradient is not finite (total norm ", norm,
+          "gradaccum: ", call, ": the window's gradient is not finite (total norm ", norm,
           "); gradients left in .grad for inspection, call acc.zero_grad() to drop the window");
       ++stats_.skipped_steps;
       ++stats_.windows;

@@ -157,7 +157,7 @@ int digit_bits_for(at::ScalarType dtype, int world) {
 // the wire).
 constexpr int kWeightFractionBits = 32;
 bool one_bit_field(int64_t field) {
-  return field == kFlushing || field == kAbort || field == kJoined || field == kInexactWeight ||
+  return field == kFlushing || field == kFlushingSteps || field == kAbort || field == kJoined || field == kInexactWeight ||
       field == kUnstepped || field == kMidDropped || (field >= kAbortReasons && field < kAbortReasons + kAbortReasonSlots);
 }
 int field_bits(int64_t field) {

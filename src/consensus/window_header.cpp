@@ -66,6 +66,7 @@ std::vector<double> encode_header(const ReductionRequest& request, int rank, int
   const bool aborting = request.abort != AbortReason::None;
   meta[kWeight] = aborting ? 0 : request.weight;
   meta[kFlushing] = request.flushing ? 1 : 0;
+  meta[kFlushingSteps] = request.flushing && request.flushing_steps ? 1 : 0;
   meta[kJoined] = request.joined ? 1 : 0;
   meta[kInexactWeight] = meta[kWeight] == std::floor(meta[kWeight]) ? 0 : 1;
   meta[kUnstepped] = mine.unstepped ? 1 : 0; // Note [A window not stepped on some ranks]
@@ -197,6 +198,7 @@ Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& 
   Verdict verdict;
   verdict.global_weight = last[kWeight];
   verdict.flushing_ranks = rounded(last[kFlushing]);
+  verdict.flushing_steps_ranks = rounded(last[kFlushingSteps]);
   verdict.joined_ranks = rounded(last[kJoined]);
   verdict.aborters = read_aborters(last, world);
   verdict.loss_sum = last[kLoss];

@@ -43,6 +43,7 @@ AbortReason unsendable_weight(const std::vector<Bucket>& buckets, double weight)
 struct Verdict {
   double global_weight = 0; ///< kWeight summed: the window's divisor
   int64_t flushing_ranks = 0;
+  int64_t flushing_steps_ranks = 0;
   int64_t joined_ranks = 0;
   double loss_sum = 0;
   std::array<double, kMaxWindowMetrics> metric_sums{};

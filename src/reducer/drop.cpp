@@ -48,6 +48,7 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
     // Whether others were flushing still matters to this rank's epoch.
     const auto& header = buckets.all.back().read_meta();
     window.last_result.flushing_ranks = static_cast<int64_t>(std::llround(header[kFlushing]));
+    window.last_result.flushing_steps_ranks = static_cast<int64_t>(std::llround(header[kFlushingSteps]));
     window.last_result.joined_ranks = static_cast<int64_t>(std::llround(header[kJoined]));
     const auto who = detail::read_aborters(header, config.world);
     window.last_result.left_ranks = who.of(AbortReason::LeftJoin);

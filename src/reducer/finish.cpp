@@ -151,6 +151,7 @@ detail::Reduced Reducer::State::agree(bool closing) {
   result.window = window.sequence;
   result.global_weight = verdict.global_weight;
   result.flushing_ranks = verdict.flushing_ranks;
+  result.flushing_steps_ranks = verdict.flushing_steps_ranks;
   result.joined_ranks = verdict.joined_ranks;
   result.left_ranks = verdict.aborters.of(AbortReason::LeftJoin);
   result.unstepped_ranks = verdict.aborters.of(AbortReason::ClosedWindowNotStepped);

@@ -1,0 +1,135 @@
+"""Jobs of test_epoch_end.py: what acc.flush() and acc.join() meet at the end
+of the data, on real Gloo ranks (spawned by _dist_utils.run_job with
+module="_epoch_end_jobs"): a window left closed after nonfinite="raise" (Note
+[A non-finite window left for the epoch's end]) and windows with no weight
+(Note [A flushed window with no weight]).
+"""
+import time
+
+import torch
+
+import _dist_utils as du
+from _dist_utils import job
+
+SEED = 31
+K = 2
+MICRO = 2
+
+
+def windows(world_size, n):
+    return du.make_windows(SEED, du.full_counts(n, world_size, K), MICRO)
+
+
+def reference(world_size, n, skip):
+    """One process, float64: the big batches of n windows, but `skip`."""
+    return du.windows_reference(SEED, windows(world_size, n), "mean", skip=skip)
+
+
+def _loss(acc):
+    return None if acc.window_loss is None else float(acc.window_loss)
+
+
+@job
+def nonfinite_left_closed(rank, world_size, *, droppers, call_step=True, end="flush"):
+    """nonfinite="raise", K=2; window 1's last loss is NaN on rank 1, so every
+    rank's reduced gradient is. Every rank calls acc.step() on it
+    (`call_step`; it raises) and the ranks in `droppers` drop it with
+    acc.zero_grad() as the error says; the others leave it closed. `end`
+    "flush": every rank ends the epoch with acc.flush(), then trains window 2
+    and flushes again. "join": rank 0 joins after window 0 and shadows rank
+    1's window 1, the last of its data inside `with acc.join():`."""
+    import gradaccum
+
+    model = du.mlp(SEED)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=K, nonfinite="raise")
+    data = windows(world_size, 3)
+    errors = []
+    start = time.monotonic()
+
+    def window(w):
+        for k, batch in enumerate(data[w][rank]):
+            loss = du.micro_loss(model, batch, "mean")[0]
+            if w == 1 and k == K - 1 and rank == 1:
+                loss = loss * float("nan")
+            acc.backward(loss)
+        if w == 1 and not call_step:
+            return
+        try:
+            acc.step()
+        except RuntimeError as e:
+            errors.append(("step", str(e)))
+            if rank in droppers:
+                acc.zero_grad()
+
+    try:
+        window(0)
+        if end == "join":
+            with acc.join():
+                if rank == 1:
+                    window(1)
+        else:
+            window(1)
+            try:
+                acc.flush()
+            except RuntimeError as e:
+                errors.append(("flush", str(e)))
+                acc.zero_grad()
+            window(2)
+            acc.flush()
+    except RuntimeError as e:
+        errors.append(("end", str(e)))
+    stats = acc.stats()
+    return {"errors": errors, "params": du.params(model), "seconds": time.monotonic() - start,
+            "optimizer_steps": stats["optimizer_steps"], "dropped_windows": stats["dropped_windows"]}
+
+
+@job
+def weightless_windows(rank, world_size, *, case):
+    """reduction="items", K=2, nonfinite="skip_micro_batch". Window 0 is a
+    full window with items; then, by `case`:
+    "flush": every rank's partial window of one micro-batch holds no item
+    (num_items=0), closed by acc.flush();
+    "flush one": rank 0's does, rank 1 flushes an empty window;
+    "nothing": every rank flushes an empty window (window 0 stays the last);
+    "join": rank 0 has one more full window whose micro-batches are all left
+    out (NaN losses) while rank 1 shadows it in acc.join().
+    Returns window_loss, window_items and the counters after each part."""
+    import gradaccum
+
+    model = du.mlp(SEED)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=K,
+                                reduction="items", nonfinite="skip_micro_batch")
+    data = windows(world_size, 2)
+    seen = []
+
+    def note(label, stepped):
+        stats = acc.stats()
+        seen.append((label, stepped, _loss(acc), acc.window_items, stats["skipped_steps"],
+                     stats["optimizer_steps"]))
+
+    def micro(batch, left_out):
+        loss, n = du.micro_loss(model, batch, "items")
+        if left_out == "zero":
+            acc.backward(loss * 0, num_items=0)
+        elif left_out == "nan":
+            acc.backward(loss * float("nan"), num_items=n)
+        else:
+            acc.backward(loss, num_items=n)
+        return acc.step()
+
+    stepped = False
+    for batch in data[0][rank]:
+        stepped = micro(batch, None)
+    note("window 0", stepped)
+    if case == "join":
+        stepped = False
+        with acc.join():
+            if rank == 0:
+                for batch in data[1][rank]:
+                    stepped = micro(batch, "nan")
+        note("join", stepped)
+    else:
+        if case == "flush" or (case == "flush one" and rank == 0):
+            micro(data[1][rank][0], "zero")
+        note("flush", acc.flush())
+    return {"seen": seen, "params": du.params(model)}

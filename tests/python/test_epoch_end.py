@@ -1,0 +1,92 @@
+"""The end of the data on real Gloo ranks: acc.flush() and acc.join() meeting
+a window nonfinite="raise" left closed (Note [A non-finite window left for
+the epoch's end]) and windows with no weight (Note [A flushed window with no
+weight]). Float64 references, exact texts, no waits for a timeout."""
+import pytest
+
+import _dist_utils as du
+import _epoch_end_jobs as ej
+
+M = "_epoch_end_jobs"
+NONFINITE = "the window's gradient is not finite (total norm nan)"
+
+
+def run(name, world_size, tmp_path, **kwargs):
+    return du.run_job(name, world_size, tmp_path, module=M, timeout=120, pg_timeout=30, **kwargs)
+
+
+@pytest.mark.parametrize("droppers", [(), (0,), (0, 1)], ids=["none", "one", "both"])
+def test_a_nonfinite_window_left_closed_is_dropped_by_flush_on_every_rank(tmp_path, droppers):
+    """Every rank's acc.step() raises on window 1; the ranks in `droppers`
+    drop it as the error says, the others go on to acc.flush() with it still
+    closed. Before, those raised again before the flush's collective: with
+    one rank dropping, the other ranks waited in the flush until the group's
+    timeout. Now acc.flush() drops it there (with a warning), every rank
+    pairs, and the next windows are the float64 big batches without it."""
+    results = run("nonfinite_left_closed", 2, tmp_path, droppers=droppers)
+    expected = ej.reference(2, 3, skip=(1,))
+    for res in results:
+        assert res["errors"] == [("step", "gradaccum: acc.step(): " + NONFINITE + "; gradients left in .grad "
+                                  "for inspection, call acc.zero_grad() to drop the window")], res["errors"]
+        assert res["seconds"] < 20
+        assert res["optimizer_steps"] == 2 and res["dropped_windows"] == 0
+        du.assert_params_close(res["params"], expected, "rank")
+
+
+def test_a_nonfinite_window_flush_steps_first_is_raised_there_on_every_rank(tmp_path):
+    """No acc.step() on window 1: acc.flush() steps it and meets the NaN
+    first, every rank alike, and raises it naming acc.flush()."""
+    results = run("nonfinite_left_closed", 2, tmp_path, droppers=(), call_step=False)
+    expected = ej.reference(2, 3, skip=(1,))
+    for res in results:
+        assert res["errors"] == [("flush", "gradaccum: acc.flush(): " + NONFINITE + "; gradients left in .grad "
+                                  "for inspection, call acc.zero_grad() to drop the window")], res["errors"]
+        du.assert_params_close(res["params"], expected, "rank")
+
+
+@pytest.mark.parametrize("call_step", [True, False], ids=["raised", "first"])
+def test_a_nonfinite_window_left_closed_while_a_rank_shadows_ends_join_on_every_rank(tmp_path, call_step):
+    """Rank 0 shadows rank 1's last window in acc.join(); its gradient is
+    NaN, so the shadow drops it. Rank 1 leaves it closed (its acc.step()
+    raised, or it never called it): its acc.join() raised before any
+    collective and rank 0 waited in its shadow reduction until the group's
+    timeout. Now rank 1's acc.join() drops it too, and both leave join()."""
+    results = run("nonfinite_left_closed", 2, tmp_path, droppers=(), end="join", call_step=call_step)
+    expected = ej.reference(2, 3, skip=(1, 2))
+    assert results[0]["errors"] == []
+    assert results[1]["errors"] == ([("step", "gradaccum: acc.step(): " + NONFINITE + "; gradients left in .grad "
+                                      "for inspection, call acc.zero_grad() to drop the window")] if call_step else [])
+    for res in results:
+        assert res["seconds"] < 20
+        assert res["optimizer_steps"] == 1 and res["dropped_windows"] == 0
+        du.assert_params_close(res["params"], expected, "rank")
+
+
+def seen(res, label):
+    (entry,) = [s for s in res["seen"] if s[0] == label]
+    return entry[1:]
+
+
+@pytest.mark.parametrize("case", ["flush", "flush one", "join"])
+def test_a_window_with_no_weight_anywhere_is_skipped_alike_on_every_rank(tmp_path, case):
+    """A window closed with no item anywhere steps nothing, counts in
+    skipped_steps and has no window_loss, on every rank, as in one process:
+    a flushed one (on both ranks, or on rank 0 alone while rank 1 flushes
+    nothing) and one rank 1 shadows in join(). Before, the flushing ranks and
+    the shadow kept the last window's loss and items and counted no skip."""
+    results = run("weightless_windows", 2, tmp_path, case=case)
+    label = "join" if case == "join" else "flush"
+    for res in results:
+        stepped, loss, items, skipped, steps = seen(res, label)
+        assert (stepped, loss, items, skipped, steps) == (False, None, 0.0, 1, 1), res["seen"]
+    du.assert_params_close(results[0]["params"], results[1]["params"], "rank 1", tol=0)
+
+
+def test_a_flush_with_nothing_anywhere_closes_no_window(tmp_path):
+    """Every rank flushes an empty window after a full one: no window closed,
+    so window 0's loss and items stay and nothing is skipped."""
+    results = run("weightless_windows", 2, tmp_path, case="nothing")
+    for res in results:
+        stepped, loss, items, skipped, steps = seen(res, "flush")
+        assert (stepped, skipped, steps) == (False, 0, 1)
+        assert (loss, items) == seen(res, "window 0")[1:3] and loss is not None and items > 0
