@@ -351,7 +351,11 @@ class Accumulator {
   /// Data parallel, a closed window dropped on some ranks but stepped on
   /// others makes every rank raise in its next reduction (the replicas
   /// differ); dropped on every rank alike, it is simply gone (Note [A window
-  /// not stepped on some ranks]).
+  /// not stepped on some ranks]). In the middle of a window it drops the
+  /// position too: on every rank at the same micro-step, the next one opens
+  /// a new window; on some ranks only, their next reduction is dropped on
+  /// every rank, every rank raising (Note [A window dropped in its middle on
+  /// some ranks]).
   void zero_grad();
 
   /// The last closed window's loss over every micro-batch of every rank,

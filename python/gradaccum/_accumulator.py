@@ -482,7 +482,11 @@ class Accumulator:
         self._c.refresh_parameters(params, names, buffers)
 
     def zero_grad(self) -> None:
-        """Drops the current window's gradients and position."""
+        """Drops the current window's gradients and position. Data parallel,
+        call it on every rank at the same micro-step: a window some ranks drop
+        in its middle is dropped on every rank by their next reduction, every
+        rank raising (after a failed micro-step, just go on: its window is
+        dropped on every rank when it closes)."""
         self._c.zero_grad()
 
     @property

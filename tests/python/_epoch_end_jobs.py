@@ -6,8 +6,6 @@ module="_epoch_end_jobs"): a window left closed after nonfinite="raise" (Note
 """
 import time
 
-import torch
-
 import _dist_utils as du
 from _dist_utils import job
 

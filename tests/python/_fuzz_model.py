@@ -21,8 +21,8 @@ no micro-batch: `acc.empty_micro_step()` instead of its backward) or "boom"
 (its backward raises on that rank). An event at `t` happens on every rank after
 its t-th micro-batch of the epoch and its `acc.step()`:
 "opt_zero_grad" (`optimizer.zero_grad()` on rank `arg` only), "acc_zero_grad"
-(`acc.zero_grad()` on every rank, or on rank `arg` alone: not generated, the
-docs do not say), "flush" (`acc.flush()` on every rank), "state_dict" (`acc.state_dict()` on rank `arg`
+(`acc.zero_grad()` on every rank, or on rank `arg` alone: not generated,
+test_unstepped.py tests it), "flush" (`acc.flush()` on every rank), "state_dict" (`acc.state_dict()` on rank `arg`
 alone, mid-window; each rank has one such event in the same window, maybe at
 another micro-step: a cut that is not consistent) or "checkpoint" (every rank calls
 `acc.state_dict()`; rank `arg`'s state, model and optimizer are loaded by
