@@ -115,6 +115,9 @@ struct AccumulatorState {
   /// error_feedback, per-rank states: this rank's weight in the window whose
   /// rounding `residuals` hold (0: unknown, or no residuals saved).
   double reducer_residual_weight = 0;
+  /// Per-rank states: this rank dropped its window in its middle since its
+  /// last reduction (Note [A window dropped in its middle on some ranks]).
+  bool reducer_mid_dropped = false;
   double loss_scale = 0; ///< the loss scaler's scale (0 without one)
   int64_t loss_scale_growth_tracker = 0;
   std::vector<at::Tensor> grads; ///< one per parameter; undefined for None
@@ -166,6 +169,7 @@ void for_each_state_field(State& s, Visit&& visit) {
   visit("reducer_sequence", s.reducer_sequence, true);
   visit("reducer_last_weight", s.reducer_last_weight, false);
   visit("reducer_residual_weight", s.reducer_residual_weight, false);
+  visit("reducer_mid_dropped", s.reducer_mid_dropped, false);
   visit("loss_scale", s.loss_scale, true);
   visit("loss_scale_growth_tracker", s.loss_scale_growth_tracker, true);
 }
@@ -545,6 +549,8 @@ class Accumulator {
   /// step_window() up to and with the optimizer's step: false where the
   /// window is skipped (no step).
   bool step_optimizer(const char* call);
+  /// Note [A non-finite window left for the epoch's end].
+  void drop_nonfinite_at_epoch_end(bool raised_before);
   /// A skip of a reduced window, said in the next reduction (Note [A window
   /// not stepped on some ranks]).
   void mark_skipped();

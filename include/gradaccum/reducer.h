@@ -264,6 +264,9 @@ class Reducer {
     int64_t sequence = 0;
     double last_weight = 0;
     double residual_weight = 0;
+    /// This rank dropped its window in its middle since its last reduction
+    /// (Note [A window dropped in its middle on some ranks]).
+    bool mid_dropped = false;
   };
   Progress progress() const;
   /// Restores what progress() returned (every rank must load the same).
@@ -284,7 +287,7 @@ class Reducer {
   /// This rank dropped its window in its middle (acc.zero_grad()): its next
   /// reduction tells every rank, and where some ranks but not all did so,
   /// every rank drops that reduction and raises (Note [A window dropped in
-  /// its middle on some ranks]). restore() clears it.
+  /// its middle on some ranks]). restore() sets it as a per-rank state holds it.
   void mark_mid_dropped();
   /// With an accumulation dtype: adds each `.grad` of a narrower dtype into its
   /// bucket and releases it (after a no_sync micro-step's backward).

@@ -560,38 +560,6 @@ void Accumulator::clear_gradients() {
   }
 }
 
-void Accumulator::zero_grad() {
-  const CallGuard guard(driver_, driving_, "acc.zero_grad()");
-  check_open("acc.zero_grad()"); // the gradients may be another Accumulator's now
-  zero_grad_in_call();
-}
-
-void Accumulator::zero_grad_in_call() {
-  if (window_ready_ && reducer_ && !window_empty_) {
-    // A reduced window that other ranks may step (their schedulers too):
-    // Note [A window not stepped on some ranks] (src/consensus/window_header.cpp).
-    reducer_->mark_unstepped(window_optimizer_stepped_
-        ? "its optimizer stepped it, but its scheduler raised and acc.zero_grad() dropped the window here"
-        : "acc.zero_grad() dropped it here once it was closed");
-  } else if (!window_ready_ && reducer_ && micro_step_ > 0) {
-    reducer_->mark_mid_dropped(); // Note [A window dropped in its middle on some ranks]
-  }
-  drop_window();
-}
-
-void Accumulator::drop_window() {
-  // Drops the window; a pending end of epoch (epoch_ended_) stays: it is
-  // about where the other ranks are, not about this window's gradients.
-  if (window_ready_ && reducer_ && options_.error_feedback() && !window_optimizer_stepped_) {
-    // A reduced window thrown away (skipped, or dropped by the user after
-    // nonfinite="raise"): what rounding it lost belongs to it alone (a
-    // residual held back through it, at weight 0 here, goes with it: one
-    // window's rounding, as without error feedback).
-    reducer_->discard_residuals();
-  }
-  reset_window();
-}
-
 NoSync Accumulator::no_sync() {
   return NoSync(reducer_.get());
 }

@@ -77,12 +77,17 @@ bool Accumulator::flush_in_call() {
 // ranks already in acc.join() dropped it without a word when it was reduced
 // (Note [Joining]) and wait in their next shadow reduction, and so does a
 // rank whose script did call acc.zero_grad(). So a window whose error
-// acc.step() raised already, or one reduced while ranks shadowed, is dropped
-// there, as acc.zero_grad() drops it (marked as such: Note [A window not
-// stepped on some ranks]), with a warning, and the flush's collective runs;
-// only a first raise with nobody shadowing is raised there, alike.
+// acc.step() raised already (in one process too, alike), or one reduced while
+// ranks shadowed, is dropped there, as acc.zero_grad() drops it (marked as
+// such: Note [A window not stepped on some ranks]), with a warning, and the
+// flush's collective runs; only a first raise with nobody shadowing is raised
+// there, alike.
 bool Accumulator::step_before_flush(std::string* local_failure) {
   if (!window_ready_) {
+    return false;
+  }
+  if (window_raised_nonfinite_ && grad_versions() == remembered_) {
+    drop_nonfinite_at_epoch_end(/*raised_before=*/true);
     return false;
   }
   if (!reducer_ || epoch_ended_) {
@@ -96,7 +101,6 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
   // They have stepped theirs by then: the message says the replicas differ.
   raised_alike_ = false;
   const bool as_reduced = grad_versions() == remembered_;
-  const bool raised_before = window_raised_nonfinite_;
   try {
     check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
     return finish_window(call_ ? call_ : "acc.flush()");
@@ -104,15 +108,11 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
     if (raised_alike_ && as_reduced) {
       // nonfinite="raise" on the reduced gradient, untouched since: every
       // rank holds the same one and raises here alike, before the collective,
-      // unless Note [A non-finite window left for the epoch's end].
-      if (!raised_before && reducer_->last_result().joined_ranks == 0) {
+      // unless ranks shadow it (Note [A non-finite window left for the epoch's end]).
+      if (reducer_->last_result().joined_ranks == 0) {
         throw;
       }
-      TORCH_WARN("gradaccum: ", call_name(), ": the closed window's gradient is not finite (nonfinite=\"raise\"",
-          raised_before ? "; acc.step() raised it already" : "", "): ", call_name(), " dropped the window, as "
-          "acc.zero_grad() would", raised_before ? "" : " and as the ranks in acc.join() did",
-          ", so that every rank ends the data together");
-      zero_grad_in_call();
+      drop_nonfinite_at_epoch_end(/*raised_before=*/false);
       return false;
     }
     const auto* error = dynamic_cast<const c10::Error*>(&e);
@@ -134,6 +134,14 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
 // only flushed nothing or shadowed it in join() too (kFlushingSteps tells
 // them). A reduction in which every rank flushed an empty window closes none:
 // the last window's loss stays.
+void Accumulator::drop_nonfinite_at_epoch_end(bool raised_before) {
+  TORCH_WARN("gradaccum: ", call_name(), ": the closed window's gradient is not finite (nonfinite=\"raise\"",
+      raised_before ? "; acc.step() raised it already" : "", "): ", call_name(), " dropped the window, as "
+      "acc.zero_grad() would", raised_before ? "" : " and as the ranks in acc.join() did",
+      ", so that every rank ends the data together");
+  zero_grad_in_call();
+}
+
 bool Accumulator::reduce_partial_window(const std::string& local_failure, bool joined) {
   if (window_failed_) {
     auto abort = new_request();

@@ -1,6 +1,9 @@
 // The end of a window: the gradient hook, unscaling, the non-finite check,
-// clipping, the optimizer and scheduler step, and clearing the gradients.
+// clipping, the optimizer and scheduler step, and clearing the gradients; or
+// dropping it (zero_grad()).
 #include <gradaccum/accumulator.h>
+
+#include "call_guard.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
@@ -8,6 +11,9 @@
 #include <cmath>
 
 namespace gradaccum {
+
+using detail::CallGuard;
+
 namespace {
 
 // Norms of half-precision gradients in float32 (fp16 squares overflow long
@@ -74,6 +80,41 @@ bool Accumulator::finish_window(const char* call) {
 // the reduction, which the versions remembered then tell, an unchecked dtype
 // or device, a value that failed) takes the norm, as before, so the skip,
 // raise and ignore behaviours and their messages are unchanged.
+void Accumulator::zero_grad() {
+  const CallGuard guard(driver_, driving_, "acc.zero_grad()");
+  check_open("acc.zero_grad()"); // the gradients may be another Accumulator's now
+  zero_grad_in_call();
+}
+
+void Accumulator::zero_grad_in_call() {
+  if (window_ready_ && reducer_ && !window_empty_) {
+    // A reduced window that other ranks may step (their schedulers too):
+    // Note [A window not stepped on some ranks] (src/consensus/window_header.cpp).
+    reducer_->mark_unstepped(window_optimizer_stepped_
+        ? "its optimizer stepped it, but its scheduler raised and acc.zero_grad() dropped the window here"
+        : "acc.zero_grad() dropped it here once it was closed");
+  } else if (!window_ready_ && reducer_ && micro_step_ > 0) {
+    reducer_->mark_mid_dropped(); // Note [A window dropped in its middle on some ranks]
+  }
+  drop_window();
+}
+
+void Accumulator::drop_window() {
+  // Drops the window; a pending end of epoch (epoch_ended_) stays: it is
+  // about where the other ranks are, not about this window's gradients.
+  // A window with no weight anywhere rounded nothing: every rank held its
+  // residual back (Note [Error feedback across window weights]), and keeps it.
+  const bool held_back = window_empty_ && options_.reduction() != Reduction::Sum;
+  if (window_ready_ && reducer_ && options_.error_feedback() && !window_optimizer_stepped_ && !held_back) {
+    // A reduced window thrown away (skipped, or dropped by the user after
+    // nonfinite="raise"): what rounding it lost belongs to it alone (a
+    // residual held back through it, at weight 0 here, goes with it: one
+    // window's rounding, as without error feedback).
+    reducer_->discard_residuals();
+  }
+  reset_window();
+}
+
 void Accumulator::rescale_residuals(const at::Tensor& ratio) {
   check_open("acc.rescale_residuals()");
   TORCH_CHECK_VALUE(ratio.defined() && ratio.numel() == 1 && at::isFloatingType(ratio.scalar_type()),

@@ -449,8 +449,7 @@ std::string mid_dropped(const std::string& where, const Unstepped& who, int64_t 
     out << who.count << " of the " << who.world << " ranks";
   }
   out << (who.count == 1 ? " dropped its" : " dropped their") << " window in the middle with acc.zero_grad() "
-      << "while " << (who.here ? "the other ranks" : "this rank") << " went on, so the ranks' micro-steps no "
-      << "longer lined up (to drop a window on purpose, call acc.zero_grad() on every rank at the same "
+      << "where the other ranks did not, so the ranks' micro-steps no longer lined up (to drop a window on purpose, call acc.zero_grad() on every rank at the same "
       << "micro-step; after a failed micro-step, go on: its window is dropped on every rank when it closes)"
       << consequence(AbortReason::None, joined);
   return out.str();

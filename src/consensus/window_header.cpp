@@ -70,9 +70,12 @@ std::vector<double> encode_header(const ReductionRequest& request, int rank, int
   meta[kJoined] = request.joined ? 1 : 0;
   meta[kInexactWeight] = meta[kWeight] == std::floor(meta[kWeight]) ? 0 : 1;
   meta[kUnstepped] = mine.unstepped ? 1 : 0; // Note [A window not stepped on some ranks]
-  meta[kMidDropped] = mine.mid_dropped ? 1 : 0; // Note [A window dropped in its middle on some ranks]
-  TORCH_INTERNAL_ASSERT(!(mine.unstepped && mine.mid_dropped), "gradaccum: a rank sends one mark at most");
-  meta[kUnsteppedRank] = mine.unstepped || mine.mid_dropped ? rank : 0;
+  // Note [A window dropped in its middle on some ranks]: a rank that ends its
+  // data in this reduction (flush(), join()) aligns with the others here.
+  const bool mid_dropped = mine.mid_dropped && !request.flushing;
+  meta[kMidDropped] = mid_dropped ? 1 : 0;
+  TORCH_INTERNAL_ASSERT(!(mine.unstepped && mid_dropped), "gradaccum: a rank sends one mark at most");
+  meta[kUnsteppedRank] = mine.unstepped || mid_dropped ? rank : 0;
   // launch_bucket() writes the loss and the metrics on their device.
   std::fill(meta.begin() + kLoss, meta.begin() + kMetaHeader, 0.0);
   // Who drops it, and why (Note [Every rank reads what several aborters did]).
@@ -177,13 +180,20 @@ Aborters read_aborters(const std::vector<double>& last, int world) {
 // same number of micro-steps, no error anywhere, and a gradient that is no
 // big batch's. So a rank that drops its window in its middle says so in its
 // next reduction (kMidDropped, its rank in kUnsteppedRank:
-// Reducer::mark_mid_dropped()), whatever that reduction is; where some ranks
-// but not all did, every rank drops that reduction and raises, naming the
-// rank when one; after it every rank starts a new window at the same point.
-// Where every rank did, nothing is said. The mark is said once: whatever the
+// Reducer::mark_mid_dropped()), whatever that reduction is; where some of
+// the ranks that hold windows (not joined: a shadow holds none) but not all
+// did, every rank drops that reduction and raises, naming the rank when
+// one; after it every rank starts a new window at the same point. Where
+// every such rank did, nothing is said. A reduction in which ranks end their
+// data with flush() ends the epoch on every rank, which lines them up again:
+// nothing is said there, and a rank that flushes or joins sends no mark (its
+// window ends there whatever it held). The mark is said once: whatever the
 // reduction becomes (dropped for another reason, mis-paired), every rank's
-// next window starts after it. A rank that says it did not step a window
-// (Note [A window not stepped on some ranks]) says that instead, the graver.
+// next window starts after it. Per-rank checkpoints keep it; a
+// rank-independent one, loaded alike everywhere, clears it. A rank that says
+// it did not step a window (Note [A window not stepped on some ranks]) says
+// that instead, the graver. The manual path (no_sync and a plain
+// loss.backward()) counts no micro-steps and marks nothing, as torch DDP.
 Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& mine, int rank, int world,
                      int64_t modulus) {
   TORCH_INTERNAL_ASSERT(!buckets.empty(), "gradaccum: a reduction without buckets");
@@ -230,7 +240,8 @@ Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& 
     marked(unstepped, mine.unstepped, Verdict::Outcome::Unstepped);
     return verdict;
   }
-  if (mid_dropped > 0 && mid_dropped < world) {
+  const bool epoch_ends = verdict.flushing_ranks > verdict.joined_ranks; // (every rank's, here)
+  if (mid_dropped > 0 && mid_dropped < world - verdict.joined_ranks && !epoch_ends) {
     marked(mid_dropped, mine.mid_dropped ? kMidDroppedHere : nullptr, Verdict::Outcome::MidDropped);
     return verdict;
   }

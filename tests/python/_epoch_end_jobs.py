@@ -6,6 +6,8 @@ module="_epoch_end_jobs"): a window left closed after nonfinite="raise" (Note
 """
 import time
 
+import torch
+
 import _dist_utils as du
 from _dist_utils import job
 
@@ -131,3 +133,33 @@ def weightless_windows(rank, world_size, *, case):
             micro(data[1][rank][0], "zero")
         note("flush", acc.flush())
     return {"seen": seen, "params": du.params(model)}
+
+
+@job
+def weightless_flush_keeps_residuals(rank, world_size, *, closing):
+    """A bf16 wire with error feedback, reduction="items": a window of items,
+    then one with none on any rank, closed by acc.flush() of one micro-batch
+    each (`closing` "flush") or by the closing backward of a full window
+    ("backward"). Returns this rank's residuals after each, and the skips."""
+    import gradaccum
+
+    model = du.mlp(SEED).float()
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=K,
+                                reduction="items", comm_dtype=torch.bfloat16, error_feedback=True)
+    data = windows(world_size, 2)
+
+    def held():
+        return [r.clone() for r in acc.state_dict(rank_independent=False)["error_feedback_residuals"]]
+
+    for batch in data[0][rank]:
+        loss, n = du.micro_loss(model, [t.float() if t.is_floating_point() else t for t in batch], "items")
+        acc.backward(loss, num_items=n)
+        acc.step()
+    before = held()
+    for batch in data[1][rank][:1 if closing == "flush" else K]:
+        loss, _ = du.micro_loss(model, [t.float() if t.is_floating_point() else t for t in batch], "items")
+        acc.backward(loss * 0, num_items=0)
+        acc.step()
+    if closing == "flush":
+        acc.flush()
+    return {"before": before, "after": held(), "skipped": acc.stats()["skipped_steps"]}

@@ -3,6 +3,7 @@ a window nonfinite="raise" left closed (Note [A non-finite window left for
 the epoch's end]) and windows with no weight (Note [A flushed window with no
 weight]). Float64 references, exact texts, no waits for a timeout."""
 import pytest
+import torch
 
 import _dist_utils as du
 import _epoch_end_jobs as ej
@@ -90,3 +91,42 @@ def test_a_flush_with_nothing_anywhere_closes_no_window(tmp_path):
         stepped, loss, items, skipped, steps = seen(res, "flush")
         assert (stepped, skipped, steps) == (False, 0, 1)
         assert (loss, items) == seen(res, "window 0")[1:3] and loss is not None and items > 0
+
+
+@pytest.mark.parametrize("closing", ["flush", "backward"])
+def test_a_window_with_no_weight_keeps_the_held_back_residuals(tmp_path, closing):
+    """Error feedback: a window with no weight on any rank rounds nothing,
+    and every rank holds its residual back through it (docs/design.md). It
+    was thrown away with the skipped window, flushed or closed by a backward."""
+    results = run("weightless_flush_keeps_residuals", 2, tmp_path, closing=closing)
+    for res in results:
+        assert res["skipped"] == 1
+        assert any(r.abs().max() > 0 for r in res["before"])
+        assert all(torch.equal(a, b) for a, b in zip(res["before"], res["after"]))
+
+
+def test_one_process_flush_drops_a_nonfinite_window_step_raised_already():
+    """The same rule in one process: acc.step() raised; acc.flush() drops the
+    window as acc.zero_grad() would (it raised it again before), and the next
+    window trains from where the last good one left the model."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    ref = torch.nn.Linear(3, 1).double()
+    ref.load_state_dict(model.state_dict())
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2, nonfinite="raise")
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for k in range(2):
+        acc.backward(model(x).pow(2).mean() * (float("nan") if k else 1.0))
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc.step\(\): the window's gradient is not finite"):
+        acc.step()
+    assert acc.flush() is False
+    assert not acc.window_ready and all(p.grad is None for p in model.parameters())
+    for _ in range(2):
+        acc.backward(model(x).pow(2).mean())
+    assert acc.step()
+    ref.zero_grad()
+    ref(x).pow(2).mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p, q.detach() - 0.1 * q.grad, rtol=0, atol=1e-15)
