@@ -404,10 +404,12 @@ AbortReason Aborters::shared() const {
   return AbortReason::None;
 }
 
-std::string not_stepped(const std::string& where, const Unstepped& who) {
-  // Note [A window not stepped on some ranks]
+namespace {
+
+// "this rank (rank 1) and 2 other ranks", "rank 3", "2 of the 4 ranks": the
+// ranks a mark names (Unstepped).
+std::string marked_ranks(const Unstepped& who) {
   std::ostringstream out;
-  out << where << ": ";
   const auto others = who.count - (who.here ? 1 : 0);
   if (who.here) {
     out << "this rank (rank " << who.reader << ")";
@@ -419,7 +421,15 @@ std::string not_stepped(const std::string& where, const Unstepped& who) {
   } else {
     out << who.count << " of the " << who.world << " ranks";
   }
-  out << " did not step a window every rank had reduced";
+  return out.str();
+}
+
+} // namespace
+
+std::string not_stepped(const std::string& where, const Unstepped& who) {
+  // Note [A window not stepped on some ranks]
+  std::ostringstream out;
+  out << where << ": " << marked_ranks(who) << " did not step a window every rank had reduced";
   if (who.here) {
     out << " (" << who.here << ")";
   }
@@ -436,21 +446,10 @@ std::string not_stepped(const std::string& where, const Unstepped& who) {
 std::string mid_dropped(const std::string& where, const Unstepped& who, int64_t joined) {
   // Note [A window dropped in its middle on some ranks]
   std::ostringstream out;
-  out << where << " was dropped on every rank: ";
-  const auto others = who.count - (who.here ? 1 : 0);
-  if (who.here) {
-    out << "this rank (rank " << who.reader << ")";
-    if (others > 0) {
-      out << " and " << others << " other rank" << (others == 1 ? "" : "s");
-    }
-  } else if (who.count == 1 && who.rank >= 0) {
-    out << "rank " << who.rank;
-  } else {
-    out << who.count << " of the " << who.world << " ranks";
-  }
-  out << (who.count == 1 ? " dropped its" : " dropped their") << " window in the middle with acc.zero_grad() "
-      << "where the other ranks did not, so the ranks' micro-steps no longer lined up (to drop a window on purpose, call acc.zero_grad() on every rank at the same "
-      << "micro-step; after a failed micro-step, go on: its window is dropped on every rank when it closes)"
+  out << where << " was dropped on every rank: " << marked_ranks(who) << (who.count == 1 ? " dropped its" : " dropped their") << " window in the middle with acc.zero_grad() "
+      << "where the other ranks did not, so the ranks' micro-steps no longer lined up (to drop a window on "
+      << "purpose, call acc.zero_grad() on every rank at the same micro-step; after a failed micro-step, go on: "
+      << "its window is dropped on every rank when it closes)"
       << consequence(AbortReason::None, joined);
   return out.str();
 }
