@@ -115,9 +115,6 @@ struct AccumulatorState {
   /// error_feedback, per-rank states: this rank's weight in the window whose
   /// rounding `residuals` hold (0: unknown, or no residuals saved).
   double reducer_residual_weight = 0;
-  /// Per-rank states: this rank dropped its window in its middle since its
-  /// last reduction (Note [A window dropped in its middle on some ranks]).
-  bool reducer_mid_dropped = false;
   double loss_scale = 0; ///< the loss scaler's scale (0 without one)
   int64_t loss_scale_growth_tracker = 0;
   std::vector<at::Tensor> grads; ///< one per parameter; undefined for None
@@ -169,7 +166,6 @@ void for_each_state_field(State& s, Visit&& visit) {
   visit("reducer_sequence", s.reducer_sequence, true);
   visit("reducer_last_weight", s.reducer_last_weight, false);
   visit("reducer_residual_weight", s.reducer_residual_weight, false);
-  visit("reducer_mid_dropped", s.reducer_mid_dropped, false);
   visit("loss_scale", s.loss_scale, true);
   visit("loss_scale_growth_tracker", s.loss_scale_growth_tracker, true);
 }
@@ -355,12 +351,15 @@ class Accumulator {
   /// Data parallel, a closed window dropped on some ranks but stepped on
   /// others makes every rank raise in its next reduction (the replicas
   /// differ); dropped on every rank alike, it is simply gone (Note [A window
-  /// not stepped on some ranks]). In the middle of a window it drops the
-  /// position too: on every rank at the same micro-step, the next one opens
-  /// a new window; on some ranks only, their next reduction is dropped on
-  /// every rank, every rank raising (Note [A window dropped in its middle on
-  /// some ranks]).
+  /// not stepped on some ranks]). In the middle of a window it drops what
+  /// this rank accumulated; one process, the position too (the next
+  /// micro-step opens a new window); data parallel the position stays, so the
+  /// window still closes with every rank, holding what every rank kept (Note
+  /// [Dropping the middle of a window]).
   void zero_grad();
+  /// zero_grad(), and data parallel the position too: every rank must call it
+  /// at the same point (an epoch cut short alike on every rank).
+  void restart_window();
 
   /// The last closed window's loss over every micro-batch of every rank,
   /// weighted as its gradient (mean of the micro-batch losses; total loss /

@@ -67,10 +67,9 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 //    sent as (v mod M, (v mod M)^2); over W ranks the values are all equal iff
 //    W * sum(v^2) == sum(v)^2. M is chosen so both sums stay exact (see
 //    consensus_modulus() in src/consensus/window_header.cpp).
-//  - how many ranks did not step the last window every rank reduced, how
-//    many dropped their last window in its middle, and their ranks summed
-//    (kUnstepped, kMidDropped, kUnsteppedRank; Note [A window not stepped on
-//    some ranks], Note [A window dropped in its middle on some ranks]),
+//  - how many ranks did not step the last window every rank reduced, and
+//    their ranks summed (kUnstepped, kUnsteppedRank; Note [A window not
+//    stepped on some ranks]),
 //  - how many ranks send a weight that is not an integer (kInexactWeight):
 //    with none, and a sum below 2^24 (2^53 where every bucket's meta is
 //    float64 or digits), every bucket's summed kWeight is the window's divisor
@@ -87,8 +86,8 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 //    digit-wise sums stay exact integers when W * (2^b - 1) fits, and the
 //    reader recombines them (the weight as fixed point with 32 fractional
 //    bits; a field in which each rank sends 0 or 1, the counts kFlushing,
-//    kFlushingSteps, kAbort, kJoined, kInexactWeight, kUnstepped,
-//    kMidDropped and kAbortReasons..., as
+//    kFlushingSteps, kAbort, kJoined, kInexactWeight, kUnstepped and
+//    kAbortReasons..., as
 //    one digit;
 //    every other field as an integer below 2^32). The has-gradient flags go
 //    as 0/1: a sum over ranks only has to be told apart from 0.
@@ -128,8 +127,7 @@ enum MetaField : int64_t {
   kJoined, ///< ranks in Accumulator::join(): out of data, shadowing the others (Note [Joining])
   kInexactWeight, ///< ranks whose kWeight is not an integer (its sum may round by position)
   kUnstepped, ///< ranks that did not step the window before (Note [A window not stepped on some ranks])
-  kMidDropped, ///< ranks that dropped their last window in its middle (Note [A window dropped in its middle on some ranks])
-  kUnsteppedRank, ///< the ranks of kUnstepped and kMidDropped summed (a rank sends one of them at most)
+  kUnsteppedRank, ///< their ranks summed
   kLoss, ///< the window's micro-batch losses summed (Note [The window's loss rides in the header])
   kMetric0, ///< then the window's user metrics summed, kMaxWindowMetrics of them (unused ones 0)
   kMetaHeader = kMetric0 + kMaxWindowMetrics, // the header's length

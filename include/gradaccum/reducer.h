@@ -264,9 +264,6 @@ class Reducer {
     int64_t sequence = 0;
     double last_weight = 0;
     double residual_weight = 0;
-    /// This rank dropped its window in its middle since its last reduction
-    /// (Note [A window dropped in its middle on some ranks]).
-    bool mid_dropped = false;
   };
   Progress progress() const;
   /// Restores what progress() returned (every rank must load the same).
@@ -284,11 +281,6 @@ class Reducer {
   /// some ranks]). A failure after a window's reduction marks it itself;
   /// restore() clears it.
   void mark_unstepped(const char* why);
-  /// This rank dropped its window in its middle (acc.zero_grad()): its next
-  /// reduction tells every rank, and where some ranks but not all did so,
-  /// every rank drops that reduction and raises (Note [A window dropped in
-  /// its middle on some ranks]). restore() sets it as a per-rank state holds it.
-  void mark_mid_dropped();
   /// With an accumulation dtype: adds each `.grad` of a narrower dtype into its
   /// bucket and releases it (after a no_sync micro-step's backward).
   void accumulate_local();

@@ -482,11 +482,12 @@ class Accumulator:
         self._c.refresh_parameters(params, names, buffers)
 
     def zero_grad(self) -> None:
-        """Drops the current window's gradients and position. Data parallel,
-        call it on every rank at the same micro-step: a window some ranks drop
-        in its middle is dropped on every rank by their next reduction, every
-        rank raising (after a failed micro-step, just go on: its window is
-        dropped on every rank when it closes)."""
+        """Drops what the current window accumulated on this rank. In one
+        process the position goes too (the next micro-step opens a new
+        window); data parallel it stays, so the window still closes with every
+        rank at its last micro-step, holding what every rank kept: after a
+        micro-step failed on one rank, its script may drop that rank's part
+        and go on, and no rank's window is dropped."""
         self._c.zero_grad()
 
     @property

@@ -383,7 +383,7 @@ class GradaccumStrategy(DDPStrategy):
                 "gradaccum: GradaccumStrategy: the last epoch ended in the middle of a window (on_train_batch_start "
                 "returned -1?), whose gradients Lightning clears at its next batch: the window is dropped, as "
                 "Lightning drops it")
-            acc.zero_grad()
+            acc._c.restart_window()  # every rank cut the epoch alike: the position goes too
             self._loss_share.drop()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -124,7 +124,6 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
     state.reducer = progress.stats;
     state.reducer_sequence = progress.sequence;
     state.reducer_last_weight = progress.last_weight;
-    state.reducer_mid_dropped = !state.rank_independent && progress.mid_dropped;
     if (!state.rank_independent && options_.error_feedback()) {
       state.residuals = reducer_->residuals(); // a rank's own: see AccumulatorState
       state.reducer_residual_weight = progress.residual_weight;
@@ -487,8 +486,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
     // Residuals load only from a per-rank state on as many ranks (or start at
     // zero): their window's weight is as saved.
     reducer_->restore({state.reducer, state.reducer_sequence, last_weight,
-                       state.residuals.empty() ? 0.0 : state.reducer_residual_weight,
-                       !state.rank_independent && state.reducer_mid_dropped});
+                       state.residuals.empty() ? 0.0 : state.reducer_residual_weight});
   }
   remember_gradients();
 }

@@ -83,9 +83,34 @@ bool Accumulator::finish_window(const char* call) {
 void Accumulator::zero_grad() {
   const CallGuard guard(driver_, driving_, "acc.zero_grad()");
   check_open("acc.zero_grad()"); // the gradients may be another Accumulator's now
+  // Note [Dropping the middle of a window]: data parallel, the position stays.
+  const auto position = reducer_ && !window_ready_ ? micro_step_ : 0;
   zero_grad_in_call();
+  micro_step_ = position;
 }
 
+void Accumulator::restart_window() {
+  const CallGuard guard(driver_, driving_, "acc.restart_window()");
+  check_open("acc.restart_window()");
+  zero_grad_in_call(); // and the position (every rank alike: see the header)
+}
+
+// Note [Dropping the middle of a window]
+// acc.zero_grad() in the middle of a window drops what this rank accumulated
+// so far. In one process it drops the position too: the next micro-step opens
+// a new window. Data parallel the position stays: the window still closes at
+// its K-th micro-step, with every rank, and holds what every rank kept (its
+// weight counts only those micro-steps, as for micro-batches left out). A
+// rank that reset its position alone (a script that catches a failed
+// micro-step on the rank where it failed and drops the window there) would
+// start its windows later than the others from then on, and every later
+// window would pair micro-batches of other positions, silently; and ranks
+// cannot tell a reset alone from a reset everywhere without a collective.
+// So the failed micro-step's window is not dropped on every rank either: the
+// drop cleared it (window_failed_ with it). acc.restart_window() drops the
+// position as well, for callers that know every rank calls it at the same
+// point (Lightning's strategy at an epoch cut short in the middle of a
+// window).
 void Accumulator::zero_grad_in_call() {
   if (window_ready_ && reducer_ && !window_empty_) {
     // A reduced window that other ranks may step (their schedulers too):
@@ -93,8 +118,6 @@ void Accumulator::zero_grad_in_call() {
     reducer_->mark_unstepped(window_optimizer_stepped_
         ? "its optimizer stepped it, but its scheduler raised and acc.zero_grad() dropped the window here"
         : "acc.zero_grad() dropped it here once it was closed");
-  } else if (!window_ready_ && reducer_ && micro_step_ > 0) {
-    reducer_->mark_mid_dropped(); // Note [A window dropped in its middle on some ranks]
   }
   drop_window();
 }

@@ -158,7 +158,7 @@ int digit_bits_for(at::ScalarType dtype, int world) {
 constexpr int kWeightFractionBits = 32;
 bool one_bit_field(int64_t field) {
   return field == kFlushing || field == kFlushingSteps || field == kAbort || field == kJoined || field == kInexactWeight ||
-      field == kUnstepped || field == kMidDropped || (field >= kAbortReasons && field < kAbortReasons + kAbortReasonSlots);
+      field == kUnstepped || (field >= kAbortReasons && field < kAbortReasons + kAbortReasonSlots);
 }
 int field_bits(int64_t field) {
   return field == kWeight ? 63 : field >= kLoss ? 0 : one_bit_field(field) ? 1 : 32;

@@ -443,17 +443,6 @@ std::string not_stepped(const std::string& where, const Unstepped& who) {
   return out.str();
 }
 
-std::string mid_dropped(const std::string& where, const Unstepped& who, int64_t joined) {
-  // Note [A window dropped in its middle on some ranks]
-  std::ostringstream out;
-  out << where << " was dropped on every rank: " << marked_ranks(who) << (who.count == 1 ? " dropped its" : " dropped their") << " window in the middle with acc.zero_grad() "
-      << "where the other ranks did not, so the ranks' micro-steps no longer lined up (to drop a window on "
-      << "purpose, call acc.zero_grad() on every rank at the same micro-step; after a failed micro-step, go on: "
-      << "its window is dropped on every rank when it closes)"
-      << consequence(AbortReason::None, joined);
-  return out.str();
-}
-
 std::string dropped_elsewhere(const std::string& where, const Aborters& who, int64_t joined) {
   const auto why = who.shared();
   if (who.count == 1) {

@@ -46,9 +46,6 @@ struct AgreementInputs {
   /// Why this rank did not step the last window every rank reduced (Note [A
   /// window not stepped on some ranks]); null: it did.
   const char* unstepped = nullptr;
-  /// This rank dropped its last window in its middle (Note [A window dropped
-  /// in its middle on some ranks]).
-  bool mid_dropped = false;
   /// The reducer's number among those built over the group, agreed when it
   /// was built (Note [Which Accumulator a collective belongs to]).
   int64_t instance = 0;
@@ -136,15 +133,6 @@ struct Unstepped {
 /// The error every rank raises when some ranks but not all did not step the
 /// window before.
 std::string not_stepped(const std::string& where, const Unstepped& who);
-
-/// What a rank that dropped its window in its middle says of itself
-/// (Unstepped::here).
-constexpr const char* kMidDroppedHere = "acc.zero_grad() in the middle of its window";
-
-/// The error of a reduction where `who` (some ranks, not all) dropped their
-/// last window in its middle (Note [A window dropped in its middle on some
-/// ranks]); `joined` ranks were in acc.join().
-std::string mid_dropped(const std::string& where, const Unstepped& who, int64_t joined);
 
 /// Why the window was dropped, as every rank but the dropping ones reads it:
 /// `who` dropped it; `joined` ranks were in acc.join() (Note [A window

@@ -70,12 +70,7 @@ std::vector<double> encode_header(const ReductionRequest& request, int rank, int
   meta[kJoined] = request.joined ? 1 : 0;
   meta[kInexactWeight] = meta[kWeight] == std::floor(meta[kWeight]) ? 0 : 1;
   meta[kUnstepped] = mine.unstepped ? 1 : 0; // Note [A window not stepped on some ranks]
-  // Note [A window dropped in its middle on some ranks]: a rank that ends its
-  // data in this reduction (flush(), join()) aligns with the others here.
-  const bool mid_dropped = mine.mid_dropped && !request.flushing;
-  meta[kMidDropped] = mid_dropped ? 1 : 0;
-  TORCH_INTERNAL_ASSERT(!(mine.unstepped && mid_dropped), "gradaccum: a rank sends one mark at most");
-  meta[kUnsteppedRank] = mine.unstepped || mid_dropped ? rank : 0;
+  meta[kUnsteppedRank] = mine.unstepped ? rank : 0;
   // launch_bucket() writes the loss and the metrics on their device.
   std::fill(meta.begin() + kLoss, meta.begin() + kMetaHeader, 0.0);
   // Who drops it, and why (Note [Every rank reads what several aborters did]).
@@ -169,31 +164,6 @@ Aborters read_aborters(const std::vector<double>& last, int world) {
 // any other, and by acc.load_state_dict() (every rank resumes alike). A rank
 // with no reduction after its mark (the job's last window) tells nobody: its
 // own error says that the replicas differ.
-// Note [A window dropped in its middle on some ranks]
-// acc.zero_grad() in the middle of a window drops it and its position: in one
-// process, and data parallel on every rank at the same micro-step, the next
-// micro-step opens a new window, as a script that drops a window on purpose
-// expects. On some ranks only (a script that catches a failed micro-step on
-// the rank where it failed and drops the window there), the ranks that
-// dropped it start their windows later than the others, and every later
-// window would pair micro-batches of other positions: the same weights, the
-// same number of micro-steps, no error anywhere, and a gradient that is no
-// big batch's. So a rank that drops its window in its middle says so in its
-// next reduction (kMidDropped, its rank in kUnsteppedRank:
-// Reducer::mark_mid_dropped()), whatever that reduction is; where some of
-// the ranks that hold windows (not joined: a shadow holds none) but not all
-// did, every rank drops that reduction and raises, naming the rank when
-// one; after it every rank starts a new window at the same point. Where
-// every such rank did, nothing is said. A reduction in which ranks end their
-// data with flush() ends the epoch on every rank, which lines them up again:
-// nothing is said there, and a rank that flushes or joins sends no mark (its
-// window ends there whatever it held). The mark is said once: whatever the
-// reduction becomes (dropped for another reason, mis-paired), every rank's
-// next window starts after it. Per-rank checkpoints keep it; a
-// rank-independent one, loaded alike everywhere, clears it. A rank that says
-// it did not step a window (Note [A window not stepped on some ranks]) says
-// that instead, the graver. The manual path (no_sync and a plain
-// loss.backward()) counts no micro-steps and marks nothing, as torch DDP.
 Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& mine, int rank, int world,
                      int64_t modulus) {
   TORCH_INTERNAL_ASSERT(!buckets.empty(), "gradaccum: a reduction without buckets");
@@ -224,25 +194,14 @@ Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& 
     verdict.outcome = Verdict::Outcome::Dropped;
     return verdict;
   }
-  // Note [A window not stepped on some ranks], then Note [A window dropped
-  // in its middle on some ranks]: some ranks but not all.
-  const auto unstepped = rounded(last[kUnstepped]);
-  const auto mid_dropped = rounded(last[kMidDropped]);
-  const auto marked = [&](int64_t count, const char* here, Verdict::Outcome outcome) {
-    verdict.unstepped.count = count;
-    verdict.unstepped.rank = unstepped + mid_dropped == 1 ? rounded(last[kUnsteppedRank]) : -1;
+  // Note [A window not stepped on some ranks]
+  verdict.unstepped.count = rounded(last[kUnstepped]);
+  if (verdict.unstepped.count > 0 && verdict.unstepped.count < world) {
+    verdict.unstepped.rank = verdict.unstepped.count == 1 ? rounded(last[kUnsteppedRank]) : -1;
     verdict.unstepped.world = world;
     verdict.unstepped.reader = rank;
-    verdict.unstepped.here = here;
-    verdict.outcome = outcome;
-  };
-  if (unstepped > 0 && unstepped < world) {
-    marked(unstepped, mine.unstepped, Verdict::Outcome::Unstepped);
-    return verdict;
-  }
-  const bool epoch_ends = verdict.flushing_ranks > verdict.joined_ranks; // (every rank's, here)
-  if (mid_dropped > 0 && mid_dropped < world - verdict.joined_ranks && !epoch_ends) {
-    marked(mid_dropped, mine.mid_dropped ? kMidDroppedHere : nullptr, Verdict::Outcome::MidDropped);
+    verdict.unstepped.here = mine.unstepped;
+    verdict.outcome = Verdict::Outcome::Unstepped;
     return verdict;
   }
   for (const auto& agreement : agreements()) {
@@ -276,8 +235,6 @@ std::string verdict_error(const Verdict& verdict, const std::string& where) {
       return window_disagreement(where, *verdict.agreement, verdict.values);
     case Verdict::Outcome::Unstepped:
       return not_stepped(where, verdict.unstepped);
-    case Verdict::Outcome::MidDropped:
-      return mid_dropped(where, verdict.unstepped, verdict.joined_ranks);
     case Verdict::Outcome::Agreed:
       break;
   }

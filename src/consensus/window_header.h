@@ -54,15 +54,10 @@ struct Verdict {
     Dropped, ///< `aborters` dropped it
     Disagreed, ///< the ranks hold different values of `agreement` (`values`)
     Unstepped, ///< some ranks but not all did not step the window before (`unstepped`)
-    /// some ranks but not all dropped their window in its middle (`unstepped`
-    /// names them: Note [A window dropped in its middle on some ranks])
-    MidDropped,
   } outcome = Outcome::Agreed;
   int64_t bucket = 0;
   Aborters aborters; ///< who dropped it (read from every reduction; none when it is not dropped)
-  /// Who did not step the window before, or dropped the middle of theirs
-  /// (read unless `aborters` dropped it).
-  Unstepped unstepped;
+  Unstepped unstepped; ///< who did not step the window before (read unless `aborters` dropped it)
   const Agreement* agreement = nullptr;
   HeaderValues values;
 

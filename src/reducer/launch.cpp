@@ -33,10 +33,6 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
     window.unstepped_pending = nullptr;
   }
   window.unstepped = window.unstepped_pending;
-  // Note [A window dropped in its middle on some ranks]: said once, in this
-  // reduction, whatever becomes of it (every rank's next window starts after
-  // it); a rank that says it did not step a window says no more.
-  window.mid_dropped = std::exchange(window.mid_dropped_pending, false) && window.unstepped == nullptr;
   std::fill(window.ready.begin(), window.ready.end(), 0);
   buckets.ready_order.clear();
   for (auto& bucket : buckets.all) {

@@ -378,7 +378,7 @@ void Reducer::rescale_residuals(const at::Tensor& ratio) {
 Reducer::Progress Reducer::progress() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   const auto& w = state_->window;
-  return {state_->stats, w.sequence, w.last_weight, w.residual_weight, w.mid_dropped_pending};
+  return {state_->stats, w.sequence, w.last_weight, w.residual_weight};
 }
 
 void Reducer::mark_unstepped(const char* why) {
@@ -389,19 +389,11 @@ void Reducer::mark_unstepped(const char* why) {
   s.window.unstepped_pending = why;
 }
 
-void Reducer::mark_mid_dropped() {
-  auto& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.check_idle("acc.zero_grad()");
-  s.window.mid_dropped_pending = true;
-}
-
 void Reducer::restore(const Progress& progress) {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
   s.check_idle("acc.load_state_dict()");
   s.window.unstepped_pending = nullptr; // every rank resumes alike (Note [A window not stepped on some ranks])
-  s.window.mid_dropped_pending = progress.mid_dropped; // a per-rank state's (Note [A window dropped in its middle on some ranks])
   // Not in checkpoints: what describes this reducer's buckets and its backwards.
   const auto now = s.stats;
   s.stats = progress.stats;

@@ -149,18 +149,12 @@ struct Window {
   /// every rank in its next reduction (Note [A window not stepped on some
   /// ranks]); null where it did. `unstepped` is what this reduction sends.
   const char* unstepped = nullptr;
-  /// Note [A window dropped in its middle on some ranks]: what this reduction
-  /// sends.
-  bool mid_dropped = false;
 
   // What outlives a reduction.
   int64_t sequence = 0; ///< Note [What a window number means]
   /// Why this rank will not step the last window every rank reduced, until a
   /// reduction tells every rank (Reducer::mark_unstepped()); null: none.
   const char* unstepped_pending = nullptr;
-  /// This rank dropped its window in its middle (Reducer::mark_mid_dropped())
-  /// since its last reduction, which its next one says.
-  bool mid_dropped_pending = false;
   WindowTimeline last_timeline; ///< the last completed reduction's (completions unresolved)
   std::vector<std::shared_ptr<Completion>> last_completed;
   /// The global weight of the last full window reduced (the same on every
@@ -349,7 +343,6 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
     detail::AgreementInputs inputs{config.rule, config.options, config.params.size(), window.sequence, kind_code(),
                                    config.one_host};
     inputs.unstepped = window.unstepped;
-    inputs.mid_dropped = window.mid_dropped;
     inputs.instance = config.instance;
     return inputs;
   }

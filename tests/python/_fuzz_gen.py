@@ -94,7 +94,7 @@ def _epochs(rng, sched, W, K, m, alone=False):
                 for r in range(W):
                     events.append([t0 + rng.randint(1, K - 1), "state_dict", r])
             events.sort(key=lambda ev: ev[0])
-            m = 0 if end == "flush" else (m + n[0]) % K  # ignoring acc_zero_grad: retried if invalid
+            m = 0 if end == "flush" else (m + n[0]) % K  # (acc_zero_grad keeps the position)
         epochs.append({"end": end, "micros": micros, "events": events})
     return epochs, m
 

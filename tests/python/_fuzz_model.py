@@ -22,7 +22,7 @@ no micro-batch: `acc.empty_micro_step()` instead of its backward) or "boom"
 its t-th micro-batch of the epoch and its `acc.step()`:
 "opt_zero_grad" (`optimizer.zero_grad()` on rank `arg` only), "acc_zero_grad"
 (`acc.zero_grad()` on every rank, or on rank `arg` alone: not generated,
-test_unstepped.py tests it), "flush" (`acc.flush()` on every rank), "state_dict" (`acc.state_dict()` on rank `arg`
+test_unstepped.py tests it; data parallel the position stays), "flush" (`acc.flush()` on every rank), "state_dict" (`acc.state_dict()` on rank `arg`
 alone, mid-window; each rank has one such event in the same window, maybe at
 another micro-step: a cut that is not consistent) or "checkpoint" (every rank calls
 `acc.state_dict()`; rank `arg`'s state, model and optimizer are loaded by
@@ -309,10 +309,11 @@ class Model:
                     elif kind == "refresh":
                         exp[f"r/{e}/{t}"] = self._refresh(r, mine[r], arg)
                     elif kind == "acc_zero_grad":
+                        # design.md: data parallel, what the window holds goes
+                        # and the position stays (Note [Dropping the middle of a window])
                         if mine[r]:
                             self.seen.add("acc.zero_grad() mid-window")
                         self.win[r] = _Window()
-                        mine[r] = 0
                     elif kind == "checkpoint":
                         if mine[r] > 0:
                             break

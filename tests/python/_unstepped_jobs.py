@@ -172,25 +172,26 @@ def mid_reference(world_size, windows):
 
 
 @job
-def mid_window_dropped(rank, world_size, *, droppers, fail=True, at=4, then="go_on", counts=None, resume=False):
+def mid_window_dropped(rank, world_size, *, droppers, fail=True, at=4, then="go_on", counts=None):
     """K=3, momentum SGD; each rank trains on its stream of micro-batches,
-    acc.step() after each. At micro-batch `at` (in window 1) the ranks in
+    acc.step() after each. At micro-batch `at` (in window 1; a list: each
+    rank's) the ranks in
     `droppers` drop their window in its middle with acc.zero_grad(): after
     that micro-batch's backward raised on them (`fail`: a script that catches
     a failed micro-step there), or after it ran. Then every rank goes on with
     its stream and ends the epoch with acc.flush() (`then` "go_on"), or ends
     it with acc.flush() at the next micro-batch ("flush"), or runs the whole
     stream inside `with acc.join():` ("join"). `counts[rank]`: the length of
-    rank's stream (default MID_BATCHES). `resume`: right after the drop,
-    every rank saves a per-rank state and loads it (a restart from per-rank
-    checkpoints). Returns each error with the micro-batch it came at, and the
-    micro-batches each stepped window got from this rank."""
+    rank's stream (default MID_BATCHES). Returns each error with the
+    micro-batch it came at, and the micro-batches each stepped window got
+    from this rank."""
     import gradaccum
 
     model = du.mlp(SEED)
     opt = du.make_optimizer("sgd", model.parameters())
     acc = gradaccum.Accumulator(model, opt, steps=MID_STEPS)
     stream = mid_stream(world_size)[rank][:None if counts is None else counts[rank]]
+    at = at[rank] if isinstance(at, list) else at
     errors, stepped, current = [], [], []
     if then == "join":
         with acc.join():
@@ -207,8 +208,6 @@ def mid_window_dropped(rank, world_size, *, droppers, fail=True, at=4, then="go_
         return {"errors": errors, "stepped": stepped, "left": current, "params": du.params(model),
                 "dropped_windows": stats["dropped_windows"], "optimizer_steps": stats["optimizer_steps"]}
     for i, batch in enumerate(stream + [None]):
-        if resume and i == at + 1:
-            acc.load_state_dict(acc.state_dict(rank_independent=False))
         if batch is None or (then == "flush" and i == at + 1):
             try:
                 if acc.flush():

@@ -477,9 +477,8 @@ STATE_KEYS = ["steps", "reduction", "world_size", "rank", "rank_independent", "m
               "skipped_steps", "windows", "reducer", "reducer_sequence", "loss_scale",
               "loss_scale_growth_tracker", "grads"]
 # Optional: states saved before it was kept load without it (as 0).
-OPTIONAL_STATE_KEYS = ["reducer_last_weight", "reducer_residual_weight", "reducer_mid_dropped",
-                       "skipped_micro_batches", "window_empty", "window_unscaled", "window_clipped",
-                       "parameter_names"]
+OPTIONAL_STATE_KEYS = ["reducer_last_weight", "reducer_residual_weight", "skipped_micro_batches",
+                       "window_empty", "window_unscaled", "window_clipped", "parameter_names"]
 
 
 @pytest.fixture

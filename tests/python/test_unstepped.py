@@ -359,14 +359,7 @@ def test_a_backward_after_the_window_closed_on_one_rank_is_told_to_every_rank(tm
         assert_params_close(res["params"], expected)
 
 
-# Note [A window dropped in its middle on some ranks]
-MID_WHY = ("window in the middle with acc.zero_grad() where the other ranks did not, so the ranks' micro-steps no "
-           "longer lined up (to drop a window on purpose, call acc.zero_grad() on every rank at the same micro-step; "
-           "after a failed micro-step, go on: its window is dropped on every rank when it closes). The window's "
-           "gradients were cleared on every rank and no optimizer step was taken; training can go on from the next "
-           "window")
-
-
+# Note [Dropping the middle of a window]
 def run_mid(world_size, tmp_path, **kwargs):
     results = du.run_job("mid_window_dropped", world_size, tmp_path, module=M, timeout=120, pg_timeout=30, **kwargs)
     stepped = [r["stepped"] for r in results]
@@ -374,56 +367,43 @@ def run_mid(world_size, tmp_path, **kwargs):
     expected = uj.mid_reference(world_size, list(zip(*stepped)))
     for res in results:
         assert_params_close(res["params"], expected)
+        assert res["dropped_windows"] == 0
     return results
 
 
-def test_a_window_one_rank_drops_in_its_middle_is_dropped_on_every_rank(tmp_path):
+FULL = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]]
+
+
+def test_a_rank_that_drops_its_part_after_a_failed_micro_step_stays_in_line(tmp_path):
     """Rank 1's backward fails at micro-batch 4, in window 1; its script
     catches that and drops the window with acc.zero_grad(). Before, rank 1's
-    windows started two micro-batches after rank 0's from then on, so every
-    later window paired micro-batches of other positions: no error anywhere,
-    and no big batch's gradient. Now rank 1's next reduction (at its
-    micro-batch 7) says so and meets rank 0's window 1 (its micro-batch 5):
-    both raise, drop it, and every later window is the float64 big batch of
-    what the ranks fed it."""
+    position went back to 0 and its windows started two micro-batches after
+    rank 0's from then on: every later window paired micro-batches of other
+    positions, with no error anywhere. Now the position stays: window 1
+    closes with rank 0's, holding rank 0's three micro-batches and rank 1's
+    last one, and every window is the float64 big batch of what it got."""
     results = run_mid(2, tmp_path, droppers=(1,))
-    assert results[0]["errors"] == [(5, "backward", "gradaccum: acc.backward(): window 1 was dropped on every "
-                                     "rank: rank 1 dropped its " + MID_WHY)]
-    assert results[1]["errors"] == [
-        (4, "backward", "injected failure on rank 1"),
-        (7, "backward", "gradaccum: acc.backward(): window 1 was dropped on every rank: this rank (rank 1) dropped "
-         "its " + MID_WHY)]
-    # Rank 1 ends one micro-batch into a window: its flush meets rank 0's last full one.
-    assert results[0]["stepped"] == [[0, 1, 2], [6, 7, 8], [9, 10, 11], [12, 13, 14]]
-    assert results[1]["stepped"] == [[0, 1, 2], [8, 9, 10], [11, 12, 13], [14]]
-    for res in results:
-        assert res["dropped_windows"] == 1
+    assert results[0]["errors"] == []
+    assert results[1]["errors"] == [(4, "backward", "injected failure on rank 1")]
+    assert results[0]["stepped"] == FULL
+    assert results[1]["stepped"] == [[0, 1, 2], [5]] + FULL[2:]
 
 
-def test_a_window_every_rank_drops_in_its_middle_alike_is_no_error(tmp_path):
-    """Every rank drops window 1 at the same micro-step: the next window
-    starts after it on every rank, as in one process; nothing is said."""
-    results = run_mid(2, tmp_path, droppers=(0, 1), fail=False)
-    for res in results:
+@pytest.mark.parametrize("world_size, droppers, at", [(2, (0, 1), 4), (2, (0, 1), [3, 4]), (3, (1, 2), 4)],
+                         ids=["alike", "different micro-steps", "two of three"])
+def test_ranks_that_drop_their_part_of_a_window_stay_in_line(tmp_path, world_size, droppers, at):
+    """Drops with no failure, on every rank alike, at different micro-steps
+    of one window, or on two ranks of three: no error, every window closes
+    on every rank together with what each kept."""
+    results = run_mid(world_size, tmp_path, droppers=droppers, fail=False, at=at)
+    for rank, res in enumerate(results):
         assert res["errors"] == []
-        assert res["stepped"] == [[0, 1, 2], [5, 6, 7], [8, 9, 10], [11, 12, 13], [14]]
-        assert res["dropped_windows"] == 0
+        mine = at[rank] if isinstance(at, list) else at
+        expected = FULL if rank not in droppers else [[0, 1, 2], list(range(mine + 1, 6))] + FULL[2:]
+        assert res["stepped"] == expected, rank
 
 
-def test_two_of_three_ranks_that_drop_a_window_in_its_middle_are_counted(tmp_path):
-    results = run_mid(3, tmp_path, droppers=(1, 2), fail=False)
-    assert results[0]["errors"] == [(5, "backward", "gradaccum: acc.backward(): window 1 was dropped on every "
-                                     "rank: 2 of the 3 ranks dropped their " + MID_WHY)]
-    for rank in (1, 2):
-        assert results[rank]["errors"] == [
-            (7, "backward", f"gradaccum: acc.backward(): window 1 was dropped on every rank: this rank (rank {rank}) "
-             "and 1 other rank dropped their " + MID_WHY)]
-
-
-def test_a_flush_right_after_a_window_one_rank_dropped_in_its_middle_ends_the_epoch_alike(tmp_path):
-    """The next reduction is the epoch's flush on every rank: it lines the
-    ranks up again, so it says nothing and steps what they hold, rank 0's
-    partial window and nothing of rank 1's."""
+def test_a_flush_right_after_a_rank_dropped_its_part_steps_what_the_ranks_hold(tmp_path):
     results = run_mid(2, tmp_path, droppers=(1,), then="flush")
     assert results[0]["errors"] == []
     assert results[1]["errors"] == [(4, "backward", "injected failure on rank 1")]
@@ -431,27 +411,15 @@ def test_a_flush_right_after_a_window_one_rank_dropped_in_its_middle_ends_the_ep
     assert results[1]["stepped"] == [[0, 1, 2], []]
 
 
-def test_a_window_the_only_rank_with_data_drops_while_others_shadow_is_no_error(tmp_path):
-    """Rank 1 joined after its first window; rank 0, the only rank with data,
-    drops its window 1 in its middle. The shadow holds no window: nothing
-    lines up differently, so no rank raises (the shadow once did, ending
-    training on every rank). Every window is the float64 big batch."""
+def test_the_only_rank_with_data_drops_its_part_while_another_shadows(tmp_path):
+    """Rank 1 joined after its first window; rank 0 drops its part of window
+    1. Every window is the float64 big batch of what it got."""
     results = du.run_job("mid_window_dropped", 2, tmp_path, module=M, timeout=120, pg_timeout=30,
                          droppers=(0,), fail=False, then="join", counts=[12, 3])
     for res in results:
         assert res["errors"] == [] and res["dropped_windows"] == 0
-        assert res["optimizer_steps"] == 4  # [0, 1, 2], [5, 6, 7], [8, 9, 10], [11] closed by join()
-    assert results[0]["stepped"] == [[0, 1, 2], [5, 6, 7], [8, 9, 10]] and results[0]["left"] == [11]
-    expected = uj.mid_reference(2, [([0, 1, 2], [0, 1, 2]), ([5, 6, 7], []), ([8, 9, 10], []), ([11], [])])
+        assert res["optimizer_steps"] == 4
+    assert results[0]["stepped"] == [[0, 1, 2], [5], [6, 7, 8], [9, 10, 11]] and results[0]["left"] == []
+    expected = uj.mid_reference(2, [([0, 1, 2], [0, 1, 2]), ([5], []), ([6, 7, 8], []), ([9, 10, 11], [])])
     for res in results:
         assert_params_close(res["params"], expected)
-
-
-def test_a_per_rank_checkpoint_keeps_the_mark_of_a_window_dropped_in_its_middle(tmp_path):
-    """Rank 1 drops its window in its middle; every rank then saves and loads
-    a per-rank state (a restart from per-rank checkpoints). The state keeps
-    the mark: the next reduction still raises on every rank."""
-    results = run_mid(2, tmp_path, droppers=(1,), resume=True)
-    assert results[0]["errors"] == [(5, "backward", "gradaccum: acc.backward(): window 1 was dropped on every "
-                                     "rank: rank 1 dropped its " + MID_WHY)]
-    assert results[1]["errors"][1][:2] == (7, "backward")

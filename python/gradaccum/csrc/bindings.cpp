@@ -332,6 +332,8 @@ void init_accumulator(py::module_& m) {
       // (destroy_process_group() already ran) joins its worker threads, which
       // may need the GIL to release the Python tensors of their last work.
       .def("close", &Accumulator::close, release(), "Remove the hooks; release the parameters.")
+      .def("restart_window", &Accumulator::restart_window, release(),
+           "zero_grad(), and the position too (every rank at the same point).")
       .def("set_window_callbacks", &Accumulator::set_window_callbacks, py::arg("before_step"),
            py::arg("after_window"), "Callbacks around each window's optimizer step.")
       .def("rescale_residuals", &Accumulator::rescale_residuals, py::arg("ratio"),
