@@ -592,6 +592,10 @@ class Accumulator {
   double window_items_ = 0;
   /// This window was resumed mid-way from a checkpoint: its loss is unknown.
   bool window_loss_cut_ = false;
+  /// This window's sums so far are each rank's share of every rank's, from
+  /// a rank-independent state loaded in its middle (Note [Dropping the middle
+  /// of a window]).
+  bool window_shared_ = false;
   /// The reducer found the closed window's gradient finite as it wrote it back.
   bool window_known_finite_ = false;
   /// The closed window's weight is 0 on every rank (every micro-batch left

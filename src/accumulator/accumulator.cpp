@@ -502,6 +502,7 @@ void Accumulator::note_dropped_window(int64_t window) {
 
 void Accumulator::reset_window() {
   window_loss_cut_ = false;
+  window_shared_ = false;
   clear_gradients();
   micro_step_ = 0;
   set_window_ready(false);

@@ -56,7 +56,7 @@ int64_t Accumulator::progress_marker() const {
 void Accumulator::check_no_open_parts(const char* what) const {
   TORCH_CHECK(!parts_open_,
       "gradaccum: ", what, ": a micro-step run in parts (acc.backward_part()) is still open; end it with "
-      "acc.end_micro_step() first (or drop the window with acc.zero_grad())");
+      "acc.end_micro_step() first", reducer_ ? "" : " (or drop the window with acc.zero_grad())");
 }
 
 void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> num_items,

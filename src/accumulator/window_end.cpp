@@ -83,10 +83,26 @@ bool Accumulator::finish_window(const char* call) {
 void Accumulator::zero_grad() {
   const CallGuard guard(driver_, driving_, "acc.zero_grad()");
   check_open("acc.zero_grad()"); // the gradients may be another Accumulator's now
+  if (!reducer_ || window_ready_ || (micro_step_ == 0 && !parts_open_)) {
+    zero_grad_in_call();
+    return;
+  }
   // Note [Dropping the middle of a window]: data parallel, the position stays.
-  const auto position = reducer_ && !window_ready_ ? micro_step_ : 0;
+  TORCH_CHECK(!parts_open_,
+      "gradaccum: acc.zero_grad(): a micro-step run in parts (acc.backward_part()) is still open; end it first "
+      "with acc.end_micro_step() (failed: the micro-batch is dropped and keeps its place, as the other ranks "
+      "count it), then drop the window's part here");
+  const auto position = micro_step_;
+  const bool cut = window_loss_cut_;
+  const bool shared = window_shared_;
   zero_grad_in_call();
   micro_step_ = position;
+  window_loss_cut_ = cut; // (the window's first part, before a resume, is still not in its loss)
+  if (shared) {
+    // Each rank held a share of every rank's sums: a part of them cannot go.
+    window_failed_ = true;
+    window_failure_ = AbortReason::GradientsChanged;
+  }
 }
 
 void Accumulator::restart_window() {
@@ -107,7 +123,13 @@ void Accumulator::restart_window() {
 // window would pair micro-batches of other positions, silently; and ranks
 // cannot tell a reset alone from a reset everywhere without a collective.
 // So the failed micro-step's window is not dropped on every rank either: the
-// drop cleared it (window_failed_ with it). acc.restart_window() drops the
+// drop cleared it (window_failed_ with it). Two cases cannot keep their
+// place that way: a micro-step open in parts (acc.backward_part()), which
+// the other ranks count, is refused (end it first, failed if need be); and a
+// window resumed in its middle from a rank-independent state, where each
+// rank holds 1/W of every rank's sums so far: dropping one rank's copy would
+// weigh the others' micro-batches by less than one, so the window is marked
+// failed and dropped on every rank when it closes. acc.restart_window() drops the
 // position as well, for callers that know every rank calls it at the same
 // point (Lightning's strategy at an epoch cut short in the middle of a
 // window).

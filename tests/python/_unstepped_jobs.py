@@ -235,3 +235,64 @@ def mid_window_dropped(rank, world_size, *, droppers, fail=True, at=4, then="go_
     stats = acc.stats()
     return {"errors": errors, "stepped": stepped, "params": du.params(model),
             "dropped_windows": stats["dropped_windows"], "optimizer_steps": stats["optimizer_steps"]}
+
+
+@job
+def resumed_then_dropped(rank, world_size, *, rank_independent):
+    """K=4: micro-batches 0 and 1, then every rank saves a state and loads
+    it (rank-independent or per-rank), then micro-batch 2, after which rank
+    0 drops its part with acc.zero_grad(), then micro-batch 3 closes the
+    window. Returns the error, window_loss and the micro-batches of the
+    window that stepped from this rank."""
+    import gradaccum
+
+    model = du.mlp(SEED)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=4)
+    stream = mid_stream(world_size)[rank]
+    kept, error = [], None
+    for i in range(4):
+        if i == 2:
+            acc.load_state_dict(acc.state_dict(rank_independent=rank_independent))
+        kept.append(i)
+        try:
+            acc.backward(du.micro_loss(model, stream[i], "mean")[0])
+            stepped = acc.step()
+        except RuntimeError as e:
+            error, stepped = str(e), False
+        if i == 2 and rank == 0:
+            acc.zero_grad()
+            kept = []
+    loss = acc.window_loss
+    return {"error": error, "stepped": kept if stepped else None, "window_loss": None if loss is None else float(loss),
+            "params": du.params(model)}
+
+
+@job
+def parts_then_zero_grad(rank, world_size):
+    """Rank 0 runs half of micro-batch 1 as a part (acc.run()'s path), then
+    calls acc.zero_grad() with the part open: refused, nothing changed; it
+    ends the micro-step failed, drops its part of the window and goes on.
+    K=3, 6 micro-batches, both ranks."""
+    import gradaccum
+
+    model = du.mlp(SEED)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=3)
+    stream = mid_stream(world_size)[rank]
+    refused, stepped, current = None, [], []
+    for i, batch in enumerate(stream[:6]):
+        current.append(i)
+        if rank == 0 and i == 1:
+            acc._backward_part(du.micro_loss(model, batch, "mean")[0] * 0.5, None, 0.5)
+            try:
+                acc.zero_grad()
+            except RuntimeError as e:
+                refused = (str(e), acc.micro_step)
+            acc._c.end_micro_step(failed=True)
+            acc.zero_grad()
+            current = []
+            continue
+        acc.backward(du.micro_loss(model, batch, "mean")[0])
+        if acc.step():
+            stepped.append(current)
+            current = []
+    return {"refused": refused, "stepped": stepped, "params": du.params(model)}

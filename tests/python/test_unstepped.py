@@ -423,3 +423,50 @@ def test_the_only_rank_with_data_drops_its_part_while_another_shadows(tmp_path):
     expected = uj.mid_reference(2, [([0, 1, 2], [0, 1, 2]), ([5], []), ([6, 7, 8], []), ([9, 10, 11], [])])
     for res in results:
         assert_params_close(res["params"], expected)
+
+
+def test_a_rank_that_drops_its_part_of_a_window_resumed_from_a_per_rank_state_stays_in_line(tmp_path):
+    """Per-rank states hold each rank's own sums: rank 0's drop after the
+    resume leaves rank 1's micro-batches 0-3 and rank 0's 3, and the window's
+    loss is unknown on both ranks (its first part was saved), not on one."""
+    results = du.run_job("resumed_then_dropped", 2, tmp_path, module=M, timeout=120, pg_timeout=30,
+                         rank_independent=False)
+    assert [r["error"] for r in results] == [None, None]
+    assert [r["window_loss"] for r in results] == [None, None]
+    assert results[0]["stepped"] == [3] and results[1]["stepped"] == [0, 1, 2, 3]
+    expected = uj.mid_reference(2, [([3], [0, 1, 2, 3])])
+    for res in results:
+        assert_params_close(res["params"], expected)
+
+
+def test_a_rank_that_drops_its_part_of_a_window_resumed_from_a_rank_independent_state_drops_it_everywhere(tmp_path):
+    """A rank-independent state gives each rank 1/W of every rank's sums:
+    one rank's drop cannot take its own part out (it weighed the others'
+    micro-batches by a half, silently, 0.2 off). The window is dropped on
+    every rank when it closes, naming rank 0."""
+    results = du.run_job("resumed_then_dropped", 2, tmp_path, module=M, timeout=120, pg_timeout=30,
+                         rank_independent=True)
+    # (window 1: the rank-independent snapshot took reduction 0)
+    assert results[0]["error"].startswith("gradaccum: acc.backward(): window 1 was dropped on every rank: on this "
+                                          "rank (rank 0) the accumulated gradients were cleared"), results[0]["error"]
+    assert results[1]["error"].startswith("gradaccum: acc.backward(): window 1 was dropped on every rank: on rank 0 "
+                                          "the accumulated gradients were cleared"), results[1]["error"]
+    init = du.params(du.mlp(uj.SEED))
+    for res in results:
+        assert res["stepped"] is None
+        assert_params_close(res["params"], init, tol=0)
+
+
+def test_a_micro_step_open_in_parts_is_not_dropped_by_zero_grad(tmp_path):
+    """Data parallel, acc.zero_grad() with a micro-step open in parts would
+    leave it uncounted on that rank alone: refused, nothing changed; ended
+    failed, it keeps its place and the drop then lines up."""
+    results = du.run_job("parts_then_zero_grad", 2, tmp_path, module=M, timeout=120, pg_timeout=30)
+    text, position = results[0]["refused"]
+    assert text.startswith("gradaccum: acc.zero_grad(): a micro-step run in parts (acc.backward_part()) is still "
+                           "open; end it first with acc.end_micro_step()"), text
+    assert position == 1
+    assert results[0]["stepped"] == [[2], [3, 4, 5]] and results[1]["stepped"] == [[0, 1, 2], [3, 4, 5]]
+    expected = uj.mid_reference(2, [([2], [0, 1, 2]), ([3, 4, 5], [3, 4, 5])])
+    for res in results:
+        assert_params_close(res["params"], expected)
