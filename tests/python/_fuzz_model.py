@@ -105,6 +105,7 @@ class _Window:
         self.nan = False     # a backward with a NaN gradient ran ("skip")
         self.culprits = {}   # rank -> "boom" | "cleared": the window must be dropped
         self.cut = False     # a checkpoint resumed it mid-window (its loss is not saved)
+        self.shared = False  # ... from a rank-independent state: each rank holds a share of every rank's sums
 
 
 class Model:
@@ -310,10 +311,16 @@ class Model:
                         exp[f"r/{e}/{t}"] = self._refresh(r, mine[r], arg)
                     elif kind == "acc_zero_grad":
                         # design.md: data parallel, what the window holds goes
-                        # and the position stays (Note [Dropping the middle of a window])
+                        # and the position stays (Note [Dropping the middle of a window]);
+                        # a window resumed mid-way from a rank-independent state cannot
+                        # lose one rank's share: it is dropped on every rank when it closes
+                        old = self.win[r]
+                        self.win[r] = _Window()
                         if mine[r]:
                             self.seen.add("acc.zero_grad() mid-window")
-                        self.win[r] = _Window()
+                            self.win[r].cut, self.win[r].shared = old.cut, old.shared
+                            if old.shared:
+                                self.win[r].culprits.setdefault(r, "cleared")
                     elif kind == "checkpoint":
                         if mine[r] > 0:
                             break
@@ -378,6 +385,7 @@ class Model:
                         self.exp[r][f"c/{e}/{t}"] = ("ok", None)
                         self.exp[r][f"l/{e}/{t}"] = ("ok", None)
                         self.win[r].cut = True
+                        self.win[r].shared = True
             else:
                 # closing backwards and flushes pair in one reduction
                 before = self._culprits()

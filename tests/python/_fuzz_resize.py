@@ -70,6 +70,8 @@ def expect_phase(psched):
         taken.nan = taken.nan or w.nan
     taken.cut = bool(a.m)
     b.win[0] = taken
+    for w in b.win:
+        w.shared = bool(a.m)  # every rank holds a share of the half-done window
     b.seen = a.seen
     b.seen.add(f"restart on {'fewer' if b.W < a.W else 'more'} ranks"
                + (" mid-window" if a.m else f" at a boundary{', another steps' if b.K != a.K else ''}")
