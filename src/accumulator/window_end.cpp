@@ -66,20 +66,28 @@ bool Accumulator::finish_window(const char* call) {
   return stepped;
 }
 
-// Note [The reducer checks the window's gradient]
-// The non-finite test (nonfinite "skip" or "raise", no clipping) needs only to
-// know whether the window's total norm is finite, and data parallel the
-// reducer writes every reduced gradient back in one pass anyway: asked with
-// ReductionRequest::check_finite, it checks each value in that pass
-// (detail::write_checked) and answers known_finite only when every value is
-// finite and small enough that the norm cannot overflow. Then step_window()
-// skips the norm (no pass over the gradients, no host synchronisation of its
-// own), which would have been finite: the decision is the one the norm gives,
-// on every rank alike. Anything else (clipping, a loss scaler or before_step
-// that rewrites the gradients, a gradient changed in place or replaced since
-// the reduction, which the versions remembered then tell, an unchecked dtype
-// or device, a value that failed) takes the norm, as before, so the skip,
-// raise and ignore behaviours and their messages are unchanged.
+// Note [Dropping the middle of a window]
+// acc.zero_grad() in the middle of a window drops what this rank accumulated
+// so far. In one process it drops the position too: the next micro-step opens
+// a new window. Data parallel the position stays: the window still closes at
+// its K-th micro-step, with every rank, and holds what every rank kept (its
+// weight counts only those micro-steps, as for micro-batches left out). A
+// rank that reset its position alone (a script that catches a failed
+// micro-step on the rank where it failed and drops the window there) would
+// start its windows later than the others from then on, and every later
+// window would pair micro-batches of other positions, silently; and ranks
+// cannot tell a reset alone from a reset everywhere without a collective.
+// So the failed micro-step's window is not dropped on every rank either: the
+// drop cleared it (window_failed_ with it). Two cases cannot keep their
+// place that way: a micro-step open in parts (acc.backward_part()), which
+// the other ranks count, is refused (end it first, failed if need be); and a
+// window resumed in its middle from a rank-independent state, where each
+// rank holds 1/W of every rank's sums so far: dropping one rank's copy would
+// weigh the others' micro-batches by less than one, so the window is marked
+// failed and dropped on every rank when it closes. acc.restart_window() drops the
+// position as well, for callers that know every rank calls it at the same
+// point (Lightning's strategy at an epoch cut short in the middle of a
+// window).
 void Accumulator::zero_grad() {
   const CallGuard guard(driver_, driving_, "acc.zero_grad()");
   check_open("acc.zero_grad()"); // the gradients may be another Accumulator's now
@@ -111,28 +119,6 @@ void Accumulator::restart_window() {
   zero_grad_in_call(); // and the position (every rank alike: see the header)
 }
 
-// Note [Dropping the middle of a window]
-// acc.zero_grad() in the middle of a window drops what this rank accumulated
-// so far. In one process it drops the position too: the next micro-step opens
-// a new window. Data parallel the position stays: the window still closes at
-// its K-th micro-step, with every rank, and holds what every rank kept (its
-// weight counts only those micro-steps, as for micro-batches left out). A
-// rank that reset its position alone (a script that catches a failed
-// micro-step on the rank where it failed and drops the window there) would
-// start its windows later than the others from then on, and every later
-// window would pair micro-batches of other positions, silently; and ranks
-// cannot tell a reset alone from a reset everywhere without a collective.
-// So the failed micro-step's window is not dropped on every rank either: the
-// drop cleared it (window_failed_ with it). Two cases cannot keep their
-// place that way: a micro-step open in parts (acc.backward_part()), which
-// the other ranks count, is refused (end it first, failed if need be); and a
-// window resumed in its middle from a rank-independent state, where each
-// rank holds 1/W of every rank's sums so far: dropping one rank's copy would
-// weigh the others' micro-batches by less than one, so the window is marked
-// failed and dropped on every rank when it closes. acc.restart_window() drops the
-// position as well, for callers that know every rank calls it at the same
-// point (Lightning's strategy at an epoch cut short in the middle of a
-// window).
 void Accumulator::zero_grad_in_call() {
   if (window_ready_ && reducer_ && !window_empty_) {
     // A reduced window that other ranks may step (their schedulers too):
@@ -172,6 +158,20 @@ void Accumulator::rescale_residuals(const at::Tensor& ratio) {
   }
 }
 
+// Note [The reducer checks the window's gradient]
+// The non-finite test (nonfinite "skip" or "raise", no clipping) needs only to
+// know whether the window's total norm is finite, and data parallel the
+// reducer writes every reduced gradient back in one pass anyway: asked with
+// ReductionRequest::check_finite, it checks each value in that pass
+// (detail::write_checked) and answers known_finite only when every value is
+// finite and small enough that the norm cannot overflow. Then step_window()
+// skips the norm (no pass over the gradients, no host synchronisation of its
+// own), which would have been finite: the decision is the one the norm gives,
+// on every rank alike. Anything else (clipping, a loss scaler or before_step
+// that rewrites the gradients, a gradient changed in place or replaced since
+// the reduction, which the versions remembered then tell, an unchecked dtype
+// or device, a value that failed) takes the norm, as before, so the skip,
+// raise and ignore behaviours and their messages are unchanged.
 bool Accumulator::reducer_checks_finite() const {
   return !options_.max_grad_norm() && options_.nonfinite() != NonFinite::Ignore && !before_step_;
 }
