@@ -8,5 +8,6 @@
 #include <gradaccum/options.h>
 #include <gradaccum/process_group.h>
 #include <gradaccum/reducer.h>
+#include <gradaccum/state.h>
 #include <gradaccum/split.h>
 #include <gradaccum/version.h>
