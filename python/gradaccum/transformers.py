@@ -510,11 +510,27 @@ class Trainer(transformers.Trainer):
         if self._needs_flush(exhausted) and not self._flushed_epoch:
             self._end_window(acc.flush, step=step, **window)
 
-        if step < 0:
+        if self._no_rank_had_data(step >= 0):
             self.control.should_training_stop = True
         self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         self._maybe_log_save_evaluate(self._tr_loss, self._grad_norm(), model, trial, epoch,
                                       ignore_keys_for_eval, start_time, learning_rate=None)
+
+    def _no_rank_had_data(self, had_data: bool) -> bool:
+        """At an epoch's end, on every rank: whether no rank had a batch in it
+        (the Trainer then stops training). Shards differ by a batch
+        (``even_batches`` off), so with fewer batches than ranks some rank has
+        none while the others train: it goes on with them into the next
+        epoch's windows, where stopping alone would leave them waiting."""
+        lengths = self._shard_lengths
+        if lengths is not None or not self._acc.stats()["data_parallel"]:
+            return not had_data and (lengths is None or max(lengths) == 0)
+        # Lengths unknown, data parallel: every rank asks the others here.
+        group = self._acc.process_group
+        device = self.args.device if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu")
+        had = torch.tensor([int(had_data)], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(had, op=torch.distributed.ReduceOp.MAX, group=group)
+        return int(had.item()) == 0
 
     def _needs_flush(self, exhausted: bool) -> bool:
         """Whether this epoch ends with a flush() on every rank: its data ran

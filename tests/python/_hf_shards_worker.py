@@ -16,6 +16,8 @@ case per --case, each rank's results written to <out>/<case>-<rank>.pt.
 - ``bf16_wire``: the ``flos`` shards on a bf16 wire (``comm_dtype``), which
   carries no loss, logging every 2 steps, learning rate 0 (every window's
   loss is then the reference's).
+- ``empty_shard``: 2 rows, one batch: rank 0 has it, rank 1 has none, for 3
+  epochs (fewer batches than ranks).
 """
 import argparse
 import os
@@ -26,7 +28,8 @@ import transformers
 from transformers import TrainingArguments
 
 B, K, LR = 2, 2, 0.1
-ROWS = {"eval": 16, "save_at_flush": 14, "flos": 26, "split_batches": 15, "bf16_wire": 26}
+ROWS = {"eval": 16, "save_at_flush": 14, "flos": 26, "split_batches": 15, "bf16_wire": 26, "empty_shard": 2}
+EPOCHS = {"empty_shard": 3}
 
 
 class Regression(nn.Module):
@@ -67,9 +70,11 @@ def run(case, out, stock):
         "flos": dict(logging_steps=1, save_strategy="no"),
         "split_batches": dict(accelerator_config={"split_batches": True}, save_strategy="no"),
         "bf16_wire": dict(logging_steps=2, save_strategy="no"),
+        "empty_shard": dict(save_strategy="no"),
     }[case]
     options = {"accumulator_options": {"comm_dtype": torch.bfloat16}} if case == "bf16_wire" and not stock else {}
-    args = TrainingArguments(folder, per_device_train_batch_size=B, gradient_accumulation_steps=K, num_train_epochs=1,
+    args = TrainingArguments(folder, per_device_train_batch_size=B, gradient_accumulation_steps=K,
+                             num_train_epochs=EPOCHS.get(case, 1),
                              learning_rate=0.0 if case == "bf16_wire" else LR, lr_scheduler_type="constant", optim="sgd", report_to=[], use_cpu=True,
                              seed=0, train_sampling_strategy="sequential", **extra)
     model = Regression()

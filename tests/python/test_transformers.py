@@ -434,30 +434,31 @@ def shards_run(out, *args, timeout=240):
     return _launch(cmd, env, timeout)
 
 
-def shards_reference(n, rows_per_batch=None):
+def shards_reference(n, rows_per_batch=None, epochs=1):
     """One process: batch b of `rows_per_batch` rows (B) on rank b % 2, window w the micro-batches
     w*K..w*K+K-1 of every rank (the last window what is left), its gradient
-    that of the mean of its micro-batch losses, clipped to norm 1; SGD."""
+    that of the mean of its micro-batch losses, clipped to norm 1; SGD; the
+    same batches each epoch (sequential sampling)."""
     w = _shards_worker()
     model, data = w.Regression(), w.Rows(n)
     size = rows_per_batch or w.B
     batches = [(data.x[i:i + size], data.y[i:i + size]) for i in range(0, n, size)]
     shards = [batches[r::WORLD] for r in range(WORLD)]
     optimizer = torch.optim.SGD(model.parameters(), lr=w.LR)
-    for start in range(0, max(len(s) for s in shards), w.K):
+    for start in [s for _ in range(epochs) for s in range(0, max(len(s) for s in shards), w.K)]:
         micro = [b for shard in shards for b in shard[start:start + w.K]]
         loss = sum(torch.nn.functional.mse_loss(model.net(x), y) for x, y in micro) / len(micro)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # TrainingArguments' max_grad_norm
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return [p.detach() for p in model.parameters()], math.ceil(max(len(s) for s in shards) / w.K)
+    return [p.detach() for p in model.parameters()], epochs * math.ceil(max(len(s) for s in shards) / w.K)
 
 
 @pytest.fixture(scope="module")
 def shard_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_shards")
-    shards_run(out, "--case", "eval,save_at_flush,flos,split_batches,bf16_wire")
+    shards_run(out, "--case", "eval,save_at_flush,flos,split_batches,bf16_wire,empty_shard")
     shards_run(out, "--case", "eval", "--stock")
 
     def load(case):
@@ -465,7 +466,7 @@ def shard_runs(tmp_path_factory):
     return load
 
 
-@pytest.mark.parametrize("case", ["eval", "save_at_flush", "flos", "split_batches"])
+@pytest.mark.parametrize("case", ["eval", "save_at_flush", "flos", "split_batches", "empty_shard"])
 def test_shards_a_batch_apart_train_as_the_big_batch(shard_runs, case):
     """Every case completes on both ranks (before: evaluation paired its
     gather_for_metrics with other calls and hung, since the eval loader lost
@@ -473,10 +474,12 @@ def test_shards_a_batch_apart_train_as_the_big_batch(shard_runs, case):
     rank 1's flush() raised on rank 0 only; a window with a batch on rank 0
     only broadcast an int64 current_flos on rank 1 against float32, and
     Gloo aborted; with split_batches every loader's len() counted 8 batches,
-    rank 1 got 7, no rank flushed, and it hung) and ends at the one-process
-    big batch."""
-    n = _shards_worker().ROWS[case]
-    expected, windows = shards_reference(n, 1 if case == "split_batches" else None)
+    rank 1 got 7, no rank flushed, and it hung; with one batch for 2 ranks,
+    rank 1 stopped training after its empty epoch and rank 0 hung in the
+    next) and ends at the one-process big batch."""
+    worker = _shards_worker()
+    expected, windows = shards_reference(worker.ROWS[case], 1 if case == "split_batches" else None,
+                                         worker.EPOCHS.get(case, 1))
     for res in shard_runs(case):
         assert res["global_step"] == windows
         for got, want in zip(res["params"], expected):
@@ -510,7 +513,7 @@ def test_a_bf16_wire_logs_the_global_loss(shard_runs):
     shards = [batches[r::WORLD] for r in range(WORLD)]
     windows = []
     with torch.no_grad():
-        for start in range(0, max(len(s) for s in shards), w.K):
+        for start in [s for _ in range(epochs) for s in range(0, max(len(s) for s in shards), w.K)]:
             micro = [b for shard in shards for b in shard[start:start + w.K]]
             windows.append(sum(float(torch.nn.functional.mse_loss(model.net(x), y)) for x, y in micro) / len(micro))
     assert len(windows) == 4
