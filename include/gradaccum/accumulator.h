@@ -64,7 +64,10 @@ struct AccumulatorStats {
   int64_t micro_steps = 0; ///< backward() calls
   int64_t optimizer_steps = 0; ///< real optimizer steps
   int64_t skipped_steps = 0; ///< windows dropped for non-finite gradients (or no items anywhere)
-  int64_t skipped_micro_batches = 0; ///< left out by nonfinite="skip_micro_batch"
+  /// Losses left out by nonfinite="skip_micro_batch": a micro-batch's, or
+  /// one part's of a micro-batch run in parts (acc.run() after running out of
+  /// memory: each part counts).
+  int64_t skipped_micro_batches = 0;
   int64_t windows = 0; ///< windows closed (stepped or skipped)
   std::optional<double> last_grad_norm; ///< total norm at the last boundary, if computed
   std::optional<double> loss_scale; ///< the loss scaler's current scale, if any
@@ -274,17 +277,19 @@ class Accumulator {
   /// rides in the header] in src/accumulator/window_loss.cpp). From the
   /// window's closing backward (or flush) until the next window closes; none
   /// before the first, on a bf16/fp16 wire (comm_dtype, or such parameters
-  /// without accumulate_dtype), for a window of weight 0, and for the window
-  /// a mid-window checkpoint cut.
+  /// without accumulate_dtype), for a window of weight 0, for the window
+  /// a mid-window checkpoint cut, and for a window dropped on every rank
+  /// (window_items() is then 0).
   std::optional<at::Tensor> window_loss() const;
   /// That window's user metrics (AccumulatorOptions::metrics), each summed
   /// over its micro-batches and every rank, not divided: a 1-D float64 tensor
   /// in the names' order, on the loss's device, no host synchronisation and no
-  /// extra collective. None without metric names, on a bf16/fp16 wire, and
-  /// for the window a mid-window checkpoint cut.
+  /// extra collective. None without metric names, on a bf16/fp16 wire, for
+  /// the window a mid-window checkpoint cut, and for a dropped window.
   std::optional<at::Tensor> window_metrics() const;
   /// That window's weight summed over ranks: its items ("items") or
-  /// micro-batches ("mean", "sum"). 0 before the first window closes.
+  /// micro-batches ("mean", "sum"). 0 before the first window closes and
+  /// for a window dropped on every rank.
   double window_items() const {
     return window_items_;
   }
@@ -433,6 +438,8 @@ class Accumulator {
   void add_micro_loss(const at::Tensor& loss, const at::Tensor& metrics);
   void close_window_loss(const ReductionResult& result, const at::Tensor& like);
   void close_local_window_loss();
+  /// A window dropped on every rank when it closed: no loss, metrics or items.
+  void forget_window_loss();
   void reset_window();
   /// zero_grad() without its call guard: a closed window that every rank
   /// drops alike (acc.step()'s skips) or that a reduction tells of already.

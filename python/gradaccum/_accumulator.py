@@ -385,8 +385,10 @@ class Accumulator:
         ``join()``) until the next window closes, so it can be read before or
         after ``step()``; ``None`` before the first window closes, on a
         bf16/fp16 wire (``comm_dtype``, or such parameters without
-        ``accumulate_dtype``), for a window with no weight, and for the window a
-        mid-window checkpoint cut (the losses before the save are not in it)."""
+        ``accumulate_dtype``), for a window with no weight, for the window a
+        mid-window checkpoint cut (the losses before the save are not in it),
+        and for a window dropped on every rank (an error every rank raised;
+        ``window_items`` is then 0), not the loss of the window before it."""
         return self._c.window_loss
 
     @property
@@ -396,8 +398,8 @@ class Accumulator:
         divided (``{"correct": 0-dim float64 tensor}``; divide by
         ``window_items`` or by a count metric yourself). No synchronisation,
         no extra collective. ``None`` without metric names, before the first
-        window, on a bf16/fp16 wire, and for the window a mid-window checkpoint
-        cut."""
+        window, on a bf16/fp16 wire, for the window a mid-window checkpoint
+        cut, and for a window dropped on every rank."""
         sums = self._c.window_metrics
         if sums is None:
             return None
@@ -406,7 +408,9 @@ class Accumulator:
     @property
     def window_items(self) -> float:
         """The weight of the window ``window_loss`` describes, summed over
-        ranks: its items (``"items"``) or micro-batches (``"mean"``, ``"sum"``)."""
+        ranks: its items (``"items"``) or micro-batches (``"mean"``, ``"sum"``);
+        0 before the first window closes and for a window dropped on every
+        rank."""
         return self._c.window_items
 
     def step(self) -> bool:

@@ -375,6 +375,7 @@ void Accumulator::fail_after_peers_ended_epoch() {
   epoch_ended_ = false;
   epoch_ended_raised_ = true;
   reset_window();
+  forget_window_loss();
   TORCH_CHECK(false,
       "gradaccum: ", call_name(), ": other ranks ended the epoch with acc.flush() in the reduction that "
       "closed this rank's last window, but this rank went on training. Every rank must run the "
@@ -465,7 +466,13 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
       // Reduced on every rank, but the write-back (or a collective before it)
       // failed here: the reducer cleared this rank's gradients. The window is
       // dropped here, as flush() drops it, and this rank's position stays the
-      // others' (its next acc.step() steps nothing).
+      // others' (its next acc.step() steps nothing). Its loss is the one the
+      // others report.
+      try {
+        close_window_loss(last, pending_loss_sum_);
+      } catch (...) { // (the error below is the one to tell)
+        forget_window_loss();
+      }
       reset_window();
       epoch_ended_ = peers_ended_epoch(last);
       ++stats_.micro_steps;
@@ -482,6 +489,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
     // Some ranks flushed while others joined (Note [Joining]): they raise;
     // so does this rank, instead of waiting for them in its next window.
     reset_window();
+    forget_window_loss();
     TORCH_CHECK(false, "gradaccum: ", call_name(), ": in window ", result.window, " ",
         result.flushing_ranks - result.joined_ranks, " rank(s) ended their data with acc.flush() while ",
         result.joined_ranks, " rank(s) were in acc.join(); the window was dropped on every rank. End the data "
@@ -498,6 +506,7 @@ void Accumulator::note_dropped_window(int64_t window) {
   // their epoch); this rank, which was not, must then not flush again.
   const auto last = reducer_->last_result();
   epoch_ended_ = last.window == window && peers_ended_epoch(last);
+  forget_window_loss();
 }
 
 void Accumulator::reset_window() {

@@ -149,6 +149,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
     abort.flushing = true;
     abort.joined = joined;
     reset_window();
+    forget_window_loss();
     try {
       reducer_->reduce(abort);
     } catch (const c10::Error& e) {
@@ -174,8 +175,18 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
   try {
     result = reducer_->reduce(request);
   } catch (const std::exception& e) {
+    const auto loss_sum = window_loss_sum_;
     reset_window();
     const auto last = reducer_->last_result();
+    if (last.window == window && !last.dropped) {
+      try {
+        close_window_loss(last, loss_sum); // reduced everywhere: the others report it
+      } catch (...) { // (the error below is the one to tell)
+        forget_window_loss();
+      }
+    } else {
+      forget_window_loss();
+    }
     // As in reduce_window(): reduced everywhere, dropped here alone.
     TORCH_CHECK(last.window != window || last.dropped || last.written,
         detail::failed_after_reduction(call_name(), reducer_->process_group()->getRank(), last, e));

@@ -148,6 +148,7 @@ void Accumulator::abandon() noexcept {
     auto abort = new_request();
     abort.abort = AbortReason::LeftJoin;
     reset_window();
+    forget_window_loss();
     try {
       reducer_->reduce(abort); // throws the dropped window's error, as on every rank
     } catch (const std::exception&) {
@@ -160,6 +161,7 @@ void Accumulator::abandon() noexcept {
 void Accumulator::check_join_partners(const ReductionResult& result, bool joining) {
   if (joining && result.flushing_ranks > result.joined_ranks) {
     reset_window();
+    forget_window_loss();
     TORCH_CHECK(false,
         "gradaccum: acc.join(): ", result.flushing_ranks - result.joined_ranks, " rank(s) ended their data "
         "with acc.flush() while this rank was in acc.join(), so they will not shadow the remaining "
@@ -168,6 +170,7 @@ void Accumulator::check_join_partners(const ReductionResult& result, bool joinin
   }
   if (!joining && result.joined_ranks > 0) {
     reset_window();
+    forget_window_loss();
     TORCH_CHECK(false,
         "gradaccum: acc.flush(): ", result.joined_ranks, " rank(s) are in acc.join() (out of data, "
         "shadowing the others' windows) and wait for this rank to join too; the window was dropped "

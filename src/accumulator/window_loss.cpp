@@ -24,8 +24,11 @@ namespace gradaccum {
 // when the window closes, divided by the same global weight as the gradient.
 // Digit-encoded meta (a bf16/fp16 wire: comm_dtype, or bf16/fp16 parameters
 // without accumulate_dtype) carries integers only: there the window's loss is
-// not available (None). Nor for a window of weight 0, or one a mid-window
-// checkpoint cut (the losses before the save are not in it). One process: the
+// not available (None). Nor for a window of weight 0, one a mid-window
+// checkpoint cut (the losses before the save are not in it), or one dropped on
+// every rank (forget_window_loss(): none of its loss was applied; a window
+// reduced everywhere but dropped on one rank alone keeps its loss there, as
+// the others stepped it). One process: the
 // local sum over the window's weight, on the device. User metrics
 // (AccumulatorOptions::metrics) ride the same way, after the loss (kMetric0):
 // the header keeps room for kMaxWindowMetrics of them in every bucket, so
@@ -109,6 +112,14 @@ void Accumulator::close_local_window_loss() {
   const bool divide = options_.reduction() != Reduction::Sum && window_weight_ > 0;
   const auto loss = window_loss_sum_[0];
   window_loss_ = divide ? loss / window_weight_ : loss.clone();
+}
+
+void Accumulator::forget_window_loss() {
+  // A window dropped on every rank closed with nothing applied: what a logger
+  // reads next is "no loss", not the window before it's.
+  window_loss_ = at::Tensor();
+  window_metrics_ = at::Tensor();
+  window_items_ = 0;
 }
 
 bool Accumulator::keep_micro_batch(const at::Tensor& value, const at::Tensor& metrics) {

@@ -138,3 +138,74 @@ def bad_micro_batches(rank, world_size, *, seed, n_windows, reduction, nan_at=()
            "losses": losses}
     acc.close()
     return out
+
+
+def dropped_reference(seed, world_size, n_windows, last, reduction, dropped):
+    """Each window's big-batch loss, one process, float64, and the parameters
+    after the last; the windows in `dropped` step nothing and have no loss
+    (None)."""
+    model = du.mlp(seed)
+    opt = du.make_optimizer("adam", model.parameters())
+    losses = []
+    for w, window in enumerate(schedule(seed, world_size, n_windows, last)):
+        if w in dropped:
+            losses.append(None)
+            continue
+        loss = du.global_batch_loss(model, window, reduction)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, du.params(model)
+
+
+@job
+def dropped_window_loss(rank, world_size, *, seed, n_windows, last, reduction, fail_at):
+    """A micro-step whose backward raises at (window, rank, k) in `fail_at`:
+    its window is dropped on every rank when it closes (the closing backward,
+    or flush()); what every rank reads then of the window's loss."""
+    import torch
+    import gradaccum
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom in backward")
+
+    fail_at = {tuple(t) for t in fail_at}
+    model = du.mlp(seed)
+    opt = du.make_optimizer("adam", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=STEPS, reduction=reduction, process_group=None,
+                                metrics=("sq_err", "items"))
+    out = {"losses": [], "items": [], "metrics": [], "stats_loss": [], "errors": []}
+    windows = schedule(seed, world_size, n_windows, last)
+    for w, window in enumerate(windows):
+        errors = []
+        for k, batch in enumerate(window[rank]):
+            loss, n = du.micro_loss(model, batch, reduction)
+            if (w, rank, k) in fail_at:
+                loss = Boom.apply(loss)
+            try:
+                acc.backward(loss, num_items=n, metrics=metric_values(model, batch))
+            except RuntimeError as e:
+                errors.append(str(e).split(".")[0])
+            if acc.window_ready:
+                acc.step()
+        if w == len(windows) - 1 and last:
+            try:
+                acc.flush()
+            except RuntimeError as e:
+                errors.append(str(e).split(".")[0])
+        wl, wm = acc.window_loss, acc.window_metrics
+        out["losses"].append(None if wl is None else float(wl))
+        out["items"].append(acc.window_items)
+        out["metrics"].append(None if wm is None else {k: float(v) for k, v in wm.items()})
+        out["stats_loss"].append(acc.stats()["window_loss"])
+        out["errors"].append(errors)
+    out["params"] = du.params(model)
+    acc.close()
+    return out

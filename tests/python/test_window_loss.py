@@ -216,3 +216,25 @@ def test_the_window_a_checkpoint_cut_has_no_loss_and_a_boundary_state_fits_anoth
     with pytest.raises(ValueError, match=r"the state holds 4 gradients but the model has 2 trainable parameters"):
         frozen.load_state_dict(mid)
     frozen.close()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "items"])
+def test_a_window_dropped_on_every_rank_has_no_loss(tmp_path, reduction):
+    # Window 1: rank 1's middle micro-step fails, so the window is dropped on
+    # every rank at its closing backward; window 3 (flushed, 2 micro-steps):
+    # rank 0's first fails, dropped at flush(). A logger reading the loss then
+    # must not get the window before it's.
+    n_windows, last = 3, 2
+    results = run("dropped_window_loss", 2, tmp_path, seed=7, n_windows=n_windows, last=last, reduction=reduction,
+                  fail_at=[(1, 1, 1), (3, 0, 0)])
+    expected, params = lj.dropped_reference(7, 2, n_windows, last, reduction, dropped={1, 3})
+    for rank, res in enumerate(results):
+        assert [bool(e) for e in res["errors"]] == [False, True, False, True], (rank, res["errors"])
+        for w, (got, want) in enumerate(zip(res["losses"], expected)):
+            if want is None:
+                assert got is None and res["items"][w] == 0 and res["metrics"][w] is None, (rank, w, res)
+                assert res["stats_loss"][w] is None
+            else:
+                assert abs(got - want) <= 1e-12 * max(1.0, abs(want)), (rank, w, got, want)
+                assert res["items"][w] > 0 and res["metrics"][w] is not None
+        du.assert_params_close(res["params"], params, f"rank {rank}")
