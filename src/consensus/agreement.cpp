@@ -283,7 +283,9 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
           "between micro-steps, or a backward other than acc.backward() through these parameters, "
           "such as another model's loss?), or held a gradient no micro-step counted when it began (a "
           "plain loss.backward() at the window boundary, or .grad left before the Accumulator was "
-          "built?); clear them only after acc.step() returns True, or drop a window with acc.zero_grad()";
+          "built?), or acc.zero_grad() dropped its part of a window resumed in its middle from a "
+          "rank-independent state, whose gradients hold a share of every rank's sums; clear them only "
+          "after acc.step() returns True, or drop a window with acc.zero_grad()";
     case AbortReason::ForeignReducer:
       return who + "'s parameters carry another reducer's gradient hooks (the model is also "
           "wrapped in torch DDP there?)";
@@ -331,7 +333,8 @@ const char* several_phrase(AbortReason why) {
       return "carried another reducer's gradient hooks on the parameters (torch DDP?)";
     case AbortReason::GradientsChanged:
       return "had the accumulated gradients cleared or changed outside the Accumulator in the middle of the "
-             "window, or a gradient no micro-step counted when it began";
+             "window, or a gradient no micro-step counted when it began, or dropped its part of a window "
+             "resumed from a rank-independent state";
     case AbortReason::WeightTooLarge:
       return "had a window weight larger than a bf16/fp16 bucket's meta carries exactly";
     case AbortReason::WeightTooSmall:
@@ -471,21 +474,27 @@ std::string dropped_elsewhere(const std::string& where, const Aborters& who, int
 }
 
 std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
-                         const std::string& transport, int64_t joined, int64_t left, int64_t unstepped) {
+                         const std::string& transport, int64_t joined, int64_t left, int64_t unstepped,
+                         int64_t others, int64_t other_rank) {
   // What another rank's drop in the same reduction means for every rank
   // (Note [Every rank reads what several aborters did]); both counts include
   // this rank's own reason.
   const auto told_here = told(unstepped, left, why);
-  // Where that comes from other ranks, say what they did.
-  std::string others;
+  // Where that comes from other ranks, say what they did; else, that other
+  // ranks dropped it too (the others' error names them: the same story).
+  std::string also;
   if (told_here != why) {
     const auto n = told_here == AbortReason::ClosedWindowNotStepped ? unstepped : left;
-    others = "; " + (n == 1 ? std::string("another rank ") : std::to_string(n) + " other ranks ") +
+    also = "; " + (n == 1 ? std::string("another rank ") : std::to_string(n) + " other ranks ") +
         several_phrase(told_here);
+  } else if (others > 0) {
+    also = "; " + (others == 1 ? (other_rank >= 0 ? "rank " + std::to_string(other_rank) : std::string("another rank")) +
+                                     " could not contribute its window either"
+                               : std::to_string(others) + " other ranks could not contribute theirs either");
   }
   return where + " was dropped on every rank: " +
       abort_phrase(why, "this rank (rank " + std::to_string(rank) + ")") + (local.empty() ? "" : ": " + local) +
-      others + consequence(told_here, joined) + (transport.empty() ? "" : ". Dropping it failed too: " + transport);
+      also + consequence(told_here, joined) + (transport.empty() ? "" : ". Dropping it failed too: " + transport);
 }
 
 } // namespace gradaccum::detail

@@ -8,6 +8,7 @@
 
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 
 // Note [Dropping a window]
@@ -34,6 +35,8 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
   window.aborted_here = true;
   window.own_reason = reason;
   window.own_transport.clear();
+  window.other_aborters = 0;
+  window.other_aborter = -1;
   try {
     window.own_where = where();
   } catch (...) { // out of memory: the pairing below matters more than the words
@@ -53,6 +56,10 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
     const auto who = detail::read_aborters(header, config.world);
     window.last_result.left_ranks = who.of(AbortReason::LeftJoin);
     window.last_result.unstepped_ranks = who.of(AbortReason::ClosedWindowNotStepped);
+    window.other_aborters = std::max<int64_t>(who.count - 1, 0);
+    if (who.count == 2) {
+      window.other_aborter = who.ranks[0] == config.rank ? who.ranks[1] : who.ranks[0];
+    }
   } catch (const std::exception& e) {
     try {
       window.own_transport = detail::message_of(e);
@@ -83,7 +90,7 @@ std::string Reducer::State::own_failure(const std::string& local) const {
   }
   return detail::dropped_here(window.own_where, config.rank, window.own_reason, cause, window.own_transport,
                               window.last_result.joined_ranks, window.last_result.left_ranks,
-                              window.last_result.unstepped_ranks);
+                              window.last_result.unstepped_ranks, window.other_aborters, window.other_aborter);
 }
 
 void Reducer::State::fail(const std::string& message) {

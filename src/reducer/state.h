@@ -182,6 +182,10 @@ struct Window {
   std::string own_where;
   AbortReason own_reason = AbortReason::None;
   std::string own_transport;
+  /// Of the ranks that dropped it, those but this one (their count, and the
+  /// one's rank where the header names it, else -1).
+  int64_t other_aborters = 0;
+  int64_t other_aborter = -1;
   ReductionResult last_result;
 
   /// 0: a window's reduction (acc.backward(), acc.flush(), acc.join()),

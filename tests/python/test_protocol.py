@@ -271,7 +271,7 @@ def test_ranks_that_cannot_step_their_closed_window_tell_every_rank_the_replicas
     """Note [Every rank reads what several aborters did]: two of three ranks
     cannot step the window flush() steps. Rank 0 stepped it: the replicas
     differ, and rank 0 must say so, naming both ranks (it once counted them
-    and said training could go on)."""
+    and said training could go on); each of them names the other."""
     results = du.run_job("flush_after_closed_window_fails_on_one_rank", 3, tmp_path, module="_protocol_jobs",
                          how="optimizer", failing=(1, 2), pg_timeout=30, timeout=90)
     assert results[0]["error"] == (
@@ -283,7 +283,8 @@ def test_ranks_that_cannot_step_their_closed_window_tell_every_rank_the_replicas
         err = results[rank]["error"]
         assert err.startswith(f"gradaccum: acc.flush(): window 1 was dropped on every rank: this rank (rank {rank}) "
                               "could not step the last window it closed (ending its data in acc.flush() or "
-                              "acc.join()), while other ranks stepped theirs: the replicas differ from here on. "
+                              f"acc.join()), while other ranks stepped theirs; rank {3 - rank} could not contribute "
+                              "its window either: the replicas differ from here on. "
                               "Resume every rank from a checkpoint. The error on this rank, stepping the closed "
                               f"window before the flush: RuntimeError: optimizer failed on rank {rank}"), err
     for res in results:
@@ -293,8 +294,9 @@ def test_ranks_that_cannot_step_their_closed_window_tell_every_rank_the_replicas
 def test_two_ranks_dropping_one_window_for_different_reasons_are_both_named(tmp_path):
     """On 3 ranks, at window 1's closing micro-step, rank 1 refuses its
     micro-batch and rank 2's backward raises: rank 0 names both, with each
-    reason counted; every rank drops the window and the next one trains (the
-    float64 big batches without window 1)."""
+    reason counted, and each of them names the other (the same story, as
+    far as the header tells); every rank drops the window and the next one
+    trains (the float64 big batches without window 1)."""
     results = run("refused_micro_batch", 3, tmp_path, how="no_grad", closing=True, boom_rank=2)
     assert results[0]["errors"] == [("1/1", "RuntimeError",
                                      "gradaccum: acc.backward(): window 1 was dropped on every rank: 2 ranks (ranks 1 "
@@ -304,12 +306,12 @@ def test_two_ranks_dropping_one_window_for_different_reasons_are_both_named(tmp_
                                      f"closes the window (each raises its own error there){THEN}")]
     kind, local = REFUSED["no_grad"]
     assert results[1]["errors"] == [("1/1", kind, f"{local}; window 1 was dropped on every rank: this "
-                                     f"rank (rank 1) {WHY}{THEN}")]
+                                     f"rank (rank 1) {WHY}; rank 2 could not contribute its window either{THEN}")]
     (boom,) = results[2]["errors"]
     assert boom[0] == "1/1" and boom[2].startswith(
         "gradaccum: acc.backward(): window 1 was dropped on every rank: the synchronising backward (or a "
         "micro-step of the window) failed on this rank (rank 2): injected failure on rank 2"), boom
-    assert boom[2].endswith(THEN), boom
+    assert boom[2].endswith(f"; rank 1 could not contribute its window either{THEN}"), boom
     expected = pj.refused_reference(3, dropped=1)
     for res in results:
         assert res["stats"]["dropped_windows"] == 1 and res["stats"]["optimizer_steps"] == 2
