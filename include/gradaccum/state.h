@@ -39,6 +39,11 @@ struct AccumulatorState {
   /// optimizer step failed; a retried step() does not clip it again.
   bool window_clipped = false;
   double window_weight = 0; ///< micro-steps (mean, sum) or items (items) so far
+  /// Per-rank states in the middle of a window resumed mid-way from a
+  /// rank-independent state: the gradients hold a share of every rank's sums,
+  /// so acc.zero_grad() there drops the window on every rank (Note [Dropping
+  /// the middle of a window]). Rank-independent states are always so.
+  bool window_shared = false;
   bool epoch_ended = false; ///< see Accumulator: flush() owes no collective
   int64_t micro_steps = 0;
   int64_t optimizer_steps = 0;
@@ -93,6 +98,7 @@ void for_each_state_field(State& s, Visit&& visit) {
   visit("window_empty", s.window_empty, false);
   visit("window_unscaled", s.window_unscaled, false);
   visit("window_clipped", s.window_clipped, false);
+  visit("window_shared", s.window_shared, false);
   visit("reducer.windows", s.reducer.windows, true);
   visit("reducer.dropped_windows", s.reducer.dropped_windows, true);
   visit("reducer.collectives", s.reducer.collectives, true);

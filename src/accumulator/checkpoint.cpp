@@ -92,6 +92,7 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   state.window_empty = window_ready_ && window_empty_;
   state.window_unscaled = window_ready_ && window_unscaled_;
   state.window_clipped = window_ready_ && window_clipped_;
+  state.window_shared = reducer_ && !rank_independent && micro_step_ > 0 && window_shared_;
   state.epoch_ended = epoch_ended_;
   state.micro_steps = stats_.micro_steps;
   state.optimizer_steps = stats_.optimizer_steps;
@@ -343,6 +344,9 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
   TORCH_CHECK_VALUE(state.window_ready || (!state.window_empty && !state.window_unscaled && !state.window_clipped),
       "gradaccum: acc.load_state_dict(): window_empty, window_unscaled or window_clipped without window_ready (they "
       "describe a closed window)");
+  TORCH_CHECK_VALUE(!state.window_shared || (!state.rank_independent && state.micro_step > 0),
+      "gradaccum: acc.load_state_dict(): window_shared=true describes a per-rank state in the middle of a window "
+      "(rank_independent=false, micro_step > 0)");
   TORCH_CHECK_VALUE(state.skipped_micro_batches >= 0,
       "gradaccum: acc.load_state_dict(): skipped_micro_batches=", state.skipped_micro_batches, " must be >= 0");
   TORCH_CHECK_VALUE(std::isfinite(state.window_weight) && state.window_weight >= 0,
@@ -468,7 +472,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   // (window_loss is None for it); the last closed window's is gone too.
   window_loss_sum_ = at::Tensor();
   window_loss_cut_ = state.micro_step > 0;
-  window_shared_ = reducer_ && state.rank_independent && state.micro_step > 0;
+  window_shared_ = reducer_ && (state.rank_independent || state.window_shared) && state.micro_step > 0;
   window_loss_ = at::Tensor();
   window_metrics_ = at::Tensor();
   window_items_ = 0;

@@ -238,12 +238,16 @@ def mid_window_dropped(rank, world_size, *, droppers, fail=True, at=4, then="go_
 
 
 @job
-def resumed_then_dropped(rank, world_size, *, rank_independent):
+def resumed_then_dropped(rank, world_size, *, rank_independent, then_per_rank=False):
     """K=4: micro-batches 0 and 1, then every rank saves a state and loads
-    it (rank-independent or per-rank), then micro-batch 2, after which rank
-    0 drops its part with acc.zero_grad(), then micro-batch 3 closes the
-    window. Returns the error, window_loss and the micro-batches of the
-    window that stepped from this rank."""
+    it (rank-independent or per-rank; `then_per_rank`: then saves and loads a
+    per-rank state of that resumed window, through torch.save), then
+    micro-batch 2, after which rank 0 drops its part with acc.zero_grad(),
+    then micro-batch 3 closes the window. Returns the error, window_loss and
+    the micro-batches of the window that stepped from this rank."""
+    import io
+
+    import torch
     import gradaccum
 
     model = du.mlp(SEED)
@@ -253,6 +257,13 @@ def resumed_then_dropped(rank, world_size, *, rank_independent):
     for i in range(4):
         if i == 2:
             acc.load_state_dict(acc.state_dict(rank_independent=rank_independent))
+            if then_per_rank:
+                buffer = io.BytesIO()
+                torch.save(acc.state_dict(rank_independent=False), buffer)
+                buffer.seek(0)
+                state = torch.load(buffer, weights_only=True)
+                assert state["window_shared"] == rank_independent, state["window_shared"]
+                acc.load_state_dict(state)
         kept.append(i)
         try:
             acc.backward(du.micro_loss(model, stream[i], "mean")[0])

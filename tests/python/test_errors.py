@@ -478,7 +478,7 @@ STATE_KEYS = ["steps", "reduction", "world_size", "rank", "rank_independent", "m
               "loss_scale_growth_tracker", "grads"]
 # Optional: states saved before it was kept load without it (as 0).
 OPTIONAL_STATE_KEYS = ["reducer_last_weight", "reducer_residual_weight", "skipped_micro_batches",
-                       "window_empty", "window_unscaled", "window_clipped", "parameter_names"]
+                       "window_empty", "window_unscaled", "window_clipped", "window_shared", "parameter_names"]
 
 
 @pytest.fixture
@@ -710,6 +710,10 @@ def test_load_state_dict_closed_window_flags_need_a_closed_window(mid_window, ke
     check_untouched(model, acc, grads)
     with pytest.raises(ValueError, match=r"skipped_micro_batches=-1 must be >= 0"):
         acc.load_state_dict({**state, "skipped_micro_batches": -1})
+    # (a one-process state is rank-independent: a shared window is a per-rank state's)
+    with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): window_shared=true describes a "
+                       r"per-rank state in the middle of a window \(rank_independent=false, micro_step > 0\)$"):
+        acc.load_state_dict({**state, "window_shared": True})
     check_untouched(model, acc, grads)
 
 
