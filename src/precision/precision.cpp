@@ -219,6 +219,10 @@ void set_residuals(std::vector<Bucket>& buckets, const ReducerConfig& config,
             "gradaccum: acc.load_state_dict(): the state has an error-feedback residual for ", config.name(i),
             " but this Accumulator keeps none (error_feedback=False, or no comm_dtype narrower "
             "than its gradients)");
+        TORCH_CHECK_VALUE(r.layout() == at::kStrided && !r.is_meta(),
+            "gradaccum: acc.load_state_dict(): the error-feedback residual of ", config.name(i), " is a ", r.layout(),
+            " tensor on ", r.device(), "; a state's residuals are dense tensors holding values, as acc.state_dict() "
+            "saves them");
         TORCH_CHECK_VALUE(r.numel() == numel,
             "gradaccum: acc.load_state_dict(): the error-feedback residual of ", config.name(i), " has ", r.numel(),
             " elements, the parameter ", numel);

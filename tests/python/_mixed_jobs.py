@@ -583,6 +583,15 @@ def error_feedback_state_on_another_set(rank, world_size):
             acc.backward(model(torch.randn(2, 4, dtype=dtype)).pow(2).mean())
         acc.step()
         state = acc.state_dict(rank_independent=False)
+        meta = [None if r is None else torch.empty_like(r, device="meta") for r in state["error_feedback_residuals"]]
+        try:
+            acc.load_state_dict({**state, "error_feedback_residuals": meta})
+            meta_refused = None
+        except ValueError as e:
+            meta_refused = str(e)
+        kept = acc.state_dict(rank_independent=False)["error_feedback_residuals"]
+        meta_untouched = all((a is None and b is None) or torch.equal(a, b)
+                             for a, b in zip(kept, state["error_feedback_residuals"]))
         acc.close()
         other = Two("b", dtype)
         opt = torch.optim.SGD([p for p in other.parameters() if p.requires_grad], lr=0.1)
@@ -594,7 +603,8 @@ def error_feedback_state_on_another_set(rank, world_size):
         except ValueError as e:
             refused = str(e)
         acc.load_state_dict({k: v for k, v in state.items() if k != "error_feedback_residuals"})
-        out[str(dtype)] = {"held": held, "refused": refused, "micro_step": acc.micro_step}
+        out[str(dtype)] = {"held": held, "refused": refused, "micro_step": acc.micro_step,
+                           "meta_refused": meta_refused, "meta_untouched": meta_untouched}
         acc.close()
     return out
 

@@ -503,7 +503,8 @@ def test_error_feedback_residuals_load_only_onto_their_parameters(tmp_path):
     """Note [A held gradient belongs to a named parameter]: real residuals of
     layer a are refused where layer b is trained (they restart at zero when
     left out); a state whose residuals are all None (the wire kept nothing)
-    holds nothing and loads onto any set, as any boundary state."""
+    holds nothing and loads onto any set, as any boundary state. Residuals
+    on the meta device are refused by name (before: a raw torch error)."""
     for res in du.run_job("error_feedback_state_on_another_set", 2, tmp_path, module="_mixed_jobs"):
         real, none = res["torch.float64"], res["torch.float32"]
         assert real["held"] == [True, True] and none["held"] == [False, False]
@@ -515,3 +516,8 @@ def test_error_feedback_residuals_load_only_onto_their_parameters(tmp_path):
             "'error_feedback_residuals' (they restart at zero, as after acc.refresh_parameters())")
         assert none["refused"] is None
         assert real["micro_step"] == none["micro_step"] == 0
+        # residuals without values (meta) are refused by name (the first in bucket order), changing nothing
+        assert real["meta_refused"] == (
+            "gradaccum: acc.load_state_dict(): the error-feedback residual of a.bias is a Strided tensor on "
+            "meta; a state's residuals are dense tensors holding values, as acc.state_dict() saves them")
+        assert real["meta_untouched"] and none["meta_refused"] is None
