@@ -491,7 +491,10 @@ class Accumulator:
         window); data parallel it stays, so the window still closes with every
         rank at its last micro-step, holding what every rank kept: after a
         micro-step failed on one rank, its script may drop that rank's part
-        and go on, and no rank's window is dropped."""
+        and go on, and no rank's window is dropped (except a window resumed
+        in its middle from a rank-independent state, whose gradients hold a
+        share of every rank's sums: it is dropped on every rank when it
+        closes)."""
         self._c.zero_grad()
 
     @property

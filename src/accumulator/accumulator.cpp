@@ -323,8 +323,8 @@ void Accumulator::close_window(const at::Tensor& scaled, double weight, const st
 void Accumulator::check_micro_step_state(const char* what) const {
   check_open(what);
   TORCH_CHECK(!window_ready_,
-      "gradaccum: ", what, ": the window closed at the previous acc.backward(); call acc.step() "
-      "(or acc.zero_grad() to drop it) before the next micro-step");
+      "gradaccum: ", what, ": the window closed at the previous micro-step (acc.backward() or acc.run()); "
+      "call acc.step() (or acc.zero_grad() to drop it) before the next micro-step");
   TORCH_CHECK(!reducer_ || reducer_->expect_hooks(),
       "gradaccum: ", what, ": called inside acc.no_sync(). acc.backward() decides by itself "
       "which micro-step synchronises; acc.no_sync() is for the manual path (a plain "
@@ -427,6 +427,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
     } catch (...) {
       remember_gradients(); // dropping zeroed the buckets, and with them any .grad views
       note_dropped_window(window);
+      forget_window_loss();
       throw;
     }
     TORCH_INTERNAL_ASSERT(false, "gradaccum: an aborted reduction returned");
@@ -480,6 +481,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
     }
     reset_window(); // the reducer dropped the window on every rank
     note_dropped_window(window);
+    forget_window_loss();
     throw;
   }
   // A full window reduced with others' partial ones: their epoch is over,
@@ -506,7 +508,6 @@ void Accumulator::note_dropped_window(int64_t window) {
   // their epoch); this rank, which was not, must then not flush again.
   const auto last = reducer_->last_result();
   epoch_ended_ = last.window == window && peers_ended_epoch(last);
-  forget_window_loss();
 }
 
 void Accumulator::reset_window() {

@@ -28,7 +28,8 @@ namespace gradaccum {
 // checkpoint cut (the losses before the save are not in it), or one dropped on
 // every rank (forget_window_loss(): none of its loss was applied; a window
 // reduced everywhere but dropped on one rank alone keeps its loss there, as
-// the others stepped it). One process: the
+// the others stepped it, where the failure came after the reducer read it:
+// the write-back). One process: the
 // local sum over the window's weight, on the device. User metrics
 // (AccumulatorOptions::metrics) ride the same way, after the loss (kMetric0):
 // the header keeps room for kMaxWindowMetrics of them in every bucket, so

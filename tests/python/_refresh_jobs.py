@@ -71,7 +71,8 @@ def refused_on_one_rank(rank, world_size, *, mode):
     rank 1 refuses it by itself (`mode`: "empty": it froze every layer;
     "scaler": it unfroze a layer its optimizer lacks, with a GradScaler,
     refused in Python), or "names": rank 0 unfreezes layer 0 and rank 1
-    layer 1, of the same shape. Each rank's errors and parameters."""
+    layer 1, of the same shape. A window is stepped first. Each rank's
+    errors, parameters, and window loss and items before and after."""
     import gradaccum
 
     torch.manual_seed(0)
@@ -81,6 +82,11 @@ def refused_on_one_rank(rank, world_size, *, mode):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     scaler = torch.amp.GradScaler("cpu") if mode == "scaler" else None
     acc = gradaccum.Accumulator(model, opt, steps=2, grad_scaler=scaler)
+    x = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        acc.backward(model(x).pow(2).mean())
+    acc.step()
+    before = (float(acc.window_loss), acc.window_items)
     if rank == 1 and mode == "empty":
         model.requires_grad_(False)
     if rank == 1 and mode == "scaler":
@@ -93,6 +99,7 @@ def refused_on_one_rank(rank, world_size, *, mode):
     except (RuntimeError, ValueError) as e:
         out["errors"].append(f"{type(e).__name__}: {e}")
     out["params"] = du.params(model)
+    out["loss"] = (before, (None if acc.window_loss is None else float(acc.window_loss), acc.window_items))
     acc.close()
     return out
 

@@ -121,16 +121,21 @@ def test_a_refresh_refused_on_one_rank_raises_on_every_rank(tmp_path, mode):
     construction until the group's timeout. Now rank 1 raises its own error
     and rank 0 one naming rank 1 (the drop of the refresh's check, Note [A
     refresh pairs like a window]), at once, and neither changed its
-    parameters (the refresh broadcasts nothing). (In the middle of a window the call is
+    parameters (the refresh broadcasts nothing) nor its last window's loss (a
+    window is stepped first: the check is reduction 1). (In the middle of a window the call is
     refused before any collective: test_unfreezing_at_a_boundary_...)"""
     results = run("refused_on_one_rank", 2, tmp_path, mode=mode)
     (theirs,) = results[0]["errors"]
-    assert theirs == ("RuntimeError: gradaccum: acc.refresh_parameters(): its check (reduction 0) was dropped on "
+    assert theirs == ("RuntimeError: gradaccum: acc.refresh_parameters(): its check (reduction 1) was dropped on "
                       "every rank: " + REFUSED_BY_1), theirs
     (own,) = results[1]["errors"]
     assert own.startswith(REFUSED_HERE[mode]), own
     # seeded alike: the same values on both ranks, none broadcast or changed
     du.assert_params_close(results[1]["params"], results[0]["params"], "rank 1", tol=0)
+    # no window was dropped: the last window's loss stays, the same on both ranks
+    for res in results:
+        before, after = res["loss"]
+        assert before[1] == 4 and after == before == results[0]["loss"][0], res["loss"]
 
 
 def test_ranks_that_unfreeze_different_layers_of_one_shape_all_get_an_error(tmp_path):
