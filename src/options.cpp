@@ -6,12 +6,12 @@
 
 namespace gradaccum {
 
-Reduction reduction_from_string(const std::string& name) {
+Reduction reduction_from_string(const std::string& name, const char* call) {
   if (name == "mean") return Reduction::Mean;
   if (name == "sum") return Reduction::Sum;
   if (name == "items") return Reduction::Items;
   TORCH_CHECK_VALUE(false,
-      "gradaccum: Accumulator(): invalid reduction: '", name, "' (expected 'mean', 'sum' or 'items')");
+      "gradaccum: ", call, ": invalid reduction: '", name, "' (expected 'mean', 'sum' or 'items')");
 }
 
 std::string to_string(Reduction reduction) {
@@ -23,13 +23,13 @@ std::string to_string(Reduction reduction) {
   TORCH_INTERNAL_ASSERT(false, "unknown Reduction");
 }
 
-NonFinite nonfinite_from_string(const std::string& name) {
+NonFinite nonfinite_from_string(const std::string& name, const char* call) {
   if (name == "skip") return NonFinite::Skip;
   if (name == "raise") return NonFinite::Raise;
   if (name == "ignore") return NonFinite::Ignore;
   if (name == "skip_micro_batch") return NonFinite::SkipMicroBatch;
   TORCH_CHECK_VALUE(false,
-      "gradaccum: Accumulator(): invalid nonfinite: '", name,
+      "gradaccum: ", call, ": invalid nonfinite: '", name,
       "' (expected 'skip', 'raise', 'ignore' or 'skip_micro_batch')");
 }
 
@@ -51,15 +51,27 @@ void ReducerOptions::validate() const {
       "gradaccum: Accumulator(): invalid first_bucket_cap_mb: ", first_bucket_cap_mb_, " (must be > 0)");
 }
 
+namespace {
+
+// `which`: the option's name in the message. An external scaler (Python's
+// GradScaler) is only compared across ranks, so its growth_interval, which
+// torch does not check, is not checked here either; a NaN would compare
+// unequal on every rank ("the ranks disagree").
+void validate_scaler(const LossScalerOptions& o, const char* which, bool external) {
+  TORCH_CHECK_VALUE(std::isfinite(o.init_scale()) && o.init_scale() > 0,
+      "gradaccum: Accumulator(): invalid ", which, " init_scale: ", o.init_scale(), " (must be a finite number > 0)");
+  TORCH_CHECK_VALUE(std::isfinite(o.growth_factor()) && o.growth_factor() > 1,
+      "gradaccum: Accumulator(): invalid ", which, " growth_factor: ", o.growth_factor(), " (must be > 1)");
+  TORCH_CHECK_VALUE(o.backoff_factor() > 0 && o.backoff_factor() < 1,
+      "gradaccum: Accumulator(): invalid ", which, " backoff_factor: ", o.backoff_factor(), " (must be in (0, 1))");
+  TORCH_CHECK_VALUE(external || o.growth_interval() > 0,
+      "gradaccum: Accumulator(): invalid ", which, " growth_interval: ", o.growth_interval(), " (must be > 0)");
+}
+
+} // namespace
+
 void LossScalerOptions::validate() const {
-  TORCH_CHECK_VALUE(std::isfinite(init_scale_) && init_scale_ > 0,
-      "gradaccum: Accumulator(): invalid loss_scaler init_scale: ", init_scale_, " (must be a finite number > 0)");
-  TORCH_CHECK_VALUE(std::isfinite(growth_factor_) && growth_factor_ > 1,
-      "gradaccum: Accumulator(): invalid loss_scaler growth_factor: ", growth_factor_, " (must be > 1)");
-  TORCH_CHECK_VALUE(backoff_factor_ > 0 && backoff_factor_ < 1,
-      "gradaccum: Accumulator(): invalid loss_scaler backoff_factor: ", backoff_factor_, " (must be in (0, 1))");
-  TORCH_CHECK_VALUE(growth_interval_ > 0,
-      "gradaccum: Accumulator(): invalid loss_scaler growth_interval: ", growth_interval_, " (must be > 0)");
+  validate_scaler(*this, "loss_scaler", /*external=*/false);
 }
 
 void AccumulatorOptions::validate() const {
@@ -74,6 +86,9 @@ void AccumulatorOptions::validate() const {
   reducer_.validate();
   if (loss_scaler_) {
     loss_scaler_->validate();
+  }
+  if (external_loss_scaler_) {
+    validate_scaler(*external_loss_scaler_, "external_loss_scaler (Python: grad_scaler)", /*external=*/true);
   }
   if (accumulate_dtype_) {
     TORCH_CHECK_VALUE(*accumulate_dtype_ == at::kFloat || *accumulate_dtype_ == at::kDouble,

@@ -36,11 +36,12 @@ enum class NonFinite {
   SkipMicroBatch,
 };
 
-/// Parses "mean" / "sum" / "items"; throws a ValueError-style error otherwise.
-Reduction reduction_from_string(const std::string& name);
+/// Parses "mean" / "sum" / "items"; throws a ValueError-style error otherwise,
+/// naming `call` (the call that took the name).
+Reduction reduction_from_string(const std::string& name, const char* call = "reduction_from_string()");
 std::string to_string(Reduction reduction);
-/// Parses "skip" / "raise" / "ignore" / "skip_micro_batch".
-NonFinite nonfinite_from_string(const std::string& name);
+/// Parses "skip" / "raise" / "ignore" / "skip_micro_batch" (the error names `call`).
+NonFinite nonfinite_from_string(const std::string& name, const char* call = "nonfinite_from_string()");
 std::string to_string(NonFinite mode);
 
 /// How the reducer groups gradients and where they live.

@@ -534,7 +534,8 @@ class Accumulator:
             yield
         finally:
             self._no_sync_depth -= 1
-            self._c.expect_hooks = previous
+            if not self._c.closed:  # (closed inside: nothing to restore)
+                self._c.expect_hooks = previous
 
     def stats(self) -> Dict[str, Any]:
         """Counters: micro_steps, optimizer_steps, skipped_steps, windows, and the

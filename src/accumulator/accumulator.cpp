@@ -572,6 +572,7 @@ void Accumulator::clear_gradients() {
 }
 
 NoSync Accumulator::no_sync() {
+  check_open("acc.no_sync()");
   return NoSync(reducer_.get());
 }
 
@@ -580,6 +581,7 @@ bool Accumulator::expect_hooks() const {
 }
 
 void Accumulator::set_expect_hooks(bool expect) {
+  check_open("acc.no_sync()"); // (its Python form)
   if (reducer_) {
     reducer_->set_expect_hooks(expect);
   }

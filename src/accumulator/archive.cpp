@@ -39,6 +39,17 @@ void from_ivalue(const std::string& key, const c10::IValue& v, Reduction& out) {
       kLoad, key, " is ", code, ", which names no reduction");
   out = static_cast<Reduction>(code);
 }
+// A key acc.save() always writes: missing, the archive is not (all) ours,
+// an error naming it, not torch's ObjectAttributeError.
+void read_required(torch::serialize::InputArchive& archive, const std::string& key, c10::IValue& value) {
+  if (archive.try_read(key, value)) {
+    return;
+  }
+  TORCH_CHECK_VALUE(key != "gradaccum.steps",
+      "gradaccum: acc.load(): the archive holds no Accumulator state (no gradaccum.steps): write it with "
+      "acc.save(archive) beside the model's and the optimizer's");
+  TORCH_CHECK_VALUE(false, kLoad, key, " is missing (a damaged archive, or not one acc.save() wrote)");
+}
 int64_t read_count(const std::string& key, const c10::IValue& v) {
   int64_t count = 0;
   from_ivalue(key, v, count);
@@ -65,8 +76,9 @@ std::vector<at::Tensor> read_tensors(torch::serialize::InputArchive& archive, co
   for (int64_t i = 0; i < count; ++i) {
     at::Tensor tensor;
     const auto key = prefix + std::to_string(i);
-    archive.read(key + ".defined", defined);
-    archive.read(key, tensor, /*is_buffer=*/true);
+    read_required(archive, key + ".defined", defined);
+    TORCH_CHECK_VALUE(archive.try_read(key, tensor, /*is_buffer=*/true), kLoad, key, " is missing (a damaged "
+        "archive, or not one acc.save() wrote)");
     bool is_defined = false;
     from_ivalue(key + ".defined", defined, is_defined);
     tensors.push_back(is_defined ? tensor : at::Tensor());
@@ -96,13 +108,13 @@ void Accumulator::load(torch::serialize::InputArchive& archive) {
   for_each_state_field(state, [&](const char* name, auto& field, bool required) {
     const auto key = std::string("gradaccum.") + name;
     if (required) {
-      archive.read(key, value);
+      read_required(archive, key, value);
     } else if (!archive.try_read(key, value)) {
       return; // an older archive: the field keeps its default
     }
     from_ivalue(key, value, field);
   });
-  archive.read("gradaccum.grads", value);
+  read_required(archive, "gradaccum.grads", value);
   state.grads = read_tensors(archive, "gradaccum.grad.", read_count("gradaccum.grads", value));
   if (archive.try_read("gradaccum.residuals", value)) { // older archives have none
     state.residuals = read_tensors(archive, "gradaccum.residual.", read_count("gradaccum.residuals", value));

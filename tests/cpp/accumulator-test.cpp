@@ -505,7 +505,12 @@ TEST_CASE("a damaged archive is an error naming its key, and changes nothing", "
   const auto state = acc.state_dict();
   auto load_with = [&](const std::string& bad_key, const c10::IValue& bad) {
     torch::serialize::OutputArchive out;
-    auto put = [&](const std::string& key, const c10::IValue& value) { out.write(key, key == bad_key ? bad : value); };
+    auto put = [&](const std::string& key, const c10::IValue& value) {
+      if (key == bad_key && bad.isNone()) {
+        return; // left out
+      }
+      out.write(key, key == bad_key ? bad : value);
+    };
     gradaccum::for_each_state_field(state, [&](const char* name, const auto& field, bool) {
       using T = std::decay_t<decltype(field)>;
       if constexpr (std::is_same_v<T, Reduction>) {
@@ -530,6 +535,24 @@ TEST_CASE("a damaged archive is an error naming its key, and changes nothing", "
   CHECK_THROWS_WITH(load_with("gradaccum.grads", c10::IValue(int64_t{-5})),
       Catch::StartsWith("gradaccum: acc.load(): the archive's gradaccum.grads is -5, not a count"));
   CHECK_THROWS_AS(load_with("gradaccum.steps", c10::IValue(3.5)), c10::ValueError);
+  // A key save() always writes, missing: a c10 error naming it, not torch's
+  // ObjectAttributeError (a std::runtime_error only).
+  CHECK_THROWS_WITH(load_with("gradaccum.windows", c10::IValue()),
+      Catch::StartsWith("gradaccum: acc.load(): the archive's gradaccum.windows is missing (a damaged archive, or "
+                        "not one acc.save() wrote)"));
+  CHECK_THROWS_AS(load_with("gradaccum.grads", c10::IValue()), c10::ValueError);
+  {
+    // The model's archive alone (acc.save() forgotten)
+    torch::serialize::OutputArchive out;
+    net->save(out);
+    std::stringstream file;
+    out.save_to(file);
+    torch::serialize::InputArchive in;
+    in.load_from(file);
+    CHECK_THROWS_WITH(acc.load(in),
+        Catch::StartsWith("gradaccum: acc.load(): the archive holds no Accumulator state (no gradaccum.steps): "
+                          "write it with acc.save(archive) beside the model's and the optimizer's"));
+  }
   auto bad_reduction = state;
   bad_reduction.reduction = static_cast<Reduction>(9);
   CHECK_THROWS_WITH(acc.load_state_dict(bad_reduction),

@@ -2,6 +2,8 @@
 
 #include "catch_torch.h"
 
+#include <cmath>
+
 using namespace gradaccum;
 
 TEST_CASE("options chain and keep their defaults", "[options]") {
@@ -24,6 +26,18 @@ TEST_CASE("invalid options name the field and value", "[options][errors]") {
   CHECK_THROWS_WITH(AccumulatorOptions(2).reducer(ReducerOptions().bucket_cap_mb(0)).validate(),
       Catch::Contains("invalid bucket_cap_mb"));
   CHECK_THROWS_AS(AccumulatorOptions(0).validate(), c10::ValueError);
+  // The external scaler (Python's GradScaler) is only compared across ranks:
+  // a NaN would compare unequal on every rank and read "the ranks disagree".
+  const auto external = [](LossScalerOptions s) { return AccumulatorOptions(2).external_loss_scaler(s); };
+  CHECK_THROWS_WITH(external(LossScalerOptions().init_scale(NAN)).validate(),
+      Catch::StartsWith("gradaccum: Accumulator(): invalid external_loss_scaler (Python: grad_scaler) init_scale: nan"));
+  CHECK_THROWS_WITH(external(LossScalerOptions().init_scale(-5)).validate(),
+      Catch::Contains("invalid external_loss_scaler (Python: grad_scaler) init_scale: -5"));
+  CHECK_THROWS_WITH(external(LossScalerOptions().backoff_factor(0)).validate(),
+      Catch::Contains("invalid external_loss_scaler (Python: grad_scaler) backoff_factor: 0"));
+  CHECK_NOTHROW(external(LossScalerOptions().growth_interval(0)).validate()); // (torch does not check it)
+  CHECK_THROWS_WITH(AccumulatorOptions(2).loss_scaler(LossScalerOptions().growth_interval(0)).validate(),
+      Catch::StartsWith("gradaccum: Accumulator(): invalid loss_scaler growth_interval: 0 (must be > 0)"));
 }
 
 TEST_CASE("names parse both ways", "[options]") {
@@ -33,6 +47,10 @@ TEST_CASE("names parse both ways", "[options]") {
   for (auto n : {NonFinite::Skip, NonFinite::Raise, NonFinite::Ignore}) {
     CHECK(nonfinite_from_string(to_string(n)) == n);
   }
-  CHECK_THROWS_WITH(reduction_from_string("avg"), Catch::Contains("invalid reduction: 'avg'"));
-  CHECK_THROWS_WITH(nonfinite_from_string("nan"), Catch::Contains("invalid nonfinite: 'nan'"));
+  CHECK_THROWS_WITH(reduction_from_string("avg"),
+      Catch::StartsWith("gradaccum: reduction_from_string(): invalid reduction: 'avg'"));
+  CHECK_THROWS_WITH(nonfinite_from_string("nan"),
+      Catch::StartsWith("gradaccum: nonfinite_from_string(): invalid nonfinite: 'nan'"));
+  CHECK_THROWS_WITH(reduction_from_string("avg", "Accumulator()"),
+      Catch::StartsWith("gradaccum: Accumulator(): invalid reduction: 'avg'"));
 }

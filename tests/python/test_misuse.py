@@ -113,6 +113,13 @@ def test_a_second_accumulator_over_the_same_parameters_is_refused_until_close():
     assert first.closed
     with pytest.raises(RuntimeError, match=r"backward\(\): this Accumulator was closed"):
         first.backward(model(torch.ones(1, 4, dtype=torch.float64)).sum())
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.no_sync\(\): this Accumulator was closed$"):
+        with first.no_sync():
+            pass
+    other = gradaccum.Accumulator(mlp(), None, steps=2)
+    with other.no_sync():
+        other.close()  # closed inside: leaving the block restores nothing, and raises nothing
+    assert other.closed
     with gradaccum.Accumulator(model, None, steps=2) as second:
         second.backward(model(torch.ones(1, 4, dtype=torch.float64)).sum())
     assert second.closed

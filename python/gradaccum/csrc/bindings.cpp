@@ -144,7 +144,7 @@ AccumulatorState state_from_dict(const py::dict& d) {
     }
     using T = std::decay_t<decltype(field)>;
     if constexpr (std::is_same_v<T, Reduction>) {
-      field = reduction_from_string(required<std::string>(from, own.c_str()));
+      field = reduction_from_string(required<std::string>(from, own.c_str()), "acc.load_state_dict()");
     } else {
       field = required<T>(from, own.c_str());
     }
@@ -204,9 +204,9 @@ std::unique_ptr<Accumulator> make_accumulator(
     Accumulator::StepFunction scheduler_step,
     Accumulator::ParameterList optimizer_parameters) {
   auto options = AccumulatorOptions(steps)
-                     .reduction(reduction_from_string(reduction))
+                     .reduction(reduction_from_string(reduction, "Accumulator()"))
                      .max_grad_norm(max_grad_norm)
-                     .nonfinite(nonfinite_from_string(nonfinite))
+                     .nonfinite(nonfinite_from_string(nonfinite, "Accumulator()"))
                      .local_only(local_only)
                      .accumulate_dtype(accumulate_dtype)
                      .comm_dtype(comm_dtype)
