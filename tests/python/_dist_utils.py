@@ -235,16 +235,23 @@ def make_windows(seed, counts, micro_batch, dtype=torch.float64):
     return windows
 
 
-def windows_reference(seed, windows, reduction, *, optimizer="sgd", skip=(), max_norm=None):
+def windows_reference(seed, windows, reduction, *, optimizer="sgd", skip=(), max_norm=None, losses=None):
     """One process, float64: mlp(seed) stepped on each of `windows`' big
     batches, but those whose index is in `skip` (dropped windows); with
-    `max_norm`, each big batch's gradient clipped by clip_grad_norm_."""
+    `max_norm`, each big batch's gradient clipped by clip_grad_norm_. The
+    final parameters; `losses`, a list, gets each window's big-batch loss
+    before its step (None for a skipped one)."""
     model = mlp(seed)
     opt = make_optimizer(optimizer, model.parameters())
     for w, window in enumerate(windows):
         if w in skip:
+            if losses is not None:
+                losses.append(None)
             continue
-        global_batch_loss(model, window, reduction).backward()
+        loss = global_batch_loss(model, window, reduction)
+        if losses is not None:
+            losses.append(loss.item())
+        loss.backward()
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()

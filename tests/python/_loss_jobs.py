@@ -144,19 +144,10 @@ def dropped_reference(seed, world_size, n_windows, last, reduction, dropped):
     """Each window's big-batch loss, one process, float64, and the parameters
     after the last; the windows in `dropped` step nothing and have no loss
     (None)."""
-    model = du.mlp(seed)
-    opt = du.make_optimizer("adam", model.parameters())
     losses = []
-    for w, window in enumerate(schedule(seed, world_size, n_windows, last)):
-        if w in dropped:
-            losses.append(None)
-            continue
-        loss = du.global_batch_loss(model, window, reduction)
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses, du.params(model)
+    params = du.windows_reference(seed, schedule(seed, world_size, n_windows, last), reduction, optimizer="adam",
+                                  skip=dropped, losses=losses)
+    return losses, params
 
 
 @job

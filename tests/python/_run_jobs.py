@@ -20,19 +20,10 @@ def reference(seed, world_size, n_windows, last, reduction, dropped=()):
     one optimizer step; the final parameters. Windows in `dropped` are left out."""
     import torch
 
-    model = du.mlp(seed)
-    opt = du.make_optimizer("adam", model.parameters())
     losses = []
-    for w, window in enumerate(schedule(seed, world_size, n_windows, last)):
-        if w in dropped:
-            continue
-        loss = du.global_batch_loss(model, window, reduction)
-        losses.append(loss.item())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
-            "dtype": torch.float64}
+    params = du.windows_reference(seed, schedule(seed, world_size, n_windows, last), reduction, optimizer="adam",
+                                  skip=dropped, losses=losses)
+    return {"losses": [x for x in losses if x is not None], "params": params, "dtype": torch.float64}
 
 
 def loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where="forward"):
