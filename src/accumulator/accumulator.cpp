@@ -361,29 +361,6 @@ double Accumulator::check_micro_step(
   return weight;
 }
 
-void Accumulator::fail_after_peers_ended_epoch() {
-  // This rank's last window was reduced together with other ranks' flush():
-  // for them the epoch is over. Tell them (Note [Dropping a window] in
-  // src/reducer/drop.cpp), then say what to do here.
-  auto abort = new_request();
-  abort.abort = AbortReason::EpochEnded;
-  try {
-    reducer_->reduce(abort);
-  } catch (const std::exception&) {
-    // Always throws: the window is dropped everywhere; the error below says why.
-  }
-  epoch_ended_ = false;
-  epoch_ended_raised_ = true;
-  reset_window();
-  forget_window_loss();
-  TORCH_CHECK(false,
-      "gradaccum: ", call_name(), ": other ranks ended the epoch with acc.flush() in the reduction that "
-      "closed this rank's last window, but this rank went on training. Every rank must run the "
-      "same number of full windows and call acc.flush() at the end of each epoch (this rank's "
-      "acc.flush() for this epoch steps nothing and runs no collective; the other ranks learn of this "
-      "error in their next reduction). The window was dropped on every rank");
-}
-
 void Accumulator::local_micro_step(const at::Tensor& scaled, double weight,
                                    const std::vector<GradMark>& before) {
   NoSync local(reducer_.get());
