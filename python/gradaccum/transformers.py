@@ -120,18 +120,17 @@ try:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.optimization import GreedyLR
     from transformers.trainer_callback import TrainerCallback
-    from transformers.trainer_utils import has_length
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         f"gradaccum: gradaccum.transformers needs transformers and accelerate, which are not importable here "
         f"({error}). Install them with: pip install transformers accelerate"
     ) from error
 
-from gradaccum._accelerate_parts import _find_shard_sampler
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
 from gradaccum._refusal import _refuse_before_building
 from gradaccum._adapter_options import _adapter_options
 from gradaccum._hf import _float64_causal_lm_loss, keep_float64_causal_lm_loss
+from gradaccum._hf_shards import needs_flush, no_rank_had_data, shard_lengths
 from gradaccum._loss_share import LossShare
 
 __all__ = ["Trainer", "CHECKPOINT_NAME"]
@@ -142,43 +141,12 @@ CHECKPOINT_NAME = "gradaccum_accumulator.pt"
 _METRIC_SCHEDULERS = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
 
 
-class _Longest:
-    """A data loader that reports another length (the longest rank's), for
-    the Trainer's step arithmetic; everything else is the loader's."""
-
-    def __init__(self, loader: Any, length: int) -> None:
-        self._loader, self._length = loader, length
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
 def _own_args(args: "transformers.TrainingArguments") -> "transformers.TrainingArguments":
     """A copy of the arguments with what this Trainer changes (the caller's
     object is left alone): no all-gathered token counts."""
     args = copy.copy(args)
     args.average_tokens_across_devices = False
     return args
-
-
-def _unpadded_shards(loader: Any) -> bool:
-    """The training loader's shards without Accelerate's ``even_batches``
-    copies (as ``join_uneven_inputs`` switches them off, on the prepared
-    loader's sampler): every sample once, ranks a batch apart at most.
-    Evaluation and prediction loaders keep ``even_batches``: the Trainer's
-    ``gather_for_metrics`` at each of their batches pairs only if every rank
-    has as many (it drops the copies). Returns whether ``len(loader)`` is
-    still this rank's own count of batches: with ``split_batches`` it is the
-    global batches' count, and a rank whose slice of the short last batch is
-    empty gets one fewer."""
-    sampler = _find_shard_sampler(loader)
-    if sampler is None:
-        return True
-    sampler.even_batches = False
-    return not getattr(sampler, "split_batches", False)
 
 
 class Trainer(transformers.Trainer):
@@ -259,20 +227,7 @@ class Trainer(transformers.Trainer):
         """The Trainer's arithmetic over the longest rank's loader: ranks differ
         by at most a batch, and the one with the most sets the number of
         windows (steps) per epoch, on every rank alike."""
-        self._shard_lengths = None
-        own_lengths = _unpadded_shards(dataloader)
-        if has_length(dataloader) and torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            device = self.args.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
-            mine = torch.tensor([len(dataloader)], dtype=torch.int64, device=device)
-            every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
-            torch.distributed.all_gather(every, mine)  # once, when training starts
-            self._shard_lengths = [int(t.item()) for t in every]
-            dataloader = _Longest(dataloader, max(self._shard_lengths))
-        elif has_length(dataloader):
-            self._shard_lengths = [len(dataloader)]
-        if not own_lengths:
-            self._shard_lengths = None  # (the same on every rank) every epoch ends with a flush everywhere
+        self._shard_lengths, dataloader = shard_lengths(dataloader, self.args.device)
         return super().set_initial_training_values(args, dataloader)
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Optional[str]):
@@ -517,33 +472,10 @@ class Trainer(transformers.Trainer):
                                       ignore_keys_for_eval, start_time, learning_rate=None)
 
     def _no_rank_had_data(self, had_data: bool) -> bool:
-        """At an epoch's end, on every rank: whether no rank had a batch in it
-        (the Trainer then stops training). Shards differ by a batch
-        (``even_batches`` off), so with fewer batches than ranks some rank has
-        none while the others train: it goes on with them into the next
-        epoch's windows, where stopping alone would leave them waiting."""
-        lengths = self._shard_lengths
-        if lengths is not None or not self._acc.stats()["data_parallel"]:
-            return not had_data and (lengths is None or max(lengths) == 0)
-        # Lengths unknown, data parallel: every rank asks the others here.
-        group = self._acc.process_group
-        device = self.args.device if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu")
-        had = torch.tensor([int(had_data)], dtype=torch.int64, device=device)
-        torch.distributed.all_reduce(had, op=torch.distributed.ReduceOp.MAX, group=group)
-        return int(had.item()) == 0
+        return no_rank_had_data(self._shard_lengths, had_data, self._acc, self.args.device)
 
     def _needs_flush(self, exhausted: bool) -> bool:
-        """Whether this epoch ends with a flush() on every rank: its data ran
-        out and some rank's shard does not end on a window boundary (or the
-        shards differ), or the epoch was stopped in the middle of a window
-        (every rank stops at the same point)."""
-        acc = self._acc
-        if not exhausted:
-            return acc.micro_step > 0 or acc.window_ready
-        lengths = self._shard_lengths
-        if lengths is None:  # unknown lengths: flush on every rank
-            return True
-        return len(set(lengths)) > 1 or lengths[0] % acc.steps != 0
+        return needs_flush(self._shard_lengths, exhausted, self._acc)
 
     def _grad_norm(self) -> Optional[float]:
         if self.accumulator is None:
