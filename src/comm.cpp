@@ -150,6 +150,19 @@ int lowest_rank_where(c10d::ProcessGroup& group, bool here, at::Tensor scratch) 
   return static_cast<int>(candidate[0].item<int64_t>());
 }
 
+int lowest_rank_of_best_tier(c10d::ProcessGroup& group, int tier, int tiers, const at::Device& device) {
+  TORCH_INTERNAL_ASSERT(tier >= 0 && tier <= tiers, "gradaccum: tier ", tier, " of ", tiers);
+  const int64_t size = group.getSize();
+  // tier * size + rank: the minimum is the best tier's lowest rank.
+  auto key = at::full({1}, tier * size + group.getRank(), at::TensorOptions().dtype(at::kLong).device(device));
+  std::vector<at::Tensor> candidate{key};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MIN;
+  group.allreduce(candidate, options)->wait();
+  const auto best = candidate[0].item<int64_t>();
+  return static_cast<int>(best >= tiers * size ? size : best % size);
+}
+
 bool group_reaches(c10d::ProcessGroup& group, c10::DeviceType type) {
   if (!group.hasBackends()) {
     return true;

@@ -49,6 +49,12 @@ int lowest_rank_where(c10d::ProcessGroup& group, bool here, const at::Device& de
 /// nothing is allocated before the collective launches.
 int lowest_rank_where(c10d::ProcessGroup& group, bool here, at::Tensor scratch);
 
+/// The lowest rank of the best tier: each rank gives its `tier` (0 is the
+/// best; `tiers`: none), and every rank gets the lowest rank among those of
+/// the lowest tier given, or the group's size if every rank gave `tiers` (one
+/// all-reduce MIN of one integer on `device`; a collective, waits).
+int lowest_rank_of_best_tier(c10d::ProcessGroup& group, int tier, int tiers, const at::Device& device);
+
 /// Whether `group` can reduce tensors of `type`. A group that registers no
 /// per-device backends (a wrapper overriding the collectives) is trusted.
 bool group_reaches(c10d::ProcessGroup& group, c10::DeviceType type);

@@ -201,24 +201,32 @@ def join_step_failure(rank, world_size, *, seed, shards):
 
 
 @job
-def join_buffers(rank, world_size, *, counts):
+def join_buffers(rank, world_size, *, counts, weightless_from=None, reduction="mean"):
     """A BatchNorm model, `counts[rank]` micro-batches of rank-specific data,
     the loop inside `with acc.join():`, buffers broadcast by default. Records
     the buffers before each closing micro-step's backward (this rank's own,
-    from its forwards), after each step, and at the end."""
+    from its forwards), after each step, and at the end. From micro-batch
+    `weightless_from[rank]` on, this rank's micro-batches weigh nothing (but
+    run their forward): num_items=0 ("items"), or a NaN loss left out by
+    nonfinite="skip_micro_batch" ("mean")."""
     import gradaccum
 
     model = du.bn_model(11)
-    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=pj.STEPS)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=pj.STEPS,
+                                reduction=reduction, nonfinite="skip_micro_batch")
     g = torch.Generator().manual_seed(100 + rank)
     out = {"own": [], "after": []}
     with acc.join():
         for i in range(counts[rank]):
             x = torch.randn(4, 6, generator=g) * (rank + 1) + rank
-            loss = model(x).pow(2).mean()
+            weightless = weightless_from is not None and i >= weightless_from[rank]
+            per_row = model(x).pow(2).mean(1)
             if acc.sync_gradients or i + 1 == counts[rank]:
                 out["own"].append([b.clone() for b in model.buffers()])
-            acc.backward(loss)
+            if reduction == "items":
+                acc.backward(per_row.sum() * (0.0 if weightless else 1.0), num_items=0 if weightless else 4)
+            else:
+                acc.backward(per_row.mean() * (float("nan") if weightless else 1.0))
             if acc.step():
                 out["after"].append([b.clone() for b in model.buffers()])
     out["final"] = [b.clone() for b in model.buffers()]

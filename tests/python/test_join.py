@@ -190,3 +190,17 @@ def test_buffers_come_from_the_lowest_rank_with_data(tmp_path):
     for res in (rank0, rank1, rank2):  # rank 2's partial window closed as all joined
         assert same(res["final"], rank2["own"][2])
         assert res["stats"]["buffer_broadcasts"] == 3
+
+
+@pytest.mark.parametrize("reduction", ["items", "mean"])
+def test_buffers_follow_forwards_of_no_weight_in_the_joins_last_window(tmp_path, reduction):
+    """Rank 0 joins after window 0; rank 1's last window runs its forwards
+    but weighs nothing (num_items=0, or NaN losses that skip_micro_batch
+    leaves out), so no rank has weight there. Its forwards moved rank 1's
+    BatchNorm statistics: they are broadcast, and both ranks end equal
+    (before: nobody broadcast, rank 0 kept window 1's, 0.37 apart)."""
+    rank0, rank1 = run("join_buffers", 2, tmp_path, counts=[3, 9], weightless_from=[99, 6], reduction=reduction)
+    for res in (rank0, rank1):
+        assert all(torch.equal(a, b) for a, b in zip(res["final"], rank1["own"][2]))
+        assert res["stats"]["buffer_broadcasts"] == 3
+        assert res["stats"]["skipped_steps"] == 1  # the weightless window, alike
