@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <utility>
 
 namespace gradaccum {
 
@@ -54,17 +55,27 @@ void ReducerOptions::validate() const {
 namespace {
 
 // `which`: the option's name in the message. An external scaler (Python's
-// GradScaler) is only compared across ranks, so its growth_interval, which
-// torch does not check, is not checked here either; a NaN would compare
-// unequal on every rank ("the ranks disagree").
+// GradScaler, or an object like one) is only compared across ranks: any
+// finite values pass (torch checks GradScaler's own; a scaler-like object
+// reads 0 where it has no getter), but a NaN would compare unequal on every
+// rank and read "the ranks disagree".
 void validate_scaler(const LossScalerOptions& o, const char* which, bool external) {
+  if (external) {
+    for (const auto& [name, value] : {std::pair<const char*, double>{"init_scale", o.init_scale()},
+                                      {"growth_factor", o.growth_factor()},
+                                      {"backoff_factor", o.backoff_factor()}}) {
+      TORCH_CHECK_VALUE(std::isfinite(value) && value >= 0,
+          "gradaccum: Accumulator(): invalid ", which, " ", name, ": ", value, " (must be a finite number >= 0)");
+    }
+    return;
+  }
   TORCH_CHECK_VALUE(std::isfinite(o.init_scale()) && o.init_scale() > 0,
       "gradaccum: Accumulator(): invalid ", which, " init_scale: ", o.init_scale(), " (must be a finite number > 0)");
   TORCH_CHECK_VALUE(std::isfinite(o.growth_factor()) && o.growth_factor() > 1,
       "gradaccum: Accumulator(): invalid ", which, " growth_factor: ", o.growth_factor(), " (must be > 1)");
   TORCH_CHECK_VALUE(o.backoff_factor() > 0 && o.backoff_factor() < 1,
       "gradaccum: Accumulator(): invalid ", which, " backoff_factor: ", o.backoff_factor(), " (must be in (0, 1))");
-  TORCH_CHECK_VALUE(external || o.growth_interval() > 0,
+  TORCH_CHECK_VALUE(o.growth_interval() > 0,
       "gradaccum: Accumulator(): invalid ", which, " growth_interval: ", o.growth_interval(), " (must be > 0)");
 }
 

@@ -400,6 +400,7 @@ class Accumulator {
   ReductionRequest new_request() const {
     ReductionRequest request;
     request.call = call_;
+    request.forwards = window_forwards_;
     return request;
   }
   const char* call_name() const {
@@ -520,6 +521,9 @@ class Accumulator {
   /// .grad identities and versions after this Accumulator last touched them.
   std::vector<GradMark> remembered_;
   bool closed_ = false;
+  /// A micro-batch of this window ran its forward here (any micro-step but an
+  /// empty one; a mid-window resume counts): ReductionRequest::forwards.
+  bool window_forwards_ = false;
   /// The thread inside a public call, if any (Note [One thread drives an Accumulator]).
   std::atomic<std::thread::id> driver_{};
   /// The outermost public call in progress (set by its CallGuard); null

@@ -139,6 +139,9 @@ struct ReductionRequest {
   /// This rank is out of data and shadows the others' reductions until every
   /// rank is (Accumulator::join(); with `flushing`).
   bool joined = false;
+  /// This rank ran a micro-batch's forward in the window (any micro-step but
+  /// an empty one): under join() the buffers come from such a rank.
+  bool forwards = true;
   /// Drop the window on every rank (the gradients sent are ignored).
   AbortReason abort = AbortReason::None;
   /// Check the reduced gradient for the non-finite test in the pass that

@@ -503,6 +503,7 @@ void Accumulator::reset_window() {
   parts_open_ = false;
   window_known_finite_ = false;
   window_empty_ = false;
+  window_forwards_ = false;
   remember_gradients();
 }
 

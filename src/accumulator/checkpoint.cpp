@@ -473,6 +473,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_loss_sum_ = at::Tensor();
   window_loss_cut_ = state.micro_step > 0;
   window_shared_ = reducer_ && (state.rank_independent || state.window_shared) && state.micro_step > 0;
+  window_forwards_ = state.micro_step > 0;
   window_loss_ = at::Tensor();
   window_metrics_ = at::Tensor();
   window_items_ = 0;

@@ -103,8 +103,10 @@ void Accumulator::zero_grad() {
   const auto position = micro_step_;
   const bool cut = window_loss_cut_;
   const bool shared = window_shared_;
+  const bool forwards = window_forwards_;
   zero_grad_in_call();
   micro_step_ = position;
+  window_forwards_ = forwards; // (their forwards moved the buffers all the same)
   window_loss_cut_ = cut; // (the window's first part, before a resume, is still not in its loss)
   if (shared) {
     // Each rank held a share of every rank's sums: a part of them cannot go.

@@ -387,18 +387,18 @@ void Reducer::State::window_collectives(int64_t joined_ranks, std::optional<std:
   // buffers come from rank 0, or, while some ranks have joined, from the
   // lowest rank that ran micro-batches in this window: a rank shadowing the
   // others ran no forward, its buffers are stale (Note [Joining]). Ranks
-  // with weight first (their micro-batches ran forwards); else ranks that
-  // ran micro-steps of no weight (num_items=0, a micro-batch skip_micro_batch
-  // left out: their forwards moved the buffers too, so the replicas must
-  // take one rank's); none: nobody ran a forward since the last broadcast.
+  // with weight first (their micro-batches ran forwards); else ranks whose
+  // micro-batches of no weight ran forwards (num_items=0, left out by
+  // skip_micro_batch: they moved the buffers too, so the replicas must take
+  // one rank's; acc.empty_micro_step() ran none); none: nobody ran a
+  // forward since the last broadcast.
   // Whether some ranks joined is in the header, the same on every rank, so
   // every rank takes the same branch, and the ranks pay the extra all-reduce
   // only in the join's tail.
   std::exception_ptr failed;
   if (config.options.broadcast_buffers() && !buffer_broadcast.empty()) {
     try {
-      const bool stepped = !window.request.flushing || window.request.flushing_steps;
-      const int tier = window.request.weight > 0 ? 0 : stepped ? 1 : 2;
+      const int tier = window.request.weight > 0 ? 0 : window.request.forwards ? 1 : 2;
       const int root = joined_ranks == 0
           ? 0
           : detail::lowest_rank_of_best_tier(*config.group, tier, 2, config.metadata_device());

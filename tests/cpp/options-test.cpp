@@ -32,10 +32,12 @@ TEST_CASE("invalid options name the field and value", "[options][errors]") {
   CHECK_THROWS_WITH(external(LossScalerOptions().init_scale(NAN)).validate(),
       Catch::StartsWith("gradaccum: Accumulator(): invalid external_loss_scaler (Python: grad_scaler) init_scale: nan"));
   CHECK_THROWS_WITH(external(LossScalerOptions().init_scale(-5)).validate(),
-      Catch::Contains("invalid external_loss_scaler (Python: grad_scaler) init_scale: -5"));
-  CHECK_THROWS_WITH(external(LossScalerOptions().backoff_factor(0)).validate(),
-      Catch::Contains("invalid external_loss_scaler (Python: grad_scaler) backoff_factor: 0"));
-  CHECK_NOTHROW(external(LossScalerOptions().growth_interval(0)).validate()); // (torch does not check it)
+      Catch::Contains("invalid external_loss_scaler (Python: grad_scaler) init_scale: -5 (must be a finite number >= 0)"));
+  CHECK_THROWS_WITH(external(LossScalerOptions().growth_factor(INFINITY)).validate(),
+      Catch::Contains("invalid external_loss_scaler (Python: grad_scaler) growth_factor: inf"));
+  // What torch's GradScaler accepts, and a scaler-like object without getters (zeros), pass:
+  CHECK_NOTHROW(external(LossScalerOptions().backoff_factor(0).growth_interval(0)).validate());
+  CHECK_NOTHROW(external(LossScalerOptions().init_scale(0).growth_factor(0).backoff_factor(0)).validate());
   CHECK_THROWS_WITH(AccumulatorOptions(2).loss_scaler(LossScalerOptions().growth_interval(0)).validate(),
       Catch::StartsWith("gradaccum: Accumulator(): invalid loss_scaler growth_interval: 0 (must be > 0)"));
 }

@@ -201,14 +201,15 @@ def join_step_failure(rank, world_size, *, seed, shards):
 
 
 @job
-def join_buffers(rank, world_size, *, counts, weightless_from=None, reduction="mean"):
+def join_buffers(rank, world_size, *, counts, weightless_from=None, empty_from=None, reduction="mean"):
     """A BatchNorm model, `counts[rank]` micro-batches of rank-specific data,
     the loop inside `with acc.join():`, buffers broadcast by default. Records
     the buffers before each closing micro-step's backward (this rank's own,
     from its forwards), after each step, and at the end. From micro-batch
     `weightless_from[rank]` on, this rank's micro-batches weigh nothing (but
     run their forward): num_items=0 ("items"), or a NaN loss left out by
-    nonfinite="skip_micro_batch" ("mean")."""
+    nonfinite="skip_micro_batch" ("mean"); from `empty_from[rank]` on, its
+    micro-steps are acc.empty_micro_step() (no forward)."""
     import gradaccum
 
     model = du.bn_model(11)
@@ -219,6 +220,9 @@ def join_buffers(rank, world_size, *, counts, weightless_from=None, reduction="m
     with acc.join():
         for i in range(counts[rank]):
             x = torch.randn(4, 6, generator=g) * (rank + 1) + rank
+            if empty_from is not None and i >= empty_from[rank]:
+                acc.empty_micro_step()
+                continue
             weightless = weightless_from is not None and i >= weightless_from[rank]
             per_row = model(x).pow(2).mean(1)
             if acc.sync_gradients or i + 1 == counts[rank]:

@@ -204,3 +204,13 @@ def test_buffers_follow_forwards_of_no_weight_in_the_joins_last_window(tmp_path,
         assert all(torch.equal(a, b) for a, b in zip(res["final"], rank1["own"][2]))
         assert res["stats"]["buffer_broadcasts"] == 3
         assert res["stats"]["skipped_steps"] == 1  # the weightless window, alike
+
+    # Rank 0's last micro-steps run no forward (acc.empty_micro_step()),
+    # rank 1's last one a forward of no weight: rank 1's buffers, though
+    # rank 0 is lower (a micro-step count alone would have picked rank 0's).
+    rank0, rank1 = run("join_buffers", 2, tmp_path / "empty", counts=[5, 4], weightless_from=[99, 3],
+                       empty_from=[3, 99], reduction=reduction)
+    for res in (rank0, rank1):
+        assert all(torch.equal(a, b) for a, b in zip(res["final"], rank1["own"][1]))
+        assert not all(torch.equal(a, b) for a, b in zip(res["final"], rank0["own"][0]))  # window 0's
+        assert res["stats"]["buffer_broadcasts"] == 2

@@ -33,6 +33,48 @@ def make(scaler=True, steps=K, init_scale=2.0 ** 8, growth_interval=1, momentum=
     return model, opt, gradaccum.Accumulator(model, opt, steps=steps, grad_scaler=sc, **kwargs)
 
 
+# 0. What a scaler's settings may be ---------------------------------------------
+
+class _ScalerLike:
+    """A GradScaler-like object without GradScaler's getters (its settings
+    read 0, Note in _checks._scaler_rule)."""
+
+    def __init__(self):
+        self._g = torch.amp.GradScaler("cpu")
+
+    def __getattr__(self, name):
+        if name.startswith("get_"):
+            raise AttributeError(name)
+        return getattr(self._g, name)
+
+
+@pytest.mark.parametrize("scaler", [
+    lambda: torch.amp.GradScaler("cpu", backoff_factor=0.0, growth_interval=0),  # torch accepts these
+    _ScalerLike,
+])
+def test_any_scaler_torch_accepts_is_accepted(scaler):
+    torch.manual_seed(1)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    acc = gradaccum.Accumulator(model, opt, steps=2, grad_scaler=scaler())
+    for batch in make_data(2):
+        acc.backward(loss_of(model, batch))
+    assert acc.step()
+    acc.close()
+
+
+def test_a_scaler_whose_scale_is_nan_is_refused():
+    """Its settings are compared across ranks: a NaN would compare unequal on
+    every rank ("the ranks disagree")."""
+    scaler = torch.amp.GradScaler("cpu")
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    scaler._scale.fill_(float("nan"))
+    with pytest.raises(ValueError, match=r"^gradaccum: Accumulator\(\): invalid external_loss_scaler \(Python: "
+                                         r"grad_scaler\) init_scale: nan \(must be a finite number >= 0\)$"):
+        model = nn.Linear(4, 1)
+        gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2, grad_scaler=scaler)
+
+
 # 1. An optimizer over part of the trainable parameters --------------------------
 
 
