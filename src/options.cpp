@@ -87,6 +87,15 @@ void LossScalerOptions::validate() const {
 
 void AccumulatorOptions::validate() const {
   TORCH_CHECK_VALUE(steps_ > 0, "gradaccum: Accumulator(): invalid steps: ", steps_, " (must be a positive integer)");
+  // (An enum cast from an integer out of range names nothing.)
+  const auto reduction = static_cast<int64_t>(reduction_);
+  TORCH_CHECK_VALUE(reduction >= static_cast<int64_t>(Reduction::Mean) &&
+                        reduction <= static_cast<int64_t>(Reduction::Items),
+      "gradaccum: Accumulator(): invalid reduction: ", reduction, " names no Reduction");
+  const auto nonfinite = static_cast<int64_t>(nonfinite_);
+  TORCH_CHECK_VALUE(nonfinite >= static_cast<int64_t>(NonFinite::Skip) &&
+                        nonfinite <= static_cast<int64_t>(NonFinite::SkipMicroBatch),
+      "gradaccum: Accumulator(): invalid nonfinite: ", nonfinite, " names no NonFinite mode");
   TORCH_CHECK_VALUE(!(local_only_ && process_group_),
       "gradaccum: Accumulator(): local_only(true) trains each rank alone, but a process_group was given too; "
       "pass one or the other");

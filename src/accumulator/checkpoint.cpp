@@ -214,6 +214,8 @@ namespace {
 void check_shape(const AccumulatorState& state, const AccumulatorOptions& options, int64_t world, int64_t rank) {
   // See Note [Resuming on another shape].
   const bool boundary = state.micro_step == 0 && !state.window_ready;
+  TORCH_CHECK_VALUE(state.steps > 0, "gradaccum: acc.load_state_dict(): the state's steps is ", state.steps,
+      " (a window has steps > 0)");
   TORCH_CHECK_VALUE(state.steps == options.steps() || boundary,
       "gradaccum: acc.load_state_dict(): the state was saved with steps=", state.steps,
       " in the middle of a window (micro_step=", state.micro_step, state.window_ready ? ", closed, not yet stepped" : "",

@@ -553,6 +553,10 @@ TEST_CASE("a damaged archive is an error naming its key, and changes nothing", "
         Catch::StartsWith("gradaccum: acc.load(): the archive holds no Accumulator state (no gradaccum.steps): "
                           "write it with acc.save(archive) beside the model's and the optimizer's"));
   }
+  auto no_steps = state;
+  no_steps.steps = 0;
+  CHECK_THROWS_WITH(acc.load_state_dict(no_steps),
+      Catch::StartsWith("gradaccum: acc.load_state_dict(): the state's steps is 0 (a window has steps > 0)"));
   auto bad_reduction = state;
   bad_reduction.reduction = static_cast<Reduction>(9);
   CHECK_THROWS_WITH(acc.load_state_dict(bad_reduction),

@@ -26,6 +26,10 @@ TEST_CASE("invalid options name the field and value", "[options][errors]") {
   CHECK_THROWS_WITH(AccumulatorOptions(2).reducer(ReducerOptions().bucket_cap_mb(0)).validate(),
       Catch::Contains("invalid bucket_cap_mb"));
   CHECK_THROWS_AS(AccumulatorOptions(0).validate(), c10::ValueError);
+  CHECK_THROWS_WITH(AccumulatorOptions(2).reduction(static_cast<Reduction>(9)).validate(),
+      Catch::StartsWith("gradaccum: Accumulator(): invalid reduction: 9 names no Reduction"));
+  CHECK_THROWS_WITH(AccumulatorOptions(2).nonfinite(static_cast<NonFinite>(-1)).validate(),
+      Catch::StartsWith("gradaccum: Accumulator(): invalid nonfinite: -1 names no NonFinite mode"));
   // The external scaler (Python's GradScaler) is only compared across ranks:
   // a NaN would compare unequal on every rank and read "the ranks disagree".
   const auto external = [](LossScalerOptions s) { return AccumulatorOptions(2).external_loss_scaler(s); };
