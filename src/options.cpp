@@ -56,16 +56,16 @@ namespace {
 
 // `which`: the option's name in the message. An external scaler (Python's
 // GradScaler, or an object like one) is only compared across ranks: any
-// finite values pass (torch checks GradScaler's own; a scaler-like object
-// reads 0 where it has no getter), but a NaN would compare unequal on every
-// rank and read "the ranks disagree".
+// value passes (torch checks GradScaler's own; a scaler-like object reads 0
+// where it has no getter) but NaN, which would compare unequal on every rank
+// and read "the ranks disagree".
 void validate_scaler(const LossScalerOptions& o, const char* which, bool external) {
   if (external) {
     for (const auto& [name, value] : {std::pair<const char*, double>{"init_scale", o.init_scale()},
                                       {"growth_factor", o.growth_factor()},
                                       {"backoff_factor", o.backoff_factor()}}) {
-      TORCH_CHECK_VALUE(std::isfinite(value) && value >= 0,
-          "gradaccum: Accumulator(): invalid ", which, " ", name, ": ", value, " (must be a finite number >= 0)");
+      TORCH_CHECK_VALUE(!std::isnan(value),
+          "gradaccum: Accumulator(): invalid ", which, " ", name, ": ", value, " (the ranks compare it: not NaN)");
     }
     return;
   }

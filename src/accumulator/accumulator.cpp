@@ -239,6 +239,7 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
   const CallGuard guard(driver_, driving_, call, &call_);
   check_no_open_parts(call);
   check_micro_step_state(call);
+  window_forwards_ = true; // its forward ran, whatever the checks below say of its loss
   // Every check comes before backward: a rejected call changes nothing, but
   // see Note [A refused closing micro-batch].
   double weight = 1.0;

@@ -64,6 +64,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
   const CallGuard guard(driver_, driving_, "acc.run()", &call_);
   // Every check comes before backward: a rejected call changes nothing.
   double weight = check_micro_step(loss, num_items, "acc.run()");
+  window_forwards_ = true; // (a refused part: acc.run() fails the whole micro-step)
   TORCH_CHECK_VALUE(std::isfinite(share) && share > 0 && share <= 1,
       "gradaccum: acc.run(): a part's share of its micro-batch must be in (0, 1], got ", share);
   check_reported(reported, "acc.run()");

@@ -118,7 +118,9 @@ void Accumulator::zero_grad() {
 void Accumulator::restart_window() {
   const CallGuard guard(driver_, driving_, "acc.restart_window()");
   check_open("acc.restart_window()");
+  const bool forwards = window_forwards_ && (micro_step_ > 0 || parts_open_);
   zero_grad_in_call(); // and the position (every rank alike: see the header)
+  window_forwards_ = forwards; // (their forwards moved the buffers all the same)
 }
 
 void Accumulator::zero_grad_in_call() {

@@ -124,7 +124,6 @@ void Accumulator::forget_window_loss() {
 }
 
 bool Accumulator::keep_micro_batch(const at::Tensor& value, const at::Tensor& metrics) {
-  window_forwards_ = true; // (its forward ran, kept or not)
   // nonfinite="skip_micro_batch": a non-finite loss is left out of the window
   // (no backward, no weight); the micro-step still counts, so that every rank
   // closes its windows together (a host read of the loss).

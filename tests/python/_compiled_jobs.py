@@ -37,13 +37,32 @@ def compiled_autograd(on):
     return ca._enable(torch.compile(backend="eager"))
 
 
+class Reentrant(torch.nn.Module):
+    """mlp(seed)'s layers, each under reentrant activation checkpointing:
+    every parameter is inside a block, whose backward is a nested graph task."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.net = du.mlp(seed)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = x.detach().requires_grad_()  # (reentrant blocks differentiate only then)
+        for layer in self.net:
+            x = checkpoint(layer, x, use_reentrant=True)
+        return x
+
+
 @job
-def train(rank, world_size, *, seed, n_windows, reduction, compiled, as_view=False, partial=0, unused=False):
+def train(rank, world_size, *, seed, n_windows, reduction, compiled, as_view=False, partial=0, unused=False,
+          reentrant=False):
     """Full windows, then a partial one closed by flush(); `unused`: the
-    model holds a parameter its forward never uses."""
+    model holds a parameter its forward never uses; `reentrant`: the
+    Reentrant model."""
     import gradaccum
 
-    model = du.mlp(seed)
+    model = Reentrant(seed) if reentrant else du.mlp(seed)
     if unused:
         model.register_parameter("unused", torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float64)))
     opt = du.make_optimizer("adam", model.parameters())
@@ -117,5 +136,31 @@ def manual_path(rank, world_size, *, seed):
         except RuntimeError as e:
             out["error"] = str(e)
     out["stats"] = acc.stats()
+    acc.close()
+    return out
+
+
+@job
+def manual_reentrant(rank, world_size, *, seed):
+    """The manual path (acc.no_sync() micro-steps, then a plain
+    loss.backward()) on the Reentrant model, eager, reduction "sum": each
+    block's nested task would begin a reduction of its own."""
+    import gradaccum
+
+    model = Reentrant(seed)
+    acc = gradaccum.Accumulator(model, None, steps=STEPS, reduction="sum")
+    out = {"error": None}
+    (window,) = windows(seed, world_size, 1)
+    try:
+        for k, batch in enumerate(window[rank]):
+            loss, _ = du.micro_loss(model, batch, "sum")
+            if k < STEPS - 1:
+                with acc.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["collectives"] = acc.stats()["collectives"]
     acc.close()
     return out

@@ -44,6 +44,39 @@ def test_compiled_autograd_trains_as_eager(tmp_path, world_size, reduction, as_v
         assert compiled["stats"]["optimizer_steps"] == WINDOWS + 1
 
 
+def test_compiled_autograd_with_reentrant_checkpointing_trains_as_eager(tmp_path):
+    """Every parameter inside a reentrant checkpoint: the nested tasks'
+    backwards run outside the compiled graph, and their hooks once began
+    stray reductions of their own (3 collectives, then an internal assert
+    every window). Now the hookless reduction after backward takes them:
+    the big batch, as eager, in as many collectives."""
+    expected = cj.reference(5, 2, WINDOWS, "mean")
+    runs = {}
+    for compiled in (False, True):
+        runs[compiled] = du.run_job("train", 2, tmp_path / str(compiled), module=M, timeout=240, seed=5,
+                                    n_windows=WINDOWS, reduction="mean", compiled=compiled, reentrant=True)
+    for rank in range(2):
+        eager, compiled = runs[False][rank], runs[True][rank]
+        du.assert_params_close(compiled["params"], expected, f"compiled, rank {rank}")
+        du.assert_params_close(eager["params"], expected, f"eager, rank {rank}")
+        assert compiled["collectives"] == eager["collectives"]
+        assert compiled["stats"]["hookless_windows"] == WINDOWS and eager["stats"]["hookless_windows"] == 0
+        assert compiled["stats"]["optimizer_steps"] == WINDOWS
+
+
+def test_the_manual_path_under_reentrant_checkpointing_is_not_reduced_twice(tmp_path):
+    """Note [A gradient reduced twice]: a plain loss.backward() whose first
+    hook comes from a checkpointed block's nested task ended its reduction
+    with that task; the next block's task began another, sending the first
+    block's reduced gradients again (reduction "sum": times the world size,
+    silently). Now every rank raises at the second, after one collective."""
+    for res in du.run_job("manual_reentrant", 2, tmp_path, module=M, timeout=120, seed=5):
+        assert res["error"] is not None and res["error"].startswith(
+            "gradaccum: loss.backward(): "), res["error"]
+        assert "would reduce" in res["error"] and "use_reentrant=False" in res["error"], res["error"]
+        assert res["collectives"] == 1
+
+
 def test_compiled_autograd_without_a_group():
     """Local accumulation's hooks only watch for a backward after the window
     closed: compiled equals eager."""

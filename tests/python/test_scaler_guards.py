@@ -70,7 +70,7 @@ def test_a_scaler_whose_scale_is_nan_is_refused():
     scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
     scaler._scale.fill_(float("nan"))
     with pytest.raises(ValueError, match=r"^gradaccum: Accumulator\(\): invalid external_loss_scaler \(Python: "
-                                         r"grad_scaler\) init_scale: nan \(must be a finite number >= 0\)$"):
+                                         r"grad_scaler\) init_scale: nan \(the ranks compare it: not NaN\)$"):
         model = nn.Linear(4, 1)
         gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2, grad_scaler=scaler)
 
