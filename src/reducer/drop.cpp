@@ -122,7 +122,6 @@ void Reducer::State::end_dropped_window() noexcept {
 }
 
 void Reducer::State::drop_window() {
-  window.written.clear();
   at::NoGradGuard no_grad;
   for (auto& times : window.timeline.buckets) {
     times.written = -1; // (Note [Writing back while the last buckets reduce]: undone)

@@ -378,22 +378,8 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
     throw;
   }
   apply_rebuild(std::move(rebuilt));
-  remember_written();
   end_reduction(/*window_closed=*/true);
   return result;
-}
-
-void Reducer::State::remember_written() noexcept {
-  // Note [A gradient reduced twice]
-  try {
-    window.written.resize(config.params.size());
-    for (const auto i : c10::irange(config.params.size())) {
-      const auto& g = config.params[i].grad();
-      window.written[i] = {g.defined() ? g.unsafeGetTensorImpl() : nullptr, g.defined() ? g._version() : -1};
-    }
-  } catch (...) {
-    window.written.clear(); // (out of memory: the check is skipped, nothing else)
-  }
 }
 
 void Reducer::State::window_collectives(int64_t joined_ranks, std::optional<std::vector<Bucket>>& rebuilt) {

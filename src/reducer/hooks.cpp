@@ -201,7 +201,6 @@ void Reducer::State::mark_ready(size_t index) {
         "activation checkpointing and a plain loss.backward(), the reduction ends with the first "
         "graph task that reached a parameter; run the backward through acc.backward(), or use "
         "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)");
-    check_not_reduced_twice(index);
     begin_in_task(manual_request(), task, detail::Entry::ManualBackward);
   } else if (task != window.anchor_task && older_task(task, window.anchor_task)) {
     window.anchor_task = task; // an outer task of a reentrant backward: finish at its end
@@ -225,38 +224,6 @@ void Reducer::State::mark_ready(size_t index) {
     window.timeline.buckets[buckets.locator[index].first].ready = window.timeline.gradients[index];
   }
   launch_ready_buckets();
-}
-
-// Note [A gradient reduced twice]
-// A reduction sends every parameter's .grad: those backward reached as their
-// hooks fire, the others as they are. A .grad still as the last written
-// window left it (the same tensor, the same version: not stepped into, not
-// cleared or accumulated since) holds a reduced gradient, and sending it
-// again reduces it twice: the sum times the world size with reduction "sum",
-// and collectives of no use otherwise. The manual path meets it when
-// reentrant activation checkpointing runs each checkpointed block's
-// backward as a graph task of its own and the first hook comes from one of
-// them: that task's end finishes the reduction, and the next block's task
-// begins another (a parameter outside the blocks, reached first in the outer
-// task, would have anchored the reduction there). So a manual-path
-// reduction begins only if no .grad is as the last window left it; every
-// rank runs the same check on the same history.
-void Reducer::State::check_not_reduced_twice(size_t index) const {
-  if (window.written.size() != config.params.size()) {
-    return;
-  }
-  for (const auto i : c10::irange(config.params.size())) {
-    const auto& g = config.params[i].grad();
-    if (g.defined() && window.written[i].first == g.unsafeGetTensorImpl() && window.written[i].second == g._version()) {
-      TORCH_CHECK(false, "gradaccum: loss.backward(): ", config.name(index), " became ready in a backward that would "
-          "reduce ", config.name(i), "'s gradient again: it is still what the last reduction wrote (window ",
-          window.sequence - 1, "), not stepped into or cleared since. With reentrant activation checkpointing and "
-          "a plain loss.backward(), each checkpointed block's nested backward would reduce on its own: run the "
-          "backward through acc.backward(), or use torch.utils.checkpoint.checkpoint(..., use_reentrant=False). "
-          "Otherwise clear the gradients (optimizer.zero_grad()) after the optimizer step, before the next "
-          "synchronising backward");
-    }
-  }
 }
 
 ReductionRequest Reducer::State::manual_request() const {

@@ -187,9 +187,6 @@ struct Window {
   int64_t other_aborters = 0;
   int64_t other_aborter = -1;
   ReductionResult last_result;
-  /// Per parameter, the .grad (its TensorImpl and version) the last written
-  /// window left; empty when none was (Note [A gradient reduced twice]).
-  std::vector<std::pair<const void*, int64_t>> written;
 
   /// 0: a window's reduction (acc.backward(), acc.flush(), acc.join()),
   /// 1: a checkpoint's snapshot, 2: a refresh's check, 3: a plain
@@ -310,11 +307,6 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   bool write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor,
                   bool check_finite);
   void apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) noexcept;
-  /// Keeps what each .grad is after a written window (window.written).
-  void remember_written() noexcept;
-  /// Refuses a manual-path reduction that would send a .grad the last window
-  /// wrote, untouched since (Note [A gradient reduced twice]).
-  void check_not_reduced_twice(size_t index) const;
 
   // Dropping a window, and ending a reduction (drop.cpp).
   void abort_reduction(AbortReason reason) noexcept;

@@ -138,29 +138,3 @@ def manual_path(rank, world_size, *, seed):
     out["stats"] = acc.stats()
     acc.close()
     return out
-
-
-@job
-def manual_reentrant(rank, world_size, *, seed):
-    """The manual path (acc.no_sync() micro-steps, then a plain
-    loss.backward()) on the Reentrant model, eager, reduction "sum": each
-    block's nested task would begin a reduction of its own."""
-    import gradaccum
-
-    model = Reentrant(seed)
-    acc = gradaccum.Accumulator(model, None, steps=STEPS, reduction="sum")
-    out = {"error": None}
-    (window,) = windows(seed, world_size, 1)
-    try:
-        for k, batch in enumerate(window[rank]):
-            loss, _ = du.micro_loss(model, batch, "sum")
-            if k < STEPS - 1:
-                with acc.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
-    except RuntimeError as e:
-        out["error"] = str(e)
-    out["collectives"] = acc.stats()["collectives"]
-    acc.close()
-    return out
