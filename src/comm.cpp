@@ -136,10 +136,6 @@ void BroadcastPlan::run(c10d::ProcessGroup& group, int root) const {
   }
 }
 
-int lowest_rank_where(c10d::ProcessGroup& group, bool here, const at::Device& device) {
-  return lowest_rank_where(group, here, at::empty({1}, at::TensorOptions().dtype(at::kLong).device(device)));
-}
-
 int lowest_rank_where(c10d::ProcessGroup& group, bool here, at::Tensor scratch) {
   TORCH_INTERNAL_ASSERT(scratch.numel() == 1 && scratch.scalar_type() == at::kLong);
   scratch.fill_(here ? group.getRank() : group.getSize());

@@ -42,11 +42,9 @@ class BroadcastPlan {
 };
 
 /// The lowest rank whose `here` is true, or the group's size if none is (an
-/// all-reduce MIN of one integer on `device`; a collective, waits).
-int lowest_rank_where(c10d::ProcessGroup& group, bool here, const at::Device& device);
-
-/// The same through `scratch`, a one-element int64 tensor allocated earlier:
-/// nothing is allocated before the collective launches.
+/// all-reduce MIN of one integer through `scratch`, a one-element int64
+/// tensor allocated earlier: nothing is allocated before the collective
+/// launches; a collective, waits).
 int lowest_rank_where(c10d::ProcessGroup& group, bool here, at::Tensor scratch);
 
 /// The lowest rank of the best tier: each rank gives its `tier` (0 is the
