@@ -441,6 +441,8 @@ class Accumulator {
   void close_local_window_loss();
   /// A window dropped on every rank when it closed: no loss, metrics or items.
   void forget_window_loss();
+  /// close_window_loss(), or forget_window_loss() where that fails.
+  void take_reduced_loss(const ReductionResult& result, const at::Tensor& like) noexcept;
   void reset_window();
   /// zero_grad() without its call guard: a closed window that every rank
   /// drops alike (acc.step()'s skips) or that a reduction tells of already.

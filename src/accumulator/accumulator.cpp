@@ -447,11 +447,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
       // dropped here, as flush() drops it, and this rank's position stays the
       // others' (its next acc.step() steps nothing). Its loss is the one the
       // others report.
-      try {
-        close_window_loss(last, pending_loss_sum_);
-      } catch (...) { // (the error below is the one to tell)
-        forget_window_loss();
-      }
+      take_reduced_loss(last, pending_loss_sum_);
       reset_window();
       epoch_ended_ = peers_ended_epoch(last);
       ++stats_.micro_steps;

@@ -179,11 +179,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
     reset_window();
     const auto last = reducer_->last_result();
     if (last.window == window && !last.dropped) {
-      try {
-        close_window_loss(last, loss_sum); // reduced everywhere: the others report it
-      } catch (...) { // (the error below is the one to tell)
-        forget_window_loss();
-      }
+      take_reduced_loss(last, loss_sum); // reduced everywhere: the others report it
     } else {
       forget_window_loss();
     }

@@ -115,6 +115,17 @@ void Accumulator::close_local_window_loss() {
   window_loss_ = divide ? loss / window_weight_ : loss.clone();
 }
 
+void Accumulator::take_reduced_loss(const ReductionResult& result, const at::Tensor& like) noexcept {
+  // A window reduced on every rank that this rank then dropped alone: its
+  // loss is the one the others report (none if even that fails: the error
+  // already leaving is the one to tell).
+  try {
+    close_window_loss(result, like);
+  } catch (...) {
+    forget_window_loss();
+  }
+}
+
 void Accumulator::forget_window_loss() {
   // A window dropped on every rank closed with nothing applied: what a logger
   // reads next is "no loss", not the window before it's.

@@ -155,17 +155,7 @@ def dropped_window_loss(rank, world_size, *, seed, n_windows, last, reduction, f
     """A micro-step whose backward raises at (window, rank, k) in `fail_at`:
     its window is dropped on every rank when it closes (the closing backward,
     or flush()); what every rank reads then of the window's loss."""
-    import torch
     import gradaccum
-
-    class Boom(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("boom in backward")
 
     fail_at = {tuple(t) for t in fail_at}
     model = du.mlp(seed)
@@ -179,7 +169,7 @@ def dropped_window_loss(rank, world_size, *, seed, n_windows, last, reduction, f
         for k, batch in enumerate(window[rank]):
             loss, n = du.micro_loss(model, batch, reduction)
             if (w, rank, k) in fail_at:
-                loss = Boom.apply(loss)
+                loss = du.Boom.apply(loss)
             try:
                 acc.backward(loss, num_items=n, metrics=metric_values(model, batch))
             except RuntimeError as e:
