@@ -231,3 +231,54 @@ class _SchedulerDriver:
         for scheduler in accelerator._schedulers:
             if isinstance(scheduler, _GradaccumScheduler) and scheduler.step_with_optimizer:
                 scheduler._after_optimizer_step()
+
+
+def _watch_loader(accelerator: Any, loader: Any) -> None:
+    """Makes a training iteration of `loader` (prepared by `accelerator`, a
+    gradaccum.accelerate.Accelerator) shard without copies and end by closing
+    the epoch's window on every rank."""
+    if getattr(loader, "_gradaccum_watched", False) or not hasattr(loader, "begin"):
+        return
+    shard = _find_shard_sampler(loader)
+    if shard is not None:
+        _pad_shard(shard)
+    begin, end = loader.begin, loader.end
+    owner_ref = weakref.ref(accelerator)
+
+    def gradaccum_begin() -> None:
+        owner = owner_ref()
+        train = owner is not None and owner._training_mode()
+        loader._gradaccum_train = train
+        loader._gradaccum_flushed = False
+        acc = None if owner is None else owner.accumulator
+        loader._gradaccum_start = None if acc is None or acc.window_ready else acc.micro_step
+        if train:
+            running = owner._current_training_loader()
+            if running is not None and running is not loader and not running._gradaccum_flushed:
+                owner._warn_nested_training()
+            owner._training_loader = weakref.ref(loader)
+        elif owner is not None and owner._current_training_loader() is loader:
+            owner._training_loader = None  # its last training iteration ended without end() (a break)
+        if shard is not None:
+            _begin_iteration(shard, train, pad=train and owner._in_order(loader, shard))
+        begin()
+
+    def gradaccum_end() -> None:
+        owner = owner_ref()
+        try:
+            if (owner is not None and loader._gradaccum_train and not loader._gradaccum_flushed
+                    and owner.accumulator is not None):
+                loader._gradaccum_flushed = True
+                owner._end_epoch(loader)
+        finally:
+            end()
+            if owner is not None and owner._training_loader is not None and owner._training_loader() is loader:
+                owner._training_loader = None
+
+    loader._gradaccum_watched = True
+    loader._gradaccum_shard = shard
+    loader._gradaccum_start = None
+    loader._gradaccum_train = False
+    loader._gradaccum_flushed = False
+    loader.begin = gradaccum_begin
+    loader.end = gradaccum_end

@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 
 import torch
 
-from gradaccum import _C, _run
+from gradaccum import _C, _run, _scaler_window
 from gradaccum._lifetime import _LIVE, _optimizer_parameters, _optimizer_step
 from gradaccum._checkpoint import load_state, save_state
 from gradaccum._refusal import _refuse_construction
@@ -216,42 +216,10 @@ class Accumulator:
         return True
 
     def _unscale_and_check(self) -> bool:
-        """At a closed window: unscale the (reduced, divided) gradient and let
-        the scaler's found-inf decide; every rank holds the same gradient, so
-        every rank decides alike. GradScaler.update() follows once per window."""
-        scaler = self.grad_scaler
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]
-                 if p.grad is not None]
-        if getattr(scaler, "_scale", 0) is None:
-            # Resumed (load_state_dict sets only the initial scale) and no
-            # backward() since: scale() has not made the scale tensor yet.
-            first = grads[0] if grads else self.optimizer.param_groups[0]["params"][0]
-            scaler._lazy_init_scale_growth_tracker(first.device)
-        scaler.unscale_(self.optimizer)
-        state = scaler._per_optimizer_states[id(self.optimizer)]
-        found_inf = sum(v.item() for v in state["found_inf_per_device"].values())
-        if not found_inf and self.steps > 1:
-            # backward() scaled each micro-step by 1/steps as well (torch's own
-            # accumulation recipe, same fp16 headroom as the big batch): undo it.
-            if grads:
-                torch._foreach_mul_(grads, float(self.steps))
-        if self._gradient_hook is not None:
-            self._gradient_hook()
-        return not found_inf
+        return _scaler_window.unscale_and_check(self)
 
     def _update_scaler(self) -> None:
-        """GradScaler.update(), once per closed window. With error feedback the
-        residuals are in the units of the window's scale: the new scale's
-        ratio to it goes to them, on the device (Note [Error feedback across
-        loss scales])."""
-        scaler = self.grad_scaler
-        before = getattr(scaler, "_scale", None)
-        if not self._error_feedback or before is None:
-            scaler.update()
-            return
-        before = before.clone()  # update() changes it in place
-        scaler.update()
-        self._c.rescale_residuals(scaler._scale / before)
+        _scaler_window.update_scaler(self)
 
     def _check_micro_step(self, what: str) -> None:
         """What Python checks of any micro-step before the C++ side's checks."""

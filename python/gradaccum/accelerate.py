@@ -143,13 +143,11 @@ except ImportError as error:  # pragma: no cover - exercised without accelerate
 
 from gradaccum._accelerate_parts import (
     _AccumulatorCheckpoint,
-    _begin_iteration,
     _every_rank_ends_on_a_boundary,
-    _find_shard_sampler,
-    _pad_shard,
     _GradaccumOptimizer,
     _GradaccumScheduler,
     _SchedulerDriver,
+    _watch_loader,
 )
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
 from gradaccum._refusal import _any_rank_has, _refuse_before_building
@@ -299,13 +297,13 @@ class Accelerator(_accelerate.Accelerator):
         prepared = super().prepare_data_loader(data_loader, device_placement=device_placement,
                                                slice_fn_for_dispatch=slice_fn_for_dispatch)
         if not already:
-            self._watch_loader(prepared)
+            _watch_loader(self, prepared)
         return prepared
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         skipped = super().skip_first_batches(dataloader, num_batches=num_batches)
         if skipped is not dataloader:
-            self._watch_loader(skipped)
+            _watch_loader(self, skipped)
         return skipped
 
     def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
@@ -394,55 +392,6 @@ class Accelerator(_accelerate.Accelerator):
                 "repeated to give every rank as many batches, as stock Accelerate does); its partial window still "
                 "closes at its end. Call model.train() before iterating the training loader to shard it without "
                 "copies", stacklevel=3)
-
-    def _watch_loader(self, loader: Any) -> None:
-        """A training iteration of `loader` shards without copies and ends by
-        closing the epoch's window on every rank."""
-        if getattr(loader, "_gradaccum_watched", False) or not hasattr(loader, "begin"):
-            return
-        shard = _find_shard_sampler(loader)
-        if shard is not None:
-            _pad_shard(shard)
-        begin, end = loader.begin, loader.end
-        accelerator = weakref.ref(self)
-
-        def gradaccum_begin() -> None:
-            owner = accelerator()
-            train = owner is not None and owner._training_mode()
-            loader._gradaccum_train = train
-            loader._gradaccum_flushed = False
-            acc = None if owner is None else owner.accumulator
-            loader._gradaccum_start = None if acc is None or acc.window_ready else acc.micro_step
-            if train:
-                running = owner._current_training_loader()
-                if running is not None and running is not loader and not running._gradaccum_flushed:
-                    owner._warn_nested_training()
-                owner._training_loader = weakref.ref(loader)
-            elif owner is not None and owner._current_training_loader() is loader:
-                owner._training_loader = None  # its last training iteration ended without end() (a break)
-            if shard is not None:
-                _begin_iteration(shard, train, pad=train and owner._in_order(loader, shard))
-            begin()
-
-        def gradaccum_end() -> None:
-            owner = accelerator()
-            try:
-                if (owner is not None and loader._gradaccum_train and not loader._gradaccum_flushed
-                        and owner.accumulator is not None):
-                    loader._gradaccum_flushed = True
-                    owner._end_epoch(loader)
-            finally:
-                end()
-                if owner is not None and owner._training_loader is not None and owner._training_loader() is loader:
-                    owner._training_loader = None
-
-        loader._gradaccum_watched = True
-        loader._gradaccum_shard = shard
-        loader._gradaccum_start = None
-        loader._gradaccum_train = False
-        loader._gradaccum_flushed = False
-        loader.begin = gradaccum_begin
-        loader.end = gradaccum_end
 
     def _in_order(self, loader: Any, shard: Any) -> bool:
         """Whether `loader` delivers its batches in the sampler's order, which

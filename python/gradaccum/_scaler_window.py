@@ -1,0 +1,46 @@
+"""The grad_scaler's part of a closed window: unscale and decide, then
+update the scale once (the C++ side calls these through the Accumulator's
+window callbacks)."""
+from typing import Any
+
+import torch
+
+
+def unscale_and_check(acc: Any) -> bool:
+    """At a closed window: unscale the (reduced, divided) gradient and let
+    the scaler's found-inf decide; every rank holds the same gradient, so
+    every rank decides alike. GradScaler.update() follows once per window."""
+    scaler = acc.grad_scaler
+    grads = [p.grad for g in acc.optimizer.param_groups for p in g["params"]
+             if p.grad is not None]
+    if getattr(scaler, "_scale", 0) is None:
+        # Resumed (load_state_dict sets only the initial scale) and no
+        # backward() since: scale() has not made the scale tensor yet.
+        first = grads[0] if grads else acc.optimizer.param_groups[0]["params"][0]
+        scaler._lazy_init_scale_growth_tracker(first.device)
+    scaler.unscale_(acc.optimizer)
+    state = scaler._per_optimizer_states[id(acc.optimizer)]
+    found_inf = sum(v.item() for v in state["found_inf_per_device"].values())
+    if not found_inf and acc.steps > 1:
+        # backward() scaled each micro-step by 1/steps as well (torch's own
+        # accumulation recipe, same fp16 headroom as the big batch): undo it.
+        if grads:
+            torch._foreach_mul_(grads, float(acc.steps))
+    if acc._gradient_hook is not None:
+        acc._gradient_hook()
+    return not found_inf
+
+
+def update_scaler(acc: Any) -> None:
+    """GradScaler.update(), once per closed window. With error feedback the
+    residuals are in the units of the window's scale: the new scale's
+    ratio to it goes to them, on the device (Note [Error feedback across
+    loss scales])."""
+    scaler = acc.grad_scaler
+    before = getattr(scaler, "_scale", None)
+    if not acc._error_feedback or before is None:
+        scaler.update()
+        return
+    before = before.clone()  # update() changes it in place
+    scaler.update()
+    acc._c.rescale_residuals(scaler._scale / before)
