@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 
 import _dist_utils as du
+import _distributed_jobs as dj
+
+M = "_distributed_jobs"  # the module that registers this file's jobs
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with Gloo"
@@ -60,7 +63,7 @@ def jobs(tmp_path_factory):
         if world_size not in cache:
             out = tmp_path_factory.mktemp(f"suite_w{world_size}")
             try:
-                cache[world_size] = ("ok", du.run_job("suite", world_size, out, timeout=300,
+                cache[world_size] = ("ok", du.run_job("suite", world_size, out, module=M, timeout=300,
                                                       parts=suite_parts(world_size)))
             except Exception as e:  # noqa: BLE001 - re-raised for every test that reads it
                 cache[world_size] = ("error", e)
@@ -336,7 +339,7 @@ def test_unused_parameters_match_one_process(jobs):
     world_size = 2
     results = jobs("unused", world_size)
     for opt_name, as_view in UNUSED_VARIANTS:
-        ref = du.unused_reference(world_size=world_size, opt_name=opt_name, **{
+        ref = dj.unused_reference(world_size=world_size, opt_name=opt_name, **{
             k: UNUSED_KW[k] for k in ("seed", "steps", "n_windows", "micro_batch")})
         names = ref["names"]
         dead = [i for i, n in enumerate(names) if n.startswith("dead.")]
@@ -377,7 +380,7 @@ def test_buckets_that_do_not_fit_on_one_rank_fail_on_every_rank(tmp_path):
     """Out of memory allocating the buckets on rank 1 alone: rank 0 does not
     wait in the parameter broadcast after it; both raise at once, and the
     group stays paired for the next Accumulator."""
-    results = du.run_job("bucket_oom", 2, tmp_path, oom_rank=1)
+    results = du.run_job("bucket_oom", 2, tmp_path, module=M, oom_rank=1)
     own, peer = results[1]["error"], results[0]["error"]
     # (CPU allocations fail as RuntimeError; CUDA ones keep torch.OutOfMemoryError)
     assert own is not None and own[0] == "RuntimeError", own
@@ -406,7 +409,7 @@ FLUSH_SCENARIOS = {
 
 
 def flush_reference(world_size, n_full, last, reduction):
-    windows = du.make_windows(SEED, du.flush_counts(n_full, world_size, FLUSH_STEPS, last), FLUSH_MICRO)
+    windows = du.make_windows(SEED, dj.flush_counts(n_full, world_size, FLUSH_STEPS, last), FLUSH_MICRO)
     model = du.mlp(SEED)
     return du.reference_run(model, du.make_optimizer("sgd", model.parameters()), windows, reduction)
 
@@ -507,20 +510,20 @@ def test_flush_when_one_rank_filled_its_last_window(tmp_path):
     the end, as documented. Its own process group: a collective mismatch
     here must not break the other tests."""
     scenarios = {"full_and_partial": (1, (FLUSH_STEPS, 1), "mean")}
-    results = du.run_job("flush", 2, tmp_path, timeout=90, pg_timeout=15, seed=SEED,
+    results = du.run_job("flush", 2, tmp_path, module=M, timeout=90, pg_timeout=15, seed=SEED,
                          steps=FLUSH_STEPS, micro_batch=FLUSH_MICRO, scenarios=scenarios)
     check_flush(results, 2, scenarios)
 
 
 def test_process_group_found_by_name_when_not_castable(tmp_path):
-    (res,) = du.run_job("resolve_by_name", 1, tmp_path)
+    (res,) = du.run_job("resolve_by_name", 1, tmp_path, module=M)
     assert res["stats"]["reductions"] == 1
     assert res["stats"]["collectives"] == res["stats"]["buckets"] >= 1
     assert res["grad_defined"]
 
 
 def test_reentrant_and_non_reentrant_checkpointing_match_the_big_batch(tmp_path):
-    (res,) = du.run_job("reentrant", 1, tmp_path)
+    (res,) = du.run_job("reentrant", 1, tmp_path, module=M)
     assert res[True] is None and res[False] is None, res
     assert res["match/True"] and res["match/False"]
 

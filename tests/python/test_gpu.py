@@ -35,7 +35,7 @@ def check(results, steps, tol):
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="torch built without NCCL")
 @pytest.mark.parametrize("dtype_name,tol", [("float32", 1e-5), ("float64", 1e-10)])
 def test_nccl_world_size_1(tmp_path, dtype_name, tol):
-    results = du.run_job("cuda_equivalence", 1, tmp_path, backend="nccl", seed=5, dtype_name=dtype_name,
+    results = du.run_job("cuda_equivalence", 1, tmp_path, module="_distributed_jobs", backend="nccl", seed=5, dtype_name=dtype_name,
                          steps=STEPS, n_windows=WINDOWS, micro_batch=4)
     check(results, STEPS, tol)
 
@@ -43,7 +43,7 @@ def test_nccl_world_size_1(tmp_path, dtype_name, tol):
 @cuda
 @pytest.mark.parametrize("dtype_name,tol", [("float32", 1e-5), ("float64", 1e-10)])
 def test_gloo_over_cuda_tensors_two_ranks(tmp_path, dtype_name, tol):
-    results = du.run_job("cuda_equivalence", 2, tmp_path, backend="gloo", seed=6, dtype_name=dtype_name,
+    results = du.run_job("cuda_equivalence", 2, tmp_path, module="_distributed_jobs", backend="gloo", seed=6, dtype_name=dtype_name,
                          steps=STEPS, n_windows=WINDOWS, micro_batch=4)
     check(results, STEPS, tol)
     torch.testing.assert_close(results[0]["mean"]["params"], results[1]["mean"]["params"], rtol=0, atol=0)
