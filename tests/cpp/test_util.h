@@ -29,6 +29,23 @@ inline torch::nn::Sequential mlp(torch::Dtype dtype = torch::kFloat64, uint64_t 
   return net;
 }
 
+/// Rows of a regression problem for mlp(): inputs x [rows, 6], targets y [rows, 3].
+struct Data {
+  torch::Tensor x, y;
+};
+
+inline Data data(int64_t rows, torch::Dtype dtype) {
+  torch::manual_seed(7);
+  return {torch::randn({rows, 6}, dtype), torch::randn({rows, 3}, dtype)};
+}
+
+/// A detached copy of a model's parameters.
+inline std::vector<at::Tensor> snapshot(const torch::nn::Sequential& m) {
+  std::vector<at::Tensor> out;
+  for (auto& p : m->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
 inline double max_rel_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   double worst = 0;
   for (size_t i = 0; i < a.size(); ++i) {
