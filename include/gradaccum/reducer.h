@@ -21,8 +21,12 @@ struct ReducerStats {
   /// this rank alone when it failed after every rank had reduced it (then
   /// the ranks' counts differ, as their replicas do).
   int64_t dropped_windows = 0;
-  int64_t collectives = 0; ///< all-reduces launched, in all (snapshots' and refresh checks' too)
-  int64_t bytes_reduced = 0; ///< bytes handed to all-reduces, in all
+  /// All-reduces launched, in all: the buckets' (windows', snapshots' and
+  /// refresh checks' too) and, in a window where some ranks have joined and
+  /// buffers are broadcast, the one that picks the broadcast's root. Not the
+  /// construction's checks nor the bucket rebuild's agreement.
+  int64_t collectives = 0;
+  int64_t bytes_reduced = 0; ///< bytes handed to those all-reduces, in all
   int64_t last_window_collectives = 0;
   int64_t last_window_bytes = 0;
   int64_t broadcasts = 0; ///< buffer broadcasts at windows' ends
@@ -35,8 +39,10 @@ struct ReducerStats {
   /// none of the reducer's hooks (compiled autograd; Note [Compiled
   /// autograd]): the same collectives, not overlapped with backward.
   int64_t hookless_windows = 0;
-  /// Times the buckets were rebuilt in backward's order (0 or 1; see
-  /// ReducerOptions::rebuild_buckets). Not saved in checkpoints, like `buckets`.
+  /// Times the buckets were rebuilt in backward's order (see
+  /// ReducerOptions::rebuild_buckets): once after the first window, and once
+  /// more after the first window of each refresh_parameters(), which lays the
+  /// buckets out again. Not saved in checkpoints, like `buckets`.
   int64_t bucket_rebuilds = 0;
 };
 

@@ -399,9 +399,14 @@ void Reducer::State::window_collectives(int64_t joined_ranks, std::optional<std:
   if (config.options.broadcast_buffers() && !buffer_broadcast.empty()) {
     try {
       const int tier = window.request.weight > 0 ? 0 : window.request.forwards ? 1 : 2;
-      const int root = joined_ranks == 0
-          ? 0
-          : detail::lowest_rank_of_best_tier(*config.group, tier, 2, config.metadata_device());
+      int root = 0;
+      if (joined_ranks > 0) {
+        ++stats.collectives; // one int64 all-reduce, counted as launched (a failure in it still ran it here)
+        ++stats.last_window_collectives;
+        stats.bytes_reduced += static_cast<int64_t>(sizeof(int64_t));
+        stats.last_window_bytes += static_cast<int64_t>(sizeof(int64_t));
+        root = detail::lowest_rank_of_best_tier(*config.group, tier, 2, config.metadata_device());
+      }
       if (root < config.world) {
         ++stats.broadcasts;
         buffer_broadcast.run(*config.group, root); // (all of it, whatever fails: Note [The buffers' ...])

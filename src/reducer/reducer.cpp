@@ -25,6 +25,27 @@ void check_request(const ReductionRequest& request, Entry entry) {
       request.weight);
 }
 
+// Note [Reductions that are no window]
+// A mid-window snapshot (acc.state_dict()) and a refresh check
+// (acc.refresh_parameters()) are reductions through the buckets: they take a
+// reduction number and count in `collectives` and `bytes_reduced`. They are
+// no window, so the last_window_* counters, which describe the last window,
+// are kept across them.
+class KeepLastWindowStats {
+ public:
+  explicit KeepLastWindowStats(const ReducerStats& stats)
+      : collectives_(stats.last_window_collectives), bytes_(stats.last_window_bytes),
+        launched_(stats.last_window_launched_in_backward) {}
+  void restore(ReducerStats& stats) const {
+    stats.last_window_collectives = collectives_;
+    stats.last_window_bytes = bytes_;
+    stats.last_window_launched_in_backward = launched_;
+  }
+
+ private:
+  int64_t collectives_, bytes_, launched_;
+};
+
 } // namespace detail
 
 Reducer::State::State(detail::ReducerConfig config_)
@@ -169,6 +190,7 @@ std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, Reduc
       "gradaccum: acc.state_dict(): a checkpoint in the middle of a window is not supported with comm_dtype (the "
       "half-done window would be rounded to the wire's dtype); save at a window boundary, or "
       "use state_dict(rank_independent=False)");
+  const detail::KeepLastWindowStats last_window(s.stats); // Note [Reductions that are no window]
   s.begin_reduction(request, -1, detail::Entry::StateDict);
   if (request.abort != AbortReason::None) {
     s.abort_reduction(request.abort);
@@ -176,6 +198,7 @@ std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, Reduc
   }
   std::vector<at::Tensor> sums;
   const auto r = s.finish_reduction(&sums);
+  last_window.restore(s.stats);
   if (result) {
     *result = r;
   }
@@ -212,16 +235,14 @@ std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, Reduc
 // rank]). A rank that refuses sends its buckets as they are, with the
 // drop's flag: every rank ignores them. A failed check re-zeroes the
 // buckets and leaves `.grad` and the residuals as they were (drop_window()).
-// The counters of the last window are kept: this is no window, but it takes
-// a reduction number, as a snapshot does.
+// The counters of the last window are kept (Note [Reductions that are no
+// window]).
 void Reducer::refresh_check(bool refused) {
   const auto keep = state_;
   auto& s = *keep;
   std::lock_guard<std::mutex> lock(s.mutex);
   s.check_idle("acc.refresh_parameters()");
-  const auto last_collectives = s.stats.last_window_collectives;
-  const auto last_bytes = s.stats.last_window_bytes;
-  const auto last_launched = s.stats.last_window_launched_in_backward;
+  const detail::KeepLastWindowStats last_window(s.stats);
   ReductionRequest request;
   request.weight = 0;
   request.divide = false;
@@ -232,9 +253,7 @@ void Reducer::refresh_check(bool refused) {
     TORCH_CHECK(false, s.window.failure_text());
   }
   s.finish_reduction();
-  s.stats.last_window_collectives = last_collectives;
-  s.stats.last_window_bytes = last_bytes;
-  s.stats.last_window_launched_in_backward = last_launched;
+  last_window.restore(s.stats);
 }
 
 void Reducer::zero_grad() {
@@ -398,7 +417,8 @@ void Reducer::restore(const Progress& progress) {
   const auto now = s.stats;
   s.stats = progress.stats;
   s.stats.buckets = now.buckets;
-  s.stats.bucket_rebuilds = now.bucket_rebuilds;
+  // A checkpoint holds no rebuilds (0); a refresh hands over its old reducer's.
+  s.stats.bucket_rebuilds = now.bucket_rebuilds + progress.stats.bucket_rebuilds;
   s.stats.launched_in_backward = now.launched_in_backward;
   s.stats.last_window_launched_in_backward = now.last_window_launched_in_backward;
   s.stats.hookless_windows = now.hookless_windows;

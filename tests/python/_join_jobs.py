@@ -217,22 +217,28 @@ def join_buffers(rank, world_size, *, counts, weightless_from=None, empty_from=N
                                 reduction=reduction, nonfinite="skip_micro_batch")
     g = torch.Generator().manual_seed(100 + rank)
     out = {"own": [], "after": []}
-    with acc.join():
-        for i in range(counts[rank]):
-            x = torch.randn(4, 6, generator=g) * (rank + 1) + rank
-            if empty_from is not None and i >= empty_from[rank]:
-                acc.empty_micro_step()
-                continue
-            weightless = weightless_from is not None and i >= weightless_from[rank]
-            per_row = model(x).pow(2).mean(1)
-            if acc.sync_gradients or i + 1 == counts[rank]:
-                out["own"].append([b.clone() for b in model.buffers()])
-            if reduction == "items":
-                acc.backward(per_row.sum() * (0.0 if weightless else 1.0), num_items=0 if weightless else 4)
-            else:
-                acc.backward(per_row.mean() * (float("nan") if weightless else 1.0))
-            if acc.step():
-                out["after"].append([b.clone() for b in model.buffers()])
+
+    def train():
+        with acc.join():
+            for i in range(counts[rank]):
+                x = torch.randn(4, 6, generator=g) * (rank + 1) + rank
+                if empty_from is not None and i >= empty_from[rank]:
+                    acc.empty_micro_step()
+                    continue
+                weightless = weightless_from is not None and i >= weightless_from[rank]
+                per_row = model(x).pow(2).mean(1)
+                if acc.sync_gradients or i + 1 == counts[rank]:
+                    out["own"].append([b.clone() for b in model.buffers()])
+                if reduction == "items":
+                    acc.backward(per_row.sum() * (0.0 if weightless else 1.0), num_items=0 if weightless else 4)
+                else:
+                    acc.backward(per_row.mean() * (float("nan") if weightless else 1.0))
+                if acc.step():
+                    out["after"].append([b.clone() for b in model.buffers()])
+
+    before = acc.stats()["collectives"]
+    out["allreduces"] = _count_allreduces(train)
+    out["collectives"] = acc.stats()["collectives"] - before
     out["final"] = [b.clone() for b in model.buffers()]
     out["stats"] = acc.stats()
     acc.close()

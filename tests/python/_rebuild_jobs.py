@@ -171,7 +171,12 @@ def resume(rank, world_size, *, seed, n_windows, save_at):
     opt = du.make_optimizer("sgd", model.parameters())
     acc = gradaccum.Accumulator(model, opt, steps=STEPS, **CAPS)
     run(model, acc, batches[:save_at])
-    saved = acc.state_dict()  # rank 0's is loaded everywhere
+    last = ("last_window_collectives", "last_window_bytes", "last_window_launched_in_backward")
+    before = acc.stats()
+    saved = acc.state_dict()  # rank 0's is loaded everywhere (a snapshot: a collective per bucket)
+    after = acc.stats()
+    snapshot = {"last_before": [before[k] for k in last], "last_after": [after[k] for k in last],
+                "collectives": after["collectives"] - before["collectives"], "buckets": after["buckets"]}
     saved_layout = [list(b) for b in acc.bucket_indices]
     model_state, opt_state = model.state_dict(), opt.state_dict()
     acc.close()
@@ -189,7 +194,30 @@ def resume(rank, world_size, *, seed, n_windows, save_at):
     run(model, acc, batches[save_at:])
     return {"straight": straight, "resumed": du.params(model), "saved_layout": saved_layout,
             "fresh_layout": fresh_layout, "final_layout": [list(b) for b in acc.bucket_indices],
-            "rebuilds": acc.stats()["bucket_rebuilds"]}
+            "rebuilds": acc.stats()["bucket_rebuilds"], "snapshot": snapshot}
+
+
+@job
+def refresh_rebuilds(rank, world_size, *, seed):
+    """bucket_rebuilds after each of three windows, with refresh_parameters()
+    (the same set) after the first: the refresh lays the buckets out in
+    registration order again, and they are rebuilt after its first window."""
+    import gradaccum
+
+    windows = du.make_windows(seed, du.full_counts(3, world_size, STEPS), MICRO)
+    model = reversed_model(seed)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=STEPS, **CAPS)
+    counts, layouts = [], []
+    for w, window in enumerate(windows):
+        for batch in window[rank]:
+            acc.backward(loss_of(model, batch, False))
+            acc.step()
+        counts.append(acc.stats()["bucket_rebuilds"])
+        if w == 0:
+            acc.refresh_parameters()
+            counts.append(acc.stats()["bucket_rebuilds"])
+        layouts.append([list(b) for b in acc.bucket_indices])
+    return {"counts": counts, "layouts": layouts}
 
 
 @job
@@ -203,6 +231,29 @@ def option_differs(rank, world_size):
     except ValueError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+@job
+def refresh_rebuilds(rank, world_size, *, seed):
+    """bucket_rebuilds after each of three windows, with refresh_parameters()
+    (the same set) after the first: the refresh lays the buckets out in
+    registration order again, and they are rebuilt after its first window."""
+    import gradaccum
+
+    windows = du.make_windows(seed, du.full_counts(3, world_size, STEPS), MICRO)
+    model = reversed_model(seed)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=STEPS, **CAPS)
+    counts, layouts = [], []
+    for w, window in enumerate(windows):
+        for batch in window[rank]:
+            acc.backward(loss_of(model, batch, False))
+            acc.step()
+        counts.append(acc.stats()["bucket_rebuilds"])
+        if w == 0:
+            acc.refresh_parameters()
+            counts.append(acc.stats()["bucket_rebuilds"])
+        layouts.append([list(b) for b in acc.bucket_indices])
+    return {"counts": counts, "layouts": layouts}
 
 
 @job

@@ -190,6 +190,10 @@ def test_buffers_come_from_the_lowest_rank_with_data(tmp_path):
     for res in (rank0, rank1, rank2):  # rank 2's partial window closed as all joined
         assert same(res["final"], rank2["own"][2])
         assert res["stats"]["buffer_broadcasts"] == 3
+        # stats() counts every all-reduce the profiler saw: the buckets' and,
+        # in the two windows where some ranks had joined, the one that
+        # picks the buffers' root (it was left out before).
+        assert res["collectives"] == res["allreduces"] == 3 * res["stats"]["buckets"] + 2
 
 
 @pytest.mark.parametrize("reduction", ["items", "mean"])

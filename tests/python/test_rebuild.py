@@ -159,9 +159,24 @@ def test_a_checkpoint_resumes_in_a_fresh_accumulator_that_rebuilds_alike(tmp_pat
         assert layers(res["saved_layout"]) == [0, 1, 2, 3]
         assert layers(res["fresh_layout"]) == [3, 2, 1, 0]  # not rebuilt yet
         assert res["final_layout"] == res["saved_layout"] and res["rebuilds"] == 1
+        # the snapshot's all-reduces count in all, but it is no window: the
+        # last window's counters stay (they were overwritten before)
+        snap = res["snapshot"]
+        assert snap["collectives"] == snap["buckets"] and snap["last_after"] == snap["last_before"]
+        assert snap["last_before"][0] == snap["buckets"]
         assert_close(res["resumed"], res["straight"], 1e-10, f"rank {rank}")
     for a, b in zip(results[0]["resumed"], results[1]["resumed"]):
         assert torch.equal(a, b)
+
+
+def test_bucket_rebuilds_count_on_across_refresh_parameters(tmp_path):
+    # after window 0, after the refresh (laid out again, not yet rebuilt),
+    # after windows 1 and 2: the refresh's new buckets are rebuilt once more
+    # (the count went back to 0 at the refresh before)
+    for res in run("refresh_rebuilds", 2, tmp_path, seed=SEED):
+        assert res["counts"] == [1, 1, 2, 2]
+        assert layers(res["layouts"][0]) == [3, 2, 1, 0]  # window 0, then the refresh: laid out again
+        assert layers(res["layouts"][1]) == layers(res["layouts"][2]) == [0, 1, 2, 3]
 
 
 def test_ranks_must_agree_on_rebuild_buckets(tmp_path):
