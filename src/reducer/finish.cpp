@@ -12,6 +12,8 @@
 
 #include <c10/util/irange.h>
 
+#include <algorithm>
+#include <cmath>
 #include <exception>
 #include <iomanip>
 #include <numeric>
@@ -320,9 +322,33 @@ ReductionResult Reducer::State::complete_snapshot(detail::Reduced reduced,
   return reduced.result;
 }
 
+// Note [Scaling before the sum] scales an fp16 wire for the expected weight
+// E; a window much lighter than that (a short flush() window, "items" that
+// swing) travels E / W times smaller, and fp16 keeps full precision only
+// down to 2^-14: the smallest values of its gradient lose bits, or become
+// zero, with no error. Every rank holds the same W and E (the header), so
+// every rank warns alike, once per process. bf16 has float32's range.
+void Reducer::State::warn_if_light_on_fp16(double global_weight) const {
+  constexpr double kLight = 16.0;
+  if (!(global_weight > 0) || window.expected_weight < kLight * global_weight) {
+    return;
+  }
+  const bool fp16 = std::any_of(buckets.all.begin(), buckets.all.end(), [](const Bucket& bucket) {
+    return bucket.prescaled && bucket.wire_gradients.scalar_type() == at::kHalf;
+  });
+  if (fp16) {
+    TORCH_WARN_ONCE("gradaccum: ", detail::call_name(window.entry, window.request), ": the window weighed ", global_weight, ", ", window.expected_weight / global_weight, " times less than the weight ",
+        window.expected_weight, " its float16 wire was scaled for (Note [Scaling before the sum]): its gradient "
+        "travelled that many times smaller, so values below about ",
+        std::ldexp(1.0, -14) * window.expected_weight / global_weight,
+        " lost precision or became 0. comm_dtype=bfloat16 has float32's range (shown once)");
+  }
+}
+
 ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   auto& result = reduced.result;
   ++stats.windows;
+  warn_if_light_on_fp16(result.global_weight);
   if (result.global_weight > 0 && result.flushing_ranks == 0) {
     window.last_weight = result.global_weight; // Note [Scaling before the sum]
   }

@@ -675,3 +675,52 @@ def error_feedback_changing_weights(rank, world_size, *, windows, reduction, ste
         out[name] = [g.cpu() for g in opt.seen]
         acc.close()
     return out
+
+
+@job
+def light_fp16_window(rank, world_size, *, comm_dtype, steps, flush_after):
+    """One full window of `steps` micro-batches, then a window of
+    `flush_after` closed by flush(): far lighter than the wire's scale
+    (world * steps). Returns what this rank wrote to its stderr (fd 2)
+    during the flush, and the flushed window's gradient with a float64
+    reference of it."""
+    import os
+    import tempfile
+
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    dtype = getattr(torch, comm_dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = []
+    opt.register_step_pre_hook(lambda *_: seen.append(model.weight.grad.double().clone()))
+    acc = gradaccum.Accumulator(model, opt, steps=steps, comm_dtype=dtype)
+    g = torch.Generator().manual_seed(10 + rank)
+    for _ in range(steps):
+        acc.backward(model(torch.randn(4, 8, generator=g)).pow(2).mean() * 1e-3)
+    acc.step()
+    batches = [torch.randn(4, 8, generator=g) for _ in range(flush_after)]
+    for x in batches:
+        acc.backward(model(x).pow(2).mean() * 1e-3)
+    stderr = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            acc.flush()
+        finally:
+            os.dup2(stderr, 2)
+            os.close(stderr)
+        captured.seek(0)
+        text = captured.read().decode(errors="replace")
+    got = seen[-1]
+    # float64 reference of the flushed window: every rank's micro-batches
+    ref_model = nn.Linear(8, 4).double()
+    ref_model.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    mine = torch.stack(batches).double()
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    total = sum(ref_model(x).pow(2).mean() * 1e-3 for xs in every for x in xs)
+    (total / (world_size * flush_after)).backward()
+    acc.close()
+    return {"stderr": text, "got": got, "ref": ref_model.weight.grad.clone()}

@@ -521,3 +521,22 @@ def test_error_feedback_residuals_load_only_onto_their_parameters(tmp_path):
             "gradaccum: acc.load_state_dict(): the error-feedback residual of a.bias is a Strided tensor on "
             "meta; a state's residuals are dense tensors holding values, as acc.state_dict() saves them")
         assert real["meta_untouched"] and none["meta_refused"] is None
+
+
+@pytest.mark.parametrize("comm_dtype", ["float16", "bfloat16"])
+def test_a_window_far_lighter_than_the_fp16_scale_warns(tmp_path, comm_dtype):
+    """A flush() window of 1 micro-batch after windows of 16: the fp16
+    wire's values are 16 times smaller than the gradient's (Note [Scaling
+    before the sum]), so its smallest values lose bits; every rank warns,
+    once. A bf16 wire has the range: no warning, bf16's rounding."""
+    results = du.run_job("light_fp16_window", 2, tmp_path, module="_mixed_jobs", comm_dtype=comm_dtype, steps=16,
+                         flush_after=1)
+    for rank, res in enumerate(results):
+        warned = "times less than the weight" in res["stderr"]
+        assert warned == (comm_dtype == "float16"), (rank, res["stderr"])
+        if warned:
+            assert "gradaccum: acc.flush(): the window weighed 2, 16 times less than the weight 32 its float16 " \
+                   "wire was scaled for" in res["stderr"], res["stderr"]
+        rel = float((res["got"] - res["ref"]).abs().max() / res["ref"].abs().max())
+        assert rel < (2 ** -7 if comm_dtype == "bfloat16" else 2 ** -8), (rank, rel)
+
