@@ -101,6 +101,55 @@ def test_stub_names_what_the_module_has():
         assert stubbed == runtime, f"{cls}: stub only {stubbed - runtime}; module only {runtime - stubbed}"
 
 
+def doc_signatures(doc, name):
+    """Each signature pybind11 wrote for `name` in its __doc__ (overloads
+    too), as [(parameter, has a default)], `self` included."""
+    signatures = []
+    for line in (doc or "").splitlines():
+        match = re.match(r"^(?:\d+\. )?%s\((.*)\) ->" % re.escape(name), line.strip())
+        if not match:
+            continue
+        params, depth, current = [], 0, ""
+        for ch in match.group(1) + ",":
+            depth += ch in "([{"
+            depth -= ch in ")]}"
+            if ch == "," and depth == 0:
+                if current.strip() not in ("", "*"):
+                    params.append((current.split(":")[0].strip(), "=" in current))
+                current = ""
+            else:
+                current += ch
+        signatures.append(params)
+    return signatures
+
+
+def stub_signature(fn):
+    args = fn.args
+    positional = args.posonlyargs + args.args
+    defaults = [False] * (len(positional) - len(args.defaults)) + [True] * len(args.defaults)
+    return ([(a.arg, d) for a, d in zip(positional, defaults)]
+            + [(a.arg, d is not None) for a, d in zip(args.kwonlyargs, args.kw_defaults)])
+
+
+def test_stub_signatures_match_the_module():
+    """Each stubbed function's parameters (names, order, which have defaults)
+    are one of the signatures pybind11 gives the built function: a binding's
+    new argument the stub lacks fails here (optimizer_parameters did)."""
+    tree = ast.parse((REPO / "python" / "gradaccum" / "_C.pyi").read_text())
+    checked = 0
+    for node in tree.body:
+        owner, functions = (getattr(_C, node.name), node.body) if isinstance(node, ast.ClassDef) else (_C, [node])
+        for fn in functions:
+            if not isinstance(fn, ast.FunctionDef) or any(
+                    isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list):
+                continue
+            runtime = doc_signatures(getattr(owner, fn.name).__doc__, fn.name)
+            assert runtime, f"{fn.name}: no signature in its __doc__"
+            assert stub_signature(fn) in runtime, f"{fn.name}: stub {stub_signature(fn)}; module {runtime}"
+            checked += 1
+    assert checked >= 20  # (25 when written)
+
+
 @pytest.fixture(scope="module")
 def mypy_cache():
     """One mypy cache for every run on this machine, as ccache is for the
