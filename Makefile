@@ -114,7 +114,7 @@ demo:
 	@echo "==> the digits demo"
 	OMP_NUM_THREADS=1 $(PYTHON) examples/python/digits_demo.py --out $(BUILD)/demo
 
-# 40-50 minutes, not part of CI: throttled multi-node links (network namespaces,
+# 40-55 minutes, not part of CI: throttled multi-node links (network namespaces,
 # root): the schedule bound (transformer and MLP), overlap and growth; callgrind
 # instruction counts; then the loopback wall clock.
 bench: build

@@ -1,6 +1,6 @@
 """CPU benchmark: gradaccum vs torch DDP, 2 Gloo ranks on loopback.
 
-    python benchmarks/bench.py --cpp-bench build/bench/bench_window   (make bench; 40-50 min on 2 cores)
+    python benchmarks/bench.py --cpp-bench build/bench/bench_window   (make bench; 40-55 min on 2 cores)
     python benchmarks/bench.py --quick                                 (a few minutes; a smoke test)
     python benchmarks/bench.py --readme benchmarks/RESULTS.md          (also refresh its generated section)
 

@@ -26,8 +26,9 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
+    if (i + 1 == argc) throw std::invalid_argument(flag + " needs a value");
     const int64_t value = std::stoll(argv[i + 1]);
     if (flag == "--steps") a.steps = value;
     else if (flag == "--micro-batch") a.micro_batch = value;
@@ -142,6 +143,12 @@ int main(int argc, char** argv) try {
     auto accuracy = model->forward(x).argmax(1).eq(y).to(torch::kFloat).mean().item<double>();
     std::cout << "train accuracy " << accuracy << std::endl;
     std::cout << "max |parameter difference| vs one process on the global batch: " << diff << std::endl;
+    constexpr double kTolerance = 1e-5; // float32 sums in another order
+    if (!(diff <= kTolerance)) {
+      std::cerr << "train_mlp: the accumulated run is " << diff << " from the global batch's, more than "
+                << kTolerance << std::endl;
+      return 1;
+    }
   }
   return 0;
 } catch (const std::exception& e) {
