@@ -77,6 +77,32 @@ def test_import_on_another_torch_fails_saying_so():
     assert f"torch=={torch_line()}.*" in proc.stderr
 
 
+def test_cmake_package_refuses_another_torch_line(tmp_path):
+    """find_package(gradaccum) with a torch of another minor version (a stand-in
+    TorchConfig saying 2.12.0): an error naming both, not a link that fails
+    or crashes later."""
+    fake = tmp_path / "torch" / "Torch"
+    fake.mkdir(parents=True)
+    (fake / "TorchConfig.cmake").write_text(
+        "set(Torch_FOUND TRUE)\nadd_library(torch INTERFACE IMPORTED)\n")
+    (fake / "TorchConfigVersion.cmake").write_text(
+        'set(PACKAGE_VERSION "2.12.0")\nset(PACKAGE_VERSION_COMPATIBLE TRUE)\n')
+    project = tmp_path / "consumer"
+    project.mkdir()
+    (project / "CMakeLists.txt").write_text(textwrap.dedent("""\
+        cmake_minimum_required(VERSION 3.18)
+        project(consumer LANGUAGES CXX)
+        find_package(gradaccum CONFIG REQUIRED)
+        """))
+    proc = subprocess.run(["cmake", "-S", str(project), "-B", str(tmp_path / "build"),
+                           f"-DCMAKE_PREFIX_PATH={gradaccum.cmake_prefix_path}", f"-DTorch_DIR={fake}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, proc.stdout
+    text = " ".join(proc.stderr.split())
+    assert (f"gradaccum: find_package(gradaccum): this gradaccum was built against torch {torch_line()}.*, but "
+            f"the build found torch 2.12.0") in text, proc.stderr
+
+
 def stub_names(tree):
     """Top-level names of a .pyi, and each class's members."""
     names, members = set(), {}
