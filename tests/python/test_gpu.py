@@ -221,7 +221,7 @@ def test_cuda_error_feedback_when_window_weights_change(tmp_path, scaler_growth_
     world, kwargs = WEIGHTS["items swinging"]
     kwargs = dict(kwargs, scaler_growth_interval=scaler_growth_interval)
     check_error_feedback_weights(du.run_job("error_feedback_changing_weights", world, tmp_path,
-                                            module="_mixed_jobs", zero_ranks=tuple(range(1, world)),
+                                            module="_error_feedback_jobs", zero_ranks=tuple(range(1, world)),
                                             device="cuda:0", **kwargs),
                                  kwargs)
 

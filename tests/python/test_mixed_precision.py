@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import gradaccum
 import _dist_utils as du
+import _error_feedback_jobs
 import _mixed_jobs
 
 STEPS = 16
@@ -205,7 +206,7 @@ def test_fp16_wire_scales_before_the_sum(tmp_path):
 
 
 def test_error_feedback_reaches_the_fp32_loss(tmp_path):
-    results = du.run_job("error_feedback_regression", 2, tmp_path, module="_mixed_jobs",
+    results = du.run_job("error_feedback_regression", 2, tmp_path, module="_error_feedback_jobs",
                          seed=8, windows=200, steps=2)
     res = results[0]
     print(f"\nfinal loss after 200 windows: fp32 {res['fp32']:.6g}, bf16 {res['bf16']:.6g}, "
@@ -250,7 +251,7 @@ def test_error_feedback_loses_nothing_when_window_weights_change(tmp_path, case)
     optimizer at the other ranks' weight."""
     world, kwargs = WEIGHTS[case]
     check_error_feedback_weights(du.run_job("error_feedback_changing_weights", world, tmp_path,
-                                            module="_mixed_jobs", zero_ranks=tuple(range(1, world)), **kwargs),
+                                            module="_error_feedback_jobs", zero_ranks=tuple(range(1, world)), **kwargs),
                                  kwargs)
 
 
@@ -262,7 +263,7 @@ def test_error_feedback_follows_a_growing_loss_scale(tmp_path, case):
     it was, each window's residual reached the optimizer at half its size."""
     world, kwargs = WEIGHTS[case]
     kwargs = dict(kwargs, scaler_growth_interval=1)
-    results = du.run_job("error_feedback_changing_weights", world, tmp_path, module="_mixed_jobs",
+    results = du.run_job("error_feedback_changing_weights", world, tmp_path, module="_error_feedback_jobs",
                          zero_ranks=tuple(range(1, world)), **kwargs)
     assert results[0]["scale"] == [2.0 ** (9 + w) for w in range(len(kwargs["windows"]))]
     check_error_feedback_weights(results, kwargs)
@@ -302,7 +303,7 @@ def test_error_feedback_with_shares_that_change_stays_within_bf16_rounding(tmp_p
     made it 0.46-0.65 off), and what the optimizer got over the run is closer
     to float32's than without error feedback."""
     counts = [[4096, 4096], [1, 3], [4096, 4096], [3, 1], [64, 64], [2, 5], [900, 100], [100, 900]]
-    results = du.run_job("error_feedback_changing_weights", 2, tmp_path, module="_mixed_jobs",
+    results = du.run_job("error_feedback_changing_weights", 2, tmp_path, module="_error_feedback_jobs",
                          reduction="items", steps=1, windows=_single(counts))
     res = results[0]
     for w in (1, 3, 5):  # light windows after heavier ones
@@ -312,7 +313,7 @@ def test_error_feedback_with_shares_that_change_stays_within_bf16_rounding(tmp_p
 
 
 def test_error_feedback_residual_travels_in_per_rank_states(tmp_path):
-    results = du.run_job("error_feedback_checkpoint", 2, tmp_path, module="_mixed_jobs",
+    results = du.run_job("error_feedback_checkpoint", 2, tmp_path, module="_error_feedback_jobs",
                          seed=9, steps=2)
     for res in results:
         assert "error_feedback_residuals" not in res["independent_keys"]
@@ -371,7 +372,7 @@ def check_accumulate_checkpoint(results, world_size, sandwich):
 
 
 def test_error_feedback_skips_an_overflowing_window_and_recovers(tmp_path):
-    for res in du.run_job("error_feedback_overflow", 2, tmp_path, module="_mixed_jobs"):
+    for res in du.run_job("error_feedback_overflow", 2, tmp_path, module="_error_feedback_jobs"):
         assert res["stepped"] == [False, True, True, True]
         assert res["finite"] and res["params_finite"]
 
@@ -386,7 +387,7 @@ def test_a_weight_too_large_for_half_precision_meta_drops_the_window_on_every_ra
 
 
 def test_error_feedback_residuals_move_with_rebuilt_buckets(tmp_path):
-    for res in du.run_job("error_feedback_rebuild", 2, tmp_path, module="_mixed_jobs", seed=12, windows=4):
+    for res in du.run_job("error_feedback_rebuild", 2, tmp_path, module="_error_feedback_jobs", seed=12, windows=4):
         assert res[True]["rebuilds"] == 1 and res[False]["rebuilds"] == 0
         for a, b in zip(res[True]["params"], res[False]["params"]):
             assert torch.equal(a, b)
@@ -398,10 +399,10 @@ def test_a_skipped_window_leaves_no_error_feedback_residual(tmp_path, nonfinite)
     finite: skipped (or raised, then dropped with zero_grad()), its rounding
     residual is discarded, and window 2 is within bf16 rounding of its float64
     reference (the leak was ~1e3 off on a gradient of ~1)."""
-    results = du.run_job("error_feedback_partial_overflow", 2, tmp_path, module="_mixed_jobs",
+    results = du.run_job("error_feedback_partial_overflow", 2, tmp_path, module="_error_feedback_jobs",
                          nonfinite=nonfinite)
-    model = _mixed_jobs._TwoHeads().double()
-    (sum(model(_mixed_jobs.two_heads_data(r, 2).double()) for r in range(2)) / 2).backward()
+    model = _error_feedback_jobs._TwoHeads().double()
+    (sum(model(_error_feedback_jobs.two_heads_data(r, 2).double()) for r in range(2)) / 2).backward()
     want = model.a.weight.grad.float()
     for res in results:
         assert res["stepped"][0] is True and res["stepped"][2] is True
@@ -505,7 +506,7 @@ def test_error_feedback_residuals_load_only_onto_their_parameters(tmp_path):
     left out); a state whose residuals are all None (the wire kept nothing)
     holds nothing and loads onto any set, as any boundary state. Residuals
     on the meta device are refused by name (before: a raw torch error)."""
-    for res in du.run_job("error_feedback_state_on_another_set", 2, tmp_path, module="_mixed_jobs"):
+    for res in du.run_job("error_feedback_state_on_another_set", 2, tmp_path, module="_error_feedback_jobs"):
         real, none = res["torch.float64"], res["torch.float32"]
         assert real["held"] == [True, True] and none["held"] == [False, False]
         assert real["refused"] == (
