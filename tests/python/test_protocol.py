@@ -10,12 +10,13 @@ import _dist_utils as du
 import _protocol_jobs as pj
 
 M = "_protocol_jobs"
+R = "_regression_jobs"  # the jobs that reproduce review findings
 
 
-def run(name, world_size, tmp_path, **kwargs):
+def run(name, world_size, tmp_path, module=M, **kwargs):
     kwargs.setdefault("timeout", 120)
     kwargs.setdefault("pg_timeout", 30)
-    return du.run_job(name, world_size, tmp_path, module=M, **kwargs)
+    return du.run_job(name, world_size, tmp_path, module=module, **kwargs)
 
 
 def assert_params_close(got, expected, tol=1e-10, what=""):
@@ -201,7 +202,7 @@ def test_a_killed_peer_is_an_error_on_the_others_within_seconds(tmp_path):
 # --------------------------------------------------------------------------- #
 
 def test_a_dropped_window_that_met_a_peers_flush_still_ends_the_epoch(tmp_path):
-    results = run("dropped_window_meets_flush", 2, tmp_path)
+    results = run("dropped_window_meets_flush", 2, tmp_path, module=R)
     assert [e[0] for e in results[0]["errors"]] == ["epoch 0 backward 1"]
     assert [e[0] for e in results[1]["errors"]] == ["epoch 0 flush"]
     assert "failed on this rank (rank 0)" in results[0]["errors"][0][2]
@@ -213,7 +214,7 @@ def test_a_dropped_window_that_met_a_peers_flush_still_ends_the_epoch(tmp_path):
 
 
 def test_a_failure_before_the_last_launch_aborts_instead_of_wedging(tmp_path):
-    results = run("manual_finish_throws", 2, tmp_path)
+    results = run("manual_finish_throws", 2, tmp_path, module=R)
     assert [e[0] for e in results[1]["errors"]] == ["window 1 sync backward"]
     assert "sparse gradient" in results[1]["errors"][0][2]
     assert [e[0] for e in results[0]["errors"]] == ["window 1 sync backward"]
@@ -223,7 +224,7 @@ def test_a_failure_before_the_last_launch_aborts_instead_of_wedging(tmp_path):
 
 
 def test_a_local_failure_after_a_completed_reduction_keeps_the_window(tmp_path):
-    results = run("late_callback_after_reduction", 2, tmp_path)
+    results = run("late_callback_after_reduction", 2, tmp_path, module=R)
     assert results[0]["errors"] == []
     assert [e[0] for e in results[1]["errors"]] == ["window 1 backward"]
     for a, b in zip(results[0]["params"], results[1]["params"]):
@@ -235,7 +236,7 @@ def test_a_local_failure_after_a_completed_reduction_keeps_the_window(tmp_path):
 
 
 def test_dropping_the_accumulator_from_a_node_post_hook_does_not_crash(tmp_path):
-    results = run("drop_from_node_post_hook", 1, tmp_path)
+    results = run("drop_from_node_post_hook", 1, tmp_path, module=R)
     assert results[0]["survived"]
 
 
@@ -250,7 +251,7 @@ def test_flush_that_cannot_step_a_closed_window_on_one_rank_fails_on_every_rank(
     now differ (the others stepped), rank 1 its own error too; none waits for
     the collective's time-out, and the next window pairs again."""
     results = du.run_job("flush_after_closed_window_fails_on_one_rank", 2, tmp_path,
-                         module="_protocol_jobs", how=how, prior_raise=prior_raise,
+                         module=R, how=how, prior_raise=prior_raise,
                          pg_timeout=30, timeout=90)
     assert "rank 1 could not step the last window it closed (ending its data in acc.flush() or acc.join()), " \
         "while other ranks stepped theirs (its own error is raised there): the replicas differ from here on" \
@@ -272,7 +273,7 @@ def test_ranks_that_cannot_step_their_closed_window_tell_every_rank_the_replicas
     cannot step the window flush() steps. Rank 0 stepped it: the replicas
     differ, and rank 0 must say so, naming both ranks (it once counted them
     and said training could go on); each of them names the other."""
-    results = du.run_job("flush_after_closed_window_fails_on_one_rank", 3, tmp_path, module="_protocol_jobs",
+    results = du.run_job("flush_after_closed_window_fails_on_one_rank", 3, tmp_path, module=R,
                          how="optimizer", failing=(1, 2), pg_timeout=30, timeout=90)
     assert results[0]["error"] == (
         "gradaccum: acc.flush(): window 1 was dropped on every rank: 2 ranks (ranks 1 and 2) could not contribute "
@@ -319,7 +320,7 @@ def test_two_ranks_dropping_one_window_for_different_reasons_are_both_named(tmp_
 
 
 def test_a_checkpoint_after_a_midwindow_zero_grad_on_one_rank_drops_the_window_everywhere(tmp_path):
-    results = du.run_job("checkpoint_after_midwindow_zero_grad", 2, tmp_path, module="_protocol_jobs",
+    results = du.run_job("checkpoint_after_midwindow_zero_grad", 2, tmp_path, module=R,
                          pg_timeout=30, timeout=90)
     assert "window 0 was dropped on every rank: on rank 1 the accumulated gradients were cleared " \
         "or changed outside the Accumulator" in results[0]["error"], results[0]["error"]
@@ -332,7 +333,7 @@ def test_a_checkpoint_after_a_midwindow_zero_grad_on_one_rank_drops_the_window_e
 
 
 def test_a_per_rank_state_of_a_window_whose_micro_step_failed_is_refused(tmp_path):
-    res, = du.run_job("per_rank_state_after_failed_micro_step", 1, tmp_path, module="_protocol_jobs")
+    res, = du.run_job("per_rank_state_after_failed_micro_step", 1, tmp_path, module=R)
     assert "injected failure" in res["backward"]
     assert res["state"] is not None and "a micro-step of this window failed on this rank" in res["state"]
 
