@@ -39,10 +39,11 @@ struct ReducerStats {
   /// none of the reducer's hooks (compiled autograd; Note [Compiled
   /// autograd]): the same collectives, not overlapped with backward.
   int64_t hookless_windows = 0;
-  /// Times the buckets were rebuilt in backward's order (see
-  /// ReducerOptions::rebuild_buckets): once after the first window, and once
-  /// more after the first window of each refresh_parameters(), which lays the
-  /// buckets out again. Not saved in checkpoints, like `buckets`.
+  /// Times the current buckets were rebuilt in backward's order (0 or 1; see
+  /// ReducerOptions::rebuild_buckets). It describes the layout, like
+  /// `buckets`: refresh_parameters() lays the buckets out anew and starts it
+  /// at 0 again (they are rebuilt after its first window), and checkpoints do
+  /// not hold it.
   int64_t bucket_rebuilds = 0;
 };
 

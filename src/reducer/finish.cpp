@@ -324,31 +324,40 @@ ReductionResult Reducer::State::complete_snapshot(detail::Reduced reduced,
 
 // Note [Scaling before the sum] scales an fp16 wire for the expected weight
 // E; a window much lighter than that (a short flush() window, "items" that
-// swing) travels E / W times smaller, and fp16 keeps full precision only
-// down to 2^-14: the smallest values of its gradient lose bits, or become
-// zero, with no error. Every rank holds the same W and E (the header), so
-// every rank warns alike, once per process. bf16 has float32's range.
-void Reducer::State::warn_if_light_on_fp16(double global_weight) const {
+// swing) travels E / W times smaller. Each rank sends about its share of the
+// gradient, 1 / world of it, and fp16 keeps full precision only down to
+// 2^-14: the window's smallest values lose bits (error feedback carries them
+// to the next window) or become 0, with no error. W and E are in the header,
+// the same on every rank, so every rank warns alike (once per process), after
+// the window completed: advisory, nothing here may fail the reduction. bf16
+// has float32's range.
+void Reducer::State::warn_if_light_on_fp16(const char* call, double global_weight, double expected) const noexcept {
   constexpr double kLight = 16.0;
-  if (!(global_weight > 0) || window.expected_weight < kLight * global_weight) {
+  if (!(global_weight > 0) || expected < kLight * global_weight) {
     return;
   }
-  const bool fp16 = std::any_of(buckets.all.begin(), buckets.all.end(), [](const Bucket& bucket) {
-    return bucket.prescaled && bucket.wire_gradients.scalar_type() == at::kHalf;
-  });
-  if (fp16) {
-    TORCH_WARN_ONCE("gradaccum: ", detail::call_name(window.entry, window.request), ": the window weighed ", global_weight, ", ", window.expected_weight / global_weight, " times less than the weight ",
-        window.expected_weight, " its float16 wire was scaled for (Note [Scaling before the sum]): its gradient "
-        "travelled that many times smaller, so values below about ",
-        std::ldexp(1.0, -14) * window.expected_weight / global_weight,
-        " lost precision or became 0. comm_dtype=bfloat16 has float32's range (shown once)");
+  try {
+    const bool fp16 = std::any_of(buckets.all.begin(), buckets.all.end(), [](const Bucket& bucket) {
+      return bucket.prescaled && bucket.wire_gradients.scalar_type() == at::kHalf;
+    });
+    if (fp16) {
+      TORCH_WARN_ONCE("gradaccum: ", call, ": the window weighed ", global_weight, ", ", expected / global_weight,
+          " times less than the weight ", expected, " its float16 wire was scaled for (Note [Scaling before the "
+          "sum]): its gradient travelled that many times smaller, so values below about ",
+          std::ldexp(1.0, -14) * config.world * expected / global_weight,
+          " (in the loss scale's units, if any) lost precision or became 0. comm_dtype=bfloat16 has float32's "
+          "range (shown once)");
+    }
+  } catch (...) {
+    // (a warning handler that throws: the window is complete, and stays so)
   }
 }
 
 ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   auto& result = reduced.result;
   ++stats.windows;
-  warn_if_light_on_fp16(result.global_weight);
+  const double expected_weight = window.expected_weight; // (for the warning below)
+  const char* call = detail::call_name(window.entry, window.request);
   if (result.global_weight > 0 && result.flushing_ranks == 0) {
     window.last_weight = result.global_weight; // Note [Scaling before the sum]
   }
@@ -405,6 +414,7 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   }
   apply_rebuild(std::move(rebuilt));
   end_reduction(/*window_closed=*/true);
+  warn_if_light_on_fp16(call, result.global_weight, expected_weight);
   return result;
 }
 

@@ -31,18 +31,22 @@ void check_request(const ReductionRequest& request, Entry entry) {
 // reduction number and count in `collectives` and `bytes_reduced`. They are
 // no window, so the last_window_* counters, which describe the last window,
 // are kept across them.
+// Kept by a guard, whether the reduction completes or is dropped.
 class KeepLastWindowStats {
  public:
-  explicit KeepLastWindowStats(const ReducerStats& stats)
-      : collectives_(stats.last_window_collectives), bytes_(stats.last_window_bytes),
+  explicit KeepLastWindowStats(ReducerStats& stats)
+      : stats_(stats), collectives_(stats.last_window_collectives), bytes_(stats.last_window_bytes),
         launched_(stats.last_window_launched_in_backward) {}
-  void restore(ReducerStats& stats) const {
-    stats.last_window_collectives = collectives_;
-    stats.last_window_bytes = bytes_;
-    stats.last_window_launched_in_backward = launched_;
+  KeepLastWindowStats(const KeepLastWindowStats&) = delete;
+  KeepLastWindowStats& operator=(const KeepLastWindowStats&) = delete;
+  ~KeepLastWindowStats() {
+    stats_.last_window_collectives = collectives_;
+    stats_.last_window_bytes = bytes_;
+    stats_.last_window_launched_in_backward = launched_;
   }
 
  private:
+  ReducerStats& stats_;
   int64_t collectives_, bytes_, launched_;
 };
 
@@ -198,7 +202,6 @@ std::vector<at::Tensor> Reducer::snapshot(const ReductionRequest& request, Reduc
   }
   std::vector<at::Tensor> sums;
   const auto r = s.finish_reduction(&sums);
-  last_window.restore(s.stats);
   if (result) {
     *result = r;
   }
@@ -253,7 +256,6 @@ void Reducer::refresh_check(bool refused) {
     TORCH_CHECK(false, s.window.failure_text());
   }
   s.finish_reduction();
-  last_window.restore(s.stats);
 }
 
 void Reducer::zero_grad() {
@@ -417,8 +419,7 @@ void Reducer::restore(const Progress& progress) {
   const auto now = s.stats;
   s.stats = progress.stats;
   s.stats.buckets = now.buckets;
-  // A checkpoint holds no rebuilds (0); a refresh hands over its old reducer's.
-  s.stats.bucket_rebuilds = now.bucket_rebuilds + progress.stats.bucket_rebuilds;
+  s.stats.bucket_rebuilds = now.bucket_rebuilds;
   s.stats.launched_in_backward = now.launched_in_backward;
   s.stats.last_window_launched_in_backward = now.last_window_launched_in_backward;
   s.stats.hookless_windows = now.hookless_windows;

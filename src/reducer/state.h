@@ -302,7 +302,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
                                     std::vector<at::Tensor>& sums);
   ReductionResult complete_window(detail::Reduced reduced);
   /// A window far lighter than its fp16 wire's scale: a warning, once.
-  void warn_if_light_on_fp16(double global_weight) const;
+  void warn_if_light_on_fp16(const char* call, double global_weight, double expected) const noexcept;
   /// Runs every one of them, whatever fails on this rank, then rethrows.
   void window_collectives(int64_t joined_ranks, std::optional<std::vector<Bucket>>& rebuilt);
   /// A wide bucket keeps its sums: complete_window() zeroes them.

@@ -234,29 +234,6 @@ def option_differs(rank, world_size):
 
 
 @job
-def refresh_rebuilds(rank, world_size, *, seed):
-    """bucket_rebuilds after each of three windows, with refresh_parameters()
-    (the same set) after the first: the refresh lays the buckets out in
-    registration order again, and they are rebuilt after its first window."""
-    import gradaccum
-
-    windows = du.make_windows(seed, du.full_counts(3, world_size, STEPS), MICRO)
-    model = reversed_model(seed)
-    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=STEPS, **CAPS)
-    counts, layouts = [], []
-    for w, window in enumerate(windows):
-        for batch in window[rank]:
-            acc.backward(loss_of(model, batch, False))
-            acc.step()
-        counts.append(acc.stats()["bucket_rebuilds"])
-        if w == 0:
-            acc.refresh_parameters()
-            counts.append(acc.stats()["bucket_rebuilds"])
-        layouts.append([list(b) for b in acc.bucket_indices])
-    return {"counts": counts, "layouts": layouts}
-
-
-@job
 def option_differs_unchecked(rank, world_size):
     """rebuild_buckets differs and check_parameters=False: the first window is
     dropped on every rank with an error naming the option, never mis-paired."""

@@ -169,12 +169,12 @@ def test_a_checkpoint_resumes_in_a_fresh_accumulator_that_rebuilds_alike(tmp_pat
         assert torch.equal(a, b)
 
 
-def test_bucket_rebuilds_count_on_across_refresh_parameters(tmp_path):
+def test_refresh_parameters_lays_the_buckets_out_anew_and_rebuilds_them(tmp_path):
+    # bucket_rebuilds describes the current layout, like stats()["buckets"]:
     # after window 0, after the refresh (laid out again, not yet rebuilt),
-    # after windows 1 and 2: the refresh's new buckets are rebuilt once more
-    # (the count went back to 0 at the refresh before)
+    # after windows 1 and 2 (the new buckets rebuilt once)
     for res in run("refresh_rebuilds", 2, tmp_path, seed=SEED):
-        assert res["counts"] == [1, 1, 2, 2]
+        assert res["counts"] == [1, 0, 1, 1]
         assert layers(res["layouts"][0]) == [3, 2, 1, 0]  # window 0, then the refresh: laid out again
         assert layers(res["layouts"][1]) == layers(res["layouts"][2]) == [0, 1, 2, 3]
 
