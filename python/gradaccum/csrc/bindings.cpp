@@ -13,6 +13,50 @@ namespace py = pybind11;
 namespace gradaccum::python {
 namespace {
 
+// Note [C++ warnings reach Python's warnings]
+// The library's TORCH_WARNs (a window far lighter than its fp16 wire's scale,
+// a bucket rebuild that failed, hooks that could not be removed) go to c10's
+// handler, which prints to stderr: Python's filters, pytest.warns and -W
+// error never saw them. Every binding that runs library code holds this
+// guard: it collects the calling thread's warnings during the call and issues
+// them as Python warnings when the call returns or raises, with the GIL. A
+// filter that makes one an error cannot raise from there (the call's effects
+// are done): that error is reported as unraisable. Warnings raised on other
+// threads (autograd's device threads) still go to stderr.
+class WarningsToPython {
+ public:
+  WarningsToPython() noexcept : previous_(c10::WarningUtils::get_warning_handler()) {
+    c10::WarningUtils::set_warning_handler(&buffer_);
+  }
+  WarningsToPython(const WarningsToPython&) = delete;
+  WarningsToPython& operator=(const WarningsToPython&) = delete;
+  ~WarningsToPython() {
+    c10::WarningUtils::set_warning_handler(previous_);
+    if (buffer_.warnings.empty()) {
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
+    PyErr_Fetch(&type, &value, &traceback); // an error leaving the call stays pending
+    for (const auto& [message, deprecation] : buffer_.warnings) {
+      if (PyErr_WarnEx(deprecation ? PyExc_DeprecationWarning : PyExc_UserWarning, message.c_str(), 1) < 0) {
+        PyErr_WriteUnraisable(nullptr);
+      }
+    }
+    PyErr_Restore(type, value, traceback);
+  }
+
+ private:
+  struct Buffer : c10::WarningHandler {
+    void process(const c10::Warning& warning) override {
+      warnings.emplace_back(warning.msg(), std::holds_alternative<c10::Warning::DeprecationWarning>(warning.type()));
+    }
+    std::vector<std::pair<std::string, bool>> warnings;
+  };
+  Buffer buffer_;
+  c10::WarningHandler* previous_;
+};
+
 template <typename T>
 T required(const py::dict& d, const char* key) {
   if (!d.contains(key)) {
@@ -227,6 +271,7 @@ std::unique_ptr<Accumulator> make_accumulator(
   if (!process_group.is_none()) {
     options.process_group(to_process_group(process_group));
   }
+  WarningsToPython warnings; // Note [C++ warnings reach Python's warnings]
   py::gil_scoped_release no_gil; // the reducer's setup runs collectives
   return std::make_unique<Accumulator>(
       ModelParameters(std::move(params), std::move(names), std::move(buffers)),
@@ -234,7 +279,9 @@ std::unique_ptr<Accumulator> make_accumulator(
 }
 
 void init_accumulator(py::module_& m) {
-  using release = py::call_guard<py::gil_scoped_release>;
+  // Note [C++ warnings reach Python's warnings]: the guard first, so that it
+  // ends with the GIL held again.
+  using release = py::call_guard<WarningsToPython, py::gil_scoped_release>;
   py::class_<Accumulator>(m, "Accumulator")
       .def(py::init(&make_accumulator),
            py::arg("params"), py::arg("names"), py::arg("buffers"), py::kw_only(), py::arg("steps"),
@@ -293,7 +340,7 @@ void init_accumulator(py::module_& m) {
            },
            py::arg("params"), py::arg("names"), py::arg("buffers"), py::arg("refused") = "", release(),
            "Take the trainable set again at a window boundary.")
-      .def("zero_grad", &Accumulator::zero_grad, "Drop the current window.")
+      .def("zero_grad", &Accumulator::zero_grad, py::call_guard<WarningsToPython>(), "Drop the current window.")
       .def_property_readonly("sync_gradients", &Accumulator::sync_gradients)
       .def_property_readonly("micro_step", &Accumulator::micro_step)
       .def_property_readonly("window_ready", &Accumulator::window_ready)
@@ -323,6 +370,7 @@ void init_accumulator(py::module_& m) {
       .def("state_dict", [](Accumulator& a, bool rank_independent) {
              AccumulatorState state;
              {
+               WarningsToPython warnings; // Note [C++ warnings reach Python's warnings]
                py::gil_scoped_release no_gil; // mid-window and data parallel: a collective
                state = a.state_dict(rank_independent);
              }
@@ -340,7 +388,7 @@ void init_accumulator(py::module_& m) {
            "A loss scale's change at a window's end, for the error-feedback residuals.")
       .def_property_readonly("closed", &Accumulator::closed)
       .def("load_state_dict", [](Accumulator& a, const py::dict& d) { a.load_state_dict(state_from_dict(d)); },
-           py::arg("state_dict"))
+           py::arg("state_dict"), py::call_guard<WarningsToPython>())
       .def_property_readonly("parameter_names", &Accumulator::parameter_names)
       .def_property_readonly("bucket_indices", [](Accumulator& a) {
         std::vector<std::vector<size_t>> out;
@@ -368,6 +416,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const py::object& group, const std::string& message, const std::string& kind, at::Device device) {
           const c10::SourceLocation where{"Accumulator", __FILE__, __LINE__};
           const auto pg = gradaccum::python::to_process_group(group);
+          gradaccum::python::WarningsToPython warnings; // Note [C++ warnings reach Python's warnings]
           py::gil_scoped_release no_gil;
           if (kind == "value") {
             gradaccum::refuse_construction(pg, c10::ValueError(where, message), device);
