@@ -277,7 +277,11 @@ class Reducer {
   };
   Progress progress() const;
   /// Restores what progress() returned (every rank must load the same).
-  void restore(const Progress& progress);
+  /// The layout's counters (`buckets`, `bucket_rebuilds`) stay this
+  /// reducer's; so do the backwards' (`launched_in_backward` and its last
+  /// window's, `hookless_windows`: checkpoints do not hold them) unless
+  /// `backwards_too`, as refresh_parameters() hands over its old reducer's.
+  void restore(const Progress& progress, bool backwards_too = false);
   /// The request a synchronising backward of the manual path (plain
   /// `loss.backward()` outside no_sync) uses: weight 1, divide unless "sum".
   ReductionRequest manual_request() const;

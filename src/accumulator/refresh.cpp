@@ -124,7 +124,7 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
       reducer = std::make_unique<Reducer>(
           model.parameters, reducer_->process_group(), options_.reducer(), std::move(model.buffers), model.names,
           window_rule());
-      reducer->restore(progress);
+      reducer->restore(progress, /*backwards_too=*/true);
     } else if (const auto dtype = options_.accumulate_dtype()) {
       wide = std::make_unique<detail::WideSums>(model.parameters, *dtype);
     }

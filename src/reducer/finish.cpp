@@ -341,12 +341,18 @@ void Reducer::State::warn_if_light_on_fp16(const char* call, double global_weigh
       return bucket.prescaled && bucket.wire_gradients.scalar_type() == at::kHalf;
     });
     if (fp16) {
+      // Under a loss scaler the wire carries scaled values (and, from Python,
+      // divided by steps): no threshold in the gradient's own units to name.
+      std::ostringstream below;
+      if (config.rule.loss_scaler) {
+        below << "its smallest values";
+      } else {
+        below << "values below about " << std::ldexp(1.0, -14) * config.world * expected / global_weight;
+      }
       TORCH_WARN_ONCE("gradaccum: ", call, ": the window weighed ", global_weight, ", ", expected / global_weight,
           " times less than the weight ", expected, " its float16 wire was scaled for (Note [Scaling before the "
-          "sum]): its gradient travelled that many times smaller, so values below about ",
-          std::ldexp(1.0, -14) * config.world * expected / global_weight,
-          " (in the loss scale's units, if any) lost precision or became 0. comm_dtype=bfloat16 has float32's "
-          "range (shown once)");
+          "sum]): its gradient travelled that many times smaller, so ", below.str(), " lost precision or became "
+          "0. comm_dtype=bfloat16 has float32's range (shown once)");
     }
   } catch (...) {
     // (a warning handler that throws: the window is complete, and stays so)

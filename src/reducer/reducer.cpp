@@ -410,19 +410,21 @@ void Reducer::mark_unstepped(const char* why) {
   s.window.unstepped_pending = why;
 }
 
-void Reducer::restore(const Progress& progress) {
+void Reducer::restore(const Progress& progress, bool backwards_too) {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
   s.check_idle("acc.load_state_dict()");
   s.window.unstepped_pending = nullptr; // every rank resumes alike (Note [A window not stepped on some ranks])
-  // Not in checkpoints: what describes this reducer's buckets and its backwards.
+  // Not in checkpoints: what describes this reducer's buckets (always its
+  // own) and its backwards (the old reducer's at a refresh).
   const auto now = s.stats;
+  const auto& backwards = backwards_too ? progress.stats : now;
   s.stats = progress.stats;
   s.stats.buckets = now.buckets;
   s.stats.bucket_rebuilds = now.bucket_rebuilds;
-  s.stats.launched_in_backward = now.launched_in_backward;
-  s.stats.last_window_launched_in_backward = now.last_window_launched_in_backward;
-  s.stats.hookless_windows = now.hookless_windows;
+  s.stats.launched_in_backward = backwards.launched_in_backward;
+  s.stats.last_window_launched_in_backward = backwards.last_window_launched_in_backward;
+  s.stats.hookless_windows = backwards.hookless_windows;
   s.window.sequence = progress.sequence;
   // Note [Scaling before the sum]: the same on every rank, as saved (states
   // from before it was saved hold 0: the first window uses world * steps).

@@ -200,7 +200,7 @@ def resume(rank, world_size, *, seed, n_windows, save_at):
 @job
 def refresh_rebuilds(rank, world_size, *, seed):
     """bucket_rebuilds after each of three windows, with refresh_parameters()
-    (the same set) after the first: the refresh lays the buckets out in
+    (the same set) after the second: the refresh lays the buckets out in
     registration order again, and they are rebuilt after its first window."""
     import gradaccum
 
@@ -213,11 +213,15 @@ def refresh_rebuilds(rank, world_size, *, seed):
             acc.backward(loss_of(model, batch, False))
             acc.step()
         counts.append(acc.stats()["bucket_rebuilds"])
-        if w == 0:
+        if w == 1:
+            before = acc.stats()
             acc.refresh_parameters()
-            counts.append(acc.stats()["bucket_rebuilds"])
+            after = acc.stats()
+            counts.append(after["bucket_rebuilds"])
+            kept = [k for k in before if k.startswith("last_window_") or k in ("launched_in_backward", "collectives")]
         layouts.append([list(b) for b in acc.bucket_indices])
-    return {"counts": counts, "layouts": layouts}
+    return {"counts": counts, "layouts": layouts, "before": {k: before[k] for k in kept},
+            "after": {k: after[k] for k in kept}}
 
 
 @job

@@ -171,12 +171,17 @@ def test_a_checkpoint_resumes_in_a_fresh_accumulator_that_rebuilds_alike(tmp_pat
 
 def test_refresh_parameters_lays_the_buckets_out_anew_and_rebuilds_them(tmp_path):
     # bucket_rebuilds describes the current layout, like stats()["buckets"]:
-    # after window 0, after the refresh (laid out again, not yet rebuilt),
-    # after windows 1 and 2 (the new buckets rebuilt once)
+    # after windows 0 and 1, after the refresh (laid out again, not yet
+    # rebuilt), after window 2 (the new buckets rebuilt once)
     for res in run("refresh_rebuilds", 2, tmp_path, seed=SEED):
-        assert res["counts"] == [1, 0, 1, 1]
-        assert layers(res["layouts"][0]) == [3, 2, 1, 0]  # window 0, then the refresh: laid out again
-        assert layers(res["layouts"][1]) == layers(res["layouts"][2]) == [0, 1, 2, 3]
+        assert res["counts"] == [1, 1, 0, 1]
+        # the job's counters carry over, the last window's too (the refresh's
+        # check adds one collective per bucket, in all only)
+        after, before = res["after"], res["before"]
+        assert after.pop("collectives") == before.pop("collectives") + len(res["layouts"][0])
+        assert after == before and before["launched_in_backward"] > 0, (before, after)
+        assert layers(res["layouts"][0]) == layers(res["layouts"][2]) == [0, 1, 2, 3]
+        assert layers(res["layouts"][1]) == [3, 2, 1, 0]  # window 1, then the refresh: laid out again
 
 
 def test_ranks_must_agree_on_rebuild_buckets(tmp_path):
