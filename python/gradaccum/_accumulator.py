@@ -572,9 +572,10 @@ class Accumulator:
         return self._c.parameter_names
 
     @property
-    def bucket_indices(self):
-        """Parameter indices of each bucket, in launch order (they change once,
-        after the first window, with ``rebuild_buckets``)."""
+    def bucket_indices(self) -> List[List[int]]:
+        """Parameter indices of each bucket, in launch order (they change
+        after the first window with ``rebuild_buckets``, and are laid out again
+        by ``refresh_parameters()``)."""
         return self._c.bucket_indices
 
     def close(self) -> None:
