@@ -99,7 +99,7 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 // and the options are (checked at construction, or by the index field at the
 // first window).
 /// AbortReason's values after None (one header field each: kAbortReasons).
-constexpr int64_t kAbortReasonSlots = 12;
+constexpr int64_t kAbortReasonSlots = 13;
 /// Up to this many ranks the header names two ranks that drop a window: the
 /// sum of two ranks' squares, 2 * 2895^2, stays exact in float32 meta (2^24).
 constexpr int64_t kNamedAbortersWorld = 2896;

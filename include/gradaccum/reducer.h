@@ -131,6 +131,9 @@ enum class AbortReason : int64_t {
   /// trainable left, or its caller's own checks) while others called it
   /// (Note [A refresh pairs like a window]).
   RefreshRefused = 12,
+  /// This rank could not round its part of a light window again for the
+  /// float16 wire's second all-reduce (Note [Re-sending a light window]).
+  ResendFailed = 13,
 };
 
 /// One reduction, asked for as a value: what this rank contributes.

@@ -306,6 +306,9 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
       return who + " left its acc.join() block with an exception";
     case AbortReason::RefreshRefused:
       return who + " refused acc.refresh_parameters() at the window boundary";
+    case AbortReason::ResendFailed:
+      return who + " could not round its part of the window again for the float16 wire's second all-reduce (a "
+          "window far lighter than the wire's scale: Note [Re-sending a light window])";
     case AbortReason::None:
     case AbortReason::BackwardFailed:
       break;
@@ -318,7 +321,7 @@ bool raised_there(AbortReason why) {
   return why == AbortReason::None || why == AbortReason::BackwardFailed ||
       why == AbortReason::ClosedWindowNotStepped || why == AbortReason::OutOfMemory ||
       why == AbortReason::MicroBatchRefused || why == AbortReason::LeftJoin ||
-      why == AbortReason::RefreshRefused;
+      why == AbortReason::RefreshRefused || why == AbortReason::ResendFailed;
 }
 
 // What several ranks that dropped the window did, after a count ("2 of them ran out
@@ -349,6 +352,8 @@ const char* several_phrase(AbortReason why) {
       return "left the acc.join() block with an exception";
     case AbortReason::RefreshRefused:
       return "refused acc.refresh_parameters() at the window boundary";
+    case AbortReason::ResendFailed:
+      return "could not round their part of the window again for the float16 wire's second all-reduce";
     case AbortReason::None:
     case AbortReason::BackwardFailed:
       break;

@@ -33,6 +33,16 @@ double residual_carry(const ReductionRequest& request, double residual_weight);
 /// loss scales]).
 void compress(Bucket& bucket, double scale, double carry, const at::Tensor& rescale = {});
 
+/// Windows at least this many times lighter than their fp16 wire's scale are
+/// sent again at their own (Note [Re-sending a light window]).
+constexpr double kLightWindow = 16.0;
+
+/// Rounds a prescaled bucket's wire again from its gradients multiplied by
+/// `factor` (E / W), at the scale `scale` (W): the residual, with error
+/// feedback (`feedback`: compress() computed one), holds what this rounding
+/// lost (Note [Re-sending a light window]).
+void rescale_wire(Bucket& bucket, double factor, double scale, bool feedback);
+
 /// The inverse of compress(), into the bucket's gradients, with the window's
 /// division folded in when the wire was prescaled. Returns whether the
 /// division by `divisor` is still to be done.

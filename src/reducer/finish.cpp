@@ -29,7 +29,10 @@
 //     What fails here every rank sees alike (a transport error, a rank that
 //     dropped the window, a disagreement): fail() drops the window and raises.
 //     A window's buckets but the last are written back as they complete
-//     (Note [Writing back while the last buckets reduce]).
+//     (Note [Writing back while the last buckets reduce]). A window far
+//     lighter than its fp16 wire's scale is sent again, once every rank
+//     agreed (Note [Re-sending a light window]): its own failures are every
+//     rank's too.
 //  3. complete_snapshot() or complete_window(): every rank agreed, the window
 //     is reduced everywhere; a local failure from here on (say, out of
 //     memory) is reported as such, never as a drop. A window runs its other
@@ -192,7 +195,109 @@ detail::Reduced Reducer::State::agree(bool closing) {
       return detail::verdict_error(verdict, where()) + next;
     });
   }
+  if (window.entry != detail::Entry::Refresh) {
+    resend_if_light(verdict);
+  }
   return reduced;
+}
+
+double Reducer::State::wire_scale(const Bucket& bucket) const {
+  if (!bucket.prescaled) {
+    return 1.0;
+  }
+  return window.resent_weight > 0 && bucket.wire_gradients.scalar_type() == at::kHalf ? window.resent_weight
+                                                                                      : window.expected_weight;
+}
+
+void Reducer::State::resend_if_light(const detail::Verdict& verdict) {
+  // See Note [Re-sending a light window]. Every input to this decision is
+  // the same on every rank: the summed weight, E, and the buckets' dtypes.
+  const double weight = verdict.global_weight;
+  const auto light = [](const Bucket& bucket) {
+    return bucket.prescaled && bucket.wire_gradients.scalar_type() == at::kHalf;
+  };
+  if (!(weight > 0) || window.expected_weight < detail::kLightWindow * weight ||
+      std::none_of(buckets.all.begin(), buckets.all.end(), light)) {
+    return;
+  }
+  window.resent_weight = weight;
+  auto request = window.request;
+  std::string local;
+  try {
+    const double factor = window.expected_weight / weight;
+    const bool feedback = window.residual_carry != 0.0;
+    for (auto& bucket : buckets.all) {
+      if (light(bucket)) {
+        detail::rescale_wire(bucket, factor, weight, feedback && bucket.residual.defined());
+      }
+    }
+  } catch (const std::exception& e) {
+    // Zeros and the drop's flag: the pairing holds, and no rank steps a sum
+    // without this rank's share.
+    local = detail::message_of(e);
+    request.abort = AbortReason::ResendFailed;
+    for (auto& bucket : buckets.all) {
+      if (light(bucket)) {
+        try {
+          bucket.wire_gradients.zero_();
+        } catch (...) {
+        }
+      }
+    }
+  }
+  // Note [Collectives pair by launch order]: the light buckets in index
+  // order, on every rank, after every first all-reduce of the window.
+  std::vector<size_t> resent;
+  for (const auto b : c10::irange(buckets.all.size())) {
+    auto& bucket = buckets.all[b];
+    if (!light(bucket)) {
+      continue;
+    }
+    resent.push_back(b);
+    auto meta = detail::encode_header(request, config.rank, config.world, agreement_inputs(),
+                                      static_cast<int64_t>(b), buckets.modulus, bucket.params.size());
+    for (const auto slot : bucket.missing) {
+      meta[kMetaHeader + slot] = 0;
+    }
+    bucket.write_meta(meta);
+    bucket.works.clear();
+    std::vector<at::Tensor> tensors{bucket.wire};
+    bucket.works.push_back(config.group->allreduce(tensors));
+    if (bucket.encoding == MetaEncoding::kSeparate) {
+      std::vector<at::Tensor> meta_tensors{bucket.meta};
+      bucket.works.push_back(config.group->allreduce(meta_tensors));
+    }
+    const auto launches = static_cast<int64_t>(bucket.works.size());
+    stats.collectives += launches;
+    stats.last_window_collectives += launches;
+    stats.bytes_reduced += bucket.bytes();
+    stats.last_window_bytes += bucket.bytes();
+  }
+  detail::Aborters who;
+  try {
+    for (const auto b : resent) {
+      wait_bucket(b);
+    }
+    for (const auto b : resent) {
+      buckets.all[b].read_meta();
+    }
+    who = detail::read_aborters(buckets.all[resent.back()].meta_values, config.world);
+  } catch (const std::exception& e) {
+    fail_worded([&] {
+      return where() + ", " + detail::message_of(e) + " (the window's second all-reduce: Note [Re-sending a light "
+          "window])";
+    });
+  }
+  if (who.count > 0) {
+    fail_worded([&] {
+      if (request.abort == AbortReason::None) {
+        return detail::dropped_elsewhere(where(), who, verdict.joined_ranks);
+      }
+      const int64_t other = who.count == 2 ? (who.ranks[0] == config.rank ? who.ranks[1] : who.ranks[0]) : -1;
+      return detail::dropped_here(where(), config.rank, AbortReason::ResendFailed, local, "", verdict.joined_ranks,
+                                  0, 0, who.count - 1, other);
+    });
+  }
 }
 
 void Reducer::State::take_metric_sums(detail::Reduced& reduced) {
@@ -322,48 +427,9 @@ ReductionResult Reducer::State::complete_snapshot(detail::Reduced reduced,
   return reduced.result;
 }
 
-// Note [Scaling before the sum] scales an fp16 wire for the expected weight
-// E; a window much lighter than that (a short flush() window, "items" that
-// swing) travels E / W times smaller. Each rank sends about its share of the
-// gradient, 1 / world of it, and fp16 keeps full precision only down to
-// 2^-14: the window's smallest values lose bits (error feedback carries them
-// to the next window) or become 0, with no error. W and E are in the header,
-// the same on every rank, so every rank warns alike (once per process), after
-// the window completed: advisory, nothing here may fail the reduction. bf16
-// has float32's range.
-void Reducer::State::warn_if_light_on_fp16(const char* call, double global_weight, double expected) const noexcept {
-  constexpr double kLight = 16.0;
-  if (!(global_weight > 0) || expected < kLight * global_weight) {
-    return;
-  }
-  try {
-    const bool fp16 = std::any_of(buckets.all.begin(), buckets.all.end(), [](const Bucket& bucket) {
-      return bucket.prescaled && bucket.wire_gradients.scalar_type() == at::kHalf;
-    });
-    if (fp16) {
-      // Under a loss scaler the wire carries scaled values (and, from Python,
-      // divided by steps): no threshold in the gradient's own units to name.
-      std::ostringstream below;
-      if (config.rule.loss_scaler) {
-        below << "its smallest values";
-      } else {
-        below << "values below about " << std::ldexp(1.0, -14) * config.world * expected / global_weight;
-      }
-      TORCH_WARN_ONCE("gradaccum: ", call, ": the window weighed ", global_weight, ", ", expected / global_weight,
-          " times less than the weight ", expected, " its float16 wire was scaled for (Note [Scaling before the "
-          "sum]): its gradient travelled that many times smaller, so ", below.str(), " lost precision or became "
-          "0. comm_dtype=bfloat16 has float32's range (shown once)");
-    }
-  } catch (...) {
-    // (a warning handler that throws: the window is complete, and stays so)
-  }
-}
-
 ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   auto& result = reduced.result;
   ++stats.windows;
-  const double expected_weight = window.expected_weight; // (for the warning below)
-  const char* call = detail::call_name(window.entry, window.request);
   if (result.global_weight > 0 && result.flushing_ranks == 0) {
     window.last_weight = result.global_weight; // Note [Scaling before the sum]
   }
@@ -420,7 +486,6 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   }
   apply_rebuild(std::move(rebuilt));
   end_reduction(/*window_closed=*/true);
-  warn_if_light_on_fp16(call, result.global_weight, expected_weight);
   return result;
 }
 
@@ -485,7 +550,7 @@ bool Reducer::State::write_back(Bucket& bucket, const std::vector<double>& meta,
                                 double divisor, bool check_finite) {
   const bool as_view = config.options.gradient_as_bucket_view();
   if (bucket.compressed) {
-    divide = detail::decompress(bucket, window.expected_weight, divide, divisor);
+    divide = detail::decompress(bucket, wire_scale(bucket), divide, divisor);
   }
   // The division rides on the pass that writes .grad: in place in the bucket
   // for views, fused into the copy back otherwise; so does the check for the

@@ -42,8 +42,10 @@
 // rank (Note [Rebuilding buckets in ready order]). The reducer's other
 // collectives pair by the same rule, so each runs on every rank at the same
 // point, whatever fails locally: the checks at construction
-// (check_ranks_match), the buffers' broadcast and the rebuild's broadcast and
-// allgather after a window every rank reduced (finish.cpp).
+// (check_ranks_match), the second all-reduce of a light window's fp16
+// buckets after every rank's verdict (Note [Re-sending a light window]), the
+// buffers' broadcast and the rebuild's broadcast and allgather after a window
+// every rank reduced (finish.cpp).
 
 // Note [What a window number means]
 // Window::sequence counts the reductions this rank completed, dropped ones and
@@ -118,6 +120,9 @@ struct Window {
   /// before rounding them (so that fp16 cannot overflow in the sum), fixed when
   /// the reduction begins (Note [Scaling before the sum]).
   double expected_weight = 1.0;
+  /// The window's global weight where its fp16 buckets were sent again at
+  /// it (Note [Re-sending a light window]); 0: not re-sent.
+  double resent_weight = 0;
   /// Error feedback: what each rank multiplies its residual by before adding
   /// it to this reduction's gradients, fixed when the reduction begins (Note
   /// [Error feedback across window weights]).
@@ -301,8 +306,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   ReductionResult complete_snapshot(detail::Reduced reduced, const std::vector<at::Tensor>& saved,
                                     std::vector<at::Tensor>& sums);
   ReductionResult complete_window(detail::Reduced reduced);
-  /// A window far lighter than its fp16 wire's scale: a warning, once.
-  void warn_if_light_on_fp16(const char* call, double global_weight, double expected) const noexcept;
+  /// Note [Re-sending a light window]: after an agreed verdict.
+  void resend_if_light(const detail::Verdict& verdict);
+  /// The scale a compressed bucket's wire was sent at.
+  double wire_scale(const Bucket& bucket) const;
   /// Runs every one of them, whatever fails on this rank, then rethrows.
   void window_collectives(int64_t joined_ranks, std::optional<std::vector<Bucket>>& rebuilt);
   /// A wide bucket keeps its sums: complete_window() zeroes them.

@@ -1,6 +1,8 @@
 // Error feedback under the built-in loss scaler, on two Gloo ranks (Note
 // [Error feedback across loss scales]): what the optimizer got over the
-// windows plus what the ranks hold back is the float32 wire's sum.
+// windows plus what the ranks hold back is the float32 wire's sum. And
+// windows far lighter than their fp16 wire's scale, sent again at their own
+// (Note [Re-sending a light window]).
 #include "test_util.h"
 
 #include "catch_torch.h"
@@ -98,4 +100,91 @@ TEST_CASE("rescale_residuals() takes one floating-point ratio", "[accumulator][l
                     Catch::StartsWith(what + ", got a Long tensor of 1 element"));
   CHECK_THROWS_WITH(acc.rescale_residuals(at::Tensor()), Catch::StartsWith(what + ", got an undefined one"));
   acc.rescale_residuals(torch::full({1}, 2.0)); // one process keeps no residual: nothing
+}
+
+namespace {
+
+constexpr int64_t kLightSteps = 64;
+
+struct LightRun {
+  std::vector<at::Tensor> got; ///< each window's gradient, as the optimizer saw it
+  std::vector<int> allreduces; ///< each window's all-reduces, counted by the group
+  std::vector<int64_t> counted; ///< each window's, as stats() says
+  at::Tensor held; ///< rank 0's residual after the first window
+};
+
+// Windows of 1, 64 and 1 micro-steps (the short ones closed by flush()):
+// with an fp16 wire scaled for 2 * 64, the short ones weigh 64 times less.
+// Rank 1's inputs are zeros, so only rank 0's rounding loses anything; one
+// micro-step's gradient sits in fp16's subnormal range once divided by 128.
+LightRun light_run(int rank, const c10::intrusive_ptr<CountingGroup>& group, std::optional<at::ScalarType> comm,
+                   bool feedback) {
+  torch::nn::Linear model{nullptr};
+  {
+    std::lock_guard<std::mutex> lock(gradaccum::test::init_mutex()); // (the seed is global)
+    torch::manual_seed(1);
+    model = torch::nn::Linear(torch::nn::LinearOptions(64, 1).bias(false));
+  }
+  LightRun run;
+  auto step = [&] { run.got.push_back(model->weight.grad().reshape(-1).clone()); };
+  Accumulator acc(model, AccumulatorOptions(kLightSteps).process_group(group).comm_dtype(comm)
+                             .error_feedback(feedback), step);
+  int seed = 0;
+  for (const int64_t micro : {int64_t{1}, kLightSteps, int64_t{1}}) {
+    const int before = group->allreduces.load();
+    for (int64_t k = 0; k < micro; ++k) {
+      auto g = at::detail::createCPUGenerator(++seed);
+      auto x = torch::randn({8, 64}, g);
+      if (rank != 0) {
+        x = torch::zeros_like(x);
+      }
+      acc.backward(model->forward(x).pow(2).mean() * 1e-3);
+    }
+    if (micro < kLightSteps) {
+      CHECK(acc.flush());
+    } else {
+      CHECK(acc.step());
+    }
+    run.allreduces.push_back(group->allreduces.load() - before);
+    run.counted.push_back(acc.stats().reducer.last_window_collectives);
+    if (feedback && run.held.numel() == 0) {
+      run.held = acc.state_dict(/*rank_independent=*/false).residuals.at(0).reshape(-1).clone();
+    }
+  }
+  return run;
+}
+
+} // namespace
+
+TEST_CASE("a window far lighter than its fp16 wire's scale is sent again at its own",
+          "[reducer][distributed][comm_dtype]") {
+  const int world = 2;
+  std::vector<LightRun> fp32(world), fp16(world), ef(world), bf16(world);
+  run_ranks(world, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    fp32[rank] = light_run(rank, group, std::nullopt, false);
+    fp16[rank] = light_run(rank, group, at::kHalf, false);
+    ef[rank] = light_run(rank, group, at::kHalf, true);
+    bf16[rank] = light_run(rank, group, at::kBFloat16, false);
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    // One bucket: the light windows' second all-reduce, the full one's none.
+    CHECK(fp16[rank].allreduces == std::vector<int>{2, 1, 2});
+    CHECK(fp16[rank].counted == std::vector<int64_t>{2, 1, 2});
+    CHECK(ef[rank].allreduces == std::vector<int>{2, 1, 2});
+    CHECK(bf16[rank].allreduces == std::vector<int>{1, 1, 1}); // float32's range: never re-sent
+    CHECK(fp32[rank].allreduces == std::vector<int>{1, 1, 1});
+  }
+  for (int w = 0; w < 3; ++w) {
+    INFO("window " << w);
+    // fp16's own rounding (2^-11), not the subnormal range's: about 2e-4 in
+    // each window, where the light ones, sent at E = 128, erred by 3.2e-3
+    // and 4.3e-3 (bf16 by 1.5e-3 to 1.8e-3).
+    CHECK(relative(fp16[0].got[w], fp32[0].got[w]) < std::ldexp(1.0, -11));
+    CHECK(relative(fp16[1].got[w], fp16[0].got[w]) == 0);
+  }
+  // Error feedback keeps what the second rounding lost: with it, the first
+  // window is the float32 one (the optimizer divided by the window's weight, 2).
+  CHECK(relative(ef[0].got[0] + ef[0].held / 2, fp32[0].got[0]) < 1e-6);
+  CHECK(ef[0].held.abs().max().item<double>() > 0);
+  CHECK(relative(ef[0].got[2], fp32[0].got[2]) < std::ldexp(1.0, -11));
 }

@@ -360,11 +360,14 @@ def bf16_window(rank, world_size, *, seed, steps, device="cpu", use_group=False)
 
 
 @job
-def light_fp16_window(rank, world_size, *, comm_dtype, steps, flush_after):
+def light_fp16_window(rank, world_size, *, comm_dtype, steps, flush_after, reduction="mean", error_feedback=False):
     """One full window of `steps` micro-batches, then a window of
     `flush_after` closed by flush(): far lighter than the wire's scale
-    (world * steps). Returns the Python warnings the flush issued, and the
-    flushed window's gradient with a float64 reference of it."""
+    (world * steps). With reduction "items", every micro-batch counts
+    4096 items in the full window and 1 in the light one (the light window
+    is then closed by step(), flush_after == steps). Returns the warnings
+    the light window issued, each window's all-reduces, and the light
+    window's gradient with a float64 reference of it."""
     import warnings
 
     import gradaccum
@@ -375,20 +378,30 @@ def light_fp16_window(rank, world_size, *, comm_dtype, steps, flush_after):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     seen = []
     opt.register_step_pre_hook(lambda *_: seen.append(model.weight.grad.double().clone()))
-    acc = gradaccum.Accumulator(model, opt, steps=steps, comm_dtype=dtype)
+    acc = gradaccum.Accumulator(model, opt, steps=steps, comm_dtype=dtype, reduction=reduction,
+                                error_feedback=error_feedback)
     g = torch.Generator().manual_seed(10 + rank)
+
+    def micro(x, items):
+        loss = model(x).pow(2).mean() * 1e-3
+        if reduction == "items":
+            acc.backward(loss * items, num_items=items)
+        else:
+            acc.backward(loss)
+
     for _ in range(steps):
-        acc.backward(model(torch.randn(4, 8, generator=g)).pow(2).mean() * 1e-3)
+        micro(torch.randn(4, 8, generator=g), 4096)
     acc.step()
+    full = acc.stats()["last_window_collectives"]
     batches = [torch.randn(4, 8, generator=g) for _ in range(flush_after)]
-    for x in batches:
-        acc.backward(model(x).pow(2).mean() * 1e-3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        acc.flush()
+        for x in batches:
+            micro(x, 1)
+        assert acc.flush() if flush_after < steps else acc.step()
     text = "\n".join(f"{w.category.__name__}: {w.message}" for w in caught)
     got = seen[-1]
-    # float64 reference of the flushed window: every rank's micro-batches
+    # float64 reference of the light window: every rank's micro-batches
     ref_model = nn.Linear(8, 4).double()
     ref_model.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     mine = torch.stack(batches).double()
@@ -396,5 +409,39 @@ def light_fp16_window(rank, world_size, *, comm_dtype, steps, flush_after):
     dist.all_gather(every, mine)
     total = sum(ref_model(x).pow(2).mean() * 1e-3 for xs in every for x in xs)
     (total / (world_size * flush_after)).backward()
+    out = {"warnings": text, "got": got, "ref": ref_model.weight.grad.clone(), "full": full,
+           "light": acc.stats()["last_window_collectives"], "buckets": acc.stats()["buckets"]}
     acc.close()
-    return {"warnings": text, "got": got, "ref": ref_model.weight.grad.clone()}
+    return out
+
+
+@job
+def manual_path_fp16(rank, world_size, *, steps):
+    """The manual path (acc.no_sync() for all but the last micro-batch, then
+    a plain (loss / steps).backward()) with an fp16 wire and `steps` set:
+    each reduction weighs 1 per rank. Returns the reduced gradient, a
+    float64 reference of it, and the reduction's all-reduces."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    ref_model = nn.Linear(8, 4).double()
+    ref_model.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    acc = gradaccum.Accumulator(model, None, steps=steps, comm_dtype=torch.float16)
+    g = torch.Generator().manual_seed(10 + rank)
+    batches = torch.stack([torch.randn(4, 8, generator=g) for _ in range(steps)])
+    for k, x in enumerate(batches):
+        loss = model(x).pow(2).mean() * 1e-3 / steps
+        if k < steps - 1:
+            with acc.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    every = [torch.empty_like(batches) for _ in range(world_size)]
+    dist.all_gather(every, batches)
+    total = sum(ref_model(x.double()).pow(2).mean() * 1e-3 / steps for xs in every for x in xs)
+    (total / world_size).backward()
+    out = {"got": model.weight.grad.double().clone(), "ref": ref_model.weight.grad.clone(),
+           "collectives": acc.stats()["last_window_collectives"], "buckets": acc.stats()["buckets"]}
+    acc.close()
+    return out

@@ -105,10 +105,22 @@ def test_a_window_with_no_weight_keeps_the_held_back_residuals(tmp_path, closing
         assert all(torch.equal(a, b) for a, b in zip(res["before"], res["after"]))
 
 
-def test_one_process_flush_drops_a_nonfinite_window_step_raised_already():
+DROPPED_WARNING = (
+    "gradaccum: acc.flush(): the closed window's gradient is not finite (nonfinite=\"raise\"; acc.step() raised it "
+    "already): acc.flush() dropped the window, as acc.zero_grad() would, so that every rank ends the data together")
+
+
+@pytest.mark.parametrize("filter_", ["default", "error"])
+def test_one_process_flush_drops_a_nonfinite_window_step_raised_already(filter_):
     """The same rule in one process: acc.step() raised; acc.flush() drops the
     window as acc.zero_grad() would (it raised it again before), and the next
-    window trains from where the last good one left the model."""
+    window trains from where the last good one left the model. Its warning is
+    a Python UserWarning (Note [C++ warnings reach Python's warnings]); a
+    filter that makes it an error cannot undo the drop: the error is
+    reported as unraisable, and flush() returns."""
+    import sys
+    import warnings
+
     import gradaccum
 
     torch.manual_seed(0)
@@ -121,7 +133,19 @@ def test_one_process_flush_drops_a_nonfinite_window_step_raised_already():
         acc.backward(model(x).pow(2).mean() * (float("nan") if k else 1.0))
     with pytest.raises(RuntimeError, match=r"^gradaccum: acc.step\(\): the window's gradient is not finite"):
         acc.step()
-    assert acc.flush() is False
+    unraisable, hook = [], sys.unraisablehook
+    sys.unraisablehook = lambda u: unraisable.append(u.exc_value)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter(filter_)
+            assert acc.flush() is False
+    finally:
+        sys.unraisablehook = hook
+    if filter_ == "error":
+        assert caught == [] and [type(e) for e in unraisable] == [UserWarning], unraisable
+        assert str(unraisable[0]) == DROPPED_WARNING
+    else:
+        assert [(w.category, str(w.message)) for w in caught] == [(UserWarning, DROPPED_WARNING)] and not unraisable
     assert not acc.window_ready and all(p.grad is None for p in model.parameters())
     for _ in range(2):
         acc.backward(model(x).pow(2).mean())

@@ -14,7 +14,7 @@ namespace gradaccum::python {
 namespace {
 
 // Note [C++ warnings reach Python's warnings]
-// The library's TORCH_WARNs (a window far lighter than its fp16 wire's scale,
+// The library's TORCH_WARNs (a non-finite window acc.flush() dropped, tested;
 // a bucket rebuild that failed, hooks that could not be removed) go to c10's
 // handler, which prints to stderr: Python's filters, pytest.warns and -W
 // error never saw them. Every binding that runs library code holds this
