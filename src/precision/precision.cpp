@@ -10,10 +10,14 @@ namespace gradaccum::detail {
 // With comm_dtype bf16/fp16 (Bucket::prescaled), each rank sends its gradient
 // sum divided by the expected global weight E, rounded to the wire's dtype,
 // so that the sum over ranks stays near the size of one gradient and fp16
-// does not overflow where float32 would not. E is world * steps (world on
-// the manual path, whose reductions weigh 1 per rank: begin_reduction()), or
-// for reduction "items" the global weight of the last full window (no rank
-// flushing; the same on every rank: it comes from the summed meta); the first
+// does not overflow where float32 would not. E is world * steps (on the
+// manual path too, whose reductions weigh 1 per rank: its gradient may be a
+// sum of `steps` micro-steps' losses, as in torch DDP's no_sync example, so
+// it is scaled as one; a loss divided by `steps` travels that much smaller,
+// and is never re-sent, its weight saying nothing of its size), or for
+// reduction "items" the global weight of the last full window (no rank
+// flushing, not the manual path's; the same
+// on every rank: it comes from the summed meta); the first
 // "items" window of a run uses world * steps, so gradients far larger than
 // that (many items per micro-step, fp16) can overflow there once: the window
 // is then non-finite on every rank alike. Every rank must use the same E (a
@@ -126,7 +130,9 @@ void compress(Bucket& bucket, double scale, double carry, const at::Tensor& resc
 // ranks, "items", 1 item per micro-step after 4096: relative error 1.85e-2
 // against 3e-4 in the windows around it). W and E are in every rank's summed
 // header alike, so where E >= kLightWindow * W (Reducer::State::agree(),
-// after the verdict) every rank rounds its share again at the window's own
+// after the verdict; never on the manual path, whose weight of 1 per rank
+// says nothing of its gradient's size) every rank rounds its share again at
+// the window's own
 // scale, from the gradients that still hold it scaled by 1 / E (compress()
 // keeps it there, with or without error feedback), and all-reduces each
 // fp16 bucket once more: one collective per such bucket, in those windows
@@ -138,7 +144,7 @@ void compress(Bucket& bucket, double scale, double carry, const at::Tensor& resc
 // holds what this rounding lost. Below kLightWindow a window loses at most
 // 4 bits, and only on values within 2^4 of fp16's subnormal range; from it
 // on, one more all-reduce of the fp16 buckets buys them back (a flush()
-// window of 1 micro-step after windows of 16, 2 ranks: relative error 2.2e-4
+// window of 1 micro-step after windows of 16, 2 ranks: relative error 4.8e-4
 // where the single send gave 3.1e-3; tested). bf16 has float32's range:
 // never re-sent.
 void rescale_wire(Bucket& bucket, double factor, double scale, bool feedback) {

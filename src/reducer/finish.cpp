@@ -195,8 +195,8 @@ detail::Reduced Reducer::State::agree(bool closing) {
       return detail::verdict_error(verdict, where()) + next;
     });
   }
-  if (window.entry != detail::Entry::Refresh) {
-    resend_if_light(verdict);
+  if (window.entry != detail::Entry::Refresh && window.entry != detail::Entry::ManualBackward) {
+    resend_if_light(verdict); // (the manual path's weight says nothing of its gradient's size: never)
   }
   return reduced;
 }
@@ -246,32 +246,56 @@ void Reducer::State::resend_if_light(const detail::Verdict& verdict) {
     }
   }
   // Note [Collectives pair by launch order]: the light buckets in index
-  // order, on every rank, after every first all-reduce of the window.
+  // order, on every rank, after every first all-reduce of the window. A
+  // launch that fails here (out of memory for the header) cannot pair: this
+  // rank waits for what it launched and raises; the others meet the missing
+  // collective's transport error or the group's timeout.
   std::vector<size_t> resent;
-  for (const auto b : c10::irange(buckets.all.size())) {
-    auto& bucket = buckets.all[b];
-    if (!light(bucket)) {
-      continue;
+  try {
+    for (const auto b : c10::irange(buckets.all.size())) {
+      auto& bucket = buckets.all[b];
+      if (!light(bucket)) {
+        continue;
+      }
+      auto meta = detail::encode_header(request, config.rank, config.world, agreement_inputs(),
+                                        static_cast<int64_t>(b), buckets.modulus, bucket.params.size());
+      for (const auto slot : bucket.missing) {
+        meta[kMetaHeader + slot] = 0;
+      }
+      bucket.write_meta(meta);
+      bucket.works.clear();
+      resent.push_back(b);
+      std::vector<at::Tensor> tensors{bucket.wire};
+      bucket.works.push_back(config.group->allreduce(tensors));
+      if (bucket.encoding == MetaEncoding::kSeparate) {
+        std::vector<at::Tensor> meta_tensors{bucket.meta};
+        bucket.works.push_back(config.group->allreduce(meta_tensors));
+      }
+      const auto launches = static_cast<int64_t>(bucket.works.size());
+      stats.collectives += launches;
+      stats.last_window_collectives += launches;
+      stats.bytes_reduced += bucket.bytes();
+      stats.last_window_bytes += bucket.bytes();
+      // Note [The window's timeline]: the bucket completes with its second all-reduce.
+      window.timeline.buckets[b].bytes += bucket.bytes();
+      stamp_completion(b);
     }
-    resent.push_back(b);
-    auto meta = detail::encode_header(request, config.rank, config.world, agreement_inputs(),
-                                      static_cast<int64_t>(b), buckets.modulus, bucket.params.size());
-    for (const auto slot : bucket.missing) {
-      meta[kMetaHeader + slot] = 0;
+  } catch (const std::exception& e) {
+    const auto local_error = detail::message_of(e);
+    for (const auto b : resent) {
+      for (auto& work : buckets.all[b].works) {
+        try {
+          work->wait();
+        } catch (...) {
+        }
+      }
     }
-    bucket.write_meta(meta);
-    bucket.works.clear();
-    std::vector<at::Tensor> tensors{bucket.wire};
-    bucket.works.push_back(config.group->allreduce(tensors));
-    if (bucket.encoding == MetaEncoding::kSeparate) {
-      std::vector<at::Tensor> meta_tensors{bucket.meta};
-      bucket.works.push_back(config.group->allreduce(meta_tensors));
-    }
-    const auto launches = static_cast<int64_t>(bucket.works.size());
-    stats.collectives += launches;
-    stats.last_window_collectives += launches;
-    stats.bytes_reduced += bucket.bytes();
-    stats.last_window_bytes += bucket.bytes();
+    fail_worded([&] {
+      return where() + ": rank " + std::to_string(config.rank) + " could not launch the window's second "
+          "all-reduce (Note [Re-sending a light window]), so the ranks' collectives no longer pair: " +
+          local_error + ". The window was dropped here; the other ranks fail in that all-reduce. End training on "
+          "every rank (or resume every rank from a checkpoint)";
+    });
   }
   detail::Aborters who;
   try {
@@ -430,8 +454,8 @@ ReductionResult Reducer::State::complete_snapshot(detail::Reduced reduced,
 ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   auto& result = reduced.result;
   ++stats.windows;
-  if (result.global_weight > 0 && result.flushing_ranks == 0) {
-    window.last_weight = result.global_weight; // Note [Scaling before the sum]
+  if (result.global_weight > 0 && result.flushing_ranks == 0 && window.entry != detail::Entry::ManualBackward) {
+    window.last_weight = result.global_weight; // Note [Scaling before the sum] (a manual reduction weighs 1 a rank)
   }
   if (window.residual_carry != 0.0) { // (0: held back, still its own window's: Note [Error feedback across window weights])
     window.residual_weight = window.request.weight;

@@ -41,10 +41,8 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
     bucket.works.clear();
   }
   window.next_launch = 0;
-  // See Note [Scaling before the sum]: the same value on every rank. A
-  // manual path's reduction weighs 1 on every rank, whatever `steps` is.
-  window.expected_weight = entry == detail::Entry::ManualBackward
-      ? static_cast<double>(config.world) : detail::expected_weight(config.rule, config.world, window.last_weight);
+  // See Note [Scaling before the sum]: the same value on every rank.
+  window.expected_weight = detail::expected_weight(config.rule, config.world, window.last_weight);
   window.resent_weight = 0;
   window.residual_carry = detail::residual_carry(request, window.residual_weight);
   // A weight the meta cannot carry drops the window on every rank (raising

@@ -416,32 +416,40 @@ def light_fp16_window(rank, world_size, *, comm_dtype, steps, flush_after, reduc
 
 
 @job
-def manual_path_fp16(rank, world_size, *, steps):
+def manual_path_fp16(rank, world_size, *, steps, divided, acc_steps=None):
     """The manual path (acc.no_sync() for all but the last micro-batch, then
-    a plain (loss / steps).backward()) with an fp16 wire and `steps` set:
-    each reduction weighs 1 per rank. Returns the reduced gradient, a
-    float64 reference of it, and the reduction's all-reduces."""
+    a plain loss.backward()) with an fp16 wire and `steps` set; each
+    micro-batch's loss divided by `steps` (`divided`) or not, its gradient
+    near 5000 then; the Accumulator built with `acc_steps` (default:
+    `steps`). Returns the reduced gradient, a float64 reference of it, and
+    the reduction's all-reduces."""
     import gradaccum
 
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
     ref_model = nn.Linear(8, 4).double()
     ref_model.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
-    acc = gradaccum.Accumulator(model, None, steps=steps, comm_dtype=torch.float16)
+    acc = gradaccum.Accumulator(model, None, steps=acc_steps or steps, comm_dtype=torch.float16)
     g = torch.Generator().manual_seed(10 + rank)
     batches = torch.stack([torch.randn(4, 8, generator=g) for _ in range(steps)])
+    scale = 1e-3 / steps if divided else 3e4
+
+    def micro(m, x):
+        return m(x).pow(2).mean() * scale
+
     for k, x in enumerate(batches):
-        loss = model(x).pow(2).mean() * 1e-3 / steps
         if k < steps - 1:
             with acc.no_sync():
-                loss.backward()
+                micro(model, x).backward()
         else:
-            loss.backward()
+            micro(model, x).backward()
     every = [torch.empty_like(batches) for _ in range(world_size)]
     dist.all_gather(every, batches)
-    total = sum(ref_model(x.double()).pow(2).mean() * 1e-3 / steps for xs in every for x in xs)
-    (total / world_size).backward()
-    out = {"got": model.weight.grad.double().clone(), "ref": ref_model.weight.grad.clone(),
+    sum(micro(ref_model, x.double()) for x in batches).backward()
+    local = float(ref_model.weight.grad.abs().max())  # this rank's sum before the reduction
+    ref_model.zero_grad()
+    (sum(micro(ref_model, x.double()) for xs in every for x in xs) / world_size).backward()
+    out = {"got": model.weight.grad.double().clone(), "ref": ref_model.weight.grad.clone(), "local": local,
            "collectives": acc.stats()["last_window_collectives"], "buckets": acc.stats()["buckets"]}
     acc.close()
     return out
