@@ -276,20 +276,25 @@ class Accumulator {
   /// host synchronisation and no extra collective (Note [The window's loss
   /// rides in the header] in src/accumulator/window_loss.cpp). From the
   /// window's closing backward (or flush) until the next window closes; none
-  /// before the first, on a bf16/fp16 wire (comm_dtype, or such parameters
-  /// without accumulate_dtype), for a window of weight 0, for the window
-  /// a mid-window checkpoint cut, and for a window dropped on every rank
-  /// (window_items() is then 0).
+  /// before the first, where every bucket's wire is bf16/fp16 (comm_dtype, or
+  /// only bf16/fp16 parameters without accumulate_dtype), for a window of
+  /// weight 0, for the window a mid-window checkpoint cut, for a window
+  /// dropped on every rank (window_items() is then 0), and after
+  /// load_state_dict() or refresh_parameters() until a window closes. A copy:
+  /// changing it changes nothing here.
   std::optional<at::Tensor> window_loss() const;
   /// That window's user metrics (AccumulatorOptions::metrics), each summed
-  /// over its micro-batches and every rank, not divided: a 1-D float64 tensor
-  /// in the names' order, on the loss's device, no host synchronisation and no
-  /// extra collective. None without metric names, on a bf16/fp16 wire, for
-  /// the window a mid-window checkpoint cut, and for a dropped window.
+  /// over its micro-batches and every rank, not divided (a window of weight 0
+  /// has them too; a micro-batch nonfinite "skip_micro_batch" left out is left
+  /// out whole, metrics included: stats().skipped_micro_batches counts them):
+  /// a 1-D float64 tensor in the names' order, on the loss's device, no host
+  /// synchronisation and no extra collective. None without metric names, and
+  /// where window_loss() is None for any reason but the window's weight of 0.
   std::optional<at::Tensor> window_metrics() const;
   /// That window's weight summed over ranks: its items ("items") or
-  /// micro-batches ("mean", "sum"). 0 before the first window closes and
-  /// for a window dropped on every rank.
+  /// micro-batches ("mean", "sum"). 0 before the first window closes, for a
+  /// window dropped on every rank, and after load_state_dict() or
+  /// refresh_parameters() until a window closes.
   double window_items() const {
     return window_items_;
   }

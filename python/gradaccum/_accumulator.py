@@ -1,6 +1,5 @@
 """gradaccum.Accumulator: the Python face of the C++ Accumulator."""
 import contextlib
-import numbers
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple, Union
 
@@ -20,9 +19,9 @@ from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list
     _check_scaled_parameters,
     _default_world_size,
     _as_float,
-    _finite_float,
     _dist_initialized,
     _metric_values,
+    _num_items_float,
     _parameters,
     _resolve_group,
     _scaler_rule,
@@ -241,23 +240,14 @@ class Accumulator:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"gradaccum: {what}: loss must be a torch.Tensor, got {type(loss).__name__}")
         self._check_micro_step(what)
-        if isinstance(num_items, bool) or (
-                isinstance(num_items, torch.Tensor) and num_items.dtype == torch.bool):
-            raise TypeError(f"gradaccum: {what}: num_items must be a count of items, got {num_items!r}")
-        if num_items is not None and not isinstance(num_items, (numbers.Real, torch.Tensor)):
-            raise TypeError(f"gradaccum: {what}: num_items must be a number or a one-element "
-                            f"tensor, got {num_items!r} ({type(num_items).__name__})")
-        if isinstance(num_items, torch.Tensor):
-            if num_items.numel() != 1:
-                raise ValueError(f"gradaccum: {what}: num_items must be a number, got a tensor of shape {tuple(num_items.shape)}")
-            num_items = num_items.item()
+        items = None if num_items is None else _num_items_float(what, num_items)
         reported = None
         if _scaling(self.grad_scaler):
             # Scaled, and divided by steps so that fp16 sees the big batch's
             # magnitudes; step() unscales and multiplies back. window_loss
             # reports the loss as given.
             reported, loss = loss, self.grad_scaler.scale(loss) / self.steps
-        return loss, None if num_items is None else _finite_float(what, "num_items", num_items), reported
+        return loss, items, reported
 
     def backward(self, loss: torch.Tensor, num_items: Union[None, int, float, torch.Tensor] = None,
                  metrics: Optional[Dict[str, Any]] = None) -> None:
@@ -351,12 +341,15 @@ class Accumulator:
         parallel it costs no extra collective (it rides in the bucket
         header). Set by the window's closing ``backward()`` (or ``flush()``,
         ``join()``) until the next window closes, so it can be read before or
-        after ``step()``; ``None`` before the first window closes, on a
-        bf16/fp16 wire (``comm_dtype``, or such parameters without
-        ``accumulate_dtype``), for a window with no weight, for the window a
-        mid-window checkpoint cut (the losses before the save are not in it),
-        and for a window dropped on every rank (an error every rank raised;
-        ``window_items`` is then 0), not the loss of the window before it."""
+        after ``step()``; ``None`` before the first window closes, where
+        every bucket's wire is bf16/fp16 (``comm_dtype``, or only bf16/fp16
+        parameters without ``accumulate_dtype``), for a window with no
+        weight, for the window a mid-window checkpoint cut (the losses before
+        the save are not in it), for a window dropped on every rank (an error
+        every rank raised; ``window_items`` is then 0), not the loss of the
+        window before it, and after ``load_state_dict()`` or
+        ``refresh_parameters()`` until a window closes. A copy: changing it
+        changes nothing here."""
         return self._c.window_loss
 
     @property
@@ -364,10 +357,12 @@ class Accumulator:
         """The window ``window_loss`` describes: each metric named at
         construction summed over its micro-batches and every rank, not
         divided (``{"correct": 0-dim float64 tensor}``; divide by
-        ``window_items`` or by a count metric yourself). No synchronisation,
-        no extra collective. ``None`` without metric names, before the first
-        window, on a bf16/fp16 wire, for the window a mid-window checkpoint
-        cut, and for a window dropped on every rank."""
+        ``window_items`` or by a count metric yourself); a window with no
+        weight has them too. A micro-batch ``nonfinite="skip_micro_batch"``
+        left out is left out whole, its metrics with it (``stats()
+        ["skipped_micro_batches"]`` counts them). No synchronisation, no
+        extra collective. ``None`` without metric names, and wherever
+        ``window_loss`` is ``None`` but for a window with no weight."""
         sums = self._c.window_metrics
         if sums is None:
             return None
@@ -377,8 +372,9 @@ class Accumulator:
     def window_items(self) -> float:
         """The weight of the window ``window_loss`` describes, summed over
         ranks: its items (``"items"``) or micro-batches (``"mean"``, ``"sum"``);
-        0 before the first window closes and for a window dropped on every
-        rank."""
+        0 before the first window closes, for a window dropped on every rank,
+        and after ``load_state_dict()`` or ``refresh_parameters()`` until a
+        window closes."""
         return self._c.window_items
 
     def step(self) -> bool:

@@ -340,6 +340,30 @@ def _finite_float(what: str, label: str, value: numbers.Real) -> float:
         raise ValueError(f"gradaccum: {what}: {label} does not fit in a float64 ({error})") from None
 
 
+def _num_items_float(what: str, num_items: Any) -> float:
+    """A micro-batch's ``num_items`` (a real number or a one-element real
+    tensor) as a float; a TypeError or ValueError otherwise, which
+    backward() and run() refuse as a bad micro-batch (told to the other
+    ranks at a closing micro-step)."""
+    if isinstance(num_items, bool) or (isinstance(num_items, torch.Tensor) and num_items.dtype == torch.bool):
+        raise TypeError(f"gradaccum: {what}: num_items must be a count of items, got {num_items!r}")
+    if not isinstance(num_items, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"gradaccum: {what}: num_items must be a number or a one-element "
+                        f"tensor, got {num_items!r} ({type(num_items).__name__})")
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1:
+            raise ValueError(f"gradaccum: {what}: num_items must be a number, got a tensor of shape "
+                             f"{tuple(num_items.shape)}")
+        if num_items.is_complex():
+            raise TypeError(f"gradaccum: {what}: num_items must be a real count of items, got a "
+                            f"{num_items.dtype} tensor")
+        try:
+            num_items = num_items.item()
+        except RuntimeError as error:  # (a meta tensor holds no value): refused as any bad num_items
+            raise ValueError(f"gradaccum: {what}: num_items could not be read as a number: {error}") from None
+    return _finite_float(what, "num_items", num_items)
+
+
 def _metric_values(what: str, names: Tuple[str, ...], metrics: Any, like: torch.Tensor) -> Optional[torch.Tensor]:
     """A ``{name: value}`` dict as the tensor the C++ side takes (the
     constructor's names' order; a name left out is 0)."""

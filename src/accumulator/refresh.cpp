@@ -164,8 +164,7 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
   if (!reducer_) {
     late_watch_ = std::make_unique<detail::LateBackwardWatch>(params_, names_); // (the old one's hooks go)
   }
-  window_loss_ = at::Tensor(); // the last window's loss was of the old set; the counters stay
-  window_metrics_ = at::Tensor();
+  forget_window_loss(); // the last window's loss, items and metrics were of the old set; the counters stay
   remember_gradients();
   forget_nonzero_gradients(); // a newly trainable parameter's stale .grad (Note [Gradients no micro-step counted])
 }

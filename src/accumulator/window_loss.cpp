@@ -23,8 +23,10 @@ namespace gradaccum {
 // reads the summed header to the host anyway, so the window's loss is known
 // when the window closes, divided by the same global weight as the gradient.
 // Digit-encoded meta (a bf16/fp16 wire: comm_dtype, or bf16/fp16 parameters
-// without accumulate_dtype) carries integers only: there the window's loss is
-// not available (None). Nor for a window of weight 0, one a mid-window
+// without accumulate_dtype) carries integers only: where every bucket's is,
+// the window's loss is not available (None); the reducer reads it from the
+// last bucket whose meta is not (take_metric_sums()). Nor for a window of
+// weight 0 (its metrics are: sums, as in one process), one a mid-window
 // checkpoint cut (the losses before the save are not in it), or one dropped on
 // every rank (forget_window_loss(): none of its loss was applied; a window
 // reduced everywhere but dropped on one rank alone keeps its loss there, as
@@ -75,13 +77,19 @@ void Accumulator::close_window_loss(const ReductionResult& result, const at::Ten
   window_items_ = result.global_weight;
   const bool cut = std::exchange(window_loss_cut_, false);
   window_metrics_ = at::Tensor();
+  // On the device of this rank's losses; a rank whose window kept none (all
+  // skipped, empty micro-steps, joined) takes its parameters', so that every
+  // rank's tensors are on their device alike (an all-reduce of them works).
+  const auto device = like.defined() ? like.device() : params_.empty() ? at::Device(at::kCPU) : params_[0].device();
+  const auto on_device = [&](at::Tensor t) {
+    return device.is_cpu() ? t : t.to(device, /*non_blocking=*/true);
+  };
+  // Metrics are sums: a window of weight 0 has them too, as in one process.
   const auto n = static_cast<int64_t>(options_.metrics().size());
-  if (result.loss_sum && !cut && n > 0 && result.global_weight != 0) {
-    window_metrics_ = at::tensor(std::vector<double>(result.metric_sums.begin(), result.metric_sums.begin() + n),
-                                 at::TensorOptions().dtype(at::kDouble));
-    if (like.defined() && !like.device().is_cpu()) {
-      window_metrics_ = window_metrics_.to(like.device(), /*non_blocking=*/true);
-    }
+  if (result.loss_sum && !cut && n > 0) {
+    window_metrics_ = on_device(at::tensor(
+        std::vector<double>(result.metric_sums.begin(), result.metric_sums.begin() + n),
+        at::TensorOptions().dtype(at::kDouble)));
   }
   // No loss for a window of weight 0 (nothing kept anywhere) or one a
   // checkpoint cut (its first part's losses were not saved).
@@ -91,10 +99,7 @@ void Accumulator::close_window_loss(const ReductionResult& result, const at::Ten
   }
   const bool divide = options_.reduction() != Reduction::Sum && result.global_weight > 0;
   const double value = *result.loss_sum / (divide ? result.global_weight : 1.0);
-  window_loss_ = at::scalar_tensor(value, at::TensorOptions().dtype(at::kDouble));
-  if (like.defined() && !like.device().is_cpu()) {
-    window_loss_ = window_loss_.to(like.device(), /*non_blocking=*/true);
-  }
+  window_loss_ = on_device(at::scalar_tensor(value, at::TensorOptions().dtype(at::kDouble)));
 }
 
 void Accumulator::close_local_window_loss() {
@@ -149,18 +154,20 @@ bool Accumulator::keep_micro_batch(const at::Tensor& value, const at::Tensor& me
   return keep;
 }
 
+// Copies: a caller's in-place change (`l = acc.window_loss; l *= 100`) must
+// not change what the Accumulator reports next (stats() included).
 std::optional<at::Tensor> Accumulator::window_metrics() const {
   if (!window_metrics_.defined()) {
     return std::nullopt;
   }
-  return window_metrics_;
+  return window_metrics_.clone();
 }
 
 std::optional<at::Tensor> Accumulator::window_loss() const {
   if (!window_loss_.defined()) {
     return std::nullopt;
   }
-  return window_loss_;
+  return window_loss_.clone();
 }
 
 } // namespace gradaccum

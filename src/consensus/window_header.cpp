@@ -181,8 +181,6 @@ Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& 
   verdict.flushing_steps_ranks = rounded(last[kFlushingSteps]);
   verdict.joined_ranks = rounded(last[kJoined]);
   verdict.aborters = read_aborters(last, world);
-  verdict.loss_sum = last[kLoss];
-  std::copy(last.begin() + kMetric0, last.begin() + kMetaHeader, verdict.metric_sums.begin());
   for (const auto b : c10::irange(buckets.size())) {
     if (!all_equal(buckets[b].meta_values, kBucketIndex)) {
       verdict.outcome = Verdict::Outcome::Mispaired;

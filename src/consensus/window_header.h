@@ -7,7 +7,6 @@
 #include <gradaccum/bucket.h>
 #include <gradaccum/reducer.h>
 
-#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -45,8 +44,6 @@ struct Verdict {
   int64_t flushing_ranks = 0;
   int64_t flushing_steps_ranks = 0;
   int64_t joined_ranks = 0;
-  double loss_sum = 0;
-  std::array<double, kMaxWindowMetrics> metric_sums{};
   /// Whether every rank keeps the window, and if not, why every rank drops it.
   enum class Outcome {
     Agreed,

@@ -325,12 +325,18 @@ void Reducer::State::resend_if_light(const detail::Verdict& verdict) {
 }
 
 void Reducer::State::take_metric_sums(detail::Reduced& reduced) {
-  if (buckets.all.back().encoding == MetaEncoding::kDigits) {
+  // Every bucket whose meta is not digit-encoded carries the loss and the
+  // metrics (launch_bucket()), final before the first launch: the last such
+  // bucket's, whichever it is (a model of float32 and bf16 parameters may
+  // have either last, and a rebuild may swap them).
+  const auto carrier = std::find_if(buckets.all.rbegin(), buckets.all.rend(),
+                                    [](const Bucket& b) { return b.encoding != MetaEncoding::kDigits; });
+  if (carrier == buckets.all.rend()) {
     return; // (digit-encoded meta carries neither)
   }
-  const auto& sums = reduced.verdict.metric_sums;
-  reduced.result.metric_sums.assign(sums.begin(), sums.end());
-  reduced.result.loss_sum = reduced.verdict.loss_sum;
+  const auto& meta = carrier->meta_values;
+  reduced.result.metric_sums.assign(meta.begin() + kMetric0, meta.begin() + kMetaHeader);
+  reduced.result.loss_sum = meta[kLoss];
   window.last_result.metric_sums = reduced.result.metric_sums;
   window.last_result.loss_sum = reduced.result.loss_sum;
 }

@@ -190,3 +190,117 @@ def dropped_window_loss(rank, world_size, *, seed, n_windows, last, reduction, f
     out["params"] = du.params(model)
     acc.close()
     return out
+
+
+@job
+def window_report_edges(rank, world_size):
+    """What the window reports at its edges, on every rank (or one process):
+    a window of no weight still has its metric sums; a micro-batch
+    skip_micro_batch leaves out takes its metrics with it; window_loss and
+    window_metrics are copies; refresh_parameters() forgets the last window
+    (loss, metrics and items alike)."""
+    import torch
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    pg = None if world_size > 1 else False
+    out = {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = gradaccum.Accumulator(model, opt, steps=2, reduction="items", process_group=pg, metrics=("c",))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for k in range(2):  # every micro-batch has no valid item: weight 0 everywhere
+        acc.backward(model(x).sum() * 0, num_items=0, metrics={"c": 5 + k + 10 * rank})
+    out["weightless"] = (None if acc.window_loss is None else float(acc.window_loss), acc.window_items,
+                         {k: float(v) for k, v in acc.window_metrics.items()})
+    acc.step()
+    acc.close()
+    model.zero_grad(set_to_none=True)
+
+    acc = gradaccum.Accumulator(model, opt, steps=2, process_group=pg, nonfinite="skip_micro_batch",
+                                metrics=("seen",))
+    for k in range(2):
+        bad = rank == world_size - 1 and k == 0
+        acc.backward(model(x).pow(2).mean() * (float("nan") if bad else 1.0), metrics={"seen": 1})
+    out["skipped"] = ({k: float(v) for k, v in acc.window_metrics.items()}, acc.window_items,
+                      acc.stats()["skipped_micro_batches"])
+    loss = acc.window_loss
+    before = float(loss)
+    loss *= 100  # a copy: the Accumulator's stays
+    acc.window_metrics["seen"].add_(7)
+    out["copies"] = (float(acc.window_loss) == before, acc.stats()["window_loss"] == before,
+                     float(acc.window_metrics["seen"]))
+    acc.step()
+    model.weight.requires_grad_(False)
+    acc.refresh_parameters()
+    out["refreshed"] = (acc.window_loss, acc.window_metrics, acc.window_items)
+    acc.close()
+    return out
+
+
+@job
+def mixed_wire_window_loss(rank, world_size, *, head_first):
+    """A float32 body and a bf16 head, no accumulate_dtype: the head's
+    bucket is digit-encoded (a bf16 wire), the body's is not. The window's
+    loss rides in the body's header, whichever bucket is last (before and
+    after the first window's rebuild). Returns each window's loss and the
+    float64 mean of every rank's micro-batch losses."""
+    import torch
+    import torch.distributed as dist
+    import gradaccum
+
+    torch.manual_seed(1)
+    body, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1).to(torch.bfloat16)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            if head_first:
+                self.head, self.body = head, body
+            else:
+                self.body, self.head = body, head
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.body(x)).to(torch.bfloat16)).float()
+
+    model = Net()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    g = torch.Generator().manual_seed(20 + rank)
+    out = {"got": [], "want": []}
+    for _ in range(3):
+        losses = []
+        for _ in range(2):
+            loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
+            losses.append(loss.detach().double())
+            acc.backward(loss)
+        every = [torch.zeros(2, dtype=torch.float64) for _ in range(world_size)]
+        dist.all_gather(every, torch.stack(losses))
+        out["want"].append(float(torch.cat(every).mean()))
+        out["got"].append(None if acc.window_loss is None else float(acc.window_loss))
+        acc.step()
+    out["rebuilds"] = acc.stats()["bucket_rebuilds"]
+    acc.close()
+    return out
+
+
+@job
+def unreadable_num_items(rank, world_size):
+    """A num_items no number can be read from, on the last rank at the
+    window's closing micro-step: every rank raises (the others are told),
+    none waits."""
+    import torch
+    import gradaccum
+
+    model = torch.nn.Linear(3, 1).double()
+    acc = gradaccum.Accumulator(model, None, steps=2, reduction="items")
+    x = torch.randn(4, 3, dtype=torch.float64)
+    acc.backward(model(x).sum(), num_items=4)
+    bad = torch.empty((), device="meta") if rank == world_size - 1 else 4
+    try:
+        acc.backward(model(x).sum(), num_items=bad)
+        error = None
+    except (RuntimeError, ValueError, TypeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    out = {"error": error, "ready": acc.window_ready, "micro_step": acc.micro_step}
+    acc.close()
+    return out

@@ -238,3 +238,54 @@ def test_a_window_dropped_on_every_rank_has_no_loss(tmp_path, reduction):
                 assert abs(got - want) <= 1e-12 * max(1.0, abs(want)), (rank, w, got, want)
                 assert res["items"][w] > 0 and res["metrics"][w] is not None
         du.assert_params_close(res["params"], params, f"rank {rank}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_window_reports_alike_at_its_edges(tmp_path, world_size):
+    """Alike in one process and on 2 ranks: a window of no weight has no
+    loss and no items, but its metric sums (before, data parallel had none);
+    a micro-batch skip_micro_batch leaves out is left out whole, its metrics
+    with it (stats counts it); window_loss and window_metrics are copies
+    (before, `loss *= 100` changed what stats() reported); and
+    refresh_parameters() forgets the last window's loss, metrics and items
+    alike (before, it kept the items)."""
+    for rank, res in enumerate(run("window_report_edges", world_size, tmp_path)):
+        # metrics summed over both micro-batches of every rank: 5 + 6 (+ 15 + 16)
+        assert res["weightless"] == (None, 0.0, {"c": 11.0 + (31.0 if world_size == 2 else 0.0)}), rank
+        seen, items, skipped = res["skipped"]
+        assert seen == {"seen": 2.0 * world_size - 1} and items == 2 * world_size - 1, (rank, res["skipped"])
+        assert skipped == (1 if rank == world_size - 1 else 0)
+        assert res["copies"] == (True, True, seen["seen"])
+        assert res["refreshed"] == (None, None, 0.0)
+
+
+@pytest.mark.parametrize("head_first", [False, True])
+def test_a_model_with_a_half_precision_bucket_reports_its_loss_in_every_window(tmp_path, head_first):
+    """A float32 body and a bf16 head: the loss rides in the float32
+    bucket's header, wherever the bf16 (digit-encoded) bucket sits. Before,
+    only the last bucket was read: with the head registered first, the
+    first window (before the rebuild in ready order) had no loss."""
+    for rank, res in enumerate(run("mixed_wire_window_loss", 2, tmp_path, head_first=head_first)):
+        assert res["rebuilds"] == (1 if head_first else 0), res["rebuilds"]
+        for w, (got, want) in enumerate(zip(res["got"], res["want"])):
+            assert got is not None and abs(got - want) <= 1e-6 * abs(want), (rank, w, got, want)
+
+
+def test_num_items_that_is_no_real_number_is_refused_on_every_rank(tmp_path):
+    """Complex num_items: a TypeError naming the call (before, float()'s bare
+    text). A meta tensor at the closing micro-step on one rank: refused, and
+    the other rank is told, no wait (before, .item()'s RuntimeError left the
+    other rank in the reduction)."""
+    model = torch.nn.Linear(3, 1).double()
+    acc = gradaccum.Accumulator(model, None, steps=2, reduction="items", process_group=False)
+    loss = model(torch.ones(2, 3, dtype=torch.float64)).sum()
+    with pytest.raises(TypeError, match=r"^gradaccum: acc.backward\(\): num_items must be a real count of items, "
+                                        r"got a torch.complex64 tensor$"):
+        acc.backward(loss, num_items=torch.tensor(1 + 0j))
+    assert acc.micro_step == 0
+    results = run("unreadable_num_items", 2, tmp_path)
+    own, told = results[1]["error"], results[0]["error"]
+    assert own.startswith("ValueError: gradaccum: acc.backward(): num_items could not be read as a number: "), own
+    assert "refused the micro-batch that closes the window" in own and "refused the micro-batch" in told, told
+    for res in results:
+        assert not res["ready"] and res["micro_step"] == 0
