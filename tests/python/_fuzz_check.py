@@ -8,9 +8,19 @@ def _close(a, b, tol):
     return abs(a - b) <= tol * max(1.0, abs(b))
 
 
-def check(sched, results, tol=1e-12):
+FP16_TOL = 5e-4  # (the worst seen: 9.5e-5, 29 schedules of seeds 0-159)
+
+
+def tolerance(sched):
+    """Relative error allowed on parameters and window losses: float64
+    arithmetic in another order, or an fp16 wire's rounding of each window."""
+    return FP16_TOL if sched.get("wire") == "float16" else 1e-12
+
+
+def check(sched, results, tol=None):
     """Problems (strings) between the ranks' results and the model; [] when all agree."""
     model = fm.expect(sched)
+    tol = tolerance(sched) if tol is None else tol
     problems = []
     for r, res in enumerate(results):
         if res is None:
@@ -51,7 +61,7 @@ def check(sched, results, tol=1e-12):
                     wl, want = g[2], x[2]
                     if want is None and wl is not None:
                         problems.append(f"rank {r} {key}: window_loss {wl!r}, expected None "
-                                        "(a window cut by a checkpoint)")
+                                        "(a window cut by a checkpoint, or an fp16 wire)")
                     elif want is not None and (wl is None or not _close(wl, want, tol)):
                         problems.append(f"rank {r} {key}: window_loss {wl!r}, expected {want!r}")
         for e, (got_p, want_p) in enumerate(zip(res["trace"], model.trace)):

@@ -7,6 +7,7 @@ import random
 from _fuzz_model import InvalidSchedule, expect
 
 RESIZE_P = 0.12  # schedules that restart on another number of ranks
+WIRE_P = 0.2  # of the others, schedules with an fp16 wire (comm_dtype)
 
 
 def _specs(rng, count, reduction, boom_p, closing=None):
@@ -125,6 +126,8 @@ def _try_generate(rng, seed):
     sched["epochs"] = _epochs(rng, sched, W, K, 0)[0]
     if rng.random() < 0.05:  # drawn last: the other draws stay as they were
         sched["launch"] = "no_group"
+    if rng.random() < WIRE_P:  # (after those: the same)
+        sched["wire"] = "float16"
     return sched
 
 
@@ -148,7 +151,7 @@ def size(sched):
             + sum(s != "ok" for ep in eps for x in ep["micros"] for s in x)
             + (sched["net"] == "mlp") + (sched["momentum"] != 0)
             + (sched.get("buckets") == "many") + bool(sched.get("as_view"))
-            + (sched.get("max_grad_norm") is not None))
+            + (sched.get("max_grad_norm") is not None) + bool(sched.get("wire")))
 
 
 def _copy(sched):
@@ -229,7 +232,7 @@ def shrink_candidates(sched):
             ep["events"] = [ev for ev in ep["events"] if ev[2] != 2]
         cands.append(c)
     for key, small in (("net", "linear"), ("momentum", 0.0), ("buckets", "one"), ("as_view", False),
-                       ("max_grad_norm", None)):
+                       ("max_grad_norm", None), ("wire", None)):
         if sched.get(key, small) != small:
             c = _copy(sched)
             c[key] = small

@@ -49,6 +49,7 @@ class _Run:
         self.acc = gradaccum.Accumulator(self.net, self.opt, steps=s["steps"], reduction=s["reduction"],
                                          nonfinite=s["nonfinite"], max_grad_norm=s.get("max_grad_norm"),
                                          gradient_as_bucket_view=bool(s.get("as_view")),
+                                         comm_dtype=getattr(torch, s["wire"]) if s.get("wire") else None,
                                          process_group=False if s["world"] == 1 else None, **caps)
 
     def backward(self, e, t, spec):

@@ -10,6 +10,7 @@ A schedule is a plain dict (JSON-able, so a failing one pastes into a test):
 
     {"seed", "world", "steps", "reduction", "nonfinite", "net", "momentum",
      "buckets": "one" | "many", "as_view": bool (options that change no arithmetic),
+     "wire": "float16" (comm_dtype; absent: the parameters' float64),
      "epochs": [{"end": "flush" | "join" | "none" | "manual",
                  "micros": [[spec, ...] per rank],
                  "closes": [[t, ...] per rank] ("manual" only),
@@ -41,6 +42,14 @@ schedule with "resize" restarts on another number of ranks: _fuzz_resize.py.
 Observation keys (one namespace per rank; checked in _fuzz_check.py): "b/e/t" backward, "s/e/t" step,
 "f/e" flush, "x/e/t" a mid-epoch flush, "j/e" leaving join, "c/e/t" state_dict, "l/e/t" the resume,
 "r/e/t" refresh_parameters().
+
+An fp16 wire ("wire") rounds each window's gradient once (its arithmetic is
+judged to fp16's precision, _fuzz_check.tolerance), carries no window loss
+(README: `window_loss` is None on a bf16/fp16 wire) and refuses a
+rank-independent `acc.state_dict()` in the middle of a window on every rank,
+changing nothing (docs/checkpoints.md). (Its windows stay within 12 times
+of the weight the wire is scaled for, world * steps at most 3 * 4: none is
+light enough to be sent twice, which test_mixed_precision.py tests.)
 """
 import math
 
@@ -204,7 +213,7 @@ class Model:
         self._sgd(grad)
         self.optimizer_steps += 1
         loss = sum(w.loss for w in wins) / div
-        return True, (None if any(w.cut for w in wins) else loss)
+        return True, (None if any(w.cut for w in wins) or self.s.get("wire") else loss)
 
     def _reset(self):
         self.win = [_Window() for _ in range(self.W)]
@@ -346,7 +355,15 @@ class Model:
                 raise InvalidSchedule("a rank would wait in a reduction its peers never run")
             if "flush_now" in kinds and len(kinds) != 1:
                 raise InvalidSchedule("a mid-epoch flush() where the ranks are not at one point")
-            if "state_dict" in kinds:
+            if kinds <= {"state_dict", "checkpoint"} and self.s.get("wire"):
+                # a rank-independent state_dict() mid-window, refused with comm_dtype on each rank
+                # before any collective; the window goes on as it was
+                if len(kinds) != 1 or (kinds == {"checkpoint"} and len({p[1] for p in points}) != 1):
+                    raise InvalidSchedule("a checkpoint where the ranks are not at one point")
+                self.seen.add("mid-window state_dict() refused with comm_dtype")
+                for r, (_, t, _) in enumerate(points):
+                    self.exp[r][f"c/{e}/{t}"] = ("err", ["not supported with comm_dtype"], [], True)
+            elif "state_dict" in kinds:
                 if kinds != {"state_dict"}:
                     raise InvalidSchedule("a state_dict() some ranks call in another window")
                 culprits = self._culprits()

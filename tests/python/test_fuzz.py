@@ -5,7 +5,7 @@ Random schedules of ordinary calls across ranks (_fuzz_model.generate) run on
 real Gloo ranks (_fuzz_jobs.fuzz_schedules, many schedules per launch) and
 are held against the reference model written from the docs
 (_fuzz_model.Model): every call's return value or error (class and key words),
-the parameters after each epoch (1e-12 relative), window_loss, the final
+the parameters after each epoch (1e-12 relative; 5e-4 on an fp16 wire), window_loss, the final
 micro_step and optimizer steps; a hang past the deadline or a dead rank
 fails. Failures found become the regression tests at the end of this file.
 """
@@ -70,9 +70,12 @@ def test_the_generator_is_deterministic_and_the_checker_bites():
         _, all_of, any_of, prefixed = x
         return ["err", ["RuntimeError"], ("gradaccum: " if prefixed else "") + " ".join(all_of + any_of[:1])]
 
-    perfect = [{"obs": {k: observed(v) for k, v in model.exp[r].items()}, "trace": model.trace,
-                "micro_step": model.m, "window_ready": False, "optimizer_steps": model.optimizer_steps}
-               for r in range(sched["world"])]
+    def perfect_for(model):
+        return [{"obs": {k: observed(v) for k, v in model.exp[r].items()}, "trace": model.trace,
+                 "micro_step": model.m, "window_ready": False, "optimizer_steps": model.optimizer_steps}
+                for r in range(sched["world"])]
+
+    perfect = perfect_for(model)
     assert fc.check(sched, perfect) == []
     off = [dict(res) for res in perfect]
     off[1] = dict(off[1], trace=[[p + 1e-9 for p in ps] for ps in off[1]["trace"]])
@@ -81,6 +84,15 @@ def test_the_generator_is_deterministic_and_the_checker_bites():
     off[0] = dict(off[0], obs=dict(off[0]["obs"]))
     off[0]["obs"].popitem()
     assert fc.check(sched, off)
+    # an fp16 wire's tolerance: its rounding passes, an error 4 times larger does not
+    wire = dict(sched, wire="float16")
+    assert fc.check(wire, perfect)  # window losses where an fp16 wire has none
+    perfect = perfect_for(fm.expect(wire))
+    assert fc.check(wire, perfect) == []
+    for shift, fails in ((fc.FP16_TOL / 2, False), (fc.FP16_TOL * 4, True)):
+        off = [dict(res) for res in perfect]
+        off[1] = dict(off[1], trace=[[p + shift for p in ps] for ps in off[1]["trace"]])
+        assert any("parameters after epoch" in p for p in fc.check(wire, off)) == fails
 
 
 def test_shrink_candidates_are_smaller_and_valid():
@@ -101,7 +113,7 @@ MUST_SEE = ["manual window", "manual window dropped", "manual window of unequal 
             "restart on more ranks mid-window", "restart on fewer ranks mid-window (one process)",
             "restart on more ranks mid-window (one process)", "restart on fewer ranks at a boundary, another steps",
             "checkpoint mid-window", "join, shadowed", "window dropped (boom)", "flush meets closing ranks",
-            "empty micro-step", "an exception leaves join()"]
+            "empty micro-step", "an exception leaves join()", "mid-window state_dict() refused with comm_dtype"]
 
 
 def test_fuzz_fixed_seeds(tmp_path):
