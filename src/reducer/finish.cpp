@@ -257,28 +257,11 @@ void Reducer::State::resend_if_light(const detail::Verdict& verdict) {
       if (!light(bucket)) {
         continue;
       }
-      auto meta = detail::encode_header(request, config.rank, config.world, agreement_inputs(),
-                                        static_cast<int64_t>(b), buckets.modulus, bucket.params.size());
-      for (const auto slot : bucket.missing) {
-        meta[kMetaHeader + slot] = 0;
-      }
-      bucket.write_meta(meta);
+      bucket.write_meta(bucket_header(request, b));
       bucket.works.clear();
       resent.push_back(b);
-      std::vector<at::Tensor> tensors{bucket.wire};
-      bucket.works.push_back(config.group->allreduce(tensors));
-      if (bucket.encoding == MetaEncoding::kSeparate) {
-        std::vector<at::Tensor> meta_tensors{bucket.meta};
-        bucket.works.push_back(config.group->allreduce(meta_tensors));
-      }
-      const auto launches = static_cast<int64_t>(bucket.works.size());
-      stats.collectives += launches;
-      stats.last_window_collectives += launches;
-      stats.bytes_reduced += bucket.bytes();
-      stats.last_window_bytes += bucket.bytes();
-      // Note [The window's timeline]: the bucket completes with its second all-reduce.
+      allreduce_bucket(b); // Note [The window's timeline]: it completes with this one
       window.timeline.buckets[b].bytes += bucket.bytes();
-      stamp_completion(b);
     }
   } catch (const std::exception& e) {
     const auto local_error = detail::message_of(e);

@@ -119,11 +119,7 @@ void Reducer::State::launch_rest() {
 void Reducer::State::launch_bucket(size_t index) {
   auto& bucket = buckets.all[index];
   TORCH_INTERNAL_ASSERT(bucket.works.empty(), "gradaccum: bucket ", index, " launched twice in one reduction");
-  auto meta = detail::encode_header(window.request, config.rank, config.world, agreement_inputs(), static_cast<int64_t>(index),
-                                    buckets.modulus, bucket.params.size());
-  for (const auto slot : bucket.missing) {
-    meta[kMetaHeader + slot] = 0;
-  }
+  auto meta = bucket_header(window.request, index);
   if (bucket.compressed && window.entry != detail::Entry::Refresh) { // (a refresh sends zeros)
     detail::compress(bucket, bucket.prescaled ? window.expected_weight : 1.0, window.residual_carry,
                      window.residual_rescale);
@@ -142,6 +138,22 @@ void Reducer::State::launch_bucket(size_t index) {
     times.ready = times.launched; // completed at the end of backward
   }
   times.bytes = bucket.bytes();
+  allreduce_bucket(index);
+}
+
+std::vector<double> Reducer::State::bucket_header(const ReductionRequest& request, size_t index) const {
+  const auto& bucket = buckets.all[index];
+  auto meta = detail::encode_header(request, config.rank, config.world, agreement_inputs(),
+                                    static_cast<int64_t>(index), buckets.modulus, bucket.params.size());
+  for (const auto slot : bucket.missing) {
+    meta[kMetaHeader + slot] = 0;
+  }
+  return meta;
+}
+
+void Reducer::State::allreduce_bucket(size_t index) {
+  auto& bucket = buckets.all[index];
+  TORCH_INTERNAL_ASSERT(bucket.works.empty(), "gradaccum: bucket ", index, " is still on the wire");
   std::vector<at::Tensor> tensors{bucket.wire};
   bucket.works.push_back(config.group->allreduce(tensors));
   if (bucket.encoding == MetaEncoding::kSeparate) {

@@ -285,6 +285,12 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void launch_rest();
   void launch_bucket(size_t index);
   void stamp_completion(size_t index);
+  /// This rank's header for bucket `index` in the reduction `request` asks
+  /// for, its missing slots flagged (Note [Bucket meta layout]).
+  std::vector<double> bucket_header(const ReductionRequest& request, size_t index) const;
+  /// Launches the all-reduce(s) of what bucket `index`'s wire and meta hold
+  /// now, stamps their completion and counts them.
+  void allreduce_bucket(size_t index);
 
   // Finishing, as named phases (finish.cpp: Note [Finishing a reduction]).
   ReductionResult finish_reduction(std::vector<at::Tensor>* snapshot = nullptr);
