@@ -131,7 +131,7 @@ class Model:
         self.win = [_Window() for _ in range(self.W)]
         self.exp = [dict() for _ in range(self.W)]
         self.trace = []  # parameters at each epoch's end
-        self.seen = set()  # what the schedule exercised (coverage tags)
+        self.seen = {"fp16 wire"} if sched.get("wire") else set()  # what the schedule exercised (coverage tags)
 
     # ---- arithmetic ----------------------------------------------------- #
 

@@ -113,7 +113,8 @@ MUST_SEE = ["manual window", "manual window dropped", "manual window of unequal 
             "restart on more ranks mid-window", "restart on fewer ranks mid-window (one process)",
             "restart on more ranks mid-window (one process)", "restart on fewer ranks at a boundary, another steps",
             "checkpoint mid-window", "join, shadowed", "window dropped (boom)", "flush meets closing ranks",
-            "empty micro-step", "an exception leaves join()", "mid-window state_dict() refused with comm_dtype"]
+            "empty micro-step", "an exception leaves join()", "fp16 wire",
+            "mid-window state_dict() refused with comm_dtype"]
 
 
 def test_fuzz_fixed_seeds(tmp_path):
