@@ -277,7 +277,8 @@ class Accumulator {
   /// rides in the header] in src/accumulator/window_loss.cpp). From the
   /// window's closing backward (or flush) until the next window closes; none
   /// before the first, where every bucket's wire is bf16/fp16 (comm_dtype, or
-  /// only bf16/fp16 parameters without accumulate_dtype), for a window of
+  /// only bf16/fp16 parameters without accumulate_dtype) and carries its
+  /// header (up to 256 ranks for bf16, 2048 for fp16), for a window of
   /// weight 0, for the window a mid-window checkpoint cut, for a window
   /// dropped on every rank (window_items() is then 0), and after
   /// load_state_dict() or refresh_parameters() until a window closes. A copy:

@@ -3,15 +3,17 @@ loss on a wire that does not carry it.
 
 Note [A wire without the loss]
 A bf16/fp16 wire's header carries integers only, so data parallel
-``acc.window_loss`` is None there (Note [The window's loss rides in the
-header]). The HF Trainer and the Lightning strategy still log the window's
+``acc.window_loss`` is None where every bucket's is one (Note [The window's
+loss rides in the header]). The HF Trainer and the Lightning strategy still log the window's
 global loss: each rank keeps its loss sum over the window's micro-batches and,
 at the window's end, its share (that sum over the global ``window_items``, or
 the sum itself for ``"sum"``); the shares summed over ranks are the window's
 loss. Every rank reads the same ``window_loss`` and ``window_items`` (from the
 summed header), so every rank takes a share at the same windows and the
 all-reduce that sums them pairs. Where the wire does carry the loss, nothing
-is kept after the first window (no per-micro-batch work, no collective).
+is kept after the first window (no per-micro-batch work, no collective);
+should it stop carrying it (refresh_parameters() leaving only bf16/fp16
+buckets), that first window logs none, and the next ones their shares.
 """
 from typing import Any, Optional
 
@@ -52,6 +54,13 @@ class LossShare:
             return None
         if not acc.stats()["data_parallel"]:
             return None  # (one process always has its loss: a window a checkpoint cut)
+        if self._needed is False:
+            # The wire stopped carrying the loss (refresh_parameters() left
+            # only bf16/fp16 buckets): nothing was kept of this window, so it
+            # logs none, on every rank alike (the same answer everywhere); the
+            # next ones do.
+            self._needed = True
+            return None
         self._needed = True
         share = local.to(device) if local is not None else torch.zeros((), dtype=torch.float64, device=device)
         return share if reduction == "sum" else share / items

@@ -10,14 +10,15 @@ namespace gradaccum::detail {
 // With comm_dtype bf16/fp16 (Bucket::prescaled), each rank sends its gradient
 // sum divided by the expected global weight E, rounded to the wire's dtype,
 // so that the sum over ranks stays near the size of one gradient and fp16
-// does not overflow where float32 would not. E is world * steps (on the
-// manual path too, whose reductions weigh 1 per rank: its gradient may be a
-// sum of `steps` micro-steps' losses, as in torch DDP's no_sync example, so
-// it is scaled as one; a loss divided by `steps` travels that much smaller,
-// and is never re-sent, its weight saying nothing of its size), or for
+// does not overflow where float32 would not. E is world * steps, or for
 // reduction "items" the global weight of the last full window (no rank
-// flushing, not the manual path's; the same
-// on every rank: it comes from the summed meta); the first
+// flushing, not a manual one; the same on every rank: it comes from the
+// summed meta). The manual path (a plain loss.backward(): its reductions
+// weigh 1 per rank) always takes world * steps, for any reduction: its
+// gradient may be a sum of `steps` micro-steps' losses, as in torch DDP's
+// no_sync example, and is scaled as one; a loss divided by `steps` travels
+// that much smaller, never re-sent, its weight saying nothing of its size
+// (begin_reduction()). The first
 // "items" window of a run uses world * steps, so gradients far larger than
 // that (many items per micro-step, fp16) can overflow there once: the window
 // is then non-finite on every rank alike. Every rank must use the same E (a

@@ -257,7 +257,7 @@ void Reducer::State::resend_if_light(const detail::Verdict& verdict) {
       if (!light(bucket)) {
         continue;
       }
-      bucket.write_meta(bucket_header(request, b));
+      write_bucket_meta(bucket, bucket_header(request, b)); // (the loss too, where the header is not digits)
       bucket.works.clear();
       resent.push_back(b);
       allreduce_bucket(b); // Note [The window's timeline]: it completes with this one

@@ -41,8 +41,11 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
     bucket.works.clear();
   }
   window.next_launch = 0;
-  // See Note [Scaling before the sum]: the same value on every rank.
-  window.expected_weight = detail::expected_weight(config.rule, config.world, window.last_weight);
+  // See Note [Scaling before the sum]: the same value on every rank; the
+  // manual path's is world * steps whatever the windows' items were.
+  window.expected_weight = entry == detail::Entry::ManualBackward
+      ? static_cast<double>(config.world) * static_cast<double>(config.rule.steps)
+      : detail::expected_weight(config.rule, config.world, window.last_weight);
   window.resent_weight = 0;
   window.residual_carry = detail::residual_carry(request, window.residual_weight);
   // A weight the meta cannot carry drops the window on every rank (raising
@@ -124,13 +127,7 @@ void Reducer::State::launch_bucket(size_t index) {
     detail::compress(bucket, bucket.prescaled ? window.expected_weight : 1.0, window.residual_carry,
                      window.residual_rescale);
   }
-  bucket.write_meta(meta);
-  if (window.request.loss_sum.defined() && bucket.encoding != MetaEncoding::kDigits) {
-    // Note [The window's loss rides in the header]: device to device, the
-    // loss and then the metrics.
-    const auto sums = window.request.loss_sum.reshape({-1});
-    bucket.meta.narrow(0, kLoss, sums.numel()).copy_(sums);
-  }
+  write_bucket_meta(bucket, meta);
 
   auto& times = window.timeline.buckets[index];
   times.launched = window.elapsed();
@@ -149,6 +146,16 @@ std::vector<double> Reducer::State::bucket_header(const ReductionRequest& reques
     meta[kMetaHeader + slot] = 0;
   }
   return meta;
+}
+
+void Reducer::State::write_bucket_meta(Bucket& bucket, const std::vector<double>& header) {
+  bucket.write_meta(header);
+  if (window.request.loss_sum.defined() && bucket.encoding != MetaEncoding::kDigits) {
+    // Note [The window's loss rides in the header]: device to device, the
+    // loss and then the metrics.
+    const auto sums = window.request.loss_sum.reshape({-1});
+    bucket.meta.narrow(0, kLoss, sums.numel()).copy_(sums);
+  }
 }
 
 void Reducer::State::allreduce_bucket(size_t index) {

@@ -288,6 +288,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// This rank's header for bucket `index` in the reduction `request` asks
   /// for, its missing slots flagged (Note [Bucket meta layout]).
   std::vector<double> bucket_header(const ReductionRequest& request, size_t index) const;
+  /// Writes `header` into the bucket's meta, and the window's loss and
+  /// metrics where the meta is not digit-encoded.
+  void write_bucket_meta(Bucket& bucket, const std::vector<double>& header);
   /// Launches the all-reduce(s) of what bucket `index`'s wire and meta hold
   /// now, stamps their completion and counts them.
   void allreduce_bucket(size_t index);

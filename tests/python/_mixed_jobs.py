@@ -416,21 +416,28 @@ def light_fp16_window(rank, world_size, *, comm_dtype, steps, flush_after, reduc
 
 
 @job
-def manual_path_fp16(rank, world_size, *, steps, divided, acc_steps=None):
+def manual_path_fp16(rank, world_size, *, steps, divided, acc_steps=None, items_before=False):
     """The manual path (acc.no_sync() for all but the last micro-batch, then
     a plain loss.backward()) with an fp16 wire and `steps` set; each
     micro-batch's loss divided by `steps` (`divided`) or not, its gradient
     near 5000 then; the Accumulator built with `acc_steps` (default:
-    `steps`). Returns the reduced gradient, a float64 reference of it, and
-    the reduction's all-reduces."""
+    `steps`). `items_before`: reduction "items", after an acc.backward()
+    window of 4096 items per micro-batch. Returns the reduced gradient, a
+    float64 reference of it, and the reduction's all-reduces."""
     import gradaccum
 
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
     ref_model = nn.Linear(8, 4).double()
     ref_model.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
-    acc = gradaccum.Accumulator(model, None, steps=acc_steps or steps, comm_dtype=torch.float16)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0) if items_before else None,
+                                steps=acc_steps or steps, comm_dtype=torch.float16,
+                                reduction="items" if items_before else "mean")
     g = torch.Generator().manual_seed(10 + rank)
+    if items_before:
+        for _ in range(acc_steps or steps):
+            acc.backward(model(torch.randn(4, 8, generator=g)).pow(2).sum() * 1e-3, num_items=4096)
+        assert acc.step()
     batches = torch.stack([torch.randn(4, 8, generator=g) for _ in range(steps)])
     scale = 1e-3 / steps if divided else 3e4
 

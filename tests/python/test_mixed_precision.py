@@ -550,8 +550,10 @@ def test_a_window_far_lighter_than_the_fp16_scale_is_sent_again(tmp_path, comm_d
 
 
 
-@pytest.mark.parametrize("divided,acc_steps", [(False, 16), (True, 16), (True, 1)])
-def test_the_manual_path_scales_an_fp16_wire_as_a_summed_loss_and_never_resends(tmp_path, divided, acc_steps):
+@pytest.mark.parametrize("divided,acc_steps,items_before", [(False, 16, False), (True, 16, False), (True, 1, False),
+                                                        (True, 16, True)])
+def test_the_manual_path_scales_an_fp16_wire_as_a_summed_loss_and_never_resends(tmp_path, divided, acc_steps,
+                                                                                items_before):
     """A plain loss.backward()'s reduction is scaled for world * steps, as
     for a loss summed over the window's micro-steps (torch DDP's no_sync
     example): 16 micro-steps of gradients near 5000 (a local sum past fp16's
@@ -560,9 +562,11 @@ def test_the_manual_path_scales_an_fp16_wire_as_a_summed_loss_and_never_resends(
     again at that weight, the summed one would overflow. A loss divided by
     `steps` travels 16 times smaller and loses up to 4 bits (5.2e-3 here);
     built with steps=1, the Accumulator scales for world alone: fp16's
-    rounding."""
+    rounding. With "items", after a window of 4096 items per micro-batch,
+    still world * steps: scaled for that window's weight instead, the
+    manual reduction arrived as zeros."""
     results = du.run_job("manual_path_fp16", 2, tmp_path, module="_mixed_jobs", steps=16, divided=divided,
-                         acc_steps=acc_steps)
+                         acc_steps=acc_steps, items_before=items_before)
     for rank, res in enumerate(results):
         assert res["collectives"] == res["buckets"] == 1, (rank, res["collectives"])
         assert divided or res["local"] > 65504, res["local"]
