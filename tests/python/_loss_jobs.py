@@ -304,3 +304,54 @@ def unreadable_num_items(rank, world_size):
     out = {"error": error, "ready": acc.window_ready, "micro_step": acc.micro_step}
     acc.close()
     return out
+
+
+@job
+def loss_share_across_refresh(rank, world_size):
+    """The Lightning strategy's LossShare (Note [A wire without the loss])
+    over a float32 layer and a bf16 one, the float32 one frozen by
+    refresh_parameters() for three windows and unfrozen again: per window,
+    window_loss, whether take() gave a share, the shares summed over ranks
+    (as the strategy sums them) and the float64 window loss."""
+    import torch
+    import torch.distributed as dist
+    import gradaccum
+    from gradaccum._loss_share import LossShare
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1).to(torch.bfloat16)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = a, b
+
+        def forward(self, x):
+            return self.b(self.a(x).to(torch.bfloat16)).float()
+
+    model = Net()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.0), steps=2)
+    share, g, rows, trained = LossShare(), torch.Generator().manual_seed(1 + rank), [], True
+    for both in (True, True, False, False, False, True):
+        if both != trained:
+            a.requires_grad_(both)
+            acc.refresh_parameters()
+            trained = both
+        local = torch.zeros((), dtype=torch.float64)
+        for _ in range(2):
+            loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
+            acc.backward(loss)
+            share.add(loss, False)
+            local += loss.detach().double()
+        acc.step()
+        mine = share.take(acc, "mean", "cpu")
+        summed = None
+        if mine is not None:
+            summed = mine.clone()
+            dist.all_reduce(summed)
+            summed = float(summed)
+        dist.all_reduce(local)
+        wl = acc.window_loss
+        rows.append((None if wl is None else float(wl), summed, float(local) / acc.window_items))
+    acc.close()
+    return rows

@@ -289,3 +289,20 @@ def test_num_items_that_is_no_real_number_is_refused_on_every_rank(tmp_path):
     assert "refused the micro-batch that closes the window" in own and "refused the micro-batch" in told, told
     for res in results:
         assert not res["ready"] and res["micro_step"] == 0
+
+
+def test_the_loss_share_follows_a_wire_that_stops_carrying_the_loss(tmp_path):
+    """Note [A wire without the loss]: while a float32 bucket carries the
+    loss, no share is taken; once refresh_parameters() leaves only the bf16
+    bucket, the first such window logs nothing on every rank (no share was
+    kept: before, a share of 0), the next ones the window's loss as a sum of
+    shares; unfrozen again, the header carries it."""
+    results = run("loss_share_across_refresh", 2, tmp_path)
+    assert results[0] == results[1]
+    for w, (loss, summed, want) in enumerate(results[0]):
+        if w in (0, 1, 5):
+            assert summed is None and abs(loss - want) <= 1e-6 * abs(want), (w, loss, want)
+        elif w == 2:
+            assert loss is None and summed is None, w
+        else:
+            assert loss is None and abs(summed - want) <= 1e-12 * abs(want), (w, summed, want)
