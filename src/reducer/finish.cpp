@@ -13,7 +13,6 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
-#include <cmath>
 #include <exception>
 #include <iomanip>
 #include <numeric>
