@@ -516,7 +516,9 @@ class Accumulator:
         (per parameter, when its hook ran; -1 if not), ``buckets`` (per
         bucket in launch order: ``bytes``, ``ready``, ``launched``,
         ``completed``, ``written`` (back to ``.grad``); -1 if unknown or
-        not done), ``backward_end`` and ``finished``, and
+        not done; a bucket an fp16 wire sent twice, its first launch to its
+        second completion, both sends' bytes), ``backward_end`` and
+        ``finished``, and
         ``origin``: the beginning on the system clock (seconds since the Unix
         epoch). Empty lists and -1 without a process group. As a Chrome
         trace: ``window_trace()``."""

@@ -186,8 +186,11 @@ void Reducer::State::allreduce_bucket(size_t index) {
 // threads, so a stamp may land after wait() returned (Reducer::last_timeline()
 // reads them later). NCCL marks its future complete once the work is queued on
 // the stream, which says nothing of when it ran: CUDA buckets get no
-// completion time (-1). Benchmarks derive the schedule bound from it
-// (benchmarks/bench_net.py); stats() stays counters.
+// completion time (-1). A bucket sent twice (Note [Re-sending a light
+// window]) keeps its first launch and takes the second all-reduce's
+// completion, its bytes both sends': one span in a trace. Benchmarks derive
+// the schedule bound from it (benchmarks/bench_net.py); stats() stays
+// counters.
 void Reducer::State::stamp_completion(size_t index) {
   auto& bucket = buckets.all[index];
   if (bucket.wire.is_cuda()) {
