@@ -21,9 +21,19 @@ namespace gradaccum::detail {
 
 namespace {
 
-// Signature of one parameter for the cross-rank check: dtype, dim, sizes.
+// Signature of one parameter for the cross-rank check: dtype, dim, the first
+// kMaxCheckedDims sizes (what an error shows), then every size folded into
+// one number (a parameter of more dims differs past them too).
 constexpr int64_t kMaxCheckedDims = 8;
-constexpr int64_t kSignatureWidth = 2 + kMaxCheckedDims;
+constexpr int64_t kSignatureWidth = 3 + kMaxCheckedDims;
+
+int64_t sizes_hash(at::IntArrayRef sizes) {
+  uint64_t h = 1469598103934665603ULL; // FNV-1a over the sizes, kept positive (-1 marks None)
+  for (const auto size : sizes) {
+    h = (h ^ static_cast<uint64_t>(size)) * 1099511628211ULL;
+  }
+  return static_cast<int64_t>(h >> 1);
+}
 
 std::string describe(const at::Tensor& row) {
   std::ostringstream out;
@@ -33,7 +43,7 @@ std::string describe(const at::Tensor& row) {
   for (int64_t d = 0; d < std::min(dim, kMaxCheckedDims); ++d) {
     out << (d ? ", " : "") << row[2 + d].item<int64_t>();
   }
-  out << (dim > kMaxCheckedDims ? ", ...]" : "]");
+  out << (dim > kMaxCheckedDims ? ", ...] (" + std::to_string(dim) + " dims)" : "]");
   return out.str();
 }
 
@@ -136,6 +146,7 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
     for (int64_t d = 0; d < std::min<int64_t>(t.dim(), kMaxCheckedDims); ++d) {
       rows[i][2 + d] = t.size(d);
     }
+    rows[i][2 + kMaxCheckedDims] = sizes_hash(t.sizes());
   }
   const auto all = allgather(*config.group, signature.to(device));
   const auto reference = all[0].cpu();
@@ -148,9 +159,11 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
                               : "buffer " + std::to_string(i - n) + " (of " + std::to_string(b) +
               ", in the module's buffers() order)";
       const auto shown = [&](const at::Tensor& row) { return row[0].item<int64_t>() < 0 ? "None" : describe(row); };
+      const auto there = shown(theirs[i]);
+      const auto here = shown(reference[i]);
       TORCH_CHECK_VALUE(false,
-          "gradaccum: Accumulator(): the model differs across ranks: ", what, " is ",
-          shown(theirs[i]), " on rank ", r, " but ", shown(reference[i]), " on rank 0",
+          "gradaccum: Accumulator(): the model differs across ranks: ", what, " is ", there, " on rank ", r,
+          " but ", here, " on rank 0", there == here ? " (they differ past the first 8 sizes)" : "",
           i < n ? "" : ". Rank 0's buffers are broadcast into every rank's (as torch DDP does): every rank must "
           "hold the same ones");
     }

@@ -327,7 +327,14 @@ def _resolve_group(process_group: Any) -> "tuple[Any, bool]":
         if process_group is None:
             _check_launch_has_group()
     if process_group is False:
-        process_group = None
+        return None, True
+    if process_group is not None:
+        import torch.distributed as dist
+
+        # (what the C++ side takes: a ProcessGroup, or an object naming one)
+        if not isinstance(process_group, dist.ProcessGroup) and not hasattr(process_group, "group_name"):
+            raise TypeError("gradaccum: Accumulator(): process_group must be a torch.distributed.ProcessGroup, "
+                            f"None (the default group) or False (local-only), got {type(process_group)}")
     return process_group, process_group is None
 
 

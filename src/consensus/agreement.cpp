@@ -41,8 +41,9 @@ const std::vector<Agreement>& agreements() {
        "when built, the same on every rank and none shared by two alive; refresh_parameters() gives a new one)", Shown::Number, [](const I& in) { return static_cast<double>(in.instance); },
        false, kInstance, true,
        "Several Accumulators over one process group pair their collectives in launch order: every rank must "
-       "run their windows in the same order, with the same number of micro-batches for each (equal shards); "
-       "docs/design.md, Limits"},
+       "build them in the same order (built in another order, each was numbered, and had its parameters "
+       "broadcast from rank 0's, as another one), and run their windows in the same order, with the same "
+       "number of micro-batches for each (equal shards); docs/design.md, Limits"},
       {"steps", Shown::Number, [](const I& in) { return static_cast<double>(in.rule.steps); },
        true, kSteps, true, nullptr},
       {"reduction", Shown::Reduction,

@@ -67,13 +67,42 @@ Reducer::State::State(detail::ReducerConfig config_)
   stats.buckets = static_cast<int64_t>(buckets.all.size());
 }
 
+namespace {
+
+// Note [A peer that never builds]
+// The construction's collectives (the agreement to build, the ranks' checks,
+// the failure flag, the broadcasts of parameters and buffers) pair with the
+// other ranks' constructors. A peer that never builds (it raised before, say
+// in its model's forward, exited, or ran another collective first) cannot be
+// told apart from a slow one: the wait ends with the group's timeout or the
+// peer's closed connection, as any collective's. This says so, once, around
+// the transport's own text; the library's own errors pass as they are.
+[[noreturn]] void rethrow_construction_failure(int rank) {
+  try {
+    throw;
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const std::exception& e) {
+    const auto text = detail::message_of(e);
+    if (text.rfind("gradaccum: ", 0) == 0) {
+      throw;
+    }
+    TORCH_CHECK(false, "gradaccum: Accumulator(): rank ", rank, ": a collective of the construction failed. "
+        "Likely cause: a peer process did not build its Accumulator (it raised before, e.g. in its model's "
+        "forward, or exited) or ran another collective first; every rank must build it at the same point. "
+        "The original error: ", text);
+  }
+}
+
+} // namespace
+
 Reducer::Reducer(
     std::vector<at::Tensor> params,
     c10::intrusive_ptr<c10d::ProcessGroup> group,
     ReducerOptions options,
     std::vector<at::Tensor> buffers,
     std::vector<std::string> names,
-    WindowRule rule) {
+    WindowRule rule) try {
   // Note [Construction refused on one rank]: what this rank refuses is told
   // to every rank by the first collective, before any other.
   TORCH_CHECK_VALUE(group, "gradaccum: Reducer(): process_group is null");
@@ -138,6 +167,8 @@ Reducer::Reducer(
     detail::point_grads_at_views(s.buckets.all, s.config.params, /*undefined_too=*/true);
   }
   s.add_hooks();
+} catch (...) {
+  rethrow_construction_failure(group ? group->getRank() : -1); // Note [A peer that never builds]
 }
 
 Reducer::~Reducer() {

@@ -40,6 +40,8 @@ def refusing_kwargs(case, rank, refusers):
             "cpp_options": {"steps": 0},
             "python_type": {"metrics": 5},
             "check_parameters": {"check_parameters": False},
+            "group_true": {"process_group": True},
+            "group_type": {"process_group": "world"},
             }.get(case, {})
 
 
@@ -121,3 +123,51 @@ def refused_refresh(rank, world_size):
     acc.refresh_parameters()
     out["params"] = train_window(rank, m, acc)
     return out
+
+
+@job
+def peer_never_builds(rank, world_size):
+    """Rank 1 raises before building (its model's forward) and leaves; rank 0
+    builds and meets the closed connection in the construction's first
+    collective: a prefixed error saying what likely happened."""
+    import gradaccum
+
+    if rank == 1:
+        return {"error": None}  # (exits: its process group goes with it)
+    try:
+        gradaccum.Accumulator(model(), None, steps=K)
+        return {"error": None}
+    except RuntimeError as e:
+        return {"error": str(e)}
+
+
+@job
+def many_dims(rank, world_size):
+    """A parameter of 10 dims whose last two sizes are swapped on rank 1 (the
+    same count of elements): refused on every rank at construction."""
+    import gradaccum
+
+    shape = (1,) * 8 + ((2, 3) if rank == 0 else (3, 2))
+    m = nn.ParameterList([nn.Parameter(torch.zeros(shape, dtype=torch.float64))])
+    try:
+        gradaccum.Accumulator(m, None, steps=K)
+        return {"error": None}
+    except ValueError as e:
+        return {"error": str(e)}
+
+
+@job
+def built_in_another_order(rank, world_size):
+    """Two Accumulators of the same structure, built A then B on rank 0 and
+    B then A on rank 1: the first window says to build them in the same
+    order, on every rank."""
+    import gradaccum
+
+    a, b = model(), model()
+    order = (a, b) if rank == 0 else (b, a)
+    accs = {id(m): gradaccum.Accumulator(m, None, steps=1) for m in order}
+    try:
+        accs[id(a)].backward(a(batch(rank, 0)).pow(2).mean())
+        return {"error": None}
+    except RuntimeError as e:
+        return {"error": str(e)}

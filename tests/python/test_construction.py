@@ -55,6 +55,11 @@ CASES = {
                       "with Accelerate, do not prepare the model) before building the Accumulator: gradaccum does "
                       "the data-parallel reduction"),
     "frozen": ("ValueError", "gradaccum: Accumulator(): the model has no trainable parameters (none requires grad)"),
+    # refused before the C++ side: before, the other rank waited until the group's timeout
+    "group_true": ("TypeError", "gradaccum: Accumulator(): process_group must be a ProcessGroup, None (the default "
+                   "group) or False (local-only), got True"),
+    "group_type": ("TypeError", "gradaccum: Accumulator(): process_group must be a torch.distributed.ProcessGroup, "
+                   "None (the default group) or False (local-only), got <class 'str'>"),
     "cpp_value": ("ValueError", "gradaccum: Accumulator(): parameter 0 is not a leaf tensor; pass the model's "
                   "parameters"),
     "outside_optimizer": ("ValueError", "gradaccum: Accumulator(): the optimizer steps a parameter that is not the "
@@ -116,3 +121,36 @@ def test_a_refresh_one_rank_cannot_claim_raises_on_every_rank(tmp_path):
     for res in results:
         for got, p in zip(res["params"], m.parameters()):
             torch.testing.assert_close(got, p.detach() - 0.5 * p.grad, rtol=0, atol=1e-15)
+
+
+def test_a_peer_that_never_builds_is_a_prefixed_error(tmp_path):
+    """Note [A peer that never builds]: rank 1 leaves before building; rank
+    0's construction fails in its first collective with the library's
+    prefix and the likely cause around the transport's text (before: Gloo's
+    bare text)."""
+    results = du.run_job("peer_never_builds", 2, tmp_path, module=M, timeout=90, pg_timeout=PG_TIMEOUT)
+    error = results[0]["error"]
+    assert error is not None and error.startswith(
+        "gradaccum: Accumulator(): rank 0: a collective of the construction failed. Likely cause: a peer process "
+        "did not build its Accumulator (it raised before, e.g. in its model's forward, or exited) or ran another "
+        "collective first; every rank must build it at the same point. The original error: "), error
+
+
+def test_shapes_are_compared_past_eight_dims(tmp_path):
+    """A 10-dim parameter whose last sizes differ across ranks (the same
+    element count): before, only the first 8 sizes were compared, and the
+    ranks trained silently on differently shaped weights."""
+    results = du.run_job("many_dims", 2, tmp_path, module=M, timeout=90, pg_timeout=PG_TIMEOUT)
+    for res in results:
+        assert res["error"] == (
+            "gradaccum: Accumulator(): the model differs across ranks: 0 is Double [1, 1, 1, 1, 1, 1, 1, 1, ...] "
+            "(10 dims) on rank 1 but Double [1, 1, 1, 1, 1, 1, 1, 1, ...] (10 dims) on rank 0 (they differ past "
+            "the first 8 sizes)"), res["error"]
+
+
+def test_accumulators_built_in_another_order_are_told_so(tmp_path):
+    """The first window of two Accumulators built in different orders on
+    different ranks is dropped on every rank, saying to build them in the
+    same order (before, it said only to run their windows in one)."""
+    for res in du.run_job("built_in_another_order", 2, tmp_path, module=M, timeout=90, pg_timeout=PG_TIMEOUT):
+        assert "every rank must build them in the same order" in res["error"], res["error"]
