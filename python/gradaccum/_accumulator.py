@@ -8,7 +8,7 @@ import torch
 from gradaccum import _C, _run, _scaler_window
 from gradaccum._lifetime import _LIVE, _optimizer_parameters, _optimizer_step
 from gradaccum._checkpoint import load_state, save_state
-from gradaccum._refusal import _refuse_before_building, _refuse_construction
+from gradaccum._refusal import _refuse_construction
 from gradaccum import trace as _trace
 
 from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list, the adapters read it here)
@@ -126,11 +126,10 @@ class Accumulator:
         metrics = tuple(metrics) if isinstance(metrics, (list, tuple)) else metrics
         # A default group that appears after construction: backward() raises.
         self._watch_for_group = process_group is None and not _dist_initialized()
-        try:
-            process_group, local_only = _resolve_group(process_group)
-        except TypeError as error:  # one rank's bad value: the others wait in the default group's construction
-            _refuse_before_building(None, error, model)
-            raise
+        # (raised here alone: which group the other ranks build over is not
+        # known here, and a guess that runs a collective they never join
+        # would hang this rank and break that group)
+        process_group, local_only = _resolve_group(process_group)
         params: Optional[List[torch.Tensor]] = None
         try:
             _check_options(steps, reduction, nonfinite, max_grad_norm, optimizer, scheduler,

@@ -70,14 +70,14 @@ Reducer::State::State(detail::ReducerConfig config_)
 namespace {
 
 // Note [A peer that never builds]
-// The construction's collectives (the agreement to build, the ranks' checks,
-// the failure flag, the broadcasts of parameters and buffers) pair with the
+// The construction's first collective (agree_to_build()) pairs with the
 // other ranks' constructors. A peer that never builds (it raised before, say
 // in its model's forward, exited, or ran another collective first) cannot be
 // told apart from a slow one: the wait ends with the group's timeout or the
-// peer's closed connection, as any collective's. This says so, once, around
-// the transport's own text; the library's own errors pass as they are.
-[[noreturn]] void rethrow_construction_failure(int rank) {
+// peer's closed connection. A transport error there says so, around its own
+// text, keeping its kind (DistBackendError); the refusals agree_to_build()
+// raises itself are the library's, and pass as they are.
+[[noreturn]] void rethrow_first_collective_failure(int rank) {
   try {
     throw;
   } catch (const c10::OutOfMemoryError&) {
@@ -87,10 +87,12 @@ namespace {
     if (text.rfind("gradaccum: ", 0) == 0) {
       throw;
     }
-    TORCH_CHECK(false, "gradaccum: Accumulator(): rank ", rank, ": a collective of the construction failed. "
-        "Likely cause: a peer process did not build its Accumulator (it raised before, e.g. in its model's "
-        "forward, or exited) or ran another collective first; every rank must build it at the same point. "
-        "The original error: ", text);
+    const auto message = c10::str("gradaccum: Accumulator(): rank ", rank, " (in the group): the construction's "
+        "first collective failed. Likely cause: a peer process did not build its Accumulator (it raised before, "
+        "e.g. in its model's forward, or exited) or ran another collective first; every rank must build it at "
+        "the same point. The original error: ", text);
+    TORCH_CHECK_WITH(DistBackendError, dynamic_cast<const c10::DistBackendError*>(&e) == nullptr, message);
+    TORCH_CHECK(false, message);
   }
 }
 
@@ -102,7 +104,7 @@ Reducer::Reducer(
     ReducerOptions options,
     std::vector<at::Tensor> buffers,
     std::vector<std::string> names,
-    WindowRule rule) try {
+    WindowRule rule) {
   // Note [Construction refused on one rank]: what this rank refuses is told
   // to every rank by the first collective, before any other.
   TORCH_CHECK_VALUE(group, "gradaccum: Reducer(): process_group is null");
@@ -116,8 +118,12 @@ Reducer::Reducer(
     detail::tell_construction_refused(*group, params_device);
     throw;
   }
-  built->instance =
-      detail::agree_to_build(*group, built->metadata_device(), {}, options.check_parameters(), "Accumulator()");
+  try {
+    built->instance =
+        detail::agree_to_build(*group, built->metadata_device(), {}, options.check_parameters(), "Accumulator()");
+  } catch (...) {
+    rethrow_first_collective_failure(group->getRank()); // Note [A peer that never builds]
+  }
   auto config = std::move(*built);
   // Before any bucket is allocated; a collective with check_parameters.
   if (config.options.check_parameters()) {
@@ -167,8 +173,6 @@ Reducer::Reducer(
     detail::point_grads_at_views(s.buckets.all, s.config.params, /*undefined_too=*/true);
   }
   s.add_hooks();
-} catch (...) {
-  rethrow_construction_failure(group ? group->getRank() : -1); // Note [A peer that never builds]
 }
 
 Reducer::~Reducer() {

@@ -40,8 +40,6 @@ def refusing_kwargs(case, rank, refusers):
             "cpp_options": {"steps": 0},
             "python_type": {"metrics": 5},
             "check_parameters": {"check_parameters": False},
-            "group_true": {"process_group": True},
-            "group_type": {"process_group": "world"},
             }.get(case, {})
 
 

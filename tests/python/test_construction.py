@@ -55,11 +55,6 @@ CASES = {
                       "with Accelerate, do not prepare the model) before building the Accumulator: gradaccum does "
                       "the data-parallel reduction"),
     "frozen": ("ValueError", "gradaccum: Accumulator(): the model has no trainable parameters (none requires grad)"),
-    # refused before the C++ side: before, the other rank waited until the group's timeout
-    "group_true": ("TypeError", "gradaccum: Accumulator(): process_group must be a ProcessGroup, None (the default "
-                   "group) or False (local-only), got True"),
-    "group_type": ("TypeError", "gradaccum: Accumulator(): process_group must be a torch.distributed.ProcessGroup, "
-                   "None (the default group) or False (local-only), got <class 'str'>"),
     "cpp_value": ("ValueError", "gradaccum: Accumulator(): parameter 0 is not a leaf tensor; pass the model's "
                   "parameters"),
     "outside_optimizer": ("ValueError", "gradaccum: Accumulator(): the optimizer steps a parameter that is not the "
@@ -131,9 +126,10 @@ def test_a_peer_that_never_builds_is_a_prefixed_error(tmp_path):
     results = du.run_job("peer_never_builds", 2, tmp_path, module=M, timeout=90, pg_timeout=PG_TIMEOUT)
     error = results[0]["error"]
     assert error is not None and error.startswith(
-        "gradaccum: Accumulator(): rank 0: a collective of the construction failed. Likely cause: a peer process "
-        "did not build its Accumulator (it raised before, e.g. in its model's forward, or exited) or ran another "
-        "collective first; every rank must build it at the same point. The original error: "), error
+        "gradaccum: Accumulator(): rank 0 (in the group): the construction's first collective failed. Likely "
+        "cause: a peer process did not build its Accumulator (it raised before, e.g. in its model's forward, or "
+        "exited) or ran another collective first; every rank must build it at the same point. The original "
+        "error: "), error
 
 
 def test_shapes_are_compared_past_eight_dims(tmp_path):
