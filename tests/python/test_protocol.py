@@ -404,9 +404,10 @@ def test_two_accumulators_whose_windows_cross_raise_on_every_rank(tmp_path, shor
             "number each Accumulator over this process group gets when built, the same on every rank and none "
             "shared by two alive; refresh_parameters() gives a new one): this rank (rank "
             f"{rank}) has {mine}, rank {1 - rank} has {theirs}. Several Accumulators over "
-            "one process group pair their collectives in launch order: every rank must run their windows in the "
-            "same order, with the same number of micro-batches for each (equal shards); docs/design.md, Limits. "
-            "The window was dropped on every rank"), text
+            "one process group pair their collectives in launch order: every rank must build them in the same "
+            "order (built in another order, each was numbered, and had its parameters broadcast from rank 0's, as "
+            "another one), and run their windows in the same order, with the same number of micro-batches for each "
+            "(equal shards); docs/design.md, Limits. The window was dropped on every rank"), text
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
