@@ -43,9 +43,9 @@
 // collectives pair by the same rule, so each runs on every rank at the same
 // point, whatever fails locally: the checks at construction
 // (check_ranks_match), the second all-reduce of a light window's fp16
-// buckets after every rank's verdict (Note [Re-sending a light window]), the
-// buffers' broadcast and the rebuild's broadcast and allgather after a window
-// every rank reduced (finish.cpp).
+// buckets after every rank's verdict (Note [Re-sending a light window];
+// resend.cpp), the buffers' broadcast and the rebuild's broadcast and
+// allgather after a window every rank reduced (finish.cpp).
 
 // Note [What a window number means]
 // Window::sequence counts the reductions this rank completed, dropped ones and
@@ -315,7 +315,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   ReductionResult complete_snapshot(detail::Reduced reduced, const std::vector<at::Tensor>& saved,
                                     std::vector<at::Tensor>& sums);
   ReductionResult complete_window(detail::Reduced reduced);
-  /// Note [Re-sending a light window]: after an agreed verdict.
+  /// Note [Re-sending a light window]: after an agreed verdict (resend.cpp).
   void resend_if_light(const detail::Verdict& verdict);
   /// The scale a compressed bucket's wire was sent at.
   double wire_scale(const Bucket& bucket) const;
