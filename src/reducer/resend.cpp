@@ -18,21 +18,28 @@
 
 namespace gradaccum {
 
+namespace {
+
+// The buckets a light window sends again: a prescaled fp16 wire (bf16 has
+// float32's range).
+bool sent_again_when_light(const Bucket& bucket) {
+  return bucket.prescaled && bucket.wire_gradients.scalar_type() == at::kHalf;
+}
+
+} // namespace
+
 double Reducer::State::wire_scale(const Bucket& bucket) const {
   if (!bucket.prescaled) {
     return 1.0;
   }
-  return window.resent_weight > 0 && bucket.wire_gradients.scalar_type() == at::kHalf ? window.resent_weight
-                                                                                      : window.expected_weight;
+  return window.resent_weight > 0 && sent_again_when_light(bucket) ? window.resent_weight : window.expected_weight;
 }
 
 void Reducer::State::resend_if_light(const detail::Verdict& verdict) {
   // See Note [Re-sending a light window]. Every input to this decision is
   // the same on every rank: the summed weight, E, and the buckets' dtypes.
   const double weight = verdict.global_weight;
-  const auto light = [](const Bucket& bucket) {
-    return bucket.prescaled && bucket.wire_gradients.scalar_type() == at::kHalf;
-  };
+  const auto light = sent_again_when_light;
   if (!(weight > 0) || window.expected_weight < detail::kLightWindow * weight ||
       std::none_of(buckets.all.begin(), buckets.all.end(), light)) {
     return;
