@@ -110,6 +110,7 @@ struct LightRun {
   std::vector<at::Tensor> got; ///< each window's gradient, as the optimizer saw it
   std::vector<int> allreduces; ///< each window's all-reduces, counted by the group
   std::vector<int64_t> counted; ///< each window's, as stats() says
+  std::vector<bool> stepped; ///< what each window's step() or flush() returned
   at::Tensor held; ///< rank 0's residual after the first window
 };
 
@@ -140,11 +141,8 @@ LightRun light_run(int rank, const c10::intrusive_ptr<CountingGroup>& group, std
       }
       acc.backward(model->forward(x).pow(2).mean() * 1e-3);
     }
-    if (micro < kLightSteps) {
-      CHECK(acc.flush());
-    } else {
-      CHECK(acc.step());
-    }
+    // (checked on the main thread: Catch2's assertions are not thread-safe)
+    run.stepped.push_back(micro < kLightSteps ? acc.flush() : acc.step());
     run.allreduces.push_back(group->allreduces.load() - before);
     run.counted.push_back(acc.stats().reducer.last_window_collectives);
     if (feedback && run.held.numel() == 0) {
@@ -167,6 +165,9 @@ TEST_CASE("a window far lighter than its fp16 wire's scale is sent again at its 
     bf16[rank] = light_run(rank, group, at::kBFloat16, false);
   });
   for (int rank = 0; rank < world; ++rank) {
+    for (const auto* run : {&fp32[rank], &fp16[rank], &ef[rank], &bf16[rank]}) {
+      CHECK(run->stepped == std::vector<bool>{true, true, true});
+    }
     // One bucket: the light windows' second all-reduce, the full one's none.
     CHECK(fp16[rank].allreduces == std::vector<int>{2, 1, 2});
     CHECK(fp16[rank].counted == std::vector<int64_t>{2, 1, 2});
