@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterable
 import torch
 
 from gradaccum._accumulator import Accumulator
+from gradaccum._checks import _check_group_option
 
 
 def _adapter_options(what: str, options: Any, reserved: Iterable[str]) -> Dict[str, Any]:
@@ -30,6 +31,8 @@ def _adapter_options(what: str, options: Any, reserved: Iterable[str]) -> Dict[s
         if name not in known:
             raise ValueError(f"gradaccum: {what}: accumulator_options: {name!r} is not an Accumulator option "
                              f"(they are {', '.join(known)})")
+    # (before the adapter's first collective over it, not in Accumulator())
+    _check_group_option(what, options.get("process_group"))
     return dict(options)
 
 

@@ -308,33 +308,39 @@ def _check_layout_options(**options: Any) -> None:
             raise TypeError(f"gradaccum: Accumulator(): {name} must be a bool, got {value!r}")
 
 
-def _resolve_group(process_group: Any) -> "tuple[Any, bool]":
-    """(the group to reduce over or None, whether local-only): None means the
-    default group, or local-only when there is none (an error under a
-    multi-rank launch); False means local-only on purpose."""
+def _check_group_option(what: str, process_group: Any) -> None:
+    """A ``process_group`` option's type: a ProcessGroup (or an object naming
+    one), None or False; refused on this rank alone, before any collective
+    (the group's members pair none with it)."""
     if process_group is True:
-        raise TypeError("gradaccum: Accumulator(): process_group must be a ProcessGroup, None "
+        raise TypeError(f"gradaccum: {what}: process_group must be a ProcessGroup, None "
                         "(the default group) or False (local-only), got True")
     if _non_member(process_group):
         import torch.distributed as dist
 
-        # Only this rank raises: the group's members pair no collective with it.
-        raise ValueError(f"gradaccum: Accumulator(): this rank (global rank {dist.get_rank()}) is not a member of "
+        raise ValueError(f"gradaccum: {what}: this rank (global rank {dist.get_rank()}) is not a member of "
                          "process_group: torch.distributed.new_group() returns GroupMember.NON_GROUP_MEMBER on "
                          "the ranks it leaves out. Build the Accumulator on the group's ranks only")
+    if process_group is not None and process_group is not False:
+        import torch.distributed as dist
+
+        # (what the C++ side takes: a ProcessGroup, or an object naming one)
+        if not isinstance(process_group, dist.ProcessGroup) and not hasattr(process_group, "group_name"):
+            raise TypeError(f"gradaccum: {what}: process_group must be a torch.distributed.ProcessGroup, "
+                            f"None (the default group) or False (local-only), got {type(process_group)}")
+
+
+def _resolve_group(process_group: Any) -> "tuple[Any, bool]":
+    """(the group to reduce over or None, whether local-only): None means the
+    default group, or local-only when there is none (an error under a
+    multi-rank launch); False means local-only on purpose."""
+    _check_group_option("Accumulator()", process_group)
     if process_group is None:
         process_group = _default_group()
         if process_group is None:
             _check_launch_has_group()
     if process_group is False:
         return None, True
-    if process_group is not None:
-        import torch.distributed as dist
-
-        # (what the C++ side takes: a ProcessGroup, or an object naming one)
-        if not isinstance(process_group, dist.ProcessGroup) and not hasattr(process_group, "group_name"):
-            raise TypeError("gradaccum: Accumulator(): process_group must be a torch.distributed.ProcessGroup, "
-                            f"None (the default group) or False (local-only), got {type(process_group)}")
     return process_group, process_group is None
 
 

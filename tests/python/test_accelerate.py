@@ -203,6 +203,11 @@ def test_bad_arguments_are_refused_before_accelerate_starts():
         Accelerator(accumulator_options={"bucket_cap": 1})
     with pytest.raises(TypeError, match=r"^gradaccum: Accelerator\(\): accumulator_options must be a dict"):
         Accelerator(accumulator_options=[("bucket_cap_mb", 1)])
+    # Refused here, not in prepare()'s first collective over it, where
+    # torch.distributed would raise its own words.
+    for bad in (True, "group"):
+        with pytest.raises(TypeError, match=r"^gradaccum: Accelerator\(\): process_group must be a "):
+            Accelerator(accumulator_options={"process_group": bad})
     from accelerate.utils import GradientAccumulationPlugin
     with pytest.raises(ValueError, match=r"^gradaccum: Accelerator\(\): GradientAccumulationPlugin\("
                        r"sync_with_dataloader=False\) is not supported"):

@@ -236,6 +236,8 @@ def test_invalid_options():
     with pytest.raises(ValueError, match=r"^gradaccum: Trainer\(\): accumulator_options: 'bucket_cap' is not an "
                        r"Accumulator option \(they are process_group, bucket_cap_mb, .*, metrics\)$"):
         Trainer(model=ex.make_model(SEED), accumulator_options={"bucket_cap": 1})
+    with pytest.raises(TypeError, match=r"^gradaccum: Trainer\(\): process_group must be a "):
+        Trainer(model=ex.make_model(SEED), accumulator_options={"process_group": True})
 
 
 def test_ddp_arguments_are_the_accumulators_options(tmp_path, monkeypatch):
