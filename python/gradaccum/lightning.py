@@ -22,8 +22,7 @@ Lightning's own accumulation:
 - ``gradient_clip_val`` clips the window's reduced gradient once (by norm), a
   non-finite window is skipped on every rank alike (``nonfinite=``), and
   step-interval LR schedulers step only after a real optimizer step;
-- the Accumulator's state goes into Lightning's checkpoints and comes back on
-  resume;
+- the Accumulator's state goes into Lightning's checkpoints and back on resume;
 - each window's global loss (over every micro-batch of every rank, weighted as
   the gradient) is logged as ``train_loss`` (``log_loss=``) at each optimizer
   step, with no ``sync_dist`` and no collective of its own (on a bf16/fp16
@@ -212,13 +211,14 @@ class GradaccumStrategy(DDPStrategy):
         assert module is not None
         try:
             self._check_buildable(trainer, module)
+            steps = self._scheduled_steps(trainer)
         except ValueError as error:
             # The other ranks wait in their Accumulator()'s first collective:
             # they raise this rank's error, named, instead of waiting there
             # until the group's timeout (Note [Construction refused on one rank]).
             _refuse_before_building(None, error, module)
             raise
-        self._new_accumulator(trainer, self._scheduled_steps(trainer))
+        self._new_accumulator(trainer, steps)
         self._gate_step_schedulers(module)
         self._trainable = tuple(p.requires_grad for p in module.parameters())
 
