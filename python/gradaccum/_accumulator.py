@@ -11,21 +11,10 @@ from gradaccum._checkpoint import load_state, save_state
 from gradaccum._refusal import _refuse_construction
 from gradaccum import trace as _trace
 
-from gradaccum._checks import (  # noqa: F401 (_NONFINITE, _REDUCTIONS: one list, the adapters read it here)
-    _NONFINITE,
-    _REDUCTIONS,
-    _check_layout_options,
-    _check_options,
-    _check_scaled_parameters,
-    _default_world_size,
-    _as_float,
-    _dist_initialized,
-    _metric_values,
-    _num_items_float,
-    _parameters,
-    _resolve_group,
-    _scaler_rule,
-    _scaling,
+# (_NONFINITE, _REDUCTIONS: one list, the adapters read it here)
+from gradaccum._checks import (  # noqa: F401
+    _NONFINITE, _REDUCTIONS, _check_layout_options, _check_options, _check_scaled_parameters, _default_world_size,
+    _as_float, _dist_initialized, _metric_values, _num_items_float, _parameters, _resolve_group, _scaler_rule, _scaling,
 )
 
 
