@@ -159,11 +159,21 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
                               : "buffer " + std::to_string(i - n) + " (of " + std::to_string(b) +
               ", in the module's buffers() order)";
       const auto shown = [&](const at::Tensor& row) { return row[0].item<int64_t>() < 0 ? "None" : describe(row); };
-      const auto there = shown(theirs[i]);
-      const auto here = shown(reference[i]);
+      auto there = shown(theirs[i]);
+      auto here = shown(reference[i]);
+      if (there == here) {
+        // They differ past the first kMaxCheckedDims sizes: every rank saw
+        // the same rows, so every rank gathers each rank's whole sizes here.
+        const auto& t = i < n ? config.params[i] : config.buffers[i - n];
+        std::ostringstream sizes;
+        sizes << t.scalar_type() << " " << t.sizes();
+        const auto texts = allgather_text(*config.group, device, sizes.str());
+        there = texts[r];
+        here = texts[0];
+      }
       TORCH_CHECK_VALUE(false,
           "gradaccum: Accumulator(): the model differs across ranks: ", what, " is ", there, " on rank ", r,
-          " but ", here, " on rank 0", there == here ? " (they differ past the first 8 sizes)" : "",
+          " but ", here, " on rank 0",
           i < n ? "" : ". Rank 0's buffers are broadcast into every rank's (as torch DDP does): every rank must "
           "hold the same ones");
     }
