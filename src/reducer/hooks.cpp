@@ -21,9 +21,19 @@
 // graph tasks inside the outer one; hooks from those are accepted, and if a
 // hook comes from a task older than the anchor (an outer task), that task
 // becomes the anchor, so the reduction finishes when the outermost task seen
-// ends. Each queued callback holds a guard: if the engine destroys the
-// callback without running it, that graph task failed, and the reduction is
-// aborted right there (before the exception reaches the caller).
+// ends. On the manual path the first hook may come from a nested task (every
+// parameter inside checkpointed blocks), whose outer task no hook names: when
+// the anchor ends while a node of another task is still being evaluated
+// (torch's current node, the checkpoint's backward that ran the nested task),
+// the reduction is not over. A one-shot post-hook on that node (OuterHook)
+// makes its task, current once the node returns, the anchor, and the
+// reduction finishes when it ends; the same again if that task is nested too.
+// Finishing at the nested task's end instead reduced the blocks' gradients
+// once per block, sending those already reduced again: multiplied by the
+// world size under "sum", and lost with bucket views.
+// Each queued callback, and each OuterHook, holds a guard: if the engine
+// destroys it without running it, that graph task failed, and the reduction
+// is aborted right there (before the exception reaches the caller).
 
 namespace gradaccum {
 
@@ -114,6 +124,28 @@ struct TaskGuard {
   }
 };
 
+// See Note [Where a synchronising backward ends]: a post-hook on the node of
+// an outer task that ran a nested one, which makes that outer task the anchor
+// once the node returns. One-shot: the node may outlive the reduction (its
+// graph retained), and a later run finds the guard gone.
+class OuterHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit OuterHook(std::shared_ptr<TaskGuard> guard) : guard_(std::move(guard)) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    if (const auto guard = std::exchange(guard_, nullptr)) {
+      guard->ran = true;
+      guard->state->on_outer_node_end(guard->id, guard->task);
+    }
+    return outputs;
+  }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {} // Note [Compiled autograd]
+
+ private:
+  std::shared_ptr<TaskGuard> guard_;
+};
+
 // Adds a RootHook to `root` (the loss's grad_fn) that begins the reduction
 // for `request` when backward reaches it (see Note [Where a synchronising
 // backward ends]).
@@ -197,10 +229,9 @@ void Reducer::State::mark_ready(size_t index) {
     // finished a reduction.
     TORCH_CHECK(window.last_anchor_task < 0 || !older_task(task, window.last_anchor_task),
         "gradaccum: loss.backward(): ", config.name(index), " became ready in an outer backward "
-        "after a nested (reentrant) backward had already reduced the window. With reentrant "
-        "activation checkpointing and a plain loss.backward(), the reduction ends with the first "
-        "graph task that reached a parameter; run the backward through acc.backward(), or use "
-        "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)");
+        "after a nested backward had already reduced the window (one torch did not run inside the outer "
+        "backward's evaluation of a node, so its end looked like the end of backward); run the backward "
+        "through acc.backward(), or use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)");
     begin_in_task(manual_request(), task, detail::Entry::ManualBackward);
   } else if (task != window.anchor_task && older_task(task, window.anchor_task)) {
     window.anchor_task = task; // an outer task of a reentrant backward: finish at its end
@@ -261,7 +292,36 @@ void Reducer::State::on_task_end(uint64_t id, int task) {
     abort_reduction(AbortReason::Closed);
     return;
   }
+  if (window.entry == detail::Entry::ManualBackward) {
+    if (const auto outer = torch::autograd::get_current_node()) {
+      // See Note [Where a synchronising backward ends]: a nested task ended
+      // inside `outer`'s evaluation; its own task finishes the reduction.
+      auto guard = std::make_shared<TaskGuard>(shared_from_this(), id, task);
+      try {
+        outer->add_post_hook(std::make_unique<OuterHook>(guard));
+      } catch (...) {
+        guard->ran = true; // its destructor must not abort under our lock
+        abort_reduction(AbortReason::BackwardFailed);
+        throw;
+      }
+      return;
+    }
+  }
   finish_reduction();
+}
+
+void Reducer::State::on_outer_node_end(uint64_t id, int nested_task) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!window.in_flight || id != window.sync_id || nested_task != window.anchor_task) {
+    return; // this reduction is already over, or an outer hook re-anchored it
+  }
+  window.anchor_task = torch::autograd::get_current_graph_task_id();
+  try {
+    queue_end_callback(window.anchor_task);
+  } catch (...) {
+    abort_reduction(AbortReason::BackwardFailed); // no callback would end it
+    throw;
+  }
 }
 
 void Reducer::State::on_task_failed(uint64_t id) noexcept {

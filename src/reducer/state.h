@@ -265,6 +265,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// begin_reduction() inside graph task `task` (-1: none), finishing at its end.
   void begin_in_task(const ReductionRequest& request, int task, detail::Entry entry);
   void queue_end_callback(int task);
+  void on_outer_node_end(uint64_t id, int nested_task);
   void on_task_end(uint64_t id, int task);
   void on_task_failed(uint64_t id) noexcept;
   /// Reducer::backward() after loss.backward() raised `local`: drops the

@@ -274,6 +274,65 @@ def reentrant_reference(seed, world_size, windows):
                          tower_batches(seed, 0, world_size, windows, STEPS, equal=False))
 
 
+class BlocksOnly(nn.Module):
+    """Every parameter inside a reentrant checkpointed block (the first
+    gradient of a backward comes from a nested graph task), or, `outer`, one
+    layer before them, whose gradient comes last and from the outer task."""
+
+    def __init__(self, seed, outer):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.outer = nn.Linear(du.D_IN, du.D_IN) if outer else None
+        sizes = [du.D_IN, du.D_HID, du.D_HID, du.D_OUT]
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(sizes, sizes[1:])])
+        self.double()
+
+    def forward(self, x, reentrant=True):
+        from torch.utils.checkpoint import checkpoint
+        h = self.outer(x) if self.outer is not None else x.detach().requires_grad_()
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=True) if reentrant else block(h)
+        return h
+
+
+@job
+def reentrant_blocks_only(rank, world_size, *, seed, windows, reduction, view, outer):
+    """The manual path (plain loss.backward()) over BlocksOnly: one reduction
+    per window (Note [Where a synchronising backward ends]), each window's
+    gradient against the big batch's, computed here without checkpointing."""
+    import gradaccum
+
+    data = tower_batches(seed, rank, world_size, windows, STEPS, equal=False)
+    model, reference = BlocksOnly(seed, outer), BlocksOnly(seed, outer)
+    acc = gradaccum.Accumulator(model, None, steps=STEPS, reduction=reduction, gradient_as_bucket_view=view,
+                                bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002)
+    errors, collectives = [], []
+    for w in range(windows):
+        for k, (x, y) in enumerate(data[w][rank]):
+            loss = (model(x) - y).pow(2).mean() / STEPS
+            if k < STEPS - 1:
+                with acc.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        x = torch.cat([b[0] for micro in data[w] for b in micro])
+        y = torch.cat([b[1] for micro in data[w] for b in micro])
+        scale = world_size if reduction == "sum" else 1  # each rank's loss is its own mean
+        want = torch.autograd.grad((reference(x, reentrant=False) - y).pow(2).mean() * scale,
+                                   list(reference.parameters()))
+        errors.append(max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), want)))
+        collectives.append(acc.stats()["last_window_collectives"])
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), want):
+                p -= 0.1 * p.grad
+            for p, g in zip(reference.parameters(), want):
+                p -= 0.1 * g
+        for p in model.parameters():
+            p.grad = None
+    return {"errors": errors, "collectives": collectives, "buckets": len(acc.bucket_indices),
+            "reductions": acc.stats()["reductions"]}
+
+
 # --------------------------------------------------------------------------- #
 # Lifetimes, and a peer that dies
 # --------------------------------------------------------------------------- #

@@ -177,6 +177,23 @@ def test_reentrant_checkpointing_matches_the_big_batch(tmp_path):
             assert_params_close(res[path]["params"], expected, what=f"{path} rank {rank}")
 
 
+@pytest.mark.parametrize("reduction,view,outer", [("sum", False, False), ("mean", True, False),
+                                                   ("sum", True, True)])
+def test_manual_path_with_every_parameter_in_reentrant_blocks(tmp_path, reduction, view, outer):
+    """Note [Where a synchronising backward ends]: the first gradient comes
+    from a nested graph task, which no longer ends the reduction: one per
+    window, each block reduced once. Before, each block's task reduced on its
+    own and sent the blocks before it again: "sum" multiplied them by the
+    world size, bucket views lost them, and a layer outside the blocks, last
+    in backward, was an error."""
+    results = run("reentrant_blocks_only", 2, tmp_path, seed=5, windows=3, reduction=reduction, view=view,
+                  outer=outer)
+    for rank, res in enumerate(results):
+        assert max(res["errors"]) < 1e-12, (rank, res["errors"])
+        assert res["reductions"] == 3, res
+        assert res["collectives"] == [res["buckets"]] * 3, res
+
+
 # --------------------------------------------------------------------------- #
 # 5. Lifetimes; a peer that dies
 # --------------------------------------------------------------------------- #
