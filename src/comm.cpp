@@ -1,6 +1,7 @@
 #include "comm.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/irange.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <map>
@@ -128,6 +129,97 @@ void BroadcastPlan::run(c10d::ProcessGroup& group, int root) const {
       attempt([&] {
         TORCH_INTERNAL_ASSERT(fits);
         unpack(flat, g.members);
+      });
+    }
+  }
+  if (failed) {
+    std::rethrow_exception(failed);
+  }
+}
+
+namespace {
+
+// `t`'s bytes as a 1-dim uint8 view (contiguous `t`).
+at::Tensor bytes_of(const at::Tensor& t) {
+  return t.reshape({-1}).view(at::kByte);
+}
+
+// The slot of `flat` (bytes) at `offset` that holds `t`, as `t`'s dtype and shape.
+at::Tensor slot_of(const at::Tensor& flat, int64_t offset, const at::Tensor& t) {
+  return flat.narrow(0, offset, t.numel() * t.element_size()).view(t.scalar_type()).view(t.sizes());
+}
+
+} // namespace
+
+OnceBroadcast::OnceBroadcast(const std::vector<at::Tensor>& tensors) {
+  std::map<std::pair<at::DeviceType, c10::DeviceIndex>, Staged> staged;
+  for (const auto& t : tensors) {
+    if (!t.defined() || t.numel() == 0) {
+      continue; // (the same on every rank: their shapes were compared)
+    }
+    if (t.is_contiguous() && t.numel() * t.element_size() >= kInPlaceBytes) {
+      in_place_.push_back(bytes_of(t));
+      continue;
+    }
+    auto& group = staged[{t.device().type(), t.device().index()}];
+    int64_t offset = 0;
+    if (!group.members.empty()) {
+      const auto& last = group.members.back();
+      constexpr int64_t kAlign = 16; // (a byte slot viewed as any dtype)
+      offset = (group.offsets.back() + last.numel() * last.element_size() + kAlign - 1) / kAlign * kAlign;
+    }
+    group.members.push_back(t);
+    group.offsets.push_back(offset);
+  }
+  for (auto& entry : staged) {
+    auto& group = entry.second;
+    const auto& last = group.members.back();
+    const auto bytes = group.offsets.back() + last.numel() * last.element_size();
+    group.flat = at::empty({bytes}, last.options().dtype(at::kByte));
+    staged_.push_back(std::move(group));
+  }
+}
+
+void OnceBroadcast::run(c10d::ProcessGroup& group, int root) const {
+  at::NoGradGuard no_grad;
+  const bool sending = group.getRank() == root;
+  std::exception_ptr failed;
+  const auto attempt = [&](const auto& step) {
+    try {
+      step();
+    } catch (...) {
+      if (!failed) {
+        failed = std::current_exception();
+      }
+    }
+  };
+  const auto broadcast = [&](const at::Tensor& bytes) {
+    bool received = false;
+    attempt([&] {
+      std::vector<at::Tensor> tensors{bytes};
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      group.broadcast(tensors, options)->wait();
+      received = true;
+    });
+    return received;
+  };
+  for (const auto& bytes : in_place_) {
+    broadcast(bytes); // (a failed broadcast may leave part of it written: the error says so)
+  }
+  for (const auto& g : staged_) {
+    if (sending) {
+      attempt([&] {
+        for (const auto i : c10::irange(g.members.size())) {
+          slot_of(g.flat, g.offsets[i], g.members[i]).copy_(g.members[i]);
+        }
+      });
+    }
+    if (broadcast(g.flat) && !sending) {
+      attempt([&] {
+        for (const auto i : c10::irange(g.members.size())) {
+          g.members[i].copy_(slot_of(g.flat, g.offsets[i], g.members[i]));
+        }
       });
     }
   }

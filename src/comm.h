@@ -41,6 +41,31 @@ class BroadcastPlan {
   std::vector<Group> groups_;
 };
 
+/// Gives every rank a root's values of tensors broadcast once (the frozen
+/// parameters at construction, as torch DDP syncs its module's states), bit
+/// for bit whatever their dtype: a contiguous tensor of at least
+/// kInPlaceBytes in place, as bytes; the rest through one flat byte copy per
+/// device, allocated here, so that run() allocates nothing.
+class OnceBroadcast {
+ public:
+  static constexpr int64_t kInPlaceBytes = int64_t{1} << 20;
+  OnceBroadcast() = default;
+  explicit OnceBroadcast(const std::vector<at::Tensor>& tensors);
+
+  /// A collective; waits. Launches every broadcast, even after one failed on
+  /// this rank, and then rethrows the first failure.
+  void run(c10d::ProcessGroup& group, int root) const;
+
+ private:
+  struct Staged {
+    std::vector<at::Tensor> members;
+    std::vector<int64_t> offsets; ///< in bytes, aligned for any dtype
+    at::Tensor flat; ///< bytes
+  };
+  std::vector<at::Tensor> in_place_; ///< byte views
+  std::vector<Staged> staged_;
+};
+
 /// The lowest rank whose `here` is true, or the group's size if none is (an
 /// all-reduce MIN of one integer through `scratch`, a one-element int64
 /// tensor allocated earlier: nothing is allocated before the collective

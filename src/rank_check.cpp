@@ -126,18 +126,28 @@ void check_settings_match(const ReducerConfig& config, at::Device device) {
 void check_shapes_match(const ReducerConfig& config, at::Device device) {
   const auto n = static_cast<int64_t>(config.params.size());
   const auto b = static_cast<int64_t>(config.buffers.size());
-  const auto counts = allgather(*config.group, at::full({1}, b, at::kLong).to(device));
+  const auto f = static_cast<int64_t>(config.frozen.size());
+  const auto counts = allgather(*config.group, at::tensor({b, f}, at::kLong).to(device));
   for (const auto r : c10::irange(counts.size())) {
-    const auto theirs = counts[r].item<int64_t>();
-    TORCH_CHECK_VALUE(theirs == counts[0].item<int64_t>(),
-        "gradaccum: Accumulator(): the model's buffers differ across ranks: rank ", r, " has ", theirs,
-        " buffers, rank 0 has ", counts[0].item<int64_t>(), ". Rank 0's buffers are broadcast into every rank's "
+    const auto theirs = counts[r].cpu();
+    const auto first = counts[0].cpu();
+    TORCH_CHECK_VALUE(theirs[0].item<int64_t>() == first[0].item<int64_t>(),
+        "gradaccum: Accumulator(): the model's buffers differ across ranks: rank ", r, " has ", theirs[0].item<int64_t>(),
+        " buffers, rank 0 has ", first[0].item<int64_t>(), ". Rank 0's buffers are broadcast into every rank's "
         "(as torch DDP does): every rank must hold the same ones");
+    TORCH_CHECK_VALUE(theirs[1].item<int64_t>() == first[1].item<int64_t>(),
+        "gradaccum: Accumulator(): the model's frozen parameters (requires_grad=False) differ across ranks: rank ",
+        r, " has ", theirs[1].item<int64_t>(), ", rank 0 has ", first[1].item<int64_t>(), ". Rank 0's are broadcast "
+        "into every rank's (as torch DDP does): freeze the same parameters on every rank");
   }
-  auto signature = at::full({n + b, kSignatureWidth}, -1, at::kLong);
+  // The rows: parameters, buffers, frozen parameters.
+  const auto tensor_at = [&](int64_t i) -> const at::Tensor& {
+    return i < n ? config.params[i] : i < n + b ? config.buffers[i - n] : config.frozen[i - n - b];
+  };
+  auto signature = at::full({n + b + f, kSignatureWidth}, -1, at::kLong);
   auto rows = signature.accessor<int64_t, 2>();
-  for (const auto i : c10::irange(n + b)) {
-    const auto& t = i < n ? config.params[i] : config.buffers[i - n];
+  for (const auto i : c10::irange(n + b + f)) {
+    const auto& t = tensor_at(i);
     if (!t.defined()) {
       continue; // (a buffer set to None: -1, which no dtype is)
     }
@@ -156,15 +166,16 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
     if (differs.numel() > 0) {
       const auto i = differs[0][0].item<int64_t>();
       const auto what = i < n ? config.name(i)
-                              : "buffer " + std::to_string(i - n) + " (of " + std::to_string(b) +
-              ", in the module's buffers() order)";
+          : i < n + b ? "buffer " + std::to_string(i - n) + " (of " + std::to_string(b) +
+              ", in the module's buffers() order)"
+                      : "frozen parameter " + config.frozen_names[i - n - b];
       const auto shown = [&](const at::Tensor& row) { return row[0].item<int64_t>() < 0 ? "None" : describe(row); };
       auto there = shown(theirs[i]);
       auto here = shown(reference[i]);
       if (there == here) {
         // They differ past the first kMaxCheckedDims sizes: every rank saw
         // the same rows, so every rank gathers each rank's whole sizes here.
-        const auto& t = i < n ? config.params[i] : config.buffers[i - n];
+        const auto& t = tensor_at(i);
         std::ostringstream sizes;
         sizes << t.scalar_type() << " " << t.sizes();
         const auto texts = allgather_text(*config.group, device, sizes.str());
@@ -174,8 +185,9 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
       TORCH_CHECK_VALUE(false,
           "gradaccum: Accumulator(): the model differs across ranks: ", what, " is ", there, " on rank ", r,
           " but ", here, " on rank 0",
-          i < n ? "" : ". Rank 0's buffers are broadcast into every rank's (as torch DDP does): every rank must "
-          "hold the same ones");
+          i < n ? "" : i < n + b ? ". Rank 0's buffers are broadcast into every rank's (as torch DDP does): every "
+          "rank must hold the same ones" : ". Rank 0's frozen parameters are broadcast into every rank's (as torch "
+          "DDP does): every rank must hold the same ones");
     }
   }
 }

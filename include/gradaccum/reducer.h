@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace gradaccum {
@@ -223,15 +224,18 @@ class Reducer {
  public:
   /// Registers the hooks; with `options.check_parameters()`, checks that every
   /// rank has the same parameters and options (a collective), then broadcasts
-  /// `params` and `buffers` from rank 0. `names` (optional) name parameters in
-  /// errors.
+  /// `params`, `buffers` and `frozen` from rank 0. `names` (optional) name
+  /// parameters in errors. `frozen`: the model's parameters that do not
+  /// require grad, by name, broadcast once here (as torch DDP syncs its
+  /// module's states) and compared across ranks like the buffers.
   Reducer(
       std::vector<at::Tensor> params,
       c10::intrusive_ptr<c10d::ProcessGroup> group,
       ReducerOptions options = {},
       std::vector<at::Tensor> buffers = {},
       std::vector<std::string> names = {},
-      WindowRule rule = {});
+      WindowRule rule = {},
+      std::vector<std::pair<std::string, at::Tensor>> frozen = {});
   ~Reducer();
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;

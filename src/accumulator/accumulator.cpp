@@ -109,7 +109,7 @@ Accumulator::Accumulator(
     reducer_ = std::make_unique<Reducer>(
         params_, options_.process_group(), options_.reducer(),
         std::move(model.buffers), std::move(model.names),
-        window_rule());
+        window_rule(), frozen_);
   } else if (const auto wide = options_.accumulate_dtype()) {
     // One process: the window's sums of narrower gradients (Note [One
     // accumulate_dtype path]).

@@ -26,7 +26,7 @@ using detail::CallGuard;
 // layers is an error on every rank there; every rank must call it at the
 // same point, like every collective: a rank that does not refresh would pair
 // its next window with the check) and broadcasts rank 0's values, which
-// equal everyone's. The counters and the window number carry
+// equal everyone's (the frozen ones were broadcast at construction). The counters and the window number carry
 // over; error-feedback residuals start at zero; the buckets are laid out
 // again (and rebuilt in ready order after the next window, on every rank
 // alike). Parameters that left the set get `.grad = None`, so the optimizer

@@ -26,6 +26,10 @@ struct ReducerConfig {
   std::vector<at::Tensor> params;
   std::vector<at::Tensor> buffers;
   std::vector<std::string> names; ///< one per parameter
+  /// The model's parameters that do not require grad, and their names:
+  /// compared across ranks and broadcast once, at construction.
+  std::vector<at::Tensor> frozen;
+  std::vector<std::string> frozen_names;
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   ReducerOptions options;
   WindowRule rule;

@@ -53,7 +53,8 @@ class KeepLastWindowStats {
 } // namespace detail
 
 Reducer::State::State(detail::ReducerConfig config_)
-    : config(std::move(config_)), instance_hold(config.group.get(), config.instance), buffer_broadcast(config.buffers) {
+    : config(std::move(config_)), instance_hold(config.group.get(), config.instance), buffer_broadcast(config.buffers),
+      frozen_broadcast(config.frozen) {
   const auto n = config.params.size();
   touched.reset(new std::atomic<bool>[n]);
   clear_touched();
@@ -104,7 +105,8 @@ Reducer::Reducer(
     ReducerOptions options,
     std::vector<at::Tensor> buffers,
     std::vector<std::string> names,
-    WindowRule rule) {
+    WindowRule rule,
+    std::vector<std::pair<std::string, at::Tensor>> frozen) {
   // Note [Construction refused on one rank]: what this rank refuses is told
   // to every rank by the first collective, before any other.
   TORCH_CHECK_VALUE(group, "gradaccum: Reducer(): process_group is null");
@@ -112,6 +114,10 @@ Reducer::Reducer(
   std::optional<detail::ReducerConfig> built;
   try {
     built.emplace(std::move(params), group, options, std::move(buffers), std::move(names), rule);
+    for (auto& [name, tensor] : frozen) {
+      built->frozen_names.push_back(std::move(name));
+      built->frozen.push_back(std::move(tensor));
+    }
     const auto foreign = detail::foreign_hooks(*built);
     TORCH_CHECK_VALUE(foreign.empty(), "gradaccum: Accumulator(): ", foreign);
   } catch (const std::exception&) {
@@ -165,6 +171,8 @@ Reducer::Reducer(
   auto& s = *state_;
   s.buckets.broadcast_parameters(s.config);
   s.buffer_broadcast.run(*s.config.group, /*root=*/0);
+  s.frozen_broadcast.run(*s.config.group, /*root=*/0);
+  s.frozen_broadcast = detail::OnceBroadcast(); // (its copies are not needed again)
   if (!s.config.options.broadcast_buffers()) {
     s.buffer_broadcast = detail::BroadcastPlan(); // its copies are not needed again
   }

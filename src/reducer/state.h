@@ -229,6 +229,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// (Note [The buffers' broadcast allocates nothing]); emptied after the
   /// construction's broadcast without broadcast_buffers.
   detail::BroadcastPlan buffer_broadcast;
+  detail::OnceBroadcast frozen_broadcast; ///< at construction only
 
   // The autograd glue's own (hooks.cpp).
   // shared_ptr<Node> before torch 2.13, intrusive_ptr<Node> since: whatever

@@ -169,3 +169,54 @@ def built_in_another_order(rank, world_size):
         return {"error": None}
     except RuntimeError as e:
         return {"error": str(e)}
+
+
+class Frozen(nn.Module):
+    """A trainable head over frozen parameters of each kind the broadcast
+    sends: one of 2 MiB (in place), small ones (staged), a transposed one
+    (not contiguous), complex and int8 ones (as bytes)."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.big = nn.Parameter(torch.randn(512, 512, dtype=torch.float64), requires_grad=False)
+        self.small = nn.Linear(3, 3).double().requires_grad_(False)
+        self.strided = nn.Parameter(torch.randn(3, 5, dtype=torch.float64).t(), requires_grad=False)
+        self.twisted = nn.Parameter(torch.randn(3, dtype=torch.complex64), requires_grad=False)
+        self.codes = nn.Parameter(torch.randint(-100, 100, (7,), dtype=torch.int8), requires_grad=False)
+        self.head = nn.Linear(3, 1).double()
+
+    def forward(self, x):
+        h = torch.tanh(self.small(x) @ self.strided.t() @ self.strided) + self.big[0, :3] * self.codes[:3].double()
+        return self.head(h * self.twisted.abs().double())
+
+
+@job
+def frozen_parameters(rank, world_size, *, freeze_extra=False):
+    """Each rank builds Frozen from its own seed (as unseeded models are):
+    Accumulator() broadcasts rank 0's frozen parameters, as torch DDP does,
+    so the window's gradient is the big batch's on rank 0's model."""
+    import copy
+
+    import torch.distributed as dist
+    import gradaccum
+
+    m = Frozen(seed=1000 + rank)
+    if freeze_extra and rank == 1:
+        m.extra = nn.Parameter(torch.zeros(1), requires_grad=False)
+    try:
+        acc = gradaccum.Accumulator(m, None, steps=K)
+    except ValueError as e:
+        return {"error": str(e)}
+    models = [None] * world_size
+    dist.all_gather_object(models, copy.deepcopy(m))
+    frozen_equal = all(torch.equal(p, q) for p, q in zip(m.parameters(), models[0].parameters())
+                       if not p.requires_grad)
+    for k in range(K):
+        acc.backward(m(batch(rank, k)).pow(2).mean())
+    reference = models[0]  # rank 0's model (its trainable parameters were broadcast too)
+    loss = sum(reference(batch(r, k)).pow(2).mean() for r in range(world_size) for k in range(K))
+    want = torch.autograd.grad(loss / (world_size * K), [reference.head.weight, reference.head.bias])
+    error = max((p.grad - g).abs().max().item() for p, g in zip([m.head.weight, m.head.bias], want))
+    acc.close()
+    return {"error": None, "frozen_equal": frozen_equal, "gradient_error": error}
