@@ -211,7 +211,7 @@ class Accumulator {
   /// acc.run(), the call built on them.
   void end_micro_step(bool failed = false, bool out_of_memory = false);
   /// The checks of a micro-step that need no loss (the Accumulator is open, its
-  /// window not closed, not inside no_sync()), naming `what`: acc.run() makes
+  /// window not closed), naming `what`: acc.run() makes
   /// them before it runs its function, so that a micro-step it would fail is
   /// one that could run.
   void check_micro_step_state(const char* what) const;
@@ -418,6 +418,10 @@ class Accumulator {
   void fail_micro_step(AbortReason why);
   /// refuse_micro_batch() inside a call that holds the call guard.
   std::string drop_refused_window(const char* call);
+  /// Note [The closing micro-step inside no_sync()]: throws, at the window's
+  /// closing micro-step inside acc.no_sync(), after dropping the window on
+  /// every rank.
+  void refuse_closing_in_no_sync(const char* call);
   /// At a boundary, for `what`: "acc.step()", "acc.state_dict()" or
   /// "acc.refresh_parameters()" (each words its error).
   void check_no_uncounted_backward(const char* what) const;

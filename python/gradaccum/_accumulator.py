@@ -214,11 +214,13 @@ class Accumulator:
 
     def _check_micro_step(self, what: str) -> None:
         """What Python checks of any micro-step before the C++ side's checks."""
-        if self._no_sync_depth:  # data parallel, C++ says the same; here for one process too
+        if self._no_sync_depth and self.process_group is None and self._c.micro_step == self.steps - 1:
+            # (data parallel, the C++ side refuses it and drops the window on every rank:
+            # Note [The closing micro-step inside no_sync()])
             raise RuntimeError(
-                f"gradaccum: {what}: called inside acc.no_sync(). {what} decides by itself "
-                "which micro-step synchronises; acc.no_sync() is for the manual path (a plain "
-                "loss.backward() inside it)")
+                f"gradaccum: {what}: called inside acc.no_sync() at the window's closing micro-step. {what} "
+                "decides by itself which micro-step synchronises (the window's last); acc.no_sync() is for the "
+                "manual path (a plain loss.backward() inside it)")
         if self._watch_for_group and _dist_initialized() and _default_world_size() > 1:
             raise RuntimeError(
                 f"gradaccum: {what}: torch.distributed was initialized after this "

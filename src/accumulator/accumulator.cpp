@@ -242,6 +242,7 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
   window_forwards_ = true; // its forward ran, whatever the checks below say of its loss
   // Every check comes before backward: a rejected call changes nothing, but
   // see Note [A refused closing micro-batch].
+  refuse_closing_in_no_sync(call); // (drops the window itself)
   double weight = 1.0;
   try {
     weight = check_micro_step(loss, num_items, call);
@@ -280,6 +281,7 @@ void Accumulator::empty_micro_step() {
   const CallGuard guard(driver_, driving_, call, &call_);
   check_no_open_parts(call);
   check_micro_step_state(call);
+  refuse_closing_in_no_sync(call);
   const auto before = grad_versions();
   check_window_gradients(call, before);
   // As a micro-batch nonfinite="skip_micro_batch" leaves out, but not counted
@@ -326,10 +328,6 @@ void Accumulator::check_micro_step_state(const char* what) const {
   TORCH_CHECK(!window_ready_,
       "gradaccum: ", what, ": the window closed at the previous micro-step (acc.backward() or acc.run()); "
       "call acc.step() (or acc.zero_grad() to drop it) before the next micro-step");
-  TORCH_CHECK(!reducer_ || reducer_->expect_hooks(),
-      "gradaccum: ", what, ": called inside acc.no_sync(). acc.backward() decides by itself "
-      "which micro-step synchronises; acc.no_sync() is for the manual path (a plain "
-      "loss.backward() inside it)");
 }
 
 double Accumulator::check_micro_step(

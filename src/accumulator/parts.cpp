@@ -136,7 +136,7 @@ void Accumulator::end_micro_step(bool failed, bool out_of_memory) {
   if (failed) {
     if (!parts_open_) {
       // A micro-step that takes its place must be one that could run (a
-      // closed window is not counted into; no_sync() is the manual path).
+      // closed window is not counted into).
       check_micro_step_state("acc.run()");
       // As a micro-step that ran would: the others may have ended the epoch
       // (then this raises the one-sided error, as acc.backward() does).
@@ -164,6 +164,7 @@ void Accumulator::end_micro_step(bool failed, bool out_of_memory) {
   // The parts' weight and loss are in the window now: the closing reduction
   // adds nothing of its own.
   pending_loss_sum_ = window_loss_sum_;
+  refuse_closing_in_no_sync("acc.run()");
   close_window(at::Tensor(), 0, grad_versions());
 }
 
@@ -197,9 +198,10 @@ void Accumulator::fail_micro_step(AbortReason why) {
 // rank and why (AbortReason::MicroBatchRefused), and every rank goes on from
 // the next window alike. A parameter unfrozen without refresh_parameters()
 // (check_requires_grad) counts as a refusal too: it may be so on one rank only.
-// Checks of the call itself (a closed window, no_sync(), a closed Accumulator)
-// reject alike on every rank and drop nothing; nor does a refusal before the
-// closing micro-step, where nobody waits.
+// Checks of the call itself (a closed window, a closed Accumulator) reject
+// alike on every rank and drop nothing; nor does a refusal before the
+// closing micro-step, where nobody waits. (no_sync() is this rank's own
+// state: Note [The closing micro-step inside no_sync()].)
 std::string Accumulator::refuse_micro_batch(const char* call) {
   const CallGuard guard(driver_, driving_, call, &call_);
   return drop_refused_window(call);
@@ -207,7 +209,7 @@ std::string Accumulator::refuse_micro_batch(const char* call) {
 
 std::string Accumulator::drop_refused_window(const char* call) {
   const bool waited_for = reducer_ && reducer_->process_group()->getSize() > 1 && !closed_ && !window_ready_ &&
-      !parts_open_ && reducer_->expect_hooks() && closes_window_next();
+      !parts_open_ && closes_window_next();
   if (!waited_for) {
     return {};
   }
@@ -226,6 +228,30 @@ std::string Accumulator::drop_refused_window(const char* call) {
   }
   TORCH_INTERNAL_ASSERT(false, "gradaccum: ", call, ": a refused window's reduction returned");
   return {};
+}
+
+// Note [The closing micro-step inside no_sync()]
+// acc.backward() (acc.run(), acc.empty_micro_step()) decides by itself which
+// micro-step synchronises: the window's last. Inside acc.no_sync() before it,
+// it runs as it would outside (no collective either way). At the closing
+// micro-step it is refused, as a refused micro-batch: no_sync() is this
+// rank's own state, so the other ranks may be reducing the window (they do
+// not use no_sync() there) or refusing it too (they do): either way each
+// rank drops the window (Note [A refused closing micro-batch]) and the drops
+// pair with the others' reduction or with each other. So every rank raises,
+// this one saying why, and every rank goes on from the next window alike.
+// (Raising here alone left the others to reduce this window with this rank's
+// next one: its micro-batch lost, its windows shifted, silently.)
+void Accumulator::refuse_closing_in_no_sync(const char* call) {
+  if (!reducer_ || reducer_->expect_hooks() || window_ready_ || !closes_window_next()) {
+    return;
+  }
+  const auto message = c10::str("gradaccum: ", call, ": called inside acc.no_sync() at the window's closing "
+      "micro-step. ", call, " decides by itself which micro-step synchronises (the window's last); acc.no_sync() "
+      "is for the manual path (a plain loss.backward() inside it)");
+  const auto dropped = drop_refused_window(call);
+  TORCH_CHECK(dropped.empty(), message, "; ", dropped);
+  TORCH_CHECK(false, message);
 }
 
 } // namespace gradaccum

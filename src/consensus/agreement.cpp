@@ -301,8 +301,8 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
     case AbortReason::MicroBatchRefused:
       return who + " refused the micro-batch that closes the window: its acc.backward() or acc.run() "
           "rejected its loss, num_items or metrics (a loss that is not a scalar or does not require grad, a "
-          "num_items that is not a number >= 0, ...) or found a parameter unfrozen without "
-          "acc.refresh_parameters()";
+          "num_items that is not a number >= 0, ...), found a parameter unfrozen without "
+          "acc.refresh_parameters(), or was called inside acc.no_sync()";
     case AbortReason::LeftJoin:
       return who + " left its acc.join() block with an exception";
     case AbortReason::RefreshRefused:

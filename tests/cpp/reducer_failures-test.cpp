@@ -120,7 +120,8 @@ TEST_CASE("a micro-batch refused on one rank drops the window only when it close
                               "the micro-batch that closes the window: its acc.backward() or acc.run() rejected its "
                               "loss, num_items or "
                               "metrics (a loss that is not a scalar or does not require grad, a num_items that is not "
-                              "a number >= 0, ...) or found a parameter unfrozen without acc.refresh_parameters() (its own "
+                              "a number >= 0, ...), found a parameter unfrozen without acc.refresh_parameters(), or "
+                              "was called inside acc.no_sync() (its own "
                               "error is raised there). The window's gradients were "
                               "cleared on every rank and no optimizer step was taken; training can go on from the "
                               "next window");
@@ -128,7 +129,8 @@ TEST_CASE("a micro-batch refused on one rank drops the window only when it close
                               "micro-batch that closes the window: its acc.backward() or acc.run() rejected its loss, "
                               "num_items or "
                               "metrics (a loss that is not a scalar or does not require grad, a num_items that is not "
-                              "a number >= 0, ...) or found a parameter unfrozen without acc.refresh_parameters(). The "
+                              "a number >= 0, ...), found a parameter unfrozen without acc.refresh_parameters(), or "
+                              "was called inside acc.no_sync(). The "
                               "window's gradients were cleared on every rank and no "
                               "optimizer step was taken; training can go on from the next window");
         CHECK(dropped == std::vector<int64_t>{1, 1});

@@ -446,6 +446,32 @@ def refused_micro_batch(rank, world_size, *, how, closing, boom_rank=None):
     return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
 
 
+@job
+def no_sync_closing(rank, world_size, *, who):
+    """K=2, 3 windows (refused_micro_batch's data). In window 1 the ranks in
+    `who` wrap both of their acc.backward() calls in acc.no_sync(): the first
+    runs as outside, the closing one is refused and the window dropped on
+    every rank (Note [The closing micro-step inside no_sync()])."""
+    import contextlib
+    import gradaccum
+    model = du.mlp(REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=MICRO)
+    errors = []
+    windows = du.make_windows(REFUSE_SEED, [[MICRO] * world_size] * 3, MICRO)
+    for w, window in enumerate(windows):
+        for k, batch in enumerate(window[rank]):
+            loss = du.micro_loss(model, batch, "mean")[0]
+            inside = w == 1 and rank in who
+            try:
+                with acc.no_sync() if inside else contextlib.nullcontext():
+                    acc.backward(loss)
+            except Exception as e:  # noqa
+                errors.append((f"{w}/{k}", type(e).__name__, str(e)))
+        acc.step()
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
+
+
 def two_towers_batches(rank, n, salt):
     g = torch.Generator().manual_seed(4 + rank + 10 * salt)
     return [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(n)]

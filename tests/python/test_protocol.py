@@ -365,8 +365,8 @@ REFUSED = {
                        "large to convert to float)"),
 }
 WHY = ("refused the micro-batch that closes the window: its acc.backward() or acc.run() rejected its loss, "
-       "num_items or metrics (a loss that is not a scalar or does not require grad, a num_items that is not a number >= 0, ...) "
-       "or found a parameter unfrozen without acc.refresh_parameters()")
+       "num_items or metrics (a loss that is not a scalar or does not require grad, a num_items that is not a number "
+       ">= 0, ...), found a parameter unfrozen without acc.refresh_parameters(), or was called inside acc.no_sync()")
 THEN = (". The window's gradients were cleared on every rank and no optimizer step was taken; training can go on "
         "from the next window")
 
@@ -395,6 +395,29 @@ def test_a_micro_batch_refused_on_one_rank_drops_the_window_only_if_it_closes_it
         assert res["stats"]["dropped_windows"] == (1 if closing else 0)
         assert res["stats"]["optimizer_steps"] == (2 if closing else 3)
         du.assert_params_close(res["params"], expected, "refused")
+
+
+@pytest.mark.parametrize("who", [[1], [0, 1]], ids=["one_rank", "every_rank"])
+def test_the_closing_micro_step_inside_no_sync_drops_the_window_on_every_rank(tmp_path, who):
+    """Note [The closing micro-step inside no_sync()]: no_sync() is one rank's
+    own state. Before, the closing acc.backward() inside it was refused on
+    that rank alone, and the others reduced the window with its next one:
+    its micro-batch lost and its windows shifted, with no error there."""
+    results = run("no_sync_closing", 2, tmp_path, who=who)
+    own = ("gradaccum: acc.backward(): called inside acc.no_sync() at the window's closing micro-step. "
+           "acc.backward() decides by itself which micro-step synchronises (the window's last); acc.no_sync() is "
+           "for the manual path (a plain loss.backward() inside it); window 1 was dropped on every rank: this rank "
+           "(rank {r}) " + WHY + "{also}" + THEN)
+    for rank, res in enumerate(results):
+        if rank in who:
+            also = f"; rank {1 - rank} could not contribute its window either" if len(who) == 2 else ""
+            want = own.format(r=rank, also=also)
+        else:
+            want = (f"gradaccum: acc.backward(): window 1 was dropped on every rank: rank 1 {WHY} (its own error is "
+                    f"raised there){THEN}")
+        assert res["errors"] == [("1/1", "RuntimeError", want)], res["errors"]
+        assert res["stats"]["dropped_windows"] == 1 and res["stats"]["optimizer_steps"] == 2
+        du.assert_params_close(res["params"], pj.refused_reference(2, dropped=1), "no_sync")
 
 
 @pytest.mark.parametrize("short", [False, True])

@@ -264,12 +264,19 @@ def test_run_checks_what_fn_returns():
     with pytest.raises(TypeError, match=r"gradaccum: acc.run\(\): with reduction='items', fn\(batch\) must "
                        r"return \(loss_sum, num_items\)"):
         acc.run(lambda batch: du.micro_loss(model, batch, "mean")[0], a)
-    acc2 = gradaccum.Accumulator(du.mlp(3), None, steps=2, process_group=False)
+    model2 = du.mlp(3)
+    acc2 = gradaccum.Accumulator(model2, None, steps=2, process_group=False)
     with pytest.raises(TypeError, match=r"gradaccum: acc.run\(\): fn\(batch\) must return the micro-batch's loss"):
         acc2.run(lambda batch: (1.0, 2), a)
-    with acc2.no_sync(), pytest.raises(RuntimeError, match=r"gradaccum: acc.run\(\): called inside acc.no_sync\(\)"):
-        acc2.run(lambda batch: batch[0].sum(), a)
     assert acc.micro_step == 0 and acc2.micro_step == 0
+    # Inside no_sync(): as outside before the window's closing micro-step,
+    # refused there (Note [The closing micro-step inside no_sync()]).
+    with acc2.no_sync():
+        acc2.run(lambda batch: du.micro_loss(model2, batch, "mean")[0], a)
+        with pytest.raises(RuntimeError, match=r"^gradaccum: acc.run\(\): called inside acc.no_sync\(\) at the "
+                           r"window's closing micro-step"):
+            acc2.run(lambda batch: du.micro_loss(model2, batch, "mean")[0], a)
+    assert acc2.micro_step == 1
 
 
 def test_open_parts_refuse_other_calls():
