@@ -407,6 +407,7 @@ class Accumulator {
     ReductionRequest request;
     request.call = call_;
     request.forwards = window_forwards_;
+    request.shared = window_shared_;
     return request;
   }
   const char* call_name() const {

@@ -153,6 +153,10 @@ struct ReductionRequest {
   /// This rank ran a micro-batch's forward in the window (any micro-step but
   /// an empty one): under join() the buffers come from such a rank.
   bool forwards = true;
+  /// This rank's window was resumed in its middle from a rank-independent
+  /// state (each rank holds a share of every rank's sums): every rank must
+  /// have resumed it alike (Note [A window resumed on some ranks only]).
+  bool shared = false;
   /// Drop the window on every rank (the gradients sent are ignored).
   AbortReason abort = AbortReason::None;
   /// Check the reduced gradient for the non-finite test in the pass that

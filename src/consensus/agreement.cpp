@@ -50,7 +50,7 @@ const std::vector<Agreement>& agreements() {
        [](const I& in) { return static_cast<double>(static_cast<int>(in.rule.reduction)); },
        true, kReductionMode, true, nullptr},
       // (Its remedy depends on which part differs: kind_remedy().)
-      {"what this collective is, or whether a bucket rebuild follows it",
+      {"what this collective is, whether a bucket rebuild follows it, or whether its window was resumed from a rank-independent state",
        Shown::Kind, [](const I& in) { return static_cast<double>(in.kind); }, false, kKind, true, nullptr},
       {"the window number", Shown::Number, [](const I& in) { return static_cast<double>(in.window); },
        false, kWindow, false,
@@ -140,15 +140,17 @@ std::string show(Shown shown, double value) {
           : "?";
     }
     case Shown::Kind: {
-      // State::kind_code(): the kind, plus 4 while a bucket rebuild is pending.
+      // State::kind_code(): the kind, plus 4 while a bucket rebuild is pending,
+      // plus 8 in a window resumed from a rank-independent state.
       static const char* const kinds[] = {"a window's reduction", "acc.state_dict()'s snapshot of a half-done window",
                                           "acc.refresh_parameters()'s check at a window boundary",
                                           "a plain loss.backward()'s reduction (the manual path)"};
       const auto code = static_cast<int64_t>(value);
-      if (value != static_cast<double>(code) || code < 0 || code > 7) {
+      if (value != static_cast<double>(code) || code < 0 || code > 15) {
         return "?";
       }
-      return std::string(kinds[code % 4]) + (code >= 4 ? " (a bucket rebuild pending)" : "");
+      return std::string(kinds[code % 4]) + (code & 4 ? " (a bucket rebuild pending)" : "") +
+          (code & 8 ? " in a window resumed from a rank-independent state" : "");
     }
     case Shown::Optional:
       if (value < 0) {
@@ -209,8 +211,17 @@ std::string construction_disagreement(const Agreement& agreement,
 namespace {
 
 // What the ranks should do when their kind codes (State::kind_code(): the
-// call, plus 4 while a bucket rebuild is pending) differ: by the part that
-// differs, or both where the values are not known (more than 2 ranks).
+// call, plus 4 while a bucket rebuild is pending, plus 8 in a resumed
+// window) differ: by the part that differs, or all where the values are not
+// known (more than 2 ranks).
+//
+// Note [A window resumed on some ranks only]
+// A rank-independent state saved in the middle of a window holds the
+// window's sums reduced over ranks; acc.load_state_dict() gives each rank its
+// share of them. A rank that loaded it while another went on with its own
+// sums (or loaded another) would reduce a window that counts some micro-batch
+// twice and another not at all, with nothing else differing. So each such
+// window says so in its kind code, and the ranks that disagree drop it.
 std::string kind_remedy(const HeaderValues& values) {
   const bool known = values.other.has_value();
   // The manual path against a window: a stray plain backward, or another path.
@@ -224,14 +235,25 @@ std::string kind_remedy(const HeaderValues& values) {
         "acc.refresh_parameters() at the same window boundary (a rank that does not call it reduces its "
         "next window against the others' check)";
   const std::string rebuild = "rebuild_buckets differs across ranks? Every rank must use the same options";
+  const std::string resumed = "A rank-independent state saved in the middle of a window must be loaded "
+      "(acc.load_state_dict()) on every rank or on none: a rank that loaded it holds a share of every rank's "
+      "sums, one that went on holds its own";
   const bool call_differs = known && values.mine % 4 != *values.other % 4;
-  const bool rebuild_differs = known && (values.mine >= 4) != (*values.other >= 4);
-  if (!call_differs && !rebuild_differs) {
+  const bool rebuild_differs = known && (values.mine & 4) != (*values.other & 4);
+  const bool resumed_differs = known && (values.mine & 8) != (*values.other & 8);
+  if (!call_differs && !rebuild_differs && !resumed_differs) {
     return "The codes: 0 a window's reduction, 1 acc.state_dict()'s snapshot, 2 acc.refresh_parameters()'s "
-        "check, 3 a plain loss.backward()'s reduction, plus 4 with a bucket rebuild pending. " + calls +
-        "; or " + rebuild;
+        "check, 3 a plain loss.backward()'s reduction, plus 4 with a bucket rebuild pending, plus 8 in a window "
+        "resumed from a rank-independent state. " + calls + "; or " + rebuild + "; or: " + resumed;
   }
-  return call_differs && rebuild_differs ? calls + ". " + rebuild : call_differs ? calls : rebuild;
+  std::string out;
+  for (const auto& [differs, text] : {std::pair<bool, const std::string*>{call_differs, &calls},
+                                      {rebuild_differs, &rebuild}, {resumed_differs, &resumed}}) {
+    if (differs) {
+      out += (out.empty() ? "" : ". ") + *text;
+    }
+  }
+  return out;
 }
 
 } // namespace

@@ -358,9 +358,11 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
       touched[i].store(false, std::memory_order_relaxed);
     }
   }
-  /// kKind's value: the kind, plus 4 while the bucket rebuild is pending.
+  /// kKind's value: the kind, plus 4 while the bucket rebuild is pending,
+  /// plus 8 in a window resumed from a rank-independent state (Note [A
+  /// window resumed on some ranks only]).
   int64_t kind_code() const {
-    return window.kind() + (buckets.final ? 0 : 4);
+    return window.kind() + (buckets.final ? 0 : 4) + (window.request.shared ? 8 : 0);
   }
   /// This rank's values of what the ranks must agree on, for this reduction.
   detail::AgreementInputs agreement_inputs() const {

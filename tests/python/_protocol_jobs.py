@@ -472,6 +472,32 @@ def no_sync_closing(rank, world_size, *, who):
     return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
 
 
+@job
+def ri_load_on_some_ranks(rank, world_size, *, loaders):
+    """K=2, 3 windows (refused_micro_batch's data). After window 1's first
+    micro-step every rank saves acc.state_dict() (rank-independent); the
+    ranks in `loaders` load it back (Note [A window resumed on some ranks
+    only])."""
+    import gradaccum
+    model = du.mlp(REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=MICRO)
+    errors = []
+    windows = du.make_windows(REFUSE_SEED, [[MICRO] * world_size] * 3, MICRO)
+    for w, window in enumerate(windows):
+        for k, batch in enumerate(window[rank]):
+            try:
+                acc.backward(du.micro_loss(model, batch, "mean")[0])
+            except Exception as e:  # noqa
+                errors.append((f"{w}/{k}", type(e).__name__, str(e)))
+            if w == 1 and k == 0:
+                state = acc.state_dict()
+                if rank in loaders:
+                    acc.load_state_dict(state)
+        acc.step()
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
+
+
 def two_towers_batches(rank, n, salt):
     g = torch.Generator().manual_seed(4 + rank + 10 * salt)
     return [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(n)]

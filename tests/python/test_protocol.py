@@ -420,6 +420,35 @@ def test_the_closing_micro_step_inside_no_sync_drops_the_window_on_every_rank(tm
         du.assert_params_close(res["params"], pj.refused_reference(2, dropped=1), "no_sync")
 
 
+@pytest.mark.parametrize("loaders", [[1], [0, 1]], ids=["one_rank", "every_rank"])
+def test_a_mid_window_rank_independent_state_loaded_on_one_rank_drops_the_window(tmp_path, loaders):
+    """Note [A window resumed on some ranks only]: before, rank 1's share of
+    the saved sums met rank 0's own sums, and the window stepped a gradient
+    that counted rank 0's first micro-batch 1.5 times and rank 1's 0.5 times,
+    with no error. Loaded on every rank, the window is the big batch's."""
+    results = run("ri_load_on_some_ranks", 2, tmp_path, loaders=loaders)
+    if len(loaders) == 2:
+        for res in results:
+            assert res["errors"] == [] and res["stats"]["optimizer_steps"] == 3
+            du.assert_params_close(res["params"], pj.refused_reference(2, dropped=None), "every rank loaded")
+        return
+    for rank, res in enumerate(results):
+        assert len(res["errors"]) == 1 and res["errors"][0][:2] == ("1/1", "RuntimeError"), res["errors"]
+        # (window 2 in the reducer's count: the snapshot was reduction 1)
+        mine, theirs = "a window's reduction", "a window's reduction in a window resumed from a rank-independent state"
+        if rank == 1:
+            mine, theirs = theirs, mine
+        assert res["errors"][0][2] == (
+            "gradaccum: acc.backward(): window 2: the ranks disagree on what this collective is, whether a bucket "
+            "rebuild follows it, or whether its window was resumed from a rank-independent state: this rank (rank "
+            f"{rank}) has {mine}, rank {1 - rank} has {theirs}. A rank-independent state saved in the middle of a "
+            "window must be loaded (acc.load_state_dict()) on every rank or on none: a rank that loaded it holds a "
+            "share of every rank's sums, one that went on holds its own. The window was dropped on every rank"), \
+            res["errors"][0][2]
+        assert res["stats"]["dropped_windows"] == 1 and res["stats"]["optimizer_steps"] == 2
+        du.assert_params_close(res["params"], pj.refused_reference(2, dropped=1), "one rank loaded")
+
+
 @pytest.mark.parametrize("short", [False, True])
 def test_two_accumulators_whose_windows_cross_raise_on_every_rank(tmp_path, short):
     """Two Accumulators over one group with buckets of the same sizes; rank 1

@@ -179,8 +179,12 @@ NOTHING_REFRESHED = (". Nothing was refreshed: call acc.refresh_parameters() aga
                      "window boundary")
 CALLS = ("Every rank must call acc.state_dict() at the same micro-step of a window, and acc.refresh_parameters() at "
          "the same window boundary (a rank that does not call it reduces its next window against the others' check)")
+RESUMED = ("A rank-independent state saved in the middle of a window must be loaded (acc.load_state_dict()) on "
+           "every rank or on none: a rank that loaded it holds a share of every rank's sums, one that went on holds "
+           "its own")
 LEGEND = ("The codes: 0 a window's reduction, 1 acc.state_dict()'s snapshot, 2 acc.refresh_parameters()'s check, "
-          "3 a plain loss.backward()'s reduction, plus 4 with a bucket rebuild pending. ")
+          "3 a plain loss.backward()'s reduction, plus 4 with a bucket rebuild pending, plus 8 in a window resumed "
+          "from a rank-independent state. ")
 
 
 FLUSHED = (". Nothing was refreshed; other ranks ended their epoch with acc.flush() in it: call acc.flush() here (a "
@@ -206,9 +210,10 @@ def one_sided_error(rank, world_size, mode):
         rest = f", rank {odd if rank != odd else 0} has {theirs}. {CALLS}"
     else:
         rest = f" (mean over the 3 ranks: 1.33333). {LEGEND}{CALLS}; or rebuild_buckets differs across ranks? " \
-               "Every rank must use the same options"
-    return (f"{call}: the ranks disagree on what this collective is, or whether a bucket rebuild follows it: this "
-            f"rank (rank {rank}) has {mine}{rest}. The window was dropped on every rank{tail}")
+               f"Every rank must use the same options; or: {RESUMED}"
+    return (f"{call}: the ranks disagree on what this collective is, whether a bucket rebuild follows it, or whether "
+            f"its window was resumed from a rank-independent state: this rank (rank {rank}) has {mine}{rest}. The "
+            f"window was dropped on every rank{tail}")
 
 
 @pytest.mark.parametrize("world_size,mode,options", [
