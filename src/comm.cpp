@@ -1,6 +1,7 @@
 #include "comm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -153,10 +154,19 @@ at::Tensor slot_of(const at::Tensor& flat, int64_t offset, const at::Tensor& t) 
 
 OnceBroadcast::OnceBroadcast(const std::vector<at::Tensor>& tensors) {
   std::map<std::pair<at::DeviceType, c10::DeviceIndex>, Staged> staged;
-  for (const auto& t : tensors) {
-    if (!t.defined() || t.numel() == 0) {
-      continue; // (the same on every rank: their shapes were compared)
+  for (auto t : tensors) {
+    if (!t.defined() || t.numel() == 0 || t.layout() != at::kStrided || t.is_quantized()) {
+      continue; // (the same on every rank: their shapes were compared; sparse and quantized ones stay as they are)
     }
+    // An expanded tensor (stride 0) holds its first slice, repeated.
+    for (const auto d : c10::irange(t.dim())) {
+      if (t.stride(d) == 0 && t.size(d) > 1) {
+        t = t.narrow(d, 0, 1);
+      }
+    }
+    TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes,
+        "gradaccum: Accumulator(): a frozen parameter (requires_grad=False) of sizes ", t.sizes(), " and strides ",
+        t.strides(), " overlaps itself in memory; it is broadcast from rank 0 as torch DDP does: clone() it");
     if (t.is_contiguous() && t.numel() * t.element_size() >= kInPlaceBytes) {
       in_place_.push_back(bytes_of(t));
       continue;

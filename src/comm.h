@@ -45,7 +45,8 @@ class BroadcastPlan {
 /// parameters at construction, as torch DDP syncs its module's states), bit
 /// for bit whatever their dtype: a contiguous tensor of at least
 /// kInPlaceBytes in place, as bytes; the rest through one flat byte copy per
-/// device, allocated here, so that run() allocates nothing.
+/// device, allocated here, so that run() allocates nothing. An expanded
+/// tensor sends the slice it repeats; sparse and quantized ones are left out.
 class OnceBroadcast {
  public:
   static constexpr int64_t kInPlaceBytes = int64_t{1} << 20;

@@ -26,7 +26,7 @@ using detail::CallGuard;
 // layers is an error on every rank there; every rank must call it at the
 // same point, like every collective: a rank that does not refresh would pair
 // its next window with the check) and broadcasts rank 0's values, which
-// equal everyone's (the frozen ones were broadcast at construction). The counters and the window number carry
+// equal everyone's, and the frozen ones too, as at construction. The counters and the window number carry
 // over; error-feedback residuals start at zero; the buckets are laid out
 // again (and rebuilt in ready order after the next window, on every rank
 // alike). Parameters that left the set get `.grad = None`, so the optimizer
@@ -123,7 +123,7 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
       const auto progress = reducer_->progress();
       reducer = std::make_unique<Reducer>(
           model.parameters, reducer_->process_group(), options_.reducer(), std::move(model.buffers), model.names,
-          window_rule());
+          window_rule(), frozen);
       reducer->restore(progress, /*backwards_too=*/true);
     } else if (const auto dtype = options_.accumulate_dtype()) {
       wide = std::make_unique<detail::WideSums>(model.parameters, *dtype);

@@ -174,7 +174,8 @@ def built_in_another_order(rank, world_size):
 class Frozen(nn.Module):
     """A trainable head over frozen parameters of each kind the broadcast
     sends: one of 2 MiB (in place), small ones (staged), a transposed one
-    (not contiguous), complex and int8 ones (as bytes)."""
+    (not contiguous), an expanded one (its slice), complex and int8 ones (as
+    bytes)."""
 
     def __init__(self, seed):
         super().__init__()
@@ -184,11 +185,12 @@ class Frozen(nn.Module):
         self.strided = nn.Parameter(torch.randn(3, 5, dtype=torch.float64).t(), requires_grad=False)
         self.twisted = nn.Parameter(torch.randn(3, dtype=torch.complex64), requires_grad=False)
         self.codes = nn.Parameter(torch.randint(-100, 100, (7,), dtype=torch.int8), requires_grad=False)
+        self.tiled = nn.Parameter(torch.randn(1, 3, dtype=torch.float64).expand(4, 3), requires_grad=False)
         self.head = nn.Linear(3, 1).double()
 
     def forward(self, x):
         h = torch.tanh(self.small(x) @ self.strided.t() @ self.strided) + self.big[0, :3] * self.codes[:3].double()
-        return self.head(h * self.twisted.abs().double())
+        return self.head(h * self.twisted.abs().double() + self.tiled)
 
 
 @job
@@ -218,5 +220,10 @@ def frozen_parameters(rank, world_size, *, freeze_extra=False):
     loss = sum(reference(batch(r, k)).pow(2).mean() for r in range(world_size) for k in range(K))
     want = torch.autograd.grad(loss / (world_size * K), [reference.head.weight, reference.head.bias])
     error = max((p.grad - g).abs().max().item() for p, g in zip([m.head.weight, m.head.bias], want))
+    acc.zero_grad()  # (no optimizer: a window boundary)
+    # refresh_parameters() checks and broadcasts the frozen parameters again.
+    m.late = nn.Parameter(torch.full((2,), float(rank), dtype=torch.float64), requires_grad=False)
+    acc.refresh_parameters(m)
+    late = m.late.tolist()
     acc.close()
-    return {"error": None, "frozen_equal": frozen_equal, "gradient_error": error}
+    return {"error": None, "frozen_equal": frozen_equal, "gradient_error": error, "late": late}

@@ -155,7 +155,8 @@ def test_accumulators_built_in_another_order_are_told_so(tmp_path):
 def test_frozen_parameters_are_rank_zeros_after_construction(tmp_path):
     """Models initialised from a different seed on each rank: Accumulator()
     broadcasts rank 0's frozen parameters (in place, staged, strided,
-    complex, int8), as torch DDP syncs its module's states; before, they
+    expanded, complex, int8), as torch DDP syncs its module's states, and
+    refresh_parameters() those it finds then; before, they
     kept each rank's values, and the window's gradient differed from the big
     batch's by 0.3 with no error."""
     results = du.run_job("frozen_parameters", 2, tmp_path, module=M, timeout=90, pg_timeout=PG_TIMEOUT)
@@ -163,6 +164,7 @@ def test_frozen_parameters_are_rank_zeros_after_construction(tmp_path):
         assert res["error"] is None, res["error"]
         assert res["frozen_equal"]
         assert res["gradient_error"] < 1e-12, res["gradient_error"]
+        assert res["late"] == [0.0, 0.0]
 
 
 def test_frozen_parameters_that_differ_across_ranks_are_an_error_on_every_rank(tmp_path):
@@ -171,5 +173,5 @@ def test_frozen_parameters_that_differ_across_ranks_are_an_error_on_every_rank(t
     for res in results:
         assert res["error"] == (
             "gradaccum: Accumulator(): the model's frozen parameters (requires_grad=False) differ across ranks: "
-            "rank 1 has 7, rank 0 has 6. Rank 0's are broadcast into every rank's (as torch DDP does): freeze "
+            "rank 1 has 8, rank 0 has 7. Rank 0's are broadcast into every rank's (as torch DDP does): freeze "
             "the same parameters on every rank"), res["error"]
