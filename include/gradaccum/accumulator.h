@@ -419,6 +419,9 @@ class Accumulator {
   void fail_micro_step(AbortReason why);
   /// refuse_micro_batch() inside a call that holds the call guard.
   std::string drop_refused_window(const char* call);
+  /// Note [A manual reduction in the middle of a window]: ends the window a
+  /// plain loss.backward()'s reduction ended on the other ranks.
+  void realign_after_manual_reduction();
   /// Note [The closing micro-step inside no_sync()]: throws, at the window's
   /// closing micro-step inside acc.no_sync(), after dropping the window on
   /// every rank.
@@ -523,6 +526,8 @@ class Accumulator {
   /// a rank-independent state loaded in its middle (Note [Dropping the middle
   /// of a window]).
   bool window_shared_ = false;
+  /// Reducer::manual_reductions() when this window's first micro-step ran.
+  uint64_t manual_seen_ = 0;
   /// The reducer found the closed window's gradient finite as it wrote it back.
   bool window_known_finite_ = false;
   /// The closed window's weight is 0 on every rank (every micro-batch left

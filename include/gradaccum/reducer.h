@@ -315,6 +315,10 @@ class Reducer {
   /// Gradient hooks run so far: unchanged over a backward that changed
   /// gradients, the engine ran none (compiled autograd).
   uint64_t hook_calls() const;
+  /// Reductions a plain loss.backward() began (the manual path), dropped
+  /// ones included: an Accumulator tells by it that one ended its window
+  /// (Note [A manual reduction in the middle of a window]).
+  uint64_t manual_reductions() const;
   /// From a window's close to its step (Note [A backward after the window
   /// closed]): while held, a hook starts no reduction (a manual-path
   /// backward would); it records the first parameter a backward reached.

@@ -239,6 +239,7 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
   const CallGuard guard(driver_, driving_, call, &call_);
   check_no_open_parts(call);
   check_micro_step_state(call);
+  realign_after_manual_reduction();
   window_forwards_ = true; // its forward ran, whatever the checks below say of its loss
   // Every check comes before backward: a rejected call changes nothing, but
   // see Note [A refused closing micro-batch].
@@ -281,6 +282,7 @@ void Accumulator::empty_micro_step() {
   const CallGuard guard(driver_, driving_, call, &call_);
   check_no_open_parts(call);
   check_micro_step_state(call);
+  realign_after_manual_reduction();
   refuse_closing_in_no_sync(call);
   const auto before = grad_versions();
   check_window_gradients(call, before);

@@ -62,6 +62,7 @@ void Accumulator::check_no_open_parts(const char* what) const {
 void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> num_items,
                                 const at::Tensor& reported, double share, const at::Tensor& metrics) {
   const CallGuard guard(driver_, driving_, "acc.run()", &call_);
+  realign_after_manual_reduction();
   // Every check comes before backward: a rejected call changes nothing.
   double weight = check_micro_step(loss, num_items, "acc.run()");
   window_forwards_ = true; // (a refused part: acc.run() fails the whole micro-step)

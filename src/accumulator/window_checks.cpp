@@ -17,6 +17,30 @@ void Accumulator::check_open(const char* what) const {
   TORCH_CHECK(!closed_, "gradaccum: ", what, ": this Accumulator was closed");
 }
 
+// Note [A manual reduction in the middle of a window]
+// A plain loss.backward() outside acc.no_sync() begins the manual path's
+// reduction. On one rank in the middle of an acc.backward() window, it pairs
+// with the other ranks' closing reduction, which drops the window on every
+// rank (their kinds differ); run on every rank, it reduces the window so far
+// as a manual one. Either way the others' window ended there, while this
+// rank still counted micro-steps into its own: its next closing micro-step
+// would pair with their next window's, and every window after it the same,
+// one micro-batch apart and silently. So the next micro-step here first ends
+// that window too (its gradients are the manual reduction's, or the drop
+// cleared them) and starts a new one, at the others' position.
+void Accumulator::realign_after_manual_reduction() {
+  if (!reducer_) {
+    return;
+  }
+  const auto manual = reducer_->manual_reductions();
+  if (micro_step_ > 0 && !parts_open_ && !window_ready_ && manual != manual_seen_) {
+    reset_window();
+  }
+  if (micro_step_ == 0 && !parts_open_) {
+    manual_seen_ = manual;
+  }
+}
+
 void Accumulator::remember_gradients() {
   remembered_ = grad_versions();
 }

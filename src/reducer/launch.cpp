@@ -23,6 +23,9 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
   window.in_flight = true;
   window.request = request;
   window.entry = entry;
+  if (entry == detail::Entry::ManualBackward) {
+    manual_reductions.fetch_add(1, std::memory_order_relaxed);
+  }
   ++window.sync_id;
   window.anchor_task = task;
   window.aborted_here = false;

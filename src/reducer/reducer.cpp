@@ -347,6 +347,10 @@ uint64_t Reducer::hook_calls() const {
   return state_->hook_calls.load(std::memory_order_relaxed);
 }
 
+uint64_t Reducer::manual_reductions() const {
+  return state_->manual_reductions.load(std::memory_order_relaxed);
+}
+
 void Reducer::hold_closed_window(bool hold) {
   state_->late.arm(hold);
 }

@@ -244,6 +244,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// Gradient hooks run, in all: a backward that changed gradients without
   /// running one ran none (Note [Compiled autograd]).
   std::atomic<uint64_t> hook_calls{0};
+  std::atomic<uint64_t> manual_reductions{0}; ///< Reducer::manual_reductions()
   /// Reducer::backward() (acc.backward()) is running: a compiled backward
   /// without hooks is then reduced after it (Note [Compiled autograd]).
   std::atomic<bool> in_backward{false};

@@ -498,6 +498,32 @@ def ri_load_on_some_ranks(rank, world_size, *, loaders):
     return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
 
 
+@job
+def manual_mid_window(rank, world_size, *, at):
+    """K=3, 3 windows, acc.step() after every micro-batch. Rank 1 runs window
+    0's micro-batch `at` through a plain loss.backward() (the manual path):
+    its reduction meets rank 0's closing one and the window is dropped on
+    both (Note [A manual reduction in the middle of a window])."""
+    import gradaccum
+    model = du.mlp(REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=3)
+    errors = []
+    windows = du.make_windows(REFUSE_SEED, [[3] * world_size] * 3, 3)
+    for w, window in enumerate(windows):
+        for k, batch in enumerate(window[rank]):
+            loss = du.micro_loss(model, batch, "mean")[0]
+            try:
+                if rank == 1 and w == 0 and k == at:
+                    loss.backward()
+                else:
+                    acc.backward(loss)
+                acc.step()
+            except Exception as e:  # noqa
+                errors.append((f"{w}/{k}", type(e).__name__, str(e)[:60]))
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats(), "micro_step": acc.micro_step}
+
+
 def two_towers_batches(rank, n, salt):
     g = torch.Generator().manual_seed(4 + rank + 10 * salt)
     return [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(n)]

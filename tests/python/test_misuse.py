@@ -206,13 +206,17 @@ def test_bools_are_not_counts():
         acc.load_state_dict(dict(state, window_weight=3.0))
 
 
-def test_accumulator_backward_inside_its_own_no_sync_is_an_error():
+def test_accumulator_backward_inside_its_own_no_sync_is_an_error_where_it_closes_the_window():
+    """Note [The closing micro-step inside no_sync()]: before the closing
+    micro-step it runs as outside (no collective either way)."""
     model = mlp()
     acc = gradaccum.Accumulator(model, None, steps=2)
     with acc.no_sync():
-        with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.backward\(\): called inside acc\.no_sync\(\)"):
+        acc.backward(model(torch.ones(1, 4, dtype=torch.float64)).sum())
+        with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.backward\(\): called inside acc\.no_sync\(\) at "
+                           r"the window's closing micro-step"):
             acc.backward(model(torch.ones(1, 4, dtype=torch.float64)).sum())
-    assert acc.micro_step == 0
+    assert acc.micro_step == 1
 
 
 # --------------------------------------------------------------------------- #

@@ -449,6 +449,24 @@ def test_a_mid_window_rank_independent_state_loaded_on_one_rank_drops_the_window
         du.assert_params_close(res["params"], pj.refused_reference(2, dropped=1), "one rank loaded")
 
 
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_plain_backward_in_the_middle_of_a_window_on_one_rank_is_one_dropped_window(tmp_path, at):
+    """Note [A manual reduction in the middle of a window]: before, rank 1
+    kept counting micro-steps into the window the others had ended: its next
+    window was dropped too (its gradients "cleared outside the Accumulator"),
+    and its windows then closed at other micro-batches than the others'."""
+    results = run("manual_mid_window", 2, tmp_path, at=at)
+    prefix = {0: "gradaccum: acc.backward(): window 0: the ranks disagree on w"[:60],
+              1: "gradaccum: loss.backward(): window 0: the ranks disagree on "[:60]}
+    closing = {0: "0/2", 1: f"0/{at}"}
+    for rank, res in enumerate(results):
+        assert res["errors"] == [(closing[rank], "RuntimeError", prefix[rank])], res["errors"]
+        assert res["stats"]["dropped_windows"] == 1, res["stats"]
+    # Every later window reduced on both ranks alike, at the same collectives.
+    assert results[0]["stats"]["optimizer_steps"] == results[1]["stats"]["optimizer_steps"] == 2
+    du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)
+
+
 @pytest.mark.parametrize("short", [False, True])
 def test_two_accumulators_whose_windows_cross_raise_on_every_rank(tmp_path, short):
     """Two Accumulators over one group with buckets of the same sizes; rank 1

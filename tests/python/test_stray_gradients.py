@@ -148,10 +148,12 @@ def test_a_stray_reducing_backward_on_one_rank_is_told_to_every_rank(tmp_path):
               "window was dropped on every rank")
     manual, window = "a plain loss.backward()'s reduction (the manual path)", "a window's reduction"
     assert results[0]["errors"] == [("w1", f"gradaccum: acc.backward(): window 1: the ranks disagree on what this "
-                                           f"collective is, or whether a bucket rebuild follows it: this rank "
+                                           f"collective is, whether a bucket rebuild follows it, or whether its "
+                                           f"window was resumed from a rank-independent state: this rank "
                                            f"(rank 0) has {window}, rank 1 has {manual}. {remedy}")]
     assert results[1]["errors"] == [("stray", f"gradaccum: loss.backward(): window 1: the ranks disagree on what "
-                                              f"this collective is, or whether a bucket rebuild follows it: this "
+                                              f"this collective is, whether a bucket rebuild follows it, or whether "
+                                              f"its window was resumed from a rank-independent state: this "
                                               f"rank (rank 1) has {manual}, rank 0 has {window}. {remedy}")]
     for res in results:
         assert res["dropped_windows"] == 1 and res["optimizer_steps"] == 2, res
