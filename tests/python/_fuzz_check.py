@@ -78,12 +78,15 @@ def check(sched, results, tol=None):
         if res["optimizer_steps"] != model.optimizer_steps:
             problems.append(f"rank {r}: stats()['optimizer_steps'] {res['optimizer_steps']}, "
                             f"expected {model.optimizer_steps}")
+        if res.get("skipped_steps", model.skipped_steps) != model.skipped_steps:
+            problems.append(f"rank {r}: stats()['skipped_steps'] {res['skipped_steps']}, "
+                            f"expected {model.skipped_steps}")
     return problems
 
 
 def _order(key):
     parts = key.split("/")
-    return tuple(int(p) for p in parts[1:]) + ("gzcxrblsjf".index(parts[0]),)
+    return tuple(int(p) for p in parts[1:]) + ("agzcxrblsjf".index(parts[0]),)
 
 
 def _show(obs):

@@ -60,6 +60,9 @@ class _Run:
         loss, n = fm.micro_loss(self.net, batch, self.s["reduction"], spec)
         if spec == "boom":
             loss = Boom.apply(loss)
+        if n is not None:
+            # Each form a caller passes: an int, a float, a 0-dim or one-element tensor.
+            n = [n, float(n), torch.tensor(n), torch.tensor([float(n)])][(e + t + self.rank) % 4]
         self.acc.backward(loss, num_items=n)
 
     def manual_backward(self, e, t, spec, closing, obs):
@@ -245,7 +248,8 @@ class _Run:
             self.restart(obs)
         out = {"obs": obs, "trace": trace, "micro_step": self.acc.micro_step,
                "window_ready": self.acc.window_ready,
-               "optimizer_steps": self.acc.stats()["optimizer_steps"]}
+               "optimizer_steps": self.acc.stats()["optimizer_steps"],
+               "skipped_steps": self.acc.stats()["skipped_steps"]}
         self.acc.close()
         return out
 
@@ -254,8 +258,10 @@ def _without_group(rank, world_size, sched, relaunch):
     """A torchrun launch that forgot init_process_group(): the default group is
     destroyed, WORLD_SIZE and RANK are set as torchrun sets them, and an
     Accumulator is built with the default process_group; then the group comes
-    back on the same store. Returns the construction's observation and the
-    driver's new control group."""
+    back on the same store. Also an Accumulator built with no group and no
+    launch (one process, as it looks then), whose first backward after the
+    group came back must refuse to train each rank alone. Returns the two
+    observations and the driver's new control group."""
     from datetime import timedelta
 
     import gradaccum
@@ -272,10 +278,20 @@ def _without_group(rank, world_size, sched, relaunch):
         seen = ["ok", None]
     except Exception as err:  # noqa: BLE001 - recorded, judged by the parent
         seen = _err(err)
+    try:
+        alone = fm.make_net(sched["net"], sched["seed"])
+        early = gradaccum.Accumulator(alone, torch.optim.SGD(alone.parameters(), lr=0.1), steps=sched["steps"])
     finally:
         dist.init_process_group(backend, store=dist.PrefixStore(f"relaunch{relaunch}", store), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT))
-    return seen, dist.new_group(backend="gloo")
+    batch = fm.micro_data(sched["seed"], 0, rank, 0, "ok")
+    try:
+        early.backward(fm.micro_loss(alone, batch, "mean", "ok")[0])
+        late = ["ok", None]
+    except Exception as err:  # noqa: BLE001
+        late = _err(err)
+    early.close()
+    return (seen, late), dist.new_group(backend="gloo")
 
 
 @job
@@ -295,7 +311,7 @@ def fuzz_schedules(rank, world_size, *, schedules):
             run = _Run(rank, sched, ctl)
             out.append(run.run())
             if launch is not None:
-                out[-1]["obs"]["g"] = launch
+                out[-1]["obs"]["g"], out[-1]["obs"]["a"] = launch
         except Exception:  # noqa: BLE001
             out.append({"crash": traceback.format_exc()[-3000:]})
             if run is not None and run.acc is not None:
@@ -373,7 +389,7 @@ def signature(problems):
             kinds.add("params")
         elif "window_loss" in p:
             kinds.add("loss")
-        elif "micro_step" in p or "optimizer_steps" in p:
+        elif "micro_step" in p or "optimizer_steps" in p or "skipped_steps" in p:
             kinds.add("state")
         else:
             kinds.add("calls")

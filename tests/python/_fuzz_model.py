@@ -111,6 +111,7 @@ class _Window:
         self.weight = 0.0    # micro-batches kept ("mean", "sum") or items ("items")
         self.loss = 0.0      # the sum of the kept losses
         self.kept = 0        # micro-batches whose backward ran
+        self.steps = 0       # micro-steps counted (empty ones and left-out ones too)
         self.nan = False     # a backward with a NaN gradient ran ("skip")
         self.culprits = {}   # rank -> "boom" | "cleared": the window must be dropped
         self.cut = False     # a checkpoint resumed it mid-window (its loss is not saved)
@@ -127,6 +128,7 @@ class Model:
         self.buf = [None] * len(self.params)  # SGD's momentum buffers, per parameter
         self.mask = [[1] * len(self.params) for _ in range(self.W)]  # requires_grad, per rank
         self.optimizer_steps = 0
+        self.skipped_steps = 0  # windows closed with nothing to step, or a non-finite gradient
         self.m = 0  # micro-step, alike on every rank outside an epoch's last window
         self.win = [_Window() for _ in range(self.W)]
         self.exp = [dict() for _ in range(self.W)]
@@ -162,6 +164,7 @@ class Model:
     def _contribute(self, e, r, t, spec):
         """The local effect of rank r's backward of micro-batch t (no reduction)."""
         w = self.win[r]
+        w.steps += 1
         if spec == "boom":
             w.culprits.setdefault(r, "boom")
             return
@@ -189,12 +192,16 @@ class Model:
         wins = self.win
         if any(w.nan for w in wins) and self.nonfinite == "skip":
             self.seen.add("nonfinite window skipped")
+            self.skipped_steps += 1
             return False, None  # a non-finite window is skipped, alike on every rank
         weight = sum(w.weight for w in wins)
         kept = sum(w.kept for w in wins)
         if weight == 0 or kept == 0:
             if kept:
                 self.seen.add("window with no items")
+            # (a window of micro-steps that kept nothing steps nothing, counted;
+            # a flush of no micro-step at all is no window)
+            self.skipped_steps += 1 if any(w.steps for w in wins) else 0
             return False, None  # nothing kept (or no items) anywhere: no step
         if any(m != self.mask[0] for m in self.mask):
             raise InvalidSchedule("a window over ranks with different trainable sets")
@@ -249,6 +256,9 @@ class Model:
             self.seen.add("launched without a group")
             for r in range(self.W):
                 self.exp[r]["g"] = ("err", ["no process group exists", "would train alone"], [], True)
+                # one built before the group, used after it: README, torchrun
+                self.exp[r]["a"] = ("err", ["torch.distributed was initialized after this Accumulator was built",
+                                            "each rank would train alone"], [], True)
         for e, ep in enumerate(self.s["epochs"], self.s.get("first_epoch", 0)):
             if len(ep["micros"]) != self.W:
                 raise InvalidSchedule("micros per rank")
@@ -328,6 +338,7 @@ class Model:
                         if mine[r]:
                             self.seen.add("acc.zero_grad() mid-window")
                             self.win[r].cut, self.win[r].shared = old.cut, old.shared
+                            self.win[r].steps = old.steps if self.W > 1 else 0  # (the micro-steps still count)
                             if old.shared:
                                 self.win[r].culprits.setdefault(r, "cleared")
                     elif kind == "checkpoint":

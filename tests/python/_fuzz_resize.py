@@ -60,6 +60,7 @@ def expect_phase(psched):
     b = fm.Model(dict(_before(whole), world=r["world"], steps=r["steps"], epochs=r["epochs"],
                       first_epoch=n_before))
     b.params, b.buf, b.optimizer_steps, b.m = a.params, a.buf, a.optimizer_steps, a.m
+    b.skipped_steps = a.skipped_steps
     b.mask = [list(a.mask[0]) for _ in range(b.W)]
     taken = fm._Window()  # rank 0 takes the whole half-done window
     for w in a.win:
@@ -67,6 +68,7 @@ def expect_phase(psched):
         taken.weight += w.weight
         taken.loss += w.loss
         taken.kept += w.kept
+        taken.steps += w.steps
         taken.nan = taken.nan or w.nan
     taken.cut = bool(a.m)
     b.win[0] = taken
