@@ -145,38 +145,51 @@ at::Tensor bytes_of(const at::Tensor& t) {
   return t.reshape({-1}).view(at::kByte);
 }
 
-// The slot of `flat` (bytes) at `offset` that holds `t`, as `t`'s dtype and shape.
-at::Tensor slot_of(const at::Tensor& flat, int64_t offset, const at::Tensor& t) {
-  return flat.narrow(0, offset, t.numel() * t.element_size()).view(t.scalar_type()).view(t.sizes());
+int64_t nbytes(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+// `bytes` (as many as `t` holds, contiguous) viewed as `t`'s dtype and shape.
+at::Tensor as_shaped(const at::Tensor& bytes, const at::Tensor& t) {
+  return bytes.view(t.scalar_type()).view(t.sizes());
+}
+
+// The part of `t` that holds its values: an expanded tensor (stride 0)
+// repeats its first slice. (`t`, `like` of one shape.)
+std::pair<at::Tensor, at::Tensor> cores(at::Tensor t, at::Tensor like) {
+  for (const auto d : c10::irange(t.dim())) {
+    if (t.stride(d) == 0 && t.size(d) > 1) {
+      t = t.narrow(d, 0, 1);
+      like = like.narrow(d, 0, 1);
+    }
+  }
+  return {t, like};
 }
 
 } // namespace
 
+// The plan depends on each tensor's device type, dtype and sizes only, which
+// the construction check compares: not on strides, which it does not, so a
+// tensor contiguous on one rank and a view on another sends alike.
 OnceBroadcast::OnceBroadcast(const std::vector<at::Tensor>& tensors) {
-  std::map<std::pair<at::DeviceType, c10::DeviceIndex>, Staged> staged;
-  for (auto t : tensors) {
+  std::map<at::DeviceType, Staged> staged;
+  for (const auto& t : tensors) {
     if (!t.defined() || t.numel() == 0 || t.layout() != at::kStrided || t.is_quantized()) {
-      continue; // (the same on every rank: their shapes were compared; sparse and quantized ones stay as they are)
+      continue; // (the same on every rank: the check compares these too; sparse and quantized stay as they are)
     }
-    // An expanded tensor (stride 0) holds its first slice, repeated.
-    for (const auto d : c10::irange(t.dim())) {
-      if (t.stride(d) == 0 && t.size(d) > 1) {
-        t = t.narrow(d, 0, 1);
-      }
-    }
-    TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes,
+    TORCH_CHECK_VALUE(at::has_internal_overlap(cores(t, t).first) != at::MemOverlap::Yes,
         "gradaccum: Accumulator(): a frozen parameter (requires_grad=False) of sizes ", t.sizes(), " and strides ",
         t.strides(), " overlaps itself in memory; it is broadcast from rank 0 as torch DDP does: clone() it");
-    if (t.is_contiguous() && t.numel() * t.element_size() >= kInPlaceBytes) {
-      in_place_.push_back(bytes_of(t));
+    if (nbytes(t) >= kInPlaceBytes) {
+      // In place if it can be; else through a copy of its own, allocated here.
+      own_.push_back(Own{t, t.is_contiguous() ? bytes_of(t) : at::empty({nbytes(t)}, t.options().dtype(at::kByte))});
       continue;
     }
-    auto& group = staged[{t.device().type(), t.device().index()}];
+    auto& group = staged[t.device().type()];
     int64_t offset = 0;
     if (!group.members.empty()) {
-      const auto& last = group.members.back();
       constexpr int64_t kAlign = 16; // (a byte slot viewed as any dtype)
-      offset = (group.offsets.back() + last.numel() * last.element_size() + kAlign - 1) / kAlign * kAlign;
+      offset = (group.offsets.back() + nbytes(group.members.back()) + kAlign - 1) / kAlign * kAlign;
     }
     group.members.push_back(t);
     group.offsets.push_back(offset);
@@ -184,8 +197,7 @@ OnceBroadcast::OnceBroadcast(const std::vector<at::Tensor>& tensors) {
   for (auto& entry : staged) {
     auto& group = entry.second;
     const auto& last = group.members.back();
-    const auto bytes = group.offsets.back() + last.numel() * last.element_size();
-    group.flat = at::empty({bytes}, last.options().dtype(at::kByte));
+    group.flat = at::empty({group.offsets.back() + nbytes(last)}, last.options().dtype(at::kByte));
     staged_.push_back(std::move(group));
   }
 }
@@ -214,23 +226,38 @@ void OnceBroadcast::run(c10d::ProcessGroup& group, int root) const {
     });
     return received;
   };
-  for (const auto& bytes : in_place_) {
-    broadcast(bytes); // (a failed broadcast may leave part of it written: the error says so)
+  // Into `t` the values `shaped` holds (its shape), through their cores.
+  const auto write_back = [&](const at::Tensor& t, const at::Tensor& shaped) {
+    attempt([&] {
+      const auto [target, source] = cores(t, shaped);
+      target.copy_(source);
+    });
+  };
+  for (const auto& own : own_) {
+    const bool copied = own.bytes.data_ptr() != own.tensor.data_ptr();
+    if (sending && copied) {
+      attempt([&] { as_shaped(own.bytes, own.tensor).copy_(own.tensor); });
+    }
+    // (a failed broadcast may leave part of it written: the error says so)
+    if (broadcast(own.bytes) && !sending && copied) {
+      write_back(own.tensor, as_shaped(own.bytes, own.tensor));
+    }
   }
   for (const auto& g : staged_) {
+    const auto slot = [&](size_t i) {
+      return as_shaped(g.flat.narrow(0, g.offsets[i], nbytes(g.members[i])), g.members[i]);
+    };
     if (sending) {
       attempt([&] {
         for (const auto i : c10::irange(g.members.size())) {
-          slot_of(g.flat, g.offsets[i], g.members[i]).copy_(g.members[i]);
+          slot(i).copy_(g.members[i]);
         }
       });
     }
     if (broadcast(g.flat) && !sending) {
-      attempt([&] {
-        for (const auto i : c10::irange(g.members.size())) {
-          g.members[i].copy_(slot_of(g.flat, g.offsets[i], g.members[i]));
-        }
-      });
+      for (const auto i : c10::irange(g.members.size())) {
+        write_back(g.members[i], slot(i));
+      }
     }
   }
   if (failed) {

@@ -43,10 +43,12 @@ class BroadcastPlan {
 
 /// Gives every rank a root's values of tensors broadcast once (the frozen
 /// parameters at construction, as torch DDP syncs its module's states), bit
-/// for bit whatever their dtype: a contiguous tensor of at least
-/// kInPlaceBytes in place, as bytes; the rest through one flat byte copy per
-/// device, allocated here, so that run() allocates nothing. An expanded
-/// tensor sends the slice it repeats; sparse and quantized ones are left out.
+/// for bit whatever their dtype: one of at least kInPlaceBytes by itself (in
+/// place where contiguous, else through a copy of its own); the rest through
+/// one flat byte copy per device type. Every copy is allocated here, so that
+/// run() allocates nothing. The plan follows device types, dtypes and sizes
+/// only (what the construction check compares), never strides; an expanded
+/// tensor takes the slice it repeats; sparse and quantized ones are left out.
 class OnceBroadcast {
  public:
   static constexpr int64_t kInPlaceBytes = int64_t{1} << 20;
@@ -58,12 +60,16 @@ class OnceBroadcast {
   void run(c10d::ProcessGroup& group, int root) const;
 
  private:
+  struct Own {
+    at::Tensor tensor;
+    at::Tensor bytes; ///< its bytes, or a contiguous copy's
+  };
   struct Staged {
     std::vector<at::Tensor> members;
     std::vector<int64_t> offsets; ///< in bytes, aligned for any dtype
     at::Tensor flat; ///< bytes
   };
-  std::vector<at::Tensor> in_place_; ///< byte views
+  std::vector<Own> own_;
   std::vector<Staged> staged_;
 };
 

@@ -35,9 +35,22 @@ int64_t sizes_hash(at::IntArrayRef sizes) {
   return static_cast<int64_t>(h >> 1);
 }
 
+// A row's dtype code: the dtype, or kNotStrided minus it for a sparse or
+// quantized tensor (one the frozen parameters' broadcast leaves out).
+constexpr int64_t kNotStrided = -100;
+
+int64_t dtype_code(const at::Tensor& t) {
+  const auto dtype = static_cast<int64_t>(t.scalar_type());
+  return t.layout() == at::kStrided && !t.is_quantized() ? dtype : kNotStrided - dtype;
+}
+
 std::string describe(const at::Tensor& row) {
   std::ostringstream out;
-  const auto dtype = static_cast<at::ScalarType>(row[0].item<int64_t>());
+  const auto code = row[0].item<int64_t>();
+  const auto dtype = static_cast<at::ScalarType>(code <= kNotStrided ? kNotStrided - code : code);
+  if (code <= kNotStrided) {
+    out << "sparse or quantized ";
+  }
   const auto dim = row[1].item<int64_t>();
   out << dtype << " [";
   for (int64_t d = 0; d < std::min(dim, kMaxCheckedDims); ++d) {
@@ -151,7 +164,7 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
     if (!t.defined()) {
       continue; // (a buffer set to None: -1, which no dtype is)
     }
-    rows[i][0] = static_cast<int64_t>(t.scalar_type());
+    rows[i][0] = dtype_code(t);
     rows[i][1] = t.dim();
     for (int64_t d = 0; d < std::min<int64_t>(t.dim(), kMaxCheckedDims); ++d) {
       rows[i][2 + d] = t.size(d);
@@ -169,7 +182,7 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
           : i < n + b ? "buffer " + std::to_string(i - n) + " (of " + std::to_string(b) +
               ", in the module's buffers() order)"
                       : "frozen parameter " + config.frozen_names[i - n - b];
-      const auto shown = [&](const at::Tensor& row) { return row[0].item<int64_t>() < 0 ? "None" : describe(row); };
+      const auto shown = [&](const at::Tensor& row) { return row[0].item<int64_t>() == -1 ? "None" : describe(row); };
       auto there = shown(theirs[i]);
       auto here = shown(reference[i]);
       if (there == here) {

@@ -177,15 +177,20 @@ class Frozen(nn.Module):
     (not contiguous), an expanded one (its slice), complex and int8 ones (as
     bytes)."""
 
-    def __init__(self, seed):
+    def __init__(self, seed, skew=False):
         super().__init__()
         torch.manual_seed(seed)
-        self.big = nn.Parameter(torch.randn(512, 512, dtype=torch.float64), requires_grad=False)
+        # (`skew`: the same sizes in other layouts: the big one a transposed
+        # view, the expanded one contiguous, the strided one contiguous)
+        big = torch.randn(512, 512, dtype=torch.float64)
+        self.big = nn.Parameter(big.t() if skew else big, requires_grad=False)
         self.small = nn.Linear(3, 3).double().requires_grad_(False)
-        self.strided = nn.Parameter(torch.randn(3, 5, dtype=torch.float64).t(), requires_grad=False)
+        strided = torch.randn(3, 5, dtype=torch.float64).t()
+        self.strided = nn.Parameter(strided.contiguous() if skew else strided, requires_grad=False)
         self.twisted = nn.Parameter(torch.randn(3, dtype=torch.complex64), requires_grad=False)
         self.codes = nn.Parameter(torch.randint(-100, 100, (7,), dtype=torch.int8), requires_grad=False)
-        self.tiled = nn.Parameter(torch.randn(1, 3, dtype=torch.float64).expand(4, 3), requires_grad=False)
+        tiled = torch.randn(1, 3, dtype=torch.float64).expand(4, 3)
+        self.tiled = nn.Parameter(tiled.contiguous() if skew else tiled, requires_grad=False)
         self.head = nn.Linear(3, 1).double()
 
     def forward(self, x):
@@ -194,7 +199,7 @@ class Frozen(nn.Module):
 
 
 @job
-def frozen_parameters(rank, world_size, *, freeze_extra=False):
+def frozen_parameters(rank, world_size, *, freeze_extra=False, skew=False):
     """Each rank builds Frozen from its own seed (as unseeded models are):
     Accumulator() broadcasts rank 0's frozen parameters, as torch DDP does,
     so the window's gradient is the big batch's on rank 0's model."""
@@ -203,7 +208,7 @@ def frozen_parameters(rank, world_size, *, freeze_extra=False):
     import torch.distributed as dist
     import gradaccum
 
-    m = Frozen(seed=1000 + rank)
+    m = Frozen(seed=1000 + rank, skew=skew and rank == 1)
     if freeze_extra and rank == 1:
         m.extra = nn.Parameter(torch.zeros(1), requires_grad=False)
     try:

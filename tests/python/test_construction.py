@@ -152,14 +152,17 @@ def test_accumulators_built_in_another_order_are_told_so(tmp_path):
         assert "every rank must build them in the same order" in res["error"], res["error"]
 
 
-def test_frozen_parameters_are_rank_zeros_after_construction(tmp_path):
+@pytest.mark.parametrize("skew", [False, True], ids=["same_layouts", "other_layouts"])
+def test_frozen_parameters_are_rank_zeros_after_construction(tmp_path, skew):
     """Models initialised from a different seed on each rank: Accumulator()
     broadcasts rank 0's frozen parameters (in place, staged, strided,
     expanded, complex, int8), as torch DDP syncs its module's states, and
     refresh_parameters() those it finds then; before, they
     kept each rank's values, and the window's gradient differed from the big
-    batch's by 0.3 with no error."""
-    results = du.run_job("frozen_parameters", 2, tmp_path, module=M, timeout=90, pg_timeout=PG_TIMEOUT)
+    batch's by 0.3 with no error. The broadcast's plan follows sizes only:
+    with other layouts on rank 1 (`skew`) its first version sent garbage or
+    waited in a broadcast the other rank did not run."""
+    results = du.run_job("frozen_parameters", 2, tmp_path, module=M, timeout=90, pg_timeout=PG_TIMEOUT, skew=skew)
     for res in results:
         assert res["error"] is None, res["error"]
         assert res["frozen_equal"]
