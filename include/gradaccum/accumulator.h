@@ -526,7 +526,7 @@ class Accumulator {
   /// a rank-independent state loaded in its middle (Note [Dropping the middle
   /// of a window]).
   bool window_shared_ = false;
-  /// Reducer::manual_reductions() when this window's first micro-step ran.
+  /// Reducer::manual_reductions() when remember_gradients() last ran.
   uint64_t manual_seen_ = 0;
   /// The reducer found the closed window's gradient finite as it wrote it back.
   bool window_known_finite_ = false;

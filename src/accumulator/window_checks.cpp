@@ -27,22 +27,24 @@ void Accumulator::check_open(const char* what) const {
 // would pair with their next window's, and every window after it the same,
 // one micro-batch apart and silently. So the next micro-step here first ends
 // that window too (its gradients are the manual reduction's, or the drop
-// cleared them) and starts a new one, at the others' position.
+// cleared them) and starts a new one, at the others' position. What this
+// Accumulator last did to its window (each micro-step, a failed one, a load,
+// a refresh, a drop: remember_gradients()) notes the reducer's count, so
+// only a manual reduction since then ends the window.
 void Accumulator::realign_after_manual_reduction() {
   if (!reducer_) {
     return;
   }
-  const auto manual = reducer_->manual_reductions();
-  if (micro_step_ > 0 && !parts_open_ && !window_ready_ && manual != manual_seen_) {
+  if (micro_step_ > 0 && !parts_open_ && !window_ready_ && reducer_->manual_reductions() != manual_seen_) {
     reset_window();
-  }
-  if (micro_step_ == 0 && !parts_open_) {
-    manual_seen_ = manual;
   }
 }
 
 void Accumulator::remember_gradients() {
   remembered_ = grad_versions();
+  if (reducer_) {
+    manual_seen_ = reducer_->manual_reductions(); // Note [A manual reduction in the middle of a window]
+  }
 }
 
 void Accumulator::check_gradients_untouched(const char* what, bool allow_in_place) const {

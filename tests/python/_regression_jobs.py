@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import _dist_utils as du
+import _protocol_jobs as pj
 from _dist_utils import job
 
 
@@ -270,3 +271,128 @@ def per_rank_state_after_failed_micro_step(rank, world_size):
     except RuntimeError as e:
         out["state"] = str(e)
     return out
+
+
+@job
+def no_sync_closing(rank, world_size, *, who):
+    """K=2, 3 windows (refused_micro_batch's data). In window 1 the ranks in
+    `who` wrap both of their acc.backward() calls in acc.no_sync(): the first
+    runs as outside, the closing one is refused and the window dropped on
+    every rank (Note [The closing micro-step inside no_sync()])."""
+    import contextlib
+    import gradaccum
+    model = du.mlp(pj.REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=pj.MICRO)
+    errors = []
+    windows = du.make_windows(pj.REFUSE_SEED, [[pj.MICRO] * world_size] * 3, pj.MICRO)
+    for w, window in enumerate(windows):
+        for k, batch in enumerate(window[rank]):
+            loss = du.micro_loss(model, batch, "mean")[0]
+            inside = w == 1 and rank in who
+            try:
+                with acc.no_sync() if inside else contextlib.nullcontext():
+                    acc.backward(loss)
+            except Exception as e:  # noqa
+                errors.append((f"{w}/{k}", type(e).__name__, str(e)))
+        acc.step()
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
+
+
+@job
+def ri_load_on_some_ranks(rank, world_size, *, loaders):
+    """K=2, 3 windows (refused_micro_batch's data). After window 1's first
+    micro-step every rank saves acc.state_dict() (rank-independent); the
+    ranks in `loaders` load it back (Note [A window resumed on some ranks
+    only])."""
+    import gradaccum
+    model = du.mlp(pj.REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=pj.MICRO)
+    errors = []
+    windows = du.make_windows(pj.REFUSE_SEED, [[pj.MICRO] * world_size] * 3, pj.MICRO)
+    for w, window in enumerate(windows):
+        for k, batch in enumerate(window[rank]):
+            try:
+                acc.backward(du.micro_loss(model, batch, "mean")[0])
+            except Exception as e:  # noqa
+                errors.append((f"{w}/{k}", type(e).__name__, str(e)))
+            if w == 1 and k == 0:
+                state = acc.state_dict()
+                if rank in loaders:
+                    acc.load_state_dict(state)
+        acc.step()
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
+
+
+@job
+def manual_mid_window(rank, world_size, *, at):
+    """K=3, 3 windows, acc.step() after every micro-batch. Rank 1 runs window
+    0's micro-batch `at` through a plain loss.backward() (the manual path):
+    its reduction meets rank 0's closing one and the window is dropped on
+    both (Note [A manual reduction in the middle of a window])."""
+    import gradaccum
+    model = du.mlp(pj.REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=3)
+    errors = []
+    windows = du.make_windows(pj.REFUSE_SEED, [[3] * world_size] * 3, 3)
+    for w, window in enumerate(windows):
+        for k, batch in enumerate(window[rank]):
+            loss = du.micro_loss(model, batch, "mean")[0]
+            try:
+                if rank == 1 and w == 0 and k == at:
+                    loss.backward()
+                else:
+                    acc.backward(loss)
+                acc.step()
+            except Exception as e:  # noqa
+                errors.append((f"{w}/{k}", type(e).__name__, str(e)[:60]))
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats(), "micro_step": acc.micro_step}
+
+
+@job
+def manual_window_then_resume(rank, world_size, *, how):
+    """K=2 (refused_micro_batch's data). A legit manual-path window on every
+    rank, then `how`: "resume" loads a rank-independent state saved in the
+    middle of window 0 before it (with the model and optimizer) and finishes
+    that window; "failed_run" runs windows 1 and 2 through acc.run(), whose
+    fn raises on rank 1 at window 1's first micro-batch. Neither may end a
+    window as a manual reduction in its middle would (Note [A manual
+    reduction in the middle of a window])."""
+    import copy
+    import gradaccum
+    model = du.mlp(pj.REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=pj.MICRO)
+    windows = du.make_windows(pj.REFUSE_SEED, [[pj.MICRO] * world_size] * 3, pj.MICRO)
+    loss_of = lambda w, k: du.micro_loss(model, windows[w][rank][k], "mean")[0]  # noqa: E731
+    errors = []
+    if how == "resume":
+        acc.backward(loss_of(0, 0))
+        saved = [copy.deepcopy(x.state_dict()) for x in (acc, model, opt)]
+        acc.backward(loss_of(0, 1))
+        acc.step()
+    with acc.no_sync():
+        (loss_of(1, 0) / 2).backward()
+    (loss_of(1, 1) / 2).backward()
+    opt.zero_grad(set_to_none=True)  # (a manual window the optimizer does not step here)
+    if how == "resume":
+        model.load_state_dict(saved[1])
+        opt.load_state_dict(saved[2])
+        acc.load_state_dict(saved[0])
+        schedule = [(0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    else:
+        schedule = [(w, k) for w in (1, 2) for k in range(pj.MICRO)]
+    for w, k in schedule:
+        def fn(batch, w=w, k=k):
+            if how == "failed_run" and rank == 1 and (w, k) == (1, 0):
+                raise ValueError("boom")
+            return du.micro_loss(model, batch, "mean")[0]
+        try:
+            acc.run(fn, windows[w][rank][k])
+            acc.step()
+        except Exception as e:  # noqa
+            errors.append((f"{w}/{k}", type(e).__name__, str(e)[:50]))
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
+

@@ -403,7 +403,7 @@ def test_the_closing_micro_step_inside_no_sync_drops_the_window_on_every_rank(tm
     own state. Before, the closing acc.backward() inside it was refused on
     that rank alone, and the others reduced the window with its next one:
     its micro-batch lost and its windows shifted, with no error there."""
-    results = run("no_sync_closing", 2, tmp_path, who=who)
+    results = run("no_sync_closing", 2, tmp_path, module=R, who=who)
     own = ("gradaccum: acc.backward(): called inside acc.no_sync() at the window's closing micro-step. "
            "acc.backward() decides by itself which micro-step synchronises (the window's last); acc.no_sync() is "
            "for the manual path (a plain loss.backward() inside it); window 1 was dropped on every rank: this rank "
@@ -426,7 +426,7 @@ def test_a_mid_window_rank_independent_state_loaded_on_one_rank_drops_the_window
     the saved sums met rank 0's own sums, and the window stepped a gradient
     that counted rank 0's first micro-batch 1.5 times and rank 1's 0.5 times,
     with no error. Loaded on every rank, the window is the big batch's."""
-    results = run("ri_load_on_some_ranks", 2, tmp_path, loaders=loaders)
+    results = run("ri_load_on_some_ranks", 2, tmp_path, module=R, loaders=loaders)
     if len(loaders) == 2:
         for res in results:
             assert res["errors"] == [] and res["stats"]["optimizer_steps"] == 3
@@ -455,7 +455,7 @@ def test_a_plain_backward_in_the_middle_of_a_window_on_one_rank_is_one_dropped_w
     kept counting micro-steps into the window the others had ended: its next
     window was dropped too (its gradients "cleared outside the Accumulator"),
     and its windows then closed at other micro-batches than the others'."""
-    results = run("manual_mid_window", 2, tmp_path, at=at)
+    results = run("manual_mid_window", 2, tmp_path, module=R, at=at)
     prefix = {0: "gradaccum: acc.backward(): window 0: the ranks disagree on w"[:60],
               1: "gradaccum: loss.backward(): window 0: the ranks disagree on "[:60]}
     closing = {0: "0/2", 1: f"0/{at}"}
@@ -465,6 +465,27 @@ def test_a_plain_backward_in_the_middle_of_a_window_on_one_rank_is_one_dropped_w
     # Every later window reduced on both ranks alike, at the same collectives.
     assert results[0]["stats"]["optimizer_steps"] == results[1]["stats"]["optimizer_steps"] == 2
     du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)
+
+
+@pytest.mark.parametrize("how", ["resume", "failed_run"])
+def test_a_manual_window_on_every_rank_ends_no_later_window(tmp_path, how):
+    """Review of Note [A manual reduction in the middle of a window]: its
+    first version noted the manual reductions at a window's first micro-step
+    only, so after a manual window a resumed mid-window state was thrown
+    away (every rank alike, silently) and a failed acc.run() at a window's
+    first micro-step left that window undropped on one rank."""
+    results = run("manual_window_then_resume", 2, tmp_path, module=R, how=how)
+    if how == "resume":
+        for res in results:
+            assert res["errors"] == [] and res["stats"]["optimizer_steps"] == 3, res  # (the state holds 0)
+        du.assert_params_close(results[0]["params"], pj.refused_reference(2, dropped=None), "resumed")
+    else:
+        assert results[1]["errors"][0] == ("1/0", "ValueError", "boom")
+        for res in results:
+            assert res["errors"][-1][:2] == ("1/1", "RuntimeError"), res["errors"]
+            assert "window 1 was dropped on ever" in res["errors"][-1][2], res["errors"]
+            assert res["stats"]["optimizer_steps"] == 1 and res["stats"]["dropped_windows"] == 1, res["stats"]
+        du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)
 
 
 @pytest.mark.parametrize("short", [False, True])
