@@ -155,31 +155,33 @@ at::Tensor as_shaped(const at::Tensor& bytes, const at::Tensor& t) {
 }
 
 // The part of `t` that holds its values: an expanded tensor (stride 0)
-// repeats its first slice. (`t`, `like` of one shape.)
-std::pair<at::Tensor, at::Tensor> cores(at::Tensor t, at::Tensor like) {
+// repeats its first slice.
+at::Tensor core_of(at::Tensor t) {
   for (const auto d : c10::irange(t.dim())) {
     if (t.stride(d) == 0 && t.size(d) > 1) {
       t = t.narrow(d, 0, 1);
-      like = like.narrow(d, 0, 1);
     }
   }
-  return {t, like};
+  return t;
 }
 
 } // namespace
 
-// The plan depends on each tensor's device type, dtype and sizes only, which
-// the construction check compares: not on strides, which it does not, so a
-// tensor contiguous on one rank and a view on another sends alike.
+// The plan depends on each tensor's device type, dtype, sizes and expanded
+// dims only, which the construction check compares: not on its other
+// strides, which it does not, so a tensor contiguous on one rank and a view
+// on another sends alike. An expanded tensor sends the slice it repeats.
 OnceBroadcast::OnceBroadcast(const std::vector<at::Tensor>& tensors) {
   std::map<at::DeviceType, Staged> staged;
-  for (const auto& t : tensors) {
-    if (!t.defined() || t.numel() == 0 || t.layout() != at::kStrided || t.is_quantized()) {
+  for (const auto& whole : tensors) {
+    if (!whole.defined() || whole.numel() == 0 || whole.layout() != at::kStrided || whole.is_quantized()) {
       continue; // (the same on every rank: the check compares these too; sparse and quantized stay as they are)
     }
-    TORCH_CHECK_VALUE(at::has_internal_overlap(cores(t, t).first) != at::MemOverlap::Yes,
-        "gradaccum: Accumulator(): a frozen parameter (requires_grad=False) of sizes ", t.sizes(), " and strides ",
-        t.strides(), " overlaps itself in memory; it is broadcast from rank 0 as torch DDP does: clone() it");
+    const auto t = core_of(whole);
+    TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes,
+        "gradaccum: Accumulator(): a frozen parameter (requires_grad=False) of sizes ", whole.sizes(), " and "
+        "strides ", whole.strides(), " overlaps itself in memory; it is broadcast from rank 0 as torch DDP does: "
+        "clone() it");
     if (nbytes(t) >= kInPlaceBytes) {
       // In place if it can be; else through a copy of its own, allocated here.
       own_.push_back(Own{t, t.is_contiguous() ? bytes_of(t) : at::empty({nbytes(t)}, t.options().dtype(at::kByte))});
@@ -226,12 +228,8 @@ void OnceBroadcast::run(c10d::ProcessGroup& group, int root) const {
     });
     return received;
   };
-  // Into `t` the values `shaped` holds (its shape), through their cores.
   const auto write_back = [&](const at::Tensor& t, const at::Tensor& shaped) {
-    attempt([&] {
-      const auto [target, source] = cores(t, shaped);
-      target.copy_(source);
-    });
+    attempt([&] { t.copy_(shaped); });
   };
   for (const auto& own : own_) {
     const bool copied = own.bytes.data_ptr() != own.tensor.data_ptr();

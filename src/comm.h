@@ -47,8 +47,9 @@ class BroadcastPlan {
 /// place where contiguous, else through a copy of its own); the rest through
 /// one flat byte copy per device type. Every copy is allocated here, so that
 /// run() allocates nothing. The plan follows device types, dtypes and sizes
-/// only (what the construction check compares), never strides; an expanded
-/// tensor takes the slice it repeats; sparse and quantized ones are left out.
+/// and expanded dims only (what the construction check compares), never
+/// other strides; an expanded tensor sends the slice it repeats; sparse and
+/// quantized ones are left out.
 class OnceBroadcast {
  public:
   static constexpr int64_t kInPlaceBytes = int64_t{1} << 20;

@@ -180,8 +180,8 @@ class Frozen(nn.Module):
     def __init__(self, seed, skew=False):
         super().__init__()
         torch.manual_seed(seed)
-        # (`skew`: the same sizes in other layouts: the big one a transposed
-        # view, the expanded one contiguous, the strided one contiguous)
+        # (`skew`: the same sizes in other strides: the big one a transposed
+        # view, the strided one contiguous; expanded dims must match)
         big = torch.randn(512, 512, dtype=torch.float64)
         self.big = nn.Parameter(big.t() if skew else big, requires_grad=False)
         self.small = nn.Linear(3, 3).double().requires_grad_(False)
@@ -189,8 +189,7 @@ class Frozen(nn.Module):
         self.strided = nn.Parameter(strided.contiguous() if skew else strided, requires_grad=False)
         self.twisted = nn.Parameter(torch.randn(3, dtype=torch.complex64), requires_grad=False)
         self.codes = nn.Parameter(torch.randint(-100, 100, (7,), dtype=torch.int8), requires_grad=False)
-        tiled = torch.randn(1, 3, dtype=torch.float64).expand(4, 3)
-        self.tiled = nn.Parameter(tiled.contiguous() if skew else tiled, requires_grad=False)
+        self.tiled = nn.Parameter(torch.randn(1, 3, dtype=torch.float64).expand(4, 3), requires_grad=False)
         self.head = nn.Linear(3, 1).double()
 
     def forward(self, x):
@@ -232,3 +231,20 @@ def frozen_parameters(rank, world_size, *, freeze_extra=False, skew=False):
     late = m.late.tolist()
     acc.close()
     return {"error": None, "frozen_equal": frozen_equal, "gradient_error": error, "late": late}
+
+
+@job
+def frozen_expanded_on_one_rank(rank, world_size):
+    """A frozen parameter of the same sizes, expanded (stride 0) on rank 1
+    only: it holds one row there, so rank 0's could not be broadcast into
+    it; refused on every rank (it once sent rank 0's rows into that one)."""
+    import gradaccum
+
+    m = nn.Linear(3, 1).double()
+    table = torch.arange(12.0, dtype=torch.float64).view(4, 3)
+    m.table = nn.Parameter(table[:1].expand(4, 3) if rank == 1 else table, requires_grad=False)
+    try:
+        gradaccum.Accumulator(m, None, steps=K).close()
+        return {"error": None}
+    except ValueError as e:
+        return {"error": str(e)}

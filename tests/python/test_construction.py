@@ -178,3 +178,13 @@ def test_frozen_parameters_that_differ_across_ranks_are_an_error_on_every_rank(t
             "gradaccum: Accumulator(): the model's frozen parameters (requires_grad=False) differ across ranks: "
             "rank 1 has 8, rank 0 has 7. Rank 0's are broadcast into every rank's (as torch DDP does): freeze "
             "the same parameters on every rank"), res["error"]
+
+
+def test_a_frozen_parameter_expanded_on_one_rank_only_is_refused_on_every_rank(tmp_path):
+    results = du.run_job("frozen_expanded_on_one_rank", 2, tmp_path, module=M, timeout=90, pg_timeout=PG_TIMEOUT)
+    for res in results:
+        assert res["error"] == (
+            "gradaccum: Accumulator(): the model differs across ranks: frozen parameter table is Double [4, 3] "
+            "expanded (stride 0) along dim(s) [0] on rank 1 but Double [4, 3] on rank 0. Rank 0's frozen parameters "
+            "are broadcast into every rank's (as torch DDP does): every rank must hold the same ones"), res["error"]
+
