@@ -237,9 +237,9 @@ void Accumulator::backward_whole(const at::Tensor& loss, std::optional<double> n
 void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::optional<double> num_items,
                               const at::Tensor& reported, const at::Tensor& metrics) {
   const CallGuard guard(driver_, driving_, call, &call_);
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_no_open_parts(call);
   check_micro_step_state(call);
-  realign_after_manual_reduction();
   window_forwards_ = true; // its forward ran, whatever the checks below say of its loss
   // Every check comes before backward: a rejected call changes nothing, but
   // see Note [A refused closing micro-batch].
@@ -280,9 +280,9 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
 void Accumulator::empty_micro_step() {
   const char* call = "acc.empty_micro_step()";
   const CallGuard guard(driver_, driving_, call, &call_);
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_no_open_parts(call);
   check_micro_step_state(call);
-  realign_after_manual_reduction();
   refuse_closing_in_no_sync(call);
   const auto before = grad_versions();
   check_window_gradients(call, before);
@@ -327,6 +327,7 @@ void Accumulator::close_window(const at::Tensor& scaled, double weight, const st
 
 void Accumulator::check_micro_step_state(const char* what) const {
   check_open(what);
+  check_not_ended_by_join_drop(what);
   TORCH_CHECK(!window_ready_,
       "gradaccum: ", what, ": the window closed at the previous micro-step (acc.backward() or acc.run()); "
       "call acc.step() (or acc.zero_grad() to drop it) before the next micro-step");
@@ -516,6 +517,7 @@ std::vector<at::Tensor> Accumulator::defined_grads() const {
 
 bool Accumulator::step() {
   const CallGuard guard(driver_, driving_, "acc.step()");
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.step()");
   check_no_open_parts("acc.step()");
   TORCH_CHECK(optimizer_step_,

@@ -74,6 +74,7 @@ void Accumulator::check_consistent_cut(int64_t window, bool failed_here) const {
 
 AccumulatorState Accumulator::state_dict(bool rank_independent) {
   const CallGuard guard(driver_, driving_, "acc.state_dict()");
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.state_dict()");
   check_no_open_parts("acc.state_dict()");
   // (A state saved here would step the optimizer again when resumed.)
@@ -409,6 +410,7 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
 
 void Accumulator::load_state_dict(const AccumulatorState& state) {
   const CallGuard guard(driver_, driving_, "acc.load_state_dict()");
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.load_state_dict()");
   check_no_open_parts("acc.load_state_dict()");
   check_loadable(state);
@@ -495,6 +497,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
     // zero): their window's weight is as saved.
     reducer_->restore({state.reducer, state.reducer_sequence, last_weight,
                        state.residuals.empty() ? 0.0 : state.reducer_residual_weight});
+    join_drop_seen_ = reducer_->last_result().window; // a resume: Note [Training ended by a drop in join()]
   }
   remember_gradients();
 }

@@ -62,7 +62,7 @@ void Accumulator::check_no_open_parts(const char* what) const {
 void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> num_items,
                                 const at::Tensor& reported, double share, const at::Tensor& metrics) {
   const CallGuard guard(driver_, driving_, "acc.run()", &call_);
-  realign_after_manual_reduction();
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   // Every check comes before backward: a rejected call changes nothing.
   double weight = check_micro_step(loss, num_items, "acc.run()");
   window_forwards_ = true; // (a refused part: acc.run() fails the whole micro-step)
@@ -133,6 +133,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
 
 void Accumulator::end_micro_step(bool failed, bool out_of_memory) {
   const CallGuard guard(driver_, driving_, "acc.run()", &call_);
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.run()");
   if (failed) {
     if (!parts_open_) {
@@ -205,6 +206,7 @@ void Accumulator::fail_micro_step(AbortReason why) {
 // state: Note [The closing micro-step inside no_sync()].)
 std::string Accumulator::refuse_micro_batch(const char* call) {
   const CallGuard guard(driver_, driving_, call, &call_);
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   return drop_refused_window(call);
 }
 

@@ -54,6 +54,7 @@ void Accumulator::refresh_parameters(ModelParameters model) {
 // a checkpoint's snapshot), which meets the others' check there.
 void Accumulator::refresh_parameters(ModelParameters model, const std::string& refused_here) {
   const CallGuard guard(driver_, driving_, "acc.refresh_parameters()");
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.refresh_parameters()");
   check_no_open_parts("acc.refresh_parameters()");
   TORCH_CHECK(micro_step_ == 0 && !window_ready_,

@@ -17,6 +17,32 @@ void Accumulator::check_open(const char* what) const {
   TORCH_CHECK(!closed_, "gradaccum: ", what, ": this Accumulator was closed");
 }
 
+// Note [Training ended by a drop in join()]
+// A window dropped while ranks were in acc.join() (out of data, shadowing)
+// ends training on every rank: the shadows leave join() with the error, and
+// a rank that left its join() block with an exception reduces no more
+// (Note [A window dropped while ranks shadow]). Every rank reads that from
+// the same verdict and its error says to stop. A rank that catches it and
+// goes on anyway (inside its join() block, or after it) would pair its next
+// reductions with the shadows' of some other rank, or wait for ranks that
+// stopped: so, until a resume (acc.load_state_dict()) or a refresh, every
+// micro-step, flush() and join() is refused here, on each rank alike, with
+// no collective.
+void Accumulator::check_not_ended_by_join_drop(const char* what) const {
+  if (!reducer_) {
+    return;
+  }
+  const auto last = reducer_->last_result();
+  // (A window some rank could not step says to resume instead: the ranks
+  // may go on pairing, as consequence() words it.)
+  const bool ended = last.dropped && (last.joined_ranks > 0 || last.left_ranks > 0) && last.unstepped_ranks == 0 &&
+      last.window + 1 == reducer_->progress().sequence && last.window != join_drop_seen_;
+  TORCH_CHECK(!ended,
+      "gradaccum: ", what, ": window ", last.window, " was dropped while ", last.joined_ranks + last.left_ranks,
+      " rank(s) were in acc.join() or had left it, which ends training on every rank (that window's error said "
+      "so): end training here, or resume every rank from a checkpoint (acc.load_state_dict())");
+}
+
 // Note [A manual reduction in the middle of a window]
 // A plain loss.backward() outside acc.no_sync() begins the manual path's
 // reduction. On one rank in the middle of an acc.backward() window, it pairs
@@ -27,24 +53,27 @@ void Accumulator::check_open(const char* what) const {
 // would pair with their next window's, and every window after it the same,
 // one micro-batch apart and silently. So the next micro-step here first ends
 // that window too (its gradients are the manual reduction's, or the drop
-// cleared them) and starts a new one, at the others' position. What this
-// Accumulator last did to its window (each micro-step, a failed one, a load,
-// a refresh, a drop: remember_gradients()) notes the reducer's count, so
-// only a manual reduction since then ends the window.
+// cleared them) and starts a new one, at the others' position. Every public
+// call that touches the window checks first (right after its CallGuard), and
+// notes the reducer's count: only a manual reduction since this
+// Accumulator's last call ends its window, whatever that call was (a
+// micro-step, a failed one, acc.zero_grad(), a load, a refresh, ...).
 void Accumulator::realign_after_manual_reduction() {
-  if (!reducer_) {
+  if (!reducer_ || closed_) {
     return;
   }
-  if (micro_step_ > 0 && !parts_open_ && !window_ready_ && reducer_->manual_reductions() != manual_seen_) {
+  const auto manual = reducer_->manual_reductions();
+  if (manual == manual_seen_) {
+    return;
+  }
+  if ((micro_step_ > 0 || parts_open_) && !window_ready_) {
     reset_window();
   }
+  manual_seen_ = manual;
 }
 
 void Accumulator::remember_gradients() {
   remembered_ = grad_versions();
-  if (reducer_) {
-    manual_seen_ = reducer_->manual_reductions(); // Note [A manual reduction in the middle of a window]
-  }
 }
 
 void Accumulator::check_gradients_untouched(const char* what, bool allow_in_place) const {

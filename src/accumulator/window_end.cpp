@@ -90,6 +90,7 @@ bool Accumulator::finish_window(const char* call) {
 // window).
 void Accumulator::zero_grad() {
   const CallGuard guard(driver_, driving_, "acc.zero_grad()");
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.zero_grad()"); // the gradients may be another Accumulator's now
   if (!reducer_ || window_ready_ || (micro_step_ == 0 && !parts_open_)) {
     zero_grad_in_call();
@@ -117,6 +118,7 @@ void Accumulator::zero_grad() {
 
 void Accumulator::restart_window() {
   const CallGuard guard(driver_, driving_, "acc.restart_window()");
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.restart_window()");
   const bool forwards = window_forwards_ && (micro_step_ > 0 || parts_open_);
   zero_grad_in_call(); // and the position (every rank alike: see the header)

@@ -326,11 +326,13 @@ def ri_load_on_some_ranks(rank, world_size, *, loaders):
 
 
 @job
-def manual_mid_window(rank, world_size, *, at):
+def manual_mid_window(rank, world_size, *, at, then=None):
     """K=3, 3 windows, acc.step() after every micro-batch. Rank 1 runs window
     0's micro-batch `at` through a plain loss.backward() (the manual path):
     its reduction meets rank 0's closing one and the window is dropped on
-    both (Note [A manual reduction in the middle of a window])."""
+    both (Note [A manual reduction in the middle of a window]). `then`, on
+    rank 1 right after: "zero_grad" (acc.zero_grad()), or "failed_run" (its
+    next micro-batch through acc.run(), whose fn raises)."""
     import gradaccum
     model = du.mlp(pj.REFUSE_SEED)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -342,7 +344,13 @@ def manual_mid_window(rank, world_size, *, at):
             loss = du.micro_loss(model, batch, "mean")[0]
             try:
                 if rank == 1 and w == 0 and k == at:
-                    loss.backward()
+                    try:
+                        loss.backward()
+                    finally:
+                        if then == "zero_grad":
+                            acc.zero_grad()
+                elif rank == 1 and w == 0 and k == at + 1 and then == "failed_run":
+                    acc.run(lambda batch: (_ for _ in ()).throw(ValueError("boom")), batch)
                 else:
                     acc.backward(loss)
                 acc.step()
@@ -396,3 +404,42 @@ def manual_window_then_resume(rank, world_size, *, how):
             errors.append((f"{w}/{k}", type(e).__name__, str(e)[:50]))
     return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
 
+
+
+@job
+def refused_in_join_then_go_on(rank, world_size):
+    """K=3; rank 0 has 5 micro-batches, rank 1 has 6, inside acc.join().
+    Rank 1's last one closes its window inside acc.no_sync(): refused, and
+    the window is dropped while rank 0 shadows, which ends training (Note
+    [Training ended by a drop in join()]). Rank 1 catches that inside its
+    block and goes on, as rank 0 does after it; then both try another
+    micro-batch, and one resumes from a checkpoint saved before."""
+    import contextlib
+    import gradaccum
+    model = du.mlp(pj.REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=3)
+    saved = acc.state_dict()
+    batches = du.make_windows(pj.REFUSE_SEED, [[6] * world_size], 6)[0][rank][: 5 + rank]
+    errors = []
+    try:
+        with acc.join():
+            for k, batch in enumerate(batches):
+                loss = du.micro_loss(model, batch, "mean")[0]
+                try:
+                    with acc.no_sync() if k == 5 else contextlib.nullcontext():
+                        acc.backward(loss)
+                    acc.step()
+                except Exception as e:  # noqa
+                    errors.append((f"b{k}", type(e).__name__, str(e)[:60]))
+    except Exception as e:  # noqa
+        errors.append(("join", type(e).__name__, str(e)[:60]))
+    for what, call in (("again", lambda: acc.backward(du.micro_loss(model, batches[0], "mean")[0])),
+                       ("flush", acc.flush)):
+        try:
+            call()
+        except Exception as e:  # noqa
+            errors.append((what, type(e).__name__, str(e)[:400]))
+    acc.load_state_dict(saved)  # a resume: training goes on
+    acc.backward(du.micro_loss(model, batches[0], "mean")[0])
+    return {"errors": errors, "micro_step": acc.micro_step}

@@ -465,6 +465,19 @@ def test_a_plain_backward_in_the_middle_of_a_window_on_one_rank_is_one_dropped_w
     # Every later window reduced on both ranks alike, at the same collectives.
     assert results[0]["stats"]["optimizer_steps"] == results[1]["stats"]["optimizer_steps"] == 2
     du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)
+    # Rank 1's acc.zero_grad() right after trains the same windows; a failed
+    # micro-step next starts the next window there, which is then dropped on
+    # every rank (they once hid the manual reduction, and the windows
+    # shifted: review).
+    other = run("manual_mid_window", 2, tmp_path, module=R, at=at, then="zero_grad")
+    for rank in range(2):
+        du.assert_params_close(other[rank]["params"], results[0]["params"], f"zero_grad rank {rank}", tol=0)
+    if at == 2:
+        return  # (window 0 has no micro-batch after it)
+    other = run("manual_mid_window", 2, tmp_path, module=R, at=at, then="failed_run")
+    assert [r["stats"]["dropped_windows"] for r in other] == [2, 2], [r["errors"] for r in other]
+    assert [r["stats"]["optimizer_steps"] for r in other] == [1, 1]
+    du.assert_params_close(other[0]["params"], other[1]["params"], "failed_run replicas", tol=0)
 
 
 @pytest.mark.parametrize("how", ["resume", "failed_run"])
@@ -486,6 +499,25 @@ def test_a_manual_window_on_every_rank_ends_no_later_window(tmp_path, how):
             assert "window 1 was dropped on ever" in res["errors"][-1][2], res["errors"]
             assert res["stats"]["optimizer_steps"] == 1 and res["stats"]["dropped_windows"] == 1, res["stats"]
         du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)
+
+
+def test_after_a_drop_that_ends_training_in_join_every_rank_refuses_to_go_on(tmp_path):
+    """Note [Training ended by a drop in join()]: before, rank 1, which caught
+    the drop inside its join() block, went on shadowing while rank 0 trained
+    its next epoch paired with those shadows, with no error anywhere."""
+    results = run("refused_in_join_then_go_on", 2, tmp_path, module=R)
+    ended = ("gradaccum: {call}: window {w} was dropped while 1 rank(s) were in acc.join() or had left it, which "
+             "ends training on every rank (that window's error said so): end training here, or resume every rank "
+             "from a checkpoint (acc.load_state_dict())")
+    for rank, res in enumerate(results):
+        tail = res["errors"][-2:]
+        assert [t[0] for t in tail] == ["again", "flush"], res["errors"]
+        window = tail[0][2].split("window ")[1].split(" ")[0]
+        assert tail[0][2] == ended.format(call="acc.backward()", w=window), tail
+        assert tail[1][2] == ended.format(call="acc.flush()", w=window), tail
+        assert res["micro_step"] == 1  # resumed
+    assert results[1]["errors"][0][0] == "b5" and results[1]["errors"][1][0] == "join", results[1]["errors"]
+    assert results[0]["errors"][0][0] == "join", results[0]["errors"]
 
 
 @pytest.mark.parametrize("short", [False, True])
