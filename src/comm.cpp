@@ -29,6 +29,43 @@ std::vector<at::Tensor> allgather(c10d::ProcessGroup& group, const at::Tensor& i
 
 namespace {
 
+// Runs a collective's steps, keeping the first exception: every broadcast
+// still launches after a step failed on this rank, so the ranks pair.
+class FirstFailure {
+ public:
+  template <class Step>
+  void attempt(const Step& step) {
+    try {
+      step();
+    } catch (...) {
+      if (!failed_) {
+        failed_ = std::current_exception();
+      }
+    }
+  }
+  void rethrow() const {
+    if (failed_) {
+      std::rethrow_exception(failed_);
+    }
+  }
+
+ private:
+  std::exception_ptr failed_;
+};
+
+// One broadcast of `tensor` from `root` through `steps`: whether it arrived.
+bool broadcast_from(c10d::ProcessGroup& group, const at::Tensor& tensor, int root, FirstFailure& steps) {
+  bool received = false;
+  steps.attempt([&] {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    group.broadcast(tensors, options)->wait();
+    received = true;
+  });
+  return received;
+}
+
 void pack(const std::vector<at::Tensor>& members, const at::Tensor& flat) {
   at::NoGradGuard no_grad;
   int64_t offset = 0;
@@ -85,16 +122,8 @@ BroadcastPlan::BroadcastPlan(const std::vector<at::Tensor>& tensors) {
 void BroadcastPlan::run(c10d::ProcessGroup& group, int root) const {
   at::NoGradGuard no_grad;
   const bool sending = group.getRank() == root;
-  std::exception_ptr failed;
-  const auto attempt = [&](const auto& step) {
-    try {
-      step();
-    } catch (...) {
-      if (!failed) {
-        failed = std::current_exception();
-      }
-    }
-  };
+  FirstFailure steps;
+  const auto attempt = [&](const auto& step) { steps.attempt(step); };
   for (const auto& g : groups_) {
     // A member resized in place since (a cache grown by the forward) takes a
     // flat copy of its new size: the one allocation left, and only then. The
@@ -118,14 +147,7 @@ void BroadcastPlan::run(c10d::ProcessGroup& group, int root) const {
         pack(g.members, flat);
       });
     }
-    bool received = false;
-    attempt([&] {
-      std::vector<at::Tensor> tensors{flat};
-      c10d::BroadcastOptions options;
-      options.rootRank = root;
-      group.broadcast(tensors, options)->wait();
-      received = true;
-    });
+    const bool received = broadcast_from(group, flat, root, steps);
     if (!sending && received) { // (a failed broadcast leaves the buffers as they were)
       attempt([&] {
         TORCH_INTERNAL_ASSERT(fits);
@@ -133,9 +155,7 @@ void BroadcastPlan::run(c10d::ProcessGroup& group, int root) const {
       });
     }
   }
-  if (failed) {
-    std::rethrow_exception(failed);
-  }
+  steps.rethrow();
 }
 
 namespace {
@@ -207,27 +227,9 @@ OnceBroadcast::OnceBroadcast(const std::vector<at::Tensor>& tensors) {
 void OnceBroadcast::run(c10d::ProcessGroup& group, int root) const {
   at::NoGradGuard no_grad;
   const bool sending = group.getRank() == root;
-  std::exception_ptr failed;
-  const auto attempt = [&](const auto& step) {
-    try {
-      step();
-    } catch (...) {
-      if (!failed) {
-        failed = std::current_exception();
-      }
-    }
-  };
-  const auto broadcast = [&](const at::Tensor& bytes) {
-    bool received = false;
-    attempt([&] {
-      std::vector<at::Tensor> tensors{bytes};
-      c10d::BroadcastOptions options;
-      options.rootRank = root;
-      group.broadcast(tensors, options)->wait();
-      received = true;
-    });
-    return received;
-  };
+  FirstFailure steps;
+  const auto attempt = [&](const auto& step) { steps.attempt(step); };
+  const auto broadcast = [&](const at::Tensor& bytes) { return broadcast_from(group, bytes, root, steps); };
   const auto write_back = [&](const at::Tensor& t, const at::Tensor& shaped) {
     attempt([&] { t.copy_(shaped); });
   };
@@ -258,9 +260,7 @@ void OnceBroadcast::run(c10d::ProcessGroup& group, int root) const {
       }
     }
   }
-  if (failed) {
-    std::rethrow_exception(failed);
-  }
+  steps.rethrow();
 }
 
 int lowest_rank_where(c10d::ProcessGroup& group, bool here, at::Tensor scratch) {

@@ -273,6 +273,15 @@ def per_rank_state_after_failed_micro_step(rank, world_size):
     return out
 
 
+def _refused_setup(world_size, steps=pj.MICRO):
+    """refused_micro_batch's model, optimizer, Accumulator and data (3 windows)."""
+    import gradaccum
+    model = du.mlp(pj.REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=steps)
+    return model, opt, acc, du.make_windows(pj.REFUSE_SEED, [[steps] * world_size] * 3, steps)
+
+
 @job
 def no_sync_closing(rank, world_size, *, who):
     """K=2, 3 windows (refused_micro_batch's data). In window 1 the ranks in
@@ -280,12 +289,8 @@ def no_sync_closing(rank, world_size, *, who):
     runs as outside, the closing one is refused and the window dropped on
     every rank (Note [The closing micro-step inside no_sync()])."""
     import contextlib
-    import gradaccum
-    model = du.mlp(pj.REFUSE_SEED)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    acc = gradaccum.Accumulator(model, opt, steps=pj.MICRO)
+    model, opt, acc, windows = _refused_setup(world_size)
     errors = []
-    windows = du.make_windows(pj.REFUSE_SEED, [[pj.MICRO] * world_size] * 3, pj.MICRO)
     for w, window in enumerate(windows):
         for k, batch in enumerate(window[rank]):
             loss = du.micro_loss(model, batch, "mean")[0]
@@ -305,12 +310,8 @@ def ri_load_on_some_ranks(rank, world_size, *, loaders):
     micro-step every rank saves acc.state_dict() (rank-independent); the
     ranks in `loaders` load it back (Note [A window resumed on some ranks
     only])."""
-    import gradaccum
-    model = du.mlp(pj.REFUSE_SEED)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    acc = gradaccum.Accumulator(model, opt, steps=pj.MICRO)
+    model, opt, acc, windows = _refused_setup(world_size)
     errors = []
-    windows = du.make_windows(pj.REFUSE_SEED, [[pj.MICRO] * world_size] * 3, pj.MICRO)
     for w, window in enumerate(windows):
         for k, batch in enumerate(window[rank]):
             try:
