@@ -327,7 +327,6 @@ void Accumulator::close_window(const at::Tensor& scaled, double weight, const st
 
 void Accumulator::check_micro_step_state(const char* what) const {
   check_open(what);
-  check_not_ended_by_join_drop(what);
   TORCH_CHECK(!window_ready_,
       "gradaccum: ", what, ": the window closed at the previous micro-step (acc.backward() or acc.run()); "
       "call acc.step() (or acc.zero_grad() to drop it) before the next micro-step");

@@ -15,8 +15,6 @@ using detail::CallGuard;
 bool Accumulator::flush() {
   const CallGuard guard(driver_, driving_, "acc.flush()", &call_);
   realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
-  check_open("acc.flush()");
-  check_not_ended_by_join_drop("acc.flush()");
   return flush_in_call();
 }
 

@@ -19,15 +19,15 @@ void Accumulator::check_open(const char* what) const {
 
 // Note [Training ended by a drop in join()]
 // A window dropped while ranks were in acc.join() (out of data, shadowing)
-// ends training on every rank: the shadows leave join() with the error, and
-// a rank that left its join() block with an exception reduces no more
-// (Note [A window dropped while ranks shadow]). Every rank reads that from
-// the same verdict and its error says to stop. A rank that catches it and
-// goes on anyway (inside its join() block, or after it) would pair its next
-// reductions with the shadows' of some other rank, or wait for ranks that
-// stopped: so, until a resume (acc.load_state_dict()) or a refresh, every
-// micro-step, flush() and join() is refused here, on each rank alike, with
-// no collective.
+// makes the shadows leave join() with the error, and a rank that left its
+// join() block with an exception reduces no more (Note [A window dropped
+// while ranks shadow]); its error says to end training on every rank. Every
+// rank that lets it leave its block is then out of join() alike, and may go
+// on together (a next epoch pairs). A rank with data that catches it inside
+// its block and ends the block would start shadowing right after the drop,
+// while the others have left join(): its shadows would pair with their next
+// epoch's windows, silently. So acc.join() right after such a drop (no
+// reduction since, no resume) is refused, with no collective.
 void Accumulator::check_not_ended_by_join_drop(const char* what) const {
   if (!reducer_) {
     return;
@@ -39,8 +39,9 @@ void Accumulator::check_not_ended_by_join_drop(const char* what) const {
       last.window + 1 == reducer_->progress().sequence && last.window != join_drop_seen_;
   TORCH_CHECK(!ended,
       "gradaccum: ", what, ": window ", last.window, " was dropped while ", last.joined_ranks + last.left_ranks,
-      " rank(s) were in acc.join() or had left it, which ends training on every rank (that window's error said "
-      "so): end training here, or resume every rank from a checkpoint (acc.load_state_dict())");
+      " rank(s) were in acc.join() or had left it: they left it with that error, so no rank would pair with this "
+      "rank's shadows. End training here, as that window's error said (or resume every rank from a checkpoint: "
+      "acc.load_state_dict())");
 }
 
 // Note [A manual reduction in the middle of a window]
