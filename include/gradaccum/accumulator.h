@@ -419,8 +419,6 @@ class Accumulator {
   void fail_micro_step(AbortReason why);
   /// refuse_micro_batch() inside a call that holds the call guard.
   std::string drop_refused_window(const char* call);
-  /// Note [Training ended by a drop in join()]: throws after such a drop.
-  void check_not_ended_by_join_drop(const char* what) const;
   /// Note [A manual reduction in the middle of a window]: ends the window a
   /// plain loss.backward()'s reduction ended on the other ranks.
   void realign_after_manual_reduction();
@@ -530,9 +528,6 @@ class Accumulator {
   bool window_shared_ = false;
   /// Reducer::manual_reductions() at this Accumulator's last call.
   uint64_t manual_seen_ = 0;
-  /// The dropped window a resume acknowledged (Note [Training ended by a
-  /// drop in join()]).
-  int64_t join_drop_seen_ = -1;
   /// The reducer found the closed window's gradient finite as it wrote it back.
   bool window_known_finite_ = false;
   /// The closed window's weight is 0 on every rank (every micro-batch left

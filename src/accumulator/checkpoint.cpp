@@ -497,7 +497,6 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
     // zero): their window's weight is as saved.
     reducer_->restore({state.reducer, state.reducer_sequence, last_weight,
                        state.residuals.empty() ? 0.0 : state.reducer_residual_weight});
-    join_drop_seen_ = reducer_->last_result().window; // a resume: Note [Training ended by a drop in join()]
   }
   remember_gradients();
 }

@@ -37,7 +37,6 @@ int64_t Accumulator::join() {
   const CallGuard guard(driver_, driving_, "acc.join()", &call_);
   realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.join()");
-  check_not_ended_by_join_drop("acc.join()");
   check_no_open_parts("acc.join()");
   if (!reducer_) {
     return flush_in_call() ? 1 : 0; // one process: nobody to shadow

@@ -17,33 +17,6 @@ void Accumulator::check_open(const char* what) const {
   TORCH_CHECK(!closed_, "gradaccum: ", what, ": this Accumulator was closed");
 }
 
-// Note [Training ended by a drop in join()]
-// A window dropped while ranks were in acc.join() (out of data, shadowing)
-// makes the shadows leave join() with the error, and a rank that left its
-// join() block with an exception reduces no more (Note [A window dropped
-// while ranks shadow]); its error says to end training on every rank. Every
-// rank that lets it leave its block is then out of join() alike, and may go
-// on together (a next epoch pairs). A rank with data that catches it inside
-// its block and ends the block would start shadowing right after the drop,
-// while the others have left join(): its shadows would pair with their next
-// epoch's windows, silently. So acc.join() right after such a drop (no
-// reduction since, no resume) is refused, with no collective.
-void Accumulator::check_not_ended_by_join_drop(const char* what) const {
-  if (!reducer_) {
-    return;
-  }
-  const auto last = reducer_->last_result();
-  // (A window some rank could not step says to resume instead: the ranks
-  // may go on pairing, as consequence() words it.)
-  const bool ended = last.dropped && (last.joined_ranks > 0 || last.left_ranks > 0) && last.unstepped_ranks == 0 &&
-      last.window + 1 == reducer_->progress().sequence && last.window != join_drop_seen_;
-  TORCH_CHECK(!ended,
-      "gradaccum: ", what, ": window ", last.window, " was dropped while ", last.joined_ranks + last.left_ranks,
-      " rank(s) were in acc.join() or had left it: they left it with that error, so no rank would pair with this "
-      "rank's shadows. End training here, as that window's error said (or resume every rank from a checkpoint: "
-      "acc.load_state_dict())");
-}
-
 // Note [A manual reduction in the middle of a window]
 // A plain loss.backward() outside acc.no_sync() begins the manual path's
 // reduction. On one rank in the middle of an acc.backward() window, it pairs

@@ -501,26 +501,6 @@ def test_a_manual_window_on_every_rank_ends_no_later_window(tmp_path, how):
         du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)
 
 
-def test_a_rank_that_catches_a_drop_in_its_join_block_does_not_shadow(tmp_path):
-    """Note [Training ended by a drop in join()]: before, rank 1, which caught
-    the drop inside its join() block, shadowed at the block's end while rank
-    0 had left join(): rank 0's next windows paired with those shadows, with
-    no error anywhere."""
-    results = run("refused_in_join_then_go_on", 2, tmp_path, module=R)
-    assert [e[0] for e in results[0]["errors"]] == ["join"], results[0]["errors"]
-    assert "dropped on every rank" in results[0]["errors"][0][2]
-    assert [e[0] for e in results[1]["errors"]] == ["b5", "join"], results[1]["errors"]
-    window = results[1]["errors"][1][2].split("window ")[1].split(" ")[0]
-    assert results[1]["errors"][1][2] == (
-        f"gradaccum: acc.join(): window {window} was dropped while 1 rank(s) were in acc.join() or had left it: "
-        "they left it with that error, so no rank would pair with this rank's shadows. End training here, as that "
-        "window's error said (or resume every rank from a checkpoint: acc.load_state_dict())")
-    # Out of join() alike, the ranks pair again: a flush() window, then a resume.
-    assert [r["stepped"] for r in results] == [True, True]
-    assert [r["micro_step"] for r in results] == [1, 1]
-    du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)
-
-
 @pytest.mark.parametrize("short", [False, True])
 def test_two_accumulators_whose_windows_cross_raise_on_every_rank(tmp_path, short):
     """Two Accumulators over one group with buckets of the same sizes; rank 1
