@@ -177,15 +177,23 @@ at::Tensor as_shaped(const at::Tensor& bytes, const at::Tensor& t) {
 // The part of `t` that holds its values: an expanded tensor (stride 0)
 // repeats its first slice.
 at::Tensor core_of(at::Tensor t) {
-  for (const auto d : c10::irange(t.dim())) {
-    if (t.stride(d) == 0 && t.size(d) > 1) {
-      t = t.narrow(d, 0, 1);
-    }
+  for (const auto d : expanded_dims(t)) {
+    t = t.narrow(d, 0, 1);
   }
   return t;
 }
 
 } // namespace
+
+std::vector<int64_t> expanded_dims(const at::Tensor& t) {
+  std::vector<int64_t> dims;
+  for (const auto d : c10::irange(t.dim())) {
+    if (t.stride(d) == 0 && t.size(d) > 1) {
+      dims.push_back(d);
+    }
+  }
+  return dims;
+}
 
 // The plan depends on each tensor's device type, dtype, sizes and expanded
 // dims only, which the construction check compares: not on its other

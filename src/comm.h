@@ -41,6 +41,11 @@ class BroadcastPlan {
   std::vector<Group> groups_;
 };
 
+/// The dims along which `t` is expanded (stride 0, size > 1): OnceBroadcast
+/// sends the slice such a tensor repeats, so the construction check compares
+/// them (one rule for both).
+std::vector<int64_t> expanded_dims(const at::Tensor& t);
+
 /// Gives every rank a root's values of tensors broadcast once (the frozen
 /// parameters at construction, as torch DDP syncs its module's states), bit
 /// for bit whatever their dtype: one of at least kInPlaceBytes by itself (in

@@ -27,18 +27,6 @@ namespace {
 constexpr int64_t kMaxCheckedDims = 8;
 constexpr int64_t kSignatureWidth = 3 + kMaxCheckedDims;
 
-// The dims along which `t` is expanded (stride 0): the frozen parameters'
-// broadcast sends the slice such a tensor repeats, so ranks must agree.
-std::vector<int64_t> expanded_dims(const at::Tensor& t) {
-  std::vector<int64_t> dims;
-  for (const auto d : c10::irange(t.dim())) {
-    if (t.stride(d) == 0 && t.size(d) > 1) {
-      dims.push_back(d);
-    }
-  }
-  return dims;
-}
-
 int64_t sizes_hash(at::IntArrayRef sizes, const std::vector<int64_t>& expanded = {}) {
   uint64_t h = 1469598103934665603ULL; // FNV-1a over the sizes, kept positive (-1 marks None)
   for (const auto size : sizes) {
@@ -206,8 +194,9 @@ void check_shapes_match(const ReducerConfig& config, at::Device device) {
         const auto& t = tensor_at(i);
         std::ostringstream sizes;
         sizes << t.scalar_type() << " " << t.sizes();
-        if (i >= n + b && !expanded_dims(t).empty()) {
-          sizes << " expanded (stride 0) along dim(s) " << at::IntArrayRef(expanded_dims(t));
+        const auto expanded = i >= n + b ? expanded_dims(t) : std::vector<int64_t>{};
+        if (!expanded.empty()) {
+          sizes << " expanded (stride 0) along dim(s) " << at::IntArrayRef(expanded);
         }
         const auto texts = allgather_text(*config.group, device, sizes.str());
         there = texts[r];
