@@ -9,12 +9,16 @@ def _close(a, b, tol):
 
 
 FP16_TOL = 5e-4  # (the worst seen: 9.5e-5, 29 schedules of seeds 0-159)
+BF16_TOL = 6e-3  # (the worst seen: 1.7e-3, 46 schedules of seeds 0-1199)
+WIDE_TOL = 2e-6  # float32 parameters and arithmetic (the worst seen: 1.1e-7, 49 schedules)
 
 
 def tolerance(sched):
     """Relative error allowed on parameters and window losses: float64
-    arithmetic in another order, or an fp16 wire's rounding of each window."""
-    return FP16_TOL if sched.get("wire") == "float16" else 1e-12
+    arithmetic in another order, float32 parameters ("wide"), or a wire's
+    rounding of each window."""
+    wire = {"float16": FP16_TOL, "bfloat16": BF16_TOL}.get(sched.get("wire"), 0.0)
+    return max(wire, WIDE_TOL if sched.get("wide") else 0.0, 1e-12)
 
 
 def check(sched, results, tol=None):

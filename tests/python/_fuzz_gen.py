@@ -8,6 +8,9 @@ from _fuzz_model import InvalidSchedule, expect
 
 RESIZE_P = 0.12  # schedules that restart on another number of ranks
 WIRE_P = 0.2  # of the others, schedules with an fp16 wire (comm_dtype)
+BF16_P = 0.4  # of the wires, bf16 ones
+FEEDBACK_P = 0.4  # of the wires, with error_feedback
+WIDE_P = 0.15  # float32 parameters summed in float64 (accumulate_dtype)
 
 
 def _specs(rng, count, reduction, boom_p, closing=None):
@@ -122,12 +125,25 @@ def _try_generate(rng, seed):
         K2 = K if m else rng.randint(1, 4)  # steps may change at a boundary only
         sched["resize"] = {"world": W2, "steps": K2}
         sched["resize"]["epochs"] = _epochs(rng, sched, W2, K2, m, alone=W2 == 1)[0]
-        return sched
+        return _precision(rng, sched)
     sched["epochs"] = _epochs(rng, sched, W, K, 0)[0]
     if rng.random() < 0.05:  # drawn last: the other draws stay as they were
         sched["launch"] = "no_group"
     if rng.random() < WIRE_P:  # (after those: the same)
         sched["wire"] = "float16"
+    return _precision(rng, sched)
+
+
+def _precision(rng, sched):
+    """Drawn after everything else (a seed's other draws stay as they were):
+    a bf16 wire for some fp16 ones, error feedback, float64 sums."""
+    if sched.get("wire"):
+        if rng.random() < BF16_P:
+            sched["wire"] = "bfloat16"
+        if rng.random() < FEEDBACK_P:
+            sched["error_feedback"] = True
+    if rng.random() < WIDE_P and not sched["as_view"]:  # (they exclude each other)
+        sched["wide"] = True
     return sched
 
 
@@ -151,7 +167,8 @@ def size(sched):
             + sum(s != "ok" for ep in eps for x in ep["micros"] for s in x)
             + (sched["net"] == "mlp") + (sched["momentum"] != 0)
             + (sched.get("buckets") == "many") + bool(sched.get("as_view"))
-            + (sched.get("max_grad_norm") is not None) + bool(sched.get("wire")))
+            + (sched.get("max_grad_norm") is not None) + bool(sched.get("wire"))
+            + bool(sched.get("error_feedback")) + bool(sched.get("wide")))
 
 
 def _copy(sched):
@@ -232,11 +249,13 @@ def shrink_candidates(sched):
             ep["events"] = [ev for ev in ep["events"] if ev[2] != 2]
         cands.append(c)
     for key, small in (("net", "linear"), ("momentum", 0.0), ("buckets", "one"), ("as_view", False),
-                       ("max_grad_norm", None), ("wire", None)):
+                       ("max_grad_norm", None), ("wire", None), ("error_feedback", None), ("wide", None)):
         if sched.get(key, small) != small:
             c = _copy(sched)
             c[key] = small
-            cands.append(c)
+            if key == "wire":
+                c.pop("error_feedback", None)
+            cands.append({k: v for k, v in c.items() if v is not None})
     if sched["steps"] > 1 and all(ep["end"] != "join" for ep in eps):
         c = _copy(sched)
         c["steps"] -= 1

@@ -41,7 +41,7 @@ class _Run:
         import gradaccum
 
         s = self.s
-        self.net = fm.make_net(s["net"], s["seed"])
+        self.net = fm.make_net(s["net"], s["seed"], s.get("wide", False))
         for p, f in zip(self.net.parameters(), self.mask or []):
             p.requires_grad_(bool(f))
         self.opt = torch.optim.SGD(self.net.parameters(), lr=fm.LR[s["reduction"]], momentum=s["momentum"])
@@ -50,13 +50,15 @@ class _Run:
                                          nonfinite=s["nonfinite"], max_grad_norm=s.get("max_grad_norm"),
                                          gradient_as_bucket_view=bool(s.get("as_view")),
                                          comm_dtype=getattr(torch, s["wire"]) if s.get("wire") else None,
+                                         error_feedback=bool(s.get("error_feedback")),
+                                         accumulate_dtype=torch.float64 if s.get("wide") else None,
                                          process_group=False if s["world"] == 1 else None, **caps)
 
     def backward(self, e, t, spec):
         if spec == "pad":
             self.acc.empty_micro_step()
             return
-        batch = fm.micro_data(self.s["seed"], e, self.rank, t, spec)
+        batch = fm.micro_data(self.s["seed"], e, self.rank, t, spec, self.s.get("wide", False))
         loss, n = fm.micro_loss(self.net, batch, self.s["reduction"], spec)
         if spec == "boom":
             loss = Boom.apply(loss)
@@ -69,7 +71,7 @@ class _Run:
         """The manual path: `(loss / K).backward()`, inside acc.no_sync()
         unless `closing`; a closing one is followed by optimizer.step() (if
         it succeeded), optimizer.zero_grad(set_to_none=True) and acc.step()."""
-        x, y, mask = fm.micro_data(self.s["seed"], e, self.rank, t, spec)
+        x, y, mask = fm.micro_data(self.s["seed"], e, self.rank, t, spec, self.s.get("wide", False))
         if spec == "boom":  # fails after the parameters' gradients were accumulated
             x = Boom.apply(x.requires_grad_())
         loss, _ = fm.micro_loss(self.net, (x, y, mask), self.s["reduction"], spec)

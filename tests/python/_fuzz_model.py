@@ -10,7 +10,9 @@ A schedule is a plain dict (JSON-able, so a failing one pastes into a test):
 
     {"seed", "world", "steps", "reduction", "nonfinite", "net", "momentum",
      "buckets": "one" | "many", "as_view": bool (options that change no arithmetic),
-     "wire": "float16" (comm_dtype; absent: the parameters' float64),
+     "wire": "float16" | "bfloat16" (comm_dtype; absent: the parameters' float64),
+     "error_feedback": bool (with a wire),
+     "wide": bool (float32 parameters and data, `accumulate_dtype=torch.float64`),
      "epochs": [{"end": "flush" | "join" | "none" | "manual",
                  "micros": [[spec, ...] per rank],
                  "closes": [[t, ...] per rank] ("manual" only),
@@ -43,8 +45,8 @@ Observation keys (one namespace per rank; checked in _fuzz_check.py): "b/e/t" ba
 "f/e" flush, "x/e/t" a mid-epoch flush, "j/e" leaving join, "c/e/t" state_dict, "l/e/t" the resume,
 "r/e/t" refresh_parameters().
 
-An fp16 wire ("wire") rounds each window's gradient once (its arithmetic is
-judged to fp16's precision, _fuzz_check.tolerance), carries no window loss
+A wire ("wire", fp16 or bf16) rounds each window's gradient once (its arithmetic is
+judged to the wire's precision, _fuzz_check.tolerance), carries no window loss
 (README: `window_loss` is None on a bf16/fp16 wire) and refuses a
 rank-independent `acc.state_dict()` in the middle of a window on every rank,
 changing nothing (docs/checkpoints.md). (Its windows stay within 12 times
@@ -72,15 +74,19 @@ class InvalidSchedule(Exception):
 # Data and networks, shared with the ranks (_fuzz_jobs.py)
 # --------------------------------------------------------------------------- #
 
-def make_net(kind, seed):
+def make_net(kind, seed, wide=False):
+    """The schedule's network; `wide`: in float32 (its sums in float64)."""
     if kind == "linear":
         torch.manual_seed(seed)
-        return nn.Linear(du.D_IN, du.D_OUT).double()
-    return du.mlp(seed)
+        net = nn.Linear(du.D_IN, du.D_OUT).double()
+    else:
+        net = du.mlp(seed)
+    return net.float() if wide else net
 
 
-def micro_data(seed, epoch, rank, t, spec):
-    """Rank `rank`'s t-th micro-batch of `epoch`: (x, y, mask) as du.make_windows."""
+def micro_data(seed, epoch, rank, t, spec, wide=False):
+    """Rank `rank`'s t-th micro-batch of `epoch`: (x, y, mask) as du.make_windows
+    (`wide`: x and y in float32)."""
     g = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 10_007 + rank * 101 + t) % (2 ** 62))
     x = torch.randn(MICRO, du.TOKENS, du.D_IN, generator=g, dtype=torch.float64)
     y = torch.randn(MICRO, du.TOKENS, du.D_OUT, generator=g, dtype=torch.float64)
@@ -88,6 +94,8 @@ def micro_data(seed, epoch, rank, t, spec):
     mask = torch.arange(du.TOKENS)[None, :] < lengths[:, None]
     if spec == "zero":
         mask = torch.zeros_like(mask)
+    if wide:
+        x, y = x.float(), y.float()
     return x, y, mask
 
 
@@ -124,7 +132,9 @@ class Model:
         self.W, self.K = sched["world"], sched["steps"]
         self.red, self.nonfinite = sched["reduction"], sched["nonfinite"]
         self.net = make_net(sched["net"], sched["seed"])
-        self.params = [p.detach().clone() for p in self.net.parameters()]
+        # (a "wide" rank's float32 parameters: the same values, rounded)
+        self.params = [p.detach().clone().float().double() if sched.get("wide") else p.detach().clone()
+                       for p in self.net.parameters()]
         self.buf = [None] * len(self.params)  # SGD's momentum buffers, per parameter
         self.mask = [[1] * len(self.params) for _ in range(self.W)]  # requires_grad, per rank
         self.optimizer_steps = 0
@@ -133,7 +143,10 @@ class Model:
         self.win = [_Window() for _ in range(self.W)]
         self.exp = [dict() for _ in range(self.W)]
         self.trace = []  # parameters at each epoch's end
-        self.seen = {"fp16 wire"} if sched.get("wire") else set()  # what the schedule exercised (coverage tags)
+        # what the schedule exercised (coverage tags)
+        self.seen = {{"float16": "fp16 wire", "bfloat16": "bf16 wire"}[sched["wire"]]} if sched.get("wire") else set()
+        self.seen |= {"error feedback"} if sched.get("error_feedback") else set()
+        self.seen |= {"float64 sums of float32 parameters"} if sched.get("wide") else set()
 
     # ---- arithmetic ----------------------------------------------------- #
 
@@ -319,6 +332,12 @@ class Model:
                         if mine[r] == 0:
                             cur[r] += 1
                             continue  # at a boundary: nothing to clear
+                        if self.s.get("wide"):
+                            # mixed-precision.md: the window's sums are kept in float64
+                            # and .grad is released after each micro-step: nothing to clear
+                            self.seen.add("optimizer.zero_grad() mid-window, sums kept (accumulate_dtype)")
+                            cur[r] += 1
+                            continue
                         # README: optimizer.zero_grad() between micro-steps is an error
                         # (the window is dropped on every rank, naming the rank). With no
                         # backward run yet in the window there may be nothing to clear

@@ -5,7 +5,8 @@ Random schedules of ordinary calls across ranks (_fuzz_model.generate) run on
 real Gloo ranks (_fuzz_jobs.fuzz_schedules, many schedules per launch) and
 are held against the reference model written from the docs
 (_fuzz_model.Model): every call's return value or error (class and key words),
-the parameters after each epoch (1e-12 relative; 5e-4 on an fp16 wire), window_loss, the final
+the parameters after each epoch (1e-12 relative; 5e-4 on an fp16 wire, 6e-3 on
+a bf16 one, 2e-6 with float32 parameters), window_loss, the final
 micro_step and optimizer steps; a hang past the deadline or a dead rank
 fails. Failures found become the regression tests at the end of this file.
 """
@@ -113,8 +114,9 @@ MUST_SEE = ["manual window", "manual window dropped", "manual window of unequal 
             "restart on more ranks mid-window", "restart on fewer ranks mid-window (one process)",
             "restart on more ranks mid-window (one process)", "restart on fewer ranks at a boundary, another steps",
             "checkpoint mid-window", "join, shadowed", "window dropped (boom)", "flush meets closing ranks",
-            "empty micro-step", "an exception leaves join()", "fp16 wire",
-            "mid-window state_dict() refused with comm_dtype"]
+            "empty micro-step", "an exception leaves join()", "fp16 wire", "bf16 wire", "error feedback",
+            "mid-window state_dict() refused with comm_dtype", "float64 sums of float32 parameters",
+            "optimizer.zero_grad() mid-window, sums kept (accumulate_dtype)"]
 
 
 def test_fuzz_fixed_seeds(tmp_path):
