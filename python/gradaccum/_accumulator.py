@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 import torch
 
 from gradaccum import _C, _run, _scaler_window
-from gradaccum._lifetime import _LIVE, _optimizer_parameters, _optimizer_step
+from gradaccum._lifetime import _LIVE, _Held, _optimizer_parameters, _optimizer_step
 from gradaccum._checkpoint import load_state, save_state
 from gradaccum._refusal import _refuse_construction
 from gradaccum import trace as _trace
@@ -28,7 +28,7 @@ class Optimizer(Protocol):
 
 
 
-class Accumulator:
+class Accumulator(_Held):
     """Gradient accumulation over windows of ``steps`` micro-batches.
 
     Args:
@@ -143,8 +143,8 @@ class Accumulator:
             if process_group is not None:
                 _refuse_construction(process_group, error, params if params is not None else model)
             raise
-        self.optimizer: Any = optimizer  # an Optimizer; grad_scaler reads its param_groups too
-        self.scheduler = scheduler
+        self._optimizer: Any = optimizer  # an Optimizer; grad_scaler reads its param_groups too
+        self._scheduler = scheduler
         # refresh_parameters() takes a module's trainable set again.
         self._module = model if isinstance(model, torch.nn.Module) else None
         self.process_group = process_group

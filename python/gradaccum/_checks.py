@@ -1,6 +1,7 @@
 """Accumulator()'s argument checks, its parameters, its process group and its
 grad_scaler's state: everything gradaccum.Accumulator validates before the C++
 side sees it (each refusal a gradaccum: error naming the call)."""
+import inspect
 import numbers
 import os
 from collections.abc import Mapping
@@ -252,6 +253,22 @@ def _check_launch_has_group() -> None:
             "the Accumulator, or pass process_group=False to train each rank alone on purpose")
 
 
+def _required_arguments(method: Any) -> str:
+    """The arguments a call of `method` with none would lack ("closure"), or ""."""
+    if method is None:
+        return ""
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):  # a builtin or C++ method: not known
+        return ""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+             inspect.Parameter.KEYWORD_ONLY)
+    params = list(signature.parameters.values())
+    if params and params[0].name == "self":  # an LR scheduler's wrapper of optimizer.step: wraps the unbound one
+        params = params[1:]
+    return ", ".join(f"'{p.name}'" for p in params if p.default is inspect.Parameter.empty and p.kind in kinds)
+
+
 def _check_options(steps: Any, reduction: Any, nonfinite: Any, max_grad_norm: Any, optimizer: Any,
                    scheduler: Any, accumulate_dtype: Any, comm_dtype: Any, error_feedback: Any,
                    grad_scaler: Any, metrics: Any = ()) -> None:
@@ -270,6 +287,19 @@ def _check_options(steps: Any, reduction: Any, nonfinite: Any, max_grad_norm: An
         raise TypeError(f"gradaccum: Accumulator(): optimizer must have a step() method, got {type(optimizer).__name__}")
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
         raise TypeError(f"gradaccum: Accumulator(): scheduler must have a step() method, got {type(scheduler).__name__}")
+    needed = _required_arguments(getattr(optimizer, "step", None))
+    if needed:
+        raise ValueError(
+            f"gradaccum: Accumulator(): optimizer {type(optimizer).__name__}'s step() needs {needed}, and acc.step() "
+            "calls it with no argument: an optimizer that evaluates the loss again inside its step (a closure, as "
+            "torch.optim.LBFGS) cannot step a window accumulated by acc.backward(); use one whose step() takes none")
+    needed = _required_arguments(getattr(scheduler, "step", None))
+    if needed:
+        raise ValueError(
+            f"gradaccum: Accumulator(): scheduler {type(scheduler).__name__}'s step() needs {needed}, and acc.step() "
+            f"calls it with no argument: leave it out of the Accumulator and step it yourself after each real "
+            f"optimizer step (`if acc.step(): scheduler.step(...)`, say with acc.window_loss, or a validation "
+            f"loss at each epoch's end, as torch.optim.lr_scheduler.ReduceLROnPlateau expects)")
     if accumulate_dtype not in (None, torch.float32, torch.float64):
         raise ValueError(f"gradaccum: Accumulator(): accumulate_dtype must be torch.float32, torch.float64 or None, "
                          f"got {accumulate_dtype!r}")

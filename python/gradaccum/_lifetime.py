@@ -1,7 +1,7 @@
 """What the Accumulator holds and how it lets go: every open one, closed at
 interpreter exit, and the optimizer step the C++ side calls, which holds its
 Accumulator weakly (see Accumulator._weakly), with the list of what that
-optimizer steps."""
+optimizer steps; its optimizer and scheduler, fixed, and no pickling (_Held)."""
 import atexit
 import os
 import time
@@ -88,3 +88,36 @@ def _optimizer_parameters(optimizer: Any) -> Optional[Callable[[], List[torch.Te
                 for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
 
     return parameters
+
+
+class _Held:
+    """What an Accumulator holds for good: the optimizer and scheduler it was
+    built with (it steps those: a new one needs a new Accumulator), and
+    state no pickle or copy can carry (a process group, hooks on the model)."""
+
+    _optimizer: Any = None
+    _scheduler: Any = None
+
+    @property
+    def optimizer(self) -> Any:
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: Any) -> None:
+        raise AttributeError("gradaccum: acc.optimizer cannot be replaced: acc.step() steps the optimizer the "
+                             "Accumulator was built with; acc.close() it and build a new one with the new optimizer")
+
+    @property
+    def scheduler(self) -> Any:
+        return self._scheduler
+
+    @scheduler.setter
+    def scheduler(self, value: Any) -> None:
+        raise AttributeError("gradaccum: acc.scheduler cannot be replaced: acc.step() steps the scheduler the "
+                             "Accumulator was built with; acc.close() it and build a new one, or step a scheduler "
+                             "of your own when acc.step() returns True")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("gradaccum: an Accumulator cannot be pickled or copied (pickle, copy, torch.save): it holds "
+                        "a process group and hooks on the model; save acc.state_dict() beside the model's and the "
+                        "optimizer's, and load it into a new Accumulator with acc.load_state_dict()")

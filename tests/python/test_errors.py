@@ -58,6 +58,54 @@ def test_reducer_options_wrong_type(option, value, text):
     assert str(info.value) == f"gradaccum: Accumulator(): {text}"
 
 
+def test_step_functions_that_need_an_argument_are_refused():
+    # acc.step() calls optimizer.step() and scheduler.step() with none: LBFGS
+    # (a closure) and ReduceLROnPlateau (a metric) would fail at every window.
+    model = make_model()
+    with pytest.raises(ValueError) as info:
+        gradaccum.Accumulator(model, torch.optim.LBFGS(model.parameters()), steps=2)
+    assert str(info.value).startswith("gradaccum: Accumulator(): optimizer LBFGS's step() needs 'closure', "
+                                      "and acc.step() calls it with no argument")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError) as info:
+        gradaccum.Accumulator(model, opt, steps=2, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    assert str(info.value).startswith("gradaccum: Accumulator(): scheduler ReduceLROnPlateau's step() needs "
+                                      "'metrics', and acc.step() calls it with no argument: leave it out")
+    # Those that take none, also optimizer.step() as an LR scheduler wraps it
+    # (a function whose signature names `self`), are taken, and step.
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    acc = gradaccum.Accumulator(model, opt, steps=1, scheduler=sched)
+    x, y = make_data()
+    acc.backward(loss_of(model, x, y))
+    assert acc.step() and opt.param_groups[0]["lr"] == 0.05
+    acc.close()
+
+
+def test_optimizer_and_scheduler_cannot_be_swapped_nor_the_accumulator_pickled():
+    import copy
+    import io
+    import pickle
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    for name in ("optimizer", "scheduler"):
+        with pytest.raises(AttributeError) as info:
+            setattr(acc, name, torch.optim.SGD(model.parameters(), lr=1.0))
+        assert str(info.value).startswith(f"gradaccum: acc.{name} cannot be replaced: acc.step() steps the")
+    assert acc.optimizer is opt and acc.scheduler is None
+    x, y = make_data()
+    acc.backward(loss_of(model, x, y))
+    before = snapshot_grads(model)
+    for attempt in (pickle.dumps, copy.copy, copy.deepcopy, lambda a: torch.save(a, io.BytesIO())):
+        with pytest.raises(TypeError) as info:
+            attempt(acc)
+        assert str(info.value).startswith("gradaccum: an Accumulator cannot be pickled or copied")
+    assert_grads_equal(model, before)
+    assert acc.micro_step == 1
+    acc.close()
+
+
 @pytest.mark.parametrize("value", ["1.0", [1.0], True])
 def test_max_grad_norm_wrong_type(value):
     with pytest.raises(TypeError, match="max_grad_norm"):
