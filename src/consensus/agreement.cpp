@@ -415,9 +415,10 @@ std::string consequence(AbortReason why, int64_t joined) {
 // The consequence every rank is told follows from every rank that dropped
 // the window, not only from this one: a rank that could not step a window
 // it closed (the others stepped theirs) means the replicas differ, whatever
-// else failed beside it, then a rank that left join() means nobody may go
-// on. Each such count rides in the header (kAbortReasons), so every rank
-// words the same consequence; with one reason only, it is that reason's.
+// else failed beside it (unless every rank could not: then none stepped it),
+// then a rank that left join() means nobody may go on. Each such count rides
+// in the header (kAbortReasons), so every rank words the same consequence;
+// with one reason only, it is that reason's.
 // `unstepped` and `left` count the ranks dropping the window for those two
 // reasons; `otherwise` is told where neither did.
 AbortReason told(int64_t unstepped, int64_t left, AbortReason otherwise) {
@@ -503,7 +504,15 @@ std::string dropped_elsewhere(const std::string& where, const Aborters& who, int
 
 std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
                          const std::string& transport, int64_t joined, int64_t left, int64_t unstepped,
-                         int64_t others, int64_t other_rank) {
+                         int64_t others, int64_t other_rank, int world) {
+  const auto failed_too = transport.empty() ? "" : ". Dropping it failed too: " + transport;
+  if (why == AbortReason::ClosedWindowNotStepped && world > 0 && unstepped == world) {
+    // Note [Every rank reads what several aborters did]: no rank stepped it.
+    return where + " was dropped on every rank: this rank (rank " + std::to_string(rank) + ") could not step the "
+        "last window it closed (ending its data in acc.flush() or acc.join())" + (local.empty() ? "" : ": " + local) +
+        "; neither could any other rank, so no rank stepped it and the replicas still agree (unless the ranks failed "
+        "at different points of their step). Mend what failed; training can go on from the next window" + failed_too;
+  }
   // What another rank's drop in the same reduction means for every rank
   // (Note [Every rank reads what several aborters did]); both counts include
   // this rank's own reason.
@@ -522,7 +531,7 @@ std::string dropped_here(const std::string& where, int rank, AbortReason why, co
   }
   return where + " was dropped on every rank: " +
       abort_phrase(why, "this rank (rank " + std::to_string(rank) + ")") + (local.empty() ? "" : ": " + local) +
-      also + consequence(told_here, joined) + (transport.empty() ? "" : ". Dropping it failed too: " + transport);
+      also + consequence(told_here, joined) + failed_too;
 }
 
 } // namespace gradaccum::detail

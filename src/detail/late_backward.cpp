@@ -1,5 +1,7 @@
 #include "detail/late_backward.h"
 
+#include "detail/grad_accumulator.h"
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 
@@ -85,7 +87,7 @@ LateBackwardWatch::LateBackwardWatch(const std::vector<at::Tensor>& params, cons
   shared_->names = names;
   std::weak_ptr<Shared> weak = shared_;
   for (const auto i : c10::irange(params.size())) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
+    auto accumulator = grad_accumulator_for(params[i]);
     TORCH_INTERNAL_ASSERT(accumulator, "gradaccum: ", names[i], " has no gradient accumulator");
     keys_.push_back(accumulator->add_post_hook(std::make_unique<WatchHook>(weak, i)));
     accumulators_.push_back(std::move(accumulator));

@@ -60,6 +60,7 @@ ReducerConfig::ReducerConfig(
         "gradaccum: Accumulator(): ", name(i), " is sparse; sparse parameters are not supported");
     check_group_reaches(*group, p, name(i));
     numel += p.numel();
+    dtypes.push_back(p.scalar_type());
   }
   rank = group->getRank();
   world = group->getSize();

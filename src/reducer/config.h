@@ -24,6 +24,9 @@ struct ReducerConfig {
       WindowRule rule);
 
   std::vector<at::Tensor> params;
+  /// The parameters' dtypes when built: a gradient of another (the model
+  /// converted after construction, without refresh_parameters()) is refused.
+  std::vector<at::ScalarType> dtypes;
   std::vector<at::Tensor> buffers;
   std::vector<std::string> names; ///< one per parameter
   /// The model's parameters that do not require grad, and their names:

@@ -82,7 +82,13 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
 
 std::string Reducer::State::own_failure(const std::string& local) const {
   // What failed here was often raised by this very reduction: name the call
-  // and the window once.
+  // and the window once. A failure complete_buckets() worded already (a
+  // gradient it could not take, met at the end of backward) is raised again
+  // by the backward it ended: as it is.
+  const auto worded = window.own_where + " was dropped on every rank";
+  if (local.compare(0, worded.size(), worded) == 0) {
+    return local;
+  }
   auto cause = local;
   const auto prefix = window.own_where + ": ";
   if (cause.compare(0, prefix.size(), prefix) == 0) {
@@ -90,7 +96,8 @@ std::string Reducer::State::own_failure(const std::string& local) const {
   }
   return detail::dropped_here(window.own_where, config.rank, window.own_reason, cause, window.own_transport,
                               window.last_result.joined_ranks, window.last_result.left_ranks,
-                              window.last_result.unstepped_ranks, window.other_aborters, window.other_aborter);
+                              window.last_result.unstepped_ranks, window.other_aborters, window.other_aborter,
+                              config.world);
 }
 
 void Reducer::State::fail(const std::string& message) {

@@ -6,6 +6,7 @@
 #include "reducer/state.h"
 
 #include "comm.h"
+#include "detail/grad_accumulator.h"
 #include "detail/late_backward.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -187,7 +188,7 @@ void Reducer::State::add_hooks() {
   // and a hook never keeps the parameters' state alive on its own.
   std::weak_ptr<State> weak = weak_from_this();
   for (const auto i : c10::irange(config.params.size())) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(config.params[i]);
+    auto accumulator = detail::grad_accumulator_for(config.params[i]);
     hook_keys.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>(weak, i)));
     grad_accumulators.push_back(std::move(accumulator));
   }

@@ -79,7 +79,7 @@ void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
   if (bucket.accumulating) {
     // The window's sum so far is in the bucket (accumulate_local); add the rest.
     if (grad.defined()) {
-      check_dense(grad, index);
+      check_gradient(grad, index, view);
       add_widened(view, grad);
       grad = at::Tensor();
     } else if (!touched[index].load(std::memory_order_relaxed)) {
@@ -98,7 +98,7 @@ void Reducer::State::copy_into_bucket(Bucket& bucket, size_t slot) {
   if (in_bucket) {
     return; // bucket view: backward already accumulated in place
   }
-  check_dense(grad, index);
+  check_gradient(grad, index, view);
   view.copy_(grad);
   if (config.options.gradient_as_bucket_view()) {
     // Someone replaced .grad (zero_grad(set_to_none=True)) or its storage

@@ -381,10 +381,19 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
     return std::string("gradaccum: ") + detail::call_name(window.entry, window.request) + ": window " +
         std::to_string(window.sequence);
   }
-  /// Raises when a hook meets a sparse gradient (on the hook's path: inline).
-  void check_dense(const at::Tensor& grad, size_t index) const {
+  /// Raises when a hook meets a sparse gradient, or one of another dtype or
+  /// shape than the parameter's bucket slot `view` was built for (on the
+  /// hook's path: inline).
+  void check_gradient(const at::Tensor& grad, size_t index, const at::Tensor& view) const {
     TORCH_CHECK(!grad.is_sparse(), where(), ": ", config.name(index), " has a sparse gradient "
         "(nn.Embedding(sparse=True)?); sparse gradients are not supported: use sparse=False");
+    if (C10_UNLIKELY(grad.scalar_type() != config.dtypes[index] || !grad.sizes().equals(view.sizes()))) {
+      TORCH_CHECK(false, where(), ": ", config.name(index), "'s gradient is ", grad.scalar_type(), " ",
+          grad.sizes(), ", but the Accumulator was built for a ", config.dtypes[index], " ", view.sizes(),
+          " parameter: was the model converted or reshaped after it was built (model.to(dtype), .double(), "
+          ".half(), param.data = ...)? Call acc.refresh_parameters() on every rank at the window boundary "
+          "after such a change");
+    }
   }
   /// Raises unless no reduction is in flight: `call` names the user's call.
   void check_idle(const char* call) const {

@@ -404,3 +404,74 @@ def manual_window_then_resume(rank, world_size, *, how):
         except Exception as e:  # noqa
             errors.append((f"{w}/{k}", type(e).__name__, str(e)[:50]))
     return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
+
+
+@job
+def converted_after_build(rank, world_size, *, how):
+    """K=2, a float32 mlp: window 1 in float32; then model.double() on every
+    rank ("none", "refresh": with acc.refresh_parameters() after it) or on
+    rank 1 alone ("one_rank"); window 2. Also the one-process big batch of
+    window 2 in float64 (from the parameters window 1 left), and each
+    window's gradient."""
+    import gradaccum
+    model = du.mlp(4, dtype=torch.float32)
+    ref = du.mlp(4, dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    errors, grads = [], []
+    data = du.make_windows(7, [[2] * world_size] * 2, 2)
+    for w in range(2):
+        if w == 1 and (how != "one_rank" or rank == 1):
+            ref.load_state_dict(model.state_dict())
+            model.double()
+            ref.double()
+            if how == "refresh":
+                _try(errors, "refresh", acc.refresh_parameters)
+        dtype = next(model.parameters()).dtype
+        window = [[(x.to(dtype), y.to(dtype), m) for x, y, m in micros] for micros in data[w]]
+        for k in range(2):
+            _try(errors, f"{w}/{k}", lambda: acc.backward(du.micro_loss(model, window[rank][k], "mean")[0]))
+            if k == 1:
+                grads.append([None if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
+            _try(errors, f"{w}/{k} step", acc.step)
+        du.global_batch_loss(ref, window, "mean").backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"errors": errors, "grads": grads, "params": du.params(model), "ref": du.params(ref),
+            "stats": acc.stats()}
+
+
+@job
+def reshaped_after_build(rank, world_size):
+    """K=2, a Linear(4, 2): window 1; then on every rank the layer grows to
+    Linear(4, 3) through `param.data = ...` and acc.refresh_parameters();
+    window 2 (one rank: no group). Also the one-process big batch of both windows."""
+    import gradaccum
+    torch.manual_seed(5)
+    model, ref = nn.Linear(4, 2).double(), nn.Linear(4, 2).double()
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    acc = gradaccum.Accumulator(model, opt, steps=2, process_group=False if world_size == 1 else None)
+    g = torch.Generator().manual_seed(9)
+    errors = []
+    for w in range(2):
+        if w == 1:
+            torch.manual_seed(6)
+            weight, bias = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+            for m in (model, ref):
+                m.weight.data, m.bias.data = weight.clone(), bias.clone()
+            _try(errors, "refresh", acc.refresh_parameters)
+        out = model.weight.shape[0]
+        data = [[(torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(3, out, generator=g, dtype=torch.float64))
+                 for _ in range(2)] for _ in range(world_size)]
+        for k in range(2):
+            x, y = data[rank][k]
+            _try(errors, f"{w}/{k}", lambda: acc.backward((model(x) - y).pow(2).mean()))
+            _try(errors, f"{w}/{k} step", acc.step)
+        x = torch.cat([x for micros in data for x, _ in micros])
+        y = torch.cat([y for micros in data for _, y in micros])
+        (ref(x) - y).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"errors": errors, "params": du.params(model), "ref": du.params(ref), "stats": acc.stats()}

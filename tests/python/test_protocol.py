@@ -551,3 +551,64 @@ def test_a_checkpointed_block_run_twice_in_one_forward(tmp_path, reentrant):
                 "second backward over it?); each parameter may be reduced once per window. With reentrant "
                 "checkpointing use torch.utils.checkpoint.checkpoint(..., use_reentrant=False); otherwise put the "
                 "losses into one backward") in res["error"], res["error"]
+
+
+@pytest.mark.parametrize("how", ["none", "one_rank", "refresh"])
+def test_a_model_converted_after_the_accumulator_was_built(tmp_path, how):
+    """model.double() after construction: its float64 gradients would be
+    reduced through the float32 buckets, silently rounded (review, 2.1e-8 off
+    the big batch; bf16 -> float32: 8.8e-4). Without refresh_parameters() the
+    window is dropped on every rank, naming the parameter; with it, the big
+    batch in float64."""
+    results = run("converted_after_build", 2, tmp_path, module=R, how=how)
+    if how == "refresh":
+        for res in results:
+            assert res["errors"] == [] and res["stats"]["optimizer_steps"] == 2, res["errors"]
+            du.assert_params_close(res["params"], res["ref"], "converted and refreshed", tol=1e-15)  # (float32 would be 1e-8 off)
+            assert all(g.dtype == torch.float64 for g in res["grads"][1])
+        return
+    texts = []
+    for rank, res in enumerate(results):
+        assert [e[:2] for e in res["errors"]] == [("1/1", "RuntimeError")], res["errors"]
+        assert res["stats"]["optimizer_steps"] == 1 and res["stats"]["dropped_windows"] == 1, res["stats"]
+        texts.append(res["errors"][0][2])
+    told = ("'s gradient is Double [", "but the Accumulator was built for a Float [")  # (cut at 300 chars)
+    for rank, text in enumerate(texts):
+        assert text.startswith("gradaccum: acc.backward(): window 1 was dropped on every rank"), text
+        assert text.count("was dropped on every rank") == 1, text
+        if how == "none" or rank == 1:
+            assert all(t in text for t in told), text
+        else:  # the rank that did not convert: the other's failure, named
+            assert "rank 1" in text, text
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_layer_reshaped_through_param_data_trains_after_a_refresh(tmp_path, world):
+    """`param.data = t` of another shape, then acc.refresh_parameters(): the
+    hooks held the parameters' old accumulators, made for the old shape, and
+    every backward failed in torch ("invalid gradient", review). Now the
+    refresh takes new ones: the big batch, data parallel and in one process
+    (no group)."""
+    for res in run("reshaped_after_build", world, tmp_path, module=R):
+        assert res["errors"] == [] and res["stats"]["optimizer_steps"] == 2, res["errors"]
+        assert [tuple(p.shape) for p in res["params"]] == [(3, 4), (3,)]
+        du.assert_params_close(res["params"], res["ref"], "reshaped and refreshed")
+
+
+def test_a_closed_window_no_rank_can_step_is_not_said_to_split_the_replicas(tmp_path):
+    """Every rank's optimizer raises at the closed window that flush() steps
+    (a scheduler or optimizer that cannot step: review). No rank stepped it,
+    so the replicas still agree: the error said the others had stepped and
+    the replicas differed, and told every rank to restore a checkpoint."""
+    results = du.run_job("flush_after_closed_window_fails_on_one_rank", 2, tmp_path, module=R,
+                         how="optimizer", failing=(0, 1), pg_timeout=30, timeout=90)
+    for rank, res in enumerate(results):
+        assert res["error"].startswith(
+            f"gradaccum: acc.flush(): window 1 was dropped on every rank: this rank (rank {rank}) could not step "
+            "the last window it closed (ending its data in acc.flush() or acc.join()); neither could any other "
+            "rank, so no rank stepped it and the replicas still agree (unless the ranks failed at different points "
+            "of their step). Mend what failed; training can go on from the next window. The error on this rank, "
+            f"stepping the closed window before the flush: RuntimeError: optimizer failed on rank {rank}"), \
+            res["error"]
+        assert "differ from here on" not in res["error"] and res["seconds"] < 10
+    assert torch.equal(results[0]["next_grad"], results[1]["next_grad"])
