@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -117,7 +118,8 @@ class Accumulator {
   using ParameterList = std::function<std::vector<at::Tensor>()>;
 
   /// `optimizer` (and `scheduler`, stepped only after a real optimizer step)
-  /// must outlive the Accumulator. Each of its parameters that requires grad
+  /// must outlive the Accumulator; not torch::optim::LBFGS, whose step()
+  /// needs a closure (refused). Each of its parameters that requires grad
   /// and has a gradient must be one of the model's, when built and at each
   /// step (Note [Parameters only the optimizer steps]).
   Accumulator(
@@ -517,8 +519,33 @@ class Accumulator {
   /// closed window's loss and weight.
   at::Tensor window_loss_sum_;
   at::Tensor pending_loss_sum_;
-  at::Tensor window_loss_;
-  at::Tensor window_metrics_; ///< the last closed window's metric sums (window_metrics())
+  /// A tensor another thread may read (window_loss(), window_metrics(),
+  /// stats(): not refused by Note [One thread drives an Accumulator]) while
+  /// the driving thread replaces it: each access under its own lock.
+  class SharedTensor {
+   public:
+    SharedTensor& operator=(at::Tensor value) {
+      {
+        const std::lock_guard<std::mutex> lock(mutex_);
+        std::swap(value_, value);
+      }
+      return *this; // (the old tensor is released outside the lock)
+    }
+    at::Tensor get() const {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      return value_;
+    }
+    bool defined() const {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      return value_.defined();
+    }
+
+   private:
+    mutable std::mutex mutex_;
+    at::Tensor value_;
+  };
+  SharedTensor window_loss_;
+  SharedTensor window_metrics_; ///< the last closed window's metric sums (window_metrics())
   double window_items_ = 0;
   /// This window was resumed mid-way from a checkpoint: its loss is unknown.
   bool window_loss_cut_ = false;

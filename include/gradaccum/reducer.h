@@ -248,6 +248,10 @@ class Reducer {
   /// (false inside no_sync; the DDP-style manual path).
   bool expect_hooks() const;
   void set_expect_hooks(bool expect);
+  /// Raises, naming `what` (the call), where a parameter's gradient
+  /// accumulator is no longer the one the hooks are on (the model converted
+  /// after construction): a plain backward through it is not reduced.
+  void check_hooks_reach(const char* what) const;
 
   /// Runs `loss.backward()` as the synchronising backward of a window and
   /// returns the reduction's result. Whatever fails (this rank's backward, a

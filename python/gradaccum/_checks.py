@@ -269,6 +269,23 @@ def _required_arguments(method: Any) -> str:
     return ", ".join(f"'{p.name}'" for p in params if p.default is inspect.Parameter.empty and p.kind in kinds)
 
 
+def _wrapped_required_arguments(obj: Any, attribute: str) -> Tuple[str, str]:
+    """_required_arguments() of `obj.step`, or of the object it wraps (an
+    `accelerate` AcceleratedOptimizer's `.optimizer`, AcceleratedScheduler's
+    `.scheduler`, whose step(*args, **kwargs) passes them on), with the
+    name of the one that needs them."""
+    names = []
+    for _ in range(4):
+        if obj is None:
+            break
+        names.append(type(obj).__name__)
+        needed = _required_arguments(getattr(obj, "step", None))
+        if needed:
+            return needed, " wrapping ".join(names)
+        obj = getattr(obj, attribute, None)
+    return "", ""
+
+
 def _check_options(steps: Any, reduction: Any, nonfinite: Any, max_grad_norm: Any, optimizer: Any,
                    scheduler: Any, accumulate_dtype: Any, comm_dtype: Any, error_feedback: Any,
                    grad_scaler: Any, metrics: Any = ()) -> None:
@@ -287,16 +304,16 @@ def _check_options(steps: Any, reduction: Any, nonfinite: Any, max_grad_norm: An
         raise TypeError(f"gradaccum: Accumulator(): optimizer must have a step() method, got {type(optimizer).__name__}")
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
         raise TypeError(f"gradaccum: Accumulator(): scheduler must have a step() method, got {type(scheduler).__name__}")
-    needed = _required_arguments(getattr(optimizer, "step", None))
+    needed, inner = _wrapped_required_arguments(optimizer, "optimizer")
     if needed:
         raise ValueError(
-            f"gradaccum: Accumulator(): optimizer {type(optimizer).__name__}'s step() needs {needed}, and acc.step() "
+            f"gradaccum: Accumulator(): optimizer {inner}'s step() needs {needed}, and acc.step() "
             "calls it with no argument: an optimizer that evaluates the loss again inside its step (a closure, as "
             "torch.optim.LBFGS) cannot step a window accumulated by acc.backward(); use one whose step() takes none")
-    needed = _required_arguments(getattr(scheduler, "step", None))
+    needed, inner = _wrapped_required_arguments(scheduler, "scheduler")
     if needed:
         raise ValueError(
-            f"gradaccum: Accumulator(): scheduler {type(scheduler).__name__}'s step() needs {needed}, and acc.step() "
+            f"gradaccum: Accumulator(): scheduler {inner}'s step() needs {needed}, and acc.step() "
             f"calls it with no argument: leave it out of the Accumulator and step it yourself after each real "
             f"optimizer step (`if acc.step(): scheduler.step(...)`, say with acc.window_loss, or a validation "
             f"loss at each epoch's end, as torch.optim.lr_scheduler.ReduceLROnPlateau expects)")

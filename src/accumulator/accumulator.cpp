@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/optim/lbfgs.h>
 
 #include <torch/nn/modules/embedding.h>
 
@@ -185,6 +186,21 @@ void Accumulator::close() {
   options_.process_group(nullptr);
 }
 
+namespace {
+
+// acc.step() calls optimizer.step() with no closure: an optimizer that
+// evaluates the loss again inside its step cannot step a window (the Python
+// binding refuses any whose step() needs an argument).
+torch::optim::Optimizer& closure_free(torch::optim::Optimizer& optimizer) {
+  TORCH_CHECK_VALUE(dynamic_cast<torch::optim::LBFGS*>(&optimizer) == nullptr,
+      "gradaccum: Accumulator(): torch::optim::LBFGS needs a closure in step() (it evaluates the loss again), "
+      "and acc.step() calls optimizer.step() with none: it cannot step a window accumulated by acc.backward(); "
+      "use an optimizer whose step() needs no closure");
+  return optimizer;
+}
+
+} // namespace
+
 Accumulator::Accumulator(
     ModelParameters model,
     torch::optim::Optimizer& optimizer,
@@ -193,7 +209,7 @@ Accumulator::Accumulator(
     : Accumulator(
           std::move(model),
           std::move(options),
-          [&optimizer] { optimizer.step(); },
+          [&optimizer = closure_free(optimizer)] { optimizer.step(); },
           scheduler ? StepFunction([scheduler] { scheduler->step(); }) : nullptr,
           [&optimizer] {
             std::vector<at::Tensor> params;
@@ -524,6 +540,9 @@ bool Accumulator::step() {
       "without one, acc.backward() leaves the window's gradient in .grad)");
   if (!window_ready_) {
     if (micro_step_ == 0) {
+      if (reducer_) { // (after the manual path's window, whose backward a conversion leaves unreduced)
+        reducer_->check_hooks_reach("acc.step()");
+      }
       check_no_uncounted_backward("acc.step()");
     }
     return false;
@@ -549,6 +568,9 @@ void Accumulator::clear_gradients() {
 
 NoSync Accumulator::no_sync() {
   check_open("acc.no_sync()");
+  if (reducer_) {
+    reducer_->check_hooks_reach("acc.no_sync()");
+  }
   return NoSync(reducer_.get());
 }
 
@@ -559,6 +581,9 @@ bool Accumulator::expect_hooks() const {
 void Accumulator::set_expect_hooks(bool expect) {
   check_open("acc.no_sync()"); // (its Python form)
   if (reducer_) {
+    if (!expect) {
+      reducer_->check_hooks_reach("acc.no_sync()");
+    }
     reducer_->set_expect_hooks(expect);
   }
 }
@@ -568,8 +593,8 @@ AccumulatorStats Accumulator::stats() const {
   if (loss_scaler_) {
     stats.loss_scale = loss_scaler_->scale();
   }
-  if (window_loss_.defined()) {
-    stats.window_loss = window_loss_.item<double>();
+  if (const auto loss = window_loss_.get(); loss.defined()) {
+    stats.window_loss = loss.item<double>();
   }
   stats.window_items = window_items_;
   if (reducer_) {

@@ -156,7 +156,8 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
     } catch (const c10::Error& e) {
       remember_gradients(); // dropping zeroed the buckets, and with them any .grad views
       TORCH_CHECK(local_failure.empty(), e.what_without_backtrace(), ". The error on this rank, "
-          "stepping the closed window before the flush: ", local_failure);
+          "stepping the closed window before ",
+          call_ != nullptr && std::string(call_) == "acc.join()" ? "joining" : "the flush", ": ", local_failure);
       throw;
     }
     TORCH_INTERNAL_ASSERT(false, "gradaccum: an aborted reduction returned");

@@ -157,17 +157,19 @@ bool Accumulator::keep_micro_batch(const at::Tensor& value, const at::Tensor& me
 // Copies: a caller's in-place change (`l = acc.window_loss; l *= 100`) must
 // not change what the Accumulator reports next (stats() included).
 std::optional<at::Tensor> Accumulator::window_metrics() const {
-  if (!window_metrics_.defined()) {
+  const auto metrics = window_metrics_.get();
+  if (!metrics.defined()) {
     return std::nullopt;
   }
-  return window_metrics_.clone();
+  return metrics.clone();
 }
 
 std::optional<at::Tensor> Accumulator::window_loss() const {
-  if (!window_loss_.defined()) {
+  const auto loss = window_loss_.get();
+  if (!loss.defined()) {
     return std::nullopt;
   }
-  return window_loss_.clone();
+  return loss.clone();
 }
 
 } // namespace gradaccum

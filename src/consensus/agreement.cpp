@@ -303,7 +303,8 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
     case AbortReason::GradientsChanged:
       return "on " + who + " the accumulated gradients were cleared or changed outside the "
           "Accumulator in the middle of the window (optimizer.zero_grad() or model.zero_grad() "
-          "between micro-steps, or a backward other than acc.backward() through these parameters, "
+          "between micro-steps, a model converted there (model.double(): convert it at a window boundary, "
+          "then call acc.refresh_parameters()), or a backward other than acc.backward() through these parameters, "
           "such as another model's loss?), or held a gradient no micro-step counted when it began (a "
           "plain loss.backward() at the window boundary, or .grad left before the Accumulator was "
           "built?), or acc.zero_grad() dropped its part of a window resumed in its middle from a "
@@ -507,11 +508,14 @@ std::string dropped_here(const std::string& where, int rank, AbortReason why, co
                          int64_t others, int64_t other_rank, int world) {
   const auto failed_too = transport.empty() ? "" : ". Dropping it failed too: " + transport;
   if (why == AbortReason::ClosedWindowNotStepped && world > 0 && unstepped == world) {
-    // Note [Every rank reads what several aborters did]: no rank stepped it.
+    // Note [Every rank reads what several aborters did]: every rank failed
+    // alike (its optimizer or its scheduler), none stepped while another did not.
     return where + " was dropped on every rank: this rank (rank " + std::to_string(rank) + ") could not step the "
         "last window it closed (ending its data in acc.flush() or acc.join())" + (local.empty() ? "" : ": " + local) +
-        "; neither could any other rank, so no rank stepped it and the replicas still agree (unless the ranks failed "
-        "at different points of their step). Mend what failed; training can go on from the next window" + failed_too;
+        (world > 1 ? "; neither could any other rank, so the replicas still agree (unless the ranks failed at "
+                     "different points of their step)"
+                   : "") +
+        ". Mend what failed; training can go on from the next window" + failed_too;
   }
   // What another rank's drop in the same reduction means for every rank
   // (Note [Every rank reads what several aborters did]); both counts include

@@ -208,6 +208,28 @@ void Reducer::set_expect_hooks(bool expect) {
   state_->expect_hooks.store(expect);
 }
 
+void Reducer::check_hooks_reach(const char* what) const {
+  // torch gives a parameter converted to another dtype or device a new
+  // gradient accumulator (`param.data = t`, as model.to() does), without our
+  // hooks: a window of acc.backward() is still reduced (after backward, where
+  // check_gradient() refuses the converted gradient), but the manual path's
+  // plain loss.backward() begins no reduction at all.
+  const auto& s = *state_;
+  for (const auto i : c10::irange(s.grad_accumulators.size())) {
+    const auto now = torch::autograd::impl::try_get_grad_accumulator(s.config.params[i]);
+    TORCH_CHECK(now.get() == s.grad_accumulators[i].get(),
+        "gradaccum: ", what, ": ", s.config.name(i), " is ", s.config.params[i].scalar_type(),
+        " on ", s.config.params[i].device(), " and has a new gradient accumulator, without the Accumulator's "
+        "hooks (built for ", s.config.dtypes[i], "): was the model converted after the Accumulator was built "
+        "(model.to(dtype), .double(), .half())? A plain loss.backward() through it is not reduced",
+        std::string(what) == "acc.step()"
+            ? ": if one ran since the last window (the manual path), its gradient was this rank's alone, and an "
+              "optimizer step on it made the replicas differ (resume every rank from a checkpoint)"
+            : " (nothing was changed)",
+        ". Call acc.refresh_parameters() on every rank at the window boundary after such a change");
+  }
+}
+
 ReductionRequest Reducer::manual_request() const {
   return state_->manual_request();
 }

@@ -127,6 +127,16 @@ TEST_CASE("the scheduler steps once per optimizer step", "[accumulator][schedule
   CHECK(acc.stats().optimizer_steps == 3);
 }
 
+TEST_CASE("an optimizer that needs a closure is refused when built", "[accumulator][errors]") {
+  auto model = mlp();
+  torch::optim::LBFGS lbfgs(model->parameters());
+  CHECK_THROWS_AS(Accumulator(model, lbfgs, AccumulatorOptions(2)), c10::ValueError);
+  CHECK_THROWS_WITH(Accumulator(model, lbfgs, AccumulatorOptions(2)),
+      Catch::StartsWith("gradaccum: Accumulator(): torch::optim::LBFGS needs a closure in step()"));
+  torch::optim::SGD sgd(model->parameters(), 0.1); // (the parameters were not claimed)
+  CHECK_NOTHROW(Accumulator(model, sgd, AccumulatorOptions(2)));
+}
+
 TEST_CASE("window bookkeeping", "[accumulator]") {
   auto model = mlp();
   torch::optim::SGD opt(model->parameters(), 0.1);

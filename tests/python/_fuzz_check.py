@@ -9,7 +9,11 @@ def _close(a, b, tol):
 
 
 FP16_TOL = 5e-4  # (the worst seen: 9.5e-5, 29 schedules of seeds 0-159)
-BF16_TOL = 6e-3  # (the worst seen: 1.7e-3, 46 schedules of seeds 0-1199)
+# (the worst seen: 1.7e-3, 46 schedules of seeds 0-1199). Coarse: a micro-batch
+# counted twice in a window of 12 moves parameters by about 2e-3 (review), so
+# a bf16 wire's arithmetic catches gross errors only; its protocol (returns,
+# errors, counts) is judged as any schedule's.
+BF16_TOL = 6e-3
 WIDE_TOL = 2e-6  # float32 parameters and arithmetic (the worst seen: 1.1e-7, 49 schedules)
 
 

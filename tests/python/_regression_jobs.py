@@ -475,3 +475,88 @@ def reshaped_after_build(rank, world_size):
         ref_opt.step()
         ref_opt.zero_grad()
     return {"errors": errors, "params": du.params(model), "ref": du.params(ref), "stats": acc.stats()}
+
+
+@job
+def manual_after_conversion(rank, world_size):
+    """K=2, a float32 mlp, the manual path: window 1; model.double() on
+    every rank; window 2 tries `with acc.no_sync(): loss.backward()`, then
+    (as a script with K=1 would) a plain closing backward and acc.step();
+    then acc.zero_grad(), acc.refresh_parameters() and window 3, against the
+    float64 big batch from window 2's parameters."""
+    import gradaccum
+    model, ref = du.mlp(4, dtype=torch.float32), du.mlp(4, dtype=torch.float32)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    data = du.make_windows(8, [[2] * world_size] * 3, 2)
+    errors = []
+
+    def loss_of(w, k):
+        x, y, m = data[w][rank][k]
+        dtype = next(model.parameters()).dtype
+        return du.micro_loss(model, (x.to(dtype), y.to(dtype), m), "mean")[0] / 2
+
+    for w in range(3):
+        if w == 1:
+            model.double()
+        if w == 2:
+            model.zero_grad(set_to_none=True)
+            _try(errors, "zero_grad", acc.zero_grad)
+            _try(errors, "refresh", acc.refresh_parameters)
+            ref.double()
+            ref.load_state_dict(model.state_dict())
+
+        def first():
+            with acc.no_sync():
+                loss_of(w, 0).backward()
+        _try(errors, f"{w}/0", first)
+        if w == 1:
+            model.zero_grad(set_to_none=True)
+            loss_of(w, 1).backward()  # unreduced: no hook of ours on the new accumulators
+            _try(errors, f"{w}/1 step", acc.step)
+            continue
+        loss_of(w, 1).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _try(errors, f"{w}/1 step", acc.step)
+    window = [[(x.double(), y.double(), m) for x, y, m in micros] for micros in data[2]]
+    du.global_batch_loss(ref, window, "mean").backward()
+    ref_opt.step()
+    return {"errors": errors, "params": du.params(model), "ref": du.params(ref)}
+
+
+@job
+def read_from_another_thread(rank, world_size):
+    """K=4, 60 windows, while a second thread reads acc.stats(),
+    acc.last_window_timeline(), acc.window_loss and acc.window_metrics in a
+    loop (a logger's thread): it once deadlocked both ranks (the reader held
+    the GIL waiting for the reducer's lock) or crashed on window_loss."""
+    import threading
+
+    import gradaccum
+    model = du.mlp(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    acc = gradaccum.Accumulator(model, opt, steps=4, metrics=["rows"], bucket_cap_mb=0.0005,
+                                first_bucket_cap_mb=0.0002)
+    done, reads = threading.Event(), [0]
+
+    def reader():
+        while not done.is_set():
+            acc.stats()
+            acc.last_window_timeline()
+            acc.window_loss
+            acc.window_metrics
+            reads[0] += 1
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    g = torch.Generator().manual_seed(rank)
+    try:
+        for _ in range(60 * 4):
+            x = torch.randn(3, du.D_IN, generator=g, dtype=torch.float64)
+            acc.backward(model(x).pow(2).mean(), metrics={"rows": 3.0})
+            acc.step()
+    finally:
+        done.set()
+        thread.join()
+    return {"params": du.params(model), "reads": reads[0], "steps": acc.stats()["optimizer_steps"]}

@@ -71,6 +71,17 @@ def test_step_functions_that_need_an_argument_are_refused():
         gradaccum.Accumulator(model, opt, steps=2, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
     assert str(info.value).startswith("gradaccum: Accumulator(): scheduler ReduceLROnPlateau's step() needs "
                                       "'metrics', and acc.step() calls it with no argument: leave it out")
+    class Wrapper:  # as accelerate's AcceleratedScheduler: step(*args, **kwargs) passes them on
+        def __init__(self, scheduler):
+            self.scheduler = scheduler
+
+        def step(self, *args, **kwargs):
+            self.scheduler.step(*args, **kwargs)
+
+    with pytest.raises(ValueError) as info:
+        gradaccum.Accumulator(model, opt, steps=2, scheduler=Wrapper(torch.optim.lr_scheduler.ReduceLROnPlateau(opt)))
+    assert str(info.value).startswith("gradaccum: Accumulator(): scheduler Wrapper wrapping ReduceLROnPlateau's "
+                                      "step() needs 'metrics'")
     # Those that take none, also optimizer.step() as an LR scheduler wraps it
     # (a function whose signature names `self`), are taken, and step.
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)

@@ -326,8 +326,25 @@ void init_accumulator(py::module_& m) {
            "The checks acc.run() makes before it runs its function.")
       .def_property_readonly("progress_marker", &Accumulator::progress_marker)
       .def_property_readonly("parts_open", &Accumulator::parts_open)
-      .def_property_readonly("window_loss", &Accumulator::window_loss)
-      .def_property_readonly("window_metrics", &Accumulator::window_metrics)
+      // Readers another thread may call while this one trains (no CallGuard):
+      // without the GIL, which a collective's completion may need while the
+      // reducer's lock is held (Note [One thread drives an Accumulator]).
+      .def_property_readonly("window_loss", [](const Accumulator& a) {
+        std::optional<at::Tensor> loss;
+        {
+          py::gil_scoped_release no_gil;
+          loss = a.window_loss();
+        }
+        return loss;
+      })
+      .def_property_readonly("window_metrics", [](const Accumulator& a) {
+        std::optional<at::Tensor> metrics;
+        {
+          py::gil_scoped_release no_gil;
+          metrics = a.window_metrics();
+        }
+        return metrics;
+      })
       .def_property_readonly("window_items", &Accumulator::window_items)
       .def("step", &Accumulator::step, release(), "Optimizer step at a closed window.")
       .def("flush", &Accumulator::flush, release(), "Close a partial window and step.")
@@ -346,9 +363,20 @@ void init_accumulator(py::module_& m) {
       .def_property_readonly("window_ready", &Accumulator::window_ready)
       .def_property_readonly("epoch_ended", &Accumulator::epoch_ended)
       .def_property("expect_hooks", &Accumulator::expect_hooks, &Accumulator::set_expect_hooks)
-      .def("stats", [](const Accumulator& a) { return stats_to_dict(a.stats()); })
+      .def("stats", [](const Accumulator& a) {
+        AccumulatorStats s;
+        {
+          py::gil_scoped_release no_gil; // (as window_loss above)
+          s = a.stats();
+        }
+        return stats_to_dict(s);
+      })
       .def("last_window_timeline", [](const Accumulator& a) {
-        const auto t = a.last_window_timeline();
+        WindowTimeline t;
+        {
+          py::gil_scoped_release no_gil; // (as window_loss above)
+          t = a.last_window_timeline();
+        }
         py::list buckets;
         for (const auto& b : t.buckets) {
           py::dict d;
