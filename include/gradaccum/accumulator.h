@@ -544,6 +544,10 @@ class Accumulator {
     mutable std::mutex mutex_;
     at::Tensor value_;
   };
+  /// Held while reducer_ is read by stats(), last_window_timeline() and
+  /// expect_hooks() (another thread may call them) and while close() and
+  /// refresh_parameters() take it away.
+  mutable std::mutex reducer_readers_;
   SharedTensor window_loss_;
   SharedTensor window_metrics_; ///< the last closed window's metric sums (window_metrics())
   double window_items_ = 0;

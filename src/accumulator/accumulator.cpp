@@ -178,7 +178,12 @@ void Accumulator::close() {
     return;
   }
   closed_ = true;
-  reducer_.reset(); // removes the hooks; a reduction in flight completes its pairing
+  std::unique_ptr<Reducer> reducer;
+  {
+    const std::lock_guard<std::mutex> lock(reducer_readers_); // (a reader on another thread)
+    reducer = std::move(reducer_);
+  }
+  reducer.reset(); // removes the hooks; a reduction in flight completes its pairing
   late_watch_.reset(); // (one process: its hooks)
   claim_.reset();
   // The group's last reference may be ours (destroy_process_group() ran):
@@ -575,6 +580,7 @@ NoSync Accumulator::no_sync() {
 }
 
 bool Accumulator::expect_hooks() const {
+  const std::lock_guard<std::mutex> lock(reducer_readers_);
   return reducer_ ? reducer_->expect_hooks() : true;
 }
 
@@ -597,6 +603,7 @@ AccumulatorStats Accumulator::stats() const {
     stats.window_loss = loss.item<double>();
   }
   stats.window_items = window_items_;
+  const std::lock_guard<std::mutex> lock(reducer_readers_);
   if (reducer_) {
     stats.reducer = reducer_->stats();
     stats.data_parallel = true;

@@ -156,7 +156,11 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
       p.mutable_grad() = at::Tensor(); // no longer trained: nothing for the optimizer to act on
     }
   }
-  reducer_ = std::move(reducer); // the old one's hooks go with it
+  {
+    const std::lock_guard<std::mutex> lock(reducer_readers_); // (a reader on another thread)
+    std::swap(reducer_, reducer);
+  }
+  reducer.reset(); // the old one's hooks go with it
   wide_ = std::move(wide);
   claim_ = std::move(claim);
   params_ = std::move(model.parameters);

@@ -273,6 +273,7 @@ bool Accumulator::step_optimizer(const char* call) {
 }
 
 WindowTimeline Accumulator::last_window_timeline() const {
+  const std::lock_guard<std::mutex> lock(reducer_readers_);
   return reducer_ ? reducer_->last_timeline() : WindowTimeline{};
 }
 

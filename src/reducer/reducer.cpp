@@ -221,7 +221,8 @@ void Reducer::check_hooks_reach(const char* what) const {
         "gradaccum: ", what, ": ", s.config.name(i), " is ", s.config.params[i].scalar_type(),
         " on ", s.config.params[i].device(), " and has a new gradient accumulator, without the Accumulator's "
         "hooks (built for ", s.config.dtypes[i], "): was the model converted after the Accumulator was built "
-        "(model.to(dtype), .double(), .half())? A plain loss.backward() through it is not reduced",
+        "(model.to(dtype), .double(), .half()), or a parametrization registered on it? A plain loss.backward() "
+        "through it is not reduced",
         std::string(what) == "acc.step()"
             ? ": if one ran since the last window (the manual path), its gradient was this rank's alone, and an "
               "optimizer step on it made the replicas differ (resume every rank from a checkpoint)"

@@ -527,10 +527,12 @@ def manual_after_conversion(rank, world_size):
 
 @job
 def read_from_another_thread(rank, world_size):
-    """K=4, 60 windows, while a second thread reads acc.stats(),
-    acc.last_window_timeline(), acc.window_loss and acc.window_metrics in a
-    loop (a logger's thread): it once deadlocked both ranks (the reader held
-    the GIL waiting for the reducer's lock) or crashed on window_loss."""
+    """K=4, 60 windows (acc.refresh_parameters() after 30), while a second
+    thread reads acc.stats(), acc.last_window_timeline(), acc.window_loss and
+    acc.window_metrics in a loop (a logger's thread): it once deadlocked both
+    ranks (the reader held the GIL waiting for the reducer's lock) or crashed
+    on window_loss. Then 100 Accumulators built and closed while it reads
+    each (close() and refresh once freed the reducer under a reader)."""
     import threading
 
     import gradaccum
@@ -538,25 +540,35 @@ def read_from_another_thread(rank, world_size):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     acc = gradaccum.Accumulator(model, opt, steps=4, metrics=["rows"], bucket_cap_mb=0.0005,
                                 first_bucket_cap_mb=0.0002)
-    done, reads = threading.Event(), [0]
+    done, reads, current = threading.Event(), [0], [acc]
 
     def reader():
         while not done.is_set():
-            acc.stats()
-            acc.last_window_timeline()
-            acc.window_loss
-            acc.window_metrics
+            a = current[0]
+            a.stats()
+            a.last_window_timeline()
+            a.window_loss
+            a.window_metrics
             reads[0] += 1
 
     thread = threading.Thread(target=reader, daemon=True)
     thread.start()
     g = torch.Generator().manual_seed(rank)
     try:
-        for _ in range(60 * 4):
+        for i in range(60 * 4):
             x = torch.randn(3, du.D_IN, generator=g, dtype=torch.float64)
             acc.backward(model(x).pow(2).mean(), metrics={"rows": 3.0})
             acc.step()
+            if i == 30 * 4 - 1:
+                acc.refresh_parameters()
+        steps = acc.stats()["optimizer_steps"]
+        acc.close()  # (read meanwhile)
+        for _ in range(100):
+            other = gradaccum.Accumulator(model, None, steps=2)
+            current[0] = other
+            time.sleep(0.001)
+            other.close()
     finally:
         done.set()
         thread.join()
-    return {"params": du.params(model), "reads": reads[0], "steps": acc.stats()["optimizer_steps"]}
+    return {"params": du.params(model), "reads": reads[0], "steps": steps}
