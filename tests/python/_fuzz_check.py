@@ -89,6 +89,13 @@ def check(sched, results, tol=None):
         if res.get("skipped_steps", model.skipped_steps) != model.skipped_steps:
             problems.append(f"rank {r}: stats()['skipped_steps'] {res['skipped_steps']}, "
                             f"expected {model.skipped_steps}")
+        if res.get("dropped_windows", model.dropped) != model.dropped:
+            problems.append(f"rank {r}: stats()['dropped_windows'] {res['dropped_windows']}, "
+                            f"expected {model.dropped}")
+        left_out = len(model.left_out[r])
+        if res.get("skipped_micro_batches", left_out) != left_out:
+            problems.append(f"rank {r}: stats()['skipped_micro_batches'] {res['skipped_micro_batches']}, "
+                            f"expected {left_out}")
     return problems
 
 

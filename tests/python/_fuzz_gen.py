@@ -11,6 +11,7 @@ WIRE_P = 0.2  # of the others, schedules with an fp16 wire (comm_dtype)
 BF16_P = 0.4  # of the wires, bf16 ones
 FEEDBACK_P = 0.4  # of the wires, with error_feedback
 WIDE_P = 0.15  # float32 parameters summed in float64 (accumulate_dtype)
+RAISE_P = 0.3  # of the "skip" ones, nonfinite="raise"
 
 
 def _specs(rng, count, reduction, boom_p, closing=None):
@@ -144,6 +145,8 @@ def _precision(rng, sched):
             sched["error_feedback"] = True
     if rng.random() < WIDE_P and not sched["as_view"]:  # (they exclude each other)
         sched["wide"] = True
+    if sched["nonfinite"] == "skip" and rng.random() < RAISE_P:
+        sched["nonfinite"] = "raise"
     return sched
 
 

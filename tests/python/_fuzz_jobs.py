@@ -118,10 +118,20 @@ class _Run:
         return ["ok", v, None if wl is None else float(wl)]
 
     def step(self):
-        return self._stepped(self.acc.step())
+        return self._stepped(self._dropping_nonfinite(self.acc.step))
 
     def flush(self):
-        return self._stepped(self.acc.flush())
+        return self._stepped(self._dropping_nonfinite(self.acc.flush))
+
+    def _dropping_nonfinite(self, call):
+        """nonfinite="raise": a non-finite window raises on every rank; the
+        caller drops it with acc.zero_grad(), as the error says."""
+        try:
+            return call()
+        except RuntimeError as err:
+            if self.s["nonfinite"] == "raise" and "is not finite" in str(err):
+                self.acc.zero_grad()
+            raise
 
     def checkpoint(self, e, t, src, obs):
         """Every rank saves; rank `src`'s state is loaded everywhere, into a
@@ -251,7 +261,9 @@ class _Run:
         out = {"obs": obs, "trace": trace, "micro_step": self.acc.micro_step,
                "window_ready": self.acc.window_ready,
                "optimizer_steps": self.acc.stats()["optimizer_steps"],
-               "skipped_steps": self.acc.stats()["skipped_steps"]}
+               "skipped_steps": self.acc.stats()["skipped_steps"],
+               "dropped_windows": self.acc.stats()["dropped_windows"],
+               "skipped_micro_batches": self.acc.stats()["skipped_micro_batches"]}
         self.acc.close()
         return out
 

@@ -8,7 +8,9 @@ with its key words) and what every rank's parameters must be after each epoch.
 
 A schedule is a plain dict (JSON-able, so a failing one pastes into a test):
 
-    {"seed", "world", "steps", "reduction", "nonfinite", "net", "momentum",
+    {"seed", "world", "steps", "reduction", "net", "momentum",
+     "nonfinite": "skip" | "skip_micro_batch" | "raise" (whose non-finite window
+     every rank's driver drops with acc.zero_grad(), as the error says),
      "buckets": "one" | "many", "as_view": bool (options that change no arithmetic),
      "wire": "float16" | "bfloat16" (comm_dtype; absent: the parameters' float64),
      "error_feedback": bool (with a wire),
@@ -64,6 +66,8 @@ MICRO = 2  # rows per micro-batch (each du.TOKENS tokens)
 LR = {"mean": 0.05, "items": 0.02, "sum": 0.0005}  # SGD's lr: no blow-up in a few steps
 SPECS = ("ok", "nan", "zero", "pad", "boom")
 DROPPED = "dropped on every rank"  # the window-drop error's key words (README, design.md)
+RAISED = "raised"  # _close(): a non-finite window under nonfinite="raise"
+NOT_FINITE = ("err", ["the window's gradient is not finite", "acc.zero_grad()"], [], True)
 
 
 class InvalidSchedule(Exception):
@@ -139,6 +143,10 @@ class Model:
         self.mask = [[1] * len(self.params) for _ in range(self.W)]  # requires_grad, per rank
         self.optimizer_steps = 0
         self.skipped_steps = 0  # windows closed with nothing to step, or a non-finite gradient
+        self.dropped = 0  # windows dropped on every rank (stats()["dropped_windows"], data parallel)
+        # stats()["skipped_micro_batches"], per rank: the (epoch, micro-batch)
+        # of each one it counts (a checkpoint loads its source's count at its point)
+        self.left_out = [[] for _ in range(self.W)]
         self.m = 0  # micro-step, alike on every rank outside an epoch's last window
         self.win = [_Window() for _ in range(self.W)]
         self.exp = [dict() for _ in range(self.W)]
@@ -187,6 +195,7 @@ class Model:
         if spec == "nan":
             if self.nonfinite == "skip_micro_batch":
                 self.seen.add("micro-batch left out")
+                self.left_out[r].append((e, t))
                 return  # left out: no backward, no weight
             w.nan = True
             w.kept += 1
@@ -201,8 +210,14 @@ class Model:
         w.weight += float(n) if self.red == "items" else 1.0
 
     def _close(self):
-        """The window's reduction, no culprit: returns (stepped, window_loss or None)."""
+        """The window's reduction, no culprit: returns (stepped, window_loss or
+        None), or RAISED (nonfinite="raise": every rank's acc.step() or
+        acc.flush() raises, counting nothing, and the driver drops the window
+        with acc.zero_grad(), as the error says)."""
         wins = self.win
+        if any(w.nan for w in wins) and self.nonfinite == "raise":
+            self.seen.add("nonfinite window raised")
+            return RAISED, None
         if any(w.nan for w in wins) and self.nonfinite == "skip":
             self.seen.add("nonfinite window skipped")
             self.skipped_steps += 1
@@ -238,6 +253,15 @@ class Model:
     def _reset(self):
         self.win = [_Window() for _ in range(self.W)]
         self.m = 0
+
+    def _drop(self):
+        """A window dropped on every rank (counted by each rank's reducer)."""
+        if self.W > 1:
+            self.dropped += 1
+
+    def _load_counts(self, r, src, e, t):
+        """Rank r loads rank src's state saved before micro-batch t of epoch e."""
+        self.left_out[r] = [x for x in self.left_out[src] if x < (e, t)]
 
     def _culprits(self):
         out = {}
@@ -365,6 +389,7 @@ class Model:
                             break
                         exp[f"c/{e}/{t}"] = ("ok", None)
                         exp[f"l/{e}/{t}"] = ("ok", None)
+                        self._load_counts(r, arg, e, t)
                         self.seen.add("checkpoint at a boundary")
                     elif kind == "state_dict":
                         if mine[r] == 0:
@@ -401,6 +426,7 @@ class Model:
                     if culprits:
                         for r, (_, t, _) in enumerate(points):
                             self.exp[r][f"c/{e}/{t}"] = self._dropped_error(r, culprits)
+                        self._drop()
                         self._reset()
                         mine = [0] * W
                     else:
@@ -425,12 +451,14 @@ class Model:
                     # silently wrong drops the window on every rank with that reason
                     for r in range(W):
                         self.exp[r][f"c/{e}/{t}"] = self._dropped_error(r, culprits)
+                    self._drop()
                     self._reset()
                     mine = [0] * W
                 else:
                     for r in range(W):
                         self.exp[r][f"c/{e}/{t}"] = ("ok", None)
                         self.exp[r][f"l/{e}/{t}"] = ("ok", None)
+                        self._load_counts(r, points[r][2], e, t)
                         self.win[r].cut = True
                         self.win[r].shared = True
             else:
@@ -442,6 +470,7 @@ class Model:
                 culprits = self._culprits()
                 if culprits:
                     stepped, loss = False, None
+                    self._drop()
                     self.seen.update(f"window dropped ({v})" for v in culprits.values())
                     if len(culprits) > 1:
                         self.seen.add("window dropped (several ranks)")
@@ -458,12 +487,13 @@ class Model:
                         own = arg == "boom" and r not in before
                         exp[f"b/{e}/{t}"] = (self._dropped_error(r, culprits, own_boom=own)
                                              if culprits else ("ok", None))
-                        exp[f"s/{e}/{t}"] = ("ok", stepped, loss) if stepped else ("ok", False)
+                        exp[f"s/{e}/{t}"] = (NOT_FINITE if stepped == RAISED else
+                                             ("ok", stepped, loss) if stepped else ("ok", False))
                         if "flush" in kinds:
                             epoch_over[r] = True
                     else:
                         exp[_flush_key(e, kind, t)] = (
-                            self._dropped_error(r, culprits) if culprits
+                            self._dropped_error(r, culprits) if culprits else NOT_FINITE if stepped == RAISED
                             else (("ok", True, loss) if stepped else ("ok", False)))
                 self._reset()
                 mine = [0] * W
@@ -536,7 +566,9 @@ class Model:
                         self.exp[r][f"b/{e}/{t}"] = ("ok", None)
             self.seen.add("manual window" + (" dropped" if culprits else "")
                           + (" of unequal lengths" if len(lengths) > 1 else ""))
-            if not culprits:
+            if culprits:
+                self._drop()
+            else:
                 if any(m != self.mask[0] for m in self.mask):
                     raise InvalidSchedule("a window over ranks with different trainable sets")
                 total = None
@@ -601,6 +633,14 @@ class Model:
                 self._contribute(e, r, t, spec)
             culprits = self._culprits()
             stepped, loss = (False, None) if culprits else self._close()
+            if stepped == RAISED:  # (acc.step() raising inside join() leaves its block)
+                raise InvalidSchedule("a non-finite window raised inside join()")
+            if culprits:
+                self._drop()
+                if "left" not in culprits.values() and all(w < full[r] for r in range(W)):
+                    # design.md, Joining: after a drop that let training go on, each
+                    # rank's exception leaving join() runs one more reduction, as a drop
+                    self._drop()
             self.seen.add("join" + (": window dropped" if culprits else "")
                           + (", shadowed" if any(w > full[r] for r in range(W)) else ""))
             for r in range(W):

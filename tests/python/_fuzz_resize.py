@@ -61,6 +61,8 @@ def expect_phase(psched):
                       first_epoch=n_before))
     b.params, b.buf, b.optimizer_steps, b.m = a.params, a.buf, a.optimizer_steps, a.m
     b.skipped_steps = a.skipped_steps
+    b.left_out = [list(a.left_out[0]) for _ in range(b.W)]  # rank 0's state
+    b.dropped = a.dropped if b.W > 1 else 0  # (one process has no reducer)
     b.mask = [list(a.mask[0]) for _ in range(b.W)]
     taken = fm._Window()  # rank 0 takes the whole half-done window
     for w in a.win:

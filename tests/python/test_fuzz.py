@@ -7,7 +7,8 @@ are held against the reference model written from the docs
 (_fuzz_model.Model): every call's return value or error (class and key words),
 the parameters after each epoch (1e-12 relative; 5e-4 on an fp16 wire, 6e-3 on
 a bf16 one, 2e-6 with float32 parameters), window_loss, the final
-micro_step and optimizer steps; a hang past the deadline or a dead rank
+micro_step, and the optimizer steps, skipped steps, dropped windows and
+left-out micro-batches counted; a hang past the deadline or a dead rank
 fails. Failures found become the regression tests at the end of this file.
 """
 import json
@@ -73,7 +74,8 @@ def test_the_generator_is_deterministic_and_the_checker_bites():
 
     def perfect_for(model):
         return [{"obs": {k: observed(v) for k, v in model.exp[r].items()}, "trace": model.trace,
-                 "micro_step": model.m, "window_ready": False, "optimizer_steps": model.optimizer_steps}
+                 "micro_step": model.m, "window_ready": False, "optimizer_steps": model.optimizer_steps,
+                 "dropped_windows": model.dropped, "skipped_micro_batches": len(model.left_out[r])}
                 for r in range(sched["world"])]
 
     perfect = perfect_for(model)
@@ -85,6 +87,10 @@ def test_the_generator_is_deterministic_and_the_checker_bites():
     off[0] = dict(off[0], obs=dict(off[0]["obs"]))
     off[0]["obs"].popitem()
     assert fc.check(sched, off)
+    for counter in ("dropped_windows", "skipped_micro_batches"):
+        off = [dict(res) for res in perfect]
+        off[1] = dict(off[1], **{counter: off[1][counter] + 1})
+        assert any(counter in p for p in fc.check(sched, off))
     # an fp16 wire's tolerance: its rounding passes, an error 4 times larger does not
     wire = dict(sched, wire="float16")
     assert fc.check(wire, perfect)  # window losses where an fp16 wire has none
@@ -116,7 +122,8 @@ MUST_SEE = ["manual window", "manual window dropped", "manual window of unequal 
             "checkpoint mid-window", "join, shadowed", "window dropped (boom)", "flush meets closing ranks",
             "empty micro-step", "an exception leaves join()", "fp16 wire", "bf16 wire", "error feedback",
             "mid-window state_dict() refused with comm_dtype", "float64 sums of float32 parameters",
-            "optimizer.zero_grad() mid-window, sums kept (accumulate_dtype)"]
+            "optimizer.zero_grad() mid-window, sums kept (accumulate_dtype)", "nonfinite window raised",
+            "micro-batch left out", "join: window dropped"]
 
 
 def test_fuzz_fixed_seeds(tmp_path):
