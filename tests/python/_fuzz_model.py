@@ -147,6 +147,7 @@ class Model:
         # stats()["skipped_micro_batches"], per rank: the (epoch, micro-batch)
         # of each one it counts (a checkpoint loads its source's count at its point)
         self.left_out = [[] for _ in range(self.W)]
+        self.loaded_at = set()  # the points where a checkpoint was loaded
         self.m = 0  # micro-step, alike on every rank outside an epoch's last window
         self.win = [_Window() for _ in range(self.W)]
         self.exp = [dict() for _ in range(self.W)]
@@ -259,9 +260,14 @@ class Model:
         if self.W > 1:
             self.dropped += 1
 
-    def _load_counts(self, r, src, e, t):
-        """Rank r loads rank src's state saved before micro-batch t of epoch e."""
-        self.left_out[r] = [x for x in self.left_out[src] if x < (e, t)]
+    def _load_counts(self, src, e, t):
+        """Every rank loads rank src's state saved before micro-batch t of
+        epoch e (called by the first rank to get there: no rank has counted
+        past it yet). After it the counts are alike: a later checkpoint at
+        the same point changes nothing."""
+        if (e, t) not in self.loaded_at:
+            self.loaded_at.add((e, t))
+            self.left_out = [[x for x in self.left_out[src] if x < (e, t)] for _ in range(self.W)]
 
     def _culprits(self):
         out = {}
@@ -389,7 +395,7 @@ class Model:
                             break
                         exp[f"c/{e}/{t}"] = ("ok", None)
                         exp[f"l/{e}/{t}"] = ("ok", None)
-                        self._load_counts(r, arg, e, t)
+                        self._load_counts(arg, e, t)
                         self.seen.add("checkpoint at a boundary")
                     elif kind == "state_dict":
                         if mine[r] == 0:
@@ -458,7 +464,7 @@ class Model:
                     for r in range(W):
                         self.exp[r][f"c/{e}/{t}"] = ("ok", None)
                         self.exp[r][f"l/{e}/{t}"] = ("ok", None)
-                        self._load_counts(r, points[r][2], e, t)
+                        self._load_counts(points[0][2], e, t)
                         self.win[r].cut = True
                         self.win[r].shared = True
             else:
