@@ -64,7 +64,9 @@ struct ModelParameters {
 struct AccumulatorStats {
   int64_t micro_steps = 0; ///< backward() calls
   int64_t optimizer_steps = 0; ///< real optimizer steps
-  int64_t skipped_steps = 0; ///< windows dropped for non-finite gradients (or no items anywhere)
+  /// Windows dropped for non-finite gradients (nonfinite="raise": once
+  /// acc.zero_grad() drops the window it raised on), or no items anywhere.
+  int64_t skipped_steps = 0;
   /// Losses left out by nonfinite="skip_micro_batch": a micro-batch's, or
   /// one part's of a micro-batch run in parts (acc.run() after running out of
   /// memory: each part counts).
@@ -200,18 +202,25 @@ class Accumulator {
   /// sum and `num_items` counts the part's items. A part that raises having changed no gradient did
   /// not happen (run it again, smaller); one that reached .grad fails the
   /// micro-step (Note [Micro-steps in parts] in src/accumulator/parts.cpp).
-  /// `metrics` as for backward(): the parts' metrics add up.
+  /// `metrics` as for backward(): the parts' metrics add up. `call`: the
+  /// name its errors give (Python's acc.run() passes its own).
   void backward_part(const at::Tensor& loss, std::optional<double> num_items, const at::Tensor& reported,
-                     double share, const at::Tensor& metrics = {});
+                     double share, const at::Tensor& metrics = {}, const char* call = "acc.backward_part()");
   /// Ends the micro-step that backward_part() calls made and counts it; at the
   /// window's end it synchronises (after the backward: not overlapped).
   /// `failed`: the micro-batch could not run (an error that was not retried):
   /// the micro-step fails as a failed backward() does (data parallel: the
   /// window is dropped on every rank, at once if this was its closing
   /// micro-step; one process: dropped if a part reached .grad);
-  /// `out_of_memory` says why to the other ranks. The errors of both name
-  /// acc.run(), the call built on them.
-  void end_micro_step(bool failed = false, bool out_of_memory = false);
+  /// `out_of_memory` says why to the other ranks. So a C++ forward that
+  /// throws on one rank, before its backward() (or backward_part()) ran,
+  /// fails its micro-step with `end_micro_step(true)`: every rank's window is
+  /// dropped alike, and every rank raises at that window's close (at once if
+  /// it was the closing micro-step), rather than this rank's windows shifting
+  /// one micro-step against the others'. (Not after a backward() that raised:
+  /// that micro-step failed already; progress_marker() tells the two apart.)
+  /// `call`: the name its errors give (Python's acc.run() passes its own).
+  void end_micro_step(bool failed = false, bool out_of_memory = false, const char* call = "acc.end_micro_step()");
   /// The checks of a micro-step that need no loss (the Accumulator is open, its
   /// window not closed), naming `what`: acc.run() makes
   /// them before it runs its function, so that a micro-step it would fail is
@@ -224,7 +233,10 @@ class Accumulator {
   /// micro-step, the other ranks are already reducing the window: it is
   /// dropped on every rank (Note [A refused closing micro-batch]), and the
   /// returned text says so ("window N was dropped on every rank: …"), to
-  /// append to this rank's error. Empty when nothing was dropped.
+  /// append to this rank's error. Data parallel before the closing
+  /// micro-step, the text says that the micro-step was not counted and how
+  /// to keep this rank's windows aligned (run it again, or
+  /// empty_micro_step()). Empty otherwise.
   std::string refuse_micro_batch(const char* call);
   /// How far this rank has gone: the micro-steps it counted plus the
   /// reductions it ran (dropped ones too). acc.run() compares it around a
@@ -304,8 +316,10 @@ class Accumulator {
 
   /// As Accelerate's `sync_gradients`: true through the window's closing
   /// micro-step, from before its backward() (the next one closes the window)
-  /// until step(). Code run after a backward() under `if sync_gradients`
-  /// (clipping, logging) sees the window's reduced gradients.
+  /// until step(). It says whether the *next* backward() synchronises, so it
+  /// is true after the backward() before the closing one too: code that
+  /// needs the window's reduced gradients after a backward() (clipping,
+  /// logging the norm) tests window_ready() instead.
   bool sync_gradients() const;
   /// Position in the current window, 0..steps-1.
   int64_t micro_step() const {

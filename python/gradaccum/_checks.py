@@ -474,3 +474,28 @@ def _scaler_rule(grad_scaler: Any) -> Optional[Tuple[float, float, float, int]]:
 
     return (get("get_scale"), get("get_growth_factor"), get("get_backoff_factor"),
             int(get("get_growth_interval")))
+
+
+# A no-sync micro-step whose backward raised, data parallel, still counts
+# (every rank closes its windows together) and its window is dropped on every
+# rank when it closes: a script that ran the micro-batch again (after running
+# out of memory, say) would run one micro-step more than the other ranks, and
+# pair other micro-batches in every later window, with no error.
+_COUNTED = ("gradaccum: acc.backward(): this micro-step failed in its backward on this rank and still counts, so "
+            "that every rank closes its windows together; go on with the next micro-batch, not this one again "
+            "(this rank would run one micro-step more than the others). The window will be dropped on every rank "
+            "when it closes (acc.run() retries out-of-memory micro-batches in smaller parts instead)")
+
+
+def _note_counted_failure(native: Any, error: BaseException) -> None:
+    """Adds _COUNTED's note to an error of a data-parallel backward (its own:
+    gradaccum's errors say what happened themselves)."""
+    if str(error).startswith("gradaccum: ") or not hasattr(error, "add_note"):
+        return
+    try:
+        if native.closed or not native.stats()["data_parallel"]:
+            return
+    except Exception:  # noqa: BLE001 - the original error matters, not this note
+        return
+    error.add_note(_COUNTED)
+

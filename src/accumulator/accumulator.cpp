@@ -351,6 +351,14 @@ void Accumulator::check_micro_step_state(const char* what) const {
   TORCH_CHECK(!window_ready_,
       "gradaccum: ", what, ": the window closed at the previous micro-step (acc.backward() or acc.run()); "
       "call acc.step() (or acc.zero_grad() to drop it) before the next micro-step");
+  // The error of fail_after_peers_ended_epoch() ended this rank's epoch with
+  // the others': a micro-step now would open a window that pairs with their
+  // next epoch's reductions, one window out of step (a loop that catches
+  // each error and goes on). Its acc.flush() (or acc.join()) ends the epoch.
+  TORCH_CHECK(!(epoch_ended_raised_ && micro_step_ == 0 && !parts_open_),
+      "gradaccum: ", what, ": this rank's epoch ended with the other ranks' acc.flush() (the error raised "
+      "before: this rank went on training after they ended the epoch); call acc.flush() (it steps nothing and "
+      "runs no collective) or leave acc.join() before the next epoch's first micro-batch. Nothing was changed");
 }
 
 double Accumulator::check_micro_step(

@@ -227,8 +227,8 @@ void Accumulator::fail_after_peers_ended_epoch() {
       "gradaccum: ", call_name(), ": other ranks ended the epoch with acc.flush() in the reduction that "
       "closed this rank's last window, but this rank went on training. Every rank must run the "
       "same number of full windows and call acc.flush() at the end of each epoch (this rank's "
-      "acc.flush() for this epoch steps nothing and runs no collective; the other ranks learn of this "
-      "error in their next reduction). The window was dropped on every rank");
+      "acc.flush() for this epoch steps nothing and runs no collective, and micro-steps are refused until it "
+      "runs; the other ranks learn of this error in their next reduction). The window was dropped on every rank");
 }
 
 } // namespace gradaccum

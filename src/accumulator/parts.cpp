@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 
 namespace gradaccum {
@@ -60,22 +61,22 @@ void Accumulator::check_no_open_parts(const char* what) const {
 }
 
 void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> num_items,
-                                const at::Tensor& reported, double share, const at::Tensor& metrics) {
-  const CallGuard guard(driver_, driving_, "acc.run()", &call_);
+                                const at::Tensor& reported, double share, const at::Tensor& metrics, const char* call) {
+  const CallGuard guard(driver_, driving_, call, &call_);
   realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   // Every check comes before backward: a rejected call changes nothing.
-  double weight = check_micro_step(loss, num_items, "acc.run()");
+  double weight = check_micro_step(loss, num_items, call);
   window_forwards_ = true; // (a refused part: acc.run() fails the whole micro-step)
   TORCH_CHECK_VALUE(std::isfinite(share) && share > 0 && share <= 1,
-      "gradaccum: acc.run(): a part's share of its micro-batch must be in (0, 1], got ", share);
-  check_reported(reported, "acc.run()");
-  check_metrics(metrics, "acc.run()");
+      "gradaccum: ", call, ": a part's share of its micro-batch must be in (0, 1], got ", share);
+  check_reported(reported, call);
+  check_metrics(metrics, call);
   // Mean: the part's loss is a mean over its rows, weighted by their share;
   // sum and items: a sum over its rows, which adds as it is.
   const bool items = options_.reduction() == Reduction::Items;
   const double scale = options_.reduction() == Reduction::Mean ? share : 1.0;
   const auto before = grad_versions();
-  check_window_gradients("acc.run()", before);
+  check_window_gradients(call, before);
   const auto& value = reported.defined() ? reported : loss;
   const bool keep = keep_micro_batch(scale == 1.0 ? value : value.detach() * scale, metrics);
   weight = !keep ? 0 : items ? weight : share;
@@ -107,7 +108,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
       // the others' error names this rank, this rank's says what happened.
       dropped_now = true;
     }
-    TORCH_CHECK(false, "gradaccum: acc.run(): a part of the micro-batch failed in its backward after some of its "
+    TORCH_CHECK(false, "gradaccum: ", call, ": a part of the micro-batch failed in its backward after some of its "
         "gradient had reached .grad, which cannot be undone: ",
         !reducer_ ? "the window was dropped" : dropped_now ? "the window was dropped on every rank"
                                                           : "the window will be dropped on every rank when it closes",
@@ -131,18 +132,18 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
   remember_gradients();
 }
 
-void Accumulator::end_micro_step(bool failed, bool out_of_memory) {
-  const CallGuard guard(driver_, driving_, "acc.run()", &call_);
+void Accumulator::end_micro_step(bool failed, bool out_of_memory, const char* call) {
+  const CallGuard guard(driver_, driving_, call, &call_);
   realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
-  check_open("acc.run()");
+  check_open(call);
   if (failed) {
     if (!parts_open_) {
       // A micro-step that takes its place must be one that could run (a
       // closed window is not counted into).
-      check_micro_step_state("acc.run()");
+      check_micro_step_state(call);
       // As a micro-step that ran would: the others may have ended the epoch
       // (then this raises the one-sided error, as acc.backward() does).
-      check_window_gradients("acc.run()", grad_versions());
+      check_window_gradients(call, grad_versions());
     }
     // Data parallel the failed micro-step takes its place even with nothing
     // of it in .grad, so that every rank closes its windows together.
@@ -152,7 +153,8 @@ void Accumulator::end_micro_step(bool failed, bool out_of_memory) {
     return;
   }
   TORCH_CHECK(parts_open_,
-      "gradaccum: acc.run(): acc.end_micro_step() without an open micro-step in parts (call acc.backward_part() first)");
+      "gradaccum: ", call, ": no micro-step in parts is open to end (call acc.backward_part() first; "
+      "acc.end_micro_step(failed=true) fails a micro-step that has none)");
   parts_open_ = false;
   // Mean and sum: a micro-batch whose parts all count weighs exactly 1 (the
   // shares' float sum may not be); a part left out takes its share with it.
@@ -166,7 +168,7 @@ void Accumulator::end_micro_step(bool failed, bool out_of_memory) {
   // The parts' weight and loss are in the window now: the closing reduction
   // adds nothing of its own.
   pending_loss_sum_ = window_loss_sum_;
-  refuse_closing_in_no_sync("acc.run()");
+  refuse_closing_in_no_sync(call);
   close_window(at::Tensor(), 0, grad_versions());
 }
 
@@ -211,10 +213,15 @@ std::string Accumulator::refuse_micro_batch(const char* call) {
 }
 
 std::string Accumulator::drop_refused_window(const char* call) {
-  const bool waited_for = reducer_ && reducer_->process_group()->getSize() > 1 && !closed_ && !window_ready_ &&
-      !parts_open_ && closes_window_next();
-  if (!waited_for) {
-    return {};
+  const bool peers = reducer_ && reducer_->process_group()->getSize() > 1 && !closed_ && !window_ready_ && !parts_open_;
+  if (!peers || !closes_window_next()) {
+    // Nothing changed. Data parallel, a script that skips the micro-batch
+    // would close this rank's windows one micro-step after the others' from
+    // here on, silently (acc.run() fails such a micro-step in its place).
+    return peers && std::strcmp(call, "acc.run()") != 0
+        ? "this micro-step was not counted: run it again with a valid loss, or call acc.empty_micro_step() in "
+          "its place, so that this rank's windows stay aligned with the other ranks'"
+        : std::string();
   }
   try {
     // As a micro-step that ran would: the others may have ended the epoch.

@@ -65,7 +65,8 @@ void Accumulator::check_gradients_untouched(
         "gradaccum: ", what, ": the gradient of ", names_[i], " was ", now[i].impl ? "changed" : "cleared",
         " outside the Accumulator in the middle of a window (", micro_step_, " of ",
         options_.steps(), " micro-steps done", window_ready_ ? ", window closed" : "",
-        "), by optimizer.zero_grad() or model.zero_grad() between micro-steps, or by a backward "
+        "), by optimizer.zero_grad() or model.zero_grad() between micro-steps, by clipping or another in-place "
+        "change of .grad before the window closed (clip under `if acc.window_ready:`), or by a backward "
         "that was not acc.backward() (another loss's backward through these parameters, e.g. a "
         "GAN's generator step that does not freeze the discriminator)? Clear "
         "gradients only after acc.step() returns True (acc.step() clears them itself), or call "
@@ -291,7 +292,6 @@ void Accumulator::check_window_gradients(const char* what, const std::vector<Gra
       check_gradients_untouched(what, /*allow_in_place=*/false, before);
     }
   }
-  epoch_ended_raised_ = false; // a micro-step after that error: a new epoch, its flush() pairs again
   if (epoch_ended_) {
     fail_after_peers_ended_epoch();
   }

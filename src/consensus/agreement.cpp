@@ -303,7 +303,9 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
     case AbortReason::GradientsChanged:
       return "on " + who + " the accumulated gradients were cleared or changed outside the "
           "Accumulator in the middle of the window (optimizer.zero_grad() or model.zero_grad() "
-          "between micro-steps, a model converted there (model.double(): convert it at a window boundary, "
+          "between micro-steps, clipping or another in-place change of .grad before the window closed (clip "
+          "under `if acc.window_ready:`, after its last backward, or pass max_grad_norm), a model converted "
+          "there (model.double(): convert it at a window boundary, "
           "then call acc.refresh_parameters()), or a backward other than acc.backward() through these parameters, "
           "such as another model's loss?), or held a gradient no micro-step counted when it began (a "
           "plain loss.backward() at the window boundary, or .grad left before the Accumulator was "

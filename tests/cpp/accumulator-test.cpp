@@ -465,7 +465,7 @@ TEST_CASE("an open micro-step in parts refuses other calls; failed drops it", "[
   CHECK_FALSE(acc.parts_open());
   CHECK(acc.micro_step() == 0);
   for (auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());
-  CHECK_THROWS_WITH(acc.end_micro_step(), Catch::Contains("gradaccum: acc.run(): acc.end_micro_step() without"));
+  CHECK_THROWS_WITH(acc.end_micro_step(), Catch::Contains("gradaccum: acc.end_micro_step(): no micro-step in parts"));
 }
 
 TEST_CASE("window metrics are summed over the window's micro-batches", "[accumulator][metrics]") {

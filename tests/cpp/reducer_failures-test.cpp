@@ -137,7 +137,10 @@ TEST_CASE("a micro-batch refused on one rank drops the window only when it close
         CHECK(steps == std::vector<int64_t>{2, 2});
       } else {
         CHECK(errors[0].empty());
-        CHECK(errors[1][0] == refused);
+        // Nothing changed; the error says how to keep the windows aligned.
+        CHECK(errors[1][0] == refused + "; this micro-step was not counted: run it again with a valid loss, or call "
+                                        "acc.empty_micro_step() in its place, so that this rank's windows stay "
+                                        "aligned with the other ranks'");
         CHECK(dropped == std::vector<int64_t>{0, 0});
         CHECK(steps == std::vector<int64_t>{3, 3});
       }
@@ -423,4 +426,83 @@ TEST_CASE("a failure after the consensus while shadowing in acc.join() drops the
   CHECK(stats[0].windows == stats[1].windows);
   CHECK(stats[0].dropped_windows == 1); // window 2
   CHECK(stats[1].dropped_windows == 2); // window 1, here alone, and window 2
+}
+
+TEST_CASE("a C++ forward that throws on one rank fails its micro-step with end_micro_step", "[reducer][distributed][errors]") {
+  // docs/integrations.md, C++: rank 1's forward throws before its backward()
+  // (window 1, a no_sync micro-step; window 2, the closing one). It fails the
+  // micro-step with end_micro_step(true): both windows are dropped on both
+  // ranks, each rank raises at the window's close naming rank 1, and the
+  // windows that count equal one process on their micro-batches (float64).
+  constexpr int kSteps = 3;
+  const auto x_of = [](int rank, int w, int k) {
+    return torch::full({2, 6}, 0.1 * double(1 + w + 2 * k + 5 * rank), torch::kFloat64);
+  };
+  const auto throws = [](int rank, int w, int k) { return rank == 1 && ((w == 1 && k == 0) || (w == 2 && k == 2)); };
+  std::vector<std::vector<std::string>> errors(2);
+  std::vector<std::vector<at::Tensor>> results(2);
+  std::vector<int64_t> dropped(2), stepped(2);
+  run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    auto net = gradaccum::test::mlp();
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    Accumulator acc(net, opt, AccumulatorOptions(kSteps).process_group(group));
+    for (int w = 0; w < 4; ++w) {
+      for (int k = 0; k < kSteps; ++k) {
+        const auto before = acc.progress_marker();
+        try {
+          if (throws(rank, w, k)) throw std::runtime_error("a bad sample");
+          acc.backward(net->forward(x_of(rank, w, k)).pow(2).mean());
+          acc.step();
+        } catch (const std::exception& e) {
+          const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+          errors[rank].push_back(std::to_string(w) + "/" + std::to_string(k) + ": " +
+                                 (c10_error ? c10_error->what_without_backtrace() : e.what()));
+          if (acc.progress_marker() == before) {
+            try {
+              acc.end_micro_step(/*failed=*/true);
+            } catch (const c10::Error& again) {
+              errors[rank].push_back(std::to_string(w) + "/" + std::to_string(k) + " end: " +
+                                     again.what_without_backtrace());
+            }
+          }
+        }
+      }
+    }
+    dropped[rank] = acc.stats().reducer.dropped_windows;
+    stepped[rank] = acc.stats().optimizer_steps;
+    for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
+  });
+  INFO(errors[0].size() << " " << errors[1].size());
+  REQUIRE(errors[0].size() == 2);
+  CHECK_THAT(errors[0][0], Catch::StartsWith("1/2: gradaccum: acc.backward(): window 1 was dropped on every rank") &&
+                               Catch::Contains("rank 1"));
+  CHECK_THAT(errors[0][1], Catch::StartsWith("2/2: gradaccum: acc.backward(): window 2 was dropped on every rank") &&
+                               Catch::Contains("rank 1"));
+  REQUIRE(errors[1].size() == 4);
+  CHECK(errors[1][0] == "1/0: a bad sample");
+  CHECK_THAT(errors[1][1], Catch::StartsWith("1/2: gradaccum: acc.backward(): window 1 was dropped on every rank"));
+  CHECK(errors[1][2] == "2/2: a bad sample");
+  CHECK_THAT(errors[1][3], Catch::StartsWith("2/2 end: gradaccum: acc.end_micro_step(): window 2 was dropped on every "
+                                             "rank"));
+  CHECK(dropped == std::vector<int64_t>{2, 2});
+  CHECK(stepped == std::vector<int64_t>{2, 2});
+  // One process over windows 0 and 3 (the mean of 2 * kSteps micro-batches each).
+  auto net = gradaccum::test::mlp();
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  for (int w : {0, 3}) {
+    opt.zero_grad();
+    at::Tensor loss;
+    for (int rank = 0; rank < 2; ++rank) {
+      for (int k = 0; k < kSteps; ++k) {
+        auto l = net->forward(x_of(rank, w, k)).pow(2).mean() / double(2 * kSteps);
+        loss = loss.defined() ? loss + l : l;
+      }
+    }
+    loss.backward();
+    opt.step();
+  }
+  for (size_t i = 0; i < results[0].size(); ++i) {
+    CHECK(torch::equal(results[0][i], results[1][i]));
+    CHECK(torch::allclose(results[0][i], net->parameters()[i].detach(), 1e-13, 1e-15));
+  }
 }

@@ -202,7 +202,9 @@ def test_a_stray_gradient_on_one_rank_where_its_call_closes_a_window_drops_it_ev
     results = du.run_job("stray_at_a_closing_start", 2, tmp_path, module=M, timeout=120, pg_timeout=30, how=how)
     call = {"backward": "acc.backward()", "flush": "acc.flush()", "join": "acc.join()"}[how]
     why = ("the accumulated gradients were cleared or changed outside the Accumulator in the middle of the window "
-           "(optimizer.zero_grad() or model.zero_grad() between micro-steps, a model converted there "
+           "(optimizer.zero_grad() or model.zero_grad() between micro-steps, clipping or another in-place change "
+           "of .grad before the window closed (clip under `if acc.window_ready:`, after its last backward, or pass "
+           "max_grad_norm), a model converted there "
            "(model.double(): convert it at a window boundary, then call acc.refresh_parameters()), or a backward "
            "other than "
            "acc.backward() through these parameters, such as another model's loss?), or held a gradient no "

@@ -452,7 +452,9 @@ def test_a_rank_that_drops_its_part_of_a_window_resumed_from_a_rank_independent_
                          rank_independent=True, then_per_rank=then_per_rank)
     # (window 1: the rank-independent snapshot took reduction 0; a per-rank save runs none)
     why = ("the accumulated gradients were cleared or changed outside the Accumulator in the middle of the window "
-           "(optimizer.zero_grad() or model.zero_grad() between micro-steps, a model converted there "
+           "(optimizer.zero_grad() or model.zero_grad() between micro-steps, clipping or another in-place change "
+           "of .grad before the window closed (clip under `if acc.window_ready:`, after its last backward, or pass "
+           "max_grad_norm), a model converted there "
            "(model.double(): convert it at a window boundary, then call acc.refresh_parameters()), or a backward "
            "other than "
            "acc.backward() through these parameters, such as another model's loss?), or held a gradient no "

@@ -313,11 +313,14 @@ void init_accumulator(py::module_& m) {
       .def("backward_part",
            [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
               std::optional<at::Tensor> reported, double share, std::optional<at::Tensor> metrics) {
-             acc.backward_part(loss, num_items, reported.value_or(at::Tensor()), share, metrics.value_or(at::Tensor()));
+             acc.backward_part(loss, num_items, reported.value_or(at::Tensor()), share, metrics.value_or(at::Tensor()),
+                               "acc.run()");
            },
            py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
            py::arg("share") = 1.0, py::arg("metrics") = py::none(), release(), "One part of a micro-step run in parts (acc.run()).")
-      .def("end_micro_step", &Accumulator::end_micro_step, py::arg("failed") = false,
+      .def("end_micro_step",
+           [](Accumulator& acc, bool failed, bool out_of_memory) { acc.end_micro_step(failed, out_of_memory, "acc.run()"); },
+           py::arg("failed") = false,
            py::arg("out_of_memory") = false, release(),
            "Count the micro-step the parts made; synchronises at the window's end.")
       .def("refuse_micro_batch", [](Accumulator& acc) { return acc.refuse_micro_batch("acc.backward()"); }, release(),

@@ -1,0 +1,54 @@
+"""Ranks that would fall out of step without an error: a micro-batch that
+fails or is refused on one rank in the middle of a window, and a script that
+catches the error and goes on. Each error says what keeps the ranks' windows
+aligned, and doing that gives the big batch in float64 (review findings; the
+C++ side: reducer_failures-test.cpp, "a C++ forward that throws")."""
+import _alignment_jobs as aj
+import _dist_utils as du
+
+M = "_alignment_jobs"
+
+
+def test_a_failed_no_sync_backward_says_it_counted_and_not_to_run_it_again(tmp_path):
+    """Data parallel, a failed no-sync micro-step counts (every rank closes its
+    windows together) and its window is dropped on every rank when it closes.
+    The error was torch's own, bare (review: an out-of-memory there read as one
+    to retry, and a retry runs one micro-step more than the peers); it now
+    carries a note saying so. Going on as it says: the big batch without
+    window 1, on both ranks."""
+    results = du.run_job("failed_or_refused_then_on", 2, tmp_path, module=M, how="failed", timeout=120)
+    own = results[1]["errors"][0]
+    assert own[:3] == ("1/0", "RuntimeError", "injected failure")
+    assert own[3] == ["gradaccum: acc.backward(): this micro-step failed in its backward on this rank and still "
+                      "counts, so that every rank closes its windows together; go on with the next micro-batch, not "
+                      "this one again (this rank would run one micro-step more than the others). The window will be "
+                      "dropped on every rank when it closes (acc.run() retries out-of-memory micro-batches in smaller "
+                      "parts instead)"]
+    expected = du.windows_reference(aj.SEED, aj.windows(2), "mean", skip=(1,))
+    for rank, res in enumerate(results):
+        closing = [e for e in res["errors"] if e[0] == "1/2"]
+        assert len(closing) == 1 and "window 1 was dropped on every rank" in closing[0][2], res["errors"]
+        assert closing[0][3] == []  # (gradaccum's own error says what happened)
+        assert res["stats"]["dropped_windows"] == 1 and res["stats"]["optimizer_steps"] == 2
+        du.assert_params_close(res["params"], expected, f"rank {rank}")
+
+
+def test_a_refused_micro_batch_replaced_by_an_empty_micro_step_keeps_the_windows(tmp_path):
+    """A refused micro-batch changes nothing; the error says to run it again
+    or call acc.empty_micro_step() in its place. Skipping it instead paired
+    rank 1's later micro-batches one window position late, silently (review).
+    Doing what it says: window 1 holds the 5 micro-batches that ran (weight 5),
+    and every window is the big batch in float64."""
+    results = du.run_job("failed_or_refused_then_on", 2, tmp_path, module=M, how="refused", timeout=120)
+    assert results[0]["errors"] == []
+    ((where, kind, text, notes),) = results[1]["errors"]
+    assert (where, kind, notes) == ("1/0", "ValueError", [])
+    assert text.endswith("; this micro-step was not counted: run it again with a valid loss, or call "
+                         "acc.empty_micro_step() in its place, so that this rank's windows stay aligned with the "
+                         "other ranks'"), text
+    data = aj.windows(2)
+    data[1][1] = data[1][1][1:]  # rank 1's refused micro-batch is not in the window
+    expected = du.windows_reference(aj.SEED, data, "mean")
+    for rank, res in enumerate(results):
+        assert res["stats"]["optimizer_steps"] == 3 and res["stats"]["dropped_windows"] == 0
+        du.assert_params_close(res["params"], expected, f"rank {rank}")
