@@ -14,7 +14,8 @@ from gradaccum import trace as _trace
 # (_NONFINITE, _REDUCTIONS: one list, the adapters read it here)
 from gradaccum._checks import (  # noqa: F401
     _NONFINITE, _REDUCTIONS, _check_layout_options, _check_options, _check_scaled_parameters, _default_world_size,
-    _as_float, _dist_initialized, _metric_values, _num_items_float, _parameters, _resolve_group, _scaler_rule, _scaling,
+    _as_float, _dist_initialized, _metric_values, _note_counted_failure, _num_items_float, _parameters,
+    _resolve_group, _scaler_rule, _scaling,
 )
 
 
@@ -169,9 +170,8 @@ class Accumulator(_Held):
             self._c.set_window_callbacks(self._weakly("_unscale_and_check"), self._weakly("_update_scaler"))
 
     def _weakly(self, method: str) -> Callable[[], bool]:
-        """A callback for the C++ side that holds this object weakly: the C++
-        object is invisible to Python's garbage collector, so a bound method
-        there would keep this Accumulator (and its group) alive for good."""
+        """A callback for the C++ side holding this object weakly (a bound method there, invisible
+        to Python's garbage collector, would keep this Accumulator and its group alive for good)."""
         ref = weakref.ref(self)
 
         def call() -> bool:
@@ -183,10 +183,9 @@ class Accumulator(_Held):
         return call
 
     def _set_gradient_hook(self, hook: Optional[Callable[[], None]]) -> None:
-        """Calls ``hook()`` at each closed window, on the window's final gradient
-        (reduced, divided, unscaled), before clipping, the non-finite check and
-        the optimizer step: where Lightning's ``on_before_optimizer_step`` hooks
-        see the gradient (GradaccumStrategy sets it). Stepped or skipped."""
+        """Calls ``hook()`` at each closed window (stepped or skipped), on its final gradient (reduced,
+        divided, unscaled), before clipping, the non-finite check and the optimizer step: where
+        Lightning's ``on_before_optimizer_step`` hooks see it (GradaccumStrategy sets it)."""
         self._gradient_hook = hook
         if _scaling(self.grad_scaler):
             return  # _unscale_and_check calls it
@@ -257,19 +256,23 @@ class Accumulator(_Held):
                 and not (self._watch_for_group and _dist_initialized()) and isinstance(loss, torch.Tensor)):
             # The common case, with nothing for _micro_batch to check or
             # convert: the C++ side's defaults are what it would pass.
-            self._c.backward(loss)
-            return
+            args: Tuple[Any, ...] = (loss,)
+        else:
+            try:
+                loss, items, reported = self._micro_batch("acc.backward()", loss, num_items)
+                args = (loss, items, reported, _metric_values("acc.backward()", self.metrics, metrics, loss))
+            except (TypeError, ValueError) as error:
+                # Data parallel, at the closing micro-step the others are reducing:
+                # Note [A refused closing micro-batch] (src/accumulator/parts.cpp).
+                dropped = self._c.refuse_micro_batch()
+                if not dropped:
+                    raise
+                raise type(error)(f"{error}; {dropped}") from None
         try:
-            loss, items, reported = self._micro_batch("acc.backward()", loss, num_items)
-            values = _metric_values("acc.backward()", self.metrics, metrics, loss)
-        except (TypeError, ValueError) as error:
-            # Data parallel, at the closing micro-step the others are reducing:
-            # Note [A refused closing micro-batch] (src/accumulator/parts.cpp).
-            dropped = self._c.refuse_micro_batch()
-            if not dropped:
-                raise
-            raise type(error)(f"{error}; {dropped}") from None
-        self._c.backward(loss, items, reported, values)
+            self._c.backward(*args)
+        except BaseException as error:
+            _note_counted_failure(self._c, error)
+            raise
 
     def empty_micro_step(self) -> None:
         """Counts a micro-step in which this rank has no micro-batch: no
@@ -437,9 +440,8 @@ class Accumulator(_Held):
             params, names, buffers = _parameters(source, what, "parameters")
             if _scaling(self.grad_scaler):
                 _check_scaled_parameters(params, names, isinstance(source, torch.nn.Module), self.optimizer, what)
-        except (ValueError, TypeError) as e:
-            # Refused here: the other ranks still meet this call and raise
-            # too (Note [A refresh refused on one rank]).
+        except (ValueError, TypeError) as e:  # the other ranks still meet this call and raise too
+            # (Note [A refresh refused on one rank])
             self._c.refresh_parameters([], [], [], refused=str(e) or type(e).__name__)
             raise
         self._c.refresh_parameters(params, names, buffers)
@@ -458,10 +460,10 @@ class Accumulator(_Held):
 
     @property
     def sync_gradients(self) -> bool:
-        """As Accelerate's: True through the window's closing micro-step,
-        from before its ``backward()`` until ``step()``. Under
-        ``if acc.sync_gradients:`` after a backward (clipping, logging) the
-        gradients are the window's reduced ones."""
+        """As Accelerate's: whether the *next* backward synchronises (True
+        from before the closing one until ``step()``, so after the one before
+        it too). After a backward, clip or log the reduced gradients under
+        ``if acc.window_ready:``; changing ``.grad`` before drops the window."""
         return self._c.sync_gradients
 
     @property
@@ -476,10 +478,9 @@ class Accumulator(_Held):
 
     @property
     def epoch_ended(self) -> bool:
-        """True where the other ranks ended the epoch with ``flush()`` in the
-        reduction that closed this rank's last window (this rank's shard ended
-        on a window boundary, theirs did not): this rank's ``flush()`` is owed,
-        a no-op with no collective, before ``state_dict()`` or the next epoch."""
+        """True where the other ranks ended the epoch with ``flush()`` in the reduction that closed this
+        rank's last window (this rank's shard ended on a window boundary, theirs did not): this rank's
+        ``flush()`` is owed, a no-op with no collective, before ``state_dict()`` or the next epoch."""
         return self._c.epoch_ended
 
     @contextlib.contextmanager
@@ -594,7 +595,6 @@ class Accumulator(_Held):
         if self.closed:
             return f"Accumulator(steps={self.steps}, reduction={self.reduction!r}, closed)"
         stats = self._c.stats()
-        group = (f", world_size={stats['world_size']}, backend={stats['backend']!r}"
-                 if stats["data_parallel"] else "")
+        group = f", world_size={stats['world_size']}, backend={stats['backend']!r}" if stats["data_parallel"] else ""
         return (f"Accumulator(steps={self.steps}, reduction={self.reduction!r}, "
                 f"micro_step={self.micro_step}, data_parallel={stats['data_parallel']}{group})")

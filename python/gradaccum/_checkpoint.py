@@ -28,6 +28,8 @@ def save_state(native: Any, grad_scaler: Optional[Any], process_group: Any,
 def load_state(native: Any, grad_scaler: Optional[Any], process_group: Any, state_dict: Any) -> None:
     """Accumulator.load_state_dict(), all or nothing: every check first, the
     scaler's state before the C++ state, and put back if that is refused."""
+    if native.closed:  # (before the state's own checks: no state can be loaded)
+        raise RuntimeError("gradaccum: acc.load_state_dict(): this Accumulator was closed")
     if not isinstance(state_dict, dict):
         raise TypeError(f"gradaccum: acc.load_state_dict(): expected a dict, got {type(state_dict).__name__}")
     _check_group_ranks(process_group, state_dict)

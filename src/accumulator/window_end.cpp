@@ -9,6 +9,7 @@
 #include <c10/util/irange.h>
 
 #include <cmath>
+#include <string>
 
 namespace gradaccum {
 
@@ -126,6 +127,13 @@ void Accumulator::restart_window() {
 }
 
 void Accumulator::zero_grad_in_call() {
+  if (window_ready_ && window_raised_nonfinite_) {
+    // nonfinite="raise" raised on it and it is dropped now (acc.zero_grad(),
+    // or flush() and join() at the epoch's end): a window skipped for its
+    // non-finite gradient, as nonfinite="skip" counts one (alike on every rank).
+    ++stats_.skipped_steps;
+    ++stats_.windows;
+  }
   if (window_ready_ && reducer_ && !window_empty_) {
     // A reduced window that other ranks may step (their schedulers too):
     // Note [A window not stepped on some ranks] (src/consensus/window_header.cpp).
@@ -251,7 +259,8 @@ bool Accumulator::step_optimizer(const char* call) {
       raised_alike_ = nonfinite == NonFinite::Raise; // every rank holds this gradient
       window_raised_nonfinite_ = raised_alike_;
       TORCH_CHECK(nonfinite != NonFinite::Raise,
-          "gradaccum: ", call, ": the window's gradient is not finite (total norm ", norm,
+          "gradaccum: ", call, ": the window's gradient is not finite (total norm ",
+          std::isnan(norm) ? std::string("nan") : std::to_string(norm),
           "); gradients left in .grad for inspection, call acc.zero_grad() to drop the window");
       ++stats_.skipped_steps;
       ++stats_.windows;

@@ -213,11 +213,12 @@ class Model:
     def _close(self):
         """The window's reduction, no culprit: returns (stepped, window_loss or
         None), or RAISED (nonfinite="raise": every rank's acc.step() or
-        acc.flush() raises, counting nothing, and the driver drops the window
-        with acc.zero_grad(), as the error says)."""
+        acc.flush() raises, and the driver drops the window with
+        acc.zero_grad(), as the error says: a skipped window)."""
         wins = self.win
         if any(w.nan for w in wins) and self.nonfinite == "raise":
             self.seen.add("nonfinite window raised")
+            self.skipped_steps += 1  # (counted once acc.zero_grad() drops it)
             return RAISED, None
         if any(w.nan for w in wins) and self.nonfinite == "skip":
             self.seen.add("nonfinite window skipped")

@@ -403,10 +403,13 @@ def test_nonfinite_raise():
     assert all(p.grad is not None for p in model.parameters())
     assert any(not torch.isfinite(p.grad).all() for p in model.parameters())
     assert acc.stats()["optimizer_steps"] == 0
-    with pytest.raises(RuntimeError, match="not finite"):
+    with pytest.raises(RuntimeError, match=r"not finite \(total norm nan\)"):
         acc.step()  # still the same window
-    # Dropping the window lets training continue.
+    assert (acc.stats()["skipped_steps"], acc.stats()["windows"]) == (0, 0)
+    # Dropping the window lets training continue; it counts as a skipped one,
+    # as nonfinite="skip" counts it (review: it was in no counter).
     acc.zero_grad()
+    assert (acc.stats()["skipped_steps"], acc.stats()["windows"]) == (1, 1)
     assert all(p.grad is None for p in model.parameters())
     assert not acc.window_ready and acc.micro_step == 0
     acc.backward(micro_loss(model, *micro[2], "mean")[0])

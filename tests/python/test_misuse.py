@@ -116,6 +116,9 @@ def test_a_second_accumulator_over_the_same_parameters_is_refused_until_close():
     with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.no_sync\(\): this Accumulator was closed$"):
         with first.no_sync():
             pass
+    for state in ({}, {"steps": 2}):  # (review: it said "the state dict has no key 'reducer'")
+        with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.load_state_dict\(\): this Accumulator was closed$"):
+            first.load_state_dict(state)
     other = gradaccum.Accumulator(mlp(), None, steps=2)
     with other.no_sync():
         other.close()  # closed inside: leaving the block restores nothing, and raises nothing
