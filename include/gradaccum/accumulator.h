@@ -191,6 +191,11 @@ class Accumulator {
   /// micro-step ran since) and in one process. Raises nothing: the caller's
   /// exception is the one to tell (Note [Leaving join() with an exception]).
   void abandon() noexcept;
+  /// The last reduction dropped its window on every rank telling every rank
+  /// to end training (ranks in join(), or one that left its block), nothing
+  /// ran since, and this rank has not left join() after it: its micro-steps
+  /// are refused, and join() returns at once (Note [Training ended in join()]).
+  bool told_to_end_training() const;
   /// One part of a micro-step too big for memory at once (Python's acc.run()
   /// splits a micro-batch that ran out of memory and runs its parts here):
   /// backward on `loss` into the window locally (no collective, never the
@@ -479,6 +484,7 @@ class Accumulator {
   void drop_window();
   /// zero_grad() and flush() inside a call of this Accumulator's own (join()).
   void zero_grad_in_call();
+  int64_t join_in_call(); ///< join() (whose catch notes that a shadow was told to end training)
   bool flush_in_call();
   void note_dropped_window(int64_t window);
   void check_consistent_cut(int64_t window, bool failed_here = false) const;
@@ -521,6 +527,16 @@ class Accumulator {
   double parts_weight_ = 0; ///< the open parts' weight (kept shares, or items)
   bool parts_skipped_ = false; ///< a part was left out (nonfinite="skip_micro_batch")
   AbortReason window_failure_ = AbortReason::BackwardFailed;
+  /// What this rank alone knows of a GradientsChanged failure (which
+  /// parameter, which case), appended to its own error when the window is
+  /// dropped (fail_for_changed_gradients()).
+  std::string failure_detail_;
+  /// Marks the window failed for gradients changed outside the Accumulator:
+  /// mid-window (`uncounted` false), or written before its first micro-step
+  /// and counted by none (true).
+  void fail_for_changed_gradients(const std::vector<GradMark>& now, bool uncounted);
+  /// `error` with failure_detail_ appended (the window's drop on this rank).
+  std::string with_failure_detail(const std::string& error, const std::string& detail) const;
   /// This rank's last window was reduced with other ranks' flush(): the epoch
   /// is over, and this rank's flush() steps nothing and reduces nothing.
   bool epoch_ended_ = false;
@@ -528,6 +544,9 @@ class Accumulator {
   /// epoch (fail_after_peers_ended_epoch()): its own flush() that ends the
   /// epoch pairs with nothing and runs no collective.
   bool epoch_ended_raised_ = false;
+  /// The reduction whose drop told every rank to end training that this
+  /// rank has acted on, leaving join() (Note [Training ended in join()]).
+  int64_t end_acted_on_ = -1;
   /// The window's micro-batch losses so far, then its metrics (1-D float64,
   /// on the loss's device), and with the current micro-step's; the last
   /// closed window's loss and weight.

@@ -359,6 +359,11 @@ void Accumulator::check_micro_step_state(const char* what) const {
       "gradaccum: ", what, ": this rank's epoch ended with the other ranks' acc.flush() (the error raised "
       "before: this rank went on training after they ended the epoch); call acc.flush() (it steps nothing and "
       "runs no collective) or leave acc.join() before the next epoch's first micro-batch. Nothing was changed");
+  TORCH_CHECK(!told_to_end_training(),
+      "gradaccum: ", what, ": the last reduction dropped its window on every rank and told every rank to end "
+      "training there (ranks were shadowing in acc.join(), or one left its block with an exception), and the "
+      "other ranks have left acc.join(): let that error leave this rank's acc.join() block too (C++: call "
+      "acc.join(), which returns at once). Nothing was changed");
 }
 
 double Accumulator::check_micro_step(
@@ -428,11 +433,18 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
   if (window_failed_) {
     auto abort = new_request();
     abort.abort = window_failure_;
+    const auto detail = failure_detail_;
     reset_window();
     try {
       reducer_->reduce(abort); // throws the dropped window's error, as every rank does
-    } catch (...) {
+    } catch (const c10::Error& e) {
       remember_gradients(); // dropping zeroed the buckets, and with them any .grad views
+      note_dropped_window(window);
+      forget_window_loss();
+      TORCH_CHECK(detail.empty(), with_failure_detail(e.what_without_backtrace(), detail));
+      throw;
+    } catch (...) {
+      remember_gradients();
       note_dropped_window(window);
       forget_window_loss();
       throw;
@@ -514,6 +526,14 @@ void Accumulator::note_dropped_window(int64_t window) {
 }
 
 void Accumulator::reset_window() {
+  if (window_ready_ && window_raised_nonfinite_) {
+    // nonfinite="raise" raised on this closed window and it goes unstepped
+    // (acc.zero_grad(); flush() or join() at the epoch's end; an exception
+    // leaving join()): a window skipped for its non-finite gradient, counted
+    // as nonfinite="skip" counts one, alike on every rank.
+    ++stats_.skipped_steps;
+    ++stats_.windows;
+  }
   window_loss_cut_ = false;
   window_shared_ = false;
   clear_gradients();
@@ -525,6 +545,7 @@ void Accumulator::reset_window() {
   window_weight_ = 0;
   window_loss_sum_ = at::Tensor();
   window_failed_ = false;
+  failure_detail_.clear();
   window_raised_nonfinite_ = false;
   parts_open_ = false;
   window_known_finite_ = false;

@@ -81,6 +81,12 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   TORCH_CHECK(!window_optimizer_stepped_,
       "gradaccum: acc.state_dict(): the optimizer stepped this window but the scheduler raised; call acc.step() "
       "again (it runs the scheduler only) before saving");
+  // (Loading such a state would lift the refusal of micro-steps that keeps
+  // this rank's windows paired with the others': review.)
+  TORCH_CHECK(!epoch_ended_raised_,
+      "gradaccum: acc.state_dict(): this rank went on training after the other ranks ended the epoch with "
+      "acc.flush() (the error raised before); call acc.flush() (it steps nothing and runs no collective) before "
+      "saving");
   AccumulatorState state;
   state.steps = options_.steps();
   state.reduction = options_.reduction();

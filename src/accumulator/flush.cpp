@@ -27,8 +27,7 @@ bool Accumulator::flush_in_call() {
   if (!window_ready_ && micro_step_ > 0 && !window_failed_) {
     if (reducer_ && grad_versions() != remembered_) {
       // The flush collective must still run on every rank: drop the window there.
-      window_failed_ = true;
-      window_failure_ = AbortReason::GradientsChanged;
+      fail_for_changed_gradients(grad_versions(), /*uncounted=*/false);
     } else if (!reducer_) {
       check_gradients_untouched("acc.flush()", /*allow_in_place=*/false);
     }
@@ -149,12 +148,14 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
     abort.abort = window_failure_;
     abort.flushing = true;
     abort.joined = joined;
+    const auto detail = failure_detail_;
     reset_window();
     forget_window_loss();
     try {
       reducer_->reduce(abort);
     } catch (const c10::Error& e) {
       remember_gradients(); // dropping zeroed the buckets, and with them any .grad views
+      TORCH_CHECK(detail.empty(), with_failure_detail(e.what_without_backtrace(), detail));
       TORCH_CHECK(local_failure.empty(), e.what_without_backtrace(), ". The error on this rank, "
           "stepping the closed window before ",
           call_ != nullptr && std::string(call_) == "acc.join()" ? "joining" : "the flush", ": ", local_failure);

@@ -33,7 +33,43 @@ using detail::CallGuard;
 // that ends its data with flush() while others are joined would leave them
 // waiting; both sides see it in the header (kFlushing > kJoined, or kJoined
 // > 0 at a flush) and raise (check_join_partners()).
+// Note [Training ended in join()]
+// A window dropped while ranks shadow it, or by a rank that left its join()
+// block, tells every rank to end training there: the shadows raise out of
+// join(), the ranks with data in their next reduction, and no rank sends
+// anything more (abandon()). A rank with data that catches that error inside
+// its block and goes on would open windows whose reductions pair with the
+// others' next epoch, and, at its block's end, shadow them: no error, and
+// every later window pairs other micro-batches. So until this rank leaves
+// join() (its exception out of the block: abandon(); the block's end:
+// join(), which then returns at once; a shadow's error out of join()), its
+// micro-steps are refused, changing nothing (check_micro_step_state()).
+// Ranks that all left may go on together: the next epoch pairs.
+bool Accumulator::told_to_end_training() const {
+  if (!reducer_) {
+    return false;
+  }
+  const auto last = reducer_->last_result();
+  // (A rank that could not step a window it closed says that the replicas
+  // differ instead: its shadow may call join() again, the others go on.)
+  return last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0) && last.unstepped_ranks == 0 &&
+      last.window != end_acted_on_ &&
+      last.window + 1 == reducer_->progress().sequence && micro_step_ == 0 && !window_ready_ && !window_failed_ &&
+      !parts_open_;
+}
+
 int64_t Accumulator::join() {
+  try {
+    return join_in_call();
+  } catch (...) {
+    if (told_to_end_training()) {
+      end_acted_on_ = reducer_->last_result().window; // a shadow told inside join(): it has left
+    }
+    throw;
+  }
+}
+
+int64_t Accumulator::join_in_call() {
   const CallGuard guard(driver_, driving_, "acc.join()", &call_);
   realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.join()");
@@ -41,12 +77,17 @@ int64_t Accumulator::join() {
   if (!reducer_) {
     return flush_in_call() ? 1 : 0; // one process: nobody to shadow
   }
+  if (told_to_end_training()) {
+    // Note [Training ended in join()]: the others have left; nobody would
+    // pair with this rank's partial window or its shadows.
+    end_acted_on_ = reducer_->last_result().window;
+    return 0;
+  }
   TORCH_CHECK(optimizer_step_,
       "gradaccum: acc.join(): this Accumulator has no optimizer (pass one to the constructor)");
   if (!window_ready_ && micro_step_ > 0 && !window_failed_ && grad_versions() != remembered_) {
     // The collective must still run on every rank: drop the window there.
-    window_failed_ = true;
-    window_failure_ = AbortReason::GradientsChanged;
+    fail_for_changed_gradients(grad_versions(), /*uncounted=*/false);
   } else if (!window_ready_ && micro_step_ == 0 && !epoch_ended_ && !epoch_ended_raised_) {
     // Where a reduction follows (see flush()): Note [Gradients no micro-step counted].
     refuse_uncounted_gradients("acc.join()", grad_versions());
@@ -140,6 +181,9 @@ void Accumulator::abandon() noexcept {
   const bool everyone_knows = last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0) &&
       last.window + 1 == reducer_->progress().sequence && micro_step_ == 0 && !window_ready_ &&
       !window_failed_ && !parts_open_;
+  if (everyone_knows) {
+    end_acted_on_ = last.window; // Note [Training ended in join()]: this rank has left
+  }
   if (everyone_knows || epoch_ended_ || epoch_ended_raised_) {
     return;
   }

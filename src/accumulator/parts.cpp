@@ -213,6 +213,11 @@ std::string Accumulator::refuse_micro_batch(const char* call) {
 }
 
 std::string Accumulator::drop_refused_window(const char* call) {
+  if (epoch_ended_raised_ || told_to_end_training()) {
+    // No micro-step may run here at all: that error first (changing nothing,
+    // with no drop and no hint to run the micro-step again).
+    check_micro_step_state(call);
+  }
   const bool peers = reducer_ && reducer_->process_group()->getSize() > 1 && !closed_ && !window_ready_ && !parts_open_;
   if (!peers || !closes_window_next()) {
     // Nothing changed. Data parallel, a script that skips the micro-batch

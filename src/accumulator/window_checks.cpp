@@ -171,8 +171,7 @@ bool Accumulator::refuse_uncounted_gradients(const char* what, const std::vector
     return false;
   }
   if (reducer_) {
-    window_failed_ = true;
-    window_failure_ = AbortReason::GradientsChanged;
+    fail_for_changed_gradients(now, /*uncounted=*/true);
     return true;
   }
   TORCH_CHECK(false,
@@ -182,6 +181,28 @@ bool Accumulator::refuse_uncounted_gradients(const char* what, const std::vector
       "the micro-step and synchronises the window's last one. (A plain loss.backward(), inside acc.no_sync() "
       "for all but the last micro-batch, is the manual path, where you step the optimizer and clear the "
       "gradients yourself.) Nothing was changed: drop these gradients with acc.zero_grad()");
+}
+
+void Accumulator::fail_for_changed_gradients(const std::vector<GradMark>& now, bool uncounted) {
+  window_failed_ = true;
+  window_failure_ = AbortReason::GradientsChanged;
+  std::optional<size_t> which = uncounted ? uncounted_gradient(now) : std::nullopt;
+  for (size_t i = 0; !which && i < params_.size(); ++i) {
+    if (now[i] != remembered_[i]) {
+      which = i;
+    }
+  }
+  const std::string name = which ? names_[*which] : std::string("a parameter");
+  failure_detail_ = uncounted
+      ? "on this rank the gradient of " + name + " was written before the window's first micro-step (or before "
+            "the Accumulator was built), and no micro-step counted it: a plain loss.backward() at the window "
+            "boundary, or a .grad left from before?"
+      : "on this rank the gradient of " + name + " was " + (which && !now[*which].impl ? "cleared" : "changed") +
+            " in the middle of the window";
+}
+
+std::string Accumulator::with_failure_detail(const std::string& error, const std::string& detail) const {
+  return detail.empty() ? error : error + " (" + detail + ")";
 }
 
 void Accumulator::check_no_uncounted_backward(const char* what) const {
@@ -285,8 +306,7 @@ void Accumulator::check_window_gradients(const char* what, const std::vector<Gra
       // Data parallel, the window must still close on every rank together:
       // it is dropped on every rank then, each naming this rank's mistake.
       if (before != remembered_) {
-        window_failed_ = true;
-        window_failure_ = AbortReason::GradientsChanged;
+        fail_for_changed_gradients(before, /*uncounted=*/false);
       }
     } else {
       check_gradients_untouched(what, /*allow_in_place=*/false, before);

@@ -127,13 +127,6 @@ void Accumulator::restart_window() {
 }
 
 void Accumulator::zero_grad_in_call() {
-  if (window_ready_ && window_raised_nonfinite_) {
-    // nonfinite="raise" raised on it and it is dropped now (acc.zero_grad(),
-    // or flush() and join() at the epoch's end): a window skipped for its
-    // non-finite gradient, as nonfinite="skip" counts one (alike on every rank).
-    ++stats_.skipped_steps;
-    ++stats_.windows;
-  }
   if (window_ready_ && reducer_ && !window_empty_) {
     // A reduced window that other ranks may step (their schedulers too):
     // Note [A window not stepped on some ranks] (src/consensus/window_header.cpp).
@@ -276,6 +269,7 @@ bool Accumulator::step_optimizer(const char* call) {
   }
   optimizer_step_();
   window_optimizer_stepped_ = true;
+  window_raised_nonfinite_ = false; // (mended and stepped after a raise: not a skipped window)
   ++stats_.optimizer_steps;
   ++stats_.windows;
   return true;

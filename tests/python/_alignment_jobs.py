@@ -45,3 +45,46 @@ def failed_or_refused_then_on(rank, world_size, *, how):
                 arm["on"] = False
             acc.step()
     return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
+
+
+@job
+def went_on_after_peers_flush(rank, world_size, *, steps):
+    """Epoch 0: rank 0 has 1 micro-batch and flushes; rank 1 has 3, and its
+    third comes after its second (or first) window's reduction paired with
+    rank 0's flush: "went on training". Rank 1 then tries a loss Python
+    refuses, acc.empty_micro_step() and acc.state_dict(), then flushes; two
+    even epochs follow. Every call's error is recorded."""
+    import torch.distributed as dist
+
+    import gradaccum
+    model = du.mlp(SEED)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=steps)
+    g = torch.Generator().manual_seed(rank)
+    errors = []
+
+    def attempt(where, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - recorded, judged by the test
+            errors.append((where, type(e).__name__, str(e)))
+
+    def micro(where):
+        x = torch.randn(3, du.D_IN, generator=g, dtype=torch.float64)
+        attempt(where, lambda: acc.backward(model(x).pow(2).mean()))
+        attempt(where + " step", acc.step)
+
+    for i in range(1 if rank == 0 else 3):
+        micro(f"0/{i}")
+    if rank == 1:
+        attempt("not a loss", lambda: acc.backward(0.0))
+        attempt("empty", acc.empty_micro_step)
+        attempt("save", acc.state_dict)
+    flushed = [attempt("0 flush", acc.flush)]
+    for e in (1, 2):
+        for i in range(steps):
+            micro(f"{e}/{i}")
+        flushed.append(attempt(f"{e} flush", acc.flush))
+    ones = torch.ones(3)
+    dist.all_reduce(ones)  # pairs (and sums to 2) only if no rank ran a reduction the other did not
+    return {"errors": errors, "flushed": flushed, "paired": ones.tolist() == [2.0] * 3,
+            "params": du.params(model), "stats": acc.stats()}

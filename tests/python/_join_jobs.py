@@ -246,12 +246,13 @@ def join_buffers(rank, world_size, *, counts, weightless_from=None, empty_from=N
 
 
 @job
-def join_nonfinite_raise(rank, world_size, *, counts=(2, 6), nan_at=3):
+def join_nonfinite_raise(rank, world_size, *, counts=(2, 6), nan_at=3, leave=False):
     """nonfinite="raise", K=2, counts[r] micro-batches on rank r, rank 1's
     micro-batch `nan_at` with a NaN loss, so the reduced window gradient is
     NaN on every rank. By default rank 0 has one window and joins, and rank 1
     catches its step's error in its second window and drops the window with
-    acc.zero_grad(), as the error says; rank 0 shadows it."""
+    acc.zero_grad(), as the error says; rank 0 shadows it. `leave`: rank 1
+    lets the error leave its join() block instead."""
     import gradaccum
 
     torch.manual_seed(0)
@@ -267,6 +268,8 @@ def join_nonfinite_raise(rank, world_size, *, counts=(2, 6), nan_at=3):
                 try:
                     acc.step()
                 except RuntimeError as e:
+                    if leave:
+                        raise
                     out["errors"].append(str(e))
                     acc.zero_grad()
     except RuntimeError as e:

@@ -3,6 +3,8 @@ fails or is refused on one rank in the middle of a window, and a script that
 catches the error and goes on. Each error says what keeps the ranks' windows
 aligned, and doing that gives the big batch in float64 (review findings; the
 C++ side: reducer_failures-test.cpp, "a C++ forward that throws")."""
+import pytest
+
 import _alignment_jobs as aj
 import _dist_utils as du
 
@@ -52,3 +54,32 @@ def test_a_refused_micro_batch_replaced_by_an_empty_micro_step_keeps_the_windows
     for rank, res in enumerate(results):
         assert res["stats"]["optimizer_steps"] == 3 and res["stats"]["dropped_windows"] == 0
         du.assert_params_close(res["params"], expected, f"rank {rank}")
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_rank_that_went_on_after_the_peers_flush_runs_nothing_until_its_own(tmp_path, steps):
+    """After "this rank went on training" (the others' flush() ended the
+    epoch), every micro-step is refused until this rank's flush(), changing
+    nothing: a loss Python refuses too (review: it ran a drop reduction that
+    shifted every later window with steps=1, or said to run it again), an
+    empty micro-step, and a state_dict() (whose load lifted the refusal).
+    Its flush() runs no collective; the ranks stay paired."""
+    results = du.run_job("went_on_after_peers_flush", 2, tmp_path, module=M, steps=steps, timeout=120)
+    refused = ("this rank's epoch ended with the other ranks' acc.flush() (the error raised before: this rank went "
+               "on training after they ended the epoch); call acc.flush() (it steps nothing and runs no collective) "
+               "or leave acc.join() before the next epoch's first micro-batch. Nothing was changed")
+    errors = results[1]["errors"]
+    assert [e[0] for e in errors] == ["0/2", "not a loss", "empty", "save"], errors
+    assert "but this rank went on training" in errors[0][2]
+    assert errors[1] == ("not a loss", "RuntimeError", "gradaccum: acc.backward(): " + refused)
+    assert errors[2] == ("empty", "RuntimeError", "gradaccum: acc.empty_micro_step(): " + refused)
+    assert errors[3] == ("save", "RuntimeError", "gradaccum: acc.state_dict(): this rank went on training after "
+                         "the other ranks ended the epoch with acc.flush() (the error raised before); call "
+                         "acc.flush() (it steps nothing and runs no collective) before saving")
+    assert results[1]["flushed"][0] is False
+    # rank 0 learns it in its next reduction: epoch 1's first window, dropped on both
+    ((where, _, text),) = results[0]["errors"]
+    assert where == f"1/{steps - 1}" and "rank 1 went on training after the other ranks had ended the epoch" in text
+    for res in results:
+        assert res["paired"] and res["stats"]["dropped_windows"] == 1, res["stats"]  # (that one window)
+    du.assert_params_close(results[0]["params"], results[1]["params"], "rank 1", tol=0)

@@ -155,6 +155,12 @@ def test_a_nonfinite_raise_while_a_rank_shadows_is_dropped_alike(tmp_path):
         (error,) = res["errors"]
         assert error.startswith("join: gradaccum: ") and "the window's gradient is not finite" in error, error
         assert res["stats"]["optimizer_steps"] == 1, res["stats"]
+    # Rank 1 lets the error leave its block: the raised window is skipped on
+    # both ranks, and counted so on both (review: on the shadow only).
+    results = run("join_nonfinite_raise", 2, tmp_path / "leave", leave=True)
+    assert results[1]["errors"][0].startswith("join: gradaccum: acc.step(): the window's gradient is not finite")
+    counts = [{k: res["stats"][k] for k in ("skipped_steps", "windows", "optimizer_steps")} for res in results]
+    assert counts[0] == counts[1] == {"skipped_steps": 1, "windows": 2, "optimizer_steps": 1}, counts
 
 
 def test_join_on_one_rank_and_flush_on_another_is_an_error_on_both(tmp_path):

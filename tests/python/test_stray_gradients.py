@@ -216,6 +216,12 @@ def test_a_stray_gradient_on_one_rank_where_its_call_closes_a_window_drops_it_ev
         assert err[0] == "w0", err
         who = "this rank (rank 0)" if rank == 0 else "rank 0"
         assert err[1].startswith(f"gradaccum: {calls[rank]}: window 0 was dropped on every rank: on {who} {why}"), err
+        # the rank that held it says which gradient and which case (review: the
+        # shared text lists every cause)
+        detail = ("(on this rank the gradient of weight was written before the window's first micro-step (or "
+                  "before the Accumulator was built), and no micro-step counted it: a plain loss.backward() at the "
+                  "window boundary, or a .grad left from before?)")
+        assert err[1].endswith(detail) == (rank == 0), err
         assert res["dropped_windows"] == 1 and res["stepped"], res
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
