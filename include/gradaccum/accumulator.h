@@ -196,6 +196,10 @@ class Accumulator {
   /// ran since, and this rank has not left join() after it: its micro-steps
   /// are refused, and join() returns at once (Note [Training ended in join()]).
   bool told_to_end_training() const;
+  /// Refuses a call that would run or open a reduction (a micro-step,
+  /// no_sync(), a refresh; flush(), `flushing`, only when told to end
+  /// training) after fail_after_peers_ended_epoch() or told_to_end_training().
+  void check_training_not_ended(const char* what, bool flushing) const;
   /// One part of a micro-step too big for memory at once (Python's acc.run()
   /// splits a micro-batch that ran out of memory and runs its parts here):
   /// backward on `loss` into the window locally (no collective, never the

@@ -351,11 +351,15 @@ void Accumulator::check_micro_step_state(const char* what) const {
   TORCH_CHECK(!window_ready_,
       "gradaccum: ", what, ": the window closed at the previous micro-step (acc.backward() or acc.run()); "
       "call acc.step() (or acc.zero_grad() to drop it) before the next micro-step");
+  check_training_not_ended(what, /*flushing=*/false);
+}
+
+void Accumulator::check_training_not_ended(const char* what, bool flushing) const {
   // The error of fail_after_peers_ended_epoch() ended this rank's epoch with
   // the others': a micro-step now would open a window that pairs with their
   // next epoch's reductions, one window out of step (a loop that catches
   // each error and goes on). Its acc.flush() (or acc.join()) ends the epoch.
-  TORCH_CHECK(!(epoch_ended_raised_ && micro_step_ == 0 && !parts_open_),
+  TORCH_CHECK(flushing || !(epoch_ended_raised_ && micro_step_ == 0 && !parts_open_),
       "gradaccum: ", what, ": this rank's epoch ended with the other ranks' acc.flush() (the error raised "
       "before: this rank went on training after they ended the epoch); call acc.flush() (it steps nothing and "
       "runs no collective) or leave acc.join() before the next epoch's first micro-batch. Nothing was changed");
@@ -602,6 +606,7 @@ void Accumulator::clear_gradients() {
 
 NoSync Accumulator::no_sync() {
   check_open("acc.no_sync()");
+  check_training_not_ended("acc.no_sync()", /*flushing=*/false); // (the manual path reduces too)
   if (reducer_) {
     reducer_->check_hooks_reach("acc.no_sync()");
   }
@@ -617,6 +622,7 @@ void Accumulator::set_expect_hooks(bool expect) {
   check_open("acc.no_sync()"); // (its Python form)
   if (reducer_) {
     if (!expect) {
+      check_training_not_ended("acc.no_sync()", /*flushing=*/false); // (the manual path reduces too)
       reducer_->check_hooks_reach("acc.no_sync()");
     }
     reducer_->set_expect_hooks(expect);

@@ -43,7 +43,9 @@ using detail::CallGuard;
 // every later window pairs other micro-batches. So until this rank leaves
 // join() (its exception out of the block: abandon(); the block's end:
 // join(), which then returns at once; a shadow's error out of join()), its
-// micro-steps are refused, changing nothing (check_micro_step_state()).
+// micro-steps, no_sync(), flush() and refresh_parameters() are refused,
+// changing nothing (check_training_not_ended()). Leaving marks the last
+// reduction as acted on, the drop abandon() itself sends too.
 // Ranks that all left may go on together: the next epoch pairs.
 bool Accumulator::told_to_end_training() const {
   if (!reducer_) {
@@ -198,6 +200,7 @@ void Accumulator::abandon() noexcept {
       reducer_->reduce(abort); // throws the dropped window's error, as on every rank
     } catch (const std::exception&) {
     }
+    end_acted_on_ = reducer_->last_result().window; // (its own drop: this rank has left)
     remember_gradients();
   } catch (...) { // (nothing to tell beyond the caller's own exception)
   }

@@ -57,6 +57,7 @@ void Accumulator::refresh_parameters(ModelParameters model, const std::string& r
   realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.refresh_parameters()");
   check_no_open_parts("acc.refresh_parameters()");
+  check_training_not_ended("acc.refresh_parameters()", /*flushing=*/false); // (its check is a collective)
   TORCH_CHECK(micro_step_ == 0 && !window_ready_,
       "gradaccum: acc.refresh_parameters(): called in the middle of a window (micro_step=", micro_step_,
       window_ready_ ? ", closed but not stepped" : "", "); call it at a window boundary: after acc.step() "

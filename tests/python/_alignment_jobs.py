@@ -88,3 +88,58 @@ def went_on_after_peers_flush(rank, world_size, *, steps):
     dist.all_reduce(ones)  # pairs (and sums to 2) only if no rank ran a reduction the other did not
     return {"errors": errors, "flushed": flushed, "paired": ones.tolist() == [2.0] * 3,
             "params": du.params(model), "stats": acc.stats()}
+
+
+@job
+def told_to_end_then_calls(rank, world_size):
+    """K=2. Rank 0 has one window and shadows in acc.join(); rank 1's closing
+    backward of its second window fails (a hook), which drops the window on
+    every rank and tells every rank to end training. Rank 1 catches it inside
+    its block and tries what would reduce: acc.no_sync(), acc.flush(),
+    acc.refresh_parameters(), acc.backward(); then its block ends. A next epoch
+    in acc.join() follows on both ranks."""
+    import torch.distributed as dist
+
+    import gradaccum
+    model = du.mlp(SEED)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    arm = {"on": False}
+    list(model.parameters())[0].register_hook(
+        lambda g: (_ for _ in ()).throw(RuntimeError("injected failure")) if arm["on"] else g)
+    g = torch.Generator().manual_seed(rank)
+    errors = []
+
+    def attempt(where, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - recorded, judged by the test
+            errors.append((where, type(e).__name__, str(e)))
+
+    def loss():
+        return model(torch.randn(3, du.D_IN, generator=g, dtype=torch.float64)).pow(2).mean()
+
+    def manual():
+        with acc.no_sync():
+            loss().backward()
+
+    try:
+        with acc.join():
+            for i in range(2 if rank == 0 else 6):
+                arm["on"] = rank == 1 and i == 3
+                attempt(f"0/{i}", lambda: acc.backward(loss()))
+                arm["on"] = False
+                acc.step()
+            if rank == 1:
+                attempt("no_sync", manual)
+                attempt("flush", acc.flush)
+                attempt("refresh", acc.refresh_parameters)
+    except RuntimeError as e:
+        errors.append(("join", type(e).__name__, str(e)))
+    with acc.join():  # the next epoch
+        for i in range(2):
+            attempt(f"1/{i}", lambda: acc.backward(loss()))
+            acc.step()
+    ones = torch.ones(3)
+    dist.all_reduce(ones)  # pairs (and sums to 2) only if no rank ran a reduction the other did not
+    return {"errors": errors, "paired": ones.tolist() == [2.0] * 3, "params": du.params(model),
+            "stats": acc.stats()}

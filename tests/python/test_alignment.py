@@ -83,3 +83,27 @@ def test_a_rank_that_went_on_after_the_peers_flush_runs_nothing_until_its_own(tm
     for res in results:
         assert res["paired"] and res["stats"]["dropped_windows"] == 1, res["stats"]  # (that one window)
     du.assert_params_close(results[0]["params"], results[1]["params"], "rank 1", tol=0)
+
+
+def test_a_rank_told_to_end_training_inside_join_reduces_nothing_until_it_leaves(tmp_path):
+    """Note [Training ended in join()]: rank 1 catches the end-of-training
+    error inside its block and goes on; every call that would reduce is
+    refused, changing nothing (review: no_sync's manual path, flush() and a
+    refresh paired with rank 0's next epoch, then the ranks never realigned),
+    its block's end shadows nothing, and the next epoch pairs."""
+    results = du.run_job("told_to_end_then_calls", 2, tmp_path, module=M, timeout=120)
+    told = ("the last reduction dropped its window on every rank and told every rank to end training there (ranks "
+            "were shadowing in acc.join(), or one left its block with an exception), and the other ranks have left "
+            "acc.join(): let that error leave this rank's acc.join() block too (C++: call acc.join(), which "
+            "returns at once). Nothing was changed")
+    ((where, _, text),) = results[0]["errors"]
+    assert where == "join" and text.startswith("gradaccum: acc.join(): window 1 was dropped on every rank"), text
+    errors = results[1]["errors"]
+    assert [e[0] for e in errors] == ["0/3", "0/4", "0/5", "no_sync", "flush", "refresh"], errors
+    assert "injected failure" in errors[0][2]
+    for (where, kind, text), call in zip(errors[1:], ["acc.backward()", "acc.backward()", "acc.no_sync()",
+                                                      "acc.flush()", "acc.refresh_parameters()"]):
+        assert (kind, text) == ("RuntimeError", f"gradaccum: {call}: {told}"), (where, text)
+    for res in results:
+        assert res["paired"] and res["stats"]["optimizer_steps"] == 2, res["stats"]
+    du.assert_params_close(results[0]["params"], results[1]["params"], "rank 1", tol=0)

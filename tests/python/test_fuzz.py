@@ -251,3 +251,16 @@ def test_a_rank_that_cleared_its_window_then_leaves_join_with_an_exception(tmp_p
     model = fm.expect(sched)
     assert "an exception leaves join()" in model.seen
     assert_schedules_pass([sched], tmp_path)
+
+
+def test_fuzz_ranks_that_left_join_with_the_error_train_on_together(tmp_path):
+    # Found by the fuzzer (seed 560113660, shrunk): rank 1's closing backward
+    # fails inside join(), both ranks let the error leave their blocks, and
+    # the next epoch's micro-steps were refused on both, as if they had not
+    # left (the drop that leaving sends was not marked as acted on: Note
+    # [Training ended in join()]).
+    sched = json.loads('{"seed":560113660,"world":2,"steps":3,"reduction":"items","nonfinite":"skip_micro_batch",'
+                       '"net":"linear","momentum":0.0,"buckets":"one","as_view":false,"max_grad_norm":null,'
+                       '"epochs":[{"end":"join","micros":[["ok","ok","ok"],["ok","ok","boom"]],"events":[]},'
+                       '{"end":"none","micros":[["ok"],["ok"]],"events":[]}]}')
+    assert_schedules_pass([sched], tmp_path)
