@@ -13,6 +13,26 @@ def windows(world_size):
     return du.make_windows(SEED, du.full_counts(3, world_size, K), 2)
 
 
+def _recorder(errors):
+    """attempt(where, fn): fn(), or its error recorded in `errors`."""
+    def attempt(where, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - recorded, judged by the test
+            errors.append((where, type(e).__name__, str(e)))
+    return attempt
+
+
+def _still_paired():
+    """One all-reduce of the job's own: it pairs (and sums to the world size)
+    only if no rank ran a reduction the others did not."""
+    import torch.distributed as dist
+
+    ones = torch.ones(3)
+    dist.all_reduce(ones)
+    return ones.tolist() == [float(dist.get_world_size())] * 3
+
+
 @job
 def failed_or_refused_then_on(rank, world_size, *, how):
     """K=3, 3 windows. In window 1, rank 1's first micro-batch fails in its
@@ -54,19 +74,13 @@ def went_on_after_peers_flush(rank, world_size, *, steps):
     rank 0's flush: "went on training". Rank 1 then tries a loss Python
     refuses, acc.empty_micro_step() and acc.state_dict(), then flushes; two
     even epochs follow. Every call's error is recorded."""
-    import torch.distributed as dist
-
     import gradaccum
     model = du.mlp(SEED)
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=steps)
     g = torch.Generator().manual_seed(rank)
     errors = []
 
-    def attempt(where, fn):
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - recorded, judged by the test
-            errors.append((where, type(e).__name__, str(e)))
+    attempt = _recorder(errors)
 
     def micro(where):
         x = torch.randn(3, du.D_IN, generator=g, dtype=torch.float64)
@@ -84,9 +98,7 @@ def went_on_after_peers_flush(rank, world_size, *, steps):
         for i in range(steps):
             micro(f"{e}/{i}")
         flushed.append(attempt(f"{e} flush", acc.flush))
-    ones = torch.ones(3)
-    dist.all_reduce(ones)  # pairs (and sums to 2) only if no rank ran a reduction the other did not
-    return {"errors": errors, "flushed": flushed, "paired": ones.tolist() == [2.0] * 3,
+    return {"errors": errors, "flushed": flushed, "paired": _still_paired(),
             "params": du.params(model), "stats": acc.stats()}
 
 
@@ -98,8 +110,6 @@ def told_to_end_then_calls(rank, world_size):
     its block and tries what would reduce: acc.no_sync(), acc.flush(),
     acc.refresh_parameters(), acc.backward(); then its block ends. A next epoch
     in acc.join() follows on both ranks."""
-    import torch.distributed as dist
-
     import gradaccum
     model = du.mlp(SEED)
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
@@ -109,11 +119,7 @@ def told_to_end_then_calls(rank, world_size):
     g = torch.Generator().manual_seed(rank)
     errors = []
 
-    def attempt(where, fn):
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - recorded, judged by the test
-            errors.append((where, type(e).__name__, str(e)))
+    attempt = _recorder(errors)
 
     def loss():
         return model(torch.randn(3, du.D_IN, generator=g, dtype=torch.float64)).pow(2).mean()
@@ -139,7 +145,5 @@ def told_to_end_then_calls(rank, world_size):
         for i in range(2):
             attempt(f"1/{i}", lambda: acc.backward(loss()))
             acc.step()
-    ones = torch.ones(3)
-    dist.all_reduce(ones)  # pairs (and sums to 2) only if no rank ran a reduction the other did not
-    return {"errors": errors, "paired": ones.tolist() == [2.0] * 3, "params": du.params(model),
+    return {"errors": errors, "paired": _still_paired(), "params": du.params(model),
             "stats": acc.stats()}
