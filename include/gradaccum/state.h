@@ -38,6 +38,9 @@ struct AccumulatorState {
   /// window_ready only: max_grad_norm clipped it in place, and then the
   /// optimizer step failed; a retried step() does not clip it again.
   bool window_clipped = false;
+  /// With window_ready: nonfinite="raise" raised on this closed window
+  /// already (dropped, it counts as skipped; flush() drops it with a warning).
+  bool window_raised_nonfinite = false;
   double window_weight = 0; ///< micro-steps (mean, sum) or items (items) so far
   /// Per-rank states in the middle of a window resumed mid-way from a
   /// rank-independent state: the gradients hold a share of every rank's sums,
@@ -98,6 +101,7 @@ void for_each_state_field(State& s, Visit&& visit) {
   visit("window_empty", s.window_empty, false);
   visit("window_unscaled", s.window_unscaled, false);
   visit("window_clipped", s.window_clipped, false);
+  visit("window_raised_nonfinite", s.window_raised_nonfinite, false);
   visit("window_shared", s.window_shared, false);
   visit("reducer.windows", s.reducer.windows, true);
   visit("reducer.dropped_windows", s.reducer.dropped_windows, true);

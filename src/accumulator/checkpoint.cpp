@@ -99,6 +99,7 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   state.window_empty = window_ready_ && window_empty_;
   state.window_unscaled = window_ready_ && window_unscaled_;
   state.window_clipped = window_ready_ && window_clipped_;
+  state.window_raised_nonfinite = window_ready_ && window_raised_nonfinite_;
   state.window_shared = reducer_ && !rank_independent && micro_step_ > 0 && window_shared_;
   state.epoch_ended = epoch_ended_;
   state.micro_steps = stats_.micro_steps;
@@ -350,8 +351,10 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
   TORCH_CHECK_VALUE(!state.window_ready || state.micro_step == 0,
       "gradaccum: acc.load_state_dict(): window_ready=true with micro_step=", state.micro_step,
       " (a closed window has micro_step 0)");
-  TORCH_CHECK_VALUE(state.window_ready || (!state.window_empty && !state.window_unscaled && !state.window_clipped),
-      "gradaccum: acc.load_state_dict(): window_empty, window_unscaled or window_clipped without window_ready (they "
+  TORCH_CHECK_VALUE(state.window_ready || (!state.window_empty && !state.window_unscaled && !state.window_clipped &&
+                                            !state.window_raised_nonfinite),
+      "gradaccum: acc.load_state_dict(): window_empty, window_unscaled, window_clipped or window_raised_nonfinite "
+      "without window_ready (they "
       "describe a closed window)");
   TORCH_CHECK_VALUE(!state.window_shared || (!state.rank_independent && state.micro_step > 0),
       "gradaccum: acc.load_state_dict(): window_shared=true describes a per-rank state in the middle of a window "
@@ -468,7 +471,8 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   set_window_ready(state.window_ready);
   window_weight_ = state.window_weight * share;
   window_failed_ = false;
-  window_raised_nonfinite_ = false; // (a loaded closed window has not raised here)
+  // (A closed window that raised stays so: dropped, it counts as skipped.)
+  window_raised_nonfinite_ = state.window_ready && state.window_raised_nonfinite;
   window_optimizer_stepped_ = false;
   // A closed window steps, or is skipped, as it would have been: already
   // unscaled (a retry after a failed optimizer step) or empty everywhere.
