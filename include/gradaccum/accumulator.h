@@ -548,9 +548,6 @@ class Accumulator {
   /// epoch (fail_after_peers_ended_epoch()): its own flush() that ends the
   /// epoch pairs with nothing and runs no collective.
   bool epoch_ended_raised_ = false;
-  /// The reduction whose drop told every rank to end training that this
-  /// rank has acted on, leaving join() (Note [Training ended in join()]).
-  int64_t end_acted_on_ = -1;
   /// The window's micro-batch losses so far, then its metrics (1-D float64,
   /// on the loss's device), and with the current micro-step's; the last
   /// closed window's loss and weight.

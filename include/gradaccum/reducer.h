@@ -310,6 +310,14 @@ class Reducer {
   /// some ranks]). A failure after a window's reduction marks it itself;
   /// restore() clears it.
   void mark_unstepped(const char* why);
+  /// Note [Training ended in join()] (src/accumulator/join.cpp): the dropped
+  /// reduction `window` told this rank to end training and it has left
+  /// join(); and the last one it was told so by that it has not acted on.
+  void set_end_acted_on(int64_t window);
+  int64_t end_acted_on() const;
+  /// Why the manual path's backward is refused after the one-sided flush
+  /// error (empty: it is not).
+  void set_epoch_ended_refusal(const std::string& why);
   /// With an accumulation dtype: adds each `.grad` of a narrower dtype into its
   /// bucket and releases it (after a no_sync micro-step's backward).
   void accumulate_local();

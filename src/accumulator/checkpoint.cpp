@@ -482,6 +482,9 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_empty_ = state.window_ready && state.window_empty;
   epoch_ended_ = state.epoch_ended;
   epoch_ended_raised_ = false;
+  if (reducer_) {
+    reducer_->set_epoch_ended_refusal({});
+  }
   // Not in checkpoints: the loss of a window cut by the save is not known
   // (window_loss is None for it); the last closed window's is gone too.
   window_loss_sum_ = at::Tensor();

@@ -58,7 +58,11 @@ bool Accumulator::flush_in_call() {
     epoch_ended_ = false;
     return stepped;
   }
-  if (std::exchange(epoch_ended_raised_, false) && micro_step_ == 0) {
+  const bool raised_ended = std::exchange(epoch_ended_raised_, false);
+  if (raised_ended) {
+    reducer_->set_epoch_ended_refusal({});
+  }
+  if (raised_ended && micro_step_ == 0) {
     // This rank raised that it went on training after the others' flush():
     // its epoch ended with theirs; its flush() has nobody to pair with (the
     // error's announcement already paired with their next reduction).
@@ -223,6 +227,10 @@ void Accumulator::fail_after_peers_ended_epoch() {
   }
   epoch_ended_ = false;
   epoch_ended_raised_ = true;
+  // (The manual path's backward too: Note [Training ended in join()].)
+  reducer_->set_epoch_ended_refusal(
+      "this rank's epoch ended with the other ranks' acc.flush() (this rank went on training after they ended "
+      "the epoch); call acc.flush() (it steps nothing and runs no collective) before the next epoch");
   reset_window();
   forget_window_loss();
   TORCH_CHECK(false,

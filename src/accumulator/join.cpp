@@ -44,8 +44,10 @@ using detail::CallGuard;
 // join() (its exception out of the block: abandon(); the block's end:
 // join(), which then returns at once; a shadow's error out of join()), its
 // micro-steps, no_sync(), flush() and refresh_parameters() are refused,
-// changing nothing (check_training_not_ended()). Leaving marks the last
-// reduction as acted on, the drop abandon() itself sends too.
+// changing nothing (check_training_not_ended()), and so is the manual path's
+// plain backward, in its first hook (Reducer::State::training_ended(), which
+// keeps what was acted on: resuming a checkpoint forgets it). Leaving marks
+// the last reduction as acted on, the drop abandon() itself sends too.
 // Ranks that all left may go on together: the next epoch pairs.
 bool Accumulator::told_to_end_training() const {
   if (!reducer_) {
@@ -55,7 +57,7 @@ bool Accumulator::told_to_end_training() const {
   // (A rank that could not step a window it closed says that the replicas
   // differ instead: its shadow may call join() again, the others go on.)
   return last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0) && last.unstepped_ranks == 0 &&
-      last.window != end_acted_on_ &&
+      last.window != reducer_->end_acted_on() &&
       last.window + 1 == reducer_->progress().sequence && micro_step_ == 0 && !window_ready_ && !window_failed_ &&
       !parts_open_;
 }
@@ -65,7 +67,7 @@ int64_t Accumulator::join() {
     return join_in_call();
   } catch (...) {
     if (told_to_end_training()) {
-      end_acted_on_ = reducer_->last_result().window; // a shadow told inside join(): it has left
+      reducer_->set_end_acted_on(reducer_->last_result().window); // a shadow told inside join(): it has left
     }
     throw;
   }
@@ -82,7 +84,7 @@ int64_t Accumulator::join_in_call() {
   if (told_to_end_training()) {
     // Note [Training ended in join()]: the others have left; nobody would
     // pair with this rank's partial window or its shadows.
-    end_acted_on_ = reducer_->last_result().window;
+    reducer_->set_end_acted_on(reducer_->last_result().window);
     return 0;
   }
   TORCH_CHECK(optimizer_step_,
@@ -96,7 +98,11 @@ int64_t Accumulator::join_in_call() {
   }
   std::string local_failure;
   int64_t stepped = step_before_flush(&local_failure) ? 1 : 0;
-  if (std::exchange(epoch_ended_raised_, false) && micro_step_ == 0) {
+  const bool raised_ended = std::exchange(epoch_ended_raised_, false);
+  if (raised_ended) {
+    reducer_->set_epoch_ended_refusal({});
+  }
+  if (raised_ended && micro_step_ == 0) {
     // This rank raised that it went on training after the others' flush():
     // they have left the epoch, and nobody would pair with a shadow.
     return stepped;
@@ -184,7 +190,7 @@ void Accumulator::abandon() noexcept {
       last.window + 1 == reducer_->progress().sequence && micro_step_ == 0 && !window_ready_ &&
       !window_failed_ && !parts_open_;
   if (everyone_knows) {
-    end_acted_on_ = last.window; // Note [Training ended in join()]: this rank has left
+    reducer_->set_end_acted_on(last.window); // Note [Training ended in join()]: this rank has left
   }
   if (everyone_knows || epoch_ended_ || epoch_ended_raised_) {
     return;
@@ -200,7 +206,7 @@ void Accumulator::abandon() noexcept {
       reducer_->reduce(abort); // throws the dropped window's error, as on every rank
     } catch (const std::exception&) {
     }
-    end_acted_on_ = reducer_->last_result().window; // (its own drop: this rank has left)
+    reducer_->set_end_acted_on(reducer_->last_result().window); // (its own drop: this rank has left)
     remember_gradients();
   } catch (...) { // (nothing to tell beyond the caller's own exception)
   }

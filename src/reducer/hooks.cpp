@@ -233,6 +233,9 @@ void Reducer::State::mark_ready(size_t index) {
         "after a nested backward had already reduced the window (one torch did not run inside the outer "
         "backward's evaluation of a node, so its end looked like the end of backward); run the backward "
         "through acc.backward(), or use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)");
+    const auto ended = training_ended(); // Note [Training ended in join()]
+    TORCH_CHECK(ended.empty(), "gradaccum: loss.backward(): ", ended, "; this backward reduced nothing (its "
+        "gradients may be in .grad in part: drop them with acc.zero_grad())");
     begin_in_task(manual_request(), task, detail::Entry::ManualBackward);
   } else if (task != window.anchor_task && older_task(task, window.anchor_task)) {
     window.anchor_task = task; // an outer task of a reentrant backward: finish at its end
@@ -256,6 +259,19 @@ void Reducer::State::mark_ready(size_t index) {
     window.timeline.buckets[buckets.locator[index].first].ready = window.timeline.gradients[index];
   }
   launch_ready_buckets();
+}
+
+std::string Reducer::State::training_ended() const {
+  if (!epoch_ended_refusal.empty()) {
+    return epoch_ended_refusal;
+  }
+  const auto& last = window.last_result;
+  const bool told = last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0) && last.unstepped_ranks == 0 &&
+      last.window != end_acted_on && last.window + 1 == window.sequence;
+  return told ? "the last reduction dropped its window on every rank and told every rank to end training there "
+                "(ranks were shadowing in acc.join(), or one left its block with an exception): let that error "
+                "leave this rank's acc.join() block (C++: call acc.join(), which returns at once)"
+              : std::string();
 }
 
 ReductionRequest Reducer::State::manual_request() const {

@@ -496,6 +496,10 @@ void Reducer::restore(const Progress& progress, bool backwards_too) {
   s.stats.last_window_launched_in_backward = backwards.last_window_launched_in_backward;
   s.stats.hookless_windows = backwards.hookless_windows;
   s.window.sequence = progress.sequence;
+  // What the last reduction told this rank is not the resumed state's: a
+  // replay may reuse its window number (Note [Training ended in join()]).
+  s.window.last_result = ReductionResult{};
+  s.end_acted_on = -1;
   // Note [Scaling before the sum]: the same on every rank, as saved (states
   // from before it was saved hold 0: the first window uses world * steps).
   s.window.last_weight = progress.last_weight;
@@ -521,6 +525,21 @@ WindowTimeline Reducer::last_timeline() const {
     timeline.buckets[b].completed = ns < 0 ? -1.0 : static_cast<double>(ns) * 1e-9;
   }
   return timeline;
+}
+
+void Reducer::set_end_acted_on(int64_t window) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->end_acted_on = window;
+}
+
+int64_t Reducer::end_acted_on() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->end_acted_on;
+}
+
+void Reducer::set_epoch_ended_refusal(const std::string& why) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->epoch_ended_refusal = why;
 }
 
 ReductionResult Reducer::last_result() const {

@@ -255,6 +255,11 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
 
   // Everything below is guarded by mutex: CUDA backward runs hooks on device
   // threads, and a failed backward's guard runs wherever torch frees the task.
+  /// The dropped reduction whose "end training" this rank has acted on
+  /// (left join()); the manual path's backward is refused while one is not,
+  /// and while `epoch_ended_refusal` says why the one-sided flush error does.
+  int64_t end_acted_on = -1;
+  std::string epoch_ended_refusal;
   mutable std::mutex mutex;
   detail::BucketSet buckets;
   detail::Window window;
@@ -280,6 +285,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
                                const std::vector<std::pair<const void*, int64_t>>& versions_before);
   /// The request of a synchronising backward of the manual path.
   ReductionRequest manual_request() const;
+  /// Why the manual path may not begin a reduction on this rank now, or
+  /// empty (Note [Training ended in join()], in src/accumulator/join.cpp).
+  std::string training_ended() const;
 
   // The reduction: beginning and launching (launch.cpp).
   void begin_reduction(const ReductionRequest& request, int task, detail::Entry entry);

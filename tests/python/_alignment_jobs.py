@@ -93,6 +93,9 @@ def went_on_after_peers_flush(rank, world_size, *, steps):
         attempt("not a loss", lambda: acc.backward(0.0))
         attempt("empty", acc.empty_micro_step)
         attempt("save", acc.state_dict)
+        x = torch.randn(3, du.D_IN, generator=g, dtype=torch.float64)
+        attempt("plain", lambda: model(x).pow(2).mean().backward())  # the manual path's reducing backward
+        acc.zero_grad()  # (as its error says)
     flushed = [attempt("0 flush", acc.flush)]
     for e in (1, 2):
         for i in range(steps):
@@ -139,6 +142,8 @@ def told_to_end_then_calls(rank, world_size):
                 attempt("no_sync", manual)
                 attempt("flush", acc.flush)
                 attempt("refresh", acc.refresh_parameters)
+                attempt("plain", lambda: loss().backward())  # the manual path's reducing backward
+                acc.zero_grad()  # (as its error says)
     except RuntimeError as e:
         errors.append(("join", type(e).__name__, str(e)))
     with acc.join():  # the next epoch

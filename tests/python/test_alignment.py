@@ -69,13 +69,17 @@ def test_a_rank_that_went_on_after_the_peers_flush_runs_nothing_until_its_own(tm
                "on training after they ended the epoch); call acc.flush() (it steps nothing and runs no collective) "
                "or leave acc.join() before the next epoch's first micro-batch. Nothing was changed")
     errors = results[1]["errors"]
-    assert [e[0] for e in errors] == ["0/2", "not a loss", "empty", "save"], errors
+    assert [e[0] for e in errors] == ["0/2", "not a loss", "empty", "save", "plain"], errors
     assert "but this rank went on training" in errors[0][2]
     assert errors[1] == ("not a loss", "RuntimeError", "gradaccum: acc.backward(): " + refused)
     assert errors[2] == ("empty", "RuntimeError", "gradaccum: acc.empty_micro_step(): " + refused)
     assert errors[3] == ("save", "RuntimeError", "gradaccum: acc.state_dict(): this rank went on training after "
                          "the other ranks ended the epoch with acc.flush() (the error raised before); call "
                          "acc.flush() (it steps nothing and runs no collective) before saving")
+    assert errors[4] == ("plain", "RuntimeError", "gradaccum: loss.backward(): this rank's epoch ended with the other "
+                         "ranks' acc.flush() (this rank went on training after they ended the epoch); call acc.flush() "
+                         "(it steps nothing and runs no collective) before the next epoch; this backward reduced "
+                         "nothing (its gradients may be in .grad in part: drop them with acc.zero_grad())")
     assert results[1]["flushed"][0] is False
     # rank 0 learns it in its next reduction: epoch 1's first window, dropped on both
     ((where, _, text),) = results[0]["errors"]
@@ -99,11 +103,19 @@ def test_a_rank_told_to_end_training_inside_join_reduces_nothing_until_it_leaves
     ((where, _, text),) = results[0]["errors"]
     assert where == "join" and text.startswith("gradaccum: acc.join(): window 1 was dropped on every rank"), text
     errors = results[1]["errors"]
-    assert [e[0] for e in errors] == ["0/3", "0/4", "0/5", "no_sync", "flush", "refresh"], errors
+    assert [e[0] for e in errors] == ["0/3", "0/4", "0/5", "no_sync", "flush", "refresh", "plain"], errors
     assert "injected failure" in errors[0][2]
     for (where, kind, text), call in zip(errors[1:], ["acc.backward()", "acc.backward()", "acc.no_sync()",
                                                       "acc.flush()", "acc.refresh_parameters()"]):
         assert (kind, text) == ("RuntimeError", f"gradaccum: {call}: {told}"), (where, text)
+    # the manual path's plain backward (DDP-style steps=1 loops): refused in its
+    # first gradient hook, before any reduction (review: it paired with rank
+    # 0's next epoch and both stepped wrong gradients, 0.043 off, silently)
+    assert errors[6] == ("plain", "RuntimeError", "gradaccum: loss.backward(): the last reduction dropped its window "
+                         "on every rank and told every rank to end training there (ranks were shadowing in "
+                         "acc.join(), or one left its block with an exception): let that error leave this rank's "
+                         "acc.join() block (C++: call acc.join(), which returns at once); this backward reduced "
+                         "nothing (its gradients may be in .grad in part: drop them with acc.zero_grad())")
     for res in results:
         assert res["paired"] and res["stats"]["optimizer_steps"] == 2, res["stats"]
     du.assert_params_close(results[0]["params"], results[1]["params"], "rank 1", tol=0)
