@@ -46,7 +46,7 @@ using detail::CallGuard;
 // micro-steps, no_sync(), flush() and refresh_parameters() are refused,
 // changing nothing (check_training_not_ended()), and so is the manual path's
 // plain backward, in its first hook (Reducer::State::training_ended(), which
-// keeps what was acted on: resuming a checkpoint forgets it). Leaving marks
+// keeps what was acted on: resuming a checkpoint forgets both). Leaving marks
 // the last reduction as acted on, the drop abandon() itself sends too.
 // Ranks that all left may go on together: the next epoch pairs.
 bool Accumulator::told_to_end_training() const {
@@ -200,7 +200,11 @@ void Accumulator::abandon() noexcept {
     parts_open_ = false;
     auto abort = new_request();
     abort.abort = AbortReason::LeftJoin;
-    reset_window();
+    if (window_ready_) {
+      zero_grad_in_call(); // a closed window left unstepped: marked so, as a shadow marks one it drops
+    } else {
+      reset_window();
+    }
     forget_window_loss();
     try {
       reducer_->reduce(abort); // throws the dropped window's error, as on every rank

@@ -496,9 +496,11 @@ void Reducer::restore(const Progress& progress, bool backwards_too) {
   s.stats.last_window_launched_in_backward = backwards.last_window_launched_in_backward;
   s.stats.hookless_windows = backwards.hookless_windows;
   s.window.sequence = progress.sequence;
-  // What the last reduction told this rank is not the resumed state's: a
-  // replay may reuse its window number (Note [Training ended in join()]).
-  s.window.last_result = ReductionResult{};
+  // Whether the last reduction told this rank to end training is not the
+  // resumed state's: a replay may reuse its window number (Note [Training
+  // ended in join()]). The rest of it stays: a closed window's flush() still
+  // reads how many ranks shadowed it (review).
+  s.window.last_result.dropped = false;
   s.end_acted_on = -1;
   // Note [Scaling before the sum]: the same on every rank, as saved (states
   // from before it was saved hold 0: the first window uses world * steps).

@@ -246,13 +246,14 @@ def join_buffers(rank, world_size, *, counts, weightless_from=None, empty_from=N
 
 
 @job
-def join_nonfinite_raise(rank, world_size, *, counts=(2, 6), nan_at=3, leave=False):
+def join_nonfinite_raise(rank, world_size, *, counts=(2, 6), nan_at=3, leave=False, reload=False):
     """nonfinite="raise", K=2, counts[r] micro-batches on rank r, rank 1's
     micro-batch `nan_at` with a NaN loss, so the reduced window gradient is
     NaN on every rank. By default rank 0 has one window and joins, and rank 1
     catches its step's error in its second window and drops the window with
     acc.zero_grad(), as the error says; rank 0 shadows it. `leave`: rank 1
-    lets the error leave its join() block instead."""
+    lets the error leave its join() block instead; `reload`: rank 1 saves
+    and loads its state at the closed NaN window and ends its block there."""
     import gradaccum
 
     torch.manual_seed(0)
@@ -265,6 +266,9 @@ def join_nonfinite_raise(rank, world_size, *, counts=(2, 6), nan_at=3, leave=Fal
             for i in range(counts[rank]):
                 loss = model(x).pow(2).mean()
                 acc.backward(loss * float("nan") if rank == 1 and i == nan_at else loss)
+                if reload and rank == 1 and i == nan_at:
+                    acc.load_state_dict(acc.state_dict())
+                    break
                 try:
                     acc.step()
                 except RuntimeError as e:
@@ -274,6 +278,13 @@ def join_nonfinite_raise(rank, world_size, *, counts=(2, 6), nan_at=3, leave=Fal
                     acc.zero_grad()
     except RuntimeError as e:
         out["errors"].append(f"join: {e}")
+    if leave:  # every rank has left join(): they go on together (a next window)
+        for i in range(2):
+            try:
+                acc.backward(model(x).pow(2).mean())
+                acc.step()
+            except RuntimeError as e:
+                out["errors"].append(f"then: {e}")
     out["params"] = du.params(model)
     out["stats"] = acc.stats()
     acc.close()
