@@ -311,10 +311,11 @@ class Reducer {
   /// restore() clears it.
   void mark_unstepped(const char* why);
   /// Note [Training ended in join()] (src/accumulator/join.cpp): the dropped
-  /// reduction `window` told this rank to end training and it has left
-  /// join(); and the last one it was told so by that it has not acted on.
+  /// reduction `window` told this rank to end training and it has left join().
   void set_end_acted_on(int64_t window);
-  int64_t end_acted_on() const;
+  /// The last reduction told this rank to end training (ranks shadowing, or
+  /// one that left its join() block), nothing ran since, and it is not acted on.
+  bool told_to_end_training() const;
   /// Why the manual path's backward is refused after the one-sided flush
   /// error (empty: it is not).
   void set_epoch_ended_refusal(const std::string& why);

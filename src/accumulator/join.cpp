@@ -50,16 +50,9 @@ using detail::CallGuard;
 // the last reduction as acted on, the drop abandon() itself sends too.
 // Ranks that all left may go on together: the next epoch pairs.
 bool Accumulator::told_to_end_training() const {
-  if (!reducer_) {
-    return false;
-  }
-  const auto last = reducer_->last_result();
-  // (A rank that could not step a window it closed says that the replicas
-  // differ instead: its shadow may call join() again, the others go on.)
-  return last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0) && last.unstepped_ranks == 0 &&
-      last.window != reducer_->end_acted_on() &&
-      last.window + 1 == reducer_->progress().sequence && micro_step_ == 0 && !window_ready_ && !window_failed_ &&
-      !parts_open_;
+  // (The cheap tests first: every micro-step asks.)
+  return reducer_ && micro_step_ == 0 && !window_ready_ && !window_failed_ && !parts_open_ &&
+      reducer_->told_to_end_training();
 }
 
 int64_t Accumulator::join() {

@@ -261,14 +261,19 @@ void Reducer::State::mark_ready(size_t index) {
   launch_ready_buckets();
 }
 
+bool Reducer::State::told_to_end() const {
+  const auto& last = window.last_result;
+  // (A rank that could not step a window it closed says that the replicas
+  // differ instead: its shadow may call join() again, the others go on.)
+  return last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0) && last.unstepped_ranks == 0 &&
+      last.window != end_acted_on && last.window + 1 == window.sequence;
+}
+
 std::string Reducer::State::training_ended() const {
   if (!epoch_ended_refusal.empty()) {
     return epoch_ended_refusal;
   }
-  const auto& last = window.last_result;
-  const bool told = last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0) && last.unstepped_ranks == 0 &&
-      last.window != end_acted_on && last.window + 1 == window.sequence;
-  return told ? "the last reduction dropped its window on every rank and told every rank to end training there "
+  return told_to_end() ? "the last reduction dropped its window on every rank and told every rank to end training there "
                 "(ranks were shadowing in acc.join(), or one left its block with an exception): let that error "
                 "leave this rank's acc.join() block (C++: call acc.join(), which returns at once)"
               : std::string();

@@ -534,9 +534,9 @@ void Reducer::set_end_acted_on(int64_t window) {
   state_->end_acted_on = window;
 }
 
-int64_t Reducer::end_acted_on() const {
+bool Reducer::told_to_end_training() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->end_acted_on;
+  return state_->told_to_end();
 }
 
 void Reducer::set_epoch_ended_refusal(const std::string& why) {

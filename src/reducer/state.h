@@ -288,6 +288,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// Why the manual path may not begin a reduction on this rank now, or
   /// empty (Note [Training ended in join()], in src/accumulator/join.cpp).
   std::string training_ended() const;
+  /// The last reduction told this rank to end training, not yet acted on.
+  bool told_to_end() const;
 
   // The reduction: beginning and launching (launch.cpp).
   void begin_reduction(const ReductionRequest& request, int task, detail::Entry entry);
