@@ -346,60 +346,6 @@ void Accumulator::close_window(const at::Tensor& scaled, double weight, const st
   remember_gradients();
 }
 
-void Accumulator::check_micro_step_state(const char* what) const {
-  check_open(what);
-  TORCH_CHECK(!window_ready_,
-      "gradaccum: ", what, ": the window closed at the previous micro-step (acc.backward() or acc.run()); "
-      "call acc.step() (or acc.zero_grad() to drop it) before the next micro-step");
-  check_training_not_ended(what, /*flushing=*/false);
-}
-
-void Accumulator::check_training_not_ended(const char* what, bool flushing) const {
-  // The error of fail_after_peers_ended_epoch() ended this rank's epoch with
-  // the others': a micro-step now would open a window that pairs with their
-  // next epoch's reductions, one window out of step (a loop that catches
-  // each error and goes on). Its acc.flush() (or acc.join()) ends the epoch.
-  TORCH_CHECK(flushing || !(epoch_ended_raised_ && micro_step_ == 0 && !parts_open_),
-      "gradaccum: ", what, ": this rank's epoch ended with the other ranks' acc.flush() (the error raised "
-      "before: this rank went on training after they ended the epoch); call acc.flush() (it steps nothing and "
-      "runs no collective) or leave acc.join() before the next epoch's first micro-batch. Nothing was changed");
-  TORCH_CHECK(!told_to_end_training(),
-      "gradaccum: ", what, ": the last reduction dropped its window on every rank and told every rank to end "
-      "training there (ranks were shadowing in acc.join(), or one left its block with an exception), and the "
-      "other ranks have left acc.join(): let that error leave this rank's acc.join() block too (C++: call "
-      "acc.join(), which returns at once). Nothing was changed");
-}
-
-double Accumulator::check_micro_step(
-    const at::Tensor& loss, std::optional<double> num_items, const char* what) const {
-  check_micro_step_state(what);
-  TORCH_CHECK_VALUE(loss.defined(), "gradaccum: ", what, ": loss is undefined");
-  // (Backward of a complex loss fails in autograd, after the micro-step began.)
-  TORCH_CHECK_TYPE(at::isFloatingType(loss.scalar_type()),
-      "gradaccum: ", what, ": loss must be a real floating-point tensor, got ", loss.scalar_type());
-  TORCH_CHECK_VALUE(loss.numel() == 1,
-      "gradaccum: ", what, ": loss must be a scalar, got a tensor of shape ", loss.sizes());
-  TORCH_CHECK_VALUE(loss.requires_grad(),
-      "gradaccum: ", what, ": loss does not require grad (computed under no_grad, or from "
-      "no trainable parameter?)");
-  double weight = 1.0;
-  if (options_.reduction() == Reduction::Items) {
-    TORCH_CHECK_VALUE(num_items.has_value(),
-        "gradaccum: ", what, ": num_items is required with reduction='items'");
-    // 0: a micro-batch with no valid item (all prompt); its loss carries no
-    // gradient, and a window with no items on any rank steps nothing.
-    TORCH_CHECK_VALUE(std::isfinite(*num_items) && *num_items >= 0,
-        "gradaccum: ", what, ": num_items must be a number >= 0, got ", *num_items);
-    weight = *num_items;
-  } else {
-    TORCH_CHECK_VALUE(!num_items.has_value(),
-        "gradaccum: ", what, ": num_items is only used with reduction='items' (reduction is '",
-        to_string(options_.reduction()), "')");
-  }
-  check_requires_grad(what);
-  return weight;
-}
-
 void Accumulator::local_micro_step(const at::Tensor& scaled, double weight,
                                    const std::vector<GradMark>& before) {
   NoSync local(reducer_.get());
