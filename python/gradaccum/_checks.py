@@ -492,6 +492,8 @@ def _note_counted_failure(native: Any, error: BaseException) -> None:
     gradaccum's errors say what happened themselves)."""
     if str(error).startswith("gradaccum: ") or not hasattr(error, "add_note"):
         return
+    if any(str(note).startswith("gradaccum: ") for note in getattr(error, "__notes__", ())):
+        return  # an interrupt that dropped the window: its note says so
     try:
         if native.closed or not native.stats()["data_parallel"]:
             return

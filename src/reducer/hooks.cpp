@@ -9,6 +9,8 @@
 #include "detail/grad_accumulator.h"
 #include "detail/late_backward.h"
 
+#include <gradaccum/detail/failed_backward.h>
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -401,7 +403,10 @@ ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest
   } catch (const std::exception& e) {
     remove_root_hook(root.get(), root_hook);
     const auto own = s.drop_failed_backward(request, sequence_before, detail::message_of(e));
-    TORCH_CHECK(own.empty(), own);
+    if (!own.empty()) {
+      detail::keep_failed_backward(std::current_exception()); // Note [An interrupt in a synchronising backward]
+      TORCH_CHECK(false, own);
+    }
     throw; // a dropped window's error (every rank raises it), or a transport error
   }
   remove_root_hook(root.get(), root_hook);

@@ -152,3 +152,38 @@ def told_to_end_then_calls(rank, world_size):
             acc.step()
     return {"errors": errors, "paired": _still_paired(), "params": du.params(model),
             "stats": acc.stats()}
+
+
+@job
+def interrupt_in_closing_backward(rank, world_size, *, kind, via):
+    """K=3, 3 windows. In window 1's closing micro-step a hook on rank 1
+    raises `kind` (KeyboardInterrupt or SystemExit) inside the synchronising
+    backward of acc.backward() or acc.run() (`via`). Every rank catches
+    everything, records it, and goes on."""
+    import gradaccum
+    model = du.mlp(SEED)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=K)
+    interrupt = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[kind]
+    arm = {"on": False}
+
+    def hook(grad):
+        if arm["on"]:
+            raise interrupt("injected")
+        return grad
+
+    list(model.parameters())[0].register_hook(hook)
+    errors = []
+    for w, window in enumerate(windows(world_size)):
+        for k, batch in enumerate(window[rank]):
+            arm["on"] = rank == 1 and w == 1 and k == K - 1
+            try:
+                if via == "run":
+                    acc.run(lambda b: du.micro_loss(model, b, "mean")[0], batch)
+                else:
+                    acc.backward(du.micro_loss(model, batch, "mean")[0])
+            except BaseException as e:  # noqa: B036 - recorded, judged by the test
+                errors.append((f"{w}/{k}", type(e).__name__, str(e), getattr(e, "__notes__", [])))
+            finally:
+                arm["on"] = False
+            acc.step()
+    return {"errors": errors, "paired": _still_paired(), "params": du.params(model), "stats": acc.stats()}

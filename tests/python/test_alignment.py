@@ -119,3 +119,27 @@ def test_a_rank_told_to_end_training_inside_join_reduces_nothing_until_it_leaves
     for res in results:
         assert res["paired"] and res["stats"]["optimizer_steps"] == 2, res["stats"]
     du.assert_params_close(results[0]["params"], results[1]["params"], "rank 1", tol=0)
+
+
+@pytest.mark.parametrize("kind,via", [("KeyboardInterrupt", "backward"), ("SystemExit", "run")])
+def test_an_interrupt_in_the_closing_backward_stays_itself_on_its_rank(tmp_path, kind, via):
+    """A KeyboardInterrupt or SystemExit raised by a hook in the window's
+    synchronising backward drops the window on every rank, as any failure
+    there does. It reached its rank as gradaccum's RuntimeError, so a loop
+    that catches Exception and goes on was not stopped by it. It now stays
+    itself there, the drop's text as its note (Note [An interrupt in a
+    synchronising backward]); the peers get the drop's error. Going on: the
+    big batch without window 1, and the ranks still pair."""
+    results = du.run_job("interrupt_in_closing_backward", 2, tmp_path, module=M, kind=kind, via=via, timeout=120)
+    call = "acc.run()" if via == "run" else "acc.backward()"
+    drop = f"gradaccum: {call}: window 1 was dropped on every rank: the synchronising backward (or a micro-step of " \
+        "the window) failed on "
+    rest = ". The window's gradients were cleared on every rank and no optimizer step was taken; training can go " \
+        "on from the next window"
+    assert results[1]["errors"] == [("1/2", kind, "injected", [drop + "this rank (rank 1): injected" + rest])]
+    assert results[0]["errors"] == [("1/2", "RuntimeError", drop + "rank 1 (its own error is raised there)" + rest, [])]
+    expected = du.windows_reference(aj.SEED, aj.windows(2), "mean", skip=(1,))
+    for rank, res in enumerate(results):
+        assert res["paired"]
+        assert res["stats"]["dropped_windows"] == 1 and res["stats"]["optimizer_steps"] == 2
+        du.assert_params_close(res["params"], expected, f"rank {rank}")

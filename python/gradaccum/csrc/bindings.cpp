@@ -1,11 +1,13 @@
 // Translates types between Python and gradaccum's C++ API, nothing else:
 // the logic lives in src/, the Pythonic sugar in python/gradaccum/*.py.
 #include <gradaccum/gradaccum.h>
+#include <gradaccum/detail/failed_backward.h>
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 
 namespace py = pybind11;
@@ -56,6 +58,51 @@ class WarningsToPython {
   Buffer buffer_;
   c10::WarningHandler* previous_;
 };
+
+// Note [An interrupt in a synchronising backward]
+// A KeyboardInterrupt or SystemExit raised in the window's closing backward
+// (a gradient hook, or a signal handled there) drops the window on every rank
+// like any failure there, and the library raises its own error for the drop.
+// On this rank the interrupt must stay itself: a loop that catches Exception
+// and goes on must still stop. The reducer keeps what it replaced
+// (detail::keep_failed_backward()); a Python error whose type is not an
+// Exception (a BaseException only) is raised again as itself, the drop's text
+// added as a note. Every other error stays gradaccum's (its text names the
+// original). Whatever was kept is taken after the call, raised or not.
+template <typename Call>
+void keeping_interrupts(Call&& call) {
+  try {
+    py::gil_scoped_release no_gil;
+    call();
+  } catch (const std::exception& e) {
+    const auto kept = detail::take_failed_backward();
+    if (kept) {
+      try {
+        std::rethrow_exception(kept);
+      } catch (const python_error& original) {
+        if (original.type != nullptr && !PyErr_GivenExceptionMatches(original.type, PyExc_Exception)) {
+          const auto* error = dynamic_cast<const c10::Error*>(&e);
+          const std::string note = error ? error->what_without_backtrace() : e.what();
+          PyObject* type = original.type;
+          PyObject* value = original.value;
+          PyObject* traceback = original.traceback;
+          Py_XINCREF(type);
+          Py_XINCREF(value);
+          Py_XINCREF(traceback);
+          PyErr_Restore(type, value, traceback); // (steals the references)
+          py::error_already_set interrupt;
+          py::getattr(interrupt.value(), "add_note", py::none())(note);
+          throw interrupt;
+        }
+      } catch (const py::error_already_set&) {
+        throw;
+      } catch (...) { // not a Python error: gradaccum's error says what it was
+      }
+    }
+    throw;
+  }
+  detail::take_failed_backward();
+}
 
 template <typename T>
 T required(const py::dict& d, const char* key) {
@@ -295,10 +342,13 @@ void init_accumulator(py::module_& m) {
       .def("backward",
            [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
               std::optional<at::Tensor> reported, std::optional<at::Tensor> metrics) {
-             acc.backward(loss, num_items, reported.value_or(at::Tensor()), metrics.value_or(at::Tensor()));
+             keeping_interrupts([&] {
+               acc.backward(loss, num_items, reported.value_or(at::Tensor()), metrics.value_or(at::Tensor()));
+             });
            },
            py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
-           py::arg("metrics") = py::none(), release(), "Backward on one micro-batch's loss; counts the micro-step.")
+           py::arg("metrics") = py::none(), py::call_guard<WarningsToPython>(),
+           "Backward on one micro-batch's loss; counts the micro-step.")
       .def("abandon", &Accumulator::abandon, release(),
            "An exception left acc.join()'s block: tell the ranks that would wait for this one.")
       .def("empty_micro_step", &Accumulator::empty_micro_step, release(),
@@ -306,10 +356,12 @@ void init_accumulator(py::module_& m) {
       .def("backward_whole",
            [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
               std::optional<at::Tensor> reported, std::optional<at::Tensor> metrics) {
-             acc.backward_whole(loss, num_items, reported.value_or(at::Tensor()), metrics.value_or(at::Tensor()));
+             keeping_interrupts([&] {
+               acc.backward_whole(loss, num_items, reported.value_or(at::Tensor()), metrics.value_or(at::Tensor()));
+             });
            },
            py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
-           py::arg("metrics") = py::none(), release(), "backward() for a micro-batch acc.run() runs whole (errors name acc.run()).")
+           py::arg("metrics") = py::none(), py::call_guard<WarningsToPython>(), "backward() for a micro-batch acc.run() runs whole (errors name acc.run()).")
       .def("backward_part",
            [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
               std::optional<at::Tensor> reported, double share, std::optional<at::Tensor> metrics) {
