@@ -1,8 +1,11 @@
 #pragma once
 
+#include <gradaccum/model_parameters.h>
 #include <gradaccum/options.h>
 #include <gradaccum/reducer.h>
+#include <gradaccum/shared_tensor.h>
 #include <gradaccum/state.h>
+#include <gradaccum/stats.h>
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -30,56 +33,19 @@ class LossScaler; // src/precision/loss_scaler.h
 class WideSums; // src/precision/wide_sums.h
 } // namespace detail
 
-/// What an Accumulator trains: the trainable parameters (deduplicated, in
-/// registration order), their names for error messages, and the buffers that
-/// a data-parallel Accumulator broadcasts from rank 0.
-struct ModelParameters {
-  /// A `torch::nn::Module`, as `model.ptr()` or the holder itself.
-  template <typename M, typename = std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>>>
-  /* implicit */ ModelParameters(const std::shared_ptr<M>& module)
-      : ModelParameters(std::static_pointer_cast<torch::nn::Module>(module), 0) {}
-  template <typename M>
-  /* implicit */ ModelParameters(const torch::nn::ModuleHolder<M>& module)
-      : ModelParameters(module.ptr()) {}
-  /// Bare parameters (names are "parameter i").
-  /* implicit */ ModelParameters(std::vector<at::Tensor> parameters);
-  /// What the Python binding passes.
-  ModelParameters(
-      std::vector<at::Tensor> parameters,
-      std::vector<std::string> names,
-      std::vector<at::Tensor> buffers);
-
-  std::vector<at::Tensor> parameters;
-  std::vector<std::string> names;
-  std::vector<at::Tensor> buffers;
-  /// Modules that make sparse gradients (`Embedding(sparse=True)`), by name:
-  /// rejected at construction.
-  std::vector<std::string> sparse_modules;
-
- private:
-  ModelParameters(const std::shared_ptr<torch::nn::Module>& module, int /*tag*/);
-};
-
-/// Counters since construction (or the last load_state_dict).
-struct AccumulatorStats {
-  int64_t micro_steps = 0; ///< backward() calls
-  int64_t optimizer_steps = 0; ///< real optimizer steps
-  /// Windows dropped for non-finite gradients (nonfinite="raise": once
-  /// acc.zero_grad() drops the window it raised on), or no items anywhere.
-  int64_t skipped_steps = 0;
-  /// Losses left out by nonfinite="skip_micro_batch": a micro-batch's, or
-  /// one part's of a micro-batch run in parts (acc.run() after running out of
-  /// memory: each part counts).
-  int64_t skipped_micro_batches = 0;
-  int64_t windows = 0; ///< windows closed (stepped or skipped)
-  std::optional<double> last_grad_norm; ///< total norm at the last boundary, if computed
-  std::optional<double> loss_scale; ///< the loss scaler's current scale, if any
-  std::optional<double> window_loss; ///< Accumulator::window_loss(), as a number (a host read)
-  double window_items = 0; ///< Accumulator::window_items()
-  ReducerStats reducer; ///< all zero without a process group
-  bool data_parallel = false; ///< gradients are reduced over a process group
-  int64_t world_size = 1; ///< ranks of that group (1 without one)
-  std::string backend; ///< the group's backend name ("gloo", "nccl"); empty without one
+/// What tells one `.grad` from another, or from itself changed: the tensor,
+/// its storage (`.grad.data = t` keeps the tensor) and its version (in-place
+/// writes through `.grad` bump it; writes through `.data` or numpy do not).
+struct GradMark {
+  const void* impl = nullptr;
+  const void* data = nullptr;
+  int64_t version = 0;
+  bool operator==(const GradMark& o) const {
+    return impl == o.impl && data == o.data && version == o.version;
+  }
+  bool operator!=(const GradMark& o) const {
+    return !(*this == o);
+  }
 };
 
 /// Gradient accumulation over windows of `steps` micro-batches, optionally data
@@ -98,21 +64,6 @@ struct AccumulatorStats {
 /// Gradients accumulate unscaled within a window; the window's last backward
 /// divides them once by the window's weight (micro-steps for "mean", items for
 /// "items", summed over ranks), fused into the reduction when data parallel.
-/// What tells one `.grad` from another, or from itself changed: the tensor,
-/// its storage (`.grad.data = t` keeps the tensor) and its version (in-place
-/// writes through `.grad` bump it; writes through `.data` or numpy do not).
-struct GradMark {
-  const void* impl = nullptr;
-  const void* data = nullptr;
-  int64_t version = 0;
-  bool operator==(const GradMark& o) const {
-    return impl == o.impl && data == o.data && version == o.version;
-  }
-  bool operator!=(const GradMark& o) const {
-    return !(*this == o);
-  }
-};
-
 class Accumulator {
  public:
   using StepFunction = std::function<void()>;
@@ -553,37 +504,12 @@ class Accumulator {
   /// closed window's loss and weight.
   at::Tensor window_loss_sum_;
   at::Tensor pending_loss_sum_;
-  /// A tensor another thread may read (window_loss(), window_metrics(),
-  /// stats(): not refused by Note [One thread drives an Accumulator]) while
-  /// the driving thread replaces it: each access under its own lock.
-  class SharedTensor {
-   public:
-    SharedTensor& operator=(at::Tensor value) {
-      {
-        const std::lock_guard<std::mutex> lock(mutex_);
-        std::swap(value_, value);
-      }
-      return *this; // (the old tensor is released outside the lock)
-    }
-    at::Tensor get() const {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      return value_;
-    }
-    bool defined() const {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      return value_.defined();
-    }
-
-   private:
-    mutable std::mutex mutex_;
-    at::Tensor value_;
-  };
   /// Held while reducer_ is read by stats(), last_window_timeline() and
   /// expect_hooks() (another thread may call them) and while close() and
   /// refresh_parameters() take it away.
   mutable std::mutex reducer_readers_;
-  SharedTensor window_loss_;
-  SharedTensor window_metrics_; ///< the last closed window's metric sums (window_metrics())
+  detail::SharedTensor window_loss_;
+  detail::SharedTensor window_metrics_; ///< the last closed window's metric sums (window_metrics())
   double window_items_ = 0;
   /// This window was resumed mid-way from a checkpoint: its loss is unknown.
   bool window_loss_cut_ = false;
