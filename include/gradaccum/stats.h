@@ -20,7 +20,9 @@ struct AccumulatorStats {
   /// memory: each part counts).
   int64_t skipped_micro_batches = 0;
   int64_t windows = 0; ///< windows closed (stepped or skipped)
-  std::optional<double> last_grad_norm; ///< total norm at the last boundary, if computed
+  /// The total norm of the last window acc.step() closed, if computed there
+  /// (not for a window skipped before it: a loss scaler's overflow, no weight).
+  std::optional<double> last_grad_norm;
   std::optional<double> loss_scale; ///< the loss scaler's current scale, if any
   std::optional<double> window_loss; ///< Accumulator::window_loss(), as a number (a host read)
   double window_items = 0; ///< Accumulator::window_items()

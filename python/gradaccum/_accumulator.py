@@ -498,11 +498,11 @@ class Accumulator(_Held):
                 self._c.expect_hooks = previous
 
     def stats(self) -> Dict[str, Any]:
-        """Counters: micro_steps, optimizer_steps, skipped_steps, windows, and the
-        reducer's buckets, collectives, bytes_reduced (in all and last window)."""
+        """Counters and figures of the windows and the reducer: docs/stats.md."""
         stats = self._c.stats()
-        stats["oom_retries"] = self._run_state.oom_retries
-        stats["run_max_rows"] = self._run_state.max_rows
+        stats["oom_retries"], stats["run_max_rows"] = self._run_state.oom_retries, self._run_state.max_rows
+        if _scaling(self.grad_scaler):  # (a host read, as window_loss)
+            stats["loss_scale"] = self.grad_scaler.get_scale()
         return stats
 
     def last_window_timeline(self) -> Dict[str, Any]:

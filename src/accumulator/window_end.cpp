@@ -215,6 +215,7 @@ bool Accumulator::step_optimizer(const char* call) {
     // nothing to step.
     ++stats_.skipped_steps;
     ++stats_.windows;
+    stats_.last_grad_norm = std::nullopt; // (not the previous window's)
     drop_window();
     return false;
   }
@@ -223,6 +224,7 @@ bool Accumulator::step_optimizer(const char* call) {
     if (before_step_ && !before_step_()) { // Note [One loss scaler path]
       ++stats_.skipped_steps; // e.g. a loss scaler found an overflow: it backs off
       ++stats_.windows;
+      stats_.last_grad_norm = std::nullopt; // (not the previous window's)
       mark_skipped();
       drop_window();
       return false;

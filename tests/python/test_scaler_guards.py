@@ -325,3 +325,40 @@ def test_a_checkpoint_after_the_gradients_were_cleared_mid_window_is_refused():
     with pytest.raises(RuntimeError, match="state_dict\\(\\): the gradient of weight was cleared outside "
                                            "the Accumulator in the middle of a window"):
         acc.state_dict()
+
+
+@pytest.mark.parametrize("case", ["scaler overflow", "no items"])
+def test_last_grad_norm_of_a_skipped_window_is_none_not_the_previous_one(case):
+    """A window skipped before its norm (a GradScaler's overflow, no items on
+    any rank) reported the previous window's norm as last_grad_norm, which
+    the HF Trainer adapter logs as grad_norm (review). Now None; a stepped
+    window's is torch's clip_grad_norm_ total. With a grad_scaler, loss_scale
+    is its get_scale() (it was always None)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    reference = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if case == "scaler overflow" else None
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2, max_grad_norm=1.0,
+                                grad_scaler=scaler, reduction="mean" if scaler else "items")
+    x = torch.randn(3, 4)
+    for w in range(2):
+        for _ in range(2):
+            loss = model(x).pow(2).sum()
+            if scaler is not None:
+                acc.backward(loss * float("inf") if w == 1 else loss)
+            else:
+                acc.backward(loss, num_items=3 if w == 0 else 0)
+        stepped = acc.step()
+        stats = acc.stats()
+        assert stepped == (w == 0) and stats["skipped_steps"] == w
+        if w == 0:
+            ref_loss = sum(reference(x).pow(2).sum() for _ in range(2)) / (2 if scaler else 6)
+            ref_loss.backward()
+            expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()
+            assert stats["last_grad_norm"] == pytest.approx(expected, rel=1e-6)
+        else:
+            assert stats["last_grad_norm"] is None
+        assert stats["loss_scale"] == (scaler.get_scale() if scaler else None)
+    if scaler is not None:
+        assert stats["loss_scale"] == 2.0  # backed off from 4 after the overflow
+    acc.close()
