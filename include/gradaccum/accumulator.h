@@ -216,7 +216,8 @@ class Accumulator {
   /// (fine-tuning unfreezes a backbone), at a window boundary only, before the
   /// next forward (data parallel it broadcasts rank 0's values in place). Data
   /// parallel, a collective: every rank calls it at the same point, with the
-  /// same set (checked). Counters carry over. See Note [Refreshing the
+  /// same set (checked). Counters carry over (but ReducerStats::bucket_rebuilds,
+  /// which describes the new layout). See Note [Refreshing the
   /// parameters] in src/accumulator/refresh.cpp. A call this rank refuses at
   /// a window boundary (no trainable parameter) still meets the other ranks'
   /// (data parallel), so that every rank raises, and nothing changes;

@@ -430,7 +430,7 @@ class Accumulator(_Held):
         refuses it, or reduces its next window instead, makes every rank
         raise, and nothing is refreshed). It all-reduces zeros through the
         buckets once, then broadcasts rank 0's values of the new set. Counters
-        carry over; error-feedback residuals start at zero."""
+        carry over (bucket_rebuilds restarts); residuals start at zero."""
         source = parameters if parameters is not None else self._module
         if source is None:
             raise ValueError("gradaccum: acc.refresh_parameters(): this Accumulator was built from an iterable of "

@@ -255,7 +255,12 @@ void check_shape(const AccumulatorState& state, const AccumulatorOptions& option
         "the epoch with acc.flush()) and world size ", state.world_size, "; call acc.flush() before saving "
         "to resume on ", world, " rank(s)");
   } else {
-    TORCH_CHECK_VALUE(state.rank_independent || state.rank == rank,
+    // At a boundary (or a closed window, alike on every rank) a rank's own
+    // state holds nothing of that rank's but its counters, unless residuals
+    // or an ended epoch: it loads on any rank, as on another world size
+    // above (where a refusal on some ranks only would leave the others going on).
+    const bool nothing_own = state.micro_step == 0 && state.residuals.empty() && !state.epoch_ended;
+    TORCH_CHECK_VALUE(state.rank_independent || state.rank == rank || nothing_own,
         "gradaccum: acc.load_state_dict(): this is rank ", state.rank, "'s own state (acc.state_dict(rank_independent="
         "False)) but this is rank ", rank, "; save with acc.state_dict() (rank-independent) to load "
         "one rank's state on every rank");
@@ -390,10 +395,11 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
   // [Refreshing the parameters]).
   const bool no_gradient = std::none_of(state.grads.begin(), state.grads.end(),
                                         [](const at::Tensor& g) { return g.defined(); });
+  check_parameter_names(state, names_, no_gradient); // (first: it names the parameters that differ)
   TORCH_CHECK_VALUE(state.grads.size() == params_.size() || (no_gradient && state.micro_step == 0),
       "gradaccum: acc.load_state_dict(): the state holds ", state.grads.size(),
-      " gradients but the model has ", params_.size(), " trainable parameters");
-  check_parameter_names(state, names_, no_gradient);
+      " gradients but the model has ", params_.size(), " trainable parameters (are the requires_grad settings "
+      "those of the run that saved it?)");
   for (const auto i : c10::irange(std::min(params_.size(), state.grads.size()))) {
     const auto& g = state.grads[i];
     if (g.defined()) {

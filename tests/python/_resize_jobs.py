@@ -132,3 +132,44 @@ def resume(rank, world_size, *, seed, reduction, world, steps, steps2, windows_b
                     "stepped": stepped, "micro_step": acc.micro_step}
         acc.close()
     return out
+
+
+@job
+def own_boundary_state_on_every_rank(rank, world_size, *, ckpt_dir):
+    """2 windows of K=2, then rank 1 saves its own state (rank_independent=
+    False) at the boundary, with the model and optimizer. Every rank loads
+    rank 1's file into a new Accumulator and trains 2 more windows. The
+    outcome of each rank's load is recorded."""
+    import torch.distributed as dist
+    import gradaccum
+    data = stream(5, 4 * 2 * world_size)
+
+    def train(model, acc, first, last):
+        for w in range(first, last):
+            for k in range(2):
+                acc.backward(du.micro_loss(model, data[(w * 2 + k) * world_size + rank], "mean")[0])
+                acc.step()
+
+    model = du.mlp(5)
+    opt = du.make_optimizer("sgd", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    train(model, acc, 0, 2)
+    path = os.path.join(ckpt_dir, "rank1.pt")
+    if rank == 1:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                    "acc": acc.state_dict(rank_independent=False)}, path)
+    dist.barrier()
+    acc.close()
+    model = du.mlp(0)
+    opt = du.make_optimizer("sgd", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    saved = torch.load(path, weights_only=False)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    try:
+        acc.load_state_dict(saved["acc"])
+        outcome = "loaded"
+    except ValueError as e:
+        outcome = str(e)
+    train(model, acc, 2, 4)
+    return {"outcome": outcome, "params": du.params(model), "stats": acc.stats()}

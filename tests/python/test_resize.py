@@ -114,3 +114,22 @@ def test_a_half_done_window_saved_on_two_ranks_resumes_in_one_process_exactly():
     assert acc.micro_step == 0
     for p, r in zip(model.parameters(), ref.parameters()):
         assert (p.grad - r.grad).abs().max().item() <= 1e-15
+
+
+def test_a_ranks_own_boundary_state_loads_on_every_rank(tmp_path):
+    """A rank's own state saved at a boundary holds nothing of that rank's
+    (no residuals, no ended epoch). Loaded on every rank of the same world
+    size, it was refused on the other rank only ("this is rank 1's own
+    state ... but this is rank 0"), which then went on alone, while on another
+    world size it loaded everywhere (review). It loads everywhere, and the
+    run is the big batch's in float64."""
+    results = du.run_job("own_boundary_state_on_every_rank", 2, tmp_path, module=M, ckpt_dir=str(tmp_path),
+                         timeout=120)
+    data = rj.stream(5, 16)
+    windows = [[[data[(w * 2 + k) * 2 + r] for k in range(2)] for r in range(2)] for w in range(4)]
+    model = du.mlp(5)
+    expected = du.reference_run(model, du.make_optimizer("sgd", model.parameters()), windows, "mean")["params"]
+    for rank, res in enumerate(results):
+        assert res["outcome"] == "loaded", (rank, res["outcome"])
+        assert res["stats"]["optimizer_steps"] == 4
+        du.assert_params_close(res["params"], expected, f"rank {rank}")
