@@ -72,6 +72,8 @@ def check(sched, results, tol=None):
                                         "(a window cut by a checkpoint, or an fp16 wire)")
                     elif want is not None and (wl is None or not _close(wl, want, tol)):
                         problems.append(f"rank {r} {key}: window_loss {wl!r}, expected {want!r}")
+                    if len(x) > 3 and len(g) > 3 and not _close(g[3], x[3], 1e-12):
+                        problems.append(f"rank {r} {key}: window_items {g[3]!r}, expected {x[3]!r}")
         for e, (got_p, want_p) in enumerate(zip(res["trace"], model.trace)):
             worst = max(((a - b).abs().max().item() / max(1.0, b.abs().max().item())
                          for a, b in zip(got_p, want_p)), default=0.0)

@@ -115,7 +115,7 @@ class _Run:
         if not v:
             return ["ok", v]
         wl = self.acc.window_loss
-        return ["ok", v, None if wl is None else float(wl)]
+        return ["ok", v, None if wl is None else float(wl), self.acc.window_items]
 
     def step(self):
         return self._stepped(self._dropping_nonfinite(self.acc.step))

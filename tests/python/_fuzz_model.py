@@ -249,6 +249,7 @@ class Model:
                 self.seen.add("window clipped")
         self._sgd(grad)
         self.optimizer_steps += 1
+        self.items = weight  # window_items: its items (micro-batches kept, but "items")
         loss = sum(w.loss for w in wins) / div
         return True, (None if any(w.cut for w in wins) or self.s.get("wire") else loss)
 
@@ -495,7 +496,7 @@ class Model:
                         exp[f"b/{e}/{t}"] = (self._dropped_error(r, culprits, own_boom=own)
                                              if culprits else ("ok", None))
                         exp[f"s/{e}/{t}"] = (NOT_FINITE if stepped == RAISED else
-                                             ("ok", stepped, loss) if stepped else ("ok", False))
+                                             ("ok", stepped, loss, self.items) if stepped else ("ok", False))
                         if "flush" in kinds:
                             epoch_over[r] = True
                     else:
@@ -660,7 +661,7 @@ class Model:
                         exp[f"b/{e}/{t}"] = self._dropped_error(r, culprits, own_boom=spec == "boom" and r not in before)
                     else:
                         exp[f"b/{e}/{t}"] = ("ok", None)
-                        exp[f"s/{e}/{t}"] = ("ok", stepped, loss) if stepped else ("ok", False)
+                        exp[f"s/{e}/{t}"] = ("ok", stepped, loss, self.items) if stepped else ("ok", False)
                 elif culprits:  # out of data: told inside join()
                     exp[f"j/{e}"] = self._dropped_error(r, culprits)
             self._reset()
