@@ -5,6 +5,8 @@
 #include "call_guard.h"
 #include "precision/loss_scaler.h"
 
+#include <gradaccum/detail/failed_backward.h>
+
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -100,6 +102,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
     if (grad_versions() == before) {
       throw; // nothing reached .grad: the caller runs it again smaller, or fails it (end_micro_step)
     }
+    const auto original = std::current_exception();
     bool dropped_now = false;
     try {
       fail_micro_step(oom ? AbortReason::OutOfMemory : AbortReason::BackwardFailed);
@@ -108,6 +111,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
       // the others' error names this rank, this rank's says what happened.
       dropped_now = true;
     }
+    detail::keep_failed_backward(original); // Note [An interrupt in a synchronising backward]
     TORCH_CHECK(false, "gradaccum: ", call, ": a part of the micro-batch failed in its backward after some of its "
         "gradient had reached .grad, which cannot be undone: ",
         !reducer_ ? "the window was dropped" : dropped_now ? "the window was dropped on every rank"

@@ -136,7 +136,7 @@ def test_an_interrupt_in_the_closing_backward_stays_itself_on_its_rank(tmp_path,
         "the window) failed on "
     rest = ". The window's gradients were cleared on every rank and no optimizer step was taken; training can go " \
         "on from the next window"
-    assert results[1]["errors"] == [("1/2", kind, "injected", [drop + "this rank (rank 1): injected" + rest])]
+    assert results[1]["errors"] == [("1/2", kind, "injected", [drop + f"this rank (rank 1): {kind}: injected" + rest])]
     assert results[0]["errors"] == [("1/2", "RuntimeError", drop + "rank 1 (its own error is raised there)" + rest, [])]
     expected = du.windows_reference(aj.SEED, aj.windows(2), "mean", skip=(1,))
     for rank, res in enumerate(results):

@@ -69,6 +69,24 @@ class WarningsToPython {
 // Exception (a BaseException only) is raised again as itself, the drop's text
 // added as a note. Every other error stays gradaccum's (its text names the
 // original). Whatever was kept is taken after the call, raised or not.
+// The note: the drop's text, where the original's message (python_error's
+// what(): its str(), or "python_error" when it has none, as a signal's
+// KeyboardInterrupt) reads as the exception's type and message.
+std::string interrupt_note(const std::exception& dropped, const python_error& original, const py::handle& value) {
+  const auto* error = dynamic_cast<const c10::Error*>(&dropped);
+  std::string note = error ? error->what_without_backtrace() : dropped.what();
+  try {
+    const std::string text = py::str(value);
+    const auto named = py::type::of(value).attr("__name__").cast<std::string>() + (text.empty() ? "" : ": " + text);
+    const auto at = note.find(": " + original.message + ".");
+    if (at != std::string::npos) {
+      note.replace(at + 2, original.message.size(), named);
+    }
+  } catch (const py::error_already_set&) { // (a __str__ that raises: the note as it was)
+  }
+  return note;
+}
+
 template <typename Call>
 void keeping_interrupts(Call&& call) {
   try {
@@ -81,17 +99,21 @@ void keeping_interrupts(Call&& call) {
         std::rethrow_exception(kept);
       } catch (const python_error& original) {
         if (original.type != nullptr && !PyErr_GivenExceptionMatches(original.type, PyExc_Exception)) {
-          const auto* error = dynamic_cast<const c10::Error*>(&e);
-          const std::string note = error ? error->what_without_backtrace() : e.what();
-          PyObject* type = original.type;
-          PyObject* value = original.value;
-          PyObject* traceback = original.traceback;
-          Py_XINCREF(type);
-          Py_XINCREF(value);
-          Py_XINCREF(traceback);
-          PyErr_Restore(type, value, traceback); // (steals the references)
-          py::error_already_set interrupt;
-          py::getattr(interrupt.value(), "add_note", py::none())(note);
+          Py_XINCREF(original.type);
+          Py_XINCREF(original.value);
+          Py_XINCREF(original.traceback);
+          PyErr_Restore(original.type, original.value, original.traceback); // (steals the references)
+          py::error_already_set interrupt; // (takes it back, normalized)
+          const auto& value = interrupt.value();
+          const auto note = interrupt_note(e, original, value);
+          const auto add_note = py::getattr(value, "add_note", py::none()); // Python 3.11+
+          if (PyCallable_Check(add_note.ptr())) {
+            add_note(note);
+          } else if (py::hasattr(value, "__dict__")) { // (an older Python: the same list)
+            py::list notes = py::getattr(value, "__notes__", py::list());
+            notes.append(note);
+            value.attr("__notes__") = notes;
+          }
           throw interrupt;
         }
       } catch (const py::error_already_set&) {
@@ -365,11 +387,13 @@ void init_accumulator(py::module_& m) {
       .def("backward_part",
            [](Accumulator& acc, const at::Tensor& loss, std::optional<double> num_items,
               std::optional<at::Tensor> reported, double share, std::optional<at::Tensor> metrics) {
-             acc.backward_part(loss, num_items, reported.value_or(at::Tensor()), share, metrics.value_or(at::Tensor()),
-                               "acc.run()");
+             keeping_interrupts([&] {
+               acc.backward_part(loss, num_items, reported.value_or(at::Tensor()), share,
+                                 metrics.value_or(at::Tensor()), "acc.run()");
+             });
            },
            py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
-           py::arg("share") = 1.0, py::arg("metrics") = py::none(), release(), "One part of a micro-step run in parts (acc.run()).")
+           py::arg("share") = 1.0, py::arg("metrics") = py::none(), py::call_guard<WarningsToPython>(), "One part of a micro-step run in parts (acc.run()).")
       .def("end_micro_step",
            [](Accumulator& acc, bool failed, bool out_of_memory) { acc.end_micro_step(failed, out_of_memory, "acc.run()"); },
            py::arg("failed") = false,
