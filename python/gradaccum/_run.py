@@ -67,6 +67,9 @@ def _free_memory() -> None:
 # The reducer's own-failure phrase (src/consensus/agreement.cpp): the drop's
 # error on the rank whose backward failed, which carries that error's text.
 _FAILED_HERE = "failed on this rank"
+# backward_part()'s (src/accumulator/parts.cpp): a part failed after some of
+# its gradient reached .grad, on this rank.
+_PART_FAILED = "a part of the micro-batch failed in its backward after"
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -203,10 +206,12 @@ def run(acc: Any, fn: Callable[[Any], Any], batch: Any) -> Any:
     else:
         queue = collections.deque([(batch, rows)] if parts == 1 else [(p, _rows(p)) for p in split(batch, parts)])
     whole = len(queue) == 1
+    part_rows = rows
     try:
         while queue:
             part, part_rows = queue.popleft()
-            share = 1.0 if rows is None or part_rows is None else part_rows / rows
+            # (an empty batch, 0 rows: one part, all of it)
+            share = 1.0 if not rows or part_rows is None else part_rows / rows
             out_of_memory = False
             try:
                 out = fn(part)
@@ -228,6 +233,11 @@ def run(acc: Any, fn: Callable[[Any], Any], batch: Any) -> Any:
             total.add(loss, num_items, share, metrics, as_dict)
             loss = num_items = metrics = None
     except BaseException as error:
+        if _PART_FAILED in str(error) and _is_oom(error):
+            # This rank's, in a part's backward after some of its gradient
+            # reached .grad (gradaccum's error carries the text): the window
+            # is lost, but later micro-batches run in smaller parts.
+            state.shrink(part_rows)
         _fail(acc, error, marker)  # the micro-batch did not run whole
         raise
     acc._c.end_micro_step()

@@ -317,3 +317,85 @@ def test_the_resilient_example_under_torchrun():
     assert "optimizer steps 4" in ranks["0"] and "optimizer steps 4" in ranks["1"], out
     # the progress bar's last state: the global window loss
     assert re.search(r"windows: 100%.*items=\d+, loss=[0-9.]+, skipped=1", out), out
+
+
+def test_an_empty_micro_batch_runs_as_through_backward():
+    """A micro-batch of 0 rows (items: num_items 0) raised ZeroDivisionError
+    in acc.run() (its share of the rows), where acc.backward() takes it
+    (review). Both now step the same window."""
+    steps = []
+    for how in ("backward", "run"):
+        model = du.mlp(3)
+        acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2,
+                                    reduction="items", process_group=False)
+        (a,) = du.make_windows(5, [[1]], 4)[0][0]
+        empty = tuple(t[:0] for t in a)
+        for batch in (empty, a):
+            fn = rj.loss_fn(model, "items", 0, [], 0, [])
+            if how == "run":
+                acc.run(fn, batch)
+            else:
+                acc.backward(*fn(batch))
+        assert acc.step() and acc.window_items == int(a[2].sum())
+        steps.append(du.params(model))
+    du.assert_params_close(steps[1], steps[0], "run vs backward", tol=0)
+
+
+def test_out_of_memory_after_a_part_reached_grad_shrinks_the_later_parts():
+    """An out-of-memory in the middle of a part's backward (after the last
+    layer's gradient reached .grad) drops its window, and the part size was
+    not remembered: every later window ran whole, ran out of memory there
+    and was dropped too (review: no optimizer step ever). Now later
+    micro-batches run in halves and step; the windows after the first are
+    the big batch's."""
+    model = du.mlp(3)
+    reference = du.mlp(3)
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2, process_group=False)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    windows = du.make_windows(5, [[2]] * 3, 8)
+    fn = rj.loss_fn(model, "mean", 0, [0], 4, [], where="mid_backward")
+    errors = []
+    for w, window in enumerate(windows):
+        for batch in window[0]:
+            try:
+                acc.run(fn, batch)
+            except RuntimeError as e:
+                errors.append((w, str(e)))
+                break  # one process: the window was dropped; the next one starts afresh
+        acc.step()
+        if w > 0:
+            du.global_batch_loss(reference, window, "mean").backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    assert len(errors) == 1 and errors[0][0] == 0 and "out of memory" in errors[0][1], errors
+    assert acc.stats()["optimizer_steps"] == 2 and acc.stats()["run_max_rows"] == 4
+    du.assert_params_close(du.params(model), du.params(reference), "after the dropped window")
+
+
+def test_an_interrupt_in_a_part_after_it_reached_grad_stays_itself():
+    """A KeyboardInterrupt in a part's backward after some of its gradient
+    reached .grad came out as gradaccum's RuntimeError (review); now as
+    itself, the window's fate as its note."""
+    model = du.mlp(3)
+    acc = gradaccum.Accumulator(model, None, steps=3, process_group=False)
+    (a,) = du.make_windows(5, [[1]], 4)[0][0]
+
+    class Interrupt(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            raise KeyboardInterrupt("stop")
+
+    def fn(batch):
+        x, y, _ = batch
+        return (model[4](Interrupt.apply(model[:4](x))) - y).pow(2).mean()
+
+    with pytest.raises(KeyboardInterrupt, match="stop") as caught:
+        acc.run(fn, a)
+    assert caught.value.__notes__ == [
+        "gradaccum: acc.run(): a part of the micro-batch failed in its backward after some of its gradient had "
+        "reached .grad, which cannot be undone: the window was dropped. The error: stop"]
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
