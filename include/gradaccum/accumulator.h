@@ -320,7 +320,8 @@ class Accumulator {
   void load_state_dict(const AccumulatorState& state);
   /// The state through torch::serialize archives (`torch::save`-style).
   /// Writes state_dict(rank_independent) (rank_independent=false keeps this
-  /// rank's error-feedback residual; only this rank may load it).
+  /// rank's error-feedback residual; only this rank may load it, but at a
+  /// window boundary without a residual or an ended epoch).
   void save(torch::serialize::OutputArchive& archive, bool rank_independent = true);
   void load(torch::serialize::InputArchive& archive);
 

@@ -10,10 +10,11 @@ namespace gradaccum {
 
 /// Counters since construction (or the last load_state_dict).
 struct AccumulatorStats {
-  int64_t micro_steps = 0; ///< backward() calls
+  int64_t micro_steps = 0; ///< micro-steps counted: backward(), run()'s, empty_micro_step()
   int64_t optimizer_steps = 0; ///< real optimizer steps
-  /// Windows dropped for non-finite gradients (nonfinite="raise": once
-  /// acc.zero_grad() drops the window it raised on), or no items anywhere.
+  /// Windows closed without a step: non-finite gradients (nonfinite="raise":
+  /// once acc.zero_grad() drops the window it raised on), a loss scaler's
+  /// overflow, or no weight on any rank.
   int64_t skipped_steps = 0;
   /// Losses left out by nonfinite="skip_micro_batch": a micro-batch's, or
   /// one part's of a micro-batch run in parts (acc.run() after running out of

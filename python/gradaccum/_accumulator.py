@@ -314,7 +314,8 @@ class Accumulator(_Held):
         split while its peers do not. An out-of-memory that cannot be retried
         (a part of one row, or in a backward after some gradient reached
         ``.grad``, or in the window's synchronising backward) fails the
-        micro-step: the window is dropped on every rank with one error. Any
+        micro-step: data parallel the window is dropped on every rank with
+        one error (one process: as for any other error, below). Any
         other error from ``fn`` or the backward fails the micro-step too:
         data parallel it still takes its place, so every rank closes its
         windows together and drops this one (one process: the window goes on
@@ -543,11 +544,10 @@ class Accumulator(_Held):
         half-done window is summed over ranks and each rank's state holds
         1/world of it, so saving rank 0's state only (as Lightning and
         Accelerate do) and loading it on every rank resumes exactly.
-        ``rank_independent=False`` gives this rank's own state (no collective),
-        which only this rank can load: with a process group that
-        torch.distributed knows, it also holds the group's global ranks
-        (``group_ranks``), so that a subgroup's rank refuses another
-        subgroup's state."""
+        ``rank_independent=False`` gives this rank's own state (no collective;
+        which ranks may load it: docs/checkpoints.md); with a group that
+        torch.distributed knows, it holds the group's global ranks
+        (``group_ranks``): a subgroup's rank refuses another subgroup's."""
         return save_state(self._c, self.grad_scaler, self.process_group, rank_independent)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

@@ -54,8 +54,8 @@ const std::vector<Agreement>& agreements() {
        Shown::Kind, [](const I& in) { return static_cast<double>(in.kind); }, false, kKind, true, nullptr},
       {"the window number", Shown::Number, [](const I& in) { return static_cast<double>(in.window); },
        false, kWindow, false,
-       "Some rank ran a reduction the others did not (flush() on some ranks only, or a failed "
-       "micro-step handled differently)"},
+       "Some rank ran a reduction the others did not (flush() on some ranks only, a failed "
+       "micro-step handled differently, or acc.load_state_dict() refused or skipped on some ranks)"},
       {"bucket_cap_mb", Shown::Optional, [](const I& in) { return in.options.bucket_cap_mb().value_or(-1.0); },
        true, kMetaHeader, false, nullptr},
       // An unset cap follows the launch (Note [The default bucket cap]);
