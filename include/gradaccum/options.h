@@ -63,8 +63,10 @@ struct ReducerOptions {
   /// with views (as with torch DDP's gradient_as_bucket_view).
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// Broadcast rank 0's buffers (batch-norm statistics…) at each window's
-  /// end, as DDP does (before each forward): one broadcast per window and
-  /// buffer dtype, none for a model without buffers. False keeps them per rank.
+  /// end: one broadcast per window and buffer dtype, none for a model without
+  /// buffers (torch DDP broadcasts before every forward instead: within a
+  /// window the other ranks' forwards read their own buffers). False keeps
+  /// them per rank.
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// Check at construction that every rank has the same parameters and
   /// options (and, with an unset bucket_cap_mb, the same one-host launch).

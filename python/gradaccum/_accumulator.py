@@ -57,7 +57,7 @@ class Accumulator(_Held):
             mid-sized model's all-reduce overlaps backward on the slow link.
         gradient_as_bucket_view: ``.grad`` tensors are views of the buckets.
         broadcast_buffers: broadcast rank 0's buffers at each window's end (the
-            default, as DDP; one broadcast per window when the model has buffers).
+            default; DDP does before every forward: docs/design.md, Options).
         check_parameters: at construction, check all ranks have the same
             parameters and options (and, with ``bucket_cap_mb=None``, the same
             one-host launch; a collective) and fail naming the first mismatch.

@@ -207,10 +207,42 @@ void Reducer::State::remove_hooks() noexcept {
   }
 }
 
+// Note [Bucket views in no-sync micro-steps]
+// With gradient_as_bucket_view, `.grad` is its bucket's memory: one copy of
+// the gradients. optimizer.zero_grad() (set_to_none=True, torch's default)
+// at a window's start sets it to None, and the next no-sync backward makes a
+// fresh `.grad` beside the bucket: two copies until the synchronising
+// backward copies it in (copy_into_bucket()). The manual path's window then
+// held twice the gradients for all its no-sync micro-steps (review), where
+// torch DDP holds one. So a no-sync hook moves such a `.grad` into its view
+// at once (one copy, the first micro-step after it was replaced; then
+// backward adds in place), as copy_into_bucket() would later. The slot is
+// this parameter's own and holds nothing else meanwhile (a `.grad` that is not
+// on its view is the parameter's whole window). Buckets that sum in a wider
+// dtype (accumulating) keep their own scheme; a `.grad` of another shape,
+// dtype, device or layout is left for the synchronising backward to refuse.
+void Reducer::State::keep_on_view(size_t index) {
+  auto& bucket = buckets.of(index);
+  if (bucket.accumulating) {
+    return;
+  }
+  const auto& view = bucket.views[buckets.locator[index].second];
+  auto& grad = config.params[index].mutable_grad();
+  if (!grad.defined() || detail::on_view(grad, view) || grad.layout() != at::kStrided ||
+      grad.scalar_type() != view.scalar_type() || grad.device() != view.device() || grad.sizes() != view.sizes()) {
+    return;
+  }
+  view.copy_(grad);
+  grad = detail::view_handle(view);
+}
+
 void Reducer::State::mark_ready(size_t index) {
   hook_calls.fetch_add(1, std::memory_order_relaxed);
   touched[index].store(true, std::memory_order_relaxed);
   if (!expect_hooks.load(std::memory_order_relaxed) || closed.load()) {
+    if (config.options.gradient_as_bucket_view() && !closed.load()) {
+      keep_on_view(index);
+    }
     return; // no_sync: the gradient stays in .grad
   }
   std::lock_guard<std::mutex> lock(mutex);

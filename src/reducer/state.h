@@ -269,6 +269,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void add_hooks();
   void remove_hooks() noexcept;
   void mark_ready(size_t index);
+  /// A no-sync hook with gradient_as_bucket_view: Note [Bucket views in
+  /// no-sync micro-steps].
+  void keep_on_view(size_t index);
   /// begin_reduction() inside graph task `task` (-1: none), finishing at its end.
   void begin_in_task(const ReductionRequest& request, int task, detail::Entry entry);
   void queue_end_callback(int task);

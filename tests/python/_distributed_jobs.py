@@ -109,18 +109,20 @@ def ddp(rank, world_size, *, seed, n_windows, steps, micro_batch):
         opt = make_optimizer("sgd", model.parameters())
         acc = gradaccum.Accumulator(model, None, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005,
                                     gradient_as_bucket_view=as_view)
-        trace = []
-        for window in batches:
+        trace, views = [], []
+        for w, window in enumerate(batches):
             for k, (x, y) in enumerate(window):
                 if k < steps - 1:
                     with acc.no_sync():
                         (mse(model(x), y) / steps).backward()
+                    views.append((f"window_{w}_no_sync_{k}", _bucket_view_report(model, acc)))
                 else:
                     (mse(model(x), y) / steps).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             trace.append(params(model))
         out[f"manual/{as_view}"] = trace
+        out[f"manual_views/{as_view}"] = views
         out[f"manual_stats/{as_view}"] = acc.stats()
     dist.barrier()
     return out
