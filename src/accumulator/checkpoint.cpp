@@ -325,11 +325,48 @@ void check_parameter_names(const AccumulatorState& state, const std::vector<std:
           std::to_string(state.residuals.size()) + " residuals");
   std::ostringstream differ;
   int64_t count = 0;
-  for (const auto i : c10::irange(std::max(saved.size(), names.size()))) {
-    const std::string was = i < saved.size() ? plain_name(saved[i]) : std::string("(none)");
-    const std::string is = i < names.size() ? plain_name(names[i]) : std::string("(none)");
-    if (was != is && count++ < 3) {
-      differ << (count > 1 ? "; " : "") << "parameter " << i << " was '" << was << "', is '" << is << "'";
+  // Another set: which names only one side trains (a layer frozen or
+  // unfrozen); the same set in another order: where they differ.
+  std::vector<std::string> was_names, is_names;
+  for (const auto& n : saved) {
+    was_names.push_back(plain_name(n));
+  }
+  for (const auto& n : names) {
+    is_names.push_back(plain_name(n));
+  }
+  auto only_in = [](const std::vector<std::string>& a, const std::vector<std::string>& b) {
+    std::vector<std::string> out;
+    for (const auto& n : a) {
+      if (std::find(b.begin(), b.end(), n) == b.end()) {
+        out.push_back(n);
+      }
+    }
+    return out;
+  };
+  const auto saved_only = only_in(was_names, is_names);
+  const auto here_only = only_in(is_names, was_names);
+  auto list = [](const std::vector<std::string>& v) {
+    std::ostringstream out;
+    for (const auto i : c10::irange(std::min<size_t>(v.size(), 3))) {
+      out << (i ? ", " : "") << "'" << v[i] << "'";
+    }
+    out << (v.size() > 3 ? ", ..." : "");
+    return out.str();
+  };
+  if (!saved_only.empty() || !here_only.empty()) {
+    count = static_cast<int64_t>(saved_only.size() + here_only.size());
+    const bool both = !saved_only.empty() && !here_only.empty();
+    differ << (saved_only.empty() ? "" : "trained when saved, not here: " + list(saved_only))
+           << (both ? "; " : "") << (here_only.empty() ? "" : "trained here, not when saved: " + list(here_only))
+           << (both ? " (or renamed: the model wrapped in another module?)" : "");
+    count = std::min<int64_t>(count, 3); // (the lists say "..." themselves)
+  } else {
+    for (const auto i : c10::irange(std::max(saved.size(), names.size()))) {
+      const std::string was = i < saved.size() ? was_names[i] : std::string("(none)");
+      const std::string is = i < names.size() ? is_names[i] : std::string("(none)");
+      if (was != is && count++ < 3) {
+        differ << (count > 1 ? "; " : "") << "parameter " << i << " was '" << was << "', is '" << is << "'";
+      }
     }
   }
   TORCH_CHECK_VALUE(count == 0 || !no_gradient,

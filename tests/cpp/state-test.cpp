@@ -125,8 +125,8 @@ TEST_CASE("a mid-window archive loads only onto the parameters that saved it", "
   CHECK_THROWS_AS(resumed.load(in), c10::ValueError);
   CHECK_THROWS_WITH(resumed.load_state_dict(saver.state_dict()), Catch::StartsWith(
       "gradaccum: acc.load_state_dict(): the state holds the gradients of a window in progress for other trainable "
-      "parameters than this Accumulator's (parameter 0 was '0.weight', is '1.weight'; parameter 1 was '0.bias', is "
-      "'1.bias'), so they would land on the wrong parameters. Resume with the trainable parameters that saved it "
+      "parameters than this Accumulator's (trained when saved, not here: '0.weight', '0.bias'; trained here, not "
+      "when saved: '1.weight', '1.bias' (or renamed: the model wrapped in another module?)), so they would land on the wrong parameters. Resume with the trainable parameters that saved it "
       "(the same requires_grad settings), or save at a window boundary (after acc.step() returned True), which "
       "holds no gradient and resumes on any set"));
   CHECK(resumed.micro_step() == 0);

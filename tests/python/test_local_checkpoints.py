@@ -161,8 +161,8 @@ def test_a_held_gradient_loads_only_onto_the_parameters_that_saved_it():
         resumed.load_state_dict(mid)
     assert str(refused.value) == (
         "gradaccum: acc.load_state_dict(): the state holds the gradients of a window in progress for other trainable "
-        "parameters than this Accumulator's (parameter 0 was 'a.weight', is 'b.weight'; parameter 1 was 'a.bias', "
-        "is 'b.bias'), so they would land on the wrong parameters. Resume with the trainable parameters that saved "
+        "parameters than this Accumulator's (trained when saved, not here: 'a.weight', 'a.bias'; trained here, not "
+        "when saved: 'b.weight', 'b.bias' (or renamed: the model wrapped in another module?)), so they would land on the wrong parameters. Resume with the trainable parameters that saved "
         "it (the same requires_grad settings), or save at a window boundary (after acc.step() returned True), which "
         "holds no gradient and resumes on any set")
     assert resumed.micro_step == 1

@@ -511,8 +511,8 @@ def test_error_feedback_residuals_load_only_onto_their_parameters(tmp_path):
         assert real["held"] == [True, True] and none["held"] == [False, False]
         assert real["refused"] == (
             "gradaccum: acc.load_state_dict(): the state holds error-feedback residuals of other trainable "
-            "parameters than this Accumulator's (parameter 0 was 'a.weight', is 'b.weight'; parameter 1 was "
-            "'a.bias', is 'b.bias'), so they would land on the wrong parameters. Resume with the trainable "
+            "parameters than this Accumulator's (trained when saved, not here: 'a.weight', 'a.bias'; trained "
+            "here, not when saved: 'b.weight', 'b.bias' (or renamed: the model wrapped in another module?)), so they would land on the wrong parameters. Resume with the trainable "
             "parameters that saved it (the same requires_grad settings), or leave out its "
             "'error_feedback_residuals' (they restart at zero, as after acc.refresh_parameters())")
         assert none["refused"] is None

@@ -216,8 +216,7 @@ def test_the_window_a_checkpoint_cut_has_no_loss_and_a_boundary_state_fits_anoth
     frozen.load_state_dict(boundary)
     assert frozen.stats()["optimizer_steps"] == 3
     with pytest.raises(ValueError, match=r"gradients of a window in progress for other trainable parameters than "
-                       r"this Accumulator's \(parameter 0 was '0\.weight', is '1\.weight'; parameter 1 was "
-                       r"'0\.bias', is '1\.bias'; parameter 2 was '1\.weight', is '\(none\)'; \.\.\.\)"):
+                       r"this Accumulator's \(trained when saved, not here: '0\.weight', '0\.bias'\), so they"):
         frozen.load_state_dict(mid)  # (review: it said only "the state holds 4 gradients but the model has 2")
     frozen.close()
 
