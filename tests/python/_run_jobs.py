@@ -30,7 +30,8 @@ def loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where="forward")
     """fn for acc.run(): raises torch.OutOfMemoryError above `oom_rows` rows on
     `oom_ranks`: in the forward, at the start of the backward (before any
     gradient reaches .grad: retryable), or in the middle of the backward (after
-    the last layer's gradients reached .grad: not retryable)."""
+    the last layer's gradients reached .grad: not retryable; `where`
+    "interrupt": a KeyboardInterrupt there)."""
     import torch
 
     class Gate(torch.autograd.Function):
@@ -42,6 +43,8 @@ def loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where="forward")
         def backward(ctx, g):
             if where == "backward_error":
                 raise ValueError(f"a bad gradient: {rows} rows")
+            if where == "interrupt":
+                raise KeyboardInterrupt("stop")
             raise torch.OutOfMemoryError(f"out of memory (injected in backward: {rows} rows)")
 
     def fn(batch):
@@ -54,7 +57,7 @@ def loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where="forward")
             raise torch.OutOfMemoryError(f"out of memory (injected: {rows} rows)")
         if oom and where == "user_error":
             raise ValueError(f"a bad sample: {rows} rows")
-        if oom and where == "mid_backward":
+        if oom and where in ("mid_backward", "interrupt"):
             hidden = model[:4](x)
             out = model[4](Gate.apply(hidden))
         else:

@@ -379,22 +379,8 @@ def test_an_interrupt_in_a_part_after_it_reached_grad_stays_itself():
     model = du.mlp(3)
     acc = gradaccum.Accumulator(model, None, steps=3, process_group=False)
     (a,) = du.make_windows(5, [[1]], 4)[0][0]
-
-    class Interrupt(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t.view_as(t)
-
-        @staticmethod
-        def backward(ctx, g):
-            raise KeyboardInterrupt("stop")
-
-    def fn(batch):
-        x, y, _ = batch
-        return (model[4](Interrupt.apply(model[:4](x))) - y).pow(2).mean()
-
     with pytest.raises(KeyboardInterrupt, match="stop") as caught:
-        acc.run(fn, a)
+        acc.run(rj.loss_fn(model, "mean", 0, [0], 0, [], where="interrupt"), a)
     assert caught.value.__notes__ == [
         "gradaccum: acc.run(): a part of the micro-batch failed in its backward after some of its gradient had "
         "reached .grad, which cannot be undone: the window was dropped. The error: stop"]
