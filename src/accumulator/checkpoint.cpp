@@ -350,15 +350,16 @@ void check_parameter_names(const AccumulatorState& state, const std::vector<std:
     for (const auto i : c10::irange(std::min<size_t>(v.size(), 3))) {
       out << (i ? ", " : "") << "'" << v[i] << "'";
     }
-    out << (v.size() > 3 ? ", ..." : "");
+    out << (v.size() > 3 ? ", ... (" + std::to_string(v.size()) + " in all)" : "");
     return out.str();
   };
   if (!saved_only.empty() || !here_only.empty()) {
     count = static_cast<int64_t>(saved_only.size() + here_only.size());
     const bool both = !saved_only.empty() && !here_only.empty();
+    const bool none_shared = saved_only.size() == was_names.size(); // (every name differs)
     differ << (saved_only.empty() ? "" : "trained when saved, not here: " + list(saved_only))
            << (both ? "; " : "") << (here_only.empty() ? "" : "trained here, not when saved: " + list(here_only))
-           << (both ? " (or renamed: the model wrapped in another module?)" : "");
+           << (both && none_shared ? " (or renamed: the model wrapped in another module?)" : "");
     count = std::min<int64_t>(count, 3); // (the lists say "..." themselves)
   } else {
     for (const auto i : c10::irange(std::max(saved.size(), names.size()))) {

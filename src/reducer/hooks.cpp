@@ -228,7 +228,9 @@ void Reducer::State::keep_on_view(size_t index) {
   }
   const auto& view = bucket.views[buckets.locator[index].second];
   auto& grad = config.params[index].mutable_grad();
-  if (!grad.defined() || detail::on_view(grad, view) || grad.layout() != at::kStrided ||
+  // (A .grad with a graph, backward(create_graph=True), stays: its graph is
+  // the script's, and the synchronising backward copies it in as before.)
+  if (!grad.defined() || grad.requires_grad() || detail::on_view(grad, view) || grad.layout() != at::kStrided ||
       grad.scalar_type() != view.scalar_type() || grad.device() != view.device() || grad.sizes() != view.sizes()) {
     return;
   }

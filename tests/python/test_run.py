@@ -383,5 +383,5 @@ def test_an_interrupt_in_a_part_after_it_reached_grad_stays_itself():
         acc.run(rj.loss_fn(model, "mean", 0, [0], 0, [], where="interrupt"), a)
     assert caught.value.__notes__ == [
         "gradaccum: acc.run(): a part of the micro-batch failed in its backward after some of its gradient had "
-        "reached .grad, which cannot be undone: the window was dropped. The error: stop"]
+        "reached .grad, which cannot be undone: the window was dropped. The error: KeyboardInterrupt: stop"]
     assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())

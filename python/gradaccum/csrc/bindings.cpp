@@ -78,9 +78,16 @@ std::string interrupt_note(const std::exception& dropped, const python_error& or
   try {
     const std::string text = py::str(value);
     const auto named = py::type::of(value).attr("__name__").cast<std::string>() + (text.empty() ? "" : ": " + text);
-    const auto at = note.find(": " + original.message + ".");
-    if (at != std::string::npos) {
-      note.replace(at + 2, original.message.size(), named);
+    // The cause ends the text or a sentence ("... (rank 1): stop. The
+    // window's ...", "...: stop; rank 1 could not ...", "The error: stop").
+    const auto cause = ": " + original.message;
+    for (auto at = note.find(cause); !original.message.empty() && at != std::string::npos;
+         at = note.find(cause, at + 1)) {
+      const auto end = at + cause.size();
+      if (end == note.size() || note[end] == '.' || note[end] == ';') {
+        note.replace(at + 2, original.message.size(), named);
+        break;
+      }
     }
   } catch (const py::error_already_set&) { // (a __str__ that raises: the note as it was)
   }
