@@ -94,6 +94,8 @@ def check(sched, results, tol=None):
         if res.get("dropped_windows", model.dropped) != model.dropped:
             problems.append(f"rank {r}: stats()['dropped_windows'] {res['dropped_windows']}, "
                             f"expected {model.dropped}")
+        if res.get("loss_scale", model.scale) != model.scale:
+            problems.append(f"rank {r}: stats()['loss_scale'] {res['loss_scale']}, expected {model.scale}")
         left_out = len(model.left_out[r])
         if res.get("skipped_micro_batches", left_out) != left_out:
             problems.append(f"rank {r}: stats()['skipped_micro_batches'] {res['skipped_micro_batches']}, "

@@ -52,6 +52,9 @@ class _Run:
                                          comm_dtype=getattr(torch, s["wire"]) if s.get("wire") else None,
                                          error_feedback=bool(s.get("error_feedback")),
                                          accumulate_dtype=torch.float64 if s.get("wide") else None,
+                                         grad_scaler=torch.amp.GradScaler("cpu", init_scale=fm.SCALE0,
+                                                                          growth_interval=fm.GROWTH)
+                                         if s.get("scaler") else None,
                                          process_group=False if s["world"] == 1 else None, **caps)
 
     def backward(self, e, t, spec):
@@ -263,7 +266,8 @@ class _Run:
                "optimizer_steps": self.acc.stats()["optimizer_steps"],
                "skipped_steps": self.acc.stats()["skipped_steps"],
                "dropped_windows": self.acc.stats()["dropped_windows"],
-               "skipped_micro_batches": self.acc.stats()["skipped_micro_batches"]}
+               "skipped_micro_batches": self.acc.stats()["skipped_micro_batches"],
+               "loss_scale": self.acc.stats()["loss_scale"]}
         self.acc.close()
         return out
 
@@ -403,7 +407,7 @@ def signature(problems):
             kinds.add("params")
         elif "window_loss" in p:
             kinds.add("loss")
-        elif "micro_step" in p or "optimizer_steps" in p or "skipped_steps" in p:
+        elif any(k in p for k in ("micro_step", "optimizer_steps", "skipped_steps", "loss_scale")):
             kinds.add("state")
         else:
             kinds.add("calls")

@@ -15,6 +15,8 @@ A schedule is a plain dict (JSON-able, so a failing one pastes into a test):
      "wire": "float16" | "bfloat16" (comm_dtype; absent: the parameters' float64),
      "error_feedback": bool (with a wire),
      "wide": bool (float32 parameters and data, `accumulate_dtype=torch.float64`),
+     "scaler": bool (a `grad_scaler`: GradScaler(init_scale=SCALE0,
+                growth_interval=GROWTH); no wire, restart or manual epoch),
      "epochs": [{"end": "flush" | "join" | "none" | "manual",
                  "micros": [[spec, ...] per rank],
                  "closes": [[t, ...] per rank] ("manual" only),
@@ -67,6 +69,7 @@ LR = {"mean": 0.05, "items": 0.02, "sum": 0.0005}  # SGD's lr: no blow-up in a f
 SPECS = ("ok", "nan", "zero", "pad", "boom")
 DROPPED = "dropped on every rank"  # the window-drop error's key words (README, design.md)
 RAISED = "raised"  # _close(): a non-finite window under nonfinite="raise"
+SCALE0, GROWTH = 4.0, 2  # a scaler's init_scale and growth_interval (factors 2 and 0.5)
 NOT_FINITE = ("err", ["the window's gradient is not finite", "acc.zero_grad()"], [], True)
 
 
@@ -149,6 +152,8 @@ class Model:
         self.left_out = [[] for _ in range(self.W)]
         self.loaded_at = set()  # the points where a checkpoint was loaded
         self.m = 0  # micro-step, alike on every rank outside an epoch's last window
+        # mixed-precision.md, grad_scaler: its scale and growth tracker (None: no scaler)
+        self.scale, self.growth = (SCALE0, 0) if sched.get("scaler") else (None, 0)
         self.win = [_Window() for _ in range(self.W)]
         self.exp = [dict() for _ in range(self.W)]
         self.trace = []  # parameters at each epoch's end
@@ -216,6 +221,13 @@ class Model:
         acc.flush() raises, and the driver drops the window with
         acc.zero_grad(), as the error says: a skipped window)."""
         wins = self.win
+        if any(w.nan for w in wins) and self.scale is not None:
+            # mixed-precision.md: an overflow skips the optimizer, counted in
+            # skipped_steps, whatever `nonfinite` says; the scale backs off
+            self.seen.add("scaler overflow skipped")
+            self.skipped_steps += 1
+            self._update_scale(found_inf=True)
+            return False, None
         if any(w.nan for w in wins) and self.nonfinite == "raise":
             self.seen.add("nonfinite window raised")
             self.skipped_steps += 1  # (counted once acc.zero_grad() drops it)
@@ -249,9 +261,21 @@ class Model:
                 self.seen.add("window clipped")
         self._sgd(grad)
         self.optimizer_steps += 1
+        if self.scale is not None:
+            self._update_scale(found_inf=False)
         self.items = weight  # window_items: its items (micro-batches kept, but "items")
         loss = sum(w.loss for w in wins) / div
         return True, (None if any(w.cut for w in wins) or self.s.get("wire") else loss)
+
+    def _update_scale(self, found_inf):
+        """GradScaler.update() once per window (growth 2, backoff 0.5)."""
+        if found_inf:
+            self.scale, self.growth = self.scale * 0.5, 0
+            return
+        self.growth += 1
+        if self.growth == GROWTH:
+            self.scale, self.growth = self.scale * 2.0, 0
+            self.seen.add("scaler grew")
 
     def _reset(self):
         self.win = [_Window() for _ in range(self.W)]
@@ -547,6 +571,8 @@ class Model:
         rank sees its own error, the others "dropped on every rank"; no step."""
         W, K = self.W, self.K
         closes = ep.get("closes")
+        if self.scale is not None:
+            raise InvalidSchedule("the manual path steps the optimizer itself: no scaler")
         if self.m or ep["events"] or closes is None or len(closes) != W:
             raise InvalidSchedule("a manual epoch starts at a boundary, without events")
         for r in range(W):
