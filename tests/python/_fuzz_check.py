@@ -74,6 +74,8 @@ def check(sched, results, tol=None):
                         problems.append(f"rank {r} {key}: window_loss {wl!r}, expected {want!r}")
                     if len(x) > 3 and len(g) > 3 and not _close(g[3], x[3], 1e-12):
                         problems.append(f"rank {r} {key}: window_items {g[3]!r}, expected {x[3]!r}")
+                    if len(x) > 4 and len(g) > 4 and g[4] != x[4]:  # (small integers: exact)
+                        problems.append(f"rank {r} {key}: window_metrics['m'] {g[4]!r}, expected {x[4]!r}")
         for e, (got_p, want_p) in enumerate(zip(res["trace"], model.trace)):
             worst = max(((a - b).abs().max().item() / max(1.0, b.abs().max().item())
                          for a, b in zip(got_p, want_p)), default=0.0)

@@ -12,6 +12,7 @@ BF16_P = 0.4  # of the wires, bf16 ones
 FEEDBACK_P = 0.4  # of the wires, with error_feedback
 WIDE_P = 0.15  # float32 parameters summed in float64 (accumulate_dtype)
 RAISE_P = 0.3  # of the "skip" ones, nonfinite="raise"
+METRICS_P = 0.3  # metrics=("m",)
 SCALER_P = 0.15  # of those without a wire, restart or manual epoch, a grad_scaler
 
 
@@ -148,6 +149,8 @@ def _precision(rng, sched):
         sched["wide"] = True
     if sched["nonfinite"] == "skip" and rng.random() < RAISE_P:
         sched["nonfinite"] = "raise"
+    if rng.random() < METRICS_P:
+        sched["metrics"] = True
     if not sched.get("wire") and "resize" not in sched and rng.random() < SCALER_P \
             and all(ep["end"] != "manual" for ep in sched["epochs"]):
         sched["scaler"] = True
@@ -175,7 +178,8 @@ def size(sched):
             + (sched["net"] == "mlp") + (sched["momentum"] != 0)
             + (sched.get("buckets") == "many") + bool(sched.get("as_view"))
             + (sched.get("max_grad_norm") is not None) + bool(sched.get("wire"))
-            + bool(sched.get("error_feedback")) + bool(sched.get("wide")) + bool(sched.get("scaler")))
+            + bool(sched.get("error_feedback")) + bool(sched.get("wide")) + bool(sched.get("scaler"))
+            + bool(sched.get("metrics")))
 
 
 def _copy(sched):
@@ -256,7 +260,8 @@ def shrink_candidates(sched):
             ep["events"] = [ev for ev in ep["events"] if ev[2] != 2]
         cands.append(c)
     for key, small in (("net", "linear"), ("momentum", 0.0), ("buckets", "one"), ("as_view", False),
-                       ("max_grad_norm", None), ("wire", None), ("error_feedback", None), ("wide", None), ("scaler", None)):
+                       ("max_grad_norm", None), ("wire", None), ("error_feedback", None), ("wide", None), ("scaler", None),
+                       ("metrics", None)):
         if sched.get(key, small) != small:
             c = _copy(sched)
             c[key] = small

@@ -55,6 +55,7 @@ class _Run:
                                          grad_scaler=torch.amp.GradScaler("cpu", init_scale=fm.SCALE0,
                                                                           growth_interval=fm.GROWTH)
                                          if s.get("scaler") else None,
+                                         metrics=("m",) if s.get("metrics") else (),
                                          process_group=False if s["world"] == 1 else None, **caps)
 
     def backward(self, e, t, spec):
@@ -68,7 +69,11 @@ class _Run:
         if n is not None:
             # Each form a caller passes: an int, a float, a 0-dim or one-element tensor.
             n = [n, float(n), torch.tensor(n), torch.tensor([float(n)])][(e + t + self.rank) % 4]
-        self.acc.backward(loss, num_items=n)
+        metrics = None
+        if self.s.get("metrics"):  # a float, an int or a 0-dim tensor
+            v = fm.metric_value(e, self.rank, t)
+            metrics = {"m": [v, int(v), torch.tensor(v)][(e + t + self.rank) % 3]}
+        self.acc.backward(loss, num_items=n, metrics=metrics)
 
     def manual_backward(self, e, t, spec, closing, obs):
         """The manual path: `(loss / K).backward()`, inside acc.no_sync()
@@ -117,8 +122,9 @@ class _Run:
     def _stepped(self, v):
         if not v:
             return ["ok", v]
-        wl = self.acc.window_loss
-        return ["ok", v, None if wl is None else float(wl), self.acc.window_items]
+        wl, wm = self.acc.window_loss, self.acc.window_metrics
+        return ["ok", v, None if wl is None else float(wl), self.acc.window_items,
+                None if wm is None else float(wm["m"])]
 
     def step(self):
         return self._stepped(self._dropping_nonfinite(self.acc.step))
@@ -405,7 +411,7 @@ def signature(problems):
             kinds.add("launch")
         elif "parameters after" in p:
             kinds.add("params")
-        elif "window_loss" in p:
+        elif "window_loss" in p or "window_metrics" in p:
             kinds.add("loss")
         elif any(k in p for k in ("micro_step", "optimizer_steps", "skipped_steps", "loss_scale")):
             kinds.add("state")

@@ -15,6 +15,7 @@ A schedule is a plain dict (JSON-able, so a failing one pastes into a test):
      "wire": "float16" | "bfloat16" (comm_dtype; absent: the parameters' float64),
      "error_feedback": bool (with a wire),
      "wide": bool (float32 parameters and data, `accumulate_dtype=torch.float64`),
+     "metrics": bool (`metrics=("m",)`: each micro-batch passes metric_value()),
      "scaler": bool (a `grad_scaler`: GradScaler(init_scale=SCALE0,
                 growth_interval=GROWTH); no wire, restart or manual epoch),
      "epochs": [{"end": "flush" | "join" | "none" | "manual",
@@ -106,6 +107,11 @@ def micro_data(seed, epoch, rank, t, spec, wide=False):
     return x, y, mask
 
 
+def metric_value(epoch, rank, t):
+    """The metric "m" of rank `rank`'s t-th micro-batch of `epoch` (exact in float32)."""
+    return float(1 + (epoch * 7 + rank * 3 + t) % 5)
+
+
 def micro_loss(net, batch, reduction, spec):
     """(loss, num_items) exactly as a rank passes them to acc.backward()."""
     loss, n = du.micro_loss(net, batch, reduction)
@@ -125,6 +131,7 @@ class _Window:
         self.grad = None     # the sum of its micro-batches' gradients (backwards that ran)
         self.weight = 0.0    # micro-batches kept ("mean", "sum") or items ("items")
         self.loss = 0.0      # the sum of the kept losses
+        self.metric = 0.0    # the sum of the kept micro-batches' metric "m"
         self.kept = 0        # micro-batches whose backward ran
         self.steps = 0       # micro-steps counted (empty ones and left-out ones too)
         self.nan = False     # a backward with a NaN gradient ran ("skip")
@@ -212,6 +219,7 @@ class Model:
         g, loss, n = self._grad_of(e, r, t, spec)
         w.grad = _add(w.grad, g)
         w.loss += loss
+        w.metric += metric_value(e, r, t)
         w.kept += 1
         w.weight += float(n) if self.red == "items" else 1.0
 
@@ -265,7 +273,12 @@ class Model:
             self._update_scale(found_inf=False)
         self.items = weight  # window_items: its items (micro-batches kept, but "items")
         loss = sum(w.loss for w in wins) / div
-        return True, (None if any(w.cut for w in wins) or self.s.get("wire") else loss)
+        loss = None if any(w.cut for w in wins) or self.s.get("wire") else loss
+        # window_metrics: summed, not divided; None where window_loss is
+        self.metric = None if loss is None or not self.s.get("metrics") else sum(w.metric for w in wins)
+        if self.metric is not None:
+            self.seen.add("window metrics")
+        return True, loss
 
     def _update_scale(self, found_inf):
         """GradScaler.update() once per window (growth 2, backoff 0.5)."""
@@ -520,7 +533,7 @@ class Model:
                         exp[f"b/{e}/{t}"] = (self._dropped_error(r, culprits, own_boom=own)
                                              if culprits else ("ok", None))
                         exp[f"s/{e}/{t}"] = (NOT_FINITE if stepped == RAISED else
-                                             ("ok", stepped, loss, self.items) if stepped else ("ok", False))
+                                             ("ok", stepped, loss, self.items, self.metric) if stepped else ("ok", False))
                         if "flush" in kinds:
                             epoch_over[r] = True
                     else:
@@ -687,7 +700,8 @@ class Model:
                         exp[f"b/{e}/{t}"] = self._dropped_error(r, culprits, own_boom=spec == "boom" and r not in before)
                     else:
                         exp[f"b/{e}/{t}"] = ("ok", None)
-                        exp[f"s/{e}/{t}"] = ("ok", stepped, loss, self.items) if stepped else ("ok", False)
+                        exp[f"s/{e}/{t}"] = (("ok", stepped, loss, self.items, self.metric) if stepped
+                                                 else ("ok", False))
                 elif culprits:  # out of data: told inside join()
                     exp[f"j/{e}"] = self._dropped_error(r, culprits)
             self._reset()

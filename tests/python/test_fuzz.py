@@ -123,7 +123,8 @@ MUST_SEE = ["manual window", "manual window dropped", "manual window of unequal 
             "empty micro-step", "an exception leaves join()", "fp16 wire", "bf16 wire", "error feedback",
             "mid-window state_dict() refused with comm_dtype", "float64 sums of float32 parameters",
             "optimizer.zero_grad() mid-window, sums kept (accumulate_dtype)", "nonfinite window raised",
-            "micro-batch left out", "join: window dropped", "scaler overflow skipped", "scaler grew"]
+            "micro-batch left out", "join: window dropped", "scaler overflow skipped", "scaler grew",
+            "window metrics"]
 
 
 def test_fuzz_fixed_seeds(tmp_path):
