@@ -180,7 +180,11 @@ class Accumulator {
   /// one micro-step against the others'. (Not after a backward() that raised:
   /// that micro-step failed already; progress_marker() tells the two apart.)
   /// `call`: the name its errors give (Python's acc.run() passes its own).
-  void end_micro_step(bool failed = false, bool out_of_memory = false, const char* call = "acc.end_micro_step()");
+  /// `interrupted`: what failed stops this rank (Python's KeyboardInterrupt,
+  /// SystemExit): every rank is told to end training (Note [An interrupt
+  /// tells every rank to end]).
+  void end_micro_step(bool failed = false, bool out_of_memory = false, const char* call = "acc.end_micro_step()",
+                      bool interrupted = false);
   /// The checks of a micro-step that need no loss (the Accumulator is open, its
   /// window not closed), naming `what`: acc.run() makes
   /// them before it runs its function, so that a micro-step it would fail is

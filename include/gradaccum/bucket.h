@@ -58,7 +58,8 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 //    their ranks and their ranks' squares summed (which one, when one; which
 //    two, when two), and how many for each AbortReason (kAbortReasons...):
 //    among them those that left their join() block with an exception (Note
-//    [Leaving join() with an exception]) and those that could not step a
+//    [Leaving join() with an exception]), those that were interrupted (Note
+//    [An interrupt tells every rank to end]) and those that could not step a
 //    window they closed (the replicas then differ: every rank must say so),
 //  - whether every rank agrees on what must be equal (the bucket's index, and
 //    which reducer sends it, the window number, steps, the reduction and the
@@ -99,7 +100,7 @@ int64_t default_bucket_cap_bytes(const std::vector<at::Tensor>& params);
 // and the options are (checked at construction, or by the index field at the
 // first window).
 /// AbortReason's values after None (one header field each: kAbortReasons).
-constexpr int64_t kAbortReasonSlots = 13;
+constexpr int64_t kAbortReasonSlots = 14;
 /// Up to this many ranks the header names two ranks that drop a window: the
 /// sum of two ranks' squares, 2 * 2895^2, stays exact in float32 meta (2^24).
 constexpr int64_t kNamedAbortersWorld = 2896;

@@ -135,6 +135,11 @@ enum class AbortReason : int64_t {
   /// This rank could not round its part of a light window again for the
   /// float16 wire's second all-reduce (Note [Re-sending a light window]).
   ResendFailed = 13,
+  /// This rank's synchronising backward (or a micro-step of the window) was
+  /// interrupted: from Python, an error that is no Exception
+  /// (KeyboardInterrupt, SystemExit), which stops that rank; every rank is
+  /// told to end training (Note [An interrupt tells every rank to end]).
+  Interrupted = 14,
 };
 
 /// One reduction, asked for as a value: what this rank contributes.
@@ -187,6 +192,9 @@ struct ReductionResult {
   /// Ranks that dropped it because they could not step the window they
   /// closed (AbortReason::ClosedWindowNotStepped): the replicas differ.
   int64_t unstepped_ranks = 0;
+  /// Ranks that dropped it because they were interrupted
+  /// (AbortReason::Interrupted): they stop.
+  int64_t interrupted_ranks = 0;
   /// The request loss sums summed over ranks; none where digit-encoded meta
   /// (a bf16/fp16 comm_dtype) cannot carry it.
   std::optional<double> loss_sum;
@@ -303,6 +311,13 @@ class Reducer {
 
   /// Makes `.grad` zero (bucket views stay views) or undefined (copy mode).
   void zero_grad();
+  /// Before the reducer goes (gradient_as_bucket_view): every `.grad` that is
+  /// a view of a bucket becomes its own tensor, or undefined where
+  /// `drop_zeros` and it is all zero (a window boundary: as without views),
+  /// so that the buckets are freed with the reducer and the model is left as
+  /// it would be without them. Never throws: what it cannot copy stays a
+  /// view (its values right). Nothing inside a backward or a reduction.
+  void release_gradient_views(bool drop_zeros) noexcept;
   /// This rank will not step the last window every rank reduced (`why`, a
   /// string with static storage, words it in this rank's error): its next
   /// reduction tells every rank, and where some ranks but not all did so,

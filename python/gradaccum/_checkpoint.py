@@ -15,7 +15,9 @@ from gradaccum._checks import (
 def save_state(native: Any, grad_scaler: Optional[Any], process_group: Any,
                rank_independent: bool) -> Dict[str, Any]:
     """Accumulator.state_dict(): `native` is its C++ side."""
-    state = native.state_dict(bool(rank_independent))
+    if not isinstance(rank_independent, bool):  # ("False" is true: a collective where none was meant)
+        raise TypeError(f"gradaccum: acc.state_dict(): rank_independent must be a bool, got {rank_independent!r}")
+    state = native.state_dict(rank_independent)
     if not state["rank_independent"]:
         ranks = _group_ranks(process_group)
         if ranks is not None:

@@ -444,6 +444,8 @@ def _metric_values(what: str, names: Tuple[str, ...], metrics: Any, like: torch.
                                  f"{tuple(value.shape)}")
             if value.is_complex():
                 raise TypeError(f"gradaccum: {what}: metric {name!r} must be real, got a {value.dtype} tensor")
+            if value.is_meta:
+                raise ValueError(f"gradaccum: {what}: metric {name!r} is on the meta device: it holds no value")
             values.append(value.detach().reshape(()).to(device=like.device, dtype=torch.float64))
         elif isinstance(value, numbers.Real) and not isinstance(value, bool):
             number = _finite_float(what, f"metric {name!r}", value)

@@ -145,7 +145,8 @@ def _fail(acc: Any, error: BaseException, marker: int) -> None:
     if not (acc._c.parts_open or acc.process_group is not None):
         return  # one process, nothing of it in .grad: the window goes on without it
     try:
-        acc._c.end_micro_step(failed=True, out_of_memory=_is_oom(error))
+        # (an interrupt stops this rank: every rank is told to end training)
+        acc._c.end_micro_step(failed=True, out_of_memory=_is_oom(error), interrupted=not isinstance(error, Exception))
     except RuntimeError as dropped:
         _add_note(error, str(dropped))
 
@@ -163,6 +164,8 @@ def _add_note(error: BaseException, note: str) -> None:
 
 def run(acc: Any, fn: Callable[[Any], Any], batch: Any) -> Any:
     """The body of Accumulator.run (see its docstring)."""
+    if not callable(fn):  # (before the micro-step: data parallel, a failed one drops the window)
+        raise TypeError(f"gradaccum: acc.run(): fn must be callable (it computes the loss), got {type(fn).__name__}")
     state: RunState = acc._run_state
     acc._c.check_micro_step_state()  # a micro-step that could not run must be one that could
     marker = acc._c.progress_marker

@@ -1,4 +1,5 @@
 #include <gradaccum/accumulator.h>
+#include <gradaccum/detail/failed_backward.h>
 
 #include "call_guard.h"
 #include "window_errors.h"
@@ -183,6 +184,11 @@ void Accumulator::close() {
     const std::lock_guard<std::mutex> lock(reducer_readers_); // (a reader on another thread)
     reducer = std::move(reducer_);
   }
+  if (reducer) {
+    // The model as without bucket views: .grad None at a window boundary
+    // (what the window held was stepped or dropped), its own copy otherwise.
+    reducer->release_gradient_views(micro_step_ == 0 && !window_ready_ && !window_failed_ && !parts_open_);
+  }
   reducer.reset(); // removes the hooks; a reduction in flight completes its pairing
   late_watch_.reset(); // (one process: its hooks)
   claim_.reset();
@@ -360,7 +366,9 @@ void Accumulator::local_micro_step(const at::Tensor& scaled, double weight,
       // dropped on every rank when it closes. The failed micro-step still
       // takes its place, so that every rank closes its windows together.
       window_failed_ = true;
-      window_failure_ = AbortReason::BackwardFailed;
+      window_failure_ = detail::inspect_error(std::current_exception()).interrupt // Note [An interrupt tells every rank to end]
+          ? AbortReason::Interrupted
+          : AbortReason::BackwardFailed;
       ++micro_step_;
       ++stats_.micro_steps;
       remember_gradients();

@@ -56,6 +56,8 @@ std::vector<std::pair<std::string, at::Tensor>> checked_trainable(ModelParameter
     TORCH_CHECK_VALUE(at::isFloatingType(model.parameters[i].scalar_type()),
         "gradaccum: ", what, ": ", model.names[i], " has dtype ", model.parameters[i].scalar_type(),
         "; gradients need a floating-point dtype");
+    TORCH_CHECK_VALUE(model.parameters[i].layout() == at::kStrided,
+        "gradaccum: ", what, ": ", model.names[i], " is sparse; sparse parameters are not supported");
   }
   return frozen;
 }

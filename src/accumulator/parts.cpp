@@ -97,21 +97,28 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
     }
   } catch (const std::exception& e) {
     const auto* error = dynamic_cast<const c10::Error*>(&e);
-    const std::string what = error ? error->what_without_backtrace() : e.what();
+    const auto original = std::current_exception();
+    const auto facts = detail::inspect_error(original);
+    const std::string what = detail::named_message(error ? error->what_without_backtrace() : e.what(), facts);
     const bool oom = out_of_memory(e, what);
     if (grad_versions() == before) {
       throw; // nothing reached .grad: the caller runs it again smaller, or fails it (end_micro_step)
     }
-    const auto original = std::current_exception();
     bool dropped_now = false;
     try {
-      fail_micro_step(oom ? AbortReason::OutOfMemory : AbortReason::BackwardFailed);
+      fail_micro_step(oom               ? AbortReason::OutOfMemory
+                          : facts.interrupt ? AbortReason::Interrupted // Note [An interrupt tells every rank to end]
+                                            : AbortReason::BackwardFailed);
     } catch (const c10::Error&) {
       // Data parallel in the closing micro-step: dropped on every rank now;
       // the others' error names this rank, this rank's says what happened.
       dropped_now = true;
     }
-    detail::keep_failed_backward(original); // Note [An interrupt in a synchronising backward]
+    // Note [An interrupt in a synchronising backward]: where nothing was
+    // dropped on every rank yet, the script's own error stays itself (as a
+    // failed no_sync acc.backward()'s does), this text its note (from Python).
+    // (Not an out-of-memory: acc.run() would take it for one that reached no .grad.)
+    detail::keep_failed_backward(original, /*raise_original=*/!dropped_now && !oom);
     TORCH_CHECK(false, "gradaccum: ", call, ": a part of the micro-batch failed in its backward after some of its "
         "gradient had reached .grad, which cannot be undone: ",
         !reducer_ ? "the window was dropped" : dropped_now ? "the window was dropped on every rank"
@@ -136,7 +143,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
   remember_gradients();
 }
 
-void Accumulator::end_micro_step(bool failed, bool out_of_memory, const char* call) {
+void Accumulator::end_micro_step(bool failed, bool out_of_memory, const char* call, bool interrupted) {
   const CallGuard guard(driver_, driving_, call, &call_);
   realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open(call);
@@ -152,7 +159,9 @@ void Accumulator::end_micro_step(bool failed, bool out_of_memory, const char* ca
     // Data parallel the failed micro-step takes its place even with nothing
     // of it in .grad, so that every rank closes its windows together.
     if (parts_open_ || reducer_) {
-      fail_micro_step(out_of_memory ? AbortReason::OutOfMemory : AbortReason::BackwardFailed);
+      fail_micro_step(out_of_memory ? AbortReason::OutOfMemory
+                          : interrupted ? AbortReason::Interrupted // Note [An interrupt tells every rank to end]
+                                        : AbortReason::BackwardFailed);
     }
     return;
   }

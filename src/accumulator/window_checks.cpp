@@ -395,9 +395,9 @@ void Accumulator::check_training_not_ended(const char* what, bool flushing) cons
       "runs no collective) or leave acc.join() before the next epoch's first micro-batch. Nothing was changed");
   TORCH_CHECK(!told_to_end_training(),
       "gradaccum: ", what, ": the last reduction dropped its window on every rank and told every rank to end "
-      "training there (ranks were shadowing in acc.join(), or one left its block with an exception), and the "
-      "other ranks have left acc.join(): let that error leave this rank's acc.join() block too (C++: call "
-      "acc.join(), which returns at once). Nothing was changed");
+      "training there (ranks were shadowing in acc.join(), one left its block with an exception, or one was "
+      "interrupted): end training on this rank too; inside acc.join(), let that error leave its block (C++: "
+      "call acc.join(), which returns at once). Nothing was changed");
 }
 
 double Accumulator::check_micro_step(
@@ -409,6 +409,9 @@ double Accumulator::check_micro_step(
       "gradaccum: ", what, ": loss must be a real floating-point tensor, got ", loss.scalar_type());
   TORCH_CHECK_VALUE(loss.numel() == 1,
       "gradaccum: ", what, ": loss must be a scalar, got a tensor of shape ", loss.sizes());
+  TORCH_CHECK_VALUE(!loss.is_meta(),
+      "gradaccum: ", what, ": loss is on the meta device: it holds no value (a model built on the meta device and "
+      "never materialized?)");
   TORCH_CHECK_VALUE(loss.requires_grad(),
       "gradaccum: ", what, ": loss does not require grad (computed under no_grad, or from "
       "no trainable parameter?)");

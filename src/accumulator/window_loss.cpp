@@ -52,6 +52,7 @@ void Accumulator::check_metrics(const at::Tensor& metrics, const char* what) con
       metrics.sizes());
   TORCH_CHECK_TYPE(!metrics.is_complex(),
       "gradaccum: ", what, ": metrics must be real numbers, got ", metrics.scalar_type());
+  TORCH_CHECK_VALUE(!metrics.is_meta(), "gradaccum: ", what, ": metrics are on the meta device: they hold no value");
 }
 
 void Accumulator::check_reported(const at::Tensor& reported, const char* what) {
@@ -70,7 +71,8 @@ void Accumulator::add_micro_loss(const at::Tensor& loss, const at::Tensor& metri
   if (const auto n = static_cast<int64_t>(options_.metrics().size()); n > 0) {
     value = at::cat({value, metrics.defined() ? metrics.detach().to(options).reshape({n}) : at::zeros({n}, options)});
   }
-  pending_loss_sum_ = window_loss_sum_.defined() ? window_loss_sum_ + value : value;
+  // (A micro-batch's loss on another device than the first's: summed where the first's is.)
+  pending_loss_sum_ = window_loss_sum_.defined() ? window_loss_sum_ + value.to(window_loss_sum_.device()) : value;
 }
 
 void Accumulator::close_window_loss(const ReductionResult& result, const at::Tensor& like) {

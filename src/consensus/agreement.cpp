@@ -335,6 +335,8 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
     case AbortReason::ResendFailed:
       return who + " could not round its part of the window again for the float16 wire's second all-reduce (a "
           "window far lighter than the wire's scale: Note [Re-sending a light window])";
+    case AbortReason::Interrupted:
+      return "the synchronising backward (or a micro-step of the window) was interrupted on " + who;
     case AbortReason::None:
     case AbortReason::BackwardFailed:
       break;
@@ -347,7 +349,7 @@ bool raised_there(AbortReason why) {
   return why == AbortReason::None || why == AbortReason::BackwardFailed ||
       why == AbortReason::ClosedWindowNotStepped || why == AbortReason::OutOfMemory ||
       why == AbortReason::MicroBatchRefused || why == AbortReason::LeftJoin ||
-      why == AbortReason::RefreshRefused || why == AbortReason::ResendFailed;
+      why == AbortReason::RefreshRefused || why == AbortReason::ResendFailed || why == AbortReason::Interrupted;
 }
 
 // What several ranks that dropped the window did, after a count ("2 of them ran out
@@ -380,6 +382,8 @@ const char* several_phrase(AbortReason why) {
       return "refused acc.refresh_parameters() at the window boundary";
     case AbortReason::ResendFailed:
       return "could not round their part of the window again for the float16 wire's second all-reduce";
+    case AbortReason::Interrupted:
+      return "were interrupted in the synchronising backward (or a micro-step of the window)";
     case AbortReason::None:
     case AbortReason::BackwardFailed:
       break;
@@ -406,6 +410,10 @@ std::string consequence(AbortReason why, int64_t joined) {
     return text + "a rank that left its acc.join() block reduces no more: end training on every rank here (or resume every rank "
         "from a checkpoint)";
   }
+  if (why == AbortReason::Interrupted) { // Note [An interrupt tells every rank to end]
+    return text + "an interrupted rank (KeyboardInterrupt, SystemExit) stops: end training on every rank here (or "
+        "resume every rank from a checkpoint)";
+  }
   if (joined > 0) {
     return text + std::to_string(joined) + " rank(s) out of data in acc.join() raise this error too and leave "
         "it, so no next window can pair there: end training on every rank here (or resume every rank from "
@@ -419,13 +427,16 @@ std::string consequence(AbortReason why, int64_t joined) {
 // the window, not only from this one: a rank that could not step a window
 // it closed (the others stepped theirs) means the replicas differ, whatever
 // else failed beside it (unless every rank could not: then none stepped it),
-// then a rank that left join() means nobody may go on. Each such count rides
-// in the header (kAbortReasons), so every rank words the same consequence;
-// with one reason only, it is that reason's.
-// `unstepped` and `left` count the ranks dropping the window for those two
-// reasons; `otherwise` is told where neither did.
-AbortReason told(int64_t unstepped, int64_t left, AbortReason otherwise) {
-  return unstepped > 0 ? AbortReason::ClosedWindowNotStepped : left > 0 ? AbortReason::LeftJoin : otherwise;
+// then a rank that left join(), or one that was interrupted, means nobody
+// may go on. Each such count rides in the header (kAbortReasons), so every
+// rank words the same consequence; with one reason only, it is that reason's.
+// `unstepped`, `left` and `interrupted` count the ranks dropping the window
+// for those reasons; `otherwise` is told where none did.
+AbortReason told(int64_t unstepped, int64_t left, int64_t interrupted, AbortReason otherwise) {
+  return unstepped > 0 ? AbortReason::ClosedWindowNotStepped
+      : left > 0       ? AbortReason::LeftJoin
+      : interrupted > 0 ? AbortReason::Interrupted
+                        : otherwise;
 }
 
 } // namespace
@@ -501,13 +512,14 @@ std::string dropped_elsewhere(const std::string& where, const Aborters& who, int
       sep = "; ";
     }
   }
-  const auto consequence_told = told(who.of(AbortReason::ClosedWindowNotStepped), who.of(AbortReason::LeftJoin), why);
+  const auto consequence_told = told(who.of(AbortReason::ClosedWindowNotStepped), who.of(AbortReason::LeftJoin),
+                                     who.of(AbortReason::Interrupted), why);
   return text + (all_raise ? " (each raises its own error there)" : "") + consequence(consequence_told, joined);
 }
 
 std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
                          const std::string& transport, int64_t joined, int64_t left, int64_t unstepped,
-                         int64_t others, int64_t other_rank, int world) {
+                         int64_t interrupted, int64_t others, int64_t other_rank, int world) {
   const auto failed_too = transport.empty() ? "" : ". Dropping it failed too: " + transport;
   if (why == AbortReason::ClosedWindowNotStepped && world > 0 && unstepped == world) {
     // Note [Every rank reads what several aborters did]: every rank failed
@@ -522,12 +534,14 @@ std::string dropped_here(const std::string& where, int rank, AbortReason why, co
   // What another rank's drop in the same reduction means for every rank
   // (Note [Every rank reads what several aborters did]); both counts include
   // this rank's own reason.
-  const auto told_here = told(unstepped, left, why);
+  const auto told_here = told(unstepped, left, interrupted, why);
   // Where that comes from other ranks, say what they did; else, that other
   // ranks dropped it too (the others' error names them: the same story).
   std::string also;
   if (told_here != why) {
-    const auto n = told_here == AbortReason::ClosedWindowNotStepped ? unstepped : left;
+    const auto n = told_here == AbortReason::ClosedWindowNotStepped ? unstepped
+        : told_here == AbortReason::LeftJoin                        ? left
+                                                                    : interrupted;
     also = "; " + (n == 1 ? std::string("another rank ") : std::to_string(n) + " other ranks ") +
         several_phrase(told_here);
   } else if (others > 0) {

@@ -144,11 +144,12 @@ std::string dropped_elsewhere(const std::string& where, const Aborters& who, int
 /// failed here (`local`, when known) and what failed while dropping it
 /// (`transport`, when anything did). `left` of the ranks dropping it left
 /// their join() block with an exception, `unstepped` could not step a window
-/// they closed (this rank among them, or not). `others` more ranks dropped it
+/// they closed, `interrupted` were interrupted (this rank among them, or
+/// not). `others` more ranks dropped it
 /// (`other_rank` the one, -1 where the header does not name it), of `world`
 /// (0: not known).
 std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
                          const std::string& transport, int64_t joined, int64_t left, int64_t unstepped,
-                         int64_t others = 0, int64_t other_rank = -1, int world = 0);
+                         int64_t interrupted = 0, int64_t others = 0, int64_t other_rank = -1, int world = 0);
 
 } // namespace gradaccum::detail

@@ -112,7 +112,7 @@ AbortReason unsendable_weight(const std::vector<Bucket>& buckets, double weight)
 }
 
 Aborters read_aborters(const std::vector<double>& last, int world) {
-  static_assert(static_cast<int64_t>(AbortReason::ResendFailed) == kAbortReasonSlots,
+  static_assert(static_cast<int64_t>(AbortReason::Interrupted) == kAbortReasonSlots,
                 "gradaccum: one kAbortReasons field per AbortReason after None");
   Aborters who;
   who.count = rounded(last[kAbort]);

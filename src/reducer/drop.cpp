@@ -56,6 +56,7 @@ void Reducer::State::abort_reduction(AbortReason reason) noexcept {
     const auto who = detail::read_aborters(header, config.world);
     window.last_result.left_ranks = who.of(AbortReason::LeftJoin);
     window.last_result.unstepped_ranks = who.of(AbortReason::ClosedWindowNotStepped);
+    window.last_result.interrupted_ranks = who.of(AbortReason::Interrupted);
     window.other_aborters = std::max<int64_t>(who.count - 1, 0);
     if (who.count == 2) {
       window.other_aborter = who.ranks[0] == config.rank ? who.ranks[1] : who.ranks[0];
@@ -96,8 +97,8 @@ std::string Reducer::State::own_failure(const std::string& local) const {
   }
   return detail::dropped_here(window.own_where, config.rank, window.own_reason, cause, window.own_transport,
                               window.last_result.joined_ranks, window.last_result.left_ranks,
-                              window.last_result.unstepped_ranks, window.other_aborters, window.other_aborter,
-                              config.world);
+                              window.last_result.unstepped_ranks, window.last_result.interrupted_ranks,
+                              window.other_aborters, window.other_aborter, config.world);
 }
 
 void Reducer::State::fail(const std::string& message) {

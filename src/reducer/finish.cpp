@@ -159,6 +159,7 @@ detail::Reduced Reducer::State::agree(bool closing) {
   result.joined_ranks = verdict.joined_ranks;
   result.left_ranks = verdict.aborters.of(AbortReason::LeftJoin);
   result.unstepped_ranks = verdict.aborters.of(AbortReason::ClosedWindowNotStepped);
+  result.interrupted_ranks = verdict.aborters.of(AbortReason::Interrupted);
   window.last_result = result; // (no metric sums yet: copied without allocating)
   // Note [A window not stepped on some ranks]: read and told, or a rank that
   // could not step its closed window told every rank that the replicas differ.
@@ -190,6 +191,17 @@ detail::Reduced Reducer::State::agree(bool closing) {
         next = ": " + std::to_string(verdict.joined_ranks) + " rank(s) out of data in acc.join() raise this error "
             "too and leave it, so no next window can pair there: end training on every rank here (or resume "
             "every rank from a checkpoint)";
+        // A shadow runs window reductions only (docs/checkpoints.md): a
+        // snapshot met one, most likely, where the codes are known to say so.
+        const auto& v = verdict.values;
+        if (verdict.agreement != nullptr && verdict.agreement->shown == detail::Shown::Kind) {
+          const bool snapshot = v.mine % 4 == 1 || (v.other.has_value() && *v.other % 4 == 1);
+          if (snapshot || !v.other.has_value()) {
+            next += std::string(snapshot ? ". A" : ". If a rank called acc.state_dict() in the middle of a window: a") +
+                " rank out of data in acc.join() takes no part in a mid-window acc.state_dict() snapshot; while "
+                "ranks shadow, checkpoint at window boundaries (after acc.step() returned True)";
+          }
+        }
       }
       return detail::verdict_error(verdict, where()) + next;
     });

@@ -301,7 +301,8 @@ bool Reducer::State::told_to_end() const {
   const auto& last = window.last_result;
   // (A rank that could not step a window it closed says that the replicas
   // differ instead: its shadow may call join() again, the others go on.)
-  return last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0) && last.unstepped_ranks == 0 &&
+  return last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0 || last.interrupted_ranks > 0) &&
+      last.unstepped_ranks == 0 &&
       last.window != end_acted_on && last.window + 1 == window.sequence;
 }
 
@@ -310,8 +311,9 @@ std::string Reducer::State::training_ended() const {
     return epoch_ended_refusal;
   }
   return told_to_end() ? "the last reduction dropped its window on every rank and told every rank to end training there "
-                "(ranks were shadowing in acc.join(), or one left its block with an exception): let that error "
-                "leave this rank's acc.join() block (C++: call acc.join(), which returns at once)"
+                "(ranks were shadowing in acc.join(), one left its block with an exception, or one was interrupted): "
+                "end training on this rank too; inside acc.join(), let that error leave its block (C++: call "
+                "acc.join(), which returns at once)"
               : std::string();
 }
 
@@ -382,9 +384,27 @@ void Reducer::State::on_outer_node_end(uint64_t id, int nested_task) {
   }
 }
 
+// Note [An interrupt tells every rank to end]
+// A Python error that is no Exception (KeyboardInterrupt, SystemExit) in the
+// window's synchronising backward stops its rank (Note [An interrupt in a
+// synchronising backward], bindings.cpp): the others must not be told that
+// training can go on, or they would wait in their next window for a rank
+// that is gone (until its process exits, or the group's timeout). So the
+// drop says why (AbortReason::Interrupted, from detail::inspect_error(),
+// which the binding provides), every rank's text tells it to end training,
+// and as after a drop while ranks shadow in join(), each rank's next
+// micro-step is refused without a collective (State::told_to_end()). The
+// reason must be known when the drop is sent: a failed task's guard
+// (on_task_failed(), during the engine's unwinding) cannot see the error, so
+// for acc.backward()'s reduction it leaves the drop to Reducer::backward()'s
+// catch (drop_failed_backward()), which always follows there. Failures in a
+// no_sync micro-step or an acc.run() part say so too, when their window closes.
 void Reducer::State::on_task_failed(uint64_t id) noexcept {
   std::lock_guard<std::mutex> lock(mutex);
   if (window.in_flight && id == window.sync_id) {
+    if (!closed && window.entry == detail::Entry::Backward) {
+      return; // Reducer::backward()'s catch drops it, knowing why
+    }
     abort_reduction(closed ? AbortReason::Closed : AbortReason::BackwardFailed);
   }
 }
@@ -436,7 +456,10 @@ ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest
     loss.backward();
   } catch (const std::exception& e) {
     remove_root_hook(root.get(), root_hook);
-    const auto own = s.drop_failed_backward(request, sequence_before, detail::message_of(e));
+    // Note [An interrupt tells every rank to end]
+    const auto facts = detail::inspect_error(std::current_exception());
+    const auto own = s.drop_failed_backward(request, sequence_before, detail::named_message(detail::message_of(e), facts),
+                                            facts.interrupt ? AbortReason::Interrupted : AbortReason::BackwardFailed);
     if (!own.empty()) {
       detail::keep_failed_backward(std::current_exception()); // Note [An interrupt in a synchronising backward]
       TORCH_CHECK(false, own);
@@ -448,16 +471,17 @@ ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest
 }
 
 std::string Reducer::State::drop_failed_backward(const ReductionRequest& request, int64_t sequence_before,
-                                                 const std::string& local) {
+                                                 const std::string& local, AbortReason why) {
   std::lock_guard<std::mutex> lock(mutex);
   if (window.in_flight) {
-    // The engine has not freed the failed task yet: drop the window now.
-    abort_reduction(AbortReason::BackwardFailed);
+    // Not dropped by the failed task's guard (Note [An interrupt tells every
+    // rank to end]), or the engine has not freed the task yet: drop it now.
+    abort_reduction(closed ? AbortReason::Closed : why);
   } else if (window.sequence == sequence_before) {
     // Failed before the reduction began on this rank: the others still wait
     // for one (Note [Collectives pair by launch order]).
     begin_reduction(request, -1, detail::Entry::Backward);
-    abort_reduction(AbortReason::BackwardFailed);
+    abort_reduction(why);
   }
   const bool dropped_here = window.aborted_here && window.sequence == sequence_before + 1;
   return dropped_here ? own_failure(local) : std::string();

@@ -345,6 +345,33 @@ void Reducer::zero_grad() {
   }
 }
 
+void Reducer::release_gradient_views(bool drop_zeros) noexcept {
+  auto& s = *state_;
+  if (!s.config.options.gradient_as_bucket_view() || torch::autograd::get_current_graph_task_id() >= 0) {
+    return;
+  }
+  try {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (s.window.in_flight) {
+      return; // (a reduction still pairing writes into them)
+    }
+    const at::NoGradGuard no_grad;
+    for (const auto& bucket : s.buckets.all) {
+      for (const auto i : bucket.params) {
+        auto& grad = s.config.params[i].mutable_grad();
+        if (!grad.defined() || !grad.is_alias_of(bucket.gradients)) {
+          continue;
+        }
+        try {
+          grad = drop_zeros && !grad.any().item<bool>() ? at::Tensor() : grad.clone();
+        } catch (...) { // out of memory: this one stays a view (its storage with it)
+        }
+      }
+    }
+  } catch (...) {
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Wide accumulation and error feedback (precision/)
 

@@ -126,7 +126,7 @@ void Reducer::State::resend_if_light(const detail::Verdict& verdict) {
       }
       const int64_t other = who.count == 2 ? (who.ranks[0] == config.rank ? who.ranks[1] : who.ranks[0]) : -1;
       return detail::dropped_here(where(), config.rank, AbortReason::ResendFailed, local, "", verdict.joined_ranks,
-                                  0, 0, who.count - 1, other);
+                                  0, 0, 0, who.count - 1, other);
     });
   }
 }

@@ -283,7 +283,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// own error when this rank dropped it ("" when the error raised is every
   /// rank's).
   std::string drop_failed_backward(const ReductionRequest& request, int64_t sequence_before,
-                                   const std::string& local);
+                                   const std::string& local, AbortReason why);
   ReductionResult end_backward(const ReductionRequest& request, int64_t sequence_before,
                                const std::vector<std::pair<const void*, int64_t>>& versions_before);
   /// The request of a synchronising backward of the manual path.

@@ -89,12 +89,12 @@ TEST_CASE("a bucket's views tile its buffer and meta rides along", "[bucket]") {
   CHECK(bucket.encoding == gradaccum::MetaEncoding::kPlain);
   CHECK(bucket.wire.is_same(bucket.buffer));
   CHECK(bucket.buffer.numel() == 10 + gradaccum::kMetaHeader + 2); // gradients, header, two flags
-  CHECK(gradaccum::kMetaHeader == 44); // 36 fields (13 of them abort reasons), then 8 window metrics
+  CHECK(gradaccum::kMetaHeader == 45); // 37 fields (14 of them abort reasons), then 8 window metrics
   CHECK(bucket.views[0].sizes() == params[1].sizes());
   CHECK(bucket.views[1].sizes() == params[0].sizes());
   bucket.views[1].fill_(7);
   CHECK(bucket.gradients.narrow(0, 4, 6).eq(7).all().item<bool>());
-  CHECK(bucket.bytes() == (10 + 44 + 2) * 4);
+  CHECK(bucket.bytes() == (10 + 45 + 2) * 4);
   CHECK(bucket.collectives() == 1);
 }
 

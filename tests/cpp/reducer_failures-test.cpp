@@ -558,9 +558,9 @@ TEST_CASE("a rank told to end training inside join() runs no micro-step and shad
     for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
   });
   const std::string told = "the last reduction dropped its window on every rank and told every rank to end training "
-                           "there (ranks were shadowing in acc.join(), or one left its block with an exception), and "
-                           "the other ranks have left acc.join(): let that error leave this rank's acc.join() block "
-                           "too (C++: call acc.join(), which returns at once). Nothing was changed";
+                           "there (ranks were shadowing in acc.join(), one left its block with an exception, or one "
+                           "was interrupted): end training on this rank too; inside acc.join(), let that error leave "
+                           "its block (C++: call acc.join(), which returns at once). Nothing was changed";
   REQUIRE(errors[0].size() == 1);
   CHECK_THAT(errors[0][0], Catch::StartsWith("join: gradaccum: acc.join(): window 2 was dropped on every rank"));
   for (int rank : {1, 2}) {

@@ -450,6 +450,30 @@ def broadcast(rank, world_size, *, steps):
     return out
 
 
+@job
+def close_views(rank, world_size, *, steps):
+    """gradient_as_bucket_view: close() at a window boundary (after a step)
+    and in the middle of a window; each .grad as close() leaves it."""
+    import gradaccum
+
+    out = {}
+    windows = make_windows(21, [[2] * world_size] * 2, 4)
+    for where, micro_steps in (("boundary", 2 * steps), ("mid-window", steps + 1)):
+        model = mlp(21)
+        acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=steps,
+                                    gradient_as_bucket_view=True)
+        batches = [b for window in windows for b in window[rank]][:micro_steps]
+        for batch in batches:
+            acc.backward(micro_loss(model, batch, "mean")[0])
+            acc.step()
+        before = [None if p.grad is None else (p.grad.clone(), p.grad.untyped_storage().data_ptr())
+                  for p in model.parameters()]
+        acc.close()
+        out[where] = {"before": before, "after": [None if p.grad is None else
+                                                  (p.grad.clone(), p.grad.untyped_storage().data_ptr())
+                                                  for p in model.parameters()]}
+    return out
+
 
 # --------------------------------------------------------------------------- #
 # GPU (tests/python/test_gpu.py; skipped without CUDA)

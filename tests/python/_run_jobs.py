@@ -31,7 +31,7 @@ def loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where="forward")
     `oom_ranks`: in the forward, at the start of the backward (before any
     gradient reaches .grad: retryable), or in the middle of the backward (after
     the last layer's gradients reached .grad: not retryable; `where`
-    "interrupt": a KeyboardInterrupt there)."""
+    "interrupt": a KeyboardInterrupt there, "mid_backward_error" a ValueError)."""
     import torch
 
     class Gate(torch.autograd.Function):
@@ -41,7 +41,7 @@ def loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where="forward")
 
         @staticmethod
         def backward(ctx, g):
-            if where == "backward_error":
+            if where in ("backward_error", "mid_backward_error"):
                 raise ValueError(f"a bad gradient: {rows} rows")
             if where == "interrupt":
                 raise KeyboardInterrupt("stop")
@@ -57,7 +57,7 @@ def loss_fn(model, reduction, rank, oom_ranks, oom_rows, calls, where="forward")
             raise torch.OutOfMemoryError(f"out of memory (injected: {rows} rows)")
         if oom and where == "user_error":
             raise ValueError(f"a bad sample: {rows} rows")
-        if oom and where in ("mid_backward", "interrupt"):
+        if oom and where in ("mid_backward", "interrupt", "mid_backward_error"):
             hidden = model[:4](x)
             out = model[4](Gate.apply(hidden))
         else:

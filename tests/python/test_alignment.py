@@ -97,9 +97,9 @@ def test_a_rank_told_to_end_training_inside_join_reduces_nothing_until_it_leaves
     its block's end shadows nothing, and the next epoch pairs."""
     results = du.run_job("told_to_end_then_calls", 2, tmp_path, module=M, timeout=120)
     told = ("the last reduction dropped its window on every rank and told every rank to end training there (ranks "
-            "were shadowing in acc.join(), or one left its block with an exception), and the other ranks have left "
-            "acc.join(): let that error leave this rank's acc.join() block too (C++: call acc.join(), which "
-            "returns at once). Nothing was changed")
+            "were shadowing in acc.join(), one left its block with an exception, or one was interrupted): end "
+            "training on this rank too; inside acc.join(), let that error leave its block (C++: call acc.join(), "
+            "which returns at once). Nothing was changed")
     ((where, _, text),) = results[0]["errors"]
     assert where == "join" and text.startswith("gradaccum: acc.join(): window 1 was dropped on every rank"), text
     errors = results[1]["errors"]
@@ -113,8 +113,9 @@ def test_a_rank_told_to_end_training_inside_join_reduces_nothing_until_it_leaves
     # 0's next epoch and both stepped wrong gradients, 0.043 off, silently)
     assert errors[6] == ("plain", "RuntimeError", "gradaccum: loss.backward(): the last reduction dropped its window "
                          "on every rank and told every rank to end training there (ranks were shadowing in "
-                         "acc.join(), or one left its block with an exception): let that error leave this rank's "
-                         "acc.join() block (C++: call acc.join(), which returns at once); this backward reduced "
+                         "acc.join(), one left its block with an exception, or one was interrupted): end training "
+                         "on this rank too; inside acc.join(), let that error leave its block (C++: call "
+                         "acc.join(), which returns at once); this backward reduced "
                          "nothing (its gradients may be in .grad in part: drop them with acc.zero_grad())")
     for res in results:
         assert res["paired"] and res["stats"]["optimizer_steps"] == 2, res["stats"]
@@ -122,24 +123,36 @@ def test_a_rank_told_to_end_training_inside_join_reduces_nothing_until_it_leaves
 
 
 @pytest.mark.parametrize("kind,via", [("KeyboardInterrupt", "backward"), ("SystemExit", "run")])
-def test_an_interrupt_in_the_closing_backward_stays_itself_on_its_rank(tmp_path, kind, via):
+def test_an_interrupt_in_the_closing_backward_stays_itself_and_ends_training(tmp_path, kind, via):
     """A KeyboardInterrupt or SystemExit raised by a hook in the window's
     synchronising backward drops the window on every rank, as any failure
     there does. It reached its rank as gradaccum's RuntimeError, so a loop
     that catches Exception and goes on was not stopped by it. It now stays
     itself there, the drop's text as its note (Note [An interrupt in a
-    synchronising backward]); the peers get the drop's error. Going on: the
-    big batch without window 1, and the ranks still pair."""
+    synchronising backward]), and the drop says why: every rank is told to
+    end training (the interrupted rank stops; the peers, told that training
+    could go on, waited for it in their next window until it exited or the
+    group timed out: Note [An interrupt tells every rank to end]). Every
+    later micro-step is refused on every rank, without a collective: the
+    parameters are the big batch's of window 0, and the ranks still pair."""
     results = du.run_job("interrupt_in_closing_backward", 2, tmp_path, module=M, kind=kind, via=via, timeout=120)
     call = "acc.run()" if via == "run" else "acc.backward()"
     drop = f"gradaccum: {call}: window 1 was dropped on every rank: the synchronising backward (or a micro-step of " \
-        "the window) failed on "
-    rest = ". The window's gradients were cleared on every rank and no optimizer step was taken; training can go " \
-        "on from the next window"
-    assert results[1]["errors"] == [("1/2", kind, "injected", [drop + f"this rank (rank 1): {kind}: injected" + rest])]
-    assert results[0]["errors"] == [("1/2", "RuntimeError", drop + "rank 1 (its own error is raised there)" + rest, [])]
-    expected = du.windows_reference(aj.SEED, aj.windows(2), "mean", skip=(1,))
+        "the window) was interrupted on "
+    rest = ". The window's gradients were cleared on every rank and no optimizer step was taken; an interrupted " \
+        "rank (KeyboardInterrupt, SystemExit) stops: end training on every rank here (or resume every rank from " \
+        "a checkpoint)"
+    told = f"gradaccum: {call}: the last reduction dropped its window on every rank and told every rank to end " \
+        "training there (ranks were shadowing in acc.join(), one left its block with an exception, or one was " \
+        "interrupted): end training on this rank too; inside acc.join(), let that error leave its block (C++: " \
+        "call acc.join(), which returns at once). Nothing was changed"
+    refused = [(f"2/{k}", "RuntimeError", told, []) for k in range(aj.K)]
+    assert results[1]["errors"] == [("1/2", kind, "injected", [drop + f"this rank (rank 1): {kind}: injected" + rest])] \
+        + refused
+    assert results[0]["errors"] == [("1/2", "RuntimeError", drop + "rank 1 (its own error is raised there)" + rest, [])] \
+        + refused
+    expected = du.windows_reference(aj.SEED, aj.windows(2), "mean", skip=(1, 2))
     for rank, res in enumerate(results):
         assert res["paired"]
-        assert res["stats"]["dropped_windows"] == 1 and res["stats"]["optimizer_steps"] == 2
+        assert res["stats"]["dropped_windows"] == 1 and res["stats"]["optimizer_steps"] == 1
         du.assert_params_close(res["params"], expected, f"rank {rank}")

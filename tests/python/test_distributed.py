@@ -48,6 +48,7 @@ def suite_parts(world_size):
             "unused": ("unused", dict(variants=UNUSED_VARIANTS, **UNUSED_KW)),
             "mismatch": ("mismatch", dict(odd_rank=1)),
             "broadcast": ("broadcast", dict(steps=2)),
+            "close_views": ("close_views", dict(steps=2)),
         })
     return parts
 
@@ -455,6 +456,20 @@ def test_construction_broadcasts_rank0_parameters_and_buffers(jobs):
                 assert torch.equal(a, e), f"rank {rank} parameter {i} is not rank 0's"
             for i, (a, e) in enumerate(zip(after["buffers"], rank0["buffers"])):
                 assert torch.equal(a, e), f"rank {rank} buffer {i} is not rank 0's"
+
+
+def test_close_leaves_the_model_as_without_bucket_views(jobs):
+    """With gradient_as_bucket_view, .grad are views of the buckets; close()
+    left them so (review: zeros after a step, holding every bucket, so that
+    weight decay then acted on them where an untouched model's .grad is
+    None). At a window boundary they are None now; in the middle of a window
+    each is a copy of its own, with the window's sums."""
+    for rank, res in enumerate(jobs("close_views", 2)):
+        boundary, mid = res["boundary"], res["mid-window"]
+        assert all(g is not None and not g[0].any() for g in boundary["before"]), rank  # zeroed views
+        assert all(g is None for g in boundary["after"]), rank
+        for (grad, ptr), (kept, kept_ptr) in zip(mid["before"], mid["after"]):
+            assert grad.any() and torch.equal(kept, grad) and kept_ptr != ptr, rank
 
 
 def test_broadcast_buffers_at_each_window_end(jobs):

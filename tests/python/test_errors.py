@@ -309,6 +309,9 @@ def bad_backward_calls():
         ("num_items_tensor_not_one_element", "items",
          lambda a, m, x, y: a.backward(loss_of(m, x, y), num_items=torch.tensor([4, 4])),
          ValueError, "num_items"),
+        # (review: accepted, the window's loss sum on meta; every later micro-step failed in torch)
+        ("loss_meta", "mean", lambda a, m, x, y: a.backward(torch.zeros((), device="meta", requires_grad=True)),
+         ValueError, r"^gradaccum: acc.backward\(\): loss is on the meta device: it holds no value"),
     ]
 
 
@@ -493,6 +496,50 @@ def test_complex_metrics_are_refused():
         acc.backward(loss_of(model, x, y), metrics={"acc": torch.tensor(0.5 + 1j)})
     assert_grads_equal(model, grads)
     assert acc.micro_step == 1
+
+
+def test_a_meta_loss_or_metric_at_a_windows_first_micro_step_changes_nothing():
+    """Review: a meta-device loss at micro-step 0 was taken: the window's loss
+    sum went to the meta device, every later micro-step failed in torch, and
+    flush() stepped an empty window; data parallel the other rank waited."""
+    x, y = make_data(8)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, steps=2, metrics=["acc"])
+    with pytest.raises(ValueError, match="loss is on the meta device"):
+        acc.backward(torch.zeros((), device="meta", requires_grad=True))
+    with pytest.raises(ValueError, match="metric.*meta device|meta device.*metric"):
+        acc.backward(loss_of(model, x, y), metrics={"acc": torch.tensor(1.0, device="meta")})
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
+    acc.backward(loss_of(model, x, y), metrics={"acc": 1.0})
+    acc.backward(loss_of(model, x, y), metrics={"acc": 2.0})
+    assert acc.window_ready and float(acc.window_metrics["acc"]) == 3.0
+    assert acc.window_loss.device.type == "cpu"
+
+
+def test_bad_arguments_of_run_and_state_dict_are_refused_before_anything():
+    """Review: acc.run(5, batch) failed its micro-step with "'int' object is
+    not callable" (data parallel, at the closing micro-step, dropping the
+    window on every rank); state_dict(rank_independent="False") took the
+    string as true (a collective)."""
+    x, y = make_data(8)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, steps=2)
+    with pytest.raises(TypeError, match=r"^gradaccum: acc.run\(\): fn must be callable \(it computes the loss\), "
+                                        r"got int$"):
+        acc.run(5, (x, y))
+    with pytest.raises(TypeError, match=r"^gradaccum: acc.state_dict\(\): rank_independent must be a bool, got "
+                                        r"'False'$"):
+        acc.state_dict(rank_independent="False")
+    assert acc.micro_step == 0 and acc.stats()["micro_steps"] == 0
+
+
+def test_a_sparse_parameter_is_refused_at_construction_in_one_process_too():
+    """Review: refused at construction with a group, but taken in one process
+    (the error came at step(), the window left closed)."""
+    sparse = torch.nn.Parameter(torch.eye(3).to_sparse())
+    with pytest.raises(ValueError, match=r"^gradaccum: Accumulator\(\): parameter 0 is sparse; sparse parameters "
+                                         r"are not supported$"):
+        gradaccum.Accumulator([sparse], torch.optim.SGD([sparse], lr=0.1), process_group=False)
 
 
 def test_backward_after_closed_window():

@@ -113,17 +113,18 @@ def test_an_out_of_memory_that_cannot_be_retried_drops_the_window_on_every_rank(
         du.assert_params_close(results[0]["params"], results[-1]["params"], "replicas", tol=0)
 
 
-@pytest.mark.parametrize("where", ["user_error", "backward_error", "bad_loss"])
+@pytest.mark.parametrize("where", ["user_error", "backward_error", "mid_backward_error", "bad_loss"])
 @pytest.mark.parametrize("micro_step", [1, rj.STEPS - 1])
 def test_any_error_in_run_fails_the_micro_step_on_every_rank(tmp_path, where, micro_step):
-    """An error run() does not retry (fn's own, in a backward before any
-    gradient reached .grad, or a loss run() rejects) still takes its
+    """An error run() does not retry (fn's own, in a backward before or after
+    some gradient reached .grad, or a loss run() rejects) still takes its
     micro-step's place: every rank closes window 0 together and drops it with
-    one error; window 1 steps."""
+    one error; window 1 steps. Before the closing micro-step the script's own
+    error stays itself (design.md, "One error voice")."""
     results = run("unrecoverable", 2, tmp_path, seed=11, reduction="mean", oom_rank=1,
                   micro_step=micro_step, where=where)
     own = {"user_error": "a bad sample: 8 rows", "backward_error": "a bad gradient: 8 rows",
-           "bad_loss": "gradaccum: acc.run(): loss must be a scalar"}[where]
+           "mid_backward_error": "a bad gradient: 8 rows", "bad_loss": "gradaccum: acc.run(): loss must be a scalar"}[where]
     dropped = "gradaccum: acc.run(): window 0 was dropped on every rank: "
     closing = micro_step == rj.STEPS - 1
     for rank, res in enumerate(results):
@@ -131,6 +132,8 @@ def test_any_error_in_run_fails_the_micro_step_on_every_rank(tmp_path, where, mi
         errors = res["errors"]
         if rank == 1:
             assert errors[0][:2] == (0, micro_step) and own in errors[0][3] + "".join(errors[0][4]), errors
+            if where != "bad_loss" and not micro_step == rj.STEPS - 1:
+                assert errors[0][2] == "ValueError", errors
             if closing:  # dropped at once: this rank's error says so too
                 told = errors[0][3] + "".join(errors[0][4])
                 # a loss run() rejects: one message, "<its error>; window 0 was dropped ..."
@@ -384,4 +387,22 @@ def test_an_interrupt_in_a_part_after_it_reached_grad_stays_itself():
     assert caught.value.__notes__ == [
         "gradaccum: acc.run(): a part of the micro-batch failed in its backward after some of its gradient had "
         "reached .grad, which cannot be undone: the window was dropped. The error: KeyboardInterrupt: stop"]
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_the_scripts_own_error_in_a_part_after_it_reached_grad_stays_itself():
+    """design.md, "One error voice": the script's own exception from a hook
+    stays itself, as acc.backward()'s does. In a part's backward after some
+    of its gradient reached .grad it came out as gradaccum's RuntimeError
+    (review: an `except MyError` that works with backward() did not with
+    run()); now as itself, the window's fate as its note."""
+    model = du.mlp(3)
+    acc = gradaccum.Accumulator(model, None, steps=3, process_group=False)
+    (a,) = du.make_windows(5, [[1]], 4)[0][0]
+    with pytest.raises(ValueError, match="a bad gradient: 4 rows") as caught:
+        acc.run(rj.loss_fn(model, "mean", 0, [0], 0, [], where="mid_backward_error"), a)
+    assert caught.value.__notes__ == [
+        "gradaccum: acc.run(): a part of the micro-batch failed in its backward after some of its gradient had "
+        "reached .grad, which cannot be undone: the window was dropped. The error: ValueError: a bad gradient: "
+        "4 rows"]
     assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())

@@ -185,7 +185,8 @@ def test_a_disagreement_while_a_rank_shadows_in_join_says_to_end_training(tmp_pa
     results = du.run_job("snapshot_meets_shadow", 2, tmp_path, module=M, timeout=120, pg_timeout=30)
     tail = (" The window was dropped on every rank: 1 rank(s) out of data in acc.join() raise this error too and "
             "leave it, so no next window can pair there: end training on every rank here (or resume every rank "
-            "from a checkpoint)")
+            "from a checkpoint). A rank out of data in acc.join() takes no part in a mid-window acc.state_dict() "
+            "snapshot; while ranks shadow, checkpoint at window boundaries (after acc.step() returned True)")
     assert results[0]["state_dict"].startswith("gradaccum: acc.state_dict(): window 0: the ranks disagree on what "
                                                "this collective is"), results[0]
     assert results[0]["state_dict"].endswith(tail), results[0]

@@ -67,8 +67,12 @@ class WarningsToPython {
 // and goes on must still stop. The reducer keeps what it replaced
 // (detail::keep_failed_backward()); a Python error whose type is not an
 // Exception (a BaseException only) is raised again as itself, the drop's text
-// added as a note. Every other error stays gradaccum's (its text names the
-// original). Whatever was kept is taken after the call, raised or not.
+// added as a note (and the drop told every rank to end training: Note [An
+// interrupt tells every rank to end], src/reducer/hooks.cpp). Every other
+// error stays gradaccum's (its text names the original), but where what was
+// kept asks for it (raise_original: an acc.run() part whose failure dropped
+// nothing yet, as a failed no_sync acc.backward() raises its own error).
+// Whatever was kept is taken after the call, raised or not.
 // The note: the drop's text, where the original's message (python_error's
 // what(): its str(), or "python_error" when it has none, as a signal's
 // KeyboardInterrupt) reads as the exception's type and message.
@@ -94,6 +98,34 @@ std::string interrupt_note(const std::exception& dropped, const python_error& or
   return note;
 }
 
+// Note [An interrupt tells every rank to end] (src/reducer/hooks.cpp): what
+// the reducer, which knows no Python, must tell of an error: whether it is an
+// interrupt, and its type's name (for an error whose message says nothing).
+detail::ErrorFacts inspect_python_error(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const python_error& e) {
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (e.type == nullptr || !Py_IsInitialized() || finalizing) {
+      return {};
+    }
+    py::gil_scoped_acquire gil;
+    detail::ErrorFacts facts;
+    facts.interrupt = !PyErr_GivenExceptionMatches(e.type, PyExc_Exception);
+    if (PyType_Check(e.type)) {
+      const std::string name = reinterpret_cast<PyTypeObject*>(e.type)->tp_name;
+      facts.type = name.substr(name.rfind('.') + 1); // ("torch.OutOfMemoryError": its __name__)
+    }
+    return facts;
+  } catch (...) {
+    return {};
+  }
+}
+
 template <typename Call>
 void keeping_interrupts(Call&& call) {
   try {
@@ -101,11 +133,12 @@ void keeping_interrupts(Call&& call) {
     call();
   } catch (const std::exception& e) {
     const auto kept = detail::take_failed_backward();
-    if (kept) {
+    if (kept.error) {
       try {
-        std::rethrow_exception(kept);
+        std::rethrow_exception(kept.error);
       } catch (const python_error& original) {
-        if (original.type != nullptr && !PyErr_GivenExceptionMatches(original.type, PyExc_Exception)) {
+        if (original.type != nullptr &&
+            (kept.raise_original || !PyErr_GivenExceptionMatches(original.type, PyExc_Exception))) {
           Py_XINCREF(original.type);
           Py_XINCREF(original.value);
           Py_XINCREF(original.traceback);
@@ -402,9 +435,10 @@ void init_accumulator(py::module_& m) {
            py::arg("loss"), py::arg("num_items") = py::none(), py::arg("reported") = py::none(),
            py::arg("share") = 1.0, py::arg("metrics") = py::none(), py::call_guard<WarningsToPython>(), "One part of a micro-step run in parts (acc.run()).")
       .def("end_micro_step",
-           [](Accumulator& acc, bool failed, bool out_of_memory) { acc.end_micro_step(failed, out_of_memory, "acc.run()"); },
-           py::arg("failed") = false,
-           py::arg("out_of_memory") = false, release(),
+           [](Accumulator& acc, bool failed, bool out_of_memory, bool interrupted) {
+             acc.end_micro_step(failed, out_of_memory, "acc.run()", interrupted);
+           },
+           py::arg("failed") = false, py::arg("out_of_memory") = false, py::arg("interrupted") = false, release(),
            "Count the micro-step the parts made; synchronises at the window's end.")
       .def("refuse_micro_batch", [](Accumulator& acc) { return acc.refuse_micro_batch("acc.backward()"); }, release(),
            "acc.backward()'s Python checks rejected the micro-batch: drops the window on every rank if it closes it.")
@@ -520,6 +554,7 @@ void init_accumulator(py::module_& m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gradaccum's C++ core (use the gradaccum package, not this module)";
+  gradaccum::detail::set_error_inspector(&gradaccum::python::inspect_python_error);
   gradaccum::python::init_accumulator(m);
   m.def("split", py::overload_cast<const std::vector<at::Tensor>&, int64_t>(&gradaccum::split),
         py::arg("tensors"), py::arg("steps"), "Split tensors of one batch alike along dim 0.");
