@@ -555,6 +555,8 @@ class Accumulator {
   /// This closed window's step raised nonfinite="raise" already (Note [A
   /// non-finite window left for the epoch's end]).
   bool window_raised_nonfinite_ = false;
+  /// This closed window is the one acc.flush()'s own reduction closed (Note [Flushing again after its step raised]).
+  bool window_closed_by_flush_ = false;
   /// This closed window went through the loss scaler / before_step_ already
   /// (a step() that raised after it is retried without them).
   bool window_unscaled_ = false;

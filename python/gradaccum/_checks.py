@@ -496,10 +496,20 @@ def _note_counted_failure(native: Any, error: BaseException) -> None:
         return
     if any(str(note).startswith("gradaccum: ") for note in getattr(error, "__notes__", ())):
         return  # an interrupt that dropped the window: its note says so
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if not isinstance(error, Exception) and tb is not None and tb.tb_frame.f_code.co_name == "backward" \
+            and tb.tb_frame.f_globals.get("__name__") == "gradaccum._accumulator":
+        return  # a signal's KeyboardInterrupt once the call had returned: nothing failed in it (review)
     try:
         if native.closed or not native.stats()["data_parallel"]:
             return
     except Exception:  # noqa: BLE001 - the original error matters, not this note
+        return
+    if not isinstance(error, Exception):  # an interrupt: this rank stops
+        error.add_note(_COUNTED.split("; go on")[0] + ". The window will be dropped on every rank when it closes, "
+                       "and every rank told to end training (if this rank goes on to close it)")
         return
     error.add_note(_COUNTED)
 

@@ -418,6 +418,12 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
   try {
     result = scaled.defined() ? reducer_->backward(scaled, request) : reducer_->reduce(request);
   } catch (const std::exception& e) {
+    if (!reducer_) {
+      // close() from a hook inside this backward took the reducer (review:
+      // a segfault here): the reducer's error says the window was dropped
+      // on every rank; this Accumulator refuses every later call.
+      throw;
+    }
     const auto last = reducer_->last_result();
     if (last.window == window && !last.dropped && last.written) {
       // Reduced and written back on every rank; something failed on this
@@ -479,6 +485,9 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
 void Accumulator::note_dropped_window(int64_t window) {
   // A dropped window still tells whether other ranks were flushing (ended
   // their epoch); this rank, which was not, must then not flush again.
+  if (!reducer_) {
+    return; // (closed meanwhile, from a hook)
+  }
   const auto last = reducer_->last_result();
   epoch_ended_ = last.window == window && peers_ended_epoch(last);
 }

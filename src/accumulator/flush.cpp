@@ -37,6 +37,15 @@ bool Accumulator::flush_in_call() {
     // rank; otherwise the next window's first micro-step reads them.
     refuse_uncounted_gradients("acc.flush()", grad_versions());
   }
+  if (reducer_ && window_ready_ && window_closed_by_flush_ && !window_raised_nonfinite_) {
+    // Note [Flushing again after its step raised]
+    // The flush's own step raised (its optimizer, on this rank or every
+    // rank) after its reduction had closed the window: called again, it
+    // steps that window, as acc.step() would, and runs no collective (the
+    // others' flush is over: a second one would pair with their next epoch).
+    check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
+    return finish_window(call_ ? call_ : "acc.flush()");
+  }
   std::string local_failure;
   const bool stepped = step_before_flush(&local_failure);
   if (!reducer_) {
@@ -209,6 +218,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
   window_weight_ = 0;
   window_loss_sum_ = at::Tensor();
   set_window_ready(true);
+  window_closed_by_flush_ = !joined;
   window_known_finite_ = result.known_finite;
   remember_gradients(); // what the reducer checked, as step_window() compares
   return finish_window(call_ ? call_ : "acc.flush()");

@@ -179,7 +179,9 @@ void Accumulator::abandon() noexcept {
     return; // one process, closed, or inside a call of its own (a hook's exception)
   }
   const auto last = reducer_->last_result();
-  const bool everyone_knows = last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0) &&
+  // (Told to end training: Reducer::State::told_to_end(), the rank's window aside.)
+  const bool everyone_knows = last.dropped &&
+      (last.left_ranks > 0 || last.joined_ranks > 0 || last.interrupted_ranks > 0) &&
       last.window + 1 == reducer_->progress().sequence && micro_step_ == 0 && !window_ready_ &&
       !window_failed_ && !parts_open_;
   if (everyone_knows) {

@@ -321,6 +321,7 @@ void Accumulator::check_window_gradients(const char* what, const std::vector<Gra
 
 void Accumulator::set_window_ready(bool ready) {
   window_ready_ = ready;
+  window_closed_by_flush_ = false; // (reduce_partial_window() sets it after)
   if (reducer_) {
     reducer_->hold_closed_window(ready);
   } else if (late_watch_) {

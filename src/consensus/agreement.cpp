@@ -383,7 +383,7 @@ const char* several_phrase(AbortReason why) {
     case AbortReason::ResendFailed:
       return "could not round their part of the window again for the float16 wire's second all-reduce";
     case AbortReason::Interrupted:
-      return "were interrupted in the synchronising backward (or a micro-step of the window)";
+      return "got interrupted in the synchronising backward (or a micro-step of the window)";
     case AbortReason::None:
     case AbortReason::BackwardFailed:
       break;

@@ -187,3 +187,72 @@ def interrupt_in_closing_backward(rank, world_size, *, kind, via):
                 arm["on"] = False
             acc.step()
     return {"errors": errors, "paired": _still_paired(), "params": du.params(model), "stats": acc.stats()}
+
+
+@job
+def interrupt_inside_join(rank, world_size):
+    """Both ranks train inside acc.join(); in window 1's closing micro-step a
+    hook on rank 1 raises KeyboardInterrupt, which leaves rank 1's block.
+    Rank 0 catches each error inside its block and goes on: its micro-steps
+    are refused, and it leaves the block. How long each rank's leaving took,
+    and whether the ranks still pair."""
+    import time
+
+    import gradaccum
+    model = du.mlp(SEED)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=K)
+    arm = {"on": False}
+
+    def hook(grad):
+        if arm["on"]:
+            raise KeyboardInterrupt("stop")
+        return grad
+
+    list(model.parameters())[0].register_hook(hook)
+    errors, leaving = [], None
+    try:
+        with acc.join():
+            for w, window in enumerate(windows(world_size)):
+                for k, batch in enumerate(window[rank]):
+                    arm["on"] = rank == 1 and w == 1 and k == K - 1
+                    try:
+                        acc.backward(du.micro_loss(model, batch, "mean")[0])
+                    except Exception as e:  # noqa: BLE001 - recorded, judged by the test
+                        errors.append((f"{w}/{k}", type(e).__name__, str(e)))
+                    except BaseException:
+                        leaving = time.monotonic()
+                        raise
+                    finally:
+                        arm["on"] = False
+                    acc.step()
+            leaving = time.monotonic()
+    except KeyboardInterrupt as e:
+        errors.append(("join", type(e).__name__, str(e)))
+    seconds = time.monotonic() - leaving  # what leaving the block took (its __exit__)
+    return {"errors": errors, "paired": _still_paired(), "seconds": seconds, "params": du.params(model),
+            "stats": acc.stats()}
+
+
+@job
+def close_in_closing_hook(rank, world_size):
+    """A hook on rank 1 closes the Accumulator inside window 0's closing
+    acc.backward(); every rank records what it got."""
+    import gradaccum
+    model = du.mlp(SEED)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=K)
+    arm = {"on": False}
+
+    def closer(grad):
+        if arm["on"]:
+            acc.close()
+        return grad
+
+    list(model.parameters())[0].register_hook(closer)
+    errors = []
+    for k, batch in enumerate(windows(world_size)[0][rank]):
+        arm["on"] = rank == 1 and k == K - 1
+        try:
+            acc.backward(du.micro_loss(model, batch, "mean")[0])
+        except Exception as e:  # noqa: BLE001 - recorded, judged by the test
+            errors.append((k, type(e).__name__, str(e)))
+    return {"errors": errors, "paired": _still_paired(), "closed": acc._c.closed}

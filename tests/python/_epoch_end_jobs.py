@@ -163,3 +163,44 @@ def weightless_flush_keeps_residuals(rank, world_size, *, closing):
     if closing == "flush":
         acc.flush()
     return {"before": before, "after": held(), "skipped": acc.stats()["skipped_steps"]}
+
+
+@job
+def flush_again_after_its_step_raised(rank, world_size):
+    """Epoch 0: a window, then a partial one that acc.flush() closes, whose
+    step raises once on rank 1 (its optimizer); rank 1 calls acc.flush()
+    again. Epoch 1: two windows."""
+    import gradaccum
+
+    model = du.mlp(SEED)
+    opt = du.make_optimizer("sgd", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=K)
+    real_step, arm = opt.step, {"on": False}
+
+    def step(*args, **kwargs):
+        if arm["on"]:
+            arm["on"] = False
+            raise RuntimeError("the optimizer failed once")
+        return real_step(*args, **kwargs)
+
+    opt.step = step
+    errors, flushed = [], []
+    for w, window in enumerate(flush_again_windows(world_size)):
+        for batch in window[rank]:
+            acc.backward(du.micro_loss(model, batch, "mean")[0])
+            acc.step()
+        if w == 1:
+            arm["on"] = rank == 1
+            try:
+                flushed.append(acc.flush())
+            except RuntimeError as e:
+                errors.append(str(e))
+                flushed.append(acc.flush())
+    ones = torch.ones(2)
+    torch.distributed.all_reduce(ones)  # pairs only if no rank ran a collective more
+    return {"errors": errors, "flushed": flushed, "params": du.params(model), "stats": acc.stats(),
+            "paired": ones.tolist() == [float(world_size)] * 2}
+
+
+def flush_again_windows(world_size):
+    return du.make_windows(SEED, [[K] * world_size, [1] * world_size, [K] * world_size, [K] * world_size], MICRO)

@@ -156,3 +156,32 @@ def test_an_interrupt_in_the_closing_backward_stays_itself_and_ends_training(tmp
         assert res["paired"]
         assert res["stats"]["dropped_windows"] == 1 and res["stats"]["optimizer_steps"] == 1
         du.assert_params_close(res["params"], expected, f"rank {rank}")
+
+
+def test_an_interrupt_inside_join_leaves_every_block_at_once(tmp_path):
+    """Review: after an interrupt's drop (every rank told to end training),
+    the KeyboardInterrupt leaving rank 1's acc.join() block sent one more
+    drop, for a rank that left join() with an exception, and waited for peers
+    that never sent one: until the group's timeout. Every rank knew already:
+    both leave at once, the ranks still pair, and only window 0 stepped."""
+    results = du.run_job("interrupt_inside_join", 2, tmp_path, module=M, timeout=120, pg_timeout=15)
+    expected = du.windows_reference(aj.SEED, aj.windows(2), "mean", skip=(1, 2))
+    assert results[1]["errors"][-1] == ("join", "KeyboardInterrupt", "stop"), results[1]["errors"]
+    for rank, res in enumerate(results):
+        assert res["seconds"] < 5, (rank, res["seconds"])
+        assert res["paired"] and res["stats"]["optimizer_steps"] == 1, res["stats"]
+        du.assert_params_close(res["params"], expected, f"rank {rank}")
+
+
+def test_close_from_a_hook_in_the_closing_backward_raises_instead_of_crashing(tmp_path):
+    """Review: acc.close() from a gradient hook inside the window's closing
+    acc.backward() took the reducer that the backward's error handling then
+    read: a segfault on that rank. It raises the reducer's error now; the
+    peer's names that rank, and the ranks still pair."""
+    results = du.run_job("close_in_closing_hook", 2, tmp_path, module=M, timeout=120)
+    ((k, kind, text),) = results[1]["errors"]
+    assert (k, kind) == (aj.K - 1, "RuntimeError") and text.startswith("gradaccum: acc.backward(): "), text
+    assert results[1]["closed"]
+    ((k, kind, text),) = results[0]["errors"]
+    assert (k, kind) == (aj.K - 1, "RuntimeError") and "rank 1 destroyed its Accumulator" in text, text
+    assert results[0]["paired"] and results[1]["paired"]

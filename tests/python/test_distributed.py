@@ -214,10 +214,10 @@ def test_gradient_as_bucket_view_grads_are_views_of_the_buckets(jobs):
                 assert all(bucket["defined"]), f"rank {rank} {label} bucket {b}: a .grad is None"
                 assert len(set(bucket["storage"])) == 1, \
                     f"rank {rank} {label} bucket {b}: .grad tensors are not views of one buffer"
-                # The buffer: [gradients | 44-field header | one flag per parameter] (Note [Bucket meta
-                # layout]: 36 protocol fields, 13 of them a count per abort reason; then the loss's 8
+                # The buffer: [gradients | 45-field header | one flag per parameter] (Note [Bucket meta
+                # layout]: 37 protocol fields, 14 of them a count per abort reason; then the loss's 8
                 # metric slots).
-                expected = (bucket["numel"] + 44 + bucket["n"]) * bucket["itemsize"]
+                expected = (bucket["numel"] + 45 + bucket["n"]) * bucket["itemsize"]
                 assert bucket["nbytes"] == [expected] * bucket["n"], f"rank {rank} {label} bucket {b}"
                 storages.append(bucket["storage"][0])
             assert len(set(storages)) == len(report) > 1, f"rank {rank} {label}: buckets share storage"
@@ -324,8 +324,8 @@ def test_bytes_per_window_independent_of_steps(jobs):
         per_window = set()
         for steps in COLL_STEPS:
             rec = res[steps]
-            # float32 buckets: [gradients | 44-field header | one flag per parameter], 4 bytes each
-            expected = sum((sum(sizes) + 44 + len(sizes)) * 4 for sizes in rec["bucket_sizes"])
+            # float32 buckets: [gradients | 45-field header | one flag per parameter], 4 bytes each
+            expected = sum((sum(sizes) + 45 + len(sizes)) * 4 for sizes in rec["bucket_sizes"])
             for win in rec["windows"]:
                 assert win["after"]["last_window_bytes"] == expected
                 assert win["after"]["bytes_reduced"] - win["before"]["bytes_reduced"] == expected

@@ -154,3 +154,20 @@ def test_one_process_flush_drops_a_nonfinite_window_step_raised_already(filter_)
     ref(x).pow(2).mean().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(p, q.detach() - 0.1 * q.grad, rtol=0, atol=1e-15)
+
+
+def test_flush_called_again_after_its_step_raised_steps_its_window_without_a_collective(tmp_path):
+    """Note [Flushing again after its step raised]: rank 1's optimizer raised
+    in the step of the window its acc.flush() had reduced; the flush called
+    again ran a second flush collective, which paired with rank 0's next
+    epoch: every rank raised there (review). It now steps the closed window,
+    as acc.step() would: every window of the float64 big batch, and the
+    ranks still pair."""
+    results = du.run_job("flush_again_after_its_step_raised", 2, tmp_path, module=M, timeout=120)
+    expected = du.windows_reference(ej.SEED, ej.flush_again_windows(2), "mean")
+    assert results[0]["errors"] == [] and results[0]["flushed"] == [True]
+    assert results[1]["flushed"] == [True] and len(results[1]["errors"]) == 1
+    assert "the optimizer failed once" in results[1]["errors"][0], results[1]["errors"]
+    for rank, res in enumerate(results):
+        assert res["paired"] and res["stats"]["optimizer_steps"] == 4, res["stats"]
+        du.assert_params_close(res["params"], expected, f"rank {rank}")

@@ -195,15 +195,15 @@ def test_bf16_mixed_with_bf16_communication(runs):
         assert stats["last_window_collectives"] == stats["buckets"]
         # The gradients take 2 bytes each instead of 4; the rest is the buckets'
         # meta (a tiny model here, so the meta is a large part of the bytes):
-        # float32 on the full wire, 44 header fields and a flag per parameter
+        # float32 on the full wire, 45 header fields and a flag per parameter
         # (Note [Bucket meta layout]); digits of the integer fields on the bf16 wire
-        # (one each for the 0-or-1 counts): 103 bf16 values per bucket on 2 ranks
+        # (one each for the 0-or-1 counts): 104 bf16 values per bucket on 2 ranks
         # (docs/mixed-precision.md).
         numel = sum(p.numel() for p in r["params"])
         meta_full = full["last_window_bytes"] - 4 * numel
         meta_half = stats["last_window_bytes"] - 2 * numel
-        assert meta_full == 4 * (44 * full["buckets"] + len(r["params"]))
-        assert meta_half == 2 * (103 * stats["buckets"] + len(r["params"]))
+        assert meta_full == 4 * (45 * full["buckets"] + len(r["params"]))
+        assert meta_half == 2 * (104 * stats["buckets"] + len(r["params"]))
 
 
 def test_16_mixed_trains_through_the_accumulators_grad_scaler(runs):
