@@ -49,6 +49,20 @@ def test_load_state_dict_without_optional_keys(mid_window):
     assert acc.micro_step == 1
 
 
+@pytest.mark.parametrize("where,key", [("", "bogus"), ("", 3), ("reducer", "sequence2")])
+def test_load_state_dict_unknown_key(mid_window, where, key):
+    """Review: unknown keys were ignored: a newer version's field (or a dict
+    that is not an Accumulator's state) loaded silently."""
+    model, acc, state = mid_window
+    grads = snapshot_grads(model)
+    (state[where] if where else state)[key] = 1
+    name = f"{where}.{key}" if where else str(key)
+    with pytest.raises(ValueError, match=rf"^gradaccum: acc.load_state_dict\(\): unknown key\(s\) '{name}': no "
+                                         r"state of this version of gradaccum holds them"):
+        acc.load_state_dict(state)
+    check_untouched(model, acc, grads)
+
+
 @pytest.mark.parametrize("key", STATE_KEYS)
 def test_load_state_dict_missing_key(mid_window, key):
     model, acc, state = mid_window

@@ -9,6 +9,8 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
+#include <set>
+#include <tuple>
 
 namespace py = pybind11;
 
@@ -284,9 +286,46 @@ py::dict state_to_dict(const AccumulatorState& s) {
   return d;
 }
 
+// A key no state of this version holds: a newer version's field would be
+// ignored silently, or the dict is not an Accumulator's (review).
+void refuse_unknown_keys(const py::dict& d, const py::dict& r) {
+  std::set<std::string> known{"reducer", "grads", "error_feedback_residuals", "parameter_names",
+                              "grad_scaler", "group_ranks"}; // (the last two: the Python side's, _checkpoint.py)
+  std::set<std::string> known_nested;
+  AccumulatorState s;
+  for_each_state_field(s, [&](const char* name, const auto&, bool) {
+    const std::string key(name);
+    if (key.rfind("reducer.", 0) == 0) {
+      known_nested.insert(key.substr(8));
+    } else {
+      known.insert(key);
+    }
+  });
+  std::vector<std::string> unknown;
+  for (const auto& [from, keys, prefix] : {std::tuple<const py::dict&, const std::set<std::string>&, std::string>{
+                                               d, known, ""},
+                                           {r, known_nested, "reducer."}}) {
+    for (const auto& item : from) {
+      const auto key = py::str(item.first).cast<std::string>();
+      if (!py::isinstance<py::str>(item.first) || keys.count(key) == 0) {
+        unknown.push_back(prefix + key);
+      }
+    }
+  }
+  if (!unknown.empty()) {
+    std::string list;
+    for (const auto& k : unknown) {
+      list += (list.empty() ? "'" : ", '") + k + "'";
+    }
+    throw py::value_error("gradaccum: acc.load_state_dict(): unknown key(s) " + list + ": no state of this "
+        "version of gradaccum holds them (a newer version's state, or not an Accumulator's state_dict()?)");
+  }
+}
+
 AccumulatorState state_from_dict(const py::dict& d) {
   AccumulatorState s;
   const auto r = required<py::dict>(d, "reducer");
+  refuse_unknown_keys(d, r);
   for_each_state_field(s, [&](const char* name, auto& field, bool needed) {
     const std::string key(name);
     const bool nested = key.rfind("reducer.", 0) == 0;
