@@ -451,6 +451,7 @@ class Accumulator {
   void check_consistent_cut(int64_t window, bool failed_here = false) const;
   void snapshot_window_into(AccumulatorState& state);
   void copy_window_into(AccumulatorState& state) const;
+  at::Tensor own_window_loss_sums() const; ///< Note [The window's loss across a checkpoint]
   void check_loadable(const AccumulatorState& state) const;
   /// What the reducer's ranks must agree on, from the options (and the
   /// built-in loss scaler's scale now, where it exists).

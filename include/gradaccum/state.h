@@ -41,6 +41,10 @@ struct AccumulatorState {
   /// With window_ready: nonfinite="raise" raised on this closed window
   /// already (dropped, it counts as skipped; flush() drops it with a warning).
   bool window_raised_nonfinite = false;
+  /// With window_ready: the epoch's end (flush(), join()'s last reduction)
+  /// closed it, and its step failed; flush() or join() again steps it with
+  /// no collective (Note [Flushing again after its step raised]).
+  bool window_closed_by_flush = false;
   double window_weight = 0; ///< micro-steps (mean, sum) or items (items) so far
   /// Per-rank states in the middle of a window resumed mid-way from a
   /// rank-independent state: the gradients hold a share of every rank's sums,
@@ -72,6 +76,13 @@ struct AccumulatorState {
   /// residuals follow, one each. Empty in older checkpoints: a
   /// held gradient then loads by position only.
   std::vector<std::string> parameter_names;
+  /// A half-done window's loss sum, then its metric sums (float64, 1-D, on
+  /// the CPU), as `grads` are: this rank's share of the sums over ranks, or
+  /// its own; undefined where they are not known (a window a checkpoint cut
+  /// before, a bf16/fp16 wire's snapshot, older checkpoints): the resumed
+  /// window's `window_loss` is then None (Note [The window's loss across a
+  /// checkpoint]).
+  at::Tensor window_loss_sums;
 };
 
 // Note [The checkpoint schema]
@@ -102,6 +113,7 @@ void for_each_state_field(State& s, Visit&& visit) {
   visit("window_unscaled", s.window_unscaled, false);
   visit("window_clipped", s.window_clipped, false);
   visit("window_raised_nonfinite", s.window_raised_nonfinite, false);
+  visit("window_closed_by_flush", s.window_closed_by_flush, false);
   visit("window_shared", s.window_shared, false);
   visit("reducer.windows", s.reducer.windows, true);
   visit("reducer.dropped_windows", s.reducer.dropped_windows, true);

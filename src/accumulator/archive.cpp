@@ -95,6 +95,9 @@ void Accumulator::save(torch::serialize::OutputArchive& archive, bool rank_indep
   });
   write_tensors(archive, "gradaccum.grads", "gradaccum.grad.", state.grads);
   write_tensors(archive, "gradaccum.residuals", "gradaccum.residual.", state.residuals);
+  if (state.window_loss_sums.defined()) {
+    archive.write("gradaccum.window_loss_sums", state.window_loss_sums);
+  }
   c10::List<std::string> names;
   for (const auto& name : state.parameter_names) {
     names.push_back(name);
@@ -118,6 +121,10 @@ void Accumulator::load(torch::serialize::InputArchive& archive) {
   state.grads = read_tensors(archive, "gradaccum.grad.", read_count("gradaccum.grads", value));
   if (archive.try_read("gradaccum.residuals", value)) { // older archives have none
     state.residuals = read_tensors(archive, "gradaccum.residual.", read_count("gradaccum.residuals", value));
+  }
+  at::Tensor sums;
+  if (archive.try_read("gradaccum.window_loss_sums", sums)) { // older archives have none: the loss is not known
+    state.window_loss_sums = sums;
   }
   if (archive.try_read("gradaccum.parameter_names", value)) { // older archives load by position
     TORCH_CHECK_VALUE(value.isList(), kLoad, "gradaccum.parameter_names must be a list of names, got ",

@@ -100,6 +100,7 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   state.window_unscaled = window_ready_ && window_unscaled_;
   state.window_clipped = window_ready_ && window_clipped_;
   state.window_raised_nonfinite = window_ready_ && window_raised_nonfinite_;
+  state.window_closed_by_flush = window_ready_ && window_closed_by_flush_;
   state.window_shared = reducer_ && !rank_independent && micro_step_ > 0 && window_shared_;
   state.epoch_ended = epoch_ended_;
   state.micro_steps = stats_.micro_steps;
@@ -148,6 +149,7 @@ void Accumulator::snapshot_window_into(AccumulatorState& state) {
   request.weight = window_weight_;
   request.divide = false;
   request.abort = window_failed_ ? window_failure_ : AbortReason::None; // (what failed: its text)
+  request.loss_sum = window_loss_cut_ ? at::Tensor() : window_loss_sum_; // Note [The window's loss across a checkpoint]
   if (!window_failed_ && grad_versions() != remembered_) {
     // Cleared or changed since the last micro-step (optimizer.zero_grad()?):
     // a snapshot of it would save, and then continue, a silently wrong window.
@@ -181,10 +183,37 @@ void Accumulator::snapshot_window_into(AccumulatorState& state) {
     state.grads.push_back(sum.defined() ? sum.div(world) : at::Tensor());
   }
   state.window_weight = result.global_weight / world;
+  if (result.loss_sum && !window_loss_cut_) {
+    std::vector<double> sums{*result.loss_sum};
+    const auto n = options_.metrics().size();
+    sums.insert(sums.end(), result.metric_sums.begin(), result.metric_sums.begin() + static_cast<std::ptrdiff_t>(n));
+    state.window_loss_sums = at::tensor(sums, at::kDouble).div(world);
+  }
+}
+
+// Note [The window's loss across a checkpoint]
+// A half-done window's loss and metric sums are saved as its gradients are:
+// summed over ranks by the snapshot (they ride in its header, as in a
+// window's reduction: Note [The window's loss rides in the header]), each
+// rank keeping 1/world; or this rank's own, in a per-rank state or one
+// process. Resumed, each rank takes its share (rank 0 all of it on another
+// world size), and the window's closing reduction sums them back with the
+// losses after the resume: window_loss is the uninterrupted window's. Where
+// they are not known (a window cut by an older checkpoint, a digit-encoded
+// wire's header, a state from before they were kept) window_loss is None for
+// the resumed window, as it was for every resumed window before.
+at::Tensor Accumulator::own_window_loss_sums() const {
+  if (micro_step_ == 0 || window_loss_cut_) {
+    return at::Tensor();
+  }
+  const auto n = static_cast<int64_t>(options_.metrics().size());
+  return window_loss_sum_.defined() ? window_loss_sum_.detach().reshape({-1}).to(at::kCPU, at::kDouble).clone()
+                                    : at::zeros({1 + n}, at::kDouble);
 }
 
 void Accumulator::copy_window_into(AccumulatorState& state) const {
   const bool mid_window = micro_step_ > 0 || window_ready_;
+  state.window_loss_sums = own_window_loss_sums();
   if (mid_window) {
     // A window cleared or replaced since its last micro-step would be saved,
     // and resumed, without what it lost (no collective here: a local error).
@@ -389,14 +418,21 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
   const int64_t world = reducer_ ? reducer_->process_group()->getSize() : 1;
   const int64_t rank = reducer_ ? reducer_->process_group()->getRank() : 0;
   check_shape(state, options_, world, rank);
+  const auto& sums = state.window_loss_sums;
+  TORCH_CHECK_VALUE(!sums.defined() || (sums.dim() == 1 && sums.numel() >= 1 && sums.scalar_type() == at::kDouble &&
+                                         sums.device().is_cpu()),
+      "gradaccum: acc.load_state_dict(): 'window_loss_sums' must be a 1-D float64 CPU tensor (the loss, then the "
+      "metrics), got ", sums.defined() ? c10::str(sums.scalar_type(), " ", sums.sizes(), " on ", sums.device())
+                                       : std::string());
   TORCH_CHECK_VALUE(state.micro_step >= 0 && state.micro_step < options_.steps(),
       "gradaccum: acc.load_state_dict(): micro_step=", state.micro_step, " is outside [0, ", options_.steps(), ")");
   TORCH_CHECK_VALUE(!state.window_ready || state.micro_step == 0,
       "gradaccum: acc.load_state_dict(): window_ready=true with micro_step=", state.micro_step,
       " (a closed window has micro_step 0)");
   TORCH_CHECK_VALUE(state.window_ready || (!state.window_empty && !state.window_unscaled && !state.window_clipped &&
-                                            !state.window_raised_nonfinite),
-      "gradaccum: acc.load_state_dict(): window_empty, window_unscaled, window_clipped or window_raised_nonfinite "
+                                            !state.window_raised_nonfinite && !state.window_closed_by_flush),
+      "gradaccum: acc.load_state_dict(): window_empty, window_unscaled, window_clipped, window_raised_nonfinite or "
+      "window_closed_by_flush "
       "without window_ready (they "
       "describe a closed window)");
   TORCH_CHECK_VALUE(!state.window_shared || (!state.rank_independent && state.micro_step > 0),
@@ -517,6 +553,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   window_failed_ = false;
   // (A closed window that raised stays so: dropped, it counts as skipped.)
   window_raised_nonfinite_ = state.window_ready && state.window_raised_nonfinite;
+  window_closed_by_flush_ = state.window_ready && state.window_closed_by_flush;
   window_optimizer_stepped_ = false;
   // A closed window steps, or is skipped, as it would have been: already
   // unscaled (a retry after a failed optimizer step) or empty everywhere.
@@ -529,10 +566,16 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   if (reducer_) {
     reducer_->set_epoch_ended_refusal({});
   }
-  // Not in checkpoints: the loss of a window cut by the save is not known
-  // (window_loss is None for it); the last closed window's is gone too.
+  // Note [The window's loss across a checkpoint]; the last closed window's
+  // loss is not in checkpoints.
   window_loss_sum_ = at::Tensor();
   window_loss_cut_ = state.micro_step > 0;
+  // (Saved with other metric names: that window's loss is not known.)
+  if (state.micro_step > 0 && state.window_loss_sums.defined() &&
+      state.window_loss_sums.numel() == 1 + static_cast<int64_t>(options_.metrics().size())) {
+    window_loss_sum_ = state.window_loss_sums.to(params_.front().device()).mul(share);
+    window_loss_cut_ = false;
+  }
   window_shared_ = reducer_ && (state.rank_independent || state.window_shared) && state.micro_step > 0;
   window_forwards_ = state.micro_step > 0;
   window_loss_ = at::Tensor();

@@ -43,6 +43,8 @@ bool Accumulator::flush_in_call() {
     // rank) after its reduction had closed the window: called again, it
     // steps that window, as acc.step() would, and runs no collective (the
     // others' flush is over: a second one would pair with their next epoch).
+    // So does join() after its last reduction (every rank joined), and
+    // either of them after the other; a checkpoint keeps the mark.
     check_gradients_untouched("acc.flush()", /*allow_in_place=*/true);
     return finish_window(call_ ? call_ : "acc.flush()");
   }
@@ -218,7 +220,7 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
   window_weight_ = 0;
   window_loss_sum_ = at::Tensor();
   set_window_ready(true);
-  window_closed_by_flush_ = !joined;
+  window_closed_by_flush_ = !joined || result.joined_ranks == world; // (the epoch's end everywhere)
   window_known_finite_ = result.known_finite;
   remember_gradients(); // what the reducer checked, as step_window() compares
   return finish_window(call_ ? call_ : "acc.flush()");

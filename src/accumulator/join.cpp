@@ -82,6 +82,11 @@ int64_t Accumulator::join_in_call() {
   }
   TORCH_CHECK(optimizer_step_,
       "gradaccum: acc.join(): this Accumulator has no optimizer (pass one to the constructor)");
+  if (window_ready_ && window_closed_by_flush_ && !window_raised_nonfinite_) {
+    // Note [Flushing again after its step raised]: the epoch ended already.
+    check_gradients_untouched("acc.join()", /*allow_in_place=*/true);
+    return finish_window("acc.join()") ? 1 : 0;
+  }
   if (!window_ready_ && micro_step_ > 0 && !window_failed_ && grad_versions() != remembered_) {
     // The collective must still run on every rank: drop the window there.
     fail_for_changed_gradients(grad_versions(), /*uncounted=*/false);
@@ -117,6 +122,9 @@ int64_t Accumulator::join_in_call() {
     try {
       stepped += reduce_partial_window(local_failure, /*joined=*/true) ? 1 : 0;
     } catch (const std::exception& e) {
+      if (!reducer_) {
+        throw; // close() from the optimizer or a hook in its step (review: a segfault)
+      }
       // Reduced on every rank, and some ranks still have data (they go on to
       // their next window): then stepping it failed here.
       const auto last = reducer_->last_result();
@@ -148,6 +156,8 @@ int64_t Accumulator::join_in_call() {
       continue;
     }
     local_failure.clear();
+    TORCH_CHECK(reducer_, "gradaccum: acc.join(): this Accumulator was closed during its step (the optimizer or a "
+        "scheduler called acc.close()?)");
     if (reducer_->last_result().joined_ranks == world) {
       break; // every rank has joined: this was the last reduction everywhere
     }
@@ -180,7 +190,7 @@ void Accumulator::abandon() noexcept {
   }
   const auto last = reducer_->last_result();
   // (Told to end training: Reducer::State::told_to_end(), the rank's window aside.)
-  const bool everyone_knows = last.dropped &&
+  const bool everyone_knows = last.dropped && last.unstepped_ranks == 0 &&
       (last.left_ranks > 0 || last.joined_ranks > 0 || last.interrupted_ranks > 0) &&
       last.window + 1 == reducer_->progress().sequence && micro_step_ == 0 && !window_ready_ &&
       !window_failed_ && !parts_open_;

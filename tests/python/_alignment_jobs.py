@@ -256,3 +256,26 @@ def close_in_closing_hook(rank, world_size):
         except Exception as e:  # noqa: BLE001 - recorded, judged by the test
             errors.append((k, type(e).__name__, str(e)))
     return {"errors": errors, "paired": _still_paired(), "closed": acc._c.closed}
+
+
+@job
+def close_from_the_optimizer_in_join(rank, world_size):
+    """Both ranks end a partial window in acc.join(); the optimizer's step
+    closes the Accumulator. What each rank got."""
+    import gradaccum
+    model = du.mlp(SEED)
+    opt = du.make_optimizer("sgd", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=K)
+    real_step = opt.step
+
+    def step(*args, **kwargs):
+        real_step(*args, **kwargs)
+        acc.close()
+
+    opt.step = step
+    try:
+        with acc.join():
+            acc.backward(du.micro_loss(model, windows(world_size)[0][rank][0], "mean")[0])
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001 - recorded, judged by the test
+        return {"error": (type(e).__name__, str(e))}

@@ -166,10 +166,12 @@ def weightless_flush_keeps_residuals(rank, world_size, *, closing):
 
 
 @job
-def flush_again_after_its_step_raised(rank, world_size):
-    """Epoch 0: a window, then a partial one that acc.flush() closes, whose
-    step raises once on rank 1 (its optimizer); rank 1 calls acc.flush()
-    again. Epoch 1: two windows."""
+def flush_again_after_its_step_raised(rank, world_size, *, end="flush", retry="flush", roundtrip=False):
+    """Epoch 0: a window, then a partial one that the epoch's end (`end`:
+    acc.flush(), or acc.join()'s block, whose last reduction closes it)
+    closes, whose step raises once on rank 1 (its optimizer); rank 1 saves
+    and loads its state if `roundtrip`, then calls `retry` ("flush", "join"
+    or "step"). Epoch 1: two windows."""
     import gradaccum
 
     model = du.mlp(SEED)
@@ -192,10 +194,22 @@ def flush_again_after_its_step_raised(rank, world_size):
         if w == 1:
             arm["on"] = rank == 1
             try:
-                flushed.append(acc.flush())
+                if end == "flush":
+                    flushed.append(acc.flush())
+                else:
+                    with acc.join():
+                        pass
+                    flushed.append(True)
             except RuntimeError as e:
                 errors.append(str(e))
-                flushed.append(acc.flush())
+                if roundtrip:
+                    acc.load_state_dict(acc.state_dict())
+                if retry == "join":
+                    with acc.join():
+                        pass
+                    flushed.append(True)
+                else:
+                    flushed.append(acc.flush() if retry == "flush" else acc.step())
     ones = torch.ones(2)
     torch.distributed.all_reduce(ones)  # pairs only if no rank ran a collective more
     return {"errors": errors, "flushed": flushed, "params": du.params(model), "stats": acc.stats(),

@@ -136,7 +136,7 @@ class _Window:
         self.steps = 0       # micro-steps counted (empty ones and left-out ones too)
         self.nan = False     # a backward with a NaN gradient ran ("skip")
         self.culprits = {}   # rank -> "boom" | "cleared": the window must be dropped
-        self.cut = False     # a checkpoint resumed it mid-window (its loss is not saved)
+        self.cut = False     # a checkpoint resumed it mid-window (its loss sums were saved with it)
         self.shared = False  # ... from a rank-independent state: each rank holds a share of every rank's sums
 
 
@@ -273,7 +273,7 @@ class Model:
             self._update_scale(found_inf=False)
         self.items = weight  # window_items: its items (micro-batches kept, but "items")
         loss = sum(w.loss for w in wins) / div
-        loss = None if any(w.cut for w in wins) or self.s.get("wire") else loss
+        loss = None if self.s.get("wire") else loss  # (a window a checkpoint cut keeps its loss)
         # window_metrics: summed, not divided; None where window_loss is
         self.metric = None if loss is None or not self.s.get("metrics") else sum(w.metric for w in wins)
         if self.metric is not None:

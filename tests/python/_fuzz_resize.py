@@ -13,8 +13,9 @@ one-process Accumulator (`process_group=False`), as in test_resize.py.
 The model: rank 0 takes the whole half-done window (its sum over the W old
 ranks, its weight, whether it holds a non-finite gradient), the other new
 ranks start it empty, and it closes after the remaining `steps - micro_step`
-micro-steps with the exact mean of every micro-batch either side saw; its
-window_loss is None (a window a checkpoint cut). Counters carry over.
+micro-steps with the exact mean of every micro-batch either side saw, and
+its window_loss and window_metrics are the uninterrupted window's (Note [The
+window's loss across a checkpoint]). Counters carry over.
 
 Each launch runs a phase schedule, `phases(sched, path)`: the whole schedule
 under "whole", with "phase" ("before" or "after"), "first_epoch" (the
@@ -69,6 +70,7 @@ def expect_phase(psched):
         taken.grad = fm._add(taken.grad, w.grad)
         taken.weight += w.weight
         taken.loss += w.loss
+        taken.metric += w.metric
         taken.kept += w.kept
         taken.steps += w.steps
         taken.nan = taken.nan or w.nan

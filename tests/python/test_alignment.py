@@ -185,3 +185,11 @@ def test_close_from_a_hook_in_the_closing_backward_raises_instead_of_crashing(tm
     ((k, kind, text),) = results[0]["errors"]
     assert (k, kind) == (aj.K - 1, "RuntimeError") and "rank 1 destroyed its Accumulator" in text, text
     assert results[0]["paired"] and results[1]["paired"]
+
+
+def test_close_from_the_optimizer_inside_join_raises_instead_of_crashing(tmp_path):
+    """Review: the optimizer closing the Accumulator in join()'s step left
+    join() reading the reducer it had taken: a segfault on every rank."""
+    for res in du.run_job("close_from_the_optimizer_in_join", 2, tmp_path, module=M, timeout=120):
+        assert res["error"] == ("RuntimeError", "gradaccum: acc.join(): this Accumulator was closed during its step "
+                                "(the optimizer or a scheduler called acc.close()?)"), res

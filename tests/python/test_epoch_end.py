@@ -156,14 +156,21 @@ def test_one_process_flush_drops_a_nonfinite_window_step_raised_already(filter_)
         assert torch.allclose(p, q.detach() - 0.1 * q.grad, rtol=0, atol=1e-15)
 
 
-def test_flush_called_again_after_its_step_raised_steps_its_window_without_a_collective(tmp_path):
+@pytest.mark.parametrize("end,retry,roundtrip", [("flush", "flush", False), ("flush", "flush", True),
+                                                 ("join", "flush", False), ("join", "join", False),
+                                                 ("join", "step", True)])
+def test_flush_called_again_after_its_step_raised_steps_its_window_without_a_collective(tmp_path, end, retry,
+                                                                                       roundtrip):
     """Note [Flushing again after its step raised]: rank 1's optimizer raised
-    in the step of the window its acc.flush() had reduced; the flush called
-    again ran a second flush collective, which paired with rank 0's next
-    epoch: every rank raised there (review). It now steps the closed window,
-    as acc.step() would: every window of the float64 big batch, and the
-    ranks still pair."""
-    results = du.run_job("flush_again_after_its_step_raised", 2, tmp_path, module=M, timeout=120)
+    in the step of the window its acc.flush() (or acc.join()'s last
+    reduction) had closed; the flush called again ran a second flush
+    collective, which paired with rank 0's next epoch: every rank raised
+    there, or, retried by join(), rank 0 stepped its next windows alone,
+    silently wrong (reviews; also after a checkpoint between the two). It now
+    steps the closed window, as acc.step() would: every window of the
+    float64 big batch, and the ranks still pair."""
+    results = du.run_job("flush_again_after_its_step_raised", 2, tmp_path, module=M, timeout=120, end=end,
+                         retry=retry, roundtrip=roundtrip)
     expected = du.windows_reference(ej.SEED, ej.flush_again_windows(2), "mean")
     assert results[0]["errors"] == [] and results[0]["flushed"] == [True]
     assert results[1]["flushed"] == [True] and len(results[1]["errors"]) == 1

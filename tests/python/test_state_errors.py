@@ -15,9 +15,9 @@ STATE_KEYS = ["steps", "reduction", "world_size", "rank", "rank_independent", "m
               "skipped_steps", "windows", "reducer", "reducer_sequence", "loss_scale",
               "loss_scale_growth_tracker", "grads"]
 # Optional: states saved before it was kept load without it (as 0).
-OPTIONAL_STATE_KEYS = ["reducer_last_weight", "reducer_residual_weight", "skipped_micro_batches",
+OPTIONAL_STATE_KEYS = ["reducer_last_weight", "reducer_residual_weight", "skipped_micro_batches", "window_loss_sums",
                        "window_empty", "window_unscaled", "window_clipped", "window_shared", "parameter_names",
-                       "window_raised_nonfinite"]
+                       "window_raised_nonfinite", "window_closed_by_flush"]
 
 
 @pytest.fixture
@@ -181,13 +181,14 @@ def test_load_state_dict_not_a_dict(mid_window, value):
 
 
 
-@pytest.mark.parametrize("key", ["window_empty", "window_unscaled", "window_clipped", "window_raised_nonfinite"])
+@pytest.mark.parametrize("key", ["window_empty", "window_unscaled", "window_clipped", "window_raised_nonfinite",
+                                 "window_closed_by_flush"])
 def test_load_state_dict_closed_window_flags_need_a_closed_window(mid_window, key):
     model, acc, state = mid_window
     grads = snapshot_grads(model)
     with pytest.raises(ValueError, match=r"^gradaccum: acc\.load_state_dict\(\): window_empty, window_unscaled, "
-                       r"window_clipped or window_raised_nonfinite without window_ready \(they describe a closed "
-                       r"window\)$"):
+                       r"window_clipped, window_raised_nonfinite or window_closed_by_flush without window_ready "
+                       r"\(they describe a closed window\)$"):
         acc.load_state_dict({**state, key: True})
     check_untouched(model, acc, grads)
     with pytest.raises(ValueError, match=r"skipped_micro_batches=-1 must be >= 0"):

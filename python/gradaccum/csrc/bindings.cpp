@@ -282,6 +282,9 @@ py::dict state_to_dict(const AccumulatorState& s) {
   if (!s.residuals.empty()) {
     d["error_feedback_residuals"] = tensor_list(s.residuals);
   }
+  if (s.window_loss_sums.defined()) {
+    d["window_loss_sums"] = s.window_loss_sums;
+  }
   d["parameter_names"] = s.parameter_names;
   return d;
 }
@@ -289,7 +292,7 @@ py::dict state_to_dict(const AccumulatorState& s) {
 // A key no state of this version holds: a newer version's field would be
 // ignored silently, or the dict is not an Accumulator's (review).
 void refuse_unknown_keys(const py::dict& d, const py::dict& r) {
-  std::set<std::string> known{"reducer", "grads", "error_feedback_residuals", "parameter_names",
+  std::set<std::string> known{"reducer", "grads", "error_feedback_residuals", "parameter_names", "window_loss_sums",
                               "grad_scaler", "group_ranks"}; // (the last two: the Python side's, _checkpoint.py)
   std::set<std::string> known_nested;
   AccumulatorState s;
@@ -344,6 +347,13 @@ AccumulatorState state_from_dict(const py::dict& d) {
   s.grads = tensors_from_list(d, "grads");
   if (d.contains("error_feedback_residuals")) {
     s.residuals = tensors_from_list(d, "error_feedback_residuals");
+  }
+  if (d.contains("window_loss_sums")) { // older states have none: the loss is not known
+    try {
+      s.window_loss_sums = d["window_loss_sums"].cast<at::Tensor>();
+    } catch (const py::cast_error&) {
+      throw py::value_error("gradaccum: acc.load_state_dict(): 'window_loss_sums' must be a tensor");
+    }
   }
   if (d.contains("parameter_names")) { // older states load by position
     try {
