@@ -343,8 +343,8 @@ class Accumulator(_Held):
         every bucket's wire is bf16/fp16 (``comm_dtype``, or only bf16/fp16
         parameters without ``accumulate_dtype``) and carries its header (up
         to 256 ranks for bf16, 2048 for fp16), for a window with no
-        weight, for the window a mid-window checkpoint cut (the losses before
-        the save are not in it), for a window dropped on every rank (an error
+        weight, for a window a mid-window checkpoint of an older version cut
+        (its state holds no loss sums), for a window dropped on every rank (an error
         every rank raised; ``window_items`` is then 0), not the loss of the
         window before it, and after ``load_state_dict()`` or
         ``refresh_parameters()`` until a window closes. A copy: changing it
