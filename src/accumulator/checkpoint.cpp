@@ -187,18 +187,21 @@ void Accumulator::snapshot_window_into(AccumulatorState& state) {
     std::vector<double> sums{*result.loss_sum};
     const auto n = options_.metrics().size();
     sums.insert(sums.end(), result.metric_sums.begin(), result.metric_sums.begin() + static_cast<std::ptrdiff_t>(n));
-    state.window_loss_sums = at::tensor(sums, at::kDouble).div(world);
+    state.window_loss_sums = at::tensor(sums, at::kDouble); // (whole: rank 0 takes it on loading)
   }
 }
 
 // Note [The window's loss across a checkpoint]
-// A half-done window's loss and metric sums are saved as its gradients are:
+// A half-done window's loss and metric sums are saved with its gradients:
 // summed over ranks by the snapshot (they ride in its header, as in a
-// window's reduction: Note [The window's loss rides in the header]), each
-// rank keeping 1/world; or this rank's own, in a per-rank state or one
-// process. Resumed, each rank takes its share (rank 0 all of it on another
-// world size), and the window's closing reduction sums them back with the
-// losses after the resume: window_loss is the uninterrupted window's. Where
+// window's reduction: Note [The window's loss rides in the header]), whole
+// (1 + metrics numbers: not split in shares as the gradients are, so that a
+// count metric sums back exactly and an infinite loss is not multiplied by
+// 0); or this rank's own, in a per-rank state or one process. Resumed from a
+// rank-independent state, rank 0 takes them and the others start at zero; a
+// per-rank state gives its rank its own. The window's closing reduction sums
+// them with the losses after the resume: window_loss is the uninterrupted
+// window's. Where
 // they are not known (a window cut by an older checkpoint, a digit-encoded
 // wire's header, a state from before they were kept) window_loss is None for
 // the resumed window, as it was for every resumed window before.
@@ -418,10 +421,10 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
   const int64_t world = reducer_ ? reducer_->process_group()->getSize() : 1;
   const int64_t rank = reducer_ ? reducer_->process_group()->getRank() : 0;
   check_shape(state, options_, world, rank);
-  const auto& sums = state.window_loss_sums;
+  const auto& sums = state.window_loss_sums; // (on any device: torch.load(map_location=...))
   TORCH_CHECK_VALUE(!sums.defined() || (sums.dim() == 1 && sums.numel() >= 1 && sums.scalar_type() == at::kDouble &&
-                                         sums.device().is_cpu()),
-      "gradaccum: acc.load_state_dict(): 'window_loss_sums' must be a 1-D float64 CPU tensor (the loss, then the "
+                                         !sums.is_meta()),
+      "gradaccum: acc.load_state_dict(): 'window_loss_sums' must be a 1-D float64 tensor (the loss, then the "
       "metrics), got ", sums.defined() ? c10::str(sums.scalar_type(), " ", sums.sizes(), " on ", sums.device())
                                        : std::string());
   TORCH_CHECK_VALUE(state.micro_step >= 0 && state.micro_step < options_.steps(),
@@ -573,7 +576,10 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   // (Saved with other metric names: that window's loss is not known.)
   if (state.micro_step > 0 && state.window_loss_sums.defined() &&
       state.window_loss_sums.numel() == 1 + static_cast<int64_t>(options_.metrics().size())) {
-    window_loss_sum_ = state.window_loss_sums.to(params_.front().device()).mul(share);
+    const bool whole_here = !state.rank_independent || rank == 0;
+    window_loss_sum_ = whole_here ? state.window_loss_sums.to(params_.front().device(), /*non_blocking=*/false,
+                                                              /*copy=*/true)
+                                  : at::zeros_like(state.window_loss_sums, at::device(params_.front().device()));
     window_loss_cut_ = false;
   }
   window_shared_ = reducer_ && (state.rank_independent || state.window_shared) && state.micro_step > 0;

@@ -428,14 +428,18 @@ def test_the_only_rank_with_data_drops_its_part_while_another_shadows(tmp_path):
 def test_a_rank_that_drops_its_part_of_a_window_resumed_from_a_per_rank_state_stays_in_line(tmp_path):
     """Per-rank states hold each rank's own sums: rank 0's drop after the
     resume leaves rank 1's micro-batches 0-3 and rank 0's 3, and the window's
-    loss is unknown on both ranks (its first part was saved), not on one."""
+    loss is theirs on both ranks (each rank's loss sums so far travel in its
+    state: Note [The window's loss across a checkpoint])."""
     results = du.run_job("resumed_then_dropped", 2, tmp_path, module=M, timeout=120, pg_timeout=30,
                          rank_independent=False)
     assert [r["error"] for r in results] == [None, None]
-    assert [r["window_loss"] for r in results] == [None, None]
     assert results[0]["stepped"] == [3] and results[1]["stepped"] == [0, 1, 2, 3]
-    expected = uj.mid_reference(2, [([3], [0, 1, 2, 3])])
+    stream = uj.mid_stream(2)
+    losses = []
+    expected = du.windows_reference(uj.SEED, [[[stream[0][3]], [stream[1][i] for i in range(4)]]], "mean",
+                                    optimizer="sgd", losses=losses)
     for res in results:
+        assert res["window_loss"] == pytest.approx(losses[0], rel=1e-12), (res["window_loss"], losses)
         assert_params_close(res["params"], expected)
 
 

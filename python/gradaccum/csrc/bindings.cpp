@@ -348,7 +348,7 @@ AccumulatorState state_from_dict(const py::dict& d) {
   if (d.contains("error_feedback_residuals")) {
     s.residuals = tensors_from_list(d, "error_feedback_residuals");
   }
-  if (d.contains("window_loss_sums")) { // older states have none: the loss is not known
+  if (d.contains("window_loss_sums") && !d["window_loss_sums"].is_none()) { // older states: the loss is not known
     try {
       s.window_loss_sums = d["window_loss_sums"].cast<at::Tensor>();
     } catch (const py::cast_error&) {
