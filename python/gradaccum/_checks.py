@@ -483,8 +483,9 @@ def _scaler_rule(grad_scaler: Any) -> Optional[Tuple[float, float, float, int]]:
 # rank when it closes: a script that ran the micro-batch again (after running
 # out of memory, say) would run one micro-step more than the other ranks, and
 # pair other micro-batches in every later window, with no error.
-_COUNTED = ("gradaccum: acc.backward(): this micro-step failed in its backward on this rank and still counts, so "
-            "that every rank closes its windows together; go on with the next micro-batch, not this one again "
+_COUNTED_HEAD = ("gradaccum: acc.backward(): this micro-step failed in its backward on this rank and still counts, "
+                 "so that every rank closes its windows together")
+_COUNTED = (_COUNTED_HEAD + "; go on with the next micro-batch, not this one again "
             "(this rank would run one micro-step more than the others). The window will be dropped on every rank "
             "when it closes (acc.run() retries out-of-memory micro-batches in smaller parts instead)")
 
@@ -508,8 +509,8 @@ def _note_counted_failure(native: Any, error: BaseException) -> None:
     except Exception:  # noqa: BLE001 - the original error matters, not this note
         return
     if not isinstance(error, Exception):  # an interrupt: this rank stops
-        error.add_note(_COUNTED.split("; go on")[0] + ". The window will be dropped on every rank when it closes, "
-                       "and every rank told to end training (if this rank goes on to close it)")
+        error.add_note(_COUNTED_HEAD + ". The window will be dropped on every rank when it closes, and every rank "
+                       "told to end training (if this rank goes on to close it)")
         return
     error.add_note(_COUNTED)
 

@@ -189,11 +189,9 @@ void Accumulator::abandon() noexcept {
     return; // one process, closed, or inside a call of its own (a hook's exception)
   }
   const auto last = reducer_->last_result();
-  // (Told to end training: Reducer::State::told_to_end(), the rank's window aside.)
-  const bool everyone_knows = last.dropped && last.unstepped_ranks == 0 &&
-      (last.left_ranks > 0 || last.joined_ranks > 0 || last.interrupted_ranks > 0) &&
-      last.window + 1 == reducer_->progress().sequence && micro_step_ == 0 && !window_ready_ &&
-      !window_failed_ && !parts_open_;
+  // Told to end training and not yet acted on (once it has been, ranks that
+  // all left may have gone on together: a rank leaving again sends its drop).
+  const bool everyone_knows = told_to_end_training();
   if (everyone_knows) {
     reducer_->set_end_acted_on(last.window); // Note [Training ended in join()]: this rank has left
   }

@@ -375,34 +375,21 @@ def test_out_of_memory_after_a_part_reached_grad_shrinks_the_later_parts():
     du.assert_params_close(du.params(model), du.params(reference), "after the dropped window")
 
 
-def test_an_interrupt_in_a_part_after_it_reached_grad_stays_itself():
-    """A KeyboardInterrupt in a part's backward after some of its gradient
-    reached .grad came out as gradaccum's RuntimeError (review); now as
-    itself, the window's fate as its note."""
-    model = du.mlp(3)
-    acc = gradaccum.Accumulator(model, None, steps=3, process_group=False)
-    (a,) = du.make_windows(5, [[1]], 4)[0][0]
-    with pytest.raises(KeyboardInterrupt, match="stop") as caught:
-        acc.run(rj.loss_fn(model, "mean", 0, [0], 0, [], where="interrupt"), a)
-    assert caught.value.__notes__ == [
-        "gradaccum: acc.run(): a part of the micro-batch failed in its backward after some of its gradient had "
-        "reached .grad, which cannot be undone: the window was dropped. The error: KeyboardInterrupt: stop"]
-    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
-
-
-def test_the_scripts_own_error_in_a_part_after_it_reached_grad_stays_itself():
+@pytest.mark.parametrize("where,kind,text", [("interrupt", KeyboardInterrupt, "stop"),
+                                             ("mid_backward_error", ValueError, "a bad gradient: 4 rows")])
+def test_the_scripts_own_error_in_a_part_after_it_reached_grad_stays_itself(where, kind, text):
     """design.md, "One error voice": the script's own exception from a hook
-    stays itself, as acc.backward()'s does. In a part's backward after some
-    of its gradient reached .grad it came out as gradaccum's RuntimeError
-    (review: an `except MyError` that works with backward() did not with
-    run()); now as itself, the window's fate as its note."""
+    stays itself, as acc.backward()'s does. A KeyboardInterrupt, or any
+    error, in a part's backward after some of its gradient reached .grad
+    came out as gradaccum's RuntimeError (reviews: an `except MyError` that
+    works with backward() did not with run()); now as itself, the window's
+    fate as its note."""
     model = du.mlp(3)
     acc = gradaccum.Accumulator(model, None, steps=3, process_group=False)
     (a,) = du.make_windows(5, [[1]], 4)[0][0]
-    with pytest.raises(ValueError, match="a bad gradient: 4 rows") as caught:
-        acc.run(rj.loss_fn(model, "mean", 0, [0], 0, [], where="mid_backward_error"), a)
+    with pytest.raises(kind, match=text) as caught:
+        acc.run(rj.loss_fn(model, "mean", 0, [0], 0, [], where=where), a)
     assert caught.value.__notes__ == [
         "gradaccum: acc.run(): a part of the micro-batch failed in its backward after some of its gradient had "
-        "reached .grad, which cannot be undone: the window was dropped. The error: ValueError: a bad gradient: "
-        "4 rows"]
+        f"reached .grad, which cannot be undone: the window was dropped. The error: {kind.__name__}: {text}"]
     assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
