@@ -299,10 +299,9 @@ void Reducer::State::mark_ready(size_t index) {
 
 bool Reducer::State::told_to_end() const {
   const auto& last = window.last_result;
-  // (A rank that could not step a window it closed says that the replicas
-  // differ instead: its shadow may call join() again, the others go on.)
+  // (Also where a rank could not step a window it closed: the replicas
+  // differ, and the shadows leave join() with the drop's error all the same.)
   return last.dropped && (last.left_ranks > 0 || last.joined_ranks > 0 || last.interrupted_ranks > 0) &&
-      last.unstepped_ranks == 0 &&
       last.window != end_acted_on && last.window + 1 == window.sequence;
 }
 

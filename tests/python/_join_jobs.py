@@ -176,10 +176,12 @@ class FailOnce:
 
 
 @job
-def join_step_failure(rank, world_size, *, seed, shards):
+def join_step_failure(rank, world_size, *, seed, shards, catchers=(), next_shards=None):
     """Rank 0 joins after its data; its optimizer raises at its 2nd step, a
     shadow step of a window the others stepped: every rank must get an error
-    at the next window, none may wait."""
+    at the next window, none may wait. Ranks in `catchers` catch each error
+    inside their block and go on; with `next_shards`, every rank then runs
+    one more epoch (outside join(), ended by flush())."""
     import gradaccum
 
     model = du.mlp(seed)
@@ -187,15 +189,28 @@ def join_step_failure(rank, world_size, *, seed, shards):
     wrapped = FailOnce(opt, 2 if rank == 0 else 0)
     acc = gradaccum.Accumulator(model, wrapped, steps=pj.STEPS)
     mine = [b for window in pj.epoch_windows(seed, shards, pj.STEPS) for b in window[rank]]
-    out = {"error": None}
+    out = {"error": None, "caught": []}
     try:
         with acc.join():
-            for batch in mine:
-                acc.backward(du.micro_loss(model, batch, "mean")[0])
-                acc.step()
+            for i, batch in enumerate(mine):
+                try:
+                    acc.backward(du.micro_loss(model, batch, "mean")[0])
+                    acc.step()
+                except RuntimeError as e:
+                    if rank not in catchers:
+                        raise
+                    out["caught"].append((i, str(e)))
     except RuntimeError as e:
         out["error"] = str(e)
+    if next_shards is not None:
+        for window in pj.epoch_windows(seed + 1, next_shards, pj.STEPS):
+            for batch in window[rank]:
+                acc.backward(du.micro_loss(model, batch, "mean")[0])
+                acc.step()
+        acc.flush()
+        out["params"] = du.params(model)
     out["stats"] = acc.stats()
+    out["paired"] = _still_paired(world_size)
     acc.close()
     return out
 

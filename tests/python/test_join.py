@@ -191,6 +191,69 @@ def test_a_step_that_fails_on_a_joined_rank_reaches_every_rank(tmp_path):
     assert "injected optimizer failure on rank 0" in results[0]["error"]
 
 
+def _big_batches(windows):
+    """du.mlp(6) and its SGD after one step per window on its global batch."""
+    model = du.mlp(6)
+    opt = du.make_optimizer("sgd", model.parameters())
+    for window in windows:
+        du.global_batch_loss(model, window, "mean").backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def test_a_shadow_that_could_not_step_a_window_tells_every_rank_to_end_training(tmp_path):
+    """3 ranks: rank 0's shadow step of window 1 raises (it joined after
+    window 0), so window 2 is dropped on every rank, saying the replicas
+    differ. Rank 1 lets the error leave its block, rank 2 catches it and goes
+    on. That drop tells every rank to end training: rank 2's later micro-steps
+    in the block are refused and its block's end shadows nothing, and rank 1
+    leaves sending nothing (before, it sent a drop that rank 2's next window
+    paired with, and the next epoch's collectives crossed: Gloo aborted the
+    process). Every rank then trains one more epoch, paired, in float64: rank
+    0 one window behind (the replicas differ, as every rank was told)."""
+    results = run("join_step_failure", 3, tmp_path, seed=6, shards=[3, 12, 12], catchers=(2,),
+                  next_shards=[6, 6, 6])
+    replicas = ("window 2 was dropped on every rank: rank 0 could not step the last window it closed (ending its "
+                "data in acc.flush() or acc.join()), while other ranks stepped theirs (its own error is raised "
+                "there): the replicas differ from here on. Resume every rank from a checkpoint")
+    assert results[0]["error"].startswith("gradaccum: acc.join(): window 2 was dropped on every rank: this rank "
+                                          "(rank 0) could not step"), results[0]["error"]
+    assert results[1]["error"] == "gradaccum: acc.backward(): " + replicas, results[1]["error"]
+    caught = results[2]["caught"]
+    assert caught[0] == (8, "gradaccum: acc.backward(): " + replicas), caught[0]
+    ended = ("gradaccum: acc.backward(): the last reduction dropped its window on every rank and told every rank "
+             "to end training there (ranks were shadowing in acc.join(), one left its block with an exception, or "
+             "one was interrupted): end training on this rank too; inside acc.join(), let that error leave its "
+             "block (C++: call acc.join(), which returns at once). Nothing was changed")
+    assert caught[1:] == [(i, ended) for i in (9, 10, 11)], caught[1:]
+    assert results[2]["error"] is None
+    for res in results:
+        assert res["paired"], res
+    # The reference: rank 0 holds the big batch of window 0, ranks 1 and 2 of
+    # windows 0 and 1; each next window sums every rank's micro-batches'
+    # gradients at that rank's own weights, and each replica steps it.
+    first = pj.epoch_windows(6, [3, 12, 12], pj.STEPS)
+    behind, ahead = _big_batches(first[:1]), _big_batches(first[:2])
+    for window in pj.epoch_windows(7, [6, 6, 6], pj.STEPS):
+        n = sum(len(m) for m in window)
+        total = [torch.zeros_like(p) for p in ahead[0].parameters()]
+        for rank in range(3):
+            model = (behind if rank == 0 else ahead)[0]
+            loss = sum(du.micro_loss(model, b, "mean")[0] for b in window[rank]) / n
+            for t, g in zip(total, torch.autograd.grad(loss, list(model.parameters()))):
+                t += g
+        for model, opt in (behind, ahead):
+            for p, g in zip(model.parameters(), total):
+                p.grad = g.clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for rank, res in enumerate(results):
+        expected = du.params((behind if rank == 0 else ahead)[0])
+        du.assert_params_close(res["params"], expected, f"rank {rank}", tol=1e-12)
+        assert res["stats"]["optimizer_steps"] == (3 if rank == 0 else 4), res["stats"]
+
+
 def test_buffers_come_from_the_lowest_rank_with_data(tmp_path):
     """BatchNorm statistics under join(), broadcast by default: each window's
     come from the lowest rank that ran micro-batches in it (rank 0 has joined
