@@ -13,6 +13,11 @@ std::vector<std::vector<at::Tensor>> split(
   for (size_t i = 0; i < batch.size(); ++i) {
     const auto& t = batch[i];
     TORCH_CHECK_VALUE(t.defined(), "gradaccum: split(): tensor ", i, " is undefined");
+    // (narrow() would fail inside torch on these, or on the first use of a part.)
+    TORCH_CHECK_VALUE(!t.is_nested() && t.layout() == at::kStrided, "gradaccum: split(): tensor ", i, " is ",
+        t.is_nested() ? std::string("a nested tensor") : "layout " + c10::str(t.layout()),
+        "; only dense (strided) tensors split into views: pass a dense (padded) tensor, or split the samples "
+        "yourself");
     TORCH_CHECK_VALUE(
         t.dim() > 0, "gradaccum: split(): tensor ", i, " is a scalar; it has no dim 0 to split along");
     if (rows < 0) {

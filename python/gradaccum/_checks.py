@@ -47,7 +47,8 @@ def _check_module(model: torch.nn.Module, what: str = "Accumulator()") -> None:
                 "the Accumulator: gradaccum does the data-parallel reduction")
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
             raise ValueError(
-                f"gradaccum: {what}: submodule {name!r} is {type(module).__name__}(sparse=True), which makes "
+                f"gradaccum: {what}: {f'submodule {name!r}' if name else 'the model'} is "
+                f"{type(module).__name__}(sparse=True), which makes "
                 "sparse gradients; gradaccum supports dense gradients only: use sparse=False")
     for name, p in model.named_parameters():
         if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":

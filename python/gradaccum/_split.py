@@ -52,6 +52,10 @@ def _flatten(batch: Any, leaves: _Leaves, path: str = "batch") -> Any:
     """Collects what a nested batch holds to split; returns a template to
     rebuild it (see split() for the rules)."""
     if isinstance(batch, torch.Tensor):
+        if batch.is_nested or batch.layout != torch.strided:  # (narrow() fails in torch, or a part's first use)
+            kind = "a nested tensor" if batch.is_nested else f"layout {batch.layout}"
+            raise ValueError(f"gradaccum: split(): {path} is {kind}; only dense (strided) tensors split into views: "
+                             "pass a dense (padded) tensor, or split the samples yourself")
         leaves.tensors.append(batch)
         return _Tensor(len(leaves.tensors) - 1)
     if isinstance(batch, Mapping):

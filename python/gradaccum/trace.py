@@ -26,6 +26,7 @@ src/reducer/launch.cpp), which C++ programs read as
 ``Accumulator::last_window_timeline()``; ``from_timeline`` takes that dict.
 """
 import json
+import os
 from collections import abc
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
@@ -102,7 +103,7 @@ def from_timeline(timeline: Dict[str, Any], *, rank: int = 0, names: Optional[Se
     return {"traceEvents": ev, "displayTimeUnit": "ms"}
 
 
-def save(path: str, traces: Union[Trace, Iterable[Trace]]) -> None:
+def save(path: Union[str, "os.PathLike[str]"], traces: Union[Trace, Iterable[Trace]]) -> None:
     """Write one trace, or several (ranks, or windows of one rank) merged into
     one file."""
     if isinstance(traces, dict):
@@ -112,6 +113,9 @@ def save(path: str, traces: Union[Trace, Iterable[Trace]]) -> None:
     else:
         raise TypeError(f"gradaccum: gradaccum.trace.save(): traces must be a trace or a list of them "
                         f"(acc.window_trace()), got {type(traces).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"gradaccum: gradaccum.trace.save(): path must be a str or an os.PathLike, got "
+                        f"{type(path).__name__}")
     events: List[Dict[str, Any]] = []
     for i, trace in enumerate(items):
         if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):

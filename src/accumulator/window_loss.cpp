@@ -26,8 +26,7 @@ namespace gradaccum {
 // without accumulate_dtype) carries integers only: where every bucket's is,
 // the window's loss is not available (None); the reducer reads it from the
 // last bucket whose meta is not (take_metric_sums()). Nor for a window of
-// weight 0 (its metrics are: sums, as in one process), one a mid-window
-// checkpoint cut (the losses before the save are not in it), or one dropped on
+// weight 0 (its metrics are: sums, as in one process), or one dropped on
 // every rank (forget_window_loss(): none of its loss was applied; a window
 // reduced everywhere but dropped on one rank alone keeps its loss there, as
 // the others stepped it, where the failure came after the reducer read it:

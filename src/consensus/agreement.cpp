@@ -399,7 +399,11 @@ const char* several_phrase(AbortReason why) {
 // Every rank reads the same verdict, so every rank's text says so alike.
 std::string consequence(AbortReason why, int64_t joined) {
   if (why == AbortReason::ClosedWindowNotStepped) {
-    return ": the replicas differ from here on. Resume every rank from a checkpoint";
+    // (With shadows, as any drop: Note [Training ended in join()].)
+    return joined > 0 ? ": the replicas differ from here on, and " + std::to_string(joined) + " rank(s) out of data "
+            "in acc.join() raise this error too and leave it: end training on every rank here and resume every "
+            "rank from a checkpoint"
+                      : ": the replicas differ from here on. Resume every rank from a checkpoint";
   }
   if (why == AbortReason::RefreshRefused && joined == 0) { // Note [A refresh pairs like a window]
     return ". No rank refreshed its parameters and no optimizer step was taken (any window a rank reduced "

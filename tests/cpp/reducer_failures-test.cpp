@@ -380,10 +380,13 @@ TEST_CASE("a failure after the consensus while shadowing in acc.join() drops the
   // Rank 1 ran out of data after one window and shadows rank 0's windows in
   // acc.join(). Its buffer broadcast fails after the consensus of window 1:
   // it cannot step with rank 0. It keeps pairing and drops window 2 on every
-  // rank, naming that, so rank 0 learns too; then both go on and end alike.
+  // rank, naming that, so rank 0 learns too, and leaves join() with the
+  // error: that tells every rank to end training (Note [Training ended in
+  // join()]), so rank 0's window 3 is refused, changing nothing, and its
+  // join() returns at once. A next epoch (rank 1 joins at once) pairs.
   std::vector<std::vector<std::string>> errors(2);
   std::vector<int> allreduces(2);
-  std::vector<int64_t> joined_steps(2, -1);
+  std::vector<std::vector<int64_t>> joined_steps(2);
   std::vector<ReducerStats> stats(2);
   run_ranks(2, [&](int rank, c10::intrusive_ptr<CountingGroup> counting) {
     auto group = c10::make_intrusive<FailingBroadcastGroup>(counting);
@@ -401,27 +404,36 @@ TEST_CASE("a failure after the consensus while shadowing in acc.join() drops the
     }
     group->fail = rank == 1;
     try {
-      joined_steps[rank] = acc.join();
+      joined_steps[rank].push_back(acc.join());
     } catch (const c10::Error& e) {
       errors[rank].push_back(std::string("join: ") + e.what_without_backtrace());
       group->fail = false;
-      joined_steps[rank] = acc.join();
     }
+    for (int w = 0; w < (rank == 0 ? 2 : 0); ++w) { // the next epoch
+      acc.backward(net->loss(w));
+      acc.step();
+    }
+    joined_steps[rank].push_back(acc.join());
     allreduces[rank] = counting->allreduces;
     stats[rank] = acc.stats().reducer;
   });
   const std::string why = "rank 1) could not step the last window it closed (ending its data in acc.flush() or "
                           "acc.join()), while other ranks stepped theirs";
-  REQUIRE(errors[0].size() == 1);
+  REQUIRE(errors[0].size() == 2);
   CHECK(errors[0][0] == "2: gradaccum: acc.backward(): window 2 was dropped on every rank: rank 1 could not step the "
                         "last window it closed (ending its data in acc.flush() or acc.join()), while other ranks "
-                        "stepped theirs (its own error is raised there): the replicas differ from here on. Resume "
-                        "every rank from a checkpoint");
+                        "stepped theirs (its own error is raised there): the replicas differ from here on, and 1 "
+                        "rank(s) out of data in acc.join() raise this error too and leave it: end training on every "
+                        "rank here and resume every rank from a checkpoint");
+  CHECK(errors[0][1].rfind("3: gradaccum: acc.backward(): the last reduction dropped its window on every rank and told "
+                           "every rank to end training there", 0) == 0);
   REQUIRE(errors[1].size() == 1);
   CHECK(errors[1][0].rfind("join: gradaccum: acc.join(): ", 0) == 0);
   CHECK(errors[1][0].find("this rank (" + why) != std::string::npos);
   CHECK(errors[1][0].find("every rank reduced the window, but this rank (rank 1) failed after that: injected "
                           "broadcast failure") != std::string::npos);
+  CHECK(joined_steps[0] == std::vector<int64_t>{0, 0}); // (the first: told to end, at once)
+  CHECK(joined_steps[1] == std::vector<int64_t>{2}); // shadowed the next epoch's two windows
   CHECK(allreduces[0] == allreduces[1]);
   CHECK(stats[0].windows == stats[1].windows);
   CHECK(stats[0].dropped_windows == 1); // window 2

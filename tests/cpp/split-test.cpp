@@ -30,4 +30,7 @@ TEST_CASE("split rejects bad input with a clear message", "[split][errors]") {
       Catch::Contains("different batch sizes"));
   CHECK_THROWS_WITH(gradaccum::split(torch::tensor(1.0), 1), Catch::Contains("scalar"));
   CHECK_THROWS_WITH(gradaccum::split(std::vector<at::Tensor>{}, 1), Catch::Contains("no tensor"));
+  CHECK_THROWS_WITH(gradaccum::split(std::vector<at::Tensor>{x, torch::eye(4).to_sparse()}, 2),
+      Catch::StartsWith("gradaccum: split(): tensor 1 is layout Sparse; only dense (strided) tensors split into "
+                        "views: pass a dense (padded) tensor, or split the samples yourself"));
 }

@@ -618,6 +618,25 @@ def test_split_numpy_unsupported():
         gradaccum.split({"x": torch.zeros(4), "y": np.zeros((4, 2))}, 2)
 
 
+@pytest.mark.parametrize("make,kind", [
+    (lambda: torch.eye(4).to_sparse(), "layout torch.sparse_coo"),
+    (lambda: torch.eye(4).to_sparse_csr(), "layout torch.sparse_csr"),
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3), torch.ones(1), torch.ones(2)]),
+     "a nested tensor"),
+], ids=["coo", "csr", "nested"])
+def test_split_refuses_tensors_it_cannot_view(make, kind):
+    """(Before, torch's own error from narrow(), or none until a part was used.)"""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (sparse CSR and nested tensors are beta/prototype)
+        tensor = make()
+    with pytest.raises(ValueError) as info:
+        gradaccum.split({"x": torch.zeros(4), "y": tensor}, 2)
+    assert str(info.value) == (f"gradaccum: split(): batch['y'] is {kind}; only dense (strided) tensors split into "
+                               "views: pass a dense (padded) tensor, or split the samples yourself")
+
+
 def test_split_list_of_samples_of_another_length():
     batch = {"ids": torch.arange(4), "text": ["a", "b", "c"]}
     with pytest.raises(ValueError, match=r"batch\['text'\] is a list of 3 values, but the batch has 4 rows"):

@@ -216,7 +216,8 @@ def test_a_shadow_that_could_not_step_a_window_tells_every_rank_to_end_training(
                   next_shards=[6, 6, 6])
     replicas = ("window 2 was dropped on every rank: rank 0 could not step the last window it closed (ending its "
                 "data in acc.flush() or acc.join()), while other ranks stepped theirs (its own error is raised "
-                "there): the replicas differ from here on. Resume every rank from a checkpoint")
+                "there): the replicas differ from here on, and 1 rank(s) out of data in acc.join() raise this "
+                "error too and leave it: end training on every rank here and resume every rank from a checkpoint")
     assert results[0]["error"].startswith("gradaccum: acc.join(): window 2 was dropped on every rank: this rank "
                                           "(rank 0) could not step"), results[0]["error"]
     assert results[1]["error"] == "gradaccum: acc.backward(): " + replicas, results[1]["error"]

@@ -167,6 +167,8 @@ def test_sparse_embeddings_are_refused_at_construction():
     model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1))
     with pytest.raises(ValueError, match=r"submodule '0' is Embedding\(sparse=True\).*use sparse=False"):
         gradaccum.Accumulator(model, None, steps=2)
+    with pytest.raises(ValueError, match=r"Accumulator\(\): the model is Embedding\(sparse=True\)"):  # (was: '')
+        gradaccum.Accumulator(nn.Embedding(10, 3, sparse=True), None, steps=2)
 
 
 def test_a_sparse_gradient_met_later_is_a_clear_error():

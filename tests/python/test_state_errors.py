@@ -42,6 +42,22 @@ def test_state_dict_keys(mid_window):
     assert sorted(state) == sorted(STATE_KEYS + OPTIONAL_STATE_KEYS)
 
 
+def test_every_state_key_is_in_the_docs_table(mid_window):
+    """docs/checkpoints.md's "What a state holds" names every key (the ones of
+    data parallel, error feedback and a grad_scaler too), and no other."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
+    table = text.split("## What a state holds", 1)[1].split("\n## ", 1)[0]
+    documented = set()
+    for row in table.splitlines()[1:]:
+        if row.startswith("| `"):
+            documented |= set(re.findall(r"`([a-z_]+)`", row.split(" | ")[0]))
+    extra = {"group_ranks", "error_feedback_residuals", "grad_scaler"}  # (per-rank, error feedback, a scaler)
+    assert documented == set(STATE_KEYS + OPTIONAL_STATE_KEYS) | extra, documented ^ (set(STATE_KEYS) | extra)
+
+
 def test_load_state_dict_without_optional_keys(mid_window):
     model, acc, state = mid_window
     old = {k: v for k, v in state.items() if k not in OPTIONAL_STATE_KEYS}
