@@ -83,6 +83,11 @@ struct AccumulatorState {
   /// window's `window_loss` is then None (Note [The window's loss across a
   /// checkpoint]).
   at::Tensor window_loss_sums;
+  /// The metric names window_loss_sums' metric sums follow (saved with
+  /// them): resumed with other names, the window's loss and metrics are not
+  /// known (None) rather than credited by position. Empty in states of the
+  /// version that first kept the sums: they then load by count.
+  std::vector<std::string> window_metric_names;
 };
 
 // Note [The checkpoint schema]

@@ -86,6 +86,16 @@ std::vector<at::Tensor> read_tensors(torch::serialize::InputArchive& archive, co
   return tensors;
 }
 
+std::vector<std::string> read_names(const c10::IValue& value, const char* key) {
+  TORCH_CHECK_VALUE(value.isList(), kLoad, key, " must be a list of names, got ", value.tagKind());
+  std::vector<std::string> names;
+  for (const auto& name : value.toListRef()) {
+    TORCH_CHECK_VALUE(name.isString(), kLoad, key, " must be a list of names, got a ", name.tagKind());
+    names.push_back(name.toStringRef());
+  }
+  return names;
+}
+
 } // namespace
 
 void Accumulator::save(torch::serialize::OutputArchive& archive, bool rank_independent) {
@@ -97,6 +107,11 @@ void Accumulator::save(torch::serialize::OutputArchive& archive, bool rank_indep
   write_tensors(archive, "gradaccum.residuals", "gradaccum.residual.", state.residuals);
   if (state.window_loss_sums.defined()) {
     archive.write("gradaccum.window_loss_sums", state.window_loss_sums);
+    c10::List<std::string> metric_names;
+    for (const auto& name : state.window_metric_names) {
+      metric_names.push_back(name);
+    }
+    archive.write("gradaccum.window_metric_names", c10::IValue(metric_names));
   }
   c10::List<std::string> names;
   for (const auto& name : state.parameter_names) {
@@ -125,15 +140,12 @@ void Accumulator::load(torch::serialize::InputArchive& archive) {
   at::Tensor sums;
   if (archive.try_read("gradaccum.window_loss_sums", sums)) { // older archives have none: the loss is not known
     state.window_loss_sums = sums;
+    if (archive.try_read("gradaccum.window_metric_names", value)) {
+      state.window_metric_names = read_names(value, "gradaccum.window_metric_names");
+    }
   }
   if (archive.try_read("gradaccum.parameter_names", value)) { // older archives load by position
-    TORCH_CHECK_VALUE(value.isList(), kLoad, "gradaccum.parameter_names must be a list of names, got ",
-                      value.tagKind());
-    for (const auto& name : value.toListRef()) {
-      TORCH_CHECK_VALUE(name.isString(), kLoad, "gradaccum.parameter_names must be a list of names, got a ",
-                        name.tagKind());
-      state.parameter_names.push_back(name.toStringRef());
-    }
+    state.parameter_names = read_names(value, "gradaccum.parameter_names");
   }
   load_state_dict(state);
 }

@@ -102,7 +102,13 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   state.window_raised_nonfinite = window_ready_ && window_raised_nonfinite_;
   state.window_closed_by_flush = window_ready_ && window_closed_by_flush_;
   state.window_shared = reducer_ && !rank_independent && micro_step_ > 0 && window_shared_;
-  state.epoch_ended = epoch_ended_;
+  // A rank-independent state is the one every rank holds after its flush():
+  // where the others' flush() ended this rank's epoch, its own flush() only
+  // clears the mark (no collective, no counter), so the state saves it
+  // cleared (every rank loading it then ends or begins the epoch alike; rank
+  // 0 saving after the step that closed its last window is the frameworks'
+  // way, review). A rank's own state keeps it.
+  state.epoch_ended = epoch_ended_ && !(reducer_ && rank_independent);
   state.micro_steps = stats_.micro_steps;
   state.optimizer_steps = stats_.optimizer_steps;
   state.skipped_steps = stats_.skipped_steps;
@@ -111,10 +117,6 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
   state.loss_scale = loss_scaler_ ? loss_scaler_->scale() : 0.0;
   state.loss_scale_growth_tracker = loss_scaler_ ? loss_scaler_->growth_tracker() : 0;
   state.parameter_names = names_;
-  TORCH_CHECK(!(reducer_ && rank_independent && epoch_ended_),
-      "gradaccum: acc.state_dict(): other ranks ended the epoch with acc.flush() in the reduction that closed "
-      "this rank's last window; call acc.flush() (a no-op here) before saving, so that the "
-      "state is the same on every rank");
   TORCH_CHECK(!(reducer_ && rank_independent && micro_step_ > 0 && reducer_->compressing()),
       "gradaccum: acc.state_dict(): a rank-independent checkpoint in the middle of a window is not supported "
       "with comm_dtype (the half-done window would be rounded to the wire's dtype); save at a "
@@ -188,6 +190,7 @@ void Accumulator::snapshot_window_into(AccumulatorState& state) {
     const auto n = options_.metrics().size();
     sums.insert(sums.end(), result.metric_sums.begin(), result.metric_sums.begin() + static_cast<std::ptrdiff_t>(n));
     state.window_loss_sums = at::tensor(sums, at::kDouble); // (whole: rank 0 takes it on loading)
+    state.window_metric_names = options_.metrics();
   }
 }
 
@@ -217,6 +220,9 @@ at::Tensor Accumulator::own_window_loss_sums() const {
 void Accumulator::copy_window_into(AccumulatorState& state) const {
   const bool mid_window = micro_step_ > 0 || window_ready_;
   state.window_loss_sums = own_window_loss_sums();
+  if (state.window_loss_sums.defined()) {
+    state.window_metric_names = options_.metrics();
+  }
   if (mid_window) {
     // A window cleared or replaced since its last micro-step would be saved,
     // and resumed, without what it lost (no collective here: a local error).
@@ -573,9 +579,13 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   // loss is not in checkpoints.
   window_loss_sum_ = at::Tensor();
   window_loss_cut_ = state.micro_step > 0;
-  // (Saved with other metric names: that window's loss is not known.)
-  if (state.micro_step > 0 && state.window_loss_sums.defined() &&
-      state.window_loss_sums.numel() == 1 + static_cast<int64_t>(options_.metrics().size())) {
+  // (Saved with other metric names: that window's loss is not known; review:
+  // sums were credited to the metrics by position.)
+  const bool same_metrics = state.window_metric_names.empty()
+      ? state.window_loss_sums.defined() &&
+          state.window_loss_sums.numel() == 1 + static_cast<int64_t>(options_.metrics().size())
+      : state.window_metric_names == options_.metrics();
+  if (state.micro_step > 0 && state.window_loss_sums.defined() && same_metrics) {
     const bool whole_here = !state.rank_independent || rank == 0;
     window_loss_sum_ = whole_here ? state.window_loss_sums.to(params_.front().device(), /*non_blocking=*/false,
                                                               /*copy=*/true)

@@ -218,3 +218,51 @@ def flush_again_after_its_step_raised(rank, world_size, *, end="flush", retry="f
 
 def flush_again_windows(world_size):
     return du.make_windows(SEED, [[K] * world_size, [1] * world_size, [K] * world_size, [K] * world_size], MICRO)
+
+
+def epoch_end_save_windows(world_size):
+    """Epoch 0: rank 0 has one more full window than the others (its last
+    one closes with their flush()); epoch 1: two windows each."""
+    return du.make_windows(SEED, [[K] * world_size, [K] * world_size, [K] + [0] * (world_size - 1),
+                                  [K] * world_size, [K] * world_size], MICRO)
+
+
+@job
+def save_where_the_epoch_ended(rank, world_size, *, path, resume, flush_first=False):
+    """Not `resume`: epoch 0, rank 0 saving a rank-independent state (with
+    the model and optimizer) after each step that returned True, as
+    frameworks do, then flush() on every rank, then epoch 1. `resume`: every
+    rank loads rank 0's last file, calls flush() first if `flush_first`,
+    and runs epoch 1."""
+    import gradaccum
+
+    model = du.mlp(SEED)
+    opt = du.make_optimizer("sgd", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=K)
+    ws = epoch_end_save_windows(world_size)
+    out = {}
+    if resume:
+        ckpt = torch.load(path, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        acc.load_state_dict(ckpt["accumulator"])
+        if flush_first:
+            out["flushed"] = acc.flush()
+    else:
+        for window in ws[:3]:
+            for batch in window[rank]:
+                acc.backward(du.micro_loss(model, batch, "mean")[0])
+                if acc.step() and rank == 0:
+                    out["epoch_ended_at_save"] = acc.epoch_ended
+                    state = acc.state_dict()
+                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                "accumulator": state}, path)
+                    out["saved_epoch_ended"] = state["epoch_ended"]
+        acc.flush()
+    for window in ws[3:]:
+        for batch in window[rank]:
+            acc.backward(du.micro_loss(model, batch, "mean")[0])
+            acc.step()
+    ones = torch.ones(2)
+    torch.distributed.all_reduce(ones)  # pairs only if no rank ran a collective more
+    return {**out, "params": du.params(model), "stats": acc.stats(), "paired": ones.tolist() == [float(world_size)] * 2}

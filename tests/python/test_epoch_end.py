@@ -178,3 +178,26 @@ def test_flush_called_again_after_its_step_raised_steps_its_window_without_a_col
     for rank, res in enumerate(results):
         assert res["paired"] and res["stats"]["optimizer_steps"] == 4, res["stats"]
         du.assert_params_close(res["params"], expected, f"rank {rank}")
+
+
+@pytest.mark.parametrize("flush_first", [False, True], ids=["next_epoch", "flush_first"])
+def test_a_state_saved_where_the_others_flush_ended_the_epoch_resumes_every_rank(tmp_path, flush_first):
+    """Rank 0 has one more full window than rank 1; its step of that window
+    ends its epoch with rank 1's flush() (acc.epoch_ended), and it saves a
+    rank-independent state there, as frameworks do after each optimizer step.
+    That state_dict() raised on rank 0 alone, its peer then failing in a
+    transport error (review); it now saves the state every rank holds after
+    its flush(). Resumed on both ranks (into the next epoch, or a flush()
+    first, which pairs): the float64 big batches, as the uninterrupted run."""
+    path = str(tmp_path / "ckpt.pt")
+    first = du.run_job("save_where_the_epoch_ended", 2, tmp_path / "first", module=M, timeout=120, path=path,
+                       resume=False)
+    assert first[0]["epoch_ended_at_save"] is True and first[0]["saved_epoch_ended"] is False, first[0]
+    resumed = du.run_job("save_where_the_epoch_ended", 2, tmp_path / "resumed", module=M, timeout=120, path=path,
+                         resume=True, flush_first=flush_first)
+    expected = du.windows_reference(ej.SEED, ej.epoch_end_save_windows(2), "mean")
+    for rank in range(2):
+        for res in (first[rank], resumed[rank]):
+            assert res["paired"] and res["stats"]["optimizer_steps"] == 5, res["stats"]
+            du.assert_params_close(res["params"], expected, f"rank {rank}")
+    assert [res.get("flushed") for res in resumed] == ([False, False] if flush_first else [None, None])

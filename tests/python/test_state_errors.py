@@ -17,7 +17,7 @@ STATE_KEYS = ["steps", "reduction", "world_size", "rank", "rank_independent", "m
 # Optional: states saved before it was kept load without it (as 0).
 OPTIONAL_STATE_KEYS = ["reducer_last_weight", "reducer_residual_weight", "skipped_micro_batches", "window_loss_sums",
                        "window_empty", "window_unscaled", "window_clipped", "window_shared", "parameter_names",
-                       "window_raised_nonfinite", "window_closed_by_flush"]
+                       "window_raised_nonfinite", "window_closed_by_flush", "window_metric_names"]
 
 
 @pytest.fixture

@@ -284,6 +284,7 @@ py::dict state_to_dict(const AccumulatorState& s) {
   }
   if (s.window_loss_sums.defined()) {
     d["window_loss_sums"] = s.window_loss_sums;
+    d["window_metric_names"] = s.window_metric_names;
   }
   d["parameter_names"] = s.parameter_names;
   return d;
@@ -293,7 +294,7 @@ py::dict state_to_dict(const AccumulatorState& s) {
 // ignored silently, or the dict is not an Accumulator's (review).
 void refuse_unknown_keys(const py::dict& d, const py::dict& r) {
   std::set<std::string> known{"reducer", "grads", "error_feedback_residuals", "parameter_names", "window_loss_sums",
-                              "grad_scaler", "group_ranks"}; // (the last two: the Python side's, _checkpoint.py)
+                              "window_metric_names", "grad_scaler", "group_ranks"}; // (the last two: the Python side's, _checkpoint.py)
   std::set<std::string> known_nested;
   AccumulatorState s;
   for_each_state_field(s, [&](const char* name, const auto&, bool) {
@@ -353,6 +354,13 @@ AccumulatorState state_from_dict(const py::dict& d) {
       s.window_loss_sums = d["window_loss_sums"].cast<at::Tensor>();
     } catch (const py::cast_error&) {
       throw py::value_error("gradaccum: acc.load_state_dict(): 'window_loss_sums' must be a tensor");
+    }
+  }
+  if (d.contains("window_metric_names")) { // (the version that first kept the sums: by count)
+    try {
+      s.window_metric_names = d["window_metric_names"].cast<std::vector<std::string>>();
+    } catch (const py::cast_error&) {
+      throw py::value_error("gradaccum: acc.load_state_dict(): 'window_metric_names' must be a list of str");
     }
   }
   if (d.contains("parameter_names")) { // older states load by position
