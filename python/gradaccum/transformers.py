@@ -131,6 +131,7 @@ from gradaccum._refusal import _refuse_before_building
 from gradaccum._adapter_options import _adapter_options
 from gradaccum._hf import _float64_causal_lm_loss, keep_float64_causal_lm_loss
 from gradaccum._hf_shards import needs_flush, no_rank_had_data, shard_lengths
+from gradaccum._hf_tokens import TokensSeen
 from gradaccum._loss_share import LossShare
 
 __all__ = ["Trainer", "CHECKPOINT_NAME"]
@@ -297,6 +298,7 @@ class Trainer(transformers.Trainer):
             self.accumulator._set_pre_step_hook(self._pre_optimizer_step_callbacks)
         self._loss_windows = 0
         self._loss_share, self._loss_shares = LossShare(), []
+        self._tokens_seen = TokensSeen()  # Note [Tokens seen, once a window]
 
     def _accumulator_kwargs(self) -> Dict[str, Any]:
         """accumulator_options, with what the Trainer's arguments give DDP
@@ -500,6 +502,7 @@ class Trainer(transformers.Trainer):
         stats = acc.stats()
         if stats["windows"] == windows:
             return  # nothing to close anywhere
+        self._tokens_seen.end_window(self, acc.process_group)
         if stepped:
             self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
         loss = acc.window_loss
@@ -557,6 +560,9 @@ class Trainer(transformers.Trainer):
             losses = losses[torch.isfinite(losses)]
         self._tr_loss += losses.sum().to(self._tr_loss.dtype)
         self._loss_windows += losses.numel()
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        self._tokens_seen.count(self, inputs)  # no collective: Note [Tokens seen, once a window]
 
     def store_flos(self) -> None:
         # The Trainer resets current_flos to the int 0, and a rank without a

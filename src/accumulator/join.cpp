@@ -204,7 +204,8 @@ void Accumulator::abandon() noexcept {
     auto abort = new_request();
     abort.abort = AbortReason::LeftJoin;
     if (window_ready_) {
-      zero_grad_in_call(); // a closed window left unstepped: marked so, as a shadow marks one it drops
+      // A closed window left unstepped: marked so, as a shadow marks one it drops.
+      zero_grad_in_call("leaving acc.join() with an exception dropped it here once it was closed");
     } else {
       reset_window();
     }

@@ -126,13 +126,13 @@ void Accumulator::restart_window() {
   window_forwards_ = forwards; // (their forwards moved the buffers all the same)
 }
 
-void Accumulator::zero_grad_in_call() {
+void Accumulator::zero_grad_in_call(const char* why) {
   if (window_ready_ && reducer_ && !window_empty_) {
     // A reduced window that other ranks may step (their schedulers too):
     // Note [A window not stepped on some ranks] (src/consensus/window_header.cpp).
     reducer_->mark_unstepped(window_optimizer_stepped_
         ? "its optimizer stepped it, but its scheduler raised and acc.zero_grad() dropped the window here"
-        : "acc.zero_grad() dropped it here once it was closed");
+        : why);
   }
   drop_window();
 }

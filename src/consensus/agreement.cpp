@@ -476,7 +476,7 @@ std::string marked_ranks(const Unstepped& who) {
 
 } // namespace
 
-std::string not_stepped(const std::string& where, const Unstepped& who) {
+std::string not_stepped(const std::string& where, const Unstepped& who, int64_t joined) {
   // Note [A window not stepped on some ranks]
   std::ostringstream out;
   out << where << ": " << marked_ranks(who) << " did not step a window every rank had reduced";
@@ -488,8 +488,13 @@ std::string not_stepped(const std::string& where, const Unstepped& who) {
     out << " (acc.zero_grad() dropped the closed window there, say after acc.step() raised, or a failure there "
            "after the window's reduction cleared it)";
   }
-  out << ": the replicas differ from here on. Resume every rank from a checkpoint (acc.load_state_dict() on "
-         "every rank). The window was dropped on every rank";
+  if (joined > 0) { // (as consequence(): Note [Training ended in join()])
+    out << ": the replicas differ from here on, and " << joined << " rank(s) out of data in acc.join() raise this "
+           "error too and leave it: end training on every rank here and resume every rank from a checkpoint";
+  } else {
+    out << ": the replicas differ from here on. Resume every rank from a checkpoint";
+  }
+  out << " (acc.load_state_dict() on every rank). The window was dropped on every rank";
   return out.str();
 }
 

@@ -132,7 +132,7 @@ struct Unstepped {
 
 /// The error every rank raises when some ranks but not all did not step the
 /// window before.
-std::string not_stepped(const std::string& where, const Unstepped& who);
+std::string not_stepped(const std::string& where, const Unstepped& who, int64_t joined = 0);
 
 /// Why the window was dropped, as every rank but the dropping ones reads it:
 /// `who` dropped it; `joined` ranks were in acc.join() (Note [A window

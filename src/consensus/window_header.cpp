@@ -232,7 +232,7 @@ std::string verdict_error(const Verdict& verdict, const std::string& where) {
     case Verdict::Outcome::Disagreed:
       return window_disagreement(where, *verdict.agreement, verdict.values);
     case Verdict::Outcome::Unstepped:
-      return not_stepped(where, verdict.unstepped);
+      return not_stepped(where, verdict.unstepped, verdict.joined_ranks);
     case Verdict::Outcome::Agreed:
       break;
   }

@@ -18,6 +18,8 @@ case per --case, each rank's results written to <out>/<case>-<rank>.pt.
   loss is then the reference's).
 - ``empty_shard``: 2 rows, one batch: rank 0 has it, rank 1 has none, for 3
   epochs (fewer batches than ranks).
+- ``tokens``: the ``flos`` shards with ``include_num_input_tokens_seen`` (the
+  model's main input ``x``: 4 "tokens" a row), logging at every step.
 """
 import argparse
 import os
@@ -28,7 +30,8 @@ import transformers
 from transformers import TrainingArguments
 
 B, K, LR = 2, 2, 0.1
-ROWS = {"eval": 16, "save_at_flush": 14, "flos": 26, "split_batches": 15, "bf16_wire": 26, "empty_shard": 2}
+ROWS = {"eval": 16, "save_at_flush": 14, "flos": 26, "split_batches": 15, "bf16_wire": 26, "empty_shard": 2,
+        "tokens": 26}
 EPOCHS = {"empty_shard": 3}
 
 
@@ -71,6 +74,7 @@ def run(case, out, stock):
         "split_batches": dict(accelerator_config={"split_batches": True}, save_strategy="no"),
         "bf16_wire": dict(logging_steps=2, save_strategy="no"),
         "empty_shard": dict(save_strategy="no"),
+        "tokens": dict(include_num_input_tokens_seen=True, logging_steps=1, save_strategy="no"),
     }[case]
     options = {"accumulator_options": {"comm_dtype": torch.bfloat16}} if case == "bf16_wire" and not stock else {}
     args = TrainingArguments(folder, per_device_train_batch_size=B, gradient_accumulation_steps=K,
@@ -78,6 +82,8 @@ def run(case, out, stock):
                              learning_rate=0.0 if case == "bf16_wire" else LR, lr_scheduler_type="constant", optim="sgd", report_to=[], use_cpu=True,
                              seed=0, train_sampling_strategy="sequential", **extra)
     model = Regression()
+    if case == "tokens":
+        model.main_input_name = "x"
     trainer = trainer_class(model=model, args=args, train_dataset=Rows(ROWS[case]), data_collator=collate,
                             eval_dataset=Rows(5, seed=2) if case == "eval" else None, **options)
     output = trainer.train()
@@ -85,7 +91,9 @@ def run(case, out, stock):
               "evals": [log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log],
               "checkpoints": sorted(f for f in os.listdir(folder) if f.startswith("checkpoint-")),
               "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
-              "train_loss": output.training_loss}
+              "train_loss": output.training_loss, "tokens_seen": trainer.state.num_input_tokens_seen,
+              "logged_tokens": [log["num_input_tokens_seen"] for log in trainer.state.log_history
+                                if "loss" in log and "num_input_tokens_seen" in log]}
     if case == "eval":
         result["final_eval"] = trainer.evaluate()["eval_loss"]
     torch.save(result, os.path.join(out, f"{case}{'-stock' if stock else ''}-{os.environ['RANK']}.pt"))

@@ -176,17 +176,19 @@ class FailOnce:
 
 
 @job
-def join_step_failure(rank, world_size, *, seed, shards, catchers=(), next_shards=None):
-    """Rank 0 joins after its data; its optimizer raises at its 2nd step, a
-    shadow step of a window the others stepped: every rank must get an error
-    at the next window, none may wait. Ranks in `catchers` catch each error
-    inside their block and go on; with `next_shards`, every rank then runs
-    one more epoch (outside join(), ended by flush())."""
+def join_step_failure(rank, world_size, *, seed, shards, catchers=(), next_shards=None, fail_rank=0):
+    """Rank 0 joins after its data; `fail_rank`'s optimizer raises at its
+    2nd step (rank 0's: a shadow step of a window the others stepped):
+    every rank must get an error at the next window, none may wait. Ranks in
+    `catchers` catch each error inside their block and go on (a closed
+    window their step left, they drop with acc.zero_grad(), as its error
+    says); with `next_shards`, every rank then runs one more epoch (outside
+    join(), ended by flush())."""
     import gradaccum
 
     model = du.mlp(seed)
     opt = du.make_optimizer("sgd", model.parameters())
-    wrapped = FailOnce(opt, 2 if rank == 0 else 0)
+    wrapped = FailOnce(opt, 2 if rank == fail_rank else 0)
     acc = gradaccum.Accumulator(model, wrapped, steps=pj.STEPS)
     mine = [b for window in pj.epoch_windows(seed, shards, pj.STEPS) for b in window[rank]]
     out = {"error": None, "caught": []}
@@ -200,6 +202,8 @@ def join_step_failure(rank, world_size, *, seed, shards, catchers=(), next_shard
                     if rank not in catchers:
                         raise
                     out["caught"].append((i, str(e)))
+                    if acc.window_ready:
+                        acc.zero_grad()
     except RuntimeError as e:
         out["error"] = str(e)
     if next_shards is not None:

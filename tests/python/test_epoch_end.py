@@ -201,3 +201,31 @@ def test_a_state_saved_where_the_others_flush_ended_the_epoch_resumes_every_rank
             assert res["paired"] and res["stats"]["optimizer_steps"] == 5, res["stats"]
             du.assert_params_close(res["params"], expected, f"rank {rank}")
     assert [res.get("flushed") for res in resumed] == ([False, False] if flush_first else [None, None])
+
+
+def test_a_micro_step_after_the_epoch_ends_step_raised_says_to_flush_again():
+    """One process: flush() closes the partial window and its step raises.
+    The next micro-step is refused, naming the epoch's end and the retry
+    (review: it said the previous micro-step closed the window), changing
+    nothing; flush() again steps the window."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=3)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    acc.backward(model(x).pow(2).mean())
+    real, opt.step = opt.step, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("optimizer failed"))
+    with pytest.raises(RuntimeError, match="optimizer failed"):
+        acc.flush()
+    opt.step = real
+    held = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError) as info:
+        acc.backward(model(x).pow(2).mean())
+    assert str(info.value) == (
+        "gradaccum: acc.backward(): the epoch's end (acc.flush(), or acc.join()'s last reduction) closed the window, "
+        "and its step raised; call acc.flush() (or acc.join(), or acc.step()) again to step it, with no collective "
+        "(or acc.zero_grad() to drop it) before the next micro-step")
+    assert all(torch.equal(p.grad, h) for p, h in zip(model.parameters(), held))
+    assert acc.flush() and acc.stats()["optimizer_steps"] == 1

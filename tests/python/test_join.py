@@ -202,45 +202,64 @@ def _big_batches(windows):
     return model, opt
 
 
-def test_a_shadow_that_could_not_step_a_window_tells_every_rank_to_end_training(tmp_path):
-    """3 ranks: rank 0's shadow step of window 1 raises (it joined after
-    window 0), so window 2 is dropped on every rank, saying the replicas
-    differ. Rank 1 lets the error leave its block, rank 2 catches it and goes
-    on. That drop tells every rank to end training: rank 2's later micro-steps
-    in the block are refused and its block's end shadows nothing, and rank 1
-    leaves sending nothing (before, it sent a drop that rank 2's next window
+ENDED = ("gradaccum: acc.backward(): the last reduction dropped its window on every rank and told every rank to end "
+         "training there (ranks were shadowing in acc.join(), one left its block with an exception, or one was "
+         "interrupted): end training on this rank too; inside acc.join(), let that error leave its block (C++: call "
+         "acc.join(), which returns at once). Nothing was changed")
+SHADOWS_LEAVE = ("the replicas differ from here on, and 1 rank(s) out of data in acc.join() raise this error too and "
+                 "leave it: end training on every rank here and resume every rank from a checkpoint")
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1], ids=["shadow", "rank_with_data"])
+def test_a_rank_that_could_not_step_a_window_while_ranks_shadow_tells_every_rank_to_end_training(tmp_path,
+                                                                                                  fail_rank):
+    """3 ranks; rank 0 joins after window 0. `fail_rank`'s optimizer raises in
+    window 1's step (rank 0's: its shadow step; rank 1 catches it and drops
+    the window with acc.zero_grad(), as the error says), so window 2 is
+    dropped on every rank, saying the replicas differ. The shadow leaves
+    join() with that error; rank 1 (shadow case: lets it leave its block),
+    rank 2 catches it and goes on. The drop tells every rank to end
+    training, and says so: rank 2's later micro-steps in the block are
+    refused and its block's end shadows nothing, and a rank leaving sends
+    nothing (before, the shadow case sent a drop that rank 2's next window
     paired with, and the next epoch's collectives crossed: Gloo aborted the
-    process). Every rank then trains one more epoch, paired, in float64: rank
-    0 one window behind (the replicas differ, as every rank was told)."""
-    results = run("join_step_failure", 3, tmp_path, seed=6, shards=[3, 12, 12], catchers=(2,),
-                  next_shards=[6, 6, 6])
-    replicas = ("window 2 was dropped on every rank: rank 0 could not step the last window it closed (ending its "
-                "data in acc.flush() or acc.join()), while other ranks stepped theirs (its own error is raised "
-                "there): the replicas differ from here on, and 1 rank(s) out of data in acc.join() raise this "
-                "error too and leave it: end training on every rank here and resume every rank from a checkpoint")
-    assert results[0]["error"].startswith("gradaccum: acc.join(): window 2 was dropped on every rank: this rank "
-                                          "(rank 0) could not step"), results[0]["error"]
-    assert results[1]["error"] == "gradaccum: acc.backward(): " + replicas, results[1]["error"]
-    caught = results[2]["caught"]
-    assert caught[0] == (8, "gradaccum: acc.backward(): " + replicas), caught[0]
-    ended = ("gradaccum: acc.backward(): the last reduction dropped its window on every rank and told every rank "
-             "to end training there (ranks were shadowing in acc.join(), one left its block with an exception, or "
-             "one was interrupted): end training on this rank too; inside acc.join(), let that error leave its "
-             "block (C++: call acc.join(), which returns at once). Nothing was changed")
-    assert caught[1:] == [(i, ended) for i in (9, 10, 11)], caught[1:]
+    process). Every rank then trains one more epoch, paired, in float64: the
+    failing rank one window behind (the replicas differ, as every rank was
+    told)."""
+    catchers = (2,) if fail_rank == 0 else (1, 2)
+    results = run("join_step_failure", 3, tmp_path, seed=6, shards=[3, 12, 12], catchers=catchers,
+                  next_shards=[6, 6, 6], fail_rank=fail_rank)
+    if fail_rank == 0:
+        dropped = ("gradaccum: acc.backward(): window 2 was dropped on every rank: rank 0 could not step the last "
+                   "window it closed (ending its data in acc.flush() or acc.join()), while other ranks stepped "
+                   "theirs (its own error is raised there): " + SHADOWS_LEAVE)
+        assert results[0]["error"].startswith("gradaccum: acc.join(): window 2 was dropped on every rank: this rank "
+                                              "(rank 0) could not step"), results[0]["error"]
+        assert results[1]["error"] == dropped, results[1]["error"]
+    else:
+        dropped = ("gradaccum: acc.backward(): window 2: rank 1 did not step a window every rank had reduced, while "
+                   "the other ranks stepped it (acc.zero_grad() dropped the closed window there, say after "
+                   "acc.step() raised, or a failure there after the window's reduction cleared it): " + SHADOWS_LEAVE +
+                   " (acc.load_state_dict() on every rank). The window was dropped on every rank")
+        assert results[0]["error"] == dropped.replace("acc.backward()", "acc.join()"), results[0]["error"]
+        assert results[1]["caught"][0] == (5, "injected optimizer failure on rank 1"), results[1]["caught"]
+        assert results[1]["caught"][1][0] == 8 and "this rank (rank 1) did not step" in results[1]["caught"][1][1]
+        assert results[1]["caught"][2:] == [(i, ENDED) for i in (9, 10, 11)], results[1]["caught"]
+    assert results[2]["caught"] == [(8, dropped)] + [(i, ENDED) for i in (9, 10, 11)], results[2]["caught"]
     assert results[2]["error"] is None
     for res in results:
         assert res["paired"], res
-    # The reference: rank 0 holds the big batch of window 0, ranks 1 and 2 of
-    # windows 0 and 1; each next window sums every rank's micro-batches'
-    # gradients at that rank's own weights, and each replica steps it.
+    # The reference: the failing rank holds the big batch of window 0, the
+    # others of windows 0 and 1; each next window sums every rank's
+    # micro-batches' gradients at that rank's own weights, and each replica
+    # steps it.
     first = pj.epoch_windows(6, [3, 12, 12], pj.STEPS)
     behind, ahead = _big_batches(first[:1]), _big_batches(first[:2])
     for window in pj.epoch_windows(7, [6, 6, 6], pj.STEPS):
         n = sum(len(m) for m in window)
         total = [torch.zeros_like(p) for p in ahead[0].parameters()]
         for rank in range(3):
-            model = (behind if rank == 0 else ahead)[0]
+            model = (behind if rank == fail_rank else ahead)[0]
             loss = sum(du.micro_loss(model, b, "mean")[0] for b in window[rank]) / n
             for t, g in zip(total, torch.autograd.grad(loss, list(model.parameters()))):
                 t += g
@@ -250,9 +269,9 @@ def test_a_shadow_that_could_not_step_a_window_tells_every_rank_to_end_training(
             opt.step()
             opt.zero_grad(set_to_none=True)
     for rank, res in enumerate(results):
-        expected = du.params((behind if rank == 0 else ahead)[0])
+        expected = du.params((behind if rank == fail_rank else ahead)[0])
         du.assert_params_close(res["params"], expected, f"rank {rank}", tol=1e-12)
-        assert res["stats"]["optimizer_steps"] == (3 if rank == 0 else 4), res["stats"]
+        assert res["stats"]["optimizer_steps"] == (3 if rank == fail_rank else 4), res["stats"]
 
 
 def test_buffers_come_from_the_lowest_rank_with_data(tmp_path):

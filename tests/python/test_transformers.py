@@ -460,7 +460,7 @@ def shards_reference(n, rows_per_batch=None, epochs=1):
 @pytest.fixture(scope="module")
 def shard_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_shards")
-    shards_run(out, "--case", "eval,save_at_flush,flos,split_batches,bf16_wire,empty_shard")
+    shards_run(out, "--case", "eval,save_at_flush,flos,split_batches,bf16_wire,empty_shard,tokens")
     shards_run(out, "--case", "eval", "--stock")
 
     def load(case):
@@ -468,7 +468,7 @@ def shard_runs(tmp_path_factory):
     return load
 
 
-@pytest.mark.parametrize("case", ["eval", "save_at_flush", "flos", "split_batches", "empty_shard"])
+@pytest.mark.parametrize("case", ["eval", "save_at_flush", "flos", "split_batches", "empty_shard", "tokens"])
 def test_shards_a_batch_apart_train_as_the_big_batch(shard_runs, case):
     """Every case completes on both ranks (before: evaluation paired its
     gather_for_metrics with other calls and hung, since the eval loader lost
@@ -488,6 +488,13 @@ def test_shards_a_batch_apart_train_as_the_big_batch(shard_runs, case):
             assert torch.allclose(got, want, rtol=1e-12, atol=1e-14), (case, (got - want).abs().max())
     if case == "save_at_flush":
         assert shard_runs(case)[0]["checkpoints"] == ["checkpoint-2"]
+    if case == "tokens":
+        # Note [Tokens seen, once a window] (before: the Trainer's gather per
+        # micro-batch met rank 1's flush() all-reduce, and Gloo aborted): 4 a
+        # row, each window's 4 batches of 2 rows, the last window's one batch.
+        for res in shard_runs(case):
+            assert res["tokens_seen"] == 4 * worker.ROWS[case]
+            assert res["logged_tokens"] == [32, 64, 96, 104], res["logged_tokens"]
 
 
 def test_evaluation_with_uneven_eval_shards_equals_the_stock_trainers(shard_runs):
