@@ -60,6 +60,7 @@ bool Accumulator::flush_in_call() {
     micro_step_ = 0;
     window_loss_sum_ = at::Tensor();
     set_window_ready(true);
+    window_closed_by_flush_ = true; // (no collective to spare: for the texts, and a state resumed data parallel)
     return finish_window(call_ ? call_ : "acc.flush()");
   }
   if (epoch_ended_) {
