@@ -444,7 +444,6 @@ class Accumulator {
   /// drops alike (acc.step()'s skips) or that a reduction tells of already.
   void drop_window();
   /// zero_grad() and flush() inside a call of this Accumulator's own (join()).
-  /// `why`: what dropped a closed window here, for the others' error.
   void zero_grad_in_call(const char* why = "acc.zero_grad() dropped it here once it was closed");
   int64_t join_in_call(); ///< join() (whose catch notes that a shadow was told to end training)
   bool flush_in_call();

@@ -126,6 +126,7 @@ void Accumulator::restart_window() {
   window_forwards_ = forwards; // (their forwards moved the buffers all the same)
 }
 
+// `why`: what dropped a closed window here, for the others' error.
 void Accumulator::zero_grad_in_call(const char* why) {
   if (window_ready_ && reducer_ && !window_empty_) {
     // A reduced window that other ranks may step (their schedulers too):
