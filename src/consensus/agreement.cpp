@@ -108,8 +108,6 @@ const std::vector<Agreement>& agreements() {
       {"the metric names (AccumulatorOptions::metrics, in their order)", Shown::Names,
        [](const I& in) { return names_code(in.rule.metrics); }, true, kMetaHeader, false, nullptr,
        [](const I& in) { return &in.rule.metrics; }},
-      {"the number of trainable parameters", Shown::Number,
-       [](const I& in) { return static_cast<double>(in.parameters); }, true, kMetaHeader, false, nullptr},
       // Shapes alone (check_shapes_match) pass two ranks that unfroze
       // different layers of one shape: rank 0's values would be broadcast into
       // the other layer, and the windows would sum different layers' gradients.
@@ -118,6 +116,12 @@ const std::vector<Agreement>& agreements() {
        "every rank must train the same parameters, under the same names: the same layers frozen "
        "(requires_grad=False) and the same module passed",
        [](const I& in) { return in.names; }},
+      // (After the names, which show the first that differs: where names
+      // are not known, the count alone.)
+      {"the number of trainable parameters", Shown::Number,
+       [](const I& in) { return static_cast<double>(in.parameters); }, true, kMetaHeader, false,
+       "every rank must train the same parameters: the same layers frozen (requires_grad=False) and the same "
+       "module passed"},
   };
   return table;
 }

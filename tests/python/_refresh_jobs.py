@@ -71,7 +71,7 @@ def refused_on_one_rank(rank, world_size, *, mode):
     rank 1 refuses it by itself (`mode`: "empty": it froze every layer;
     "scaler": it unfroze a layer its optimizer lacks, with a GradScaler,
     refused in Python), or "names": rank 0 unfreezes layer 0 and rank 1
-    layer 1, of the same shape. A window is stepped first. Each rank's
+    layer 1, of the same shape, or "count": rank 1 unfreezes layer 0. A window is stepped first. Each rank's
     errors, parameters, and window loss and items before and after."""
     import gradaccum
 
@@ -93,6 +93,8 @@ def refused_on_one_rank(rank, world_size, *, mode):
         model[0].requires_grad_(True)
     if mode == "names":
         model[rank].requires_grad_(True)
+    if mode == "count" and rank == 1:
+        model[0].requires_grad_(True)
     out = {"errors": []}
     try:
         acc.refresh_parameters()

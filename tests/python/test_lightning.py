@@ -266,9 +266,11 @@ def test_the_new_trainable_set_of_a_resize_is_compared_across_ranks(runs):
     the window: both ranks raise the new Accumulator's construction error
     (a refresh of the old one, on rank 1 only, hung)."""
     for r in runs("gas_finetune_rank1"):
-        assert r["error"] == ("ValueError: gradaccum: Accumulator(): the ranks disagree on the number of trainable "
-                              "parameters (rank 0: 2, rank 1: 4); every rank must build its Accumulator with the "
-                              "same options and model"), r["error"]
+        assert r["error"] == ("ValueError: gradaccum: Accumulator(): the ranks disagree on the trainable parameters' "
+                              "names (in the Accumulator's order): the first that differs is \"net.2.weight\" on "
+                              "rank 0 and \"net.0.weight\" on rank 1 (position 0; rank 0 has 2, rank 1 has 4); every "
+                              "rank must train the same parameters, under the same names: the same layers frozen "
+                              "(requires_grad=False) and the same module passed"), r["error"]
 
 
 def test_a_two_device_checkpoint_resumes_on_one_device_with_twice_the_steps(runs):
