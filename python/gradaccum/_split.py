@@ -56,6 +56,8 @@ def _flatten(batch: Any, leaves: _Leaves, path: str = "batch") -> Any:
             kind = "a nested tensor" if batch.is_nested else f"layout {batch.layout}"
             raise ValueError(f"gradaccum: split(): {path} is {kind}; only dense (strided) tensors split into views: "
                              "pass a dense (padded) tensor, or split the samples yourself")
+        if batch.dim() == 0:
+            raise ValueError(f"gradaccum: split(): {path} is a 0-dim tensor; it has no dim 0 to split along")
         leaves.tensors.append(batch)
         return _Tensor(len(leaves.tensors) - 1)
     if isinstance(batch, Mapping):

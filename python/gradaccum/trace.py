@@ -113,8 +113,8 @@ def save(path: Union[str, "os.PathLike[str]"], traces: Union[Trace, Iterable[Tra
     else:
         raise TypeError(f"gradaccum: gradaccum.trace.save(): traces must be a trace or a list of them "
                         f"(acc.window_trace()), got {type(traces).__name__}")
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"gradaccum: gradaccum.trace.save(): path must be a str or an os.PathLike, got "
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"gradaccum: gradaccum.trace.save(): path must be a str, bytes or an os.PathLike, got "
                         f"{type(path).__name__}")
     events: List[Dict[str, Any]] = []
     for i, trace in enumerate(items):

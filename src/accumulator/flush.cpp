@@ -58,6 +58,7 @@ bool Accumulator::flush_in_call() {
     window_empty_ = window_weight_ == 0;
     scale_local_gradients();
     micro_step_ = 0;
+    window_weight_ = 0; // (as a closed window's: a state saved here loads; review)
     window_loss_sum_ = at::Tensor();
     set_window_ready(true);
     window_closed_by_flush_ = true; // (no collective to spare: for the texts, and a state resumed data parallel)

@@ -379,7 +379,7 @@ void Accumulator::note_hookless_backward(uint64_t hooks_before, const std::vecto
 
 void Accumulator::check_micro_step_state(const char* what) const {
   check_open(what);
-  TORCH_CHECK(!window_ready_ || !window_closed_by_flush_,
+  TORCH_CHECK(!window_ready_ || !window_closed_by_flush_ || window_raised_nonfinite_,
       "gradaccum: ", what, ": the epoch's end (acc.flush(), or acc.join()'s last reduction) closed the window, and "
       "its step raised; call acc.flush() (or acc.join(), or acc.step()) again to step it, with no collective "
       "(or acc.zero_grad() to drop it) before the next micro-step");

@@ -229,3 +229,38 @@ def test_a_micro_step_after_the_epoch_ends_step_raised_says_to_flush_again():
         "(or acc.zero_grad() to drop it) before the next micro-step")
     assert all(torch.equal(p.grad, h) for p, h in zip(model.parameters(), held))
     assert acc.flush() and acc.stats()["optimizer_steps"] == 1
+
+
+def test_a_state_saved_after_a_one_process_flushs_step_raised_loads_and_flushes_again():
+    """One process: flush() closed the partial window and its step raised; the
+    state saved there kept the window's weight, and every load refused it
+    (review). It loads, and flush() again steps the window. A NaN window
+    that nonfinite="raise" refused at flush() is not told to flush again:
+    the refusal says to drop it (review)."""
+    import gradaccum
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=3)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    acc.backward(model(x).pow(2).mean())
+    real, opt.step = opt.step, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("optimizer failed"))
+    with pytest.raises(RuntimeError, match="optimizer failed"):
+        acc.flush()
+    opt.step = real
+    state = acc.state_dict()
+    assert (state["window_ready"], state["window_weight"], state["window_closed_by_flush"]) == (True, 0.0, True)
+    acc.close()
+    resumed = gradaccum.Accumulator(model, opt, steps=3)
+    resumed.load_state_dict(state)
+    assert resumed.flush() and resumed.stats()["optimizer_steps"] == 1
+    resumed.close()
+    acc = gradaccum.Accumulator(model, opt, steps=3, nonfinite="raise")
+    acc.backward(model(x).pow(2).mean() * float("nan"))
+    with pytest.raises(RuntimeError, match="not finite"):
+        acc.flush()
+    with pytest.raises(RuntimeError) as info:
+        acc.backward(model(x).pow(2).mean())
+    assert str(info.value).startswith("gradaccum: acc.backward(): the window closed at the previous micro-step")
+    acc.close()

@@ -644,8 +644,11 @@ def test_split_list_of_samples_of_another_length():
 
 
 def test_split_scalar_tensor():
-    with pytest.raises(ValueError, match="scalar"):
+    with pytest.raises(ValueError) as info:
         gradaccum.split(torch.tensor(1.0), 1)
+    assert str(info.value) == "gradaccum: split(): batch is a 0-dim tensor; it has no dim 0 to split along"
+    with pytest.raises(ValueError, match=r"^gradaccum: split\(\): batch\['step'\] is a 0-dim tensor"):  # (by name)
+        gradaccum.split({"x": torch.zeros(4), "step": torch.tensor(3)}, 2)
 
 
 @pytest.mark.parametrize("batch", [(), [], {}], ids=["tuple", "list", "dict"])

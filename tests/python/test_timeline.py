@@ -284,6 +284,6 @@ def test_trace_save_refuses_what_is_not_a_list_of_traces(tmp_path):
     assert not (tmp_path / "x.json").exists()
     with pytest.raises(TypeError) as e:
         gradaccum.trace.save(None, [{"traceEvents": []}])
-    assert str(e.value) == "gradaccum: gradaccum.trace.save(): path must be a str or an os.PathLike, got NoneType"
+    assert str(e.value) == "gradaccum: gradaccum.trace.save(): path must be a str, bytes or an os.PathLike, got NoneType"
     gradaccum.trace.save(tmp_path / "y.json", [{"traceEvents": []}])  # a pathlib.Path is a path
     assert (tmp_path / "y.json").exists()
