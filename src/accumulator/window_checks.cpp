@@ -274,6 +274,16 @@ void Accumulator::check_optimizer_parameters(const char* what) const {
     known.insert(entry.second.unsafeGetTensorImpl());
   }
   const bool building = std::strcmp(what, "Accumulator()") == 0;
+  // (An optimizer built over another model, say the one a resume replaced:
+  // every step would move parameters no window reaches, and train nothing;
+  // review. At construction only: refresh_parameters() may follow.)
+  TORCH_CHECK_VALUE(!building || optimized.empty() || params_.empty() ||
+          std::any_of(optimized.begin(), optimized.end(),
+                      [&](const at::Tensor& p) { return p.defined() && known.count(p.unsafeGetTensorImpl()); }),
+      "gradaccum: ", what, ": the optimizer steps none of the model's parameters (its param_groups hold ",
+      optimized.size(), ", none of them the model's): every acc.step() would step parameters that no window's "
+      "gradient reaches, and the model would not train. Build the optimizer over this model's parameters (a model "
+      "rebuilt, say for a resume, needs its optimizer rebuilt too)");
   for (const auto i : c10::irange(optimized.size())) {
     const auto& p = optimized[i];
     if (!p.defined() || !p.requires_grad() || !p.grad().defined() || known.count(p.unsafeGetTensorImpl())) {

@@ -135,6 +135,12 @@ TEST_CASE("an optimizer that needs a closure is refused when built", "[accumulat
       Catch::StartsWith("gradaccum: Accumulator(): torch::optim::LBFGS needs a closure in step()"));
   torch::optim::SGD sgd(model->parameters(), 0.1); // (the parameters were not claimed)
   CHECK_NOTHROW(Accumulator(model, sgd, AccumulatorOptions(2)));
+  // An optimizer over another model's parameters would train nothing (review).
+  auto other = mlp();
+  torch::optim::SGD elsewhere(other->parameters(), 0.1);
+  CHECK_THROWS_WITH(Accumulator(model, elsewhere, AccumulatorOptions(2)),
+      Catch::StartsWith("gradaccum: Accumulator(): the optimizer steps none of the model's parameters (its "
+                        "param_groups hold 4, none of them the model's)"));
 }
 
 TEST_CASE("window bookkeeping", "[accumulator]") {

@@ -58,6 +58,22 @@ def test_reducer_options_wrong_type(option, value, text):
     assert str(info.value) == f"gradaccum: Accumulator(): {text}"
 
 
+def test_an_optimizer_over_another_models_parameters_is_refused():
+    """Every step would move parameters no window reaches (review: accepted,
+    and the model did not train, say after a resume rebuilt the model only)."""
+    model, other = make_model(), make_model()
+    with pytest.raises(ValueError) as info:
+        gradaccum.Accumulator(model, torch.optim.SGD(other.parameters(), lr=0.1), steps=2)
+    n = len(list(other.parameters()))
+    assert str(info.value) == (
+        f"gradaccum: Accumulator(): the optimizer steps none of the model's parameters (its param_groups hold {n}, "
+        "none of them the model's): every acc.step() would step parameters that no window's gradient reaches, and "
+        "the model would not train. Build the optimizer over this model's parameters (a model rebuilt, say for a "
+        "resume, needs its optimizer rebuilt too)")
+    gradaccum.Accumulator(model, torch.optim.SGD(list(other.parameters()) + [next(model.parameters())], lr=0.1),
+                          steps=2).close()  # (one of the model's: the rest are checked at each step)
+
+
 def test_step_functions_that_need_an_argument_are_refused():
     # acc.step() calls optimizer.step() and scheduler.step() with none: LBFGS
     # (a closure) and ReduceLROnPlateau (a metric) would fail at every window.
