@@ -61,6 +61,7 @@ except ImportError as error:  # pragma: no cover - exercised by a test in a subp
     ) from error
 
 from gradaccum._accumulator import _NONFINITE, _REDUCTIONS, Accumulator
+from gradaccum._lightning_batches import check_equal_batches
 from gradaccum._loss_share import LossShare
 from gradaccum._refusal import _refuse_before_building
 
@@ -571,10 +572,11 @@ class GradaccumStrategy(DDPStrategy):
         super().on_train_start()
         state, self._saved_state = self._saved_state, None
         module = self.lightning_module
+        if module is not None and self.accumulator is not None:  # Note [Every rank trains as many batches]
+            check_equal_batches(module.trainer, self.accumulator.process_group, self.root_device)
         if self.accumulator is not None and module is not None:
-            # A GradientAccumulationScheduler's size for the epoch that resumes
-            # (known now that the checkpoint set the epoch), before a
-            # mid-window state is loaded into it.
+            # A GradientAccumulationScheduler's size for the epoch that resumes (known now that
+            # the checkpoint set the epoch), before a mid-window state is loaded into it.
             trainer = module.trainer
             steps = self._scheduled_steps(trainer)
             if steps != self.accumulator.steps:
@@ -594,7 +596,5 @@ class GradaccumStrategy(DDPStrategy):
 
 
 if "gradaccum" not in StrategyRegistry:
-    StrategyRegistry.register(
-        "gradaccum", GradaccumStrategy,
-        description="DDP launch and process group; gradaccum.Accumulator instead of DDP (reduces once per window)",
-    )
+    StrategyRegistry.register("gradaccum", GradaccumStrategy, description="DDP launch and process group; "
+                              "gradaccum.Accumulator instead of DDP (reduces once per window)")

@@ -222,6 +222,11 @@ SCENARIOS = {
                                steps={0: 2, 1: 3}, epochs=2, unfreeze_epoch=1, unfreeze_rank=1),
     "gas_resume": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps={0: 2, 1: 3},
                        epochs=2, resume_from="gas.b1", rows=True),
+    # a sampler of the script's own gives rank 0 5 batches and rank 1 4:
+    # refused on both ranks when training starts (it hung in Lightning's
+    # per-batch broadcast, under its DDP strategy too)
+    "uneven_batches": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=2, epochs=1,
+                           uneven=True),
     "mid_1to2_late": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
                           rows=True, resume_from="mid_1dev.b7"),
 }
@@ -361,11 +366,16 @@ def run(name, out_dir):
         accumulate_grad_batches=1 if scheduled else cfg["steps"], max_epochs=cfg["epochs"], gradient_clip_val=cfg.get("clip"),
         logger=False, enable_checkpointing=bool(cfg.get("checkpoint")), callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        use_distributed_sampler=not cfg.get("uneven"),
     )
     data = dataset(cfg["kind"], cfg["batches_per_rank"], dtype, world=cfg.get("devices", WORLD))
     if cfg.get("rows"):
         data = (*data, torch.arange(len(data[0])))
     loader = DataLoader(TensorDataset(*data), batch_size=B, shuffle=False)
+    if cfg.get("uneven"):  # rank r: the rows of 5 - r batches, its own
+        rank, per_rank = int(os.environ.get("LOCAL_RANK", "0")), B * cfg["batches_per_rank"]
+        rows = range(rank * per_rank, rank * per_rank + B * (cfg["batches_per_rank"] - rank))
+        loader = DataLoader(torch.utils.data.Subset(TensorDataset(*data), rows), batch_size=B, shuffle=False)
     model = Net()
     if cfg.get("clip_hook_rank") == int(os.environ.get("LOCAL_RANK", "0")):
         class ClippingNet(Net):

@@ -261,6 +261,20 @@ def test_a_fine_tuning_callback_unfreezes_the_backbone_mid_fit(runs):
         assert torch.equal(a, b)
 
 
+def test_ranks_with_different_numbers_of_batches_are_refused_on_every_rank(runs):
+    """Note [Every rank trains as many batches]: a sampler of the script's
+    own gives rank 0 5 batches and rank 1 4; it hung with no error (in
+    Lightning's per-batch broadcast, under its DDP strategy too: review).
+    Every rank now raises when training starts, nothing trained."""
+    for rank, r in enumerate(runs("uneven_batches")):
+        assert r["error"] == (
+            "RuntimeError: gradaccum: GradaccumStrategy: the ranks have different numbers of training batches (4 to "
+            f"5; this rank {5 - rank}): Lightning synchronises the ranks at every batch and at the epoch's end, so "
+            "they would wait for each other with no error (under its DDP strategy too). Give every rank as many "
+            "batches: Lightning's DistributedSampler (use_distributed_sampler=True, the default) pads the shards to "
+            "one length; pad your own sampler's alike"), r["error"]
+
+
 def test_the_new_trainable_set_of_a_resize_is_compared_across_ranks(runs):
     """Rank 1 alone unfreezes net[0] at the epoch whose first batch resizes
     the window: both ranks raise the new Accumulator's construction error
