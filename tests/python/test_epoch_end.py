@@ -203,11 +203,9 @@ def test_a_state_saved_where_the_others_flush_ended_the_epoch_resumes_every_rank
     assert [res.get("flushed") for res in resumed] == ([False, False] if flush_first else [None, None])
 
 
-def test_a_micro_step_after_the_epoch_ends_step_raised_says_to_flush_again():
-    """One process: flush() closes the partial window and its step raises.
-    The next micro-step is refused, naming the epoch's end and the retry
-    (review: it said the previous micro-step closed the window), changing
-    nothing; flush() again steps the window."""
+def _one_process_flush_that_raised():
+    """One process, K=3: one micro-step, then flush(), whose optimizer step
+    raises once. The model, its optimizer, the Accumulator and the input."""
     import gradaccum
 
     torch.manual_seed(0)
@@ -220,6 +218,15 @@ def test_a_micro_step_after_the_epoch_ends_step_raised_says_to_flush_again():
     with pytest.raises(RuntimeError, match="optimizer failed"):
         acc.flush()
     opt.step = real
+    return model, opt, acc, x
+
+
+def test_a_micro_step_after_the_epoch_ends_step_raised_says_to_flush_again():
+    """One process: flush() closes the partial window and its step raises.
+    The next micro-step is refused, naming the epoch's end and the retry
+    (review: it said the previous micro-step closed the window), changing
+    nothing; flush() again steps the window."""
+    model, opt, acc, x = _one_process_flush_that_raised()
     held = [p.grad.clone() for p in model.parameters()]
     with pytest.raises(RuntimeError) as info:
         acc.backward(model(x).pow(2).mean())
@@ -239,16 +246,7 @@ def test_a_state_saved_after_a_one_process_flushs_step_raised_loads_and_flushes_
     the refusal says to drop it (review)."""
     import gradaccum
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    acc = gradaccum.Accumulator(model, opt, steps=3)
-    x = torch.randn(2, 3, dtype=torch.float64)
-    acc.backward(model(x).pow(2).mean())
-    real, opt.step = opt.step, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("optimizer failed"))
-    with pytest.raises(RuntimeError, match="optimizer failed"):
-        acc.flush()
-    opt.step = real
+    model, opt, acc, x = _one_process_flush_that_raised()
     state = acc.state_dict()
     assert (state["window_ready"], state["window_weight"], state["window_closed_by_flush"]) == (True, 0.0, True)
     acc.close()
