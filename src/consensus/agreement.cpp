@@ -395,6 +395,16 @@ const char* several_phrase(AbortReason why) {
   return "failed in the synchronising backward (or a micro-step of the window)";
 }
 
+// What a rank that could not step a window it closed means: the replicas
+// differ; with shadows, which leave join() with the drop's error, training
+// ends there too (Note [Training ended in join()]).
+std::string replicas_differ(int64_t joined) {
+  return joined > 0 ? ": the replicas differ from here on, and " + std::to_string(joined) + " rank(s) out of data in "
+          "acc.join() raise this error too and leave it: end training on every rank here and resume every rank "
+          "from a checkpoint"
+                    : ": the replicas differ from here on. Resume every rank from a checkpoint";
+}
+
 // Note [A window dropped while ranks shadow]
 // A rank in acc.join() (out of data) that reads a dropped window raises its
 // error and leaves join(): the window's failure is the job's, and it cannot
@@ -403,11 +413,7 @@ const char* several_phrase(AbortReason why) {
 // Every rank reads the same verdict, so every rank's text says so alike.
 std::string consequence(AbortReason why, int64_t joined) {
   if (why == AbortReason::ClosedWindowNotStepped) {
-    // (With shadows, as any drop: Note [Training ended in join()].)
-    return joined > 0 ? ": the replicas differ from here on, and " + std::to_string(joined) + " rank(s) out of data "
-            "in acc.join() raise this error too and leave it: end training on every rank here and resume every "
-            "rank from a checkpoint"
-                      : ": the replicas differ from here on. Resume every rank from a checkpoint";
+    return replicas_differ(joined);
   }
   if (why == AbortReason::RefreshRefused && joined == 0) { // Note [A refresh pairs like a window]
     return ". No rank refreshed its parameters and no optimizer step was taken (any window a rank reduced "
@@ -492,13 +498,7 @@ std::string not_stepped(const std::string& where, const Unstepped& who, int64_t 
     out << " (acc.zero_grad() dropped the closed window there, say after acc.step() raised, or a failure there "
            "after the window's reduction cleared it)";
   }
-  if (joined > 0) { // (as consequence(): Note [Training ended in join()])
-    out << ": the replicas differ from here on, and " << joined << " rank(s) out of data in acc.join() raise this "
-           "error too and leave it: end training on every rank here and resume every rank from a checkpoint";
-  } else {
-    out << ": the replicas differ from here on. Resume every rank from a checkpoint";
-  }
-  out << " (acc.load_state_dict() on every rank). The window was dropped on every rank";
+  out << replicas_differ(joined) << " (acc.load_state_dict() on every rank). The window was dropped on every rank";
   return out.str();
 }
 
