@@ -353,14 +353,15 @@ class GradaccumStrategy(DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
         """Lightning clears the gradients at the first batch of each of its
-        windows (before that batch's backward). An epoch cut short in the
-        middle of a window (``on_train_batch_start`` returned -1) reaches no
-        optimizer step, so its half-done window is still in the Accumulator
-        there: dropped, as Lightning drops it (the same on every rank that cut
-        the epoch alike), where the Accumulator would refuse the cleared
-        window at the next backward."""
+        windows (before its backward). An epoch cut short in the middle of a
+        window (``on_train_batch_start`` returned -1) reaches no optimizer
+        step, so its half-done window is still in the Accumulator: dropped
+        here, as Lightning drops it (alike on every rank that cut the epoch
+        alike), where the Accumulator would refuse the cleared window."""
         super().on_train_batch_start(batch, batch_idx, *args, **kwargs)
         module = self.lightning_module
+        if self.accumulator is not None and module is not None:  # Note [Every rank trains as many batches]
+            check_equal_batches(module.trainer, self.accumulator.process_group, self.root_device, batch_idx)
         if self.accumulator is not None and module is not None and not self._resumed \
                 and batch_idx % module.trainer.accumulate_grad_batches == 0:
             self._drop_cut_window()
@@ -572,9 +573,8 @@ class GradaccumStrategy(DDPStrategy):
         super().on_train_start()
         state, self._saved_state = self._saved_state, None
         module = self.lightning_module
-        if module is not None and self.accumulator is not None:  # Note [Every rank trains as many batches]
+        if self.accumulator is not None and module is not None:  # Note [Every rank trains as many batches]
             check_equal_batches(module.trainer, self.accumulator.process_group, self.root_device)
-        if self.accumulator is not None and module is not None:
             # A GradientAccumulationScheduler's size for the epoch that resumes (known now that
             # the checkpoint set the epoch), before a mid-window state is loaded into it.
             trainer = module.trainer

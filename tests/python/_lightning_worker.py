@@ -227,6 +227,10 @@ SCENARIOS = {
     # per-batch broadcast, under its DDP strategy too)
     "uneven_batches": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=2, epochs=1,
                            uneven=True),
+    # the same from epoch 1 only, the dataloaders reloaded at every epoch:
+    # refused there on both ranks, after epoch 0 trained
+    "uneven_reload": dict(kind="plain", reduction="mean", optimizer="sgd", batches_per_rank=5, steps=2, epochs=2,
+                          uneven=True, uneven_from_epoch=1),
     "mid_1to2_late": dict(kind="plain", reduction="mean", optimizer="adam", batches_per_rank=5, steps=3, epochs=2,
                           rows=True, resume_from="mid_1dev.b7"),
 }
@@ -366,16 +370,26 @@ def run(name, out_dir):
         accumulate_grad_batches=1 if scheduled else cfg["steps"], max_epochs=cfg["epochs"], gradient_clip_val=cfg.get("clip"),
         logger=False, enable_checkpointing=bool(cfg.get("checkpoint")), callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        use_distributed_sampler=not cfg.get("uneven"),
+        use_distributed_sampler=not cfg.get("uneven"), reload_dataloaders_every_n_epochs=int("uneven_from_epoch" in cfg),
     )
     data = dataset(cfg["kind"], cfg["batches_per_rank"], dtype, world=cfg.get("devices", WORLD))
     if cfg.get("rows"):
         data = (*data, torch.arange(len(data[0])))
     loader = DataLoader(TensorDataset(*data), batch_size=B, shuffle=False)
-    if cfg.get("uneven"):  # rank r: the rows of 5 - r batches, its own
+    def uneven_loader(epoch):  # rank r: the rows of 5 - r batches, its own (from uneven_from_epoch)
         rank, per_rank = int(os.environ.get("LOCAL_RANK", "0")), B * cfg["batches_per_rank"]
-        rows = range(rank * per_rank, rank * per_rank + B * (cfg["batches_per_rank"] - rank))
-        loader = DataLoader(torch.utils.data.Subset(TensorDataset(*data), rows), batch_size=B, shuffle=False)
+        fewer = rank if epoch >= cfg.get("uneven_from_epoch", 0) else 0
+        rows = range(rank * per_rank, rank * per_rank + B * (cfg["batches_per_rank"] - fewer))
+        return DataLoader(torch.utils.data.Subset(TensorDataset(*data), rows), batch_size=B, shuffle=False)
+
+    if cfg.get("uneven"):
+        loader = uneven_loader(0)
+    if "uneven_from_epoch" in cfg:  # a loader per epoch (reload_dataloaders_every_n_epochs=1)
+        class PerEpoch(pl.LightningDataModule):
+            def train_dataloader(self):
+                return uneven_loader(self.trainer.current_epoch)
+
+        loader = PerEpoch()
     model = Net()
     if cfg.get("clip_hook_rank") == int(os.environ.get("LOCAL_RANK", "0")):
         class ClippingNet(Net):
@@ -406,7 +420,8 @@ def run(name, out_dir):
         trainer.callbacks.append(Grab())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(model, loader, ckpt_path=ckpt_path)
+            trainer.fit(model, **({"datamodule": loader} if isinstance(loader, pl.LightningDataModule)
+                                  else {"train_dataloaders": loader}), ckpt_path=ckpt_path)
         result["warnings"] = [str(w.message) for w in caught]
         result["stats"] = accumulator.get("stats")
         result["scale"] = accumulator.get("scale")
