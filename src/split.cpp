@@ -19,7 +19,7 @@ std::vector<std::vector<at::Tensor>> split(
         "; only dense (strided) tensors split into views: pass a dense (padded) tensor, or split the samples "
         "yourself");
     TORCH_CHECK_VALUE(
-        t.dim() > 0, "gradaccum: split(): tensor ", i, " is a scalar; it has no dim 0 to split along");
+        t.dim() > 0, "gradaccum: split(): tensor ", i, " is a 0-dim tensor; it has no dim 0 to split along");
     if (rows < 0) {
       rows = t.size(0);
     }

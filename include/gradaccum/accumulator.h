@@ -561,10 +561,10 @@ class Accumulator {
   /// This closed window went through the loss scaler / before_step_ already
   /// (a step() that raised after it is retried without them).
   bool window_unscaled_ = false;
-  /// The optimizer stepped this closed window, and then the scheduler raised:
-  /// a retry of step() runs the scheduler only, and acc.zero_grad() drops a
-  /// window that was stepped.
+  /// The optimizer stepped this closed window, then the scheduler raised: a
+  /// retry of step() runs the scheduler only (acc.zero_grad() drops it).
   bool window_optimizer_stepped_ = false;
+  bool window_scaler_failed_ = false; ///< before_step_ itself raised: see finish_window()
   /// max_grad_norm clipped this closed window's gradient in place (its norm is
   /// stats().last_grad_norm), and then the optimizer raised: a retry of step()
   /// steps it as it is, where clipping again would scale it down once more.

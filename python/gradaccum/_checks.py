@@ -2,6 +2,7 @@
 grad_scaler's state: everything gradaccum.Accumulator validates before the C++
 side sees it (each refusal a gradaccum: error naming the call)."""
 import inspect
+import math
 import numbers
 import os
 from collections.abc import Mapping
@@ -475,8 +476,12 @@ def _scaler_rule(grad_scaler: Any) -> Optional[Tuple[float, float, float, int]]:
         getter = getattr(grad_scaler, name, None)
         return float(getter()) if callable(getter) else 0.0
 
-    return (get("get_scale"), get("get_growth_factor"), get("get_backoff_factor"),
-            int(get("get_growth_interval")))
+    scale = get("get_scale")
+    if isinstance(grad_scaler, torch.amp.GradScaler) and not 0 < scale < math.inf:
+        # (torch accepts these; every window would then be skipped, silently: review)
+        raise ValueError(f"gradaccum: Accumulator(): grad_scaler's scale is {scale:g}: it must be a finite number "
+                         "> 0 (GradScaler(init_scale=...)), or no window could ever step")
+    return (scale, get("get_growth_factor"), get("get_backoff_factor"), int(get("get_growth_interval")))
 
 
 # A no-sync micro-step whose backward raised, data parallel, still counts

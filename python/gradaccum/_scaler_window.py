@@ -4,6 +4,7 @@ window callbacks)."""
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 
 def unscale_and_check(acc: Any) -> bool:
@@ -18,8 +19,16 @@ def unscale_and_check(acc: Any) -> bool:
         # backward() since: scale() has not made the scale tensor yet.
         first = grads[0] if grads else acc.optimizer.param_groups[0]["params"][0]
         scaler._lazy_init_scale_growth_tracker(first.device)
-    scaler.unscale_(acc.optimizer)
     state = scaler._per_optimizer_states[id(acc.optimizer)]
+    if state["stage"] is OptState.UNSCALED:
+        # torch's AMP recipe (scaler.unscale_(optimizer) before clipping) under
+        # `if acc.window_ready:`: torch's own error would not say why (review).
+        raise RuntimeError(
+            "gradaccum: the grad_scaler's unscale_() was already called for this optimizer since its last update() "
+            "(scaler.unscale_(optimizer) in the script?), and the Accumulator unscales each closed window itself, "
+            "once, in acc.step() (or flush()/join()): leave unscale_() to it, and clip with max_grad_norm= (which "
+            "clips the unscaled gradient)")
+    scaler.unscale_(acc.optimizer)
     found_inf = sum(v.item() for v in state["found_inf_per_device"].values())
     if not found_inf and acc.steps > 1:
         # backward() scaled each micro-step by 1/steps as well (torch's own

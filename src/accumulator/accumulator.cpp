@@ -507,6 +507,7 @@ void Accumulator::reset_window() {
   micro_step_ = 0;
   set_window_ready(false);
   window_unscaled_ = false;
+  window_scaler_failed_ = false;
   window_optimizer_stepped_ = false;
   window_clipped_ = false;
   window_weight_ = 0;

@@ -121,6 +121,10 @@ AccumulatorState Accumulator::state_dict(bool rank_independent) {
       "gradaccum: acc.state_dict(): a rank-independent checkpoint in the middle of a window is not supported "
       "with comm_dtype (the half-done window would be rounded to the wire's dtype); save at a "
       "window boundary (micro_step 0), or use acc.state_dict(rank_independent=False)");
+  TORCH_CHECK(!window_scaler_failed_,
+      "gradaccum: acc.state_dict(): the loss scaler's unscale of this closed window raised, so its gradient may "
+      "be unscaled in part: a state saved now would resume it as a window to unscale. Drop it with "
+      "acc.zero_grad() first");
   TORCH_CHECK(!(reducer_ && !rank_independent && window_failed_),
       "gradaccum: acc.state_dict(rank_independent=False): a micro-step of this window failed on this rank (or its "
       "gradients were changed outside the Accumulator), so the window will be dropped on every rank when it "
@@ -433,6 +437,10 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
       "gradaccum: acc.load_state_dict(): 'window_loss_sums' must be a 1-D float64 tensor (the loss, then the "
       "metrics), got ", sums.defined() ? c10::str(sums.scalar_type(), " ", sums.sizes(), " on ", sums.device())
                                        : std::string());
+  TORCH_CHECK_VALUE(state.window_metric_names.empty() || !sums.defined() ||
+                        sums.numel() == 1 + static_cast<int64_t>(state.window_metric_names.size()),
+      "gradaccum: acc.load_state_dict(): 'window_loss_sums' must hold the loss and one sum per name of "
+      "'window_metric_names' (", 1 + state.window_metric_names.size(), " numbers), got ", sums.numel());
   TORCH_CHECK_VALUE(state.micro_step >= 0 && state.micro_step < options_.steps(),
       "gradaccum: acc.load_state_dict(): micro_step=", state.micro_step, " is outside [0, ", options_.steps(), ")");
   TORCH_CHECK_VALUE(!state.window_ready || state.micro_step == 0,
@@ -602,6 +610,7 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   stats_.skipped_steps = state.skipped_steps;
   stats_.windows = state.windows;
   stats_.skipped_micro_batches = state.skipped_micro_batches;
+  stats_.last_grad_norm = std::nullopt; // (not in states: not the checkpoint's last window's)
   if (loss_scaler_) {
     loss_scaler_->restore(state.loss_scale, state.loss_scale_growth_tracker);
   }

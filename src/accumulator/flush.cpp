@@ -81,7 +81,21 @@ bool Accumulator::flush_in_call() {
     // error's announcement already paired with their next reduction).
     return stepped;
   }
-  return reduce_partial_window(local_failure, /*joined=*/false) || stepped;
+  const auto window = reducer_->progress().sequence;
+  try {
+    return reduce_partial_window(local_failure, /*joined=*/false) || stepped;
+  } catch (const c10::Error& e) {
+    // Every rank flushed in the reduction that dropped the window: the
+    // epoch's flush is over everywhere, and a second acc.flush() here (a
+    // retry of this one) paired with the others' next window (review).
+    const auto last = reducer_ ? reducer_->last_result() : ReductionResult{};
+    TORCH_CHECK(!(last.dropped && last.window == window &&
+                  last.flushing_ranks == reducer_->process_group()->getSize() && call_name() == std::string("acc.flush()")),
+        e.what_without_backtrace(), ". Every rank ended its epoch in this acc.flush(): do not call it again for "
+        "this epoch (a second one would pair with the other ranks' next window); the next micro-step begins the "
+        "next epoch");
+    throw;
+  }
 }
 
 // Note [A non-finite window left for the epoch's end]

@@ -52,7 +52,13 @@ bool Accumulator::finish_window(const char* call) {
     // (GradScaler.update()) must still close the scaler's window, or every
     // later window's unscale_() fails; the window stays closed, unscaled, and
     // a retry of step() must not unscale it again. The original error is the
-    // one to see.
+    // one to see. Where before_step_ itself raised (window_unscaled_ is set
+    // once it returns), the gradient may be unscaled in part, or by the
+    // script's own scaler.unscale_() (review: a retry unscaled it again and
+    // updated the scale twice): no retry may step it (step_optimizer()).
+    if (before_step_ran_ && !retry && !window_unscaled_ && (loss_scaler_ || options_.external_loss_scaler())) {
+      window_scaler_failed_ = true;
+    }
     if (after_window_ && before_step_ran_ && !retry) {
       try {
         after_window_();
@@ -211,6 +217,11 @@ bool Accumulator::step_optimizer(const char* call) {
         "gradaccum: ", call, ": ", names_[i], " has a sparse gradient (Embedding(sparse=True)?); gradaccum "
         "supports dense gradients only: use sparse=False");
   }
+  TORCH_CHECK(!window_scaler_failed_,
+      "gradaccum: ", call, ": the loss scaler's unscale of this window raised (that error said why), so its "
+      "gradient may be unscaled in part or not at all: stepping it could apply it at the wrong scale. Drop the "
+      "window with acc.zero_grad() (data parallel: where other ranks stepped it, the next reduction tells every "
+      "rank that the replicas differ)");
   if (window_empty_) {
     // No micro-batch kept and no item on any rank (the same on every rank):
     // nothing to step.

@@ -307,3 +307,23 @@ def test_state_dict_refuses_gradients_no_micro_step_counted():
     opt.zero_grad()  # to None
     state = acc.state_dict()
     assert state["micro_step"] == 0 and all(g is None for g in state["grads"])
+
+
+def test_a_load_clears_the_last_windows_figures_and_keeps_the_counters():
+    """docs/stats.md: a load carries the counters on from the state, and the
+    last window's figures start again (review: a load into an Accumulator
+    that had trained kept its own last_grad_norm, from before the load)."""
+    model = make_model(seed=0)
+    opt = make_optimizer("sgd", model.parameters())
+    acc = gradaccum.Accumulator(model, opt, steps=2, max_grad_norm=1e9)
+    x, y = make_data(8)
+    saved = acc.state_dict()
+    for xb, yb in gradaccum.split((x, y), 4):
+        acc.backward(micro_loss(model, xb, yb, "mean")[0])
+        acc.step()
+    assert acc.stats()["last_grad_norm"] > 0 and acc.window_loss is not None
+    acc.load_state_dict(saved)
+    stats = acc.stats()
+    assert (stats["last_grad_norm"], acc.window_loss, acc.window_items) == (None, None, 0)
+    assert (stats["micro_steps"], stats["optimizer_steps"], stats["windows"]) == (0, 0, 0)
+    acc.close()

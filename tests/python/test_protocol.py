@@ -296,7 +296,9 @@ def test_ranks_that_cannot_step_their_closed_window_tell_every_rank_the_replicas
         "gradaccum: acc.flush(): window 1 was dropped on every rank: 2 ranks (ranks 1 and 2) could not contribute "
         "their window: both could not step the window that acc.flush() or acc.join() closed, while other ranks "
         "stepped theirs (each raises its own error there): the replicas differ "
-        "from here on. Resume every rank from a checkpoint"), results[0]["error"]
+        "from here on. Resume every rank from a checkpoint. Every rank ended its epoch in this acc.flush(): do not "
+        "call it again for this epoch (a second one would pair with the other ranks' next window); the next "
+        "micro-step begins the next epoch"), results[0]["error"]
     for rank in (1, 2):
         err = results[rank]["error"]
         assert err.startswith(f"gradaccum: acc.flush(): window 1 was dropped on every rank: this rank (rank {rank}) "

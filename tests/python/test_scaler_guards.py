@@ -2,6 +2,7 @@
 construction, a state in the other scaling's units is refused at load, a
 rejected load changes nothing, and a resumed window steps before any backward()."""
 import copy
+import re
 
 import pytest
 import torch
@@ -69,10 +70,75 @@ def test_a_scaler_whose_scale_is_nan_is_refused():
     scaler = torch.amp.GradScaler("cpu")
     scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
     scaler._scale.fill_(float("nan"))
-    with pytest.raises(ValueError, match=r"^gradaccum: Accumulator\(\): invalid external_loss_scaler \(Python: "
-                                         r"grad_scaler\) init_scale: nan \(the ranks compare it: not NaN\)$"):
+    with pytest.raises(ValueError, match=r"^gradaccum: Accumulator\(\): grad_scaler's scale is nan: it must be a "
+                                         r"finite number > 0 \(GradScaler\(init_scale=\.\.\.\)\), or no window could "
+                                         r"ever step$"):
         model = nn.Linear(4, 1)
         gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2, grad_scaler=scaler)
+
+
+@pytest.mark.parametrize("init_scale", [0.0, -4.0, float("inf")])
+def test_a_grad_scaler_whose_scale_could_never_step_is_refused(init_scale):
+    """torch accepts these; with them every window was skipped, silently
+    (review)."""
+    model = nn.Linear(4, 1)
+    with pytest.raises(ValueError, match=re.escape(
+            f"gradaccum: Accumulator(): grad_scaler's scale is {init_scale:g}: it must be a finite number > 0 "
+            "(GradScaler(init_scale=...)), or no window could ever step")):
+        gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2,
+                              grad_scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))
+
+
+def _failing_unscale(acc, sc, how):
+    """Makes the window's unscale raise: a gradient hook (Lightning's
+    on_before_optimizer_step) raising after GradScaler.unscale_(), or the
+    script's own scaler.unscale_() (torch's AMP recipe) before it."""
+    if how == "hook":
+        def hook():
+            acc._set_gradient_hook(None)
+            raise RuntimeError("a logger's hiccup")
+        acc._set_gradient_hook(hook)
+        return "^a logger's hiccup$"
+    sc.unscale_(acc.optimizer)
+    return re.escape("gradaccum: the grad_scaler's unscale_() was already called for this optimizer since its last "
+                     "update() (scaler.unscale_(optimizer) in the script?), and the Accumulator unscales each closed "
+                     "window itself, once, in acc.step() (or flush()/join()): leave unscale_() to it, and clip with "
+                     "max_grad_norm= (which clips the unscaled gradient)")
+
+
+@pytest.mark.parametrize("how", ["hook", "script_unscales"])
+def test_a_window_whose_unscale_raised_is_not_stepped_by_a_retry(how):
+    """Review: a retry of acc.step() after the unscale itself raised unscaled
+    the gradient again (it stepped at 1/256 of its value) and updated the
+    scale twice in one window. The retry is refused, the scale updated once;
+    acc.zero_grad() drops the window and the next one steps exactly as a run
+    without that window (its scale one growth further)."""
+    data = make_data(2 * K)
+    model, opt, acc = make(momentum=0.0)
+    ref_model, ref_opt, ref_acc = make(momentum=0.0, init_scale=2.0 ** 9)
+    sc = acc.grad_scaler
+    for batch in data[:K]:
+        acc.backward(loss_of(model, batch))
+    expected = _failing_unscale(acc, sc, how)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=expected):
+        acc.step()
+    assert sc.get_scale() == 2.0 ** 9  # updated once, for the failed window
+    for call in (acc.step, acc.state_dict):
+        with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.(step|state_dict)\(\): the loss scaler's "
+                                               r"unscale of this (closed )?window raised"):
+            call()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    acc.zero_grad()
+    for m, a in ((model, acc), (ref_model, ref_acc)):
+        for batch in data[K:]:
+            a.backward(loss_of(m, batch))
+        assert a.step()
+    assert sc.get_scale() == ref_acc.grad_scaler.get_scale() == 2.0 ** 10
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    acc.close()
+    ref_acc.close()
 
 
 # 1. An optimizer over part of the trainable parameters --------------------------

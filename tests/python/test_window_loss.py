@@ -1,6 +1,8 @@
 """acc.window_loss: the window's loss over every micro-batch of every rank,
 weighted as its gradient, at no extra collective (Note [The window's loss
 rides in the header]), against one process's big-batch loss in float64."""
+import re
+
 import pytest
 import torch
 
@@ -218,6 +220,18 @@ def test_the_window_a_checkpoint_cut_keeps_its_loss_and_a_boundary_state_fits_an
         else:  # its first half was not saved
             assert resumed.window_loss is None and resumed.window_metrics is None
         resumed.close()
+    # Sums that do not fit their names are refused, the Accumulator untouched
+    # (review: they loaded, and the closing backward raised torch's own
+    # size error on every rank).
+    resumed = gradaccum.Accumulator(model, opt, steps=2, metrics=("rows",))
+    for bad, expected, got in ((dict(mid, window_metric_names=["rows", "count"]), 3, 2),
+                               (dict(mid, window_loss_sums=torch.zeros(3, dtype=torch.float64)), 2, 3)):
+        with pytest.raises(ValueError, match=re.escape(
+                "gradaccum: acc.load_state_dict(): 'window_loss_sums' must hold the loss and one sum per name of "
+                f"'window_metric_names' ({expected} numbers), got {got}")):
+            resumed.load_state_dict(bad)
+        assert resumed.micro_step == 0
+    resumed.close()
     # Resumed with other metric names, the sums are not credited by position
     # (review: a renamed or reordered metric got another's sum).
     resumed = gradaccum.Accumulator(model, opt, steps=2, metrics=("count",))
