@@ -403,6 +403,9 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
     throw;
   }
   apply_rebuild(std::move(rebuilt));
+  if (window.entry == detail::Entry::ManualBackward) {
+    note_manual_written(); // Note [A second backward after the manual path's reduction]
+  }
   end_reduction(/*window_closed=*/true);
   return result;
 }

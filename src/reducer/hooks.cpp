@@ -59,6 +59,12 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
       const torch::autograd::variable_list& outputs,
       const torch::autograd::variable_list& inputs) override {
     if (auto state = state_.lock()) {
+      // The reducer's copies and collectives are never part of a graph: under
+      // loss.backward(create_graph=True) grad mode is on here, and the copy of
+      // a gradient that requires grad into its bucket raised torch's own error
+      // on that rank alone, which left the others waiting (review). The
+      // reduced .grad holds the values, without a graph.
+      const at::NoGradGuard no_grad;
       if (state->late.armed()) {
         // Note [A backward after the window closed]: no reduction; acc.step()
         // refuses what reached .grad.
@@ -245,6 +251,9 @@ void Reducer::State::mark_ready(size_t index) {
     if (config.options.gradient_as_bucket_view() && !closed.load()) {
       keep_on_view(index);
     }
+    if (!closed.load()) {
+      watch_no_sync_task();
+    }
     return; // no_sync: the gradient stays in .grad
   }
   std::lock_guard<std::mutex> lock(mutex);
@@ -272,7 +281,21 @@ void Reducer::State::mark_ready(size_t index) {
     const auto ended = training_ended(); // Note [Training ended in join()]
     TORCH_CHECK(ended.empty(), "gradaccum: loss.backward(): ", ended, "; this backward reduced nothing (its "
         "gradients may be in .grad in part: drop them with acc.zero_grad())");
+    const bool again = adds_to_manual_written(index);
     begin_in_task(manual_request(), task, detail::Entry::ManualBackward);
+    if (again) { // Note [A second backward after the manual path's reduction]
+      abort_reduction(AbortReason::GradientsChanged);
+      TORCH_CHECK(false, own_failure(config.name(index) + "'s .grad is the gradient the window's reduction wrote, "
+          "with this backward added: a second plain loss.backward() after the window's synchronising one "
+          "(l1.backward(retain_graph=True); l2.backward()?) would reduce the window again (under reduction=\"sum\" "
+          "multiplied by the world size). Put the losses into one backward ((l1 + l2).backward()), or run the "
+          "first inside acc.no_sync(); and clear .grad between windows (optimizer.zero_grad())"));
+    }
+    if (window.failed_no_sync_read) { // Note [A failed backward inside no_sync()]
+      abort_reduction(AbortReason::BackwardFailed);
+      TORCH_CHECK(false, own_failure("a plain loss.backward() inside acc.no_sync() failed on this rank in this "
+          "window after some of its gradients had reached .grad, so the window held part of that micro-batch"));
+    }
   } else if (task != window.anchor_task && older_task(task, window.anchor_task)) {
     window.anchor_task = task; // an outer task of a reentrant backward: finish at its end
     queue_end_callback(task);
@@ -343,6 +366,7 @@ void Reducer::State::queue_end_callback(int task) {
 }
 
 void Reducer::State::on_task_end(uint64_t id, int task) {
+  const at::NoGradGuard no_grad; // (the engine's callback runs under create_graph's grad mode)
   std::lock_guard<std::mutex> lock(mutex);
   if (!window.in_flight || id != window.sync_id || task != window.anchor_task) {
     return; // a nested task ended, or this reduction is already over
@@ -405,6 +429,87 @@ void Reducer::State::on_task_failed(uint64_t id) noexcept {
       return; // Reducer::backward()'s catch drops it, knowing why
     }
     abort_reduction(closed ? AbortReason::Closed : AbortReason::BackwardFailed);
+  }
+}
+
+// Note [A failed backward inside no_sync()]
+// A plain loss.backward() inside acc.no_sync() (the manual path) that fails
+// after some gradients reached .grad leaves part of its micro-batch there,
+// and nothing else marks it: reduced with the window, it was silently half
+// of a micro-batch (review). The first of its hooks queues a callback on its
+// graph task, as a synchronising backward's does (Note [Where a synchronising
+// backward ends]); torch destroys the callback unrun when the task fails, and
+// the guard then marks the window. The window's reduction (the manual path's
+// next synchronising backward) drops it on every rank, this rank's error
+// saying why; acc.zero_grad() clears the mark with what it drops. The
+// Accumulator's own no_sync micro-steps are watched too: it drops such a
+// window itself (window_failed_), and its reductions ignore the mark. A
+// backward that fails before any hook ran leaves no trace (as in torch DDP).
+namespace {
+struct NoSyncWatch {
+  std::weak_ptr<Reducer::State> state;
+  bool ran = false;
+  ~NoSyncWatch() {
+    if (!ran) {
+      if (const auto s = state.lock()) {
+        s->on_no_sync_task_failed();
+      }
+    }
+  }
+};
+} // namespace
+
+void Reducer::State::watch_no_sync_task() {
+  const int task = torch::autograd::get_current_graph_task_id();
+  int watched = watched_task.load(std::memory_order_relaxed);
+  if (task < 0 || watched == task || !watched_task.compare_exchange_strong(watched, task)) {
+    return; // watched already (by this hook's task, or by a hook racing it on another device thread)
+  }
+  auto watch = std::make_shared<NoSyncWatch>();
+  watch->state = weak_from_this();
+  try {
+    torch::autograd::Engine::get_default_engine().queue_callback([watch] { watch->ran = true; });
+  } catch (...) {
+    watch->ran = true;
+    throw;
+  }
+}
+
+// Note [A second backward after the manual path's reduction]
+// The manual path's synchronising backward reduces the window into .grad. A
+// second plain backward after it without clearing .grad (two losses, the
+// first with retain_graph=True) began another reduction of .grad, which held
+// the reduced window plus its own gradients: reduced again, silently, the
+// window multiplied by the world size under "sum" (review; torch DDP leaves
+// the second backward's gradients unreduced instead). The reduction records
+// each .grad as it leaves it (TensorImpl and version); a reduction whose first
+// hook finds that parameter's .grad the same tensor, one version on (this
+// backward's accumulation only: optimizer.zero_grad() sets it to None, or
+// zeroes it in place, a version more), is dropped on every rank, this rank's
+// error saying why. (Bucket views share their bucket's version counter: at
+// the first hook of a backward only that hook's accumulation has run.)
+void Reducer::State::note_manual_written() {
+  window.manual_written.resize(config.params.size());
+  for (const auto i : c10::irange(config.params.size())) {
+    const auto& g = config.params[i].grad();
+    window.manual_written[i] = g.defined() ? std::pair<const void*, int64_t>(g.unsafeGetTensorImpl(), g._version())
+                                    : std::pair<const void*, int64_t>(nullptr, -1);
+  }
+}
+
+bool Reducer::State::adds_to_manual_written(size_t index) const {
+  if (index >= window.manual_written.size() || window.manual_written[index].first == nullptr) {
+    return false;
+  }
+  const auto& g = config.params[index].grad();
+  return g.defined() && g.unsafeGetTensorImpl() == window.manual_written[index].first &&
+      g._version() == window.manual_written[index].second + 1;
+}
+
+void Reducer::State::on_no_sync_task_failed() noexcept {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!closed.load()) {
+    window.failed_no_sync = true;
   }
 }
 

@@ -8,6 +8,7 @@
 #include "precision/precision.h"
 
 #include <algorithm>
+#include <utility>
 
 // Note [The last bucket closes the window]
 // Hooks launch each bucket as soon as it is full, except the last: only
@@ -30,6 +31,9 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
   window.anchor_task = task;
   window.aborted_here = false;
   window.failure.clear();
+  // Note [A failed backward inside no_sync()]: the manual path's reduction
+  // drops the window for it (the Accumulator's own micro-steps say so themselves).
+  window.failed_no_sync_read = std::exchange(window.failed_no_sync, false);
   // Note [A window not stepped on some ranks]: a rank that drops this
   // reduction because it could not step the window it closed says so already.
   if (request.abort == AbortReason::ClosedWindowNotStepped) {

@@ -329,6 +329,7 @@ void Reducer::zero_grad() {
   std::lock_guard<std::mutex> lock(s.mutex);
   s.check_idle("acc.zero_grad()");
   s.clear_touched();
+  s.window.failed_no_sync = false; // (what that backward left in .grad goes here)
   const bool as_view = s.config.options.gradient_as_bucket_view();
   if (!as_view) {
     for (const auto& p : s.config.params) {
@@ -512,6 +513,7 @@ void Reducer::restore(const Progress& progress, bool backwards_too) {
   std::lock_guard<std::mutex> lock(s.mutex);
   s.check_idle("acc.load_state_dict()");
   s.window.unstepped_pending = nullptr; // every rank resumes alike (Note [A window not stepped on some ranks])
+  s.window.failed_no_sync = false;
   // Not in checkpoints: what describes this reducer's buckets (always its
   // own) and its backwards (the old reducer's at a refresh).
   const auto now = s.stats;

@@ -174,6 +174,15 @@ struct Window {
   /// [Error feedback across loss scales]).
   at::Tensor residual_rescale;
   int last_anchor_task = -1;
+  /// Note [A failed backward inside no_sync()]: one failed after some of its
+  /// gradients reached .grad, since the last reduction or acc.zero_grad();
+  /// `failed_no_sync_read` is what the reduction in flight read of it.
+  bool failed_no_sync = false;
+  bool failed_no_sync_read = false;
+  /// Note [A second backward after the manual path's reduction]: each
+  /// parameter's .grad (its TensorImpl and version) as the last manual
+  /// reduction left it.
+  std::vector<std::pair<const void*, int64_t>> manual_written;
   bool aborted_here = false; ///< this rank dropped the last reduction itself
   /// Why the last reduction dropped its window ("" if it did not; also if
   /// even kUnworded could not be kept). Its capacity is reserved with the
@@ -249,6 +258,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// without hooks is then reduced after it (Note [Compiled autograd]).
   std::atomic<bool> in_backward{false};
   std::atomic<bool> closed{false}; ///< the Reducer was destroyed: hooks are inert
+  /// Note [A failed backward inside no_sync()]: the graph task of the last
+  /// no_sync backward a hook of which ran (its failure watched).
+  std::atomic<int> watched_task{-1};
   /// Note [A backward after the window closed]: armed while the Accumulator's
   /// window is closed and not yet stepped (held: hooks begin no reduction).
   detail::LateBackwardRecord late;
@@ -278,6 +290,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void on_outer_node_end(uint64_t id, int nested_task);
   void on_task_end(uint64_t id, int task);
   void on_task_failed(uint64_t id) noexcept;
+  void watch_no_sync_task();
+  void note_manual_written();
+  bool adds_to_manual_written(size_t index) const;
+  void on_no_sync_task_failed() noexcept;
   /// Reducer::backward() after loss.backward() raised `local`: drops the
   /// window on every rank unless that happened already. Returns this rank's
   /// own error when this rank dropped it ("" when the error raised is every

@@ -182,3 +182,140 @@ def stray_after_the_epoch_ended(rank, world_size, *, clear):
     out["stepped"] = acc.step()
     out["dropped_windows"] = acc.stats()["dropped_windows"]
     return out
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """Passes its input on; its backward raises (after the layers behind it
+    in backward got their gradients)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("injected failure in backward")
+
+
+def _manual_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+
+
+def _manual_loss(m, x, fail=False):
+    h = m[1](m[0](x))
+    if fail:
+        h = _FailsInBackward.apply(h)
+    return m[2](h).pow(2).mean()
+
+
+@job
+def manual_no_sync_backward_fails(rank, world_size, *, clear):
+    """The manual path (no_sync() and plain loss.backward()), K=2, 3
+    windows, SGD. In window 1, rank 1's no_sync backward fails after the last
+    layer's gradients reached .grad; the script catches it and goes on. It
+    was reduced with the window, silently (half a micro-batch: review). Now
+    the closing backward drops the window on every rank (each raises), or,
+    where rank 1 dropped its part with acc.zero_grad() (`clear`), the window
+    steps without that part. Returns the params and the reference: the
+    windows that stepped, each .grad = sum over ranks and micro-batches kept
+    / world, as torch DDP's no_sync path gives."""
+    import gradaccum
+
+    m = _manual_net()
+    ref = _manual_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(m, None, steps=K)
+    errors = []
+    for w in range(WINDOWS):
+        failed = False
+        for k in range(K):
+            fail = rank == 1 and w == 1 and k == 0
+            loss = _manual_loss(m, batch(rank, w, k), fail=fail)
+            try:
+                if k < K - 1:
+                    with acc.no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+            except (ValueError, RuntimeError) as e:
+                errors.append((w, k, type(e).__name__, str(e)))
+                failed = failed or k == K - 1
+                if fail and clear:
+                    acc.zero_grad()
+        if not failed:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        # the reference: the micro-batches each window kept
+        if w != 1 or clear:
+            ref_opt.zero_grad(set_to_none=True)
+            for r in range(world_size):
+                for k in range(K):
+                    if not (r == 1 and w == 1 and k == 0):
+                        (_manual_loss(ref, batch(r, w, k)) / world_size).backward()
+            ref_opt.step()
+    stats = acc.stats()
+    acc.close()
+    return {"errors": errors, "params": [p.detach().clone() for p in m.parameters()],
+            "ref": [p.detach().clone() for p in ref.parameters()], "dropped_windows": stats["dropped_windows"]}
+
+
+@job
+def manual_create_graph(rank, world_size):
+    """The manual path's synchronising backward with create_graph=True on
+    rank 1 only: the reducer's copy into its bucket raised torch's own error
+    there, and rank 0 waited in its all-reduce (review). Both now reduce the
+    values (without a graph), against the reference."""
+    import gradaccum
+
+    m = _manual_net()
+    acc = gradaccum.Accumulator(m, None, steps=K)
+    with acc.no_sync():
+        _manual_loss(m, batch(rank, 0, 0)).backward()
+    _manual_loss(m, batch(rank, 0, 1)).backward(create_graph=rank == 1)
+    grads = [p.grad.detach().clone() for p in m.parameters()]
+    ref = _manual_net()
+    for r in range(world_size):
+        for k in range(K):
+            (_manual_loss(ref, batch(r, 0, k)) / world_size).backward()
+    acc.close()
+    return {"grads": grads, "ref": [p.grad.clone() for p in ref.parameters()]}
+
+
+@job
+def manual_second_backward(rank, world_size, *, ranks):
+    """The manual path under reduction="sum", K=2, 2 windows: in window 0
+    the ranks in `ranks` close it with two plain backwards, the first with
+    retain_graph=True. The second reduced the window again, silently (times
+    the world size: review). Now it is dropped on every rank (each raises);
+    the next window trains as the reference's."""
+    import gradaccum
+
+    m = _manual_net()
+    ref = _manual_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(m, None, steps=K, reduction="sum")
+    errors = []
+    for w in range(2):
+        try:
+            with acc.no_sync():
+                _manual_loss(m, batch(rank, w, 0)).backward()
+            loss = _manual_loss(m, batch(rank, w, 1))
+            if w == 0 and rank in ranks:
+                loss.backward(retain_graph=True)
+                (2 * loss).backward()
+            else:
+                loss.backward()
+            opt.step()
+        except RuntimeError as e:
+            errors.append((w, str(e)))
+        opt.zero_grad(set_to_none=True)
+    for r in range(world_size):
+        for k in range(K):
+            _manual_loss(ref, batch(r, 1, k)).backward()
+    ref_opt.step()
+    acc.close()
+    return {"errors": errors, "params": [p.detach().clone() for p in m.parameters()],
+            "ref": [p.detach().clone() for p in ref.parameters()]}

@@ -222,7 +222,10 @@ def test_a_stray_gradient_on_one_rank_where_its_call_closes_a_window_drops_it_ev
         detail = ("(on this rank the gradient of weight was written before the window's first micro-step (or "
                   "before the Accumulator was built), and no micro-step counted it: a plain loss.backward() at the "
                   "window boundary, or a .grad left from before?)")
-        assert err[1].endswith(detail) == (rank == 0), err
+        ended = (". Every rank ended its epoch in this acc.flush(): do not call it again for this epoch (a second "
+                 "one would pair with the other ranks' next window); the next micro-step begins the next epoch")
+        assert err[1].endswith(ended) == (how == "flush"), err  # (every rank flushed)
+        assert err[1].removesuffix(ended).endswith(detail) == (rank == 0), err
         assert res["dropped_windows"] == 1 and res["stepped"], res
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
@@ -320,3 +323,66 @@ def test_an_accumulator_closed_inside_a_backward_leaves_its_hooks_inert():
         acc.backward(m(x).pow(2).mean())
     for p, g in zip(m.parameters(), want):
         assert (p.grad - g).abs().max().item() <= 1e-15
+
+
+@pytest.mark.parametrize("clear", [False, True])
+def test_a_failed_backward_inside_no_sync_is_not_reduced_in_part(tmp_path, clear):
+    """Note [A failed backward inside no_sync()]: the manual path; rank 1's
+    no_sync backward fails after the last layer's gradients reached .grad,
+    and the script goes on. That half micro-batch was reduced with the
+    window, with no error (review). Now the window's closing backward drops
+    it on every rank, rank 1 saying why; with acc.zero_grad() after the
+    failure, rank 1's part goes and the window steps without it. Either way
+    both ranks match the float64 reference of what was kept."""
+    results = du.run_job("manual_no_sync_backward_fails", 2, tmp_path, module=M, timeout=120, pg_timeout=30,
+                         clear=clear)
+    injected = (1, 0, "ValueError", "injected failure in backward")
+    if clear:
+        assert results[1]["errors"][0][:3] == injected[:3] and results[0]["errors"] == []
+        assert len(results[1]["errors"]) == 1
+    else:
+        tail = (". The window's gradients were cleared on every rank and no optimizer step was taken; training can "
+                "go on from the next window")
+        assert results[1]["errors"][0][:3] == injected[:3]
+        assert results[1]["errors"][1:] == [(1, 1, "RuntimeError", (
+            "gradaccum: loss.backward(): window 1 was dropped on every rank: the synchronising backward (or a "
+            "micro-step of the window) failed on this rank (rank 1): a plain loss.backward() inside acc.no_sync() "
+            "failed on this rank in this window after some of its gradients had reached .grad, so the window held "
+            "part of that micro-batch" + tail))], results[1]["errors"]
+        assert results[0]["errors"] == [(1, 1, "RuntimeError", (
+            "gradaccum: loss.backward(): window 1 was dropped on every rank: the synchronising backward (or a "
+            "micro-step of the window) failed on rank 1 (its own error is raised there)" + tail))], \
+            results[0]["errors"]
+    for res in results:
+        assert res["dropped_windows"] == (0 if clear else 1)
+        du.assert_params_close(res["params"], res["ref"], "kept micro-batches")
+
+
+def test_a_synchronising_backward_with_create_graph_on_one_rank_reduces_on_both(tmp_path):
+    """The manual path's plain loss.backward(create_graph=True) on rank 1:
+    torch's own error there (a copy under grad mode), rank 0 left waiting
+    (review). Both reduce the values now."""
+    for res in du.run_job("manual_create_graph", 2, tmp_path, module=M, timeout=120, pg_timeout=30):
+        du.assert_params_close(res["grads"], res["ref"], "create_graph")
+
+
+def test_a_second_backward_after_the_manual_reduction_is_not_reduced_again(tmp_path):
+    """Note [A second backward after the manual path's reduction]: two plain
+    backwards close the window on every rank (the first with
+    retain_graph=True). The second reduced the window's reduced gradient
+    again, silently (under "sum" times the world size: review). Now that
+    window is dropped on every rank, each saying why, and the next window
+    trains as the float64 reference's."""
+    ranks = (0, 1)
+    results = du.run_job("manual_second_backward", 2, tmp_path, module=M, timeout=120, pg_timeout=30,
+                         ranks=ranks)
+    why = ("2.bias's .grad is the gradient the window's reduction wrote, with this backward added: a second "
+           "plain loss.backward() after the window's synchronising one (l1.backward(retain_graph=True); "
+           "l2.backward()?) would reduce the window again (under reduction=\"sum\" multiplied by the world size). "
+           "Put the losses into one backward ((l1 + l2).backward()), or run the first inside acc.no_sync(); and "
+           "clear .grad between windows (optimizer.zero_grad())")
+    for rank, res in enumerate(results):
+        (err,) = res["errors"]
+        assert err[0] == 0 and err[1].startswith("gradaccum: loss.backward(): window 1 was dropped on every rank: "), err
+        assert (why in err[1]) == (rank in ranks), err
+        du.assert_params_close(res["params"], res["ref"], "the next window")
