@@ -393,6 +393,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
     abort.abort = window_failure_;
     const auto detail = failure_detail_;
     reset_window();
+    ++stats_.micro_steps; // (the closing one: counted, as the window's others; review)
     try {
       reducer_->reduce(abort); // throws the dropped window's error, as every rank does
     } catch (const c10::Error& e) {
@@ -459,6 +460,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
       TORCH_CHECK(false, detail::failed_after_reduction(call_name(), reducer_->process_group()->getRank(), last, e));
     }
     reset_window(); // the reducer dropped the window on every rank
+    ++stats_.micro_steps;
     note_dropped_window(window);
     forget_window_loss();
     throw;

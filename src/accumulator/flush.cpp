@@ -1,6 +1,7 @@
 // Accumulator::flush(): the end of an epoch whose last window is partial,
 // closed with its own weight on every rank (Note [Joining] builds on it).
 #include <gradaccum/accumulator.h>
+#include <gradaccum/detail/failed_backward.h>
 
 #include "call_guard.h"
 #include "window_errors.h"
@@ -147,8 +148,7 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
       drop_nonfinite_at_epoch_end(/*raised_before=*/false);
       return false;
     }
-    const auto* error = dynamic_cast<const c10::Error*>(&e);
-    *local_failure = error ? error->what_without_backtrace() : e.what();
+    *local_failure = detail::without_python_trace(e);
     drop_window();
     window_failed_ = true;
     window_failure_ = AbortReason::ClosedWindowNotStepped;
@@ -188,9 +188,10 @@ bool Accumulator::reduce_partial_window(const std::string& local_failure, bool j
     } catch (const c10::Error& e) {
       remember_gradients(); // dropping zeroed the buckets, and with them any .grad views
       TORCH_CHECK(detail.empty(), with_failure_detail(e.what_without_backtrace(), detail));
-      TORCH_CHECK(local_failure.empty(), e.what_without_backtrace(), ". The error on this rank, "
-          "stepping the closed window before ",
-          call_ != nullptr && std::string(call_) == "acc.join()" ? "joining" : "the flush", ": ", local_failure);
+      TORCH_CHECK(local_failure.empty(), e.what_without_backtrace(), ". The error on this rank, stepping ",
+          call_ != nullptr && std::string(call_) == "acc.join()" ? "a window as it joined (its last, or one it shadowed)"
+                                                                 : "the closed window before the flush",
+          ": ", local_failure);
       throw;
     }
     TORCH_INTERNAL_ASSERT(false, "gradaccum: an aborted reduction returned");

@@ -1,5 +1,6 @@
 // Accumulator::join(): ranks that run out of data at different times.
 #include <gradaccum/accumulator.h>
+#include <gradaccum/detail/failed_backward.h>
 
 #include "call_guard.h"
 
@@ -148,8 +149,7 @@ int64_t Accumulator::join_in_call() {
       if (!others_go_on) {
         throw;
       }
-      const auto* error = dynamic_cast<const c10::Error*>(&e);
-      local_failure = error ? error->what_without_backtrace() : e.what();
+      local_failure = detail::without_python_trace(e);
       reset_window();
       window_failed_ = true;
       window_failure_ = AbortReason::ClosedWindowNotStepped;

@@ -393,6 +393,10 @@ void Accumulator::check_micro_step_state(const char* what) const {
       "gradaccum: ", what, ": the epoch's end (acc.flush(), or acc.join()'s last reduction) closed the window, and "
       "its step raised; call acc.flush() (or acc.join(), or acc.step()) again to step it, with no collective "
       "(or acc.zero_grad() to drop it) before the next micro-step");
+  TORCH_CHECK(!window_ready_ || !window_closed_by_flush_,
+      "gradaccum: ", what, ": the epoch's end (acc.flush(), or acc.join()'s last reduction) closed the window, and "
+      "its gradient is not finite (nonfinite=\"raise\"); call acc.zero_grad() to drop it before the next "
+      "micro-step");
   TORCH_CHECK(!window_ready_,
       "gradaccum: ", what, ": the window closed at the previous micro-step (acc.backward() or acc.run()); "
       "call acc.step() (or acc.zero_grad() to drop it) before the next micro-step");

@@ -322,8 +322,8 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
     case AbortReason::Closed:
       return who + " destroyed its Accumulator during the synchronising backward";
     case AbortReason::ClosedWindowNotStepped:
-      return who + " could not step the last window it closed (ending its data in acc.flush() or "
-          "acc.join()), while other ranks stepped theirs";
+      return who + " could not step a window every rank had reduced as its data ended (its last, in acc.flush() "
+          "or acc.join(), or one it shadowed in acc.join()), while other ranks stepped theirs";
     case AbortReason::OutOfMemory:
       return who + " ran out of memory in acc.run() on a micro-batch it could not split further (one row) "
           "or run again (part of its gradient had reached .grad)";
@@ -375,7 +375,8 @@ const char* several_phrase(AbortReason why) {
     case AbortReason::WeightTooSmall:
       return "had a window weight too small for a bf16/fp16 bucket's meta to carry exactly";
     case AbortReason::ClosedWindowNotStepped:
-      return "could not step the window that acc.flush() or acc.join() closed, while other ranks stepped theirs";
+      return "could not step a window every rank had reduced as their data ended (in acc.flush() or acc.join()), "
+             "while other ranks stepped theirs";
     case AbortReason::OutOfMemory:
       return "ran out of memory in acc.run() on a micro-batch that could not be split further or run again";
     case AbortReason::MicroBatchRefused:
@@ -495,8 +496,9 @@ std::string not_stepped(const std::string& where, const Unstepped& who, int64_t 
   }
   out << ", while the other ranks stepped it";
   if (!who.here) {
-    out << " (acc.zero_grad() dropped the closed window there, say after acc.step() raised, or a failure there "
-           "after the window's reduction cleared it)";
+    out << " (acc.zero_grad() dropped the closed window there, say after acc.step() raised; a failure there "
+           "after the window's reduction cleared it; or it left its acc.join() block with an exception before "
+           "stepping it)";
   }
   out << replicas_differ(joined) << " (acc.load_state_dict() on every rank). The window was dropped on every rank";
   return out.str();
@@ -537,8 +539,9 @@ std::string dropped_here(const std::string& where, int rank, AbortReason why, co
   if (why == AbortReason::ClosedWindowNotStepped && world > 0 && unstepped == world) {
     // Note [Every rank reads what several aborters did]: every rank failed
     // alike (its optimizer or its scheduler), none stepped while another did not.
-    return where + " was dropped on every rank: this rank (rank " + std::to_string(rank) + ") could not step the "
-        "last window it closed (ending its data in acc.flush() or acc.join())" + (local.empty() ? "" : ": " + local) +
+    return where + " was dropped on every rank: this rank (rank " + std::to_string(rank) + ") could not step a "
+        "window every rank had reduced as its data ended (its last, in acc.flush() or acc.join(), or one it "
+        "shadowed in acc.join())" + (local.empty() ? "" : ": " + local) +
         (world > 1 ? "; neither could any other rank, so the replicas still agree (unless the ranks failed at "
                      "different points of their step)"
                    : "") +

@@ -359,7 +359,8 @@ TEST_CASE("a failure after the consensus of a flush steps nothing on that rank",
   REQUIRE(errors[0].size() == 1);
   CHECK(errors[0][0] == "gradaccum: acc.backward(): window 2: rank 1 did not step a window every rank had reduced, "
                         "while the other ranks stepped it (acc.zero_grad() dropped the closed window there, say after "
-                        "acc.step() raised, or a failure there after the window's reduction cleared it)" + replicas);
+                        "acc.step() raised; a failure there after the window's reduction cleared it; or it left its "
+                        "acc.join() block with an exception before stepping it)" + replicas);
   REQUIRE(errors[1].size() == 2);
   CHECK(errors[1][0] == "gradaccum: acc.flush(): every rank reduced the window, but this rank (rank 1) failed after "
                         "that: injected broadcast failure. This rank dropped its window (no optimizer step here) "
@@ -417,12 +418,13 @@ TEST_CASE("a failure after the consensus while shadowing in acc.join() drops the
     allreduces[rank] = counting->allreduces;
     stats[rank] = acc.stats().reducer;
   });
-  const std::string why = "rank 1) could not step the last window it closed (ending its data in acc.flush() or "
-                          "acc.join()), while other ranks stepped theirs";
+  const std::string why = "rank 1) could not step a window every rank had reduced as its data ended (its last, in "
+                          "acc.flush() or acc.join(), or one it shadowed in acc.join()), while other ranks stepped "
+                          "theirs";
   REQUIRE(errors[0].size() == 2);
-  CHECK(errors[0][0] == "2: gradaccum: acc.backward(): window 2 was dropped on every rank: rank 1 could not step the "
-                        "last window it closed (ending its data in acc.flush() or acc.join()), while other ranks "
-                        "stepped theirs (its own error is raised there): the replicas differ from here on, and 1 "
+  CHECK(errors[0][0] == "2: gradaccum: acc.backward(): window 2 was dropped on every rank: rank 1 could not step a "
+                        "window every rank had reduced as its data ended (its last, in acc.flush() or acc.join(), or "
+                        "one it shadowed in acc.join()), while other ranks stepped theirs (its own error is raised there): the replicas differ from here on, and 1 "
                         "rank(s) out of data in acc.join() raise this error too and leave it: end training on every "
                         "rank here and resume every rank from a checkpoint");
   CHECK(errors[0][1].rfind("3: gradaccum: acc.backward(): the last reduction dropped its window on every rank and told "

@@ -188,6 +188,8 @@ def dropped_window_loss(rank, world_size, *, seed, n_windows, last, reduction, f
         out["stats_loss"].append(acc.stats()["window_loss"])
         out["errors"].append(errors)
     out["params"] = du.params(model)
+    out["micro_steps"] = acc.stats()["micro_steps"]
+    out["backward_calls"] = sum(len(window[rank]) for window in windows)
     acc.close()
     return out
 

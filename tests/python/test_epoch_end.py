@@ -260,5 +260,8 @@ def test_a_state_saved_after_a_one_process_flushs_step_raised_loads_and_flushes_
         acc.flush()
     with pytest.raises(RuntimeError) as info:
         acc.backward(model(x).pow(2).mean())
-    assert str(info.value).startswith("gradaccum: acc.backward(): the window closed at the previous micro-step")
+    assert str(info.value).startswith(  # (review: it said the previous micro-step had closed it)
+        "gradaccum: acc.backward(): the epoch's end (acc.flush(), or acc.join()'s last reduction) closed the window, "
+        "and its gradient is not finite (nonfinite=\"raise\"); call acc.zero_grad() to drop it before the next "
+        "micro-step")
     acc.close()

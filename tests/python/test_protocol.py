@@ -270,10 +270,10 @@ def test_flush_that_cannot_step_a_closed_window_on_one_rank_fails_on_every_rank(
     results = du.run_job("flush_after_closed_window_fails_on_one_rank", 2, tmp_path,
                          module=R, how=how, prior_raise=prior_raise,
                          pg_timeout=30, timeout=90)
-    assert "rank 1 could not step the last window it closed (ending its data in acc.flush() or acc.join()), " \
-        "while other ranks stepped theirs (its own error is raised there): the replicas differ from here on" \
-        in results[0]["error"], results[0]["error"]
-    assert "this rank (rank 1) could not step the last window it closed (ending its data in acc.flush()" \
+    assert "rank 1 could not step a window every rank had reduced as its data ended (its last, in acc.flush() " \
+        "or acc.join(), or one it shadowed in acc.join()), while other ranks stepped theirs (its own error is " \
+        "raised there): the replicas differ from here on" in results[0]["error"], results[0]["error"]
+    assert "this rank (rank 1) could not step a window every rank had reduced as its data ended (its last" \
         in results[1]["error"], results[1]["error"]
     for res in results:
         assert "Resume every rank from a checkpoint" in res["error"]
@@ -294,16 +294,17 @@ def test_ranks_that_cannot_step_their_closed_window_tell_every_rank_the_replicas
                          how="optimizer", failing=(1, 2), pg_timeout=30, timeout=90)
     assert results[0]["error"] == (
         "gradaccum: acc.flush(): window 1 was dropped on every rank: 2 ranks (ranks 1 and 2) could not contribute "
-        "their window: both could not step the window that acc.flush() or acc.join() closed, while other ranks "
-        "stepped theirs (each raises its own error there): the replicas differ "
+        "their window: both could not step a window every rank had reduced as their data ended (in acc.flush() or "
+        "acc.join()), while other ranks stepped theirs (each raises its own error there): the replicas differ "
         "from here on. Resume every rank from a checkpoint. Every rank ended its epoch in this acc.flush(): do not "
         "call it again for this epoch (a second one would pair with the other ranks' next window); the next "
         "micro-step begins the next epoch"), results[0]["error"]
     for rank in (1, 2):
         err = results[rank]["error"]
         assert err.startswith(f"gradaccum: acc.flush(): window 1 was dropped on every rank: this rank (rank {rank}) "
-                              "could not step the last window it closed (ending its data in acc.flush() or "
-                              f"acc.join()), while other ranks stepped theirs; rank {3 - rank} could not contribute "
+                              "could not step a window every rank had reduced as its data ended (its last, in "
+                              "acc.flush() or acc.join(), or one it shadowed in acc.join()), while other ranks "
+                              f"stepped theirs; rank {3 - rank} could not contribute "
                               "its window either: the replicas differ from here on. "
                               "Resume every rank from a checkpoint. The error on this rank, stepping the closed "
                               f"window before the flush: RuntimeError: optimizer failed on rank {rank}"), err
@@ -613,7 +614,8 @@ def test_a_closed_window_no_rank_can_step_is_not_said_to_split_the_replicas(tmp_
     for rank, res in enumerate(results):
         assert res["error"].startswith(
             f"gradaccum: acc.flush(): window 1 was dropped on every rank: this rank (rank {rank}) could not step "
-            "the last window it closed (ending its data in acc.flush() or acc.join()); neither could any other "
+            "a window every rank had reduced as its data ended (its last, in acc.flush() or acc.join(), or one it "
+            "shadowed in acc.join()); neither could any other "
             "rank, so the replicas still agree (unless the ranks failed at different points of their step). Mend "
             "what failed; training can go on from the next window. The error on this rank, "
             f"stepping the closed window before the flush: RuntimeError: optimizer failed on rank {rank}"), \

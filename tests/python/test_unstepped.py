@@ -13,8 +13,9 @@ M = "_unstepped_jobs"
 REPLICAS = ("the replicas differ from here on. Resume every rank from a checkpoint (acc.load_state_dict() on every "
             "rank). The window was dropped on every rank")
 ELSEWHERE = ("did not step a window every rank had reduced, while the other ranks stepped it (acc.zero_grad() "
-             "dropped the closed window there, say after acc.step() raised, or a failure there after the window's "
-             "reduction cleared it): " + REPLICAS)
+             "dropped the closed window there, say after acc.step() raised; a failure there after the window's "
+             "reduction cleared it; or it left its acc.join() block with an exception before stepping it): " +
+             REPLICAS)
 HERE = ("did not step a window every rank had reduced (acc.zero_grad() dropped it here once it was closed), while "
         "the other ranks stepped it: " + REPLICAS)
 
@@ -108,7 +109,10 @@ def test_whatever_reduction_comes_next_tells_every_rank(tmp_path, then, call, wh
     snapshot or a refresh's check carries the same word, and every rank raises
     from that call."""
     results = run(2, tmp_path, droppers=(1,), then=then, on_error="stop")
-    tail = ". Nothing was refreshed" if then == "refresh" else ""
+    tail = {"refresh": ". Nothing was refreshed", "snapshot": "",
+            "flush": ". Every rank ended its epoch in this acc.flush(): do not call it again for this epoch (a second "
+                     "one would pair with the other ranks' next window); the next micro-step begins the next epoch"
+            }[then]
     assert results[0]["errors"] == [(2, "reduction", f"gradaccum: {call}: {where}: rank 1 " + ELSEWHERE + tail)]
     assert results[1]["errors"] == [step_error(1), (2, "reduction", f"gradaccum: {call}: {where}: this rank "
                                                     "(rank 1) " + HERE + tail)]
@@ -312,7 +316,7 @@ def test_a_flush_that_one_rank_cannot_step_its_closed_window_for_is_told_once(tm
         (err,) = res["errors"]
         assert err[:2] == (1, "step") and err[2].startswith("gradaccum: acc.flush(): window 2 was dropped on every "
                                                             "rank: "), err
-        assert "could not step the last window it closed" in err[2], err
+        assert "could not step a window every rank had reduced as its data ended" in err[2], err
     expected = uj.reference(2, skip=(1,))
     for res in results:
         assert res["optimizer_steps"] == uj.WINDOWS - 1
