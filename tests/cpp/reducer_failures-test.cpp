@@ -11,6 +11,13 @@ using namespace gradaccum;
 using gradaccum::test::CountingGroup;
 using gradaccum::test::run_ranks;
 
+// What every rank reads of a rank that did not step a window the others
+// stepped (Note [A window not stepped on some ranks]).
+constexpr const char* kNotSteppedThere =
+    "did not step a window every rank had reduced, while the other ranks stepped it (acc.zero_grad() dropped the "
+    "closed window there, say after acc.step() raised; a failure there after the window's reduction cleared it; or "
+    "it left its acc.join() block with an exception before stepping it)";
+
 TEST_CASE("a backward that throws on one rank drops the window on every rank", "[reducer][distributed][errors]") {
   // Rank 1's synchronising backward of window 1 throws from a tensor hook,
   // after the later layers' buckets were launched. Both ranks raise, drop the
@@ -266,10 +273,8 @@ TEST_CASE("a failure between the consensus and the write-back steps nothing on t
         const std::string replicas = ": the replicas differ from here on. Resume every rank from a checkpoint "
                                      "(acc.load_state_dict() on every rank). The window was dropped on every rank";
         REQUIRE(errors[0].size() == 1);
-        CHECK(errors[0][0] == next + ": gradaccum: acc.backward(): window " + next + ": rank 1 did not step a window "
-                              "every rank had reduced, while the other ranks stepped it (acc.zero_grad() dropped the "
-                              "closed window there, say after acc.step() raised, or a failure there after the "
-                              "window's reduction cleared it)" + replicas);
+        CHECK(errors[0][0] == next + ": gradaccum: acc.backward(): window " + next + ": rank 1 " + kNotSteppedThere +
+                                  replicas);
         REQUIRE(errors[1].size() == 2);
         CHECK(errors[1][0] == std::to_string(failing) + ": gradaccum: acc.backward(): every rank reduced the window, "
                               "but this rank (rank 1) failed after that: injected broadcast failure. This rank "
@@ -357,10 +362,7 @@ TEST_CASE("a failure after the consensus of a flush steps nothing on that rank",
   const std::string replicas = ": the replicas differ from here on. Resume every rank from a checkpoint "
                                "(acc.load_state_dict() on every rank). The window was dropped on every rank";
   REQUIRE(errors[0].size() == 1);
-  CHECK(errors[0][0] == "gradaccum: acc.backward(): window 2: rank 1 did not step a window every rank had reduced, "
-                        "while the other ranks stepped it (acc.zero_grad() dropped the closed window there, say after "
-                        "acc.step() raised; a failure there after the window's reduction cleared it; or it left its "
-                        "acc.join() block with an exception before stepping it)" + replicas);
+  CHECK(errors[0][0] == std::string("gradaccum: acc.backward(): window 2: rank 1 ") + kNotSteppedThere + replicas);
   REQUIRE(errors[1].size() == 2);
   CHECK(errors[1][0] == "gradaccum: acc.flush(): every rank reduced the window, but this rank (rank 1) failed after "
                         "that: injected broadcast failure. This rank dropped its window (no optimizer step here) "
