@@ -493,7 +493,8 @@ _COUNTED_HEAD = ("gradaccum: acc.backward(): this micro-step failed in its backw
                  "so that every rank closes its windows together")
 _COUNTED = (_COUNTED_HEAD + "; go on with the next micro-batch, not this one again "
             "(this rank would run one micro-step more than the others). The window will be dropped on every rank "
-            "when it closes (acc.run() retries out-of-memory micro-batches in smaller parts instead)")
+            "when it closes, unless acc.zero_grad() here drops this rank's part of it so far (the window then goes "
+            "on without it); acc.run() retries out-of-memory micro-batches in smaller parts instead")
 
 
 def _note_counted_failure(native: Any, error: BaseException) -> None:

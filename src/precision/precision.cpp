@@ -265,7 +265,8 @@ void set_residuals(std::vector<Bucket>& buckets, const ReducerConfig& config,
         TORCH_CHECK_VALUE(bucket.residual.defined(),
             "gradaccum: acc.load_state_dict(): the state has an error-feedback residual for ", config.name(i),
             " but this Accumulator keeps none (error_feedback=False, or no comm_dtype narrower "
-            "than its gradients)");
+            "than its gradients): build it as the state was saved, or drop the state's residuals "
+            "(Python: del state['error_feedback_residuals']) to resume without them");
         TORCH_CHECK_VALUE(r.layout() == at::kStrided && !r.is_meta(),
             "gradaccum: acc.load_state_dict(): the error-feedback residual of ", config.name(i), " is a ", r.layout(),
             " tensor on ", r.device(), "; a state's residuals are dense tensors holding values, as acc.state_dict() "

@@ -24,8 +24,9 @@ def test_a_failed_no_sync_backward_says_it_counted_and_not_to_run_it_again(tmp_p
     assert own[3] == ["gradaccum: acc.backward(): this micro-step failed in its backward on this rank and still "
                       "counts, so that every rank closes its windows together; go on with the next micro-batch, not "
                       "this one again (this rank would run one micro-step more than the others). The window will be "
-                      "dropped on every rank when it closes (acc.run() retries out-of-memory micro-batches in smaller "
-                      "parts instead)"]
+                      "dropped on every rank when it closes, unless acc.zero_grad() here drops this rank's part of it "
+                      "so far (the window then goes on without it); acc.run() retries out-of-memory micro-batches in "
+                      "smaller parts instead"]
     expected = du.windows_reference(aj.SEED, aj.windows(2), "mean", skip=(1,))
     for rank, res in enumerate(results):
         closing = [e for e in res["errors"] if e[0] == "1/2"]
