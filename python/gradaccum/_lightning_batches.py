@@ -5,9 +5,9 @@ numbers of training batches wait for each other with no error, under its own
 DDP strategy as under GradaccumStrategy (review: rank 0 with 5 batches and
 rank 1 with 4 hung). Lightning's DistributedSampler pads the shards to one
 length; a sampler of the script's own (``use_distributed_sampler=False``)
-may not. When training starts, and at each later epoch's first batch where
-the Trainer reloads its dataloaders (``reload_dataloaders_every_n_epochs``:
-a rank's number may change there), one small all-reduce compares every
+may not. When training starts, and at every later epoch's first batch where
+the Trainer reloads dataloaders (``reload_dataloaders_every_n_epochs`` set: a
+rank's number may change at a reload), one small all-reduce compares every
 rank's number of batches, and every rank raises where they differ. (A rank
 whose reloaded loader is empty starts no batch: Lightning ends its fit there,
 under its own DDP strategy too, and the others wait.)

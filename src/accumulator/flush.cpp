@@ -90,8 +90,10 @@ bool Accumulator::flush_in_call() {
     // epoch's flush is over everywhere, and a second acc.flush() here (a
     // retry of this one) paired with the others' next window (review).
     const auto last = reducer_ ? reducer_->last_result() : ReductionResult{};
-    TORCH_CHECK(!(last.dropped && last.window == window &&
-                  last.flushing_ranks == reducer_->process_group()->getSize() && call_name() == std::string("acc.flush()")),
+    // (Not where ranks shadowed in join(), or the drop told every rank to end training: review.)
+    TORCH_CHECK(!(last.dropped && last.window == window && last.joined_ranks == 0 &&
+                  last.flushing_ranks == reducer_->process_group()->getSize() && !reducer_->told_to_end_training() &&
+                  call_name() == std::string("acc.flush()")),
         e.what_without_backtrace(), ". Every rank ended its epoch in this acc.flush(): do not call it again for "
         "this epoch (a second one would pair with the other ranks' next window); the next micro-step begins the "
         "next epoch");

@@ -319,3 +319,39 @@ def manual_second_backward(rank, world_size, *, ranks):
     acc.close()
     return {"errors": errors, "params": [p.detach().clone() for p in m.parameters()],
             "ref": [p.detach().clone() for p in ref.parameters()]}
+
+
+class _InterruptedInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise KeyboardInterrupt()
+
+
+@job
+def flush_after_a_failed_micro_step(rank, world_size, *, interrupt):
+    """K=3; the epoch ends with 2 micro-steps; rank 1's first of them fails
+    (an error, or an interrupt it catches); every rank calls flush(), which
+    drops the window. Returns each rank's flush() error."""
+    import gradaccum
+
+    m = _manual_net()
+    acc = gradaccum.Accumulator(m, torch.optim.SGD(m.parameters(), lr=0.1), steps=3)
+    for k in range(2):
+        h = m[1](m[0](batch(rank, 0, k)))
+        if rank == 1 and k == 0:
+            h = (_InterruptedInBackward if interrupt else _FailsInBackward).apply(h)
+        try:
+            acc.backward(m[2](h).pow(2).mean())
+        except BaseException:  # noqa: B036 - the script catches the interrupt on purpose
+            pass
+    try:
+        acc.flush()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    acc.close()
+    return {"error": error}

@@ -386,3 +386,19 @@ def test_a_second_backward_after_the_manual_reduction_is_not_reduced_again(tmp_p
         assert err[0] == 0 and err[1].startswith("gradaccum: loss.backward(): window 1 was dropped on every rank: "), err
         assert (why in err[1]) == (rank in ranks), err
         du.assert_params_close(res["params"], res["ref"], "the next window")
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_a_flush_that_drops_the_window_says_whether_the_epoch_goes_on(tmp_path, interrupt):
+    """Every rank flushes, and the window is dropped (rank 1's micro-step
+    failed): the epoch ended on every rank, and a second flush() on one rank
+    would pair with the others' next window (review), which the error says.
+    Not where the drop tells every rank to end training (an interrupt: the
+    next micro-step is refused; review)."""
+    ended = ("Every rank ended its epoch in this acc.flush(): do not call it again for this epoch (a second one "
+             "would pair with the other ranks' next window); the next micro-step begins the next epoch")
+    for res in du.run_job("flush_after_a_failed_micro_step", 2, tmp_path, module=M, timeout=120, pg_timeout=30,
+                          interrupt=interrupt):
+        assert res["error"].startswith("gradaccum: acc.flush(): window 0 was dropped on every rank: "), res["error"]
+        assert res["error"].endswith(ended) != interrupt, res["error"]
+        assert ("end training on every rank here" in res["error"]) == interrupt, res["error"]
