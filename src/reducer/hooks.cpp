@@ -281,14 +281,14 @@ void Reducer::State::mark_ready(size_t index) {
     const auto ended = training_ended(); // Note [Training ended in join()]
     TORCH_CHECK(ended.empty(), "gradaccum: loss.backward(): ", ended, "; this backward reduced nothing (its "
         "gradients may be in .grad in part: drop them with acc.zero_grad())");
-    const bool again = adds_to_manual_written(index);
+    const auto again = adds_to_manual_written(index);
     begin_in_task(manual_request(), task, detail::Entry::ManualBackward);
     if (again) { // Note [A second backward after the manual path's reduction]
       abort_reduction(AbortReason::GradientsChanged);
-      TORCH_CHECK(false, own_failure(config.name(index) + "'s .grad is the gradient the window's reduction wrote, "
-          "with this backward added: a second plain loss.backward() after the window's synchronising one "
-          "(l1.backward(retain_graph=True); l2.backward()?) would reduce the window again (under reduction=\"sum\" "
-          "multiplied by the world size). Put the losses into one backward ((l1 + l2).backward()), or run the "
+      TORCH_CHECK(false, own_failure(config.name(*again) + "'s .grad is still the gradient the last reduction "
+          "wrote: a second plain loss.backward() after the window's synchronising one "
+          "(l1.backward(retain_graph=True); l2.backward()?) would reduce the window again, under reduction=\"sum\" "
+          "multiplied by the world size. Put the losses into one backward ((l1 + l2).backward()), or run the "
           "first inside acc.no_sync(); and clear .grad between windows (optimizer.zero_grad())"));
     }
     if (window.failed_no_sync_read) { // Note [A failed backward inside no_sync()]
@@ -439,12 +439,17 @@ void Reducer::State::on_task_failed(uint64_t id) noexcept {
 // of a micro-batch (review). The first of its hooks queues a callback on its
 // graph task, as a synchronising backward's does (Note [Where a synchronising
 // backward ends]); torch destroys the callback unrun when the task fails, and
-// the guard then marks the window. The window's reduction (the manual path's
-// next synchronising backward) drops it on every rank, this rank's error
-// saying why; acc.zero_grad() clears the mark with what it drops. The
-// Accumulator's own no_sync micro-steps are watched too: it drops such a
-// window itself (window_failed_), and its reductions ignore the mark. A
-// backward that fails before any hook ran leaves no trace (as in torch DDP).
+// the guard then marks the window. Where that task is nested (reentrant
+// checkpointing: every hook ran in the block's own backward) and ends inside
+// a node of an outer task, a one-shot post-hook on that node watches the
+// outer task in turn once the node returns (its guard marks the window if
+// the node fails first): the outer task may still fail after the block
+// (review). The window's reduction (the manual path's next synchronising
+// backward) drops it on every rank, this rank's error saying why;
+// acc.zero_grad() clears the mark with what it drops. The Accumulator's own
+// no_sync micro-steps are watched too: it drops such a window itself
+// (window_failed_), and its reductions ignore the mark. A backward that
+// fails before any hook ran leaves no trace (as in torch DDP).
 namespace {
 struct NoSyncWatch {
   std::weak_ptr<Reducer::State> state;
@@ -457,6 +462,27 @@ struct NoSyncWatch {
     }
   }
 };
+
+// On the outer node inside whose evaluation a watched nested task ended.
+class NoSyncOuterHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit NoSyncOuterHook(std::shared_ptr<NoSyncWatch> watch) : watch_(std::move(watch)) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    if (const auto watch = std::exchange(watch_, nullptr)) {
+      watch->ran = true;
+      if (const auto s = watch->state.lock()) {
+        s->watch_no_sync_task(); // the outer task, current now
+      }
+    }
+    return outputs;
+  }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {} // Note [Compiled autograd]
+
+ private:
+  std::shared_ptr<NoSyncWatch> watch_;
+};
 } // namespace
 
 void Reducer::State::watch_no_sync_task() {
@@ -468,7 +494,20 @@ void Reducer::State::watch_no_sync_task() {
   auto watch = std::make_shared<NoSyncWatch>();
   watch->state = weak_from_this();
   try {
-    torch::autograd::Engine::get_default_engine().queue_callback([watch] { watch->ran = true; });
+    torch::autograd::Engine::get_default_engine().queue_callback([watch] {
+      watch->ran = true;
+      const auto outer = torch::autograd::get_current_node();
+      if (outer == nullptr) {
+        return;
+      }
+      auto next = std::make_shared<NoSyncWatch>(); // nested: watch the outer task from its node's end
+      next->state = watch->state;
+      try {
+        outer->add_post_hook(std::make_unique<NoSyncOuterHook>(next));
+      } catch (...) {
+        next->ran = true; // (out of memory: that outer task goes unwatched)
+      }
+    });
   } catch (...) {
     watch->ran = true;
     throw;
@@ -479,31 +518,55 @@ void Reducer::State::watch_no_sync_task() {
 // The manual path's synchronising backward reduces the window into .grad. A
 // second plain backward after it without clearing .grad (two losses, the
 // first with retain_graph=True) began another reduction of .grad, which held
-// the reduced window plus its own gradients: reduced again, silently, the
-// window multiplied by the world size under "sum" (review; torch DDP leaves
-// the second backward's gradients unreduced instead). The reduction records
-// each .grad as it leaves it (TensorImpl and version); a reduction whose first
-// hook finds that parameter's .grad the same tensor, one version on (this
-// backward's accumulation only: optimizer.zero_grad() sets it to None, or
-// zeroes it in place, a version more), is dropped on every rank, this rank's
-// error saying why. (Bucket views share their bucket's version counter: at
-// the first hook of a backward only that hook's accumulation has run.)
+// the reduced window plus its own gradients. Under "mean" that is exact (the
+// reduced part is alike on every rank, and its mean is itself: syncing every
+// micro-batch, the plainest DDP recipe, relies on it). Under "sum" the
+// reduced part was multiplied by the world size, silently (review; torch DDP
+// leaves the second backward's gradients unreduced instead). So under "sum"
+// the reduction records each .grad as it leaves it (TensorImpl and version),
+// and a manual reduction is dropped on every rank, this rank's error saying
+// why, where a recorded .grad is still there: the first hook's parameter's
+// with this backward's accumulation only (one version on), or any other's
+// untouched (the same version: a parameter this backward has not reached
+// yet). optimizer.zero_grad() sets .grad to None, or zeroes it in place (a
+// version on, before this backward's own): neither is taken for a second
+// backward. An in-place change of .grad between the two backwards is (a
+// version on, as a zeroing): that case goes unseen. Bucket views share their
+// bucket's version counter: at the first hook of a backward only that
+// hook's accumulation has run, and the untouched test holds for the other
+// buckets' views.
 void Reducer::State::note_manual_written() {
+  window.manual_written.clear();
+  if (config.rule.reduction != Reduction::Sum) {
+    return;
+  }
   window.manual_written.resize(config.params.size());
   for (const auto i : c10::irange(config.params.size())) {
     const auto& g = config.params[i].grad();
     window.manual_written[i] = g.defined() ? std::pair<const void*, int64_t>(g.unsafeGetTensorImpl(), g._version())
-                                    : std::pair<const void*, int64_t>(nullptr, -1);
+                                           : std::pair<const void*, int64_t>(nullptr, -1);
   }
 }
 
-bool Reducer::State::adds_to_manual_written(size_t index) const {
-  if (index >= window.manual_written.size() || window.manual_written[index].first == nullptr) {
-    return false;
+std::optional<size_t> Reducer::State::adds_to_manual_written(size_t index) const {
+  const auto& written = window.manual_written;
+  if (written.empty()) {
+    return std::nullopt;
   }
-  const auto& g = config.params[index].grad();
-  return g.defined() && g.unsafeGetTensorImpl() == window.manual_written[index].first &&
-      g._version() == window.manual_written[index].second + 1;
+  const auto still = [&](size_t i, int64_t versions_on) {
+    const auto& g = config.params[i].grad();
+    return written[i].first != nullptr && g.defined() && g.unsafeGetTensorImpl() == written[i].first &&
+        g._version() == written[i].second + versions_on;
+  };
+  if (still(index, 1)) {
+    return index;
+  }
+  for (const auto i : c10::irange(written.size())) {
+    if (i != index && still(i, 0)) {
+      return i;
+    }
+  }
+  return std::nullopt;
 }
 
 void Reducer::State::on_no_sync_task_failed() noexcept {

@@ -179,9 +179,9 @@ struct Window {
   /// `failed_no_sync_read` is what the reduction in flight read of it.
   bool failed_no_sync = false;
   bool failed_no_sync_read = false;
-  /// Note [A second backward after the manual path's reduction]: each
-  /// parameter's .grad (its TensorImpl and version) as the last manual
-  /// reduction left it.
+  /// Note [A second backward after the manual path's reduction]: under
+  /// "sum", each parameter's .grad (its TensorImpl and version) as the last
+  /// manual reduction left it (empty otherwise).
   std::vector<std::pair<const void*, int64_t>> manual_written;
   bool aborted_here = false; ///< this rank dropped the last reduction itself
   /// Why the last reduction dropped its window ("" if it did not; also if
@@ -292,7 +292,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void on_task_failed(uint64_t id) noexcept;
   void watch_no_sync_task();
   void note_manual_written();
-  bool adds_to_manual_written(size_t index) const;
+  std::optional<size_t> adds_to_manual_written(size_t index) const;
   void on_no_sync_task_failed() noexcept;
   /// Reducer::backward() after loss.backward() raised `local`: drops the
   /// window on every rank unless that happened already. Returns this rank's

@@ -355,3 +355,74 @@ def flush_after_a_failed_micro_step(rank, world_size, *, interrupt):
         error = str(e)
     acc.close()
     return {"error": error}
+
+
+@job
+def manual_path_cases(rank, world_size, *, case):
+    """The manual path, 2 windows of K=2, SGD; what each rank's calls raised,
+    its params, and the reference's (the windows that stepped, each .grad =
+    sum over ranks and micro-batches / world, as DDP's no_sync recipe):
+    - "sync_every": a plain backward at every micro-batch (no no_sync: the
+      plainest DDP recipe), "mean": exact, nothing refused (review: the
+      second-backward check dropped it);
+    - "two_heads": "sum", window 0 closes with two heads' losses,
+      l1.backward(retain_graph=True); l2.backward() (review: head 2's .grad
+      was None after the first, so the check missed it): dropped;
+    - "reentrant_outer": rank 1's no_sync backward fails in the outer graph
+      task after a reentrant checkpoint's nested task reached every
+      parameter (review: only the nested task was watched): dropped."""
+    import gradaccum
+    from torch.utils.checkpoint import checkpoint
+
+    reduction = "sum" if case == "two_heads" else "mean"
+
+    def net():
+        torch.manual_seed(0)
+        return nn.ModuleDict({"trunk": nn.Linear(3, 5), "head1": nn.Linear(5, 1), "head2": nn.Linear(5, 1)}).double()
+
+    def losses(m, x, fail=False):
+        if case == "reentrant_outer":
+            x = x.clone().requires_grad_(True)
+            h = _FailsInBackward.apply(x) if fail else x * 1.0  # in the outer task, after the block's backward
+            return [m["head1"](checkpoint(lambda t: torch.tanh(m["trunk"](t)), h, use_reentrant=True)).pow(2).mean()]
+        h = torch.tanh(m["trunk"](x))
+        if case == "two_heads":
+            return [m["head1"](h).pow(2).mean(), m["head2"](h).pow(2).mean()]
+        return [m["head1"](h).pow(2).mean()]
+
+    m, ref = net(), net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(m, None, steps=K, reduction=reduction)
+    errors, stepped = [], []
+    for w in range(2):
+        failed = False
+        for k in range(K):
+            fail = case == "reentrant_outer" and rank == 1 and w == 0 and k == 0
+            try:
+                parts = losses(m, batch(rank, w, k), fail)
+                if k < K - 1 and case != "sync_every":
+                    with acc.no_sync():
+                        sum(parts).backward()
+                elif len(parts) == 2 and w == 0:
+                    parts[0].backward(retain_graph=True)
+                    parts[1].backward()
+                else:
+                    sum(parts).backward()
+            except (ValueError, RuntimeError) as e:
+                errors.append((w, k, type(e).__name__, str(e)))
+                failed = failed or k == K - 1
+        if not failed:
+            opt.step()
+            stepped.append(w)
+        opt.zero_grad(set_to_none=True)
+        if not failed:
+            ref_opt.zero_grad(set_to_none=True)
+            for r in range(world_size):
+                for k in range(K):
+                    scale = 1.0 if reduction == "sum" else 1.0 / world_size
+                    (sum(losses(ref, batch(r, w, k))) * scale).backward()
+            ref_opt.step()
+    acc.close()
+    return {"errors": errors, "stepped": stepped, "params": [p.detach().clone() for p in m.parameters()],
+            "ref": [p.detach().clone() for p in ref.parameters()]}

@@ -376,11 +376,11 @@ def test_a_second_backward_after_the_manual_reduction_is_not_reduced_again(tmp_p
     ranks = (0, 1)
     results = du.run_job("manual_second_backward", 2, tmp_path, module=M, timeout=120, pg_timeout=30,
                          ranks=ranks)
-    why = ("2.bias's .grad is the gradient the window's reduction wrote, with this backward added: a second "
-           "plain loss.backward() after the window's synchronising one (l1.backward(retain_graph=True); "
-           "l2.backward()?) would reduce the window again (under reduction=\"sum\" multiplied by the world size). "
-           "Put the losses into one backward ((l1 + l2).backward()), or run the first inside acc.no_sync(); and "
-           "clear .grad between windows (optimizer.zero_grad())")
+    why = ("2.bias's .grad is still the gradient the last reduction wrote: a second plain loss.backward() after "
+           "the window's synchronising one (l1.backward(retain_graph=True); l2.backward()?) would reduce the window "
+           "again, under reduction=\"sum\" multiplied by the world size. Put the losses into one backward "
+           "((l1 + l2).backward()), or run the first inside acc.no_sync(); and clear .grad between windows "
+           "(optimizer.zero_grad())")
     for rank, res in enumerate(results):
         (err,) = res["errors"]
         assert err[0] == 0 and err[1].startswith("gradaccum: loss.backward(): window 1 was dropped on every rank: "), err
@@ -402,3 +402,26 @@ def test_a_flush_that_drops_the_window_says_whether_the_epoch_goes_on(tmp_path, 
         assert res["error"].startswith("gradaccum: acc.flush(): window 0 was dropped on every rank: "), res["error"]
         assert res["error"].endswith(ended) != interrupt, res["error"]
         assert ("end training on every rank here" in res["error"]) == interrupt, res["error"]
+
+
+@pytest.mark.parametrize("case", ["sync_every", "two_heads", "reentrant_outer"])
+def test_the_manual_path_refuses_only_what_would_be_wrong(tmp_path, case):
+    """Reviews of the two manual-path Notes: syncing at every micro-batch
+    ("mean") is exact and trains as DDP; two heads' backwards under "sum"
+    and a no_sync backward failing in a reentrant checkpoint's outer task
+    drop their window on every rank; the next window trains as the float64
+    reference's."""
+    results = du.run_job("manual_path_cases", 2, tmp_path, module=M, timeout=120, pg_timeout=30, case=case)
+    for rank, res in enumerate(results):
+        if case == "sync_every":
+            assert res["errors"] == [] and res["stepped"] == [0, 1], res["errors"]
+        else:
+            closing = [e for e in res["errors"] if e[1] == 1]  # (K=2: the closing micro-step)
+            assert [e[:3] for e in closing] == [(0, 1, "RuntimeError")], res["errors"]
+            dropped = 1 if case == "two_heads" else 0  # (the second head's reduction is the second reduction)
+            assert closing[0][3].startswith(f"gradaccum: loss.backward(): window {dropped} was dropped on every "
+                                            "rank"), closing
+            assert res["stepped"] == [1]
+            if case == "two_heads":
+                assert "'s .grad is still the gradient the last reduction wrote" in closing[0][3], closing
+        du.assert_params_close(res["params"], res["ref"], case)
