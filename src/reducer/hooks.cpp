@@ -283,13 +283,15 @@ void Reducer::State::mark_ready(size_t index) {
         "gradients may be in .grad in part: drop them with acc.zero_grad())");
     const auto again = adds_to_manual_written(index);
     begin_in_task(manual_request(), task, detail::Entry::ManualBackward);
-    if (again) { // Note [A second backward after the manual path's reduction]
-      abort_reduction(AbortReason::GradientsChanged);
-      TORCH_CHECK(false, own_failure(config.name(*again) + "'s .grad is still the gradient the last reduction "
-          "wrote: a second plain loss.backward() after the window's synchronising one "
-          "(l1.backward(retain_graph=True); l2.backward()?) would reduce the window again, under reduction=\"sum\" "
-          "multiplied by the world size. Put the losses into one backward ((l1 + l2).backward()), or run the "
-          "first inside acc.no_sync(); and clear .grad between windows (optimizer.zero_grad())"));
+    if (again && !window.warned_second_backward) { // Note [A second backward after the manual path's reduction]
+      window.warned_second_backward = true;
+      TORCH_WARN("gradaccum: loss.backward(): ", config.name(*again), "'s .grad is still the gradient the last "
+          "reduction wrote, and this plain backward reduces it again: under reduction=\"sum\" that part is "
+          "multiplied by the world size. Where that gradient is stepped (two losses closing the window, "
+          "l1.backward(retain_graph=True); l2.backward()?), put the losses into one backward ((l1 + l2).backward()) "
+          "or run the first inside acc.no_sync(). Where it is not (another model's loss through this model, as a "
+          "GAN generator's step through its discriminator: run that backward inside this Accumulator's "
+          "acc.no_sync(); a parameter no optimizer steps), it does no harm. Warned once per Accumulator");
     }
     if (window.failed_no_sync_read) { // Note [A failed backward inside no_sync()]
       abort_reduction(AbortReason::BackwardFailed);
@@ -444,7 +446,11 @@ void Reducer::State::on_task_failed(uint64_t id) noexcept {
 // a node of an outer task, a one-shot post-hook on that node watches the
 // outer task in turn once the node returns (its guard marks the window if
 // the node fails first): the outer task may still fail after the block
-// (review). The window's reduction (the manual path's next synchronising
+// (review). A node that failed is freed with its graph, which a script may
+// keep (the losses in a list): a watch still armed when the window's
+// reduction begins means that node failed (its backward has returned), and
+// counts as such there (review). Reductions and acc.zero_grad() begin the
+// next generation of watches: one armed before them marks nothing later. The window's reduction (the manual path's next synchronising
 // backward) drops it on every rank, this rank's error saying why;
 // acc.zero_grad() clears the mark with what it drops. The Accumulator's own
 // no_sync micro-steps are watched too: it drops such a window itself
@@ -454,10 +460,23 @@ namespace {
 struct NoSyncWatch {
   std::weak_ptr<Reducer::State> state;
   bool ran = false;
+  bool outer = false; ///< an outer node's: counted in outer_watches
+  uint64_t generation = 0;
+  /// Ran, or destroyed unrun: an outer node's watch leaves the count (of its
+  /// generation only); a failure marks the window it was armed in.
+  void settle(Reducer::State& s, bool failed) {
+    const bool current = s.watch_generation.load() == generation;
+    if (outer && current) {
+      s.outer_watches.fetch_sub(1);
+    }
+    if (failed && current) {
+      s.on_no_sync_task_failed();
+    }
+  }
   ~NoSyncWatch() {
     if (!ran) {
       if (const auto s = state.lock()) {
-        s->on_no_sync_task_failed();
+        settle(*s, /*failed=*/true);
       }
     }
   }
@@ -473,6 +492,7 @@ class NoSyncOuterHook : public torch::autograd::FunctionPostHook {
     if (const auto watch = std::exchange(watch_, nullptr)) {
       watch->ran = true;
       if (const auto s = watch->state.lock()) {
+        watch->settle(*s, /*failed=*/false);
         s->watch_no_sync_task(); // the outer task, current now
       }
     }
@@ -493,19 +513,28 @@ void Reducer::State::watch_no_sync_task() {
   }
   auto watch = std::make_shared<NoSyncWatch>();
   watch->state = weak_from_this();
+  watch->generation = watch_generation.load();
   try {
     torch::autograd::Engine::get_default_engine().queue_callback([watch] {
       watch->ran = true;
       const auto outer = torch::autograd::get_current_node();
-      if (outer == nullptr) {
+      const auto s = watch->state.lock();
+      if (outer == nullptr || !s) {
         return;
       }
-      auto next = std::make_shared<NoSyncWatch>(); // nested: watch the outer task from its node's end
+      // Nested: watch the outer task from its node's end. The node may fail
+      // first, and its graph outlive the failure (kept by the script): a
+      // watch still armed at the next reduction counts as failed then.
+      auto next = std::make_shared<NoSyncWatch>();
       next->state = watch->state;
+      next->outer = true;
+      next->generation = s->watch_generation.load();
+      s->outer_watches.fetch_add(1);
       try {
         outer->add_post_hook(std::make_unique<NoSyncOuterHook>(next));
       } catch (...) {
         next->ran = true; // (out of memory: that outer task goes unwatched)
+        next->settle(*s, /*failed=*/false);
       }
     });
   } catch (...) {
@@ -524,8 +553,8 @@ void Reducer::State::watch_no_sync_task() {
 // reduced part was multiplied by the world size, silently (review; torch DDP
 // leaves the second backward's gradients unreduced instead). So under "sum"
 // the reduction records each .grad as it leaves it (TensorImpl and version),
-// and a manual reduction is dropped on every rank, this rank's error saying
-// why, where a recorded .grad is still there: the first hook's parameter's
+// and a manual reduction warns (once per Accumulator) where a recorded .grad
+// is still there: the first hook's parameter's
 // with this backward's accumulation only (one version on), or any other's
 // untouched (the same version: a parameter this backward has not reached
 // yet). optimizer.zero_grad() sets .grad to None, or zeroes it in place (a
@@ -534,7 +563,11 @@ void Reducer::State::watch_no_sync_task() {
 // version on, as a zeroing): that case goes unseen. Bucket views share their
 // bucket's version counter: at the first hook of a backward only that
 // hook's accumulation has run, and the untouched test holds for the other
-// buckets' views.
+// buckets' views. A warning, not a drop: the same test holds where reducing
+// again does no harm, the gradient reduced again being stepped by nobody (a
+// GAN's generator step through the discriminator, whose .grad that
+// discriminator cleared before and clears again; a trunk no optimizer
+// steps), and a drop there failed every iteration (review).
 void Reducer::State::note_manual_written() {
   window.manual_written.clear();
   if (config.rule.reduction != Reduction::Sum) {

@@ -183,6 +183,7 @@ struct Window {
   /// "sum", each parameter's .grad (its TensorImpl and version) as the last
   /// manual reduction left it (empty otherwise).
   std::vector<std::pair<const void*, int64_t>> manual_written;
+  bool warned_second_backward = false;
   bool aborted_here = false; ///< this rank dropped the last reduction itself
   /// Why the last reduction dropped its window ("" if it did not; also if
   /// even kUnworded could not be kept). Its capacity is reserved with the
@@ -261,6 +262,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// Note [A failed backward inside no_sync()]: the graph task of the last
   /// no_sync backward a hook of which ran (its failure watched).
   std::atomic<int> watched_task{-1};
+  /// The outer nodes' post-hooks armed and not yet run, of this generation
+  /// (a reduction or acc.zero_grad() begins the next one).
+  std::atomic<int> outer_watches{0};
+  std::atomic<uint64_t> watch_generation{0};
   /// Note [A backward after the window closed]: armed while the Accumulator's
   /// window is closed and not yet stepped (held: hooks begin no reduction).
   detail::LateBackwardRecord late;

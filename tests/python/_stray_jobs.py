@@ -283,44 +283,6 @@ def manual_create_graph(rank, world_size):
     return {"grads": grads, "ref": [p.grad.clone() for p in ref.parameters()]}
 
 
-@job
-def manual_second_backward(rank, world_size, *, ranks):
-    """The manual path under reduction="sum", K=2, 2 windows: in window 0
-    the ranks in `ranks` close it with two plain backwards, the first with
-    retain_graph=True. The second reduced the window again, silently (times
-    the world size: review). Now it is dropped on every rank (each raises);
-    the next window trains as the reference's."""
-    import gradaccum
-
-    m = _manual_net()
-    ref = _manual_net()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    acc = gradaccum.Accumulator(m, None, steps=K, reduction="sum")
-    errors = []
-    for w in range(2):
-        try:
-            with acc.no_sync():
-                _manual_loss(m, batch(rank, w, 0)).backward()
-            loss = _manual_loss(m, batch(rank, w, 1))
-            if w == 0 and rank in ranks:
-                loss.backward(retain_graph=True)
-                (2 * loss).backward()
-            else:
-                loss.backward()
-            opt.step()
-        except RuntimeError as e:
-            errors.append((w, str(e)))
-        opt.zero_grad(set_to_none=True)
-    for r in range(world_size):
-        for k in range(K):
-            _manual_loss(ref, batch(r, 1, k)).backward()
-    ref_opt.step()
-    acc.close()
-    return {"errors": errors, "params": [p.detach().clone() for p in m.parameters()],
-            "ref": [p.detach().clone() for p in ref.parameters()]}
-
-
 class _InterruptedInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -366,15 +328,21 @@ def manual_path_cases(rank, world_size, *, case):
       plainest DDP recipe), "mean": exact, nothing refused (review: the
       second-backward check dropped it);
     - "two_heads": "sum", window 0 closes with two heads' losses,
-      l1.backward(retain_graph=True); l2.backward() (review: head 2's .grad
-      was None after the first, so the check missed it): dropped;
+      l1.backward(retain_graph=True); l2.backward(): the second reduces the
+      first's result again (times the world size): a warning, once;
+    - "head_only": "sum", K=1, the optimizer holds the heads only and the
+      trunk's .grad is never cleared (review: a drop every other window):
+      the heads train exactly;
     - "reentrant_outer": rank 1's no_sync backward fails in the outer graph
       task after a reentrant checkpoint's nested task reached every
       parameter (review: only the nested task was watched): dropped."""
     import gradaccum
     from torch.utils.checkpoint import checkpoint
 
-    reduction = "sum" if case == "two_heads" else "mean"
+    import warnings
+
+    reduction = "sum" if case in ("two_heads", "head_only") else "mean"
+    steps = 1 if case == "head_only" else K
 
     def net():
         torch.manual_seed(0)
@@ -391,17 +359,22 @@ def manual_path_cases(rank, world_size, *, case):
         return [m["head1"](h).pow(2).mean()]
 
     m, ref = net(), net()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    acc = gradaccum.Accumulator(m, None, steps=K, reduction=reduction)
+    owned = (lambda n: [p for k, p in n.named_parameters() if not k.startswith("trunk")]) if case == "head_only" \
+        else (lambda n: list(n.parameters()))
+    opt = torch.optim.SGD(owned(m), lr=0.1)
+    ref_opt = torch.optim.SGD(owned(ref), lr=0.1)
+    acc = gradaccum.Accumulator(m, None, steps=steps, reduction=reduction)
     errors, stepped = [], []
-    for w in range(2):
+    caught = warnings.catch_warnings(record=True)
+    said = caught.__enter__()
+    warnings.simplefilter("always")
+    for w in range(3 if case == "head_only" else 2):
         failed = False
-        for k in range(K):
+        for k in range(steps):
             fail = case == "reentrant_outer" and rank == 1 and w == 0 and k == 0
             try:
                 parts = losses(m, batch(rank, w, k), fail)
-                if k < K - 1 and case != "sync_every":
+                if k < steps - 1 and case != "sync_every":
                     with acc.no_sync():
                         sum(parts).backward()
                 elif len(parts) == 2 and w == 0:
@@ -411,7 +384,7 @@ def manual_path_cases(rank, world_size, *, case):
                     sum(parts).backward()
             except (ValueError, RuntimeError) as e:
                 errors.append((w, k, type(e).__name__, str(e)))
-                failed = failed or k == K - 1
+                failed = failed or k == steps - 1
         if not failed:
             opt.step()
             stepped.append(w)
@@ -419,10 +392,90 @@ def manual_path_cases(rank, world_size, *, case):
         if not failed:
             ref_opt.zero_grad(set_to_none=True)
             for r in range(world_size):
-                for k in range(K):
+                for k in range(steps):
                     scale = 1.0 if reduction == "sum" else 1.0 / world_size
                     (sum(losses(ref, batch(r, w, k))) * scale).backward()
             ref_opt.step()
+    caught.__exit__(None, None, None)
     acc.close()
-    return {"errors": errors, "stepped": stepped, "params": [p.detach().clone() for p in m.parameters()],
-            "ref": [p.detach().clone() for p in ref.parameters()]}
+    return {"errors": errors, "stepped": stepped, "params": [p.detach().clone() for p in owned(m)],
+            "ref": [p.detach().clone() for p in owned(ref)],
+            "warnings": [str(x.message) for x in said if "gradaccum" in str(x.message)]}
+
+
+class _CheckpointThenFail(torch.autograd.Function):
+    """A hand-written reentrant checkpoint (DeepSpeed and fairscale have
+    their own): its backward runs the block's nested backward (the block's
+    parameters reach .grad), then fails when `fail` is set."""
+
+    @staticmethod
+    def forward(ctx, fn, x, fail):
+        ctx.fn, ctx.fail = fn, fail
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = ctx.fn(x)
+        torch.autograd.backward(y, grad)
+        if ctx.fail:
+            raise RuntimeError("injected failure after the nested backward")
+        return None, x.grad, None
+
+
+@job
+def manual_checkpoint_node_fails(rank, world_size, *, keep):
+    """The manual path, K=2, 3 windows: rank 1's no_sync backward in window 0
+    fails inside a checkpoint's node after its nested backward reached the
+    block's parameters; with `keep` the script keeps its losses (and so the
+    failed graph, whose freeing tells the watch) until the window ends
+    (review: the window was reduced with that part, and the next one
+    dropped). Window 0 is dropped on every rank either way; the others match
+    the float64 reference."""
+    import gradaccum
+
+    def net():
+        torch.manual_seed(0)
+        return nn.ModuleDict({"pre": nn.Linear(3, 3), "a": nn.Linear(3, 5), "b": nn.Linear(5, 1)}).double()
+
+    def loss_of(m, x, fail=False, checkpointed=True):
+        h = m["pre"](x)  # before the block: its gradient comes from the outer task
+        block = lambda t: m["b"](torch.tanh(m["a"](t)))  # noqa: E731
+        return (_CheckpointThenFail.apply(block, h, fail) if checkpointed else block(h)).pow(2).mean()
+
+    m, ref = net(), net()
+    acc = gradaccum.Accumulator(m, None, steps=K)
+    out, kept = [], []
+    for w in range(3):
+        try:
+            for k in range(K):
+                loss = loss_of(m, batch(rank, w, k), fail=rank == 1 and w == 0 and k == 0)
+                if keep:
+                    kept.append(loss)
+                if k < K - 1:
+                    try:
+                        with acc.no_sync():
+                            loss.backward()
+                    except RuntimeError as e:
+                        assert "injected" in str(e), str(e)
+                else:
+                    loss.backward()
+            ref.load_state_dict(m.state_dict())
+            for p in ref.parameters():
+                p.grad = None
+            for r in range(world_size):
+                for k in range(K):
+                    (loss_of(ref, batch(r, w, k), checkpointed=False) / world_size).backward()
+            out.append(("reduced", w, max((p.grad - q.grad).abs().max().item()
+                                          for p, q in zip(m.parameters(), ref.parameters()))))
+        except RuntimeError as e:
+            out.append(("dropped", w, str(e)))
+        for p in m.parameters():
+            p.grad = None
+        kept.clear()
+    acc.close()
+    return {"windows": out}
