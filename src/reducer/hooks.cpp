@@ -291,7 +291,7 @@ void Reducer::State::mark_ready(size_t index) {
           "l1.backward(retain_graph=True); l2.backward()?), put the losses into one backward ((l1 + l2).backward()) "
           "or run the first inside acc.no_sync(). Where it is not (another model's loss through this model, as a "
           "GAN generator's step through its discriminator: run that backward inside this Accumulator's "
-          "acc.no_sync(); a parameter no optimizer steps), it does no harm. Warned once per Accumulator");
+          "acc.no_sync(); a parameter no optimizer steps), it does no harm. Warned once (again after acc.refresh_parameters())");
     }
     if (window.failed_no_sync_read) { // Note [A failed backward inside no_sync()]
       abort_reduction(AbortReason::BackwardFailed);
@@ -450,7 +450,11 @@ void Reducer::State::on_task_failed(uint64_t id) noexcept {
 // keep (the losses in a list): a watch still armed when the window's
 // reduction begins means that node failed (its backward has returned), and
 // counts as such there (review). Reductions and acc.zero_grad() begin the
-// next generation of watches: one armed before them marks nothing later. The window's reduction (the manual path's next synchronising
+// next generation of watches: one armed before them marks nothing later.
+// The post-hook is added while the outer node runs: where the nested
+// backward ran from that node's own post-hooks (a grad_fn hook or a module's
+// full backward hook calling backward()), torch does not run it, and the
+// window is dropped though nothing failed (a limit, docs/design.md). The window's reduction (the manual path's next synchronising
 // backward) drops it on every rank, this rank's error saying why;
 // acc.zero_grad() clears the mark with what it drops. The Accumulator's own
 // no_sync micro-steps are watched too: it drops such a window itself
@@ -465,9 +469,11 @@ struct NoSyncWatch {
   /// Ran, or destroyed unrun: an outer node's watch leaves the count (of its
   /// generation only); a failure marks the window it was armed in.
   void settle(Reducer::State& s, bool failed) {
-    const bool current = s.watch_generation.load() == generation;
-    if (outer && current) {
-      s.outer_watches.fetch_sub(1);
+    auto word = s.outer_watches.load();
+    bool current = (word >> Reducer::State::kWatchCountBits) == generation;
+    // (Leaves the count only within its generation: a compare-and-swap.)
+    while (outer && current && !s.outer_watches.compare_exchange_weak(word, word - 1)) {
+      current = (word >> Reducer::State::kWatchCountBits) == generation;
     }
     if (failed && current) {
       s.on_no_sync_task_failed();
@@ -513,7 +519,7 @@ void Reducer::State::watch_no_sync_task() {
   }
   auto watch = std::make_shared<NoSyncWatch>();
   watch->state = weak_from_this();
-  watch->generation = watch_generation.load();
+  watch->generation = watch_generation();
   try {
     torch::autograd::Engine::get_default_engine().queue_callback([watch] {
       watch->ran = true;
@@ -528,8 +534,7 @@ void Reducer::State::watch_no_sync_task() {
       auto next = std::make_shared<NoSyncWatch>();
       next->state = watch->state;
       next->outer = true;
-      next->generation = s->watch_generation.load();
-      s->outer_watches.fetch_add(1);
+      next->generation = s->outer_watches.fetch_add(1) >> Reducer::State::kWatchCountBits;
       try {
         outer->add_post_hook(std::make_unique<NoSyncOuterHook>(next));
       } catch (...) {
@@ -553,7 +558,7 @@ void Reducer::State::watch_no_sync_task() {
 // reduced part was multiplied by the world size, silently (review; torch DDP
 // leaves the second backward's gradients unreduced instead). So under "sum"
 // the reduction records each .grad as it leaves it (TensorImpl and version),
-// and a manual reduction warns (once per Accumulator) where a recorded .grad
+// and a manual reduction warns (once per reducer: again after a refresh) where a recorded .grad
 // is still there: the first hook's parameter's
 // with this backward's accumulation only (one version on), or any other's
 // untouched (the same version: a parameter this backward has not reached

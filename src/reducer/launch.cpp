@@ -35,9 +35,8 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
   // drops the window for it (the Accumulator's own micro-steps say so themselves).
   // An outer node's watch still armed means that node failed (its backward
   // has returned, without running it): the window holds part of it.
-  window.failed_no_sync_read = std::exchange(window.failed_no_sync, false) || outer_watches.load() > 0;
-  watch_generation.fetch_add(1);
-  outer_watches.store(0);
+  const bool armed = next_watch_generation();
+  window.failed_no_sync_read = std::exchange(window.failed_no_sync, false) || armed;
   // Note [A window not stepped on some ranks]: a rank that drops this
   // reduction because it could not step the window it closed says so already.
   if (request.abort == AbortReason::ClosedWindowNotStepped) {

@@ -330,8 +330,7 @@ void Reducer::zero_grad() {
   s.check_idle("acc.zero_grad()");
   s.clear_touched();
   s.window.failed_no_sync = false; // (what that backward left in .grad goes here)
-  s.watch_generation.fetch_add(1);
-  s.outer_watches.store(0);
+  s.next_watch_generation();
   const bool as_view = s.config.options.gradient_as_bucket_view();
   if (!as_view) {
     for (const auto& p : s.config.params) {

@@ -262,10 +262,20 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// Note [A failed backward inside no_sync()]: the graph task of the last
   /// no_sync backward a hook of which ran (its failure watched).
   std::atomic<int> watched_task{-1};
-  /// The outer nodes' post-hooks armed and not yet run, of this generation
-  /// (a reduction or acc.zero_grad() begins the next one).
-  std::atomic<int> outer_watches{0};
-  std::atomic<uint64_t> watch_generation{0};
+  /// The watches' generation (a reduction or acc.zero_grad() begins the
+  /// next one) above kWatchCountBits, and below them how many outer nodes'
+  /// post-hooks of this generation are armed and not yet run: one word, so
+  /// that a count always belongs to its generation.
+  static constexpr int kWatchCountBits = 20;
+  std::atomic<uint64_t> outer_watches{0};
+  uint64_t watch_generation() const { return outer_watches.load() >> kWatchCountBits; }
+  /// Begins the next generation; whether any outer watch of this one was still armed.
+  bool next_watch_generation() {
+    auto word = outer_watches.load();
+    while (!outer_watches.compare_exchange_weak(word, ((word >> kWatchCountBits) + 1) << kWatchCountBits)) {
+    }
+    return (word & ((uint64_t{1} << kWatchCountBits) - 1)) != 0;
+  }
   /// Note [A backward after the window closed]: armed while the Accumulator's
   /// window is closed and not yet stepped (held: hooks begin no reduction).
   detail::LateBackwardRecord late;

@@ -399,7 +399,7 @@ def test_the_manual_path_refuses_only_what_would_be_wrong(tmp_path, case):
              "l2.backward()?), put the losses into one backward ((l1 + l2).backward()) or run the first inside "
              "acc.no_sync(). Where it is not (another model's loss through this model, as a GAN generator's step "
              "through its discriminator: run that backward inside this Accumulator's acc.no_sync(); a parameter no "
-             "optimizer steps), it does no harm. Warned once per Accumulator")
+             "optimizer steps), it does no harm. Warned once (again after acc.refresh_parameters())")
     for res in results:
         if case == "reentrant_outer":
             closing = [e for e in res["errors"] if e[1] == 1]  # (K=2: the closing micro-step)
