@@ -14,7 +14,11 @@ std::string message_of(const std::exception& e) {
   if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
     return error->what_without_backtrace();
   }
-  return e.what();
+  // A Python error a Python optimizer or hook raised through pybind11
+  // (error_already_set): its text ends with the Python trace.
+  std::string text = e.what();
+  const auto trace = text.find("\n\nAt:\n");
+  return trace == std::string::npos ? text : text.substr(0, trace);
 }
 
 std::vector<at::Tensor> allgather(c10d::ProcessGroup& group, const at::Tensor& input) {

@@ -11,7 +11,8 @@
 
 namespace gradaccum::detail {
 
-/// The message of `e`, without a c10::Error's C++ backtrace.
+/// The message of `e`, without a c10::Error's C++ backtrace or a Python
+/// error's "At:" trace.
 std::string message_of(const std::exception& e);
 
 /// Every rank's `input`, in rank order (a collective; waits).

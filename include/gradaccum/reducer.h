@@ -410,10 +410,13 @@ class Reducer {
 /// (torch DDP's `no_sync`). Only the backward needs to be inside; the forward
 /// may be anywhere. A null reducer makes it a no-op. It holds the reducer's
 /// state weakly: a reducer destroyed inside the scope (acc.close(),
-/// acc.refresh_parameters()) is left alone when the scope ends.
+/// acc.refresh_parameters()) is left alone when the scope ends. `counted`:
+/// the Accumulator's own micro-step, whose failed backward it handles
+/// itself; its graph task is not watched (Note [A failed backward inside
+/// no_sync()], src/reducer/manual.cpp).
 class NoSync {
  public:
-  explicit NoSync(Reducer* reducer);
+  explicit NoSync(Reducer* reducer, bool counted = false);
   ~NoSync();
   NoSync(NoSync&& other) noexcept;
   NoSync(const NoSync&) = delete;
@@ -423,6 +426,7 @@ class NoSync {
  private:
   std::weak_ptr<Reducer::State> state_;
   bool previous_ = true;
+  bool previous_counted_ = false;
 };
 
 } // namespace gradaccum

@@ -354,7 +354,7 @@ void Accumulator::close_window(const at::Tensor& scaled, double weight, const st
 
 void Accumulator::local_micro_step(const at::Tensor& scaled, double weight,
                                    const std::vector<GradMark>& before) {
-  NoSync local(reducer_.get());
+  NoSync local(reducer_.get(), /*counted=*/true);
   const auto hooks = reducer_ ? reducer_->hook_calls() : 0;
   try {
     if (scaled.defined()) {

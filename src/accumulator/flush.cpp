@@ -1,9 +1,9 @@
 // Accumulator::flush(): the end of an epoch whose last window is partial,
 // closed with its own weight on every rank (Note [Joining] builds on it).
 #include <gradaccum/accumulator.h>
-#include <gradaccum/detail/failed_backward.h>
 
 #include "call_guard.h"
+#include "comm.h"
 #include "window_errors.h"
 
 #include <string>
@@ -150,7 +150,7 @@ bool Accumulator::step_before_flush(std::string* local_failure) {
       drop_nonfinite_at_epoch_end(/*raised_before=*/false);
       return false;
     }
-    *local_failure = detail::without_python_trace(e);
+    *local_failure = detail::message_of(e);
     drop_window();
     window_failed_ = true;
     window_failure_ = AbortReason::ClosedWindowNotStepped;

@@ -1,8 +1,8 @@
 // Accumulator::join(): ranks that run out of data at different times.
 #include <gradaccum/accumulator.h>
-#include <gradaccum/detail/failed_backward.h>
 
 #include "call_guard.h"
+#include "comm.h"
 
 #include <string>
 #include <utility>
@@ -149,7 +149,7 @@ int64_t Accumulator::join_in_call() {
       if (!others_go_on) {
         throw;
       }
-      local_failure = detail::without_python_trace(e);
+      local_failure = detail::message_of(e);
       reset_window();
       window_failed_ = true;
       window_failure_ = AbortReason::ClosedWindowNotStepped;

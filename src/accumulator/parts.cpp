@@ -91,7 +91,7 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
   }
   const auto hooks = reducer_ ? reducer_->hook_calls() : 0;
   try {
-    NoSync local(reducer_.get());
+    NoSync local(reducer_.get(), /*counted=*/true);
     if (scaled.defined()) {
       scaled.backward();
     }

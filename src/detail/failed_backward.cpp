@@ -1,7 +1,5 @@
 #include <gradaccum/detail/failed_backward.h>
 
-#include <c10/util/Exception.h>
-
 #include <atomic>
 #include <utility>
 
@@ -39,15 +37,6 @@ ErrorFacts inspect_error(const std::exception_ptr& error) noexcept {
 
 std::string named_message(const std::string& message, const ErrorFacts& facts) {
   return (message.empty() || message == "python_error") && !facts.type.empty() ? facts.type : message;
-}
-
-std::string without_python_trace(const std::exception& e) {
-  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
-    return error->what_without_backtrace();
-  }
-  std::string text = e.what();
-  const auto trace = text.find("\n\nAt:\n");
-  return trace == std::string::npos ? text : text.substr(0, trace);
 }
 
 } // namespace gradaccum::detail

@@ -251,8 +251,8 @@ void Reducer::State::mark_ready(size_t index) {
     if (config.options.gradient_as_bucket_view() && !closed.load()) {
       keep_on_view(index);
     }
-    if (!closed.load()) {
-      watch_no_sync_task();
+    if (!closed.load() && !counted_no_sync.load(std::memory_order_relaxed)) {
+      watch_no_sync_task(); // the manual path's: Note [A failed backward inside no_sync()]
     }
     return; // no_sync: the gradient stays in .grad
   }

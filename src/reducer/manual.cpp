@@ -39,8 +39,8 @@ namespace gradaccum {
 // window's reduction (the manual path's next synchronising backward) drops
 // it on every rank, this rank's error saying why;
 // acc.zero_grad() clears the mark with what it drops. The Accumulator's own
-// no_sync micro-steps are watched too: it drops such a window itself
-// (window_failed_), and its reductions ignore the mark. A backward that
+// no_sync micro-steps are not watched (NoSync's `counted`: no callback on
+// that per-micro-step path): it drops such a window itself (window_failed_). A backward that
 // fails before any hook ran leaves no trace (as in torch DDP).
 namespace {
 struct NoSyncWatch {

@@ -603,10 +603,11 @@ std::vector<int64_t> Reducer::gather(int64_t value) const {
   return values;
 }
 
-NoSync::NoSync(Reducer* reducer) {
+NoSync::NoSync(Reducer* reducer, bool counted) {
   if (reducer) {
     state_ = reducer->state_;
     previous_ = reducer->expect_hooks();
+    previous_counted_ = reducer->state_->counted_no_sync.exchange(counted);
     reducer->set_expect_hooks(false);
   }
 }
@@ -614,11 +615,12 @@ NoSync::NoSync(Reducer* reducer) {
 NoSync::~NoSync() {
   if (const auto state = state_.lock()) {
     state->expect_hooks.store(previous_);
+    state->counted_no_sync.store(previous_counted_);
   }
 }
 
 NoSync::NoSync(NoSync&& other) noexcept
-    : state_(std::move(other.state_)), previous_(other.previous_) {
+    : state_(std::move(other.state_)), previous_(other.previous_), previous_counted_(other.previous_counted_) {
   other.state_.reset();
 }
 

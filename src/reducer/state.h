@@ -262,6 +262,9 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// Note [A failed backward inside no_sync()]: the graph task of the last
   /// no_sync backward a hook of which ran (its failure watched).
   std::atomic<int> watched_task{-1};
+  /// Inside the Accumulator's own no_sync micro-step (NoSync's `counted`):
+  /// its failures are the Accumulator's to handle, and nothing is watched.
+  std::atomic<bool> counted_no_sync{false};
   /// The watches' generation (a reduction or acc.zero_grad() begins the
   /// next one) above kWatchCountBits, and below them how many outer nodes'
   /// post-hooks of this generation are armed and not yet run: one word, so

@@ -49,9 +49,4 @@ ErrorFacts inspect_error(const std::exception_ptr& error) noexcept;
 /// `raise KeyboardInterrupt`, Python's "python_error"), the type `facts` name.
 std::string named_message(const std::string& message, const ErrorFacts& facts);
 
-/// An exception's text for an error message: a c10::Error's without its
-/// backtrace, a Python error's (pybind11's error_already_set, raised by a
-/// Python optimizer or hook the C++ side called) without its "At:" trace.
-std::string without_python_trace(const std::exception& e);
-
 } // namespace gradaccum::detail
