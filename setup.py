@@ -127,7 +127,8 @@ def get_extensions():
     return [
         CppExtension(
             "gradaccum._C",
-            [os.path.join("python", "gradaccum", "csrc", "bindings.cpp")],
+            [os.path.join("python", "gradaccum", "csrc", "bindings.cpp"),
+             os.path.join("python", "gradaccum", "csrc", "state_dict.cpp")],
             include_dirs=[os.path.join(ROOT, "include")],
             define_macros=[("USE_C10D_GLOO", None)],
             libraries=["gradaccum"],  # library_dirs: added by BuildGradaccum

@@ -3,6 +3,8 @@
 // dropping it (zero_grad()).
 #include <gradaccum/accumulator.h>
 
+#include "precision/wide_sums.h"
+
 #include "call_guard.h"
 
 #include <ATen/ATen.h>
@@ -32,6 +34,30 @@ std::optional<at::ScalarType> norm_dtype(const std::vector<at::Tensor>& grads) {
 }
 
 } // namespace
+
+bool Accumulator::step() {
+  const CallGuard guard(driver_, driving_, "acc.step()");
+  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
+  check_open("acc.step()");
+  check_no_open_parts("acc.step()");
+  TORCH_CHECK(optimizer_step_,
+      "gradaccum: acc.step(): this Accumulator has no optimizer (pass one to the constructor; "
+      "without one, acc.backward() leaves the window's gradient in .grad)");
+  if (!window_ready_) {
+    if (micro_step_ == 0) {
+      if (reducer_) { // (after the manual path's window, whose backward a conversion leaves unreduced)
+        reducer_->check_hooks_reach("acc.step()");
+      }
+      check_no_uncounted_backward("acc.step()");
+    }
+    return false;
+  }
+  if (!window_optimizer_stepped_) { // (else only the scheduler is left to run)
+    check_gradients_untouched("acc.step()", /*allow_in_place=*/true); // clipping in place is fine
+  }
+  return finish_window("acc.step()");
+}
+
 
 bool Accumulator::finish_window(const char* call) {
   if (!window_optimizer_stepped_ && !window_empty_) {
@@ -71,6 +97,19 @@ bool Accumulator::finish_window(const char* call) {
     after_window_(); // once per closed window, stepped or skipped
   }
   return stepped;
+}
+
+void Accumulator::clear_gradients() {
+  if (reducer_) {
+    reducer_->zero_grad();
+    return;
+  }
+  if (wide_) {
+    wide_->clear();
+  }
+  for (auto& p : params_) {
+    p.mutable_grad() = at::Tensor();
+  }
 }
 
 // Note [Dropping the middle of a window]
