@@ -329,23 +329,26 @@ class Accumulator {
   void save(torch::serialize::OutputArchive& archive, bool rank_independent = true);
   void load(torch::serialize::InputArchive& archive);
 
-  /// Callbacks around each window's optimizer step (a loss scaler's place:
-  /// GradScaler from Python). `before_step` runs first at a closed window,
-  /// before the non-finite check and clipping; returning false skips the
-  /// window (no optimizer or scheduler step, counted in skipped_steps).
-  /// `after_window` runs once per closed window, stepped or skipped.
+  /// Callbacks around each window's optimizer step (a loss scaler's: GradScaler
+  /// from Python). `before_step` runs first at a closed window, before the
+  /// non-finite check and clipping; false skips the window (no optimizer or
+  /// scheduler step; skipped_steps). `after_window` runs once per closed window.
   void set_window_callbacks(std::function<bool()> before_step, std::function<void()> after_window);
-  /// For a loss scaler of the caller's (the callbacks above) with error
-  /// feedback: its `after_window` tells the ratio of the new scale to the
-  /// window's (a one-element tensor, read on no host) when it changed, so
-  /// that the residuals join the next window in its units. The built-in
-  /// loss_scaler and the Python `grad_scaler` do it themselves.
+  /// For a loss scaler of the caller's with error feedback: its `after_window`
+  /// tells the new scale's ratio to the window's (a one-element tensor) when it
+  /// changed, for the residuals (the built-in and Python scalers do it themselves).
   void rescale_residuals(const at::Tensor& ratio);
+  /// The public call running now (acc.step(), ...: what callbacks name), or nullptr.
+  const char* running_call() const {
+    return driving_.load(std::memory_order_relaxed);
+  }
+  /// Note [A manual reduction in the middle of a window]: ends the window a
+  /// plain loss.backward()'s reduction ended; raises for `call` if nothing told.
+  void realign_after_manual_reduction(const char* call = nullptr);
 
   /// Removes the hooks and releases the parameters for another Accumulator;
-  /// every later call but stats() is an error. The destructor does the same.
-  /// No collective: in the middle of a window the other ranks still wait for
-  /// this rank's reduction (Note [Closed in the middle of a window]).
+  /// later calls but stats() raise (the destructor too). No collective
+  /// (Note [Closed in the middle of a window]).
   void close();
   bool closed() const {
     return closed_;
@@ -401,9 +404,6 @@ class Accumulator {
   void fail_micro_step(AbortReason why);
   /// refuse_micro_batch() inside a call that holds the call guard.
   std::string drop_refused_window(const char* call);
-  /// Note [A manual reduction in the middle of a window]: ends the window a
-  /// plain loss.backward()'s reduction ended on the other ranks.
-  void realign_after_manual_reduction();
   /// Note [The closing micro-step inside no_sync()]: throws, at the window's
   /// closing micro-step inside acc.no_sync(), after dropping the window on
   /// every rank.

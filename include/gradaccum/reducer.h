@@ -325,6 +325,11 @@ class Reducer {
   /// some ranks]). A failure after a window's reduction marks it itself;
   /// restore() clears it.
   void mark_unstepped(const char* why);
+  /// The Accumulator's window failed (a micro-step failed, or its gradients
+  /// changed) and is dropped when it closes: a manual reduction closing it
+  /// instead drops it too, on every rank (Note [A failed backward inside
+  /// no_sync()]). acc.zero_grad() and restore() clear it.
+  void mark_window_failed(AbortReason why) noexcept;
   /// Note [Training ended in join()] (src/accumulator/join.cpp): the dropped
   /// reduction `window` told this rank to end training and it has left join().
   void set_end_acted_on(int64_t window);
@@ -347,6 +352,9 @@ class Reducer {
   /// ones included: an Accumulator tells by it that one ended its window
   /// (Note [A manual reduction in the middle of a window]).
   uint64_t manual_reductions() const;
+  /// manual_reductions() as of the last manual reduction dropped on this rank
+  /// (0: none): its error told that the window ended.
+  uint64_t manual_dropped_at() const;
   /// From a window's close to its step (Note [A backward after the window
   /// closed]): while held, a hook starts no reduction (a manual-path
   /// backward would); it records the first parameter a backward reached.

@@ -167,6 +167,7 @@ def run(acc: Any, fn: Callable[[Any], Any], batch: Any) -> Any:
     if not callable(fn):  # (before the micro-step: data parallel, a failed one drops the window)
         raise TypeError(f"gradaccum: acc.run(): fn must be callable (it computes the loss), got {type(fn).__name__}")
     state: RunState = acc._run_state
+    acc._c.realign("acc.run()")  # before fn: a failed fn would count a micro-step (review)
     acc._c.check_micro_step_state()  # a micro-step that could not run must be one that could
     marker = acc._c.progress_marker
     rows = _rows(batch)

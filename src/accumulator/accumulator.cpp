@@ -264,7 +264,7 @@ void Accumulator::backward_whole(const at::Tensor& loss, std::optional<double> n
 void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::optional<double> num_items,
                               const at::Tensor& reported, const at::Tensor& metrics) {
   const CallGuard guard(driver_, driving_, call, &call_);
-  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
+  realign_after_manual_reduction(call); // Note [A manual reduction in the middle of a window]
   check_no_open_parts(call);
   check_micro_step_state(call);
   window_forwards_ = true; // its forward ran, whatever the checks below say of its loss
@@ -307,7 +307,7 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
 void Accumulator::empty_micro_step() {
   const char* call = "acc.empty_micro_step()";
   const CallGuard guard(driver_, driving_, call, &call_);
-  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
+  realign_after_manual_reduction(call); // Note [A manual reduction in the middle of a window]
   check_no_open_parts(call);
   check_micro_step_state(call);
   refuse_closing_in_no_sync(call);
@@ -369,6 +369,7 @@ void Accumulator::local_micro_step(const at::Tensor& scaled, double weight,
       window_failure_ = detail::inspect_error(std::current_exception()).interrupt // Note [An interrupt tells every rank to end]
           ? AbortReason::Interrupted
           : AbortReason::BackwardFailed;
+      reducer_->mark_window_failed(window_failure_); // (should a plain backward close it)
       ++micro_step_;
       ++stats_.micro_steps;
       remember_gradients();

@@ -75,7 +75,7 @@ void Accumulator::check_consistent_cut(int64_t window, bool failed_here) const {
 
 AccumulatorState Accumulator::state_dict(bool rank_independent) {
   const CallGuard guard(driver_, driving_, "acc.state_dict()");
-  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
+  realign_after_manual_reduction("acc.state_dict()"); // Note [A manual reduction in the middle of a window]
   check_open("acc.state_dict()");
   check_no_open_parts("acc.state_dict()");
   // (A state saved here would step the optimizer again when resumed.)

@@ -15,7 +15,7 @@ using detail::CallGuard;
 
 bool Accumulator::flush() {
   const CallGuard guard(driver_, driving_, "acc.flush()", &call_);
-  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
+  realign_after_manual_reduction("acc.flush()"); // Note [A manual reduction in the middle of a window]
   check_training_not_ended("acc.flush()", /*flushing=*/true); // (the one-sided flush: its way out)
   return flush_in_call();
 }

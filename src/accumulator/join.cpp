@@ -69,7 +69,7 @@ int64_t Accumulator::join() {
 
 int64_t Accumulator::join_in_call() {
   const CallGuard guard(driver_, driving_, "acc.join()", &call_);
-  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
+  realign_after_manual_reduction("acc.join()"); // Note [A manual reduction in the middle of a window]
   check_open("acc.join()");
   check_no_open_parts("acc.join()");
   if (!reducer_) {

@@ -65,7 +65,7 @@ void Accumulator::check_no_open_parts(const char* what) const {
 void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> num_items,
                                 const at::Tensor& reported, double share, const at::Tensor& metrics, const char* call) {
   const CallGuard guard(driver_, driving_, call, &call_);
-  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
+  realign_after_manual_reduction(call); // Note [A manual reduction in the middle of a window]
   // Every check comes before backward: a rejected call changes nothing.
   double weight = check_micro_step(loss, num_items, call);
   window_forwards_ = true; // (a refused part: acc.run() fails the whole micro-step)
@@ -194,6 +194,7 @@ void Accumulator::fail_micro_step(AbortReason why) {
   if (!window_failed_) {
     window_failed_ = true;
     window_failure_ = why;
+    reducer_->mark_window_failed(why); // (should a plain backward close it)
   }
   if (closes_window_next()) {
     // The others wait in this window's reduction: drop it there now.
@@ -221,7 +222,7 @@ void Accumulator::fail_micro_step(AbortReason why) {
 // state: Note [The closing micro-step inside no_sync()].)
 std::string Accumulator::refuse_micro_batch(const char* call) {
   const CallGuard guard(driver_, driving_, call, &call_);
-  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
+  realign_after_manual_reduction(call); // Note [A manual reduction in the middle of a window]
   return drop_refused_window(call);
 }
 

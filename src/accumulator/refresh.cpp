@@ -54,7 +54,7 @@ void Accumulator::refresh_parameters(ModelParameters model) {
 // a checkpoint's snapshot), which meets the others' check there.
 void Accumulator::refresh_parameters(ModelParameters model, const std::string& refused_here) {
   const CallGuard guard(driver_, driving_, "acc.refresh_parameters()");
-  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
+  realign_after_manual_reduction("acc.refresh_parameters()"); // Note [A manual reduction in the middle of a window]
   check_open("acc.refresh_parameters()");
   check_no_open_parts("acc.refresh_parameters()");
   check_training_not_ended("acc.refresh_parameters()", /*flushing=*/false); // (its check is a collective)

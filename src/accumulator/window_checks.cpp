@@ -33,8 +33,15 @@ void Accumulator::check_open(const char* what) const {
 // call that touches the window checks first (right after its CallGuard), and
 // notes the reducer's count: only a manual reduction since this
 // Accumulator's last call ends its window, whatever that call was (a
-// micro-step, a failed one, acc.zero_grad(), a load, a refresh, ...).
-void Accumulator::realign_after_manual_reduction() {
+// micro-step, a failed one, acc.zero_grad(), a load, a refresh, ...). Where
+// that reduction completed (the plain backward ran mid-window on every rank:
+// an auxiliary loss's backward, say), its window's micro-batches were lost
+// with nothing said, and the windows shifted (review); in one process the
+// same script is refused (Note [Gradients no micro-step counted]). So the
+// call that meets it raises, after the realignment (a failed or refused
+// micro-step's drop has told already; acc.zero_grad() and a load discard the
+// window anyway: those pass no call).
+void Accumulator::realign_after_manual_reduction(const char* call) {
   if (!reducer_ || closed_) {
     return;
   }
@@ -42,10 +49,22 @@ void Accumulator::realign_after_manual_reduction() {
   if (manual == manual_seen_) {
     return;
   }
-  if ((micro_step_ > 0 || parts_open_) && !window_ready_) {
-    reset_window();
-  }
+  // A manual reduction since this Accumulator's last call was dropped: its
+  // error told this rank (the first of them, which ended the window, as a rule).
+  const bool told = reducer_->manual_dropped_at() > manual_seen_;
   manual_seen_ = manual;
+  if ((micro_step_ == 0 && !parts_open_) || window_ready_) {
+    return;
+  }
+  const auto done = micro_step_;
+  reset_window();
+  TORCH_CHECK(!call || told,
+      "gradaccum: ", call, ": a plain loss.backward() outside acc.no_sync() ran after ", done, " of this window's ",
+      options_.steps(), " micro-steps: that is the manual path's reduction, which reduced what the window held so "
+      "far and ended it here, so the window's micro-batches were dropped on this rank (its gradients cleared, no "
+      "optimizer step). Run every micro-batch through acc.backward() (two losses of one micro-batch: "
+      "acc.backward(l1 + l2)), or take the manual path throughout (acc.no_sync() and a plain backward, stepping "
+      "the optimizer yourself); this call was not run, and the next one starts a new window");
 }
 
 void Accumulator::remember_gradients() {
@@ -188,6 +207,9 @@ bool Accumulator::refuse_uncounted_gradients(const char* what, const std::vector
 void Accumulator::fail_for_changed_gradients(const std::vector<GradMark>& now, bool uncounted) {
   window_failed_ = true;
   window_failure_ = AbortReason::GradientsChanged;
+  if (reducer_) {
+    reducer_->mark_window_failed(window_failure_); // (should a plain backward close it)
+  }
   std::optional<size_t> which = uncounted ? uncounted_gradient(now) : std::nullopt;
   for (size_t i = 0; !which && i < params_.size(); ++i) {
     if (now[i] != remembered_[i]) {

@@ -126,6 +126,9 @@ void Reducer::State::end_dropped_window() noexcept {
   }
   ++stats.windows;
   ++stats.dropped_windows;
+  if (window.entry == detail::Entry::ManualBackward) { // (Note [A manual reduction in the middle of a window])
+    manual_dropped_at.store(manual_reductions.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  }
   end_reduction(/*window_closed=*/true);
 }
 

@@ -395,6 +395,9 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
     } catch (...) {
     }
     ++stats.dropped_windows; // on this rank alone: the others step theirs
+    if (window.entry == detail::Entry::ManualBackward) { // (its error tells this rank)
+      manual_dropped_at.store(manual_reductions.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    }
     if (result.global_weight > 0) {
       window.unstepped_pending = detail::kLostAfterReduction; // Note [A window not stepped on some ranks]
     }

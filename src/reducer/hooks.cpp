@@ -299,6 +299,15 @@ void Reducer::State::mark_ready(size_t index) {
       TORCH_CHECK(false, own_failure("a plain loss.backward() inside acc.no_sync() failed on this rank in this "
           "window after some of its gradients had reached .grad, so the window held part of that micro-batch"));
     }
+    if (const auto why = window.failed_counted_read; why != AbortReason::None) { // (review: reduced silently)
+      abort_reduction(why);
+      TORCH_CHECK(false, own_failure(std::string(why == AbortReason::GradientsChanged
+              ? "this rank's part of the window was changed outside the Accumulator (or a resumed window's part "
+                "dropped by acc.zero_grad())"
+              : why == AbortReason::Interrupted ? "a micro-step's acc.backward() was interrupted on this rank"
+                                                : "a micro-step's acc.backward() (or acc.run()) failed on this rank") +
+          " in this window, and this plain loss.backward() closed the window, which therefore held a wrong sum"));
+    }
   } else if (task != window.anchor_task && older_task(task, window.anchor_task)) {
     window.anchor_task = task; // an outer task of a reentrant backward: finish at its end
     queue_end_callback(task);

@@ -37,6 +37,7 @@ void Reducer::State::begin_reduction(const ReductionRequest& request, int task, 
   // has returned, without running it): the window holds part of it.
   const bool armed = next_watch_generation();
   window.failed_no_sync_read = std::exchange(window.failed_no_sync, false) || armed;
+  window.failed_counted_read = std::exchange(window.failed_counted, AbortReason::None);
   // Note [A window not stepped on some ranks]: a rank that drops this
   // reduction because it could not step the window it closed says so already.
   if (request.abort == AbortReason::ClosedWindowNotStepped) {

@@ -330,6 +330,7 @@ void Reducer::zero_grad() {
   s.check_idle("acc.zero_grad()");
   s.clear_touched();
   s.window.failed_no_sync = false; // (what that backward left in .grad goes here)
+  s.window.failed_counted = AbortReason::None;
   s.next_watch_generation();
   const bool as_view = s.config.options.gradient_as_bucket_view();
   if (!as_view) {
@@ -392,6 +393,10 @@ uint64_t Reducer::manual_reductions() const {
   return state_->manual_reductions.load(std::memory_order_relaxed);
 }
 
+uint64_t Reducer::manual_dropped_at() const {
+  return state_->manual_dropped_at.load(std::memory_order_relaxed);
+}
+
 void Reducer::hold_closed_window(bool hold) {
   state_->late.arm(hold);
 }
@@ -417,12 +422,18 @@ void Reducer::mark_unstepped(const char* why) {
   s.window.unstepped_pending = why;
 }
 
+void Reducer::mark_window_failed(AbortReason why) noexcept {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->window.failed_counted = why;
+}
+
 void Reducer::restore(const Progress& progress, bool backwards_too) {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
   s.check_idle("acc.load_state_dict()");
   s.window.unstepped_pending = nullptr; // every rank resumes alike (Note [A window not stepped on some ranks])
   s.window.failed_no_sync = false;
+  s.window.failed_counted = AbortReason::None;
   // Not in checkpoints: what describes this reducer's buckets (always its
   // own) and its backwards (the old reducer's at a refresh).
   const auto now = s.stats;

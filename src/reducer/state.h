@@ -179,6 +179,12 @@ struct Window {
   /// `failed_no_sync_read` is what the reduction in flight read of it.
   bool failed_no_sync = false;
   bool failed_no_sync_read = false;
+  /// The same for the Accumulator's own micro-steps: one failed (or found
+  /// the gradients changed) in this window, which the Accumulator drops when
+  /// it closes; a plain loss.backward() that closes it instead (Note [A
+  /// manual reduction in the middle of a window]) drops it with this reason.
+  AbortReason failed_counted = AbortReason::None;
+  AbortReason failed_counted_read = AbortReason::None;
   /// Note [A second backward after the manual path's reduction]: under
   /// "sum", each parameter's .grad (its TensorImpl and version) as the last
   /// manual reduction left it (empty otherwise).
@@ -255,6 +261,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// running one ran none (Note [Compiled autograd]).
   std::atomic<uint64_t> hook_calls{0};
   std::atomic<uint64_t> manual_reductions{0}; ///< Reducer::manual_reductions()
+  std::atomic<uint64_t> manual_dropped_at{0}; ///< Reducer::manual_dropped_at()
   /// Reducer::backward() (acc.backward()) is running: a compiled backward
   /// without hooks is then reduced after it (Note [Compiled autograd]).
   std::atomic<bool> in_backward{false};

@@ -1,6 +1,7 @@
 """Jobs of test_protocol.py that reproduce defects found by review: each used
 to mis-pair collectives, wedge, diverge or crash on real Gloo ranks (spawned by
 _dist_utils.run_job with module="_regression_jobs")."""
+import contextlib
 import time
 
 import torch
@@ -333,7 +334,10 @@ def manual_mid_window(rank, world_size, *, at, then=None):
     its reduction meets rank 0's closing one and the window is dropped on
     both (Note [A manual reduction in the middle of a window]). `then`, on
     rank 1 right after: "zero_grad" (acc.zero_grad()), or "failed_run" (its
-    next micro-batch through acc.run(), whose fn raises)."""
+    next micro-batch through acc.run(), whose fn raises). "every_step" and
+    "every_run": every rank runs that plain backward, so its reduction
+    completes (an auxiliary loss's backward, say), and the next call (the
+    acc.step() after it, or acc.run() on the next micro-batch) raises."""
     import gradaccum
     model = du.mlp(pj.REFUSE_SEED)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -343,21 +347,81 @@ def manual_mid_window(rank, world_size, *, at, then=None):
     for w, window in enumerate(windows):
         for k, batch in enumerate(window[rank]):
             loss = du.micro_loss(model, batch, "mean")[0]
+            every = then in ("every_step", "every_run")
             try:
-                if rank == 1 and w == 0 and k == at:
+                if (rank == 1 or every) and w == 0 and k == at:
                     try:
                         loss.backward()
                     finally:
                         if then == "zero_grad":
                             acc.zero_grad()
+                    if then == "every_run":
+                        continue
                 elif rank == 1 and w == 0 and k == at + 1 and then == "failed_run":
                     acc.run(lambda batch: (_ for _ in ()).throw(ValueError("boom")), batch)
+                elif w == 0 and k == at + 1 and then == "every_run":
+                    acc.run(lambda batch: du.micro_loss(model, batch, "mean")[0], batch)
                 else:
                     acc.backward(loss)
                 acc.step()
             except Exception as e:  # noqa
                 errors.append((f"{w}/{k}", type(e).__name__, str(e)[:60]))
     return {"errors": errors, "params": du.params(model), "stats": acc.stats(), "micro_step": acc.micro_step}
+
+
+@job
+def mixed_window_then(rank, world_size, *, then):
+    """K=2 (refused_micro_batch's data), on every rank: window 0's first
+    micro-batch through acc.backward(), its second through a plain
+    loss.backward() (the manual path's reduction, mid-window). Then `then`:
+    "manual": the script's own optimizer.step() (refused, naming the plain
+    backward), and windows 1 and 2 on the manual path (each micro-batch's
+    loss / K, optimizer.step() and zero_grad() by hand: they pass, the
+    Accumulator's window having ended at the refusal); "run": windows 1 and
+    2 through acc.run(), whose fn would raise a KeyError on rank 1 at the
+    first call: that call is refused before fn runs (review: fn ran, and its
+    failure counted a micro-step on rank 1 alone), and the script runs it
+    again."""
+    import gradaccum
+    model = du.mlp(pj.REFUSE_SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=pj.MICRO)
+    windows = du.make_windows(pj.REFUSE_SEED, [[pj.MICRO] * world_size] * 3, pj.MICRO)
+    loss_of = lambda w, k: du.micro_loss(model, windows[w][rank][k], "mean")[0]  # noqa: E731
+    errors = []
+    acc.backward(loss_of(0, 0))
+    loss_of(0, 1).backward()
+    calls, first = [0], [True]
+
+    def fn(batch):
+        calls[0] += 1
+        if rank == 1 and first[0]:
+            raise KeyError("a lost shard")
+        return du.micro_loss(model, batch, "mean")[0]
+
+    for w in (1, 2):
+        for k in range(pj.MICRO):
+            for attempt in range(2):
+                try:
+                    if then == "manual" and w == 1 and k == 0 and attempt == 0:
+                        opt.step()
+                    elif then == "manual":
+                        with contextlib.ExitStack() as stack:
+                            if k < pj.MICRO - 1:
+                                stack.enter_context(acc.no_sync())
+                            (loss_of(w, k) / pj.MICRO).backward()
+                        if k == pj.MICRO - 1:
+                            opt.step()
+                            opt.zero_grad(set_to_none=True)
+                    else:
+                        first[0] = w == 1 and k == 0 and attempt == 0
+                        acc.run(fn, windows[w][rank][k])
+                        acc.step()
+                    break
+                except Exception as e:  # noqa
+                    errors.append((f"{w}/{k}", type(e).__name__, str(e)[:100]))
+                    opt.zero_grad(set_to_none=True)
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats(), "calls": calls[0]}
 
 
 @job

@@ -210,7 +210,7 @@ def _manual_loss(m, x, fail=False):
 
 
 @job
-def manual_no_sync_backward_fails(rank, world_size, *, clear):
+def manual_no_sync_backward_fails(rank, world_size, *, clear, how="plain"):
     """The manual path (no_sync() and plain loss.backward()), K=2, 3
     windows, SGD. In window 1, rank 1's no_sync backward fails after the last
     layer's gradients reached .grad; the script catches it and goes on. It
@@ -219,7 +219,11 @@ def manual_no_sync_backward_fails(rank, world_size, *, clear):
     where rank 1 dropped its part with acc.zero_grad() (`clear`), the window
     steps without that part. Returns the params and the reference: the
     windows that stepped, each .grad = sum over ranks and micro-batches kept
-    / world, as torch DDP's no_sync path gives."""
+    / world, as torch DDP's no_sync path gives. `how` "acc": window 1's
+    micro-steps before the closing one are acc.backward() calls (counted),
+    and the plain backward closes it (Note [A manual reduction in the middle
+    of a window]): it was reduced silently with the failed part (review);
+    the manual windows after it step."""
     import gradaccum
 
     m = _manual_net()
@@ -234,7 +238,9 @@ def manual_no_sync_backward_fails(rank, world_size, *, clear):
             fail = rank == 1 and w == 1 and k == 0
             loss = _manual_loss(m, batch(rank, w, k), fail=fail)
             try:
-                if k < K - 1:
+                if k < K - 1 and how == "acc" and w == 1:
+                    acc.backward(loss)
+                elif k < K - 1:
                     with acc.no_sync():
                         loss.backward()
                 else:

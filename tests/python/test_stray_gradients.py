@@ -325,17 +325,21 @@ def test_an_accumulator_closed_inside_a_backward_leaves_its_hooks_inert():
         assert (p.grad - g).abs().max().item() <= 1e-15
 
 
-@pytest.mark.parametrize("clear", [False, True])
-def test_a_failed_backward_inside_no_sync_is_not_reduced_in_part(tmp_path, clear):
+@pytest.mark.parametrize("clear,how", [(False, "plain"), (True, "plain"), (False, "acc")])
+def test_a_failed_backward_inside_no_sync_is_not_reduced_in_part(tmp_path, clear, how):
     """Note [A failed backward inside no_sync()]: the manual path; rank 1's
     no_sync backward fails after the last layer's gradients reached .grad,
     and the script goes on. That half micro-batch was reduced with the
     window, with no error (review). Now the window's closing backward drops
     it on every rank, rank 1 saying why; with acc.zero_grad() after the
     failure, rank 1's part goes and the window steps without it. Either way
-    both ranks match the float64 reference of what was kept."""
+    both ranks match the float64 reference of what was kept. `how` "acc":
+    the failed micro-step was an acc.backward() and a plain backward closed
+    the window, which reduced it silently with the failed part (review); the
+    manual windows after the drop step. (Without the failure that window is
+    refused at the next call: test_protocol's every-rank test.)"""
     results = du.run_job("manual_no_sync_backward_fails", 2, tmp_path, module=M, timeout=120, pg_timeout=30,
-                         clear=clear)
+                         clear=clear, how=how)
     injected = (1, 0, "ValueError", "injected failure in backward")
     if clear:
         assert results[1]["errors"][0][:3] == injected[:3] and results[0]["errors"] == []
@@ -346,9 +350,11 @@ def test_a_failed_backward_inside_no_sync_is_not_reduced_in_part(tmp_path, clear
         assert results[1]["errors"][0][:3] == injected[:3]
         assert results[1]["errors"][1:] == [(1, 1, "RuntimeError", (
             "gradaccum: loss.backward(): window 1 was dropped on every rank: the synchronising backward (or a "
-            "micro-step of the window) failed on this rank (rank 1): a plain loss.backward() inside acc.no_sync() "
-            "failed on this rank in this window after some of its gradients had reached .grad, so the window held "
-            "part of that micro-batch" + tail))], results[1]["errors"]
+            "micro-step of the window) failed on this rank (rank 1): " + (
+                "a plain loss.backward() inside acc.no_sync() failed on this rank in this window after some of its "
+                "gradients had reached .grad, so the window held part of that micro-batch" if how == "plain" else
+                "a micro-step's acc.backward() (or acc.run()) failed on this rank in this window, and this plain "
+                "loss.backward() closed the window, which therefore held a wrong sum") + tail))], results[1]["errors"]
         assert results[0]["errors"] == [(1, 1, "RuntimeError", (
             "gradaccum: loss.backward(): window 1 was dropped on every rank: the synchronising backward (or a "
             "micro-step of the window) failed on rank 1 (its own error is raised there)" + tail))], \

@@ -389,6 +389,9 @@ void init_accumulator(py::module_& m) {
       .def("rescale_residuals", &Accumulator::rescale_residuals, py::arg("ratio"),
            "A loss scale's change at a window's end, for the error-feedback residuals.")
       .def_property_readonly("closed", &Accumulator::closed)
+      .def_property_readonly("running_call", &Accumulator::running_call)
+      .def("realign", [](Accumulator& acc, const std::string& call) { acc.realign_after_manual_reduction(call.c_str()); },
+           py::arg("call"), "Note [A manual reduction in the middle of a window], for a call of Python's")
       .def("load_state_dict", [](Accumulator& a, const py::dict& d) { a.load_state_dict(state_from_dict(d)); },
            py::arg("state_dict"), py::call_guard<WarningsToPython>())
       .def_property_readonly("parameter_names", &Accumulator::parameter_names)
