@@ -4,6 +4,7 @@ Accumulator weakly (see Accumulator._weakly), with the list of what that
 optimizer steps; its optimizer and scheduler, fixed, and no pickling (_Held)."""
 import atexit
 import os
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
@@ -62,18 +63,65 @@ def _close_at_exit() -> None:
         time.sleep(0.1)  # releases the GIL
 
 
+# How deep this thread is in an Accumulator's own optimizer steps, which
+# _refuse_own_steps lets run. (Not the optimizer's id: a wrapper such as
+# Lightning's LightningOptimizer shares its hooks with the optimizer it wraps,
+# whose step runs them: review.)
+_STEPPING = threading.local()
+
+
 def _optimizer_step(acc: "Accumulator", optimizer: Any) -> Callable[[], None]:
     """The C++ side's optimizer step: the pre-step hook, then optimizer.step().
     It holds the Accumulator weakly (see Accumulator._weakly)."""
     ref = weakref.ref(acc)
+    _refuse_own_steps(acc, optimizer)
 
     def step() -> None:
         target = ref()
         if target is not None and target._pre_step_hook is not None:
             target._pre_step_hook()
-        optimizer.step()
+        _STEPPING.depth = getattr(_STEPPING, "depth", 0) + 1
+        try:
+            optimizer.step()
+        finally:
+            _STEPPING.depth -= 1
 
     return step
+
+
+def _refuse_own_steps(acc: "Accumulator", optimizer: Any) -> None:
+    """A script's own optimizer.step() (or scaler.step(optimizer)) in the
+    middle of a window, beside acc.step(): it stepped each rank's own partial
+    sum, and the replicas drifted apart, with nothing said (review: a
+    migration's leftover). A torch optimizer's step pre-hook refuses it; at a
+    window boundary (the manual path's step) it passes."""
+    ref = weakref.ref(acc)
+
+    def pre_hook(opt: Any, args: Any, kwargs: Any) -> None:
+        target = ref()
+        c = getattr(target, "_c", None)  # (None: its construction failed)
+        if c is None or getattr(_STEPPING, "depth", 0) or c.closed:
+            return
+        # A plain backward that reduced a window in its middle (the manual
+        # path's reduction) raises that here; else the window ends there and
+        # the manual path's steps after it pass (review).
+        c.realign("optimizer.step()")
+        if c.micro_step == 0 and not c.window_ready:
+            return
+        where = ("its window closed, not yet stepped: a second step of it" if c.window_ready else
+                 f"after {c.micro_step} of its {target.steps} micro-steps: a step on a partial sum, each rank its own")
+        raise RuntimeError(
+            f"gradaccum: optimizer.step(): called outside acc.step() in the middle of an Accumulator's window "
+            f"({where}). acc.step() steps the optimizer itself, once per window, with the window's reduced "
+            "gradient: remove the script's optimizer.step() (and scaler.step(optimizer): pass the scaler as "
+            "grad_scaler=), or take the manual path (acc.no_sync() and a plain loss.backward(), stepping the "
+            "optimizer yourself). Nothing was stepped")
+
+    try:
+        handle = optimizer.register_step_pre_hook(pre_hook)
+    except (AttributeError, TypeError):  # not a torch Optimizer (any object with step())
+        return
+    weakref.finalize(acc, handle.remove)
 
 
 def _optimizer_parameters(optimizer: Any) -> Optional[Callable[[], List[torch.Tensor]]]:

@@ -37,7 +37,7 @@ std::optional<at::ScalarType> norm_dtype(const std::vector<at::Tensor>& grads) {
 
 bool Accumulator::step() {
   const CallGuard guard(driver_, driving_, "acc.step()");
-  realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
+  realign_after_manual_reduction("acc.step()"); // Note [A manual reduction in the middle of a window]
   check_open("acc.step()");
   check_no_open_parts("acc.step()");
   TORCH_CHECK(optimizer_step_,
@@ -57,7 +57,6 @@ bool Accumulator::step() {
   }
   return finish_window("acc.step()");
 }
-
 
 bool Accumulator::finish_window(const char* call) {
   if (!window_optimizer_stepped_ && !window_empty_) {
@@ -94,7 +93,22 @@ bool Accumulator::finish_window(const char* call) {
     throw;
   }
   if (after_window_ && !retry && !empty) {
-    after_window_(); // once per closed window, stepped or skipped
+    try {
+      after_window_(); // once per closed window, stepped or skipped
+    } catch (...) {
+      // GradScaler.update() raised after the step (review): this rank's
+      // scale may now differ from the others', which would weigh the ranks'
+      // gradients unequally: the next reduction tells every rank (Note [A
+      // window not stepped on some ranks], as for a scheduler that raised).
+      if (reducer_) {
+        try {
+          reducer_->mark_unstepped("its loss scaler's update() raised after the window stepped, so its loss scale "
+                                   "may differ from the other ranks'");
+        } catch (...) {
+        }
+      }
+      throw;
+    }
   }
   return stepped;
 }
@@ -138,6 +152,17 @@ void Accumulator::zero_grad() {
   const CallGuard guard(driver_, driving_, "acc.zero_grad()");
   realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.zero_grad()"); // the gradients may be another Accumulator's now
+  if (micro_step_ > 0 && !window_ready_ && !window_failed_ && !parts_open_) {
+    // (review: acc.zero_grad() where a plain loop had optimizer.zero_grad()
+    // trained on one micro-batch in K, or never stepped, with nothing said)
+    // (A failed micro-step that reached no .grad is not counted in one
+    // process: after one, this may warn too; the text allows for it.)
+    TORCH_WARN_ONCE("gradaccum: acc.zero_grad(): dropped the ", micro_step_, " micro-step(s) this window had "
+        "accumulated. acc.zero_grad() drops the window (after a failed micro-step, say); it is not "
+        "optimizer.zero_grad(): acc.step() clears the gradients itself after each window, so a training loop "
+        "needs no zero_grad() (one before every acc.backward() leaves each window its last micro-batch). Warned "
+        "once");
+  }
   if (!reducer_ || window_ready_ || (micro_step_ == 0 && !parts_open_)) {
     zero_grad_in_call();
     return;
@@ -159,6 +184,7 @@ void Accumulator::zero_grad() {
     // Each rank held a share of every rank's sums: a part of them cannot go.
     window_failed_ = true;
     window_failure_ = AbortReason::GradientsChanged;
+    reducer_->mark_window_failed(window_failure_); // (should a plain backward close it)
   }
 }
 

@@ -154,6 +154,43 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
             "scheduler_epoch": scheduler.last_epoch}
 
 
+@job
+def scaler_update_fails(rank, world_size):
+    """K=2, a CPU GradScaler (growth every window). Rank 1's
+    GradScaler.update() raises once, after window 0 stepped; the script
+    catches it and goes on. Its scale may now differ from the others' (the
+    ranks' gradients would be weighed unequally): window 1's reduction tells
+    every rank, and the script stops there (review: rank 0 stepped on, rank 1
+    refused its next window, and then rank 0 waited for the group's
+    timeout)."""
+    import gradaccum
+
+    model = du.mlp(SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1)
+    acc = gradaccum.Accumulator(model, opt, steps=K, grad_scaler=scaler)
+    update = scaler.update
+
+    def once():
+        scaler.update = update
+        raise RuntimeError("a scale store's hiccup")
+    if rank == 1:
+        scaler.update = once
+    errors = []
+    for w, window in enumerate(windows(world_size)[:3]):
+        try:
+            for batch in window[rank]:
+                acc.backward(du.micro_loss(model, batch, "mean")[0])
+        except RuntimeError as e:
+            errors.append((w, "reduction", str(e)))
+            break
+        try:
+            acc.step()
+        except RuntimeError as e:
+            errors.append((w, "step", str(e)))
+    return {"errors": errors, "scale": scaler.get_scale()}
+
+
 MID_STEPS = 3
 MID_BATCHES = 15
 

@@ -144,6 +144,109 @@ def test_optimizer_zero_grad_inside_the_window_is_an_error_naming_it():
     acc.backward(model(x).sum())  # dropping the window is the way on
 
 
+class _SharedHooks:
+    """An optimizer wrapper as Lightning's LightningOptimizer (what manual
+    optimization's self.optimizers() returns): the wrapped optimizer's
+    attributes, its hooks included, and its class as a base."""
+
+    def __init__(self, optimizer):
+        self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k != "step"}
+        self.__class__ = type("Shared" + type(optimizer).__name__, (_SharedHooks, type(optimizer)), {})
+        self._wrapped = optimizer
+
+    def step(self, closure=None):
+        return self._wrapped.step(closure)
+
+
+@pytest.mark.parametrize("how", ["optimizer", "scheduler", "scaler", "wrapper"])
+def test_the_scripts_own_optimizer_step_inside_a_window_is_refused(how):
+    """Review: a migration's leftover optimizer.step() after every
+    acc.backward() (or scaler.step(optimizer) at the window's end) stepped
+    partial sums, each rank its own (the replicas drifted apart), or the
+    window twice, with nothing said. It is refused, stepping nothing, also
+    through an LR scheduler's wrapper of step() and GradScaler.step(); at a
+    window boundary (the manual path's step) and after close() it passes,
+    and acc.step() steps the window as before, also through a wrapper that
+    shares its optimizer's hooks (review: acc.step()'s own step was refused
+    there)."""
+    model = mlp()
+    ref = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if how == "wrapper":
+        opt = _SharedHooks(opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    if how == "scheduler":
+        torch.optim.lr_scheduler.StepLR(opt, 1)  # (wraps opt.step)
+    acc = gradaccum.Accumulator(model, opt, steps=2)
+    ref_acc = gradaccum.Accumulator(ref, ref_opt, steps=2)
+    scaler = torch.amp.GradScaler("cpu")
+    own_step = (lambda: scaler.step(opt)) if how == "scaler" else opt.step
+    x = torch.ones(2, 4, dtype=torch.float64)
+    head = "gradaccum: optimizer.step(): called outside acc.step() in the middle of an Accumulator's window ("
+    tail = ("). acc.step() steps the optimizer itself, once per window, with the window's reduced gradient: remove "
+            "the script's optimizer.step() (and scaler.step(optimizer): pass the scaler as grad_scaler=), or take "
+            "the manual path (acc.no_sync() and a plain loss.backward(), stepping the optimizer yourself). Nothing "
+            "was stepped")
+    before = [p.detach().clone() for p in model.parameters()]
+    for k, where in enumerate(["after 1 of its 2 micro-steps: a step on a partial sum, each rank its own",
+                               "its window closed, not yet stepped: a second step of it"]):
+        loss = model(x).pow(2).sum()
+        acc.backward(scaler.scale(loss) if how == "scaler" else loss)  # (the AMP habit: scaled by hand)
+        ref_acc.backward(ref(x).pow(2).sum())
+        if how == "scaler" and k == 0:
+            continue  # (GradScaler.step() unscales first: once per update())
+        with pytest.raises(RuntimeError) as error:
+            own_step()
+        assert str(error.value) == head + where + tail
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    if how == "scaler":
+        return  # (the scaler unscaled the window: acc.step() with grad_scaler= is the way)
+    assert acc.step() and ref_acc.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    opt.step()  # a boundary: nothing accumulated (the manual path steps here)
+    acc.close()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert not torch.equal(model[0].weight, ref[0].weight)
+    ref_acc.close()
+
+
+ZERO_GRAD_LOOP = """
+import json, warnings, torch, gradaccum
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1).double()
+acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+x = torch.ones(2, 4, dtype=torch.float64)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    acc.zero_grad()  # at a boundary: nothing dropped, no warning
+    for _ in range(4):
+        acc.zero_grad()  # a plain loop's optimizer.zero_grad(), carried over
+        acc.backward(model(x).sum())
+        acc.step()
+print(json.dumps([acc.stats()["optimizer_steps"], [str(w.message) for w in caught]]))
+"""
+
+
+def test_zero_grad_in_a_plain_loops_place_warns_once():
+    """Review: acc.zero_grad() where the loop had optimizer.zero_grad()
+    dropped every window's micro-steps but the last: in one process nothing
+    ever stepped, with nothing said. It warns (once: a C++ warning, one per
+    process, so in its own process here)."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", ZERO_GRAD_LOOP], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    steps, caught = json.loads(out.stdout)
+    assert steps == 0 and caught == [
+        "gradaccum: acc.zero_grad(): dropped the 1 micro-step(s) this window had accumulated. "
+        "acc.zero_grad() drops the window (after a failed micro-step, say); it is not optimizer.zero_grad(): "
+        "acc.step() clears the gradients itself after each window, so a training loop needs no zero_grad() (one "
+        "before every acc.backward() leaves each window its last micro-batch). Warned once"], caught
+
+
 def test_clipping_a_closed_window_in_place_is_allowed():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

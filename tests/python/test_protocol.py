@@ -366,6 +366,11 @@ REFUSED = {
                   "(reduction is 'mean')"),
     "huge_num_items": ("ValueError", "gradaccum: acc.backward(): num_items does not fit in a float64 (int too "
                        "large to convert to float)"),
+    # (review: a sparse metric raised torch's RuntimeError on rank 1 alone, and
+    # rank 0 waited in its all-reduce for the group's timeout)
+    "sparse_metric": ("ValueError", "gradaccum: acc.backward(): metric 'm' must be a dense tensor, got "
+                      "torch.sparse_coo"),
+    "raising_metrics": ("RuntimeError", "gradaccum: acc.backward(): RuntimeError: metric store offline"),
 }
 WHY = ("refused the micro-batch that closes the window: its acc.backward() or acc.run() rejected its loss, "
        "num_items or metrics (a loss that is not a scalar or does not require grad, a num_items that is not a number "
@@ -374,6 +379,21 @@ NOT_COUNTED = ("this micro-step was not counted: run it again with a valid loss,
                "its place, so that this rank's windows stay aligned with the other ranks'")
 THEN = (". The window's gradients were cleared on every rank and no optimizer step was taken; training can go on "
         "from the next window")
+
+
+def test_an_interrupt_in_the_closing_micro_batchs_checks_stays_itself_and_is_told_to_every_rank(tmp_path):
+    """Review: a KeyboardInterrupt in Python's checks of the closing
+    micro-batch (a metrics mapping) was not told to the other ranks: a script
+    that caught it and went on paired its next micro-batch with the others'
+    window. It stays itself on its rank, and the window is dropped on every
+    rank, the others naming rank 1."""
+    results = run("refused_micro_batch", 2, tmp_path, how="interrupted_metrics", closing=True)
+    assert results[1]["errors"] == [("1/1", "KeyboardInterrupt", "metric store interrupted")]
+    assert results[0]["errors"] == [("1/1", "RuntimeError", "gradaccum: acc.backward(): window 1 was dropped on "
+                                     f"every rank: rank 1 {WHY} (its own error is raised there){THEN}")]
+    for res in results:
+        assert res["stats"]["dropped_windows"] == 1 and res["stats"]["optimizer_steps"] == 2
+        du.assert_params_close(res["params"], pj.refused_reference(2, dropped=1), "interrupted")
 
 
 @pytest.mark.parametrize("how", sorted(REFUSED))
@@ -485,6 +505,49 @@ def test_a_plain_backward_in_the_middle_of_a_window_on_one_rank_is_one_dropped_w
     assert [r["stats"]["dropped_windows"] for r in other] == [2, 2], [r["errors"] for r in other]
     assert [r["stats"]["optimizer_steps"] for r in other] == [1, 1]
     du.assert_params_close(other[0]["params"], other[1]["params"], "failed_run replicas", tol=0)
+
+
+@pytest.mark.parametrize("then", ["every_step", "every_run"])
+def test_a_plain_backward_in_the_middle_of_a_window_on_every_rank_is_refused_on_every_rank(tmp_path, then):
+    """Review: every rank running a plain loss.backward() in the middle of an
+    acc.backward() window (an auxiliary loss) completed the manual path's
+    reduction, and the next call dropped the window's micro-batches with
+    nothing said (one process refuses the same script). The call after it
+    (acc.step(), or acc.run() on the next micro-batch) now raises on every
+    rank, starting a new window there; no later window is dropped, and the
+    replicas stay equal."""
+    results = run("manual_mid_window", 2, tmp_path, module=R, at=1, then=then)
+    call, where = ("acc.step()", "0/1") if then == "every_step" else ("acc.run()", "0/2")
+    text = (f"gradaccum: {call}: a plain loss.backward() outside acc.no_sync() ran after 1 of this window's 3 "
+            "micro-steps"[:60])
+    for res in results:
+        assert res["errors"] == [(where, "RuntimeError", text[:60])], res["errors"]
+        # micro-batches 0/2 (or, refused, not), 1/0..2, 2/0..2: windows of 3 from the refusal on
+        assert res["stats"]["dropped_windows"] == 0 and res["stats"]["optimizer_steps"] == 2, res["stats"]
+        assert res["micro_step"] == (1 if then == "every_step" else 0)
+    du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)
+
+
+@pytest.mark.parametrize("then", ["manual", "run"])
+def test_after_a_mixed_window_the_scripts_next_step_or_run_is_refused_and_training_goes_on(tmp_path, then):
+    """Review: after a plain backward ended an acc.backward() window on every
+    rank, the script's own optimizer.step() was refused for good (the
+    Accumulator's position was only realigned at its next call, so later
+    manual-path windows were refused too), and an acc.run() whose fn raised
+    counted a failed micro-step on that rank alone. The first such call now
+    raises the mid-window refusal on every rank, before anything runs, and
+    the windows after it train as the float64 big batch without window 0."""
+    results = run("mixed_window_then", 2, tmp_path, module=R, then=then)
+    call = "optimizer.step()" if then == "manual" else "acc.run()"
+    text = (f"gradaccum: {call}: a plain loss.backward() outside acc.no_sync() ran after 1 of this window's 2 "
+            "micro-steps")[:100]
+    for res in results:
+        assert res["errors"] == [("1/0", "RuntimeError", text)], res["errors"]
+        if then == "run":
+            assert res["stats"]["optimizer_steps"] == 2 and res["stats"]["dropped_windows"] == 0, res["stats"]
+            assert res["calls"] == 4  # (fn never ran in the refused call)
+    du.assert_params_close(results[0]["params"], pj.refused_reference(2, dropped=0), "rank 0")
+    du.assert_params_close(results[1]["params"], pj.refused_reference(2, dropped=0), "rank 1")
 
 
 @pytest.mark.parametrize("how", ["resume", "failed_run"])

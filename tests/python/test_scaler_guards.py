@@ -100,10 +100,10 @@ def _failing_unscale(acc, sc, how):
         acc._set_gradient_hook(hook)
         return "^a logger's hiccup$"
     sc.unscale_(acc.optimizer)
-    return re.escape("gradaccum: the grad_scaler's unscale_() was already called for this optimizer since its last "
-                     "update() (scaler.unscale_(optimizer) in the script?), and the Accumulator unscales each closed "
-                     "window itself, once, in acc.step() (or flush()/join()): leave unscale_() to it, and clip with "
-                     "max_grad_norm= (which clips the unscaled gradient)")
+    return re.escape("gradaccum: acc.step(): the grad_scaler's unscale_() was already called for this optimizer "
+                     "since its last update() (scaler.unscale_(optimizer) in the script?), and the Accumulator "
+                     "unscales each closed window itself, once, in acc.step() (or flush()/join()): leave unscale_() "
+                     "to it, and clip with max_grad_norm= (which clips the unscaled gradient)")
 
 
 @pytest.mark.parametrize("how", ["hook", "script_unscales"])
@@ -137,6 +137,55 @@ def test_a_window_whose_unscale_raised_is_not_stepped_by_a_retry(how):
     assert sc.get_scale() == ref_acc.grad_scaler.get_scale() == 2.0 ** 10
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)
+    acc.close()
+    ref_acc.close()
+
+
+def test_the_scripts_own_unscale_is_named_with_the_call_that_met_it():
+    """Review: the refusal named no call; a flush() meets it too."""
+    data = make_data(K - 1)
+    model, opt, acc = make(momentum=0.0)
+    for batch in data:
+        acc.backward(loss_of(model, batch))
+    acc.grad_scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc\.flush\(\): the grad_scaler's unscale_\(\) was already "
+                                           r"called for this optimizer"):
+        acc.flush()
+    acc.close()
+
+
+def test_a_scaler_update_that_raised_is_named_not_blamed_on_the_script():
+    """Review: GradScaler.update() raising after the window stepped left the
+    scaler mid-window; the next window's step blamed the script's own
+    unscale_(). The update's failure is now said at once (the window did
+    step, as a run without the failure), and the next window's refusal says
+    what happened."""
+    data = make_data(2 * K)
+    model, opt, acc = make(momentum=0.0)
+    ref_model, ref_opt, ref_acc = make(momentum=0.0)
+    sc, update = acc.grad_scaler, acc.grad_scaler.update
+
+    def once():
+        sc.update = update
+        raise RuntimeError("a scale store's hiccup")
+    sc.update = once
+    for m, a in ((model, acc), (ref_model, ref_acc)):
+        for batch in data[:K]:
+            a.backward(loss_of(m, batch))
+    assert ref_acc.step()
+    with pytest.raises(RuntimeError, match=re.escape(
+            "gradaccum: acc.step(): the grad_scaler's update() raised after the window stepped (its optimizer step "
+            "ran): RuntimeError: a scale store's hiccup. The scaler is left mid-window and its scale may now differ "
+            "between ranks: end training here and resume from a checkpoint")):
+        acc.step()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    for batch in data[K:]:
+        acc.backward(loss_of(model, batch))
+    with pytest.raises(RuntimeError, match=re.escape(
+            "gradaccum: acc.step(): the grad_scaler's update() raised after an earlier window stepped (RuntimeError: a "
+            "scale store's hiccup), leaving the scaler mid-window on this rank")):
+        acc.step()
     acc.close()
     ref_acc.close()
 

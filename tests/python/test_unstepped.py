@@ -196,6 +196,23 @@ def test_a_window_dropped_after_the_scheduler_raised_is_told_to_every_rank(tmp_p
         assert_params_close(res["params"], expected)
 
 
+def test_a_scaler_update_that_raised_on_one_rank_is_told_to_every_rank(tmp_path):
+    """Review: GradScaler.update() raising on rank 1 after window 0 stepped
+    left its scale apart from rank 0's with nothing said to rank 0 (and rank
+    1's next window refused, rank 0 then waited for the group's timeout).
+    Rank 1 says what failed, and window 1's reduction tells every rank."""
+    results = du.run_job("scaler_update_fails", 2, tmp_path, module=M, timeout=120, pg_timeout=30)
+    assert results[0]["errors"] == [(1, "reduction", "gradaccum: acc.backward(): window 1: rank 1 " + ELSEWHERE)]
+    assert results[1]["errors"] == [
+        (0, "step", "gradaccum: acc.step(): the grad_scaler's update() raised after the window stepped (its "
+         "optimizer step ran): RuntimeError: a scale store's hiccup. The scaler is left mid-window and its scale "
+         "may now differ between ranks: end training here and resume from a checkpoint"),
+        (1, "reduction", "gradaccum: acc.backward(): window 1: this rank (rank 1) did not step a window every rank "
+         "had reduced (its loss scaler's update() raised after the window stepped, so its loss scale may differ "
+         "from the other ranks'), while the other ranks stepped it: " + REPLICAS)]
+    assert results[0]["scale"] == 512.0 and results[1]["scale"] == 256.0  # (apart: what the error tells)
+
+
 def test_a_rank_that_drops_a_window_the_others_skip_is_no_error(tmp_path):
     """Window 1's gradient is NaN (rank 0's loss): nonfinite="skip" skips it
     on rank 0, while rank 1's acc.step() raises before that decision (its
