@@ -205,11 +205,8 @@ class Accumulator(_Held):
             self._gradient_hook()
         return True
 
-    def _unscale_and_check(self) -> bool:
-        return _scaler_window.unscale_and_check(self)
-
-    def _update_scaler(self) -> None:
-        _scaler_window.update_scaler(self)
+    _unscale_and_check = _scaler_window.unscale_and_check  # (functions of the Accumulator: its methods)
+    _update_scaler = _scaler_window.update_scaler
 
     def _check_micro_step(self, what: str) -> None:
         """What Python checks of any micro-step before the C++ side's checks."""
@@ -261,13 +258,15 @@ class Accumulator(_Held):
             try:
                 loss, items, reported = self._micro_batch("acc.backward()", loss, num_items)
                 args = (loss, items, reported, _metric_values("acc.backward()", self.metrics, metrics, loss))
-            except (TypeError, ValueError) as error:
+            except BaseException as error:  # (a metric's or the scaler's torch error, an interrupt: review)
                 # Data parallel, at the closing micro-step the others are reducing:
                 # Note [A refused closing micro-batch] (src/accumulator/parts.cpp).
                 dropped = self._c.refuse_micro_batch()
-                if not dropped:
+                if not dropped or not isinstance(error, Exception):  # (an interrupt stays itself)
                     raise
-                raise type(error)(f"{error}; {dropped}") from None
+                if isinstance(error, (TypeError, ValueError)):
+                    raise type(error)(f"{error}; {dropped}") from None
+                raise RuntimeError(f"gradaccum: acc.backward(): {type(error).__name__}: {error}; {dropped}") from error
         try:
             self._c.backward(*args)
         except BaseException as error:
@@ -441,9 +440,10 @@ class Accumulator(_Held):
             params, names, buffers = _parameters(source, what, "parameters")
             if _scaling(self.grad_scaler):
                 _check_scaled_parameters(params, names, isinstance(source, torch.nn.Module), self.optimizer, what)
-        except (ValueError, TypeError) as e:  # the other ranks still meet this call and raise too
-            # (Note [A refresh refused on one rank])
-            self._c.refresh_parameters([], [], [], refused=str(e) or type(e).__name__)
+        except BaseException as e:  # (anything: the user's objects, an interrupt) the other ranks still meet
+            # this call and raise too (Note [A refresh refused on one rank])
+            ours = isinstance(e, (ValueError, TypeError)) and str(e)
+            self._c.refresh_parameters([], [], [], refused=str(e) if ours else f"{type(e).__name__}: {e}")
             raise
         self._c.refresh_parameters(params, names, buffers)
 

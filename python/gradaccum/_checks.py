@@ -406,7 +406,7 @@ def _num_items_float(what: str, num_items: Any) -> float:
     """A micro-batch's ``num_items`` (a real number or a one-element real
     tensor) as a float; a TypeError or ValueError otherwise, which
     backward() and run() refuse as a bad micro-batch (told to the other
-    ranks at a closing micro-step)."""
+    ranks at a closing micro-step, as any error of these checks)."""
     if isinstance(num_items, bool) or (isinstance(num_items, torch.Tensor) and num_items.dtype == torch.bool):
         raise TypeError(f"gradaccum: {what}: num_items must be a count of items, got {num_items!r}")
     if not isinstance(num_items, (numbers.Real, torch.Tensor)):
@@ -448,6 +448,8 @@ def _metric_values(what: str, names: Tuple[str, ...], metrics: Any, like: torch.
                 raise TypeError(f"gradaccum: {what}: metric {name!r} must be real, got a {value.dtype} tensor")
             if value.is_meta:
                 raise ValueError(f"gradaccum: {what}: metric {name!r} is on the meta device: it holds no value")
+            if value.layout != torch.strided:
+                raise ValueError(f"gradaccum: {what}: metric {name!r} must be a dense tensor, got {value.layout}")
             values.append(value.detach().reshape(()).to(device=like.device, dtype=torch.float64))
         elif isinstance(value, numbers.Real) and not isinstance(value, bool):
             number = _finite_float(what, f"metric {name!r}", value)

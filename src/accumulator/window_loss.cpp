@@ -52,6 +52,8 @@ void Accumulator::check_metrics(const at::Tensor& metrics, const char* what) con
   TORCH_CHECK_TYPE(!metrics.is_complex(),
       "gradaccum: ", what, ": metrics must be real numbers, got ", metrics.scalar_type());
   TORCH_CHECK_VALUE(!metrics.is_meta(), "gradaccum: ", what, ": metrics are on the meta device: they hold no value");
+  TORCH_CHECK_VALUE(metrics.layout() == at::kStrided,
+      "gradaccum: ", what, ": metrics must be a dense tensor, got layout ", metrics.layout());
 }
 
 void Accumulator::check_reported(const at::Tensor& reported, const char* what) {
@@ -62,6 +64,8 @@ void Accumulator::check_reported(const at::Tensor& reported, const char* what) {
       "gradaccum: ", what, ": the reported loss must be a scalar, got a tensor of shape ", reported.sizes());
   TORCH_CHECK_TYPE(!reported.is_complex(),
       "gradaccum: ", what, ": the reported loss must be real, got ", reported.scalar_type());
+  TORCH_CHECK_VALUE(reported.layout() == at::kStrided,
+      "gradaccum: ", what, ": the reported loss must be a dense tensor, got layout ", reported.layout());
 }
 
 void Accumulator::add_micro_loss(const at::Tensor& loss, const at::Tensor& metrics) {

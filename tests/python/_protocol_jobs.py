@@ -4,6 +4,7 @@ Each job runs on every rank (spawned by _dist_utils.run_job with
 module="_protocol_jobs") and returns plain data; the parent checks it against a
 one-process reference in float64.
 """
+import collections.abc
 import os
 import signal
 import time
@@ -406,6 +407,23 @@ def refused_reference(world_size, dropped):
     return du.windows_reference(REFUSE_SEED, windows, "mean", optimizer="plain_sgd", skip=(dropped,))
 
 
+class RaisingMetrics(collections.abc.Mapping):
+    """A metrics mapping whose lookup fails (a metric store gone away), or is
+    interrupted."""
+
+    def __init__(self, error=None):
+        self.error = error or RuntimeError("metric store offline")
+
+    def __getitem__(self, name):
+        raise self.error
+
+    def __iter__(self):
+        return iter(["m"])
+
+    def __len__(self):
+        return 1
+
+
 @job
 def refused_micro_batch(rank, world_size, *, how, closing, boom_rank=None):
     """K=2, 3 windows. In window 1 rank 1 hands acc.backward() a micro-batch
@@ -413,13 +431,16 @@ def refused_micro_batch(rank, world_size, *, how, closing, boom_rank=None):
     empty batch's torch.zeros(()): C++'s check), "not_tensor" (a float:
     Python's check), "num_items" (num_items with reduction="mean": C++'s
     check of num_items), "huge_num_items" (an int no float holds: Python's
-    conversion, an OverflowError before it was refused). At the closing micro-step (`closing`) the window is
+    conversion, an OverflowError before it was refused), "sparse_metric" (a
+    metric in sparse layout), "raising_metrics" (a metrics mapping whose
+    lookup raises a RuntimeError; "interrupted_metrics": a KeyboardInterrupt,
+    which the script catches). At the closing micro-step (`closing`) the window is
     dropped on every rank; at the first one rank 1 runs the micro-batch again.
     `boom_rank`: at that micro-step, that rank's backward raises."""
     import gradaccum
     model = du.mlp(REFUSE_SEED)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    acc = gradaccum.Accumulator(model, opt, steps=MICRO)
+    acc = gradaccum.Accumulator(model, opt, steps=MICRO, metrics=("m",))
     errors = []
     windows = du.make_windows(REFUSE_SEED, [[MICRO] * world_size] * 3, MICRO)
     for w, window in enumerate(windows):
@@ -431,10 +452,14 @@ def refused_micro_batch(rank, world_size, *, how, closing, boom_rank=None):
                 bad = {"no_grad": lambda: acc.backward(torch.zeros((), dtype=torch.float64)),
                        "not_tensor": lambda: acc.backward(0.0),
                        "num_items": lambda: acc.backward(loss, num_items=2),
-                       "huge_num_items": lambda: acc.backward(loss, num_items=10 ** 400)}[how]
+                       "huge_num_items": lambda: acc.backward(loss, num_items=10 ** 400),
+                       "sparse_metric": lambda: acc.backward(loss, metrics={"m": torch.ones(1).to_sparse()}),
+                       "raising_metrics": lambda: acc.backward(loss, metrics=RaisingMetrics()),
+                       "interrupted_metrics": lambda: acc.backward(loss, metrics=RaisingMetrics(
+                           KeyboardInterrupt("metric store interrupted")))}[how]
                 try:
                     bad()
-                except Exception as e:  # noqa
+                except BaseException as e:  # noqa
                     errors.append((f"{w}/{k}", type(e).__name__, str(e)))
                 if closing:
                     continue

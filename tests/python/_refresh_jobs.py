@@ -71,7 +71,10 @@ def refused_on_one_rank(rank, world_size, *, mode):
     rank 1 refuses it by itself (`mode`: "empty": it froze every layer;
     "scaler": it unfroze a layer its optimizer lacks, with a GradScaler,
     refused in Python), or "names": rank 0 unfreezes layer 0 and rank 1
-    layer 1, of the same shape, or "count": rank 1 unfreezes layer 0. A window is stepped first. Each rank's
+    layer 1, of the same shape, or "count": rank 1 unfreezes layer 0, or
+    "raising": rank 1 passes parameters whose iteration raises a KeyError
+    (review: rank 0 waited for the group's timeout), or "interrupted": a
+    KeyboardInterrupt. A window is stepped first. Each rank's
     errors, parameters, and window loss and items before and after."""
     import gradaccum
 
@@ -96,9 +99,13 @@ def refused_on_one_rank(rank, world_size, *, mode):
     if mode == "count" and rank == 1:
         model[0].requires_grad_(True)
     out = {"errors": []}
+    def raising():
+        yield from model.parameters()
+        raise KeyboardInterrupt("stopped") if mode == "interrupted" else KeyError("no such layer")
+
     try:
-        acc.refresh_parameters()
-    except (RuntimeError, ValueError) as e:
+        acc.refresh_parameters(raising() if mode in ("raising", "interrupted") and rank == 1 else None)
+    except BaseException as e:  # noqa
         out["errors"].append(f"{type(e).__name__}: {e}")
     out["params"] = du.params(model)
     out["loss"] = (before, (None if acc.window_loss is None else float(acc.window_loss), acc.window_items))

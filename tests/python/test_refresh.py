@@ -112,14 +112,16 @@ REFUSED_HERE = {
     "empty": "ValueError: gradaccum: acc.refresh_parameters(): the model has no trainable parameters",
     "scaler": "ValueError: gradaccum: acc.refresh_parameters(): grad_scaler: parameter '0.weight' requires grad but "
               "is not in the optimizer's param_groups",
+    "raising": "KeyError: 'no such layer'",
+    "interrupted": "KeyboardInterrupt: stopped",
 }
 
 
-@pytest.mark.parametrize("mode", ["empty", "scaler"])
+@pytest.mark.parametrize("mode", ["empty", "scaler", "raising", "interrupted"])
 def test_a_refresh_refused_on_one_rank_raises_on_every_rank(tmp_path, mode):
     """Note [A refresh refused on one rank]: at a window boundary rank 1
     refuses the call by itself (in C++: nothing trainable; or in Python's
-    grad_scaler check); before, rank 0 waited in the new reducer's
+    grad_scaler check; or its parameters' own iteration raising); before, rank 0 waited in the new reducer's
     construction until the group's timeout. Now rank 1 raises its own error
     and rank 0 one naming rank 1 (the drop of the refresh's check, Note [A
     refresh pairs like a window]), at once, and neither changed its
