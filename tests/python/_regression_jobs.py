@@ -382,11 +382,7 @@ def mixed_window_then(rank, world_size, *, then):
     first call: that call is refused before fn runs (review: fn ran, and its
     failure counted a micro-step on rank 1 alone), and the script runs it
     again."""
-    import gradaccum
-    model = du.mlp(pj.REFUSE_SEED)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    acc = gradaccum.Accumulator(model, opt, steps=pj.MICRO)
-    windows = du.make_windows(pj.REFUSE_SEED, [[pj.MICRO] * world_size] * 3, pj.MICRO)
+    model, opt, acc, windows = _refused_setup(world_size)
     loss_of = lambda w, k: du.micro_loss(model, windows[w][rank][k], "mean")[0]  # noqa: E731
     errors = []
     acc.backward(loss_of(0, 0))
@@ -434,11 +430,7 @@ def manual_window_then_resume(rank, world_size, *, how):
     window as a manual reduction in its middle would (Note [A manual
     reduction in the middle of a window])."""
     import copy
-    import gradaccum
-    model = du.mlp(pj.REFUSE_SEED)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    acc = gradaccum.Accumulator(model, opt, steps=pj.MICRO)
-    windows = du.make_windows(pj.REFUSE_SEED, [[pj.MICRO] * world_size] * 3, pj.MICRO)
+    model, opt, acc, windows = _refused_setup(world_size)
     loss_of = lambda w, k: du.micro_loss(model, windows[w][rank][k], "mean")[0]  # noqa: E731
     errors = []
     if how == "resume":
