@@ -201,7 +201,7 @@ class Accumulator {
   /// micro-step, the text says that the micro-step was not counted and how
   /// to keep this rank's windows aligned (run it again, or
   /// empty_micro_step()). Empty otherwise.
-  std::string refuse_micro_batch(const char* call);
+  std::string refuse_micro_batch(const char* call, bool interrupted = false);
   /// How far this rank has gone: the micro-steps it counted plus the
   /// reductions it ran (dropped ones too). acc.run() compares it around a
   /// call that raised: unchanged, the call took no micro-step's place (data
@@ -403,7 +403,7 @@ class Accumulator {
   void close_window(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);
   void fail_micro_step(AbortReason why);
   /// refuse_micro_batch() inside a call that holds the call guard.
-  std::string drop_refused_window(const char* call);
+  std::string drop_refused_window(const char* call, bool interrupted = false);
   /// Note [The closing micro-step inside no_sync()]: throws, at the window's
   /// closing micro-step inside acc.no_sync(), after dropping the window on
   /// every rank.
@@ -439,7 +439,7 @@ class Accumulator {
   void forget_window_loss();
   /// close_window_loss(), or forget_window_loss() where that fails.
   void take_reduced_loss(const ReductionResult& result, const at::Tensor& like) noexcept;
-  void reset_window();
+  void reset_window(bool clear = true);
   /// zero_grad() without its call guard: a closed window that every rank
   /// drops alike (acc.step()'s skips) or that a reduction tells of already.
   void drop_window();

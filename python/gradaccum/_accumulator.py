@@ -261,7 +261,7 @@ class Accumulator(_Held):
             except BaseException as error:  # (a metric's or the scaler's torch error, an interrupt: review)
                 # Data parallel, at the closing micro-step the others are reducing:
                 # Note [A refused closing micro-batch] (src/accumulator/parts.cpp).
-                dropped = self._c.refuse_micro_batch()
+                dropped = self._c.refuse_micro_batch(interrupted=not isinstance(error, Exception))
                 if not dropped or not isinstance(error, Exception):  # (an interrupt stays itself)
                     raise
                 if isinstance(error, (TypeError, ValueError)):

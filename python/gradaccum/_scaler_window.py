@@ -29,7 +29,7 @@ def unscale_and_check(acc: Any) -> bool:
     if state["stage"] is OptState.UNSCALED and failed:
         raise RuntimeError(
             f"gradaccum: {_call(acc)}: the grad_scaler's update() raised after an earlier window stepped ({failed}), "
-            "leaving the scaler mid-window on this rank: it cannot unscale another window, and its scale may differ "
+            "leaving the scaler mid-window on this rank: it could not unscale this window, and its scale may differ "
             "from the other ranks' now, which would weigh their gradients unequally. End training here and resume "
             "from a checkpoint")
     if state["stage"] is OptState.UNSCALED:

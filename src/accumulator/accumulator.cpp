@@ -495,7 +495,7 @@ void Accumulator::note_dropped_window(int64_t window) {
   epoch_ended_ = last.window == window && peers_ended_epoch(last);
 }
 
-void Accumulator::reset_window() {
+void Accumulator::reset_window(bool clear) {
   if (window_ready_ && window_raised_nonfinite_) {
     // nonfinite="raise" raised on this closed window and it goes unstepped
     // (acc.zero_grad(); flush() or join() at the epoch's end; an exception
@@ -506,7 +506,9 @@ void Accumulator::reset_window() {
   }
   window_loss_cut_ = false;
   window_shared_ = false;
-  clear_gradients();
+  if (clear) {
+    clear_gradients();
+  }
   micro_step_ = 0;
   set_window_ready(false);
   window_unscaled_ = false;

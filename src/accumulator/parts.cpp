@@ -220,13 +220,16 @@ void Accumulator::fail_micro_step(AbortReason why) {
 // alike on every rank and drop nothing; nor does a refusal before the
 // closing micro-step, where nobody waits. (no_sync() is this rank's own
 // state: Note [The closing micro-step inside no_sync()].)
-std::string Accumulator::refuse_micro_batch(const char* call) {
+std::string Accumulator::refuse_micro_batch(const char* call, bool interrupted) {
   const CallGuard guard(driver_, driving_, call, &call_);
   realign_after_manual_reduction(call); // Note [A manual reduction in the middle of a window]
-  return drop_refused_window(call);
+  return drop_refused_window(call, interrupted);
 }
 
-std::string Accumulator::drop_refused_window(const char* call) {
+// `interrupted`: the checks were interrupted (a KeyboardInterrupt from
+// Python's), which tells every rank to end training (Note [An interrupt
+// tells every rank to end]) instead of going on.
+std::string Accumulator::drop_refused_window(const char* call, bool interrupted) {
   if (epoch_ended_raised_ || told_to_end_training()) {
     // No micro-step may run here at all: that error first (changing nothing,
     // with no drop and no hint to run the micro-step again).
@@ -245,7 +248,7 @@ std::string Accumulator::drop_refused_window(const char* call) {
   try {
     // As a micro-step that ran would: the others may have ended the epoch.
     check_window_gradients(call, grad_versions());
-    fail_micro_step(AbortReason::MicroBatchRefused);
+    fail_micro_step(interrupted ? AbortReason::Interrupted : AbortReason::MicroBatchRefused);
   } catch (const c10::Error& e) {
     // "gradaccum: <call>: window N was dropped…": the caller's error names the call.
     auto text = e.msg();

@@ -57,7 +57,10 @@ void Accumulator::realign_after_manual_reduction(const char* call) {
     return;
   }
   const auto done = micro_step_;
-  reset_window();
+  // Told: the drop cleared this window's gradients, and what .grad holds now
+  // is a later manual window's, for the script's own step (review: cleared,
+  // that step stepped nothing). Else they are what the refusal drops.
+  reset_window(/*clear=*/!told);
   TORCH_CHECK(!call || told,
       "gradaccum: ", call, ": a plain loss.backward() outside acc.no_sync() ran after ", done, " of this window's ",
       options_.steps(), " micro-steps: that is the manual path's reduction, which reduced what the window held so "

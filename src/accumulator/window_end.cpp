@@ -102,8 +102,8 @@ bool Accumulator::finish_window(const char* call) {
       // window not stepped on some ranks], as for a scheduler that raised).
       if (reducer_) {
         try {
-          reducer_->mark_unstepped("its loss scaler's update() raised after the window stepped, so its loss scale "
-                                   "may differ from the other ranks'");
+          reducer_->mark_unstepped("its optimizer stepped it, but its loss scaler's update() raised after, so its "
+                                   "loss scale may differ from the other ranks'");
         } catch (...) {
         }
       }

@@ -497,8 +497,8 @@ std::string not_stepped(const std::string& where, const Unstepped& who, int64_t 
   out << ", while the other ranks stepped it";
   if (!who.here) {
     out << " (acc.zero_grad() dropped the closed window there, say after acc.step() raised; a failure there "
-           "after the window's reduction cleared it; or it left its acc.join() block with an exception before "
-           "stepping it)";
+           "after the window's reduction cleared it; its loss scaler's update() raised after its step; or it left "
+           "its acc.join() block with an exception before stepping it)";
   }
   out << replicas_differ(joined) << " (acc.load_state_dict() on every rank). The window was dropped on every rank";
   return out.str();

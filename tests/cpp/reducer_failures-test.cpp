@@ -15,8 +15,9 @@ using gradaccum::test::run_ranks;
 // stepped (Note [A window not stepped on some ranks]).
 constexpr const char* kNotSteppedThere =
     "did not step a window every rank had reduced, while the other ranks stepped it (acc.zero_grad() dropped the "
-    "closed window there, say after acc.step() raised; a failure there after the window's reduction cleared it; or "
-    "it left its acc.join() block with an exception before stepping it)";
+    "closed window there, say after acc.step() raised; a failure there after the window's reduction cleared it; its "
+    "loss scaler's update() raised after its step; or it left its acc.join() block with an exception before "
+    "stepping it)";
 
 TEST_CASE("a backward that throws on one rank drops the window on every rank", "[reducer][distributed][errors]") {
   // Rank 1's synchronising backward of window 1 throws from a tensor hook,

@@ -246,7 +246,8 @@ def test_a_rank_that_could_not_step_a_window_while_ranks_shadow_tells_every_rank
     else:
         dropped = ("gradaccum: acc.backward(): window 2: rank 1 did not step a window every rank had reduced, while "
                    "the other ranks stepped it (acc.zero_grad() dropped the closed window there, say after "
-                   "acc.step() raised; a failure there after the window's reduction cleared it; or it left its acc.join() block "
+                   "acc.step() raised; a failure there after the window's reduction cleared it; its loss scaler's "
+                   "update() raised after its step; or it left its acc.join() block "
                    "with an exception before stepping it): " + SHADOWS_LEAVE +
                    " (acc.load_state_dict() on every rank). The window was dropped on every rank")
         assert results[0]["error"] == dropped.replace("acc.backward()", "acc.join()"), results[0]["error"]

@@ -14,8 +14,8 @@ REPLICAS = ("the replicas differ from here on. Resume every rank from a checkpoi
             "rank). The window was dropped on every rank")
 ELSEWHERE = ("did not step a window every rank had reduced, while the other ranks stepped it (acc.zero_grad() "
              "dropped the closed window there, say after acc.step() raised; a failure there after the window's "
-             "reduction cleared it; or it left its acc.join() block with an exception before stepping it): " +
-             REPLICAS)
+             "reduction cleared it; its loss scaler's update() raised after its step; or it left its acc.join() "
+             "block with an exception before stepping it): " + REPLICAS)
 HERE = ("did not step a window every rank had reduced (acc.zero_grad() dropped it here once it was closed), while "
         "the other ranks stepped it: " + REPLICAS)
 
@@ -208,8 +208,8 @@ def test_a_scaler_update_that_raised_on_one_rank_is_told_to_every_rank(tmp_path)
          "optimizer step ran): RuntimeError: a scale store's hiccup. The scaler is left mid-window and its scale "
          "may now differ between ranks: end training here and resume from a checkpoint"),
         (1, "reduction", "gradaccum: acc.backward(): window 1: this rank (rank 1) did not step a window every rank "
-         "had reduced (its loss scaler's update() raised after the window stepped, so its loss scale may differ "
-         "from the other ranks'), while the other ranks stepped it: " + REPLICAS)]
+         "had reduced (its optimizer stepped it, but its loss scaler's update() raised after, so its loss scale may "
+         "differ from the other ranks'), while the other ranks stepped it: " + REPLICAS)]
     assert results[0]["scale"] == 512.0 and results[1]["scale"] == 256.0  # (apart: what the error tells)
 
 

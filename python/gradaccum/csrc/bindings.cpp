@@ -294,7 +294,9 @@ void init_accumulator(py::module_& m) {
            },
            py::arg("failed") = false, py::arg("out_of_memory") = false, py::arg("interrupted") = false, release(),
            "Count the micro-step the parts made; synchronises at the window's end.")
-      .def("refuse_micro_batch", [](Accumulator& acc) { return acc.refuse_micro_batch("acc.backward()"); }, release(),
+      .def("refuse_micro_batch",
+           [](Accumulator& acc, bool interrupted) { return acc.refuse_micro_batch("acc.backward()", interrupted); },
+           py::arg("interrupted") = false, release(),
            "acc.backward()'s Python checks rejected the micro-batch: drops the window on every rank if it closes it.")
       .def("check_micro_step_state", [](const Accumulator& acc) { acc.check_micro_step_state("acc.run()"); },
            "The checks acc.run() makes before it runs its function.")
