@@ -236,6 +236,13 @@ std::string Accumulator::drop_refused_window(const char* call, bool interrupted)
     check_micro_step_state(call);
   }
   const bool peers = reducer_ && reducer_->process_group()->getSize() > 1 && !closed_ && !window_ready_ && !parts_open_;
+  if (peers && interrupted && !closes_window_next()) {
+    // An interrupt stops this rank: the window is dropped on every rank when
+    // it closes, which tells every rank to end (review: a script that caught
+    // it went on one micro-step behind, with nothing said).
+    fail_micro_step(AbortReason::Interrupted);
+    return "this rank was interrupted: the window is dropped on every rank when it closes";
+  }
   if (!peers || !closes_window_next()) {
     // Nothing changed. Data parallel, a script that skips the micro-batch
     // would close this rank's windows one micro-step after the others' from

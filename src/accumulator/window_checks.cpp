@@ -61,6 +61,11 @@ void Accumulator::realign_after_manual_reduction(const char* call) {
   // is a later manual window's, for the script's own step (review: cleared,
   // that step stepped nothing). Else they are what the refusal drops.
   reset_window(/*clear=*/!told);
+  if (told) {
+    // ...but counted by no micro-step: acc.backward() meeting it refuses it
+    // (Note [Gradients no micro-step counted]; review: summed in silently).
+    forget_nonzero_gradients();
+  }
   TORCH_CHECK(!call || told,
       "gradaccum: ", call, ": a plain loss.backward() outside acc.no_sync() ran after ", done, " of this window's ",
       options_.steps(), " micro-steps: that is the manual path's reduction, which reduced what the window held so "

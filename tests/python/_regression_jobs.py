@@ -421,6 +421,35 @@ def mixed_window_then(rank, world_size, *, then):
 
 
 @job
+def told_drop_then_manual_then_acc(rank, world_size):
+    """K=2 (refused_micro_batch's data). Window 0: rank 1 runs its second
+    micro-batch through a plain backward, which meets rank 0's closing
+    reduction: dropped on both, each told. Window 1 on the manual path (the
+    script's own step passes: the Accumulator's window ended at the drop).
+    Window 2 back through acc.backward(), without clearing .grad first: the
+    manual window's gradient is no micro-step's, and the window is dropped
+    on every rank (review: rank 1 summed it in, silently)."""
+    model, opt, acc, windows = _refused_setup(world_size)
+    loss_of = lambda w, k: du.micro_loss(model, windows[w][rank][k], "mean")[0]  # noqa: E731
+    errors = []
+    for w, k in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]:
+        try:
+            if w == 1:
+                with acc.no_sync() if k == 0 else contextlib.nullcontext():
+                    (loss_of(w, k) / pj.MICRO).backward()
+                if k == 1:
+                    opt.step()
+            elif w == 0 and k == 1 and rank == 1:
+                loss_of(w, k).backward()
+            else:
+                acc.backward(loss_of(w, k))
+                acc.step()
+        except Exception as e:  # noqa
+            errors.append((f"{w}/{k}", type(e).__name__, str(e)[:70]))
+    return {"errors": errors, "params": du.params(model), "stats": acc.stats()}
+
+
+@job
 def manual_window_then_resume(rank, world_size, *, how):
     """K=2 (refused_micro_batch's data). A legit manual-path window on every
     rank, then `how`: "resume" loads a rank-independent state saved in the

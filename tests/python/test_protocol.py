@@ -381,6 +381,22 @@ THEN = (". The window's gradients were cleared on every rank and no optimizer st
         "from the next window")
 
 
+def test_an_interrupt_in_the_checks_of_a_first_micro_batch_ends_training_on_every_rank(tmp_path):
+    """Review: a KeyboardInterrupt in Python's checks of a micro-batch before
+    the closing one was told to nobody; a script that caught it went on one
+    micro-step behind the others, pairing other micro-batches, with nothing
+    said. It now counts as an interrupted micro-step: the window is dropped
+    on every rank when it closes, and every rank is told to end training."""
+    results = run("refused_micro_batch", 2, tmp_path, how="interrupted_metrics", closing=False)
+    assert results[1]["errors"][0] == ("1/0", "KeyboardInterrupt", "metric store interrupted")
+    assert "was interrupted on rank 1" in results[0]["errors"][0][2], results[0]["errors"]
+    for res in results:
+        later = [e for e in res["errors"] if e[0] >= "2/0"]
+        assert later and all("told every rank to end training" in e[2] for e in later), res["errors"]
+        assert res["stats"]["dropped_windows"] == 1 and res["stats"]["optimizer_steps"] == 1, res["stats"]
+    du.assert_params_close(results[0]["params"], results[1]["params"], "replicas", tol=0)
+
+
 def test_an_interrupt_in_the_closing_micro_batchs_checks_stays_itself_and_is_told_to_every_rank(tmp_path):
     """Review: a KeyboardInterrupt in Python's checks of the closing
     micro-batch (a metrics mapping) was not told to the other ranks: a script
@@ -557,6 +573,22 @@ def test_after_a_mixed_window_the_scripts_next_step_or_run_is_refused_and_traini
             assert res["calls"] == 4  # (fn never ran in the refused call)
     du.assert_params_close(results[0]["params"], pj.refused_reference(2, dropped=0), "rank 0")
     du.assert_params_close(results[1]["params"], pj.refused_reference(2, dropped=0), "rank 1")
+
+
+def test_a_manual_window_after_a_told_drop_steps_and_its_gradient_is_no_micro_steps(tmp_path):
+    """Review: after a drop already told, the manual window's gradient was
+    cleared by the script's own step (it stepped nothing); once kept, it was
+    summed into the next acc.backward() window on one rank. The manual
+    window steps, and the acc.backward() window meeting its gradient is
+    dropped on every rank: both ranks train window 1 only."""
+    results = run("told_drop_then_manual_then_acc", 2, tmp_path, module=R)
+    for res in results:
+        assert [e[:2] for e in res["errors"]] == [("0/1", "RuntimeError"), ("2/1", "RuntimeError")], res["errors"]
+        assert "was dropped on every rank" in res["errors"][1][2], res["errors"]
+    windows = du.make_windows(pj.REFUSE_SEED, [[pj.MICRO] * 2] * 3, pj.MICRO)
+    expected = du.windows_reference(pj.REFUSE_SEED, windows, "mean", optimizer="plain_sgd", skip=(0, 2))
+    for res in results:
+        du.assert_params_close(res["params"], expected, "window 1 only")
 
 
 @pytest.mark.parametrize("how", ["resume", "failed_run"])
