@@ -15,6 +15,7 @@ The library is compiled once, by the project's own CMakeLists.txt (in
 build/cmake-temp.*); with ccache on PATH, as under `make`, the sources that the
 `make build` CMake tree already compiled are cache hits.
 """
+import glob
 import os
 import re
 import shlex
@@ -127,8 +128,8 @@ def get_extensions():
     return [
         CppExtension(
             "gradaccum._C",
-            [os.path.join("python", "gradaccum", "csrc", "bindings.cpp"),
-             os.path.join("python", "gradaccum", "csrc", "state_dict.cpp")],
+            # every source of the binding (tools/sanitize_python.py builds the same)
+            sorted(glob.glob(os.path.join("python", "gradaccum", "csrc", "*.cpp"))),
             include_dirs=[os.path.join(ROOT, "include")],
             define_macros=[("USE_C10D_GLOO", None)],
             libraries=["gradaccum"],  # library_dirs: added by BuildGradaccum

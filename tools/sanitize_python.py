@@ -4,7 +4,7 @@ the fuzzer's corpus replays through the Python API under ASan + UBSan.
     python tools/sanitize_python.py --lib-dir build/sanitize --out build/sanitize/python
 
 `make sanitize` runs it after the CMake build (-DGRADACCUM_SANITIZE=ON): it
-compiles the binding (python/gradaccum/csrc/bindings.cpp) with the same
+compiles the binding (python/gradaccum/csrc/*.cpp) with the same
 sanitizer flags, links it to that build's libgradaccum, and puts it beside
 the package's Python files (symlinks, so the sources are what runs) under
 OUT/gradaccum. The Makefile then runs tests/python/test_fuzz.py with
@@ -51,7 +51,7 @@ def build_binding(lib_dir, pkg, temp):
                  "(cmake -DGRADACCUM_SANITIZE=ON, as `make sanitize` does)")
     ext = CppExtension(
         "gradaccum._C",
-        [os.path.join(PACKAGE, "csrc", "bindings.cpp")],
+        sorted(glob.glob(os.path.join(PACKAGE, "csrc", "*.cpp"))),  # (as setup.py)
         include_dirs=[os.path.join(ROOT, "include")],
         define_macros=[("USE_C10D_GLOO", None)],
         libraries=["gradaccum"],
