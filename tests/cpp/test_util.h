@@ -39,6 +39,35 @@ inline Data data(int64_t rows, torch::Dtype dtype) {
   return {torch::randn({rows, 6}, dtype), torch::randn({rows, 3}, dtype)};
 }
 
+// Four equal layers; `forward(x, reversed)` applies them in registration order
+// (backward then makes the gradients ready in reverse registration order, the
+// guess) or in reverse (ready in registration order: the guess is wrong).
+struct ChainImpl : torch::nn::Module {
+  ChainImpl() {
+    std::lock_guard<std::mutex> lock(init_mutex());
+    torch::manual_seed(5);
+    for (int i = 0; i < 4; ++i) {
+      layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(8, 8)));
+    }
+    to(torch::kFloat64);
+  }
+  torch::Tensor forward(torch::Tensor x, bool reversed) {
+    for (int i = 0; i < 4; ++i) {
+      x = torch::tanh(layers[reversed ? 3 - i : i]->forward(x));
+    }
+    return x.pow(2).mean();
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(Chain);
+
+/// The parameters of `buckets`, in bucket order.
+inline std::vector<size_t> flat(const std::vector<Bucket>& buckets) {
+  std::vector<size_t> out;
+  for (const auto& b : buckets) out.insert(out.end(), b.params.begin(), b.params.end());
+  return out;
+}
+
 /// A detached copy of a model's parameters.
 inline std::vector<at::Tensor> snapshot(const torch::nn::Sequential& m) {
   std::vector<at::Tensor> out;
