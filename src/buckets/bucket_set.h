@@ -9,7 +9,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <exception>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -43,6 +45,13 @@ inline void repoint(at::Tensor& grad, const at::Tensor& view) {
 void point_grads_at_views(std::vector<Bucket>& buckets, const std::vector<at::Tensor>& params,
                           bool undefined_too);
 
+/// A bucket rebuild agreed on by every rank (BucketSet::agree_on_ready_order).
+struct RebuildPlan {
+  std::vector<std::vector<size_t>> layout; ///< the new buckets' parameters
+  bool same = false; ///< the layout is the one in use: nothing to build
+  std::string error; ///< this rank could not lay it out (then it builds nothing)
+};
+
 /// The buckets of one reducer and where each parameter lives in them. The
 /// layout is the same on every rank (Note [Collectives pair by launch order]).
 struct BucketSet {
@@ -74,13 +83,30 @@ struct BucketSet {
   /// collective per bucket, no temporary copy of the model.
   void broadcast_parameters(const ReducerConfig& config);
 
-  /// The rebuild's collectives (Note [Rebuilding buckets in ready order]):
-  /// rank 0's order, then whether every rank built its new buckets. Returns
-  /// them when every rank did and the layout changes.
-  std::optional<std::vector<Bucket>> agree_on_ready_order(const ReducerConfig& config);
-  /// Between windows: moves `.grad` (bucket views) and the residuals into
-  /// `built`, then uses it. A local failure warns and loses what it moved.
-  void switch_to(std::vector<Bucket> built, const ReducerConfig& config) noexcept;
+  /// The rebuild's first collective (Note [Rebuilding buckets in ready
+  /// order]): rank 0's order, broadcast. Returns the layout it gives, the
+  /// same on every rank, when a rebuild follows; nothing when rank 0 saw no
+  /// hook this window, or gave up. Allocates no bucket.
+  std::optional<RebuildPlan> agree_on_ready_order(const ReducerConfig& config);
+  /// The rebuild's second collective, between windows (after the
+  /// write-back), on every rank alike: frees the old buckets' storage unless
+  /// it is `.grad` (bucket views), builds `plan`'s, all-gathers whether every
+  /// rank built them, and switches to them if so; else builds the old layout
+  /// again. Returns whether the new layout is in use; `failed` is the
+  /// collective's own failure, if any (the old layout then stays too). Never
+  /// throws: a rank that cannot build the old layout again is left `lost`.
+  bool rebuild(RebuildPlan plan, const ReducerConfig& config, std::exception_ptr& failed) noexcept;
+  /// Why this rank has no buckets (empty: it has): see rebuild().
+  std::string lost;
+
+ private:
+  /// Moves `.grad` (bucket views) and the residuals (`residuals`, by
+  /// residuals_by_slot() of the buckets in use) into `built`, then uses it. A
+  /// local failure warns and loses what it moved.
+  void switch_to(std::vector<Bucket> built, const std::vector<std::vector<at::Tensor>>& residuals,
+                 const ReducerConfig& config) noexcept;
+  /// Drops the storage of the buckets in use, keeping their layout.
+  void release();
 };
 
 } // namespace gradaccum::detail

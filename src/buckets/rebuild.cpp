@@ -3,6 +3,8 @@
 #include "comm.h"
 #include "precision/precision.h"
 
+#include <gradaccum/detail/testing.h>
+
 #include <c10/util/irange.h>
 
 #include <algorithm>
@@ -24,17 +26,38 @@
 // all (a flush after no_sync micro-steps) tries again at the next. Whether a
 // rebuild is pending travels in every bucket's kKind field (kind_code()), so
 // ranks that disagree (rebuild_buckets differs with check_parameters off) drop
-// the window instead of mis-pairing. Once rank 0 sent an order, every rank
-// takes part in an allgather of its outcome (built, same layout, failed: a
-// local failure, out of memory say, is caught, never skips the collective)
-// and every rank keeps the old buckets unless all built (neither it nor the
-// broadcast is a gradient reduction: stats count neither). Done before the
-// write-back, as every collective of the window, and applied after it (even
-// if this rank's write-back fails): between windows only.
+// the window instead of mis-pairing. The order's broadcast is one of the
+// window's collectives, before the write-back; the buckets are built after
+// it, between windows, on every rank alike (even one whose write-back
+// failed). Copy-mode and wide buckets then hold nothing the next window
+// needs: their storage is freed before the new buckets are allocated, so the
+// two layouts are never held at once (bucket views are .grad: they are
+// copied into the new ones, as torch DDP does). Then every rank takes part in
+// an allgather of its outcome (built, same layout, failed: a local failure,
+// out of memory say, is caught, never skips the collective), and every rank
+// keeps the old layout unless all built: a rank that freed its old buckets
+// builds them again, from the memory the new ones just gave back (neither
+// collective is a gradient reduction: stats count neither). Should even that
+// fail, the rank is `lost`: every later call raises there (the others meet
+// it at their next collective).
 
 namespace gradaccum::detail {
 
+std::atomic<int> testing::fail_rebuild_on_rank{-1};
+std::atomic<int> testing::failing_rebuild_builds{1};
+
 namespace {
+
+// The tests' seam (gradaccum/detail/testing.h).
+void inject_failure(int rank) {
+  if (testing::fail_rebuild_on_rank.load() != rank) {
+    return;
+  }
+  if (testing::failing_rebuild_builds.fetch_sub(1) <= 1) {
+    testing::fail_rebuild_on_rank = -1;
+  }
+  TORCH_CHECK(false, "injected bucket rebuild failure");
+}
 
 // What one rank made of rank 0's order.
 enum Outcome { kFailed = 0, kBuilt = 1, kSame = 2 };
@@ -107,9 +130,9 @@ bool every_rank_built(const ReducerConfig& config, Outcome outcome, const std::s
 
 } // namespace
 
-std::optional<std::vector<Bucket>> BucketSet::agree_on_ready_order(const ReducerConfig& config) {
-  // Every rank runs the broadcast and then the allgather, whatever fails
-  // locally (a rank that skipped one would pair its next bucket with it).
+std::optional<RebuildPlan> BucketSet::agree_on_ready_order(const ReducerConfig& config) {
+  // Every rank runs the broadcast, whatever fails locally (a rank that
+  // skipped it would pair its next bucket with it).
   const auto agreed = broadcast_order(encode_ready_order(*this, config), config);
   if (agreed[0] == 0) {
     return std::nullopt; // rank 0 saw no hook this window: try again at the next
@@ -119,34 +142,90 @@ std::optional<std::vector<Bucket>> BucketSet::agree_on_ready_order(const Reducer
   if (agreed[0] < 0) {
     return std::nullopt; // rank 0 could not say (it warned)
   }
-  std::optional<std::vector<Bucket>> built;
-  std::string error;
-  Outcome outcome = kFailed;
+  RebuildPlan plan;
   try {
     std::vector<size_t> ready_by(agreed.begin() + 1, agreed.end());
-    const auto next = layout(config, ready_by);
-    const bool same = next.size() == all.size() &&
-        std::equal(next.begin(), next.end(), all.begin(),
+    plan.layout = layout(config, ready_by);
+    plan.same = plan.layout.size() == all.size() &&
+        std::equal(plan.layout.begin(), plan.layout.end(), all.begin(),
                    [](const auto& indices, const Bucket& bucket) { return indices == bucket.params; });
-    if (same) {
-      outcome = kSame;
-    } else {
-      built = build(config, next);
-      outcome = kBuilt;
-    }
   } catch (const std::exception& e) {
-    error = message_of(e);
+    plan.error = message_of(e);
   }
-  if (!every_rank_built(config, outcome, error) || outcome == kSame) {
-    return std::nullopt;
-  }
-  return built;
+  return plan;
 }
 
-void BucketSet::switch_to(std::vector<Bucket> built, const ReducerConfig& config) noexcept {
-  // Between windows: copy-mode buckets are scratch and accumulating ones are
-  // zero, but bucket views are .grad, which holds the window's gradient the
-  // user may still read: it moves into the new views.
+bool BucketSet::rebuild(RebuildPlan plan, const ReducerConfig& config, std::exception_ptr& failed) noexcept {
+  Outcome outcome = plan.error.empty() && plan.same ? kSame : kFailed;
+  std::string error = std::move(plan.error);
+  std::optional<std::vector<Bucket>> built;
+  std::vector<std::vector<at::Tensor>> residuals;
+  std::vector<std::vector<size_t>> old_layout;
+  bool released = false;
+  if (outcome != kSame && error.empty()) {
+    try {
+      residuals = residuals_by_slot(all);
+      for (const auto& bucket : all) {
+        old_layout.push_back(bucket.params);
+      }
+      // Bucket views are .grad, the window's gradient: they move into the new
+      // buckets (switch_to). Anything else in the old storage was written
+      // back or zeroed: freed first, so the two layouts are never held at once.
+      if (!config.options.gradient_as_bucket_view()) {
+        release();
+        released = true;
+      }
+      inject_failure(config.rank);
+      built = build(config, plan.layout);
+      outcome = kBuilt;
+    } catch (const std::exception& e) {
+      built.reset();
+      error = message_of(e);
+    }
+  }
+  // Every rank runs the allgather, whatever failed here; every rank keeps the
+  // old layout unless all built.
+  bool every_rank = false;
+  try {
+    every_rank = every_rank_built(config, outcome, error);
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  if (every_rank && outcome == kBuilt) {
+    switch_to(std::move(*built), residuals, config);
+    return true;
+  }
+  built.reset(); // its memory first: the old layout takes as much
+  if (released) {
+    try {
+      inject_failure(config.rank);
+      auto old = build(config, old_layout);
+      move_residuals(residuals, locator, old);
+      use(std::move(old), config.world);
+    } catch (const std::exception& e) {
+      lost = "after a failed bucket rebuild, allocating the old buckets again failed on rank " +
+          std::to_string(config.rank) + ": " + message_of(e);
+      TORCH_WARN("gradaccum: ", lost, ", so this rank cannot reduce again: resume every rank from a checkpoint");
+    }
+  }
+  return false;
+}
+
+void BucketSet::release() {
+  for (auto& bucket : all) {
+    bucket.works.clear(); // (completed: they would keep the tensors they reduced)
+    bucket.views.clear();
+    bucket.gradients = bucket.wire_gradients = bucket.buffer = bucket.wire = bucket.meta = at::Tensor();
+    bucket.meta_staging = bucket.residual = at::Tensor(); // (the residuals live on in residuals_by_slot())
+  }
+}
+
+void BucketSet::switch_to(std::vector<Bucket> built, const std::vector<std::vector<at::Tensor>>& residuals,
+                          const ReducerConfig& config) noexcept {
+  // Between windows: copy-mode buckets are scratch (freed before the build)
+  // and accumulating ones are zero, but bucket views are .grad, which holds
+  // the window's gradient the user may still read: it moves into the new
+  // views.
   if (config.options.gradient_as_bucket_view()) {
     try {
       point_grads_at_views(built, config.params, /*undefined_too=*/false);
@@ -155,7 +234,7 @@ void BucketSet::switch_to(std::vector<Bucket> built, const ReducerConfig& config
     }
   }
   try {
-    move_residuals(all, locator, built);
+    move_residuals(residuals, locator, built);
   } catch (const std::exception& e) {
     TORCH_WARN("gradaccum: moving the error-feedback residuals into the rebuilt buckets failed: ",
                message_of(e));

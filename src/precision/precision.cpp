@@ -303,15 +303,19 @@ void discard_residuals(std::vector<Bucket>& buckets) {
   }
 }
 
-void move_residuals(const std::vector<Bucket>& from, const std::vector<std::pair<size_t, size_t>>& locator,
-                    std::vector<Bucket>& to) {
-  at::NoGradGuard no_grad;
-  std::vector<std::vector<at::Tensor>> old_parts(from.size());
-  for (const auto b : c10::irange(from.size())) {
-    if (from[b].residual.defined()) {
-      old_parts[b] = residual_parts(from[b]);
+std::vector<std::vector<at::Tensor>> residuals_by_slot(const std::vector<Bucket>& buckets) {
+  std::vector<std::vector<at::Tensor>> parts(buckets.size());
+  for (const auto b : c10::irange(buckets.size())) {
+    if (buckets[b].residual.defined()) {
+      parts[b] = residual_parts(buckets[b]);
     }
   }
+  return parts;
+}
+
+void move_residuals(const std::vector<std::vector<at::Tensor>>& from,
+                    const std::vector<std::pair<size_t, size_t>>& locator, std::vector<Bucket>& to) {
+  at::NoGradGuard no_grad;
   for (auto& bucket : to) {
     if (!bucket.residual.defined()) {
       continue;
@@ -319,8 +323,8 @@ void move_residuals(const std::vector<Bucket>& from, const std::vector<std::pair
     const auto parts = residual_parts(bucket);
     for (const auto slot : c10::irange(bucket.params.size())) {
       const auto [b, old_slot] = locator[bucket.params[slot]];
-      if (!old_parts[b].empty()) {
-        parts[slot].copy_(old_parts[b][old_slot]);
+      if (!from[b].empty()) {
+        parts[slot].copy_(from[b][old_slot]);
       }
     }
   }

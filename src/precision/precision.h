@@ -84,9 +84,14 @@ void set_residuals(std::vector<Bucket>& buckets, const ReducerConfig& config,
 
 void discard_residuals(std::vector<Bucket>& buckets);
 
-/// Moves each parameter's residual from `from` (where `locator` finds it)
-/// into the rebuilt buckets `to`.
-void move_residuals(const std::vector<Bucket>& from, const std::vector<std::pair<size_t, size_t>>& locator,
-                    std::vector<Bucket>& to);
+/// Each bucket's residual, one view a slot (none for a bucket without one):
+/// they keep the residuals alive, and nothing else of the buckets.
+std::vector<std::vector<at::Tensor>> residuals_by_slot(const std::vector<Bucket>& buckets);
+
+/// Moves each parameter's residual from `from` (residuals_by_slot() of the
+/// old buckets, where `locator` finds each parameter) into the rebuilt
+/// buckets `to`.
+void move_residuals(const std::vector<std::vector<at::Tensor>>& from,
+                    const std::vector<std::pair<size_t, size_t>>& locator, std::vector<Bucket>& to);
 
 } // namespace gradaccum::detail

@@ -37,9 +37,10 @@
 //     memory) is reported as such, never as a drop. A window runs its other
 //     collectives first (buffers, the rebuild's order: window_collectives(),
 //     each run even when the one before failed on this rank, so the pairing
-//     holds), then writes back, then applies the rebuild and ends the
-//     reduction, the last two even when a step before them failed on this
-//     rank: every rank switches buckets and counts the window alike.
+//     holds), then writes back, then rebuilds the buckets (the rebuild's
+//     second collective) and ends the reduction, the last two even when a
+//     step before them failed on this rank: every rank switches buckets and
+//     counts the window alike.
 
 namespace gradaccum {
 
@@ -355,9 +356,19 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
     window.residual_weight = window.request.weight;
     window.residual_rescale = at::Tensor(); // carried in (Note [Error feedback across loss scales])
   }
-  std::optional<std::vector<Bucket>> rebuilt;
+  // .grad may hold part of the window, or its undivided sum: never leave
+  // that to be stepped (Accumulator::reduce_window says what happened).
+  const auto drop_written = [this] {
+    window.last_result.written = false;
+    try {
+      drop_window();
+    } catch (...) {
+    }
+  };
+  std::optional<detail::RebuildPlan> rebuild;
+  std::exception_ptr failed;
   try {
-    window_collectives(result.joined_ranks, rebuilt);
+    window_collectives(result.joined_ranks, rebuild);
     if (window.early_failure) {
       std::rethrow_exception(window.early_failure); // (after the collectives: the others step theirs)
     }
@@ -387,13 +398,23 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
     }
     result.known_finite = window.last_result.known_finite = known_finite;
   } catch (...) {
-    // .grad may hold part of the window, or its undivided sum: never leave
-    // that to be stepped (Accumulator::reduce_window says what happened).
-    window.last_result.written = false;
-    try {
-      drop_window();
-    } catch (...) {
+    failed = std::current_exception();
+    drop_written();
+  }
+  // Note [Rebuilding buckets in ready order]: after the write-back, on every
+  // rank alike, this one too when it failed above.
+  if (rebuild) {
+    std::exception_ptr rebuild_failed;
+    if (buckets.rebuild(std::move(*rebuild), config, rebuild_failed)) {
+      stats.buckets = static_cast<int64_t>(buckets.all.size());
+      ++stats.bucket_rebuilds;
     }
+    if (rebuild_failed && !failed) {
+      failed = rebuild_failed;
+      drop_written();
+    }
+  }
+  if (failed) {
     ++stats.dropped_windows; // on this rank alone: the others step theirs
     if (window.entry == detail::Entry::ManualBackward) { // (its error tells this rank)
       manual_dropped_at.store(manual_reductions.load(std::memory_order_relaxed), std::memory_order_relaxed);
@@ -401,11 +422,9 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
     if (result.global_weight > 0) {
       window.unstepped_pending = detail::kLostAfterReduction; // Note [A window not stepped on some ranks]
     }
-    apply_rebuild(std::move(rebuilt));
     end_reduction(/*window_closed=*/true);
-    throw;
+    std::rethrow_exception(failed);
   }
-  apply_rebuild(std::move(rebuilt));
   if (window.entry == detail::Entry::ManualBackward) {
     note_manual_written(); // Note [A second backward after the manual path's reduction]
   }
@@ -413,7 +432,7 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   return result;
 }
 
-void Reducer::State::window_collectives(int64_t joined_ranks, std::optional<std::vector<Bucket>>& rebuilt) {
+void Reducer::State::window_collectives(int64_t joined_ranks, std::optional<detail::RebuildPlan>& rebuild) {
   // Before the write-back: a local failure there must not skip one. The
   // buffers come from rank 0, or, while some ranks have joined, from the
   // lowest rank that ran micro-batches in this window: a rank shadowing the
@@ -446,11 +465,12 @@ void Reducer::State::window_collectives(int64_t joined_ranks, std::optional<std:
       failed = std::current_exception();
     }
   }
-  // Note [Rebuilding buckets in ready order]: agreed here, applied after the
-  // write-back, on this rank too when its broadcast failed: the others switch.
+  // Note [Rebuilding buckets in ready order]: its order agreed here, its
+  // buckets built after the write-back, on this rank too when its broadcast
+  // failed: the others switch.
   if (!buckets.final) {
     try {
-      rebuilt = buckets.agree_on_ready_order(config);
+      rebuild = buckets.agree_on_ready_order(config);
     } catch (...) {
       if (!failed) {
         failed = std::current_exception();
@@ -459,14 +479,6 @@ void Reducer::State::window_collectives(int64_t joined_ranks, std::optional<std:
   }
   if (failed) {
     std::rethrow_exception(failed);
-  }
-}
-
-void Reducer::State::apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) noexcept {
-  if (rebuilt) {
-    buckets.switch_to(std::move(*rebuilt), config);
-    stats.buckets = static_cast<int64_t>(buckets.all.size());
-    ++stats.bucket_rebuilds;
   }
 }
 

@@ -358,6 +358,7 @@ ReductionRequest Reducer::State::manual_request() const {
 }
 
 void Reducer::State::begin_in_task(const ReductionRequest& request, int task, detail::Entry entry) {
+  check_buckets(detail::call_name(entry, request));
   begin_reduction(request, task, entry);
   if (task >= 0) {
     queue_end_callback(task);

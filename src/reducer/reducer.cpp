@@ -327,7 +327,7 @@ void Reducer::refresh_check(bool refused) {
 void Reducer::zero_grad() {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.check_idle("acc.zero_grad()");
+  s.check_idle("acc.zero_grad()", /*buckets_needed=*/false); // (a lost rank's last window still steps)
   s.clear_touched();
   s.window.failed_no_sync = false; // (what that backward left in .grad goes here)
   s.window.failed_counted = AbortReason::None;
@@ -338,7 +338,7 @@ void Reducer::zero_grad() {
       p.mutable_grad() = at::Tensor();
     }
   }
-  for (auto& bucket : s.buckets.all) {
+  for (auto& bucket : s.buckets.lost.empty() ? s.buckets.all : std::vector<Bucket>{}) {
     if (as_view || bucket.accumulating) {
       bucket.gradients.zero_();
     }

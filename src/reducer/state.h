@@ -377,11 +377,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// The scale a compressed bucket's wire was sent at.
   double wire_scale(const Bucket& bucket) const;
   /// Runs every one of them, whatever fails on this rank, then rethrows.
-  void window_collectives(int64_t joined_ranks, std::optional<std::vector<Bucket>>& rebuilt);
+  void window_collectives(int64_t joined_ranks, std::optional<detail::RebuildPlan>& rebuild);
   /// A wide bucket keeps its sums: complete_window() zeroes them.
   bool write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor,
                   bool check_finite);
-  void apply_rebuild(std::optional<std::vector<Bucket>> rebuilt) noexcept;
 
   // Dropping a window, and ending a reduction (drop.cpp).
   void abort_reduction(AbortReason reason) noexcept;
@@ -449,11 +448,20 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
           "after such a change");
     }
   }
-  /// Raises unless no reduction is in flight: `call` names the user's call.
-  void check_idle(const char* call) const {
+  /// Raises unless no reduction is in flight and (with `buckets_needed`) this
+  /// rank has its buckets: `call` names the user's call.
+  void check_idle(const char* call, bool buckets_needed = true) const {
     TORCH_CHECK(!window.in_flight, "gradaccum: ", call, ": called during a synchronising backward; "
         "an Accumulator is not thread-safe: call it from the thread that runs its backward, never "
         "from a gradient hook or while another thread is inside acc.backward()");
+    if (buckets_needed) {
+      check_buckets(call);
+    }
+  }
+  /// Raises when this rank lost its buckets (BucketSet::rebuild()).
+  void check_buckets(const char* call) const {
+    TORCH_CHECK(buckets.lost.empty(), "gradaccum: ", call, ": ", buckets.lost,
+                ", so this rank cannot reduce again: resume every rank from a checkpoint");
   }
 };
 
