@@ -100,8 +100,10 @@ void AccumulatorOptions::validate() const {
       "gradaccum: Accumulator(): local_only(true) trains each rank alone, but a process_group was given too; "
       "pass one or the other");
   if (max_grad_norm_) {
-    TORCH_CHECK_VALUE(std::isfinite(*max_grad_norm_) && *max_grad_norm_ >= 0,
-        "gradaccum: Accumulator(): invalid max_grad_norm: ", *max_grad_norm_, " (must be a finite number >= 0)");
+    TORCH_CHECK_VALUE(std::isfinite(*max_grad_norm_) && *max_grad_norm_ > 0,
+        "gradaccum: Accumulator(): invalid max_grad_norm: ", *max_grad_norm_, " (must be a finite number > 0: 0 "
+        "would clip every gradient to zero and train nothing; no max_grad_norm (None, C++ std::nullopt) clips "
+        "nothing)");
   }
   reducer_.validate();
   if (loss_scaler_) {

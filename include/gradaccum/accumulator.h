@@ -346,9 +346,9 @@ class Accumulator {
   /// plain loss.backward()'s reduction ended; raises for `call` if nothing told.
   void realign_after_manual_reduction(const char* call = nullptr);
 
-  /// Removes the hooks and releases the parameters for another Accumulator;
-  /// later calls but stats() raise (the destructor too). No collective
-  /// (Note [Closed in the middle of a window]).
+  /// Removes the hooks and releases the parameters for another Accumulator.
+  /// Later training calls raise; getters, stats() and close() again do not.
+  /// No collective (Note [Closed in the middle of a window]).
   void close();
   bool closed() const {
     return closed_;

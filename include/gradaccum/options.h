@@ -117,7 +117,8 @@ struct AccumulatorOptions {
   /// Micro-steps per window (K); the optimizer steps once per window.
   TORCH_ARG(int64_t, steps);
   TORCH_ARG(Reduction, reduction) = Reduction::Mean;
-  /// Clip the window's gradient to this total 2-norm, once, at the boundary.
+  /// Clip the window's gradient to this total 2-norm (> 0), once, at the
+  /// boundary; std::nullopt clips nothing.
   TORCH_ARG(std::optional<double>, max_grad_norm) = std::nullopt;
   TORCH_ARG(NonFinite, nonfinite) = NonFinite::Skip;
   /// Data-parallel group; null means single process (no reducer).

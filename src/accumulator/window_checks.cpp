@@ -264,7 +264,8 @@ void Accumulator::check_no_uncounted_backward(const char* what) const {
         "acc.step() then steps once per window. (A plain loss.backward(), inside acc.no_sync() for "
         "all but the last micro-batch, is the manual path, where you step the optimizer yourself",
         saving ? ", and save after that step, once the gradients are cleared"
-               : step ? "" : ", and refresh after that step, once the gradients are cleared",
+               : step ? ": there, call optimizer.step() and optimizer.zero_grad() instead of acc.step()"
+                      : ", and refresh after that step, once the gradients are cleared",
         ".) Nothing was changed: drop these gradients with acc.zero_grad(). (Gradients converted by "
         "model.to(dtype), or zeroed in place, count as written too, e.g. by optimizer.zero_grad(set_to_none=False)",
         step ? " with gradient_as_bucket_view" : "", ": clear them to None instead.)");
