@@ -5,7 +5,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 
 import torch
 
-from gradaccum import _C, _run, _scaler_window
+from gradaccum import _C, _checks, _run, _scaler_window
 from gradaccum._lifetime import _LIVE, _Held, _optimizer_parameters, _optimizer_step
 from gradaccum._checkpoint import load_state, save_state
 from gradaccum._refusal import _refuse_construction
@@ -41,7 +41,7 @@ class Accumulator(_Held):
         reduction: what the window's gradient is the gradient of: ``"mean"`` of
             the micro-batch losses, their ``"sum"``, or ``"items"``: the summed
             losses over the summed ``num_items`` (exact per-item mean).
-        max_grad_norm: clip the window's gradient to this total 2-norm, once.
+        max_grad_norm: clip the window's gradient to this total 2-norm (> 0), once.
         nonfinite: at the boundary, a NaN/inf gradient is ``"skip"``-ped (no
             step, gradients cleared, counted), ``"raise"``-d, or ``"ignore"``-d.
         scheduler: an LR scheduler stepped only after a real optimizer step.
@@ -148,7 +148,7 @@ class Accumulator(_Held):
         self._scheduler = scheduler
         # refresh_parameters() takes a module's trainable set again.
         self._module = model if isinstance(model, torch.nn.Module) else None
-        self.process_group = process_group
+        self._process_group = process_group
         self._pre_step_hook: Optional[Callable[[], None]] = None
         self._c = _C.Accumulator(
             params, names, buffers, process_group=process_group, local_only=local_only, **native,
@@ -158,12 +158,12 @@ class Accumulator(_Held):
             optimizer_parameters=_optimizer_parameters(optimizer),
         )
         _LIVE.add(self)
-        self.steps = int(steps)
-        self.reduction = reduction
-        self.metrics = tuple(metrics)
+        self._steps = int(steps)
+        self._reduction = reduction
+        self._metrics = tuple(metrics)
         self._no_sync_depth = 0
         self._run_state = _run.RunState()
-        self.grad_scaler = grad_scaler
+        self._grad_scaler = grad_scaler
         self._error_feedback = error_feedback
         self._gradient_hook: Optional[Callable[[], None]] = None
         if _scaling(grad_scaler):
@@ -208,21 +208,8 @@ class Accumulator(_Held):
     _unscale_and_check = _scaler_window.unscale_and_check  # (functions of the Accumulator: its methods)
     _update_scaler = _scaler_window.update_scaler
 
-    def _check_micro_step(self, what: str) -> None:
-        """What Python checks of any micro-step before the C++ side's checks."""
-        if self._no_sync_depth and self.process_group is None and self._c.micro_step == self.steps - 1:
-            # (data parallel, the C++ side refuses it and drops the window on every rank:
-            # Note [The closing micro-step inside no_sync()])
-            raise RuntimeError(
-                f"gradaccum: {what}: called inside acc.no_sync() at the window's closing micro-step. {what} "
-                "decides by itself which micro-step synchronises (the window's last); acc.no_sync() is for the "
-                "manual path (a plain loss.backward() inside it)")
-        if self._watch_for_group and _dist_initialized() and _default_world_size() > 1:
-            raise RuntimeError(
-                f"gradaccum: {what}: torch.distributed was initialized after this "
-                "Accumulator was built without a process group, so it reduces nothing and each rank "
-                "would train alone. Build the Accumulator after init_process_group(), or pass "
-                "process_group=False to train each rank alone on purpose")
+    _check_micro_step = _checks.check_micro_step  # (functions of the Accumulator: its methods)
+    _check_group = _checks.check_group
 
     def _micro_batch(self, what: str, loss: Any, num_items: Any) -> Tuple[torch.Tensor, Optional[float], Optional[torch.Tensor]]:
         """The checks backward() and run() share; returns the loss to run
@@ -437,7 +424,7 @@ class Accumulator(_Held):
                              "parameters, not a module; pass the ones to train: acc.refresh_parameters(params)")
         what = "acc.refresh_parameters()"
         try:
-            params, names, buffers = _parameters(source, what, "parameters")
+            params, names, buffers = _parameters(source, what, "parameters", within=self._module)
             if _scaling(self.grad_scaler):
                 _check_scaled_parameters(params, names, isinstance(source, torch.nn.Module), self.optimizer, what)
         except BaseException as e:  # (anything: the user's objects, an interrupt) the other ranks still meet
@@ -488,6 +475,7 @@ class Accumulator(_Held):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate locally with no collective (torch
         DDP's ``no_sync``); only the backward needs to be inside."""
+        self._check_group("acc.no_sync()")
         previous = self._c.expect_hooks
         self._c.expect_hooks = False
         self._no_sync_depth += 1
@@ -579,7 +567,7 @@ class Accumulator(_Held):
         ranks still wait for this rank's reduction (Note [Closed in the middle
         of a window])."""
         self._c.close()
-        self.process_group = None
+        self._process_group = None
 
     @property
     def closed(self) -> bool:

@@ -58,9 +58,19 @@ def _check_module(model: torch.nn.Module, what: str = "Accumulator()") -> None:
                 "plain replicated parameters; pass the unsharded module")
 
 
-def _parameters(model: Any, what: str = "Accumulator()", arg: str = "model"):
+def _parameters(model: Any, what: str = "Accumulator()", arg: str = "model", within: Any = None):
     """(parameters, names, buffers) of a module or of an iterable of parameters;
-    `what` and `arg` name the call and its argument in errors."""
+    `what` and `arg` name the call and its argument in errors. A parameter of
+    the module `within` (a refresh's: the Accumulator's) is named as there, so
+    that ranks refreshing different layers of one shape differ by name."""
+    params, names, buffers = _parameters_of(model, what, arg)
+    if within is not None and within is not model:
+        qualified = {id(p): name for name, p in within.named_parameters()}
+        names = [qualified.get(id(p), name) for p, name in zip(params, names)]
+    return params, names, buffers
+
+
+def _parameters_of(model: Any, what: str, arg: str):
     if isinstance(model, torch.nn.Module):
         _check_module(model, what)
         named = list(model.named_parameters())
@@ -523,3 +533,26 @@ def _note_counted_failure(native: Any, error: BaseException) -> None:
         return
     error.add_note(_COUNTED)
 
+
+def check_micro_step(self: Any, what: str) -> None:
+    """What Python checks of any micro-step before the C++ side's checks."""
+    if self._no_sync_depth and self.process_group is None and self._c.micro_step == self.steps - 1:
+        # (data parallel, the C++ side refuses it and drops the window on every rank:
+        # Note [The closing micro-step inside no_sync()])
+        raise RuntimeError(
+            f"gradaccum: {what}: called inside acc.no_sync() at the window's closing micro-step. {what} "
+            "decides by itself which micro-step synchronises (the window's last); acc.no_sync() is for the "
+            "manual path (a plain loss.backward() inside it)")
+    self._check_group(what)
+
+
+def check_group(self: Any, what: str) -> None:
+    """A group made after this Accumulator, which was built without one:
+    each rank would train alone (the manual path's no_sync() and own
+    optimizer.step() are checked too)."""
+    if self._watch_for_group and _dist_initialized() and _default_world_size() > 1:
+        raise RuntimeError(
+            f"gradaccum: {what}: torch.distributed was initialized after this "
+            "Accumulator was built without a process group, so it reduces nothing and each rank "
+            "would train alone. Build the Accumulator after init_process_group(), or pass "
+            "process_group=False to train each rank alone on purpose")

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -107,6 +107,7 @@ def _refuse_own_steps(acc: "Accumulator", optimizer: Any) -> None:
         # the manual path's steps after it pass (review).
         c.realign("optimizer.step()")
         if c.micro_step == 0 and not c.window_ready:
+            target._check_group("optimizer.step()")  # (the manual path's step: nothing reduced it)
             return
         where = ("its window closed, not yet stepped: a second step of it" if c.window_ready else
                  f"after {c.micro_step} of its {target.steps} micro-steps: a step on a partial sum, each rank its own")
@@ -138,6 +139,11 @@ def _optimizer_parameters(optimizer: Any) -> Optional[Callable[[], List[torch.Te
     return parameters
 
 
+def _fixed(name: str) -> None:
+    raise AttributeError(f"gradaccum: acc.{name} cannot be replaced: the Accumulator reduces, scales and steps by "
+                         f"what it was built with; acc.close() it and build a new one with the new {name}")
+
+
 class _Held:
     """What an Accumulator holds for good: the optimizer and scheduler it was
     built with (it steps those: a new one needs a new Accumulator), and
@@ -164,6 +170,55 @@ class _Held:
         raise AttributeError("gradaccum: acc.scheduler cannot be replaced: acc.step() steps the scheduler the "
                              "Accumulator was built with; acc.close() it and build a new one, or step a scheduler "
                              "of your own when acc.step() returns True")
+
+    _steps: int = 0
+    _reduction: str = "mean"
+    _metrics: Tuple[str, ...] = ()
+    _grad_scaler: Any = None
+    _process_group: Any = None
+
+    # What the Accumulator was built with, read-only like the optimizer: the
+    # C++ side keeps its own copy, and a new value here would scale, read or
+    # unscale by one rule while it reduced by the other.
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @steps.setter
+    def steps(self, value: Any) -> None:
+        _fixed("steps")
+
+    @property
+    def reduction(self) -> str:
+        return self._reduction
+
+    @reduction.setter
+    def reduction(self, value: Any) -> None:
+        _fixed("reduction")
+
+    @property
+    def metrics(self) -> Tuple[str, ...]:
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, value: Any) -> None:
+        _fixed("metrics")
+
+    @property
+    def grad_scaler(self) -> Any:
+        return self._grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, value: Any) -> None:
+        _fixed("grad_scaler")
+
+    @property
+    def process_group(self) -> Any:
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, value: Any) -> None:
+        _fixed("process_group")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("gradaccum: an Accumulator cannot be pickled or copied (pickle, copy, torch.save): it holds "

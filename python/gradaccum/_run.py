@@ -112,6 +112,7 @@ class _Total:
         self.loss: Optional[torch.Tensor] = None
         self.num_items: Any = 0
         self.metrics: Optional[Dict[str, Any]] = None  # fn returned a dict: the parts' metrics add up
+        self.metrics_given = False  # and its dict had "metrics" (returned only then, as fn's dict)
 
     def add(self, loss: torch.Tensor, num_items: Any, share: float, metrics: Any, as_dict: bool) -> None:
         value = loss.detach() * share if self.mean else loss.detach()
@@ -120,13 +121,16 @@ class _Total:
             self.num_items = self.num_items + num_items
         if as_dict:
             self.metrics = self.metrics or {}
+            self.metrics_given = self.metrics_given or metrics is not None
             for name, v in (metrics or {}).items():
                 v = v.detach() if isinstance(v, torch.Tensor) else v
                 self.metrics[name] = v if name not in self.metrics else self.metrics[name] + v
 
     def result(self) -> Any:
         if self.metrics is not None:
-            out = {"loss": self.loss, "metrics": self.metrics}
+            out: Dict[str, Any] = {"loss": self.loss}
+            if self.metrics_given:
+                out["metrics"] = self.metrics
             if self.items:
                 out["num_items"] = self.num_items
             return out

@@ -67,7 +67,7 @@ def _flatten(batch: Any, leaves: _Leaves, path: str = "batch") -> Any:
         # Rows of its own, but not a tensor: repeating it whole would be wrong.
         raise TypeError(f"gradaccum: split(): cannot split a {type(batch).__name__} ({path}); convert it to a "
                         "tensor (torch.as_tensor)")
-    if isinstance(batch, list) and batch and not _holds_tensor(batch):
+    if isinstance(batch, list) and not _holds_tensor(batch):  # (an empty one too: it has 0 values, not the rows)
         leaves.samples.append(batch)
         leaves.paths.append(path)
         return _Samples(len(leaves.samples) - 1)

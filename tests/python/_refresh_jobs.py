@@ -114,6 +114,29 @@ def refused_on_one_rank(rank, world_size, *, mode):
 
 
 @job
+def submodules(rank, world_size):
+    """Each rank refreshes to another layer of the same shape (review: named
+    relative to the layer, both were "weight", "bias": no rank raised, and
+    each summed the other's gradients into its own layer)."""
+    import gradaccum
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=1)
+    out = {"errors": []}
+    model.requires_grad_(False)
+    layer = model[0] if rank == 0 else model[2]
+    layer.requires_grad_(True)
+    try:
+        acc.refresh_parameters(layer)
+    except ValueError as e:
+        out["errors"].append(str(e))
+    out["names"] = acc.parameter_names
+    acc.close()
+    return out
+
+
+@job
 def one_sided(rank, world_size, *, mode, options):
     """Note [A refresh pairs like a window]: after window 0, rank 0 (every
     rank but the last) unfreezes the first layer and calls

@@ -121,6 +121,16 @@ def test_optimizer_and_scheduler_cannot_be_swapped_nor_the_accumulator_pickled()
             setattr(acc, name, torch.optim.SGD(model.parameters(), lr=1.0))
         assert str(info.value).startswith(f"gradaccum: acc.{name} cannot be replaced: acc.step() steps the")
     assert acc.optimizer is opt and acc.scheduler is None
+    # What it was built with, read-only too: a new steps or grad_scaler here scaled by one
+    # rule while the C++ side reduced by the other (review: a wrong gradient, silently).
+    for name, value in (("steps", 4), ("reduction", "sum"), ("metrics", ("n",)), ("grad_scaler", None),
+                        ("process_group", None)):
+        with pytest.raises(AttributeError) as info:
+            setattr(acc, name, value)
+        assert str(info.value) == (f"gradaccum: acc.{name} cannot be replaced: the Accumulator reduces, scales "
+                                   f"and steps by what it was built with; acc.close() it and build a new one "
+                                   f"with the new {name}")
+    assert (acc.steps, acc.reduction, acc.metrics, acc.grad_scaler) == (2, "mean", (), None)
     x, y = make_data()
     acc.backward(loss_of(model, x, y))
     before = snapshot_grads(model)
@@ -669,5 +679,6 @@ def test_split_scalar_tensor():
 
 @pytest.mark.parametrize("batch", [(), [], {}], ids=["tuple", "list", "dict"])
 def test_split_no_tensor(batch):
-    with pytest.raises(ValueError, match="no tensor"):
+    # (an empty list is a list of samples: 0 of them)
+    with pytest.raises(ValueError, match="cannot split 0 rows" if batch == [] else "no tensor"):
         gradaccum.split(batch, 1)

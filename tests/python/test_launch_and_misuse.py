@@ -73,7 +73,8 @@ def test_a_group_created_after_the_accumulator_fails_its_first_backward(tmp_path
         local = gradaccum.Accumulator(m, steps=2, process_group=False)  # on purpose: allowed
         world = os.environ.pop("WORLD_SIZE")  # built as if no launch were in sight...
         late_model = torch.nn.Linear(2, 1)
-        late = gradaccum.Accumulator(late_model, steps=2)
+        late = gradaccum.Accumulator(late_model, torch.optim.SGD(late_model.parameters(), lr=0.1), steps=2)
+        late_weight = late_model.weight.tolist()
         os.environ["WORLD_SIZE"] = world
         dist.init_process_group("gloo")  # ...and a group appears later
         local.backward(m(torch.ones(1, 3)).sum())
@@ -83,6 +84,19 @@ def test_a_group_created_after_the_accumulator_fails_its_first_backward(tmp_path
         except RuntimeError as e:
             lines.append(f"error {e}")
         lines.append(f"late micro_step {late.micro_step} grad {late_model.weight.grad}")
+        # The manual path meets the same error: acc.no_sync(), and the script's own step
+        # after a plain loss.backward() (review: each rank stepped its own gradient).
+        for call in ("no_sync", "step"):
+            try:
+                if call == "no_sync":
+                    with late.no_sync():
+                        pass
+                else:
+                    late_model(torch.ones(1, 2)).sum().backward()
+                    late.optimizer.step()
+            except RuntimeError as e:
+                lines.append(f"error {e}")
+        lines.append(f"weight {late_model.weight.tolist()} {late_weight}")
         built = gradaccum.Accumulator(torch.nn.Linear(2, 1), steps=2)
         lines.append(repr(built))
         s = built.stats()
@@ -97,9 +111,13 @@ def test_a_group_created_after_the_accumulator_fails_its_first_backward(tmp_path
         assert lines[0] == "local micro_step 1"
         assert lines[1] == "error " + LATE_GROUP
         assert lines[2] == "late micro_step 0 grad None"  # refused before anything ran
-        assert lines[3] == ("Accumulator(steps=2, reduction='mean', micro_step=0, data_parallel=True, "
+        assert lines[3] == "error " + LATE_GROUP.replace("acc.backward()", "acc.no_sync()")
+        assert lines[4] == "error " + LATE_GROUP.replace("acc.backward()", "optimizer.step()")
+        weight, before = lines[5][len("weight "):].split("] ")
+        assert weight + "]" == before  # nothing stepped
+        assert lines[6] == ("Accumulator(steps=2, reduction='mean', micro_step=0, data_parallel=True, "
                             "world_size=2, backend='gloo')")
-        assert lines[4] == "True 2 gloo"
+        assert lines[7] == "True 2 gloo"
 
 
 @pytest.mark.parametrize("saves,reduction", [([1, 2], "mean"), ([2, 1], "items"), ([1, 2, 2], "sum")])

@@ -47,6 +47,16 @@ def test_ranks_that_refresh_to_different_sets_all_get_an_error(tmp_path):
         assert res["stats"]["optimizer_steps"] == 2
 
 
+def test_ranks_that_refresh_to_different_layers_of_one_shape_all_get_an_error(tmp_path):
+    for rank, res in enumerate(run("submodules", 2, tmp_path)):
+        assert res["errors"] == [
+            "gradaccum: acc.refresh_parameters(): the ranks disagree on the trainable parameters' names (in the "
+            "Accumulator's order): the first that differs is \"0.weight\" on rank 0 and \"2.weight\" on rank 1 "
+            "(position 0; rank 0 has 2, rank 1 has 2); every rank must train the same parameters, under the same "
+            "names: the same layers frozen (requires_grad=False) and the same module passed"]
+        assert res["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the set before: nothing refreshed
+
+
 def test_one_process_refresh_and_the_error_without_it():
     torch.manual_seed(0)
     model = du.mlp(3)

@@ -219,6 +219,10 @@ def test_run_takes_metrics_in_a_dict_and_adds_up_the_parts():
     assert {k: float(v) for k, v in acc.window_metrics.items()} == {"rows": 16.0, "hits": 0.0}
     assert acc.stats()["oom_retries"] == 3
     acc.zero_grad()
+    # A dict without metrics comes back as fn returned it: no key added (review).
+    out = acc.run(lambda batch: {"loss": inner(batch)[0], "num_items": inner(batch)[1]}, windows[0])
+    assert set(out) == {"loss", "num_items"}
+    acc.zero_grad()
     with pytest.raises(TypeError, match=r"gradaccum: acc.run\(\): a dict from fn\(batch\) holds 'loss', "
                        r"'metrics' \(optional\) and, with reduction='items' only, 'num_items'; got the keys "
                        r"\['loss', 'rows'\]"):

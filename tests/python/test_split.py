@@ -196,6 +196,12 @@ def test_lists_alone_are_split():
     assert parts == [{"text": ["a", "b"], "lang": "en"}, {"text": ["c"], "lang": "en"}]
     with pytest.raises(ValueError, match="cannot split 3 rows into 4 micro-batches"):
         gradaccum.split(["a", "b", "c"], 4)
+    # An empty list has 0 values, not the batch's rows: refused, never repeated (review).
+    with pytest.raises(ValueError, match=r"^gradaccum: split\(\): batch\['ids'\] is a list of 0 values, but the "
+                                         r"batch has 10 rows"):
+        gradaccum.split({"x": torch.zeros(10, 2), "ids": []}, 2)
+    with pytest.raises(ValueError, match="cannot split 0 rows into 2 micro-batches"):
+        gradaccum.split({"ids": []}, 2)
 
 
 def test_numpy_scalars_are_repeated_and_run_takes_numpy_fields_whole():
