@@ -89,8 +89,8 @@ struct BucketSet {
   /// hook this window, or gave up. Allocates no bucket.
   std::optional<RebuildPlan> agree_on_ready_order(const ReducerConfig& config);
   /// The rebuild's second collective, between windows (after the
-  /// write-back), on every rank alike: frees the old buckets' storage unless
-  /// it is `.grad` (bucket views), builds `plan`'s, all-gathers whether every
+  /// write-back), on every rank alike: frees the old buckets' storage but
+  /// `.grad` (bucket views), builds `plan`'s, all-gathers whether every
   /// rank built them, and switches to them if so; else builds the old layout
   /// again. Returns whether the new layout is in use; `failed` is the
   /// collective's own failure, if any (the old layout then stays too). Never
@@ -105,8 +105,9 @@ struct BucketSet {
   /// local failure warns and loses what it moved.
   void switch_to(std::vector<Bucket> built, const std::vector<std::vector<at::Tensor>>& residuals,
                  const ReducerConfig& config) noexcept;
-  /// Drops the storage of the buckets in use, keeping their layout.
-  void release();
+  /// Drops the storage of the buckets in use, keeping their layout (and,
+  /// with `keep_views`, their gradients: .grad).
+  void release(bool keep_views);
 };
 
 } // namespace gradaccum::detail

@@ -32,14 +32,16 @@
 // failed). Copy-mode and wide buckets then hold nothing the next window
 // needs: their storage is freed before the new buckets are allocated, so the
 // two layouts are never held at once (bucket views are .grad: they are
-// copied into the new ones, as torch DDP does). Then every rank takes part in
+// copied into the new ones, as torch DDP does; only their compressed wires
+// are freed first). Then every rank takes part in
 // an allgather of its outcome (built, same layout, failed: a local failure,
 // out of memory say, is caught, never skips the collective), and every rank
 // keeps the old layout unless all built: a rank that freed its old buckets
 // builds them again, from the memory the new ones just gave back (neither
 // collective is a gradient reduction: stats count neither). Should even that
-// fail, the rank is `lost`: every later call raises there (the others meet
-// it at their next collective).
+// fail, the rank is `lost`: every later call that reduces raises there, and
+// the others wait for it in their next reduction until the group's timeout.
+// Error feedback's residuals are held in both layouts while they move.
 
 namespace gradaccum::detail {
 
@@ -168,13 +170,12 @@ bool BucketSet::rebuild(RebuildPlan plan, const ReducerConfig& config, std::exce
       for (const auto& bucket : all) {
         old_layout.push_back(bucket.params);
       }
-      // Bucket views are .grad, the window's gradient: they move into the new
-      // buckets (switch_to). Anything else in the old storage was written
-      // back or zeroed: freed first, so the two layouts are never held at once.
-      if (!config.options.gradient_as_bucket_view()) {
-        release();
-        released = true;
-      }
+      // Anything in the old storage was written back or zeroed: freed first,
+      // so the two layouts are never held at once; but bucket views are
+      // .grad, the window's gradient: they stay, and move into the new
+      // buckets (switch_to).
+      release(/*keep_views=*/config.options.gradient_as_bucket_view());
+      released = true;
       inject_failure(config.rank);
       built = build(config, plan.layout);
       outcome = kBuilt;
@@ -199,24 +200,29 @@ bool BucketSet::rebuild(RebuildPlan plan, const ReducerConfig& config, std::exce
   if (released) {
     try {
       inject_failure(config.rank);
-      auto old = build(config, old_layout);
-      move_residuals(residuals, locator, old);
-      use(std::move(old), config.world);
+      switch_to(build(config, old_layout), residuals, config); // (bucket views: .grad moves in again)
     } catch (const std::exception& e) {
       lost = "after a failed bucket rebuild, allocating the old buckets again failed on rank " +
           std::to_string(config.rank) + ": " + message_of(e);
-      TORCH_WARN("gradaccum: ", lost, ", so this rank cannot reduce again: resume every rank from a checkpoint");
+      TORCH_WARN("gradaccum: ", lost, ", so this rank cannot reduce again: end training on every rank (the others "
+                 "wait for it in their next reduction until the group's timeout) and resume from a checkpoint in new "
+                 "Accumulators");
     }
   }
   return false;
 }
 
-void BucketSet::release() {
+void BucketSet::release(bool keep_views) {
   for (auto& bucket : all) {
     bucket.works.clear(); // (completed: they would keep the tensors they reduced)
-    bucket.views.clear();
-    bucket.gradients = bucket.wire_gradients = bucket.buffer = bucket.wire = bucket.meta = at::Tensor();
+    // A compressed wire and separate meta are scratch, bucket views or not
+    // (a plain wire and its meta are parts of the buffer).
+    bucket.wire_gradients = bucket.wire = bucket.meta = at::Tensor();
     bucket.meta_staging = bucket.residual = at::Tensor(); // (the residuals live on in residuals_by_slot())
+    if (!keep_views) {
+      bucket.views.clear();
+      bucket.gradients = bucket.buffer = at::Tensor();
+    }
   }
 }
 

@@ -461,7 +461,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// Raises when this rank lost its buckets (BucketSet::rebuild()).
   void check_buckets(const char* call) const {
     TORCH_CHECK(buckets.lost.empty(), "gradaccum: ", call, ": ", buckets.lost,
-                ", so this rank cannot reduce again: resume every rank from a checkpoint");
+                ", so this rank cannot reduce again: end training on every rank and resume from a checkpoint in "
+                "new Accumulators");
   }
 };
 

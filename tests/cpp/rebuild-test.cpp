@@ -225,6 +225,6 @@ TEST_CASE("a rank that cannot build its old buckets again after a failed rebuild
   CHECK(gradaccum::detail::testing::fail_rebuild_on_rank == -1);
   CHECK(stepped == std::vector<int>{1, 1});
   CHECK(errors[1] == "gradaccum: acc.backward(): after a failed bucket rebuild, allocating the old buckets again "
-                     "failed on rank 1: injected bucket rebuild failure, so this rank cannot reduce again: resume "
-                     "every rank from a checkpoint");
+                     "failed on rank 1: injected bucket rebuild failure, so this rank cannot reduce again: end "
+                     "training on every rank and resume from a checkpoint in new Accumulators");
 }
