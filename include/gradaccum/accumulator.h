@@ -371,7 +371,8 @@ class Accumulator {
   void accumulate_wide();
   void check_open(const char* what) const;
   void check_gradients_untouched(const char* what, bool allow_in_place) const;
-  void check_gradients_untouched(const char* what, bool allow_in_place, const std::vector<GradMark>& now) const;
+  void check_gradients_untouched(const char* what, bool allow_in_place,
+                                 const std::vector<GradMark>& now) const;
   void remember_gradients();
   void check_requires_grad(const char* what) const;
   void check_optimizer_parameters(const char* what) const;
@@ -413,7 +414,8 @@ class Accumulator {
   /// Every write of window_ready_: holding a closed window arms the check
   /// below (Note [A backward after the window closed]).
   void set_window_ready(bool ready);
-  /// Refuses a closed window a backward reached after it closed.
+  /// Refuses a closed window a backward reached after it closed (part of
+  /// check_gradients_untouched()).
   void check_no_late_backward(const char* what) const;
   /// Note [Gradients no micro-step counted]: the first parameter whose .grad
   /// changed since `remembered_` and holds a non-zero value.
@@ -455,11 +457,10 @@ class Accumulator {
   /// built-in loss scaler's scale now, where it exists).
   WindowRule window_rule() const;
   std::vector<GradMark> grad_versions() const;
-  /// The first parameter changed (stepped) since remember_gradients(), if any.
-  std::optional<size_t> moved_parameter() const;
   bool finish_window(const char* call);
   bool step_window(const char* call);
-  /// step_window() up to its optimizer's step: false where the window is skipped.
+  /// step_window() up to and with the optimizer's step: false where the
+  /// window is skipped (no step).
   bool step_optimizer(const char* call);
   /// Note [A non-finite window left for the epoch's end].
   void drop_nonfinite_at_epoch_end(bool raised_before);
@@ -533,9 +534,8 @@ class Accumulator {
   AccumulatorStats stats_;
   /// Frozen when built: an error if one becomes trainable (it would be untracked).
   std::vector<std::pair<std::string, at::Tensor>> frozen_;
-  /// .grad marks, and the parameters' versions, after this Accumulator last touched them.
+  /// .grad identities and versions after this Accumulator last touched them.
   std::vector<GradMark> remembered_;
-  std::vector<int64_t> remembered_params_;
   bool closed_ = false;
   /// A micro-batch of this window ran its forward here (any micro-step but an
   /// empty one; a mid-window resume counts): ReductionRequest::forwards.

@@ -27,7 +27,7 @@ bool Accumulator::flush_in_call() {
   TORCH_CHECK(optimizer_step_,
       "gradaccum: acc.flush(): this Accumulator has no optimizer (pass one to the constructor)");
   if (!window_ready_ && micro_step_ > 0 && !window_failed_) {
-    if (reducer_ && (grad_versions() != remembered_ || moved_parameter())) {
+    if (reducer_ && grad_versions() != remembered_) {
       // The flush collective must still run on every rank: drop the window there.
       fail_for_changed_gradients(grad_versions(), /*uncounted=*/false);
     } else if (!reducer_) {

@@ -88,7 +88,7 @@ int64_t Accumulator::join_in_call() {
     check_gradients_untouched("acc.join()", /*allow_in_place=*/true);
     return finish_window("acc.join()") ? 1 : 0;
   }
-  if (!window_ready_ && micro_step_ > 0 && !window_failed_ && (grad_versions() != remembered_ || moved_parameter())) {
+  if (!window_ready_ && micro_step_ > 0 && !window_failed_ && grad_versions() != remembered_) {
     // The collective must still run on every rank: drop the window there.
     fail_for_changed_gradients(grad_versions(), /*uncounted=*/false);
   } else if (!window_ready_ && micro_step_ == 0 && !epoch_ended_ && !epoch_ended_raised_) {

@@ -77,37 +77,6 @@ void Accumulator::realign_after_manual_reduction(const char* call) {
 
 void Accumulator::remember_gradients() {
   remembered_ = grad_versions();
-  remembered_params_.clear();
-  remembered_params_.reserve(params_.size());
-  for (const auto& p : params_) {
-    remembered_params_.push_back(p._version());
-  }
-}
-
-// Note [A step of the script's own in the middle of a window]
-// An optimizer step between micro-steps of a window (the script's own
-// optimizer.step() beside acc.step(), a leftover of a plain loop) steps each
-// rank's partial sum, and acc.step() then steps the window again: replicas
-// apart, a wrong update, nothing said (review: C++, whose optimizers have no
-// step hooks; Python refuses it before it steps, by a hook, where the
-// optimizer has one). The parameters' versions tell it after the fact: each
-// in-place change bumps them, a forward never does. So the gradient checks
-// compare them too: in the middle of a window (the next micro-step, a flush
-// or a join; data parallel the window is dropped on every rank, as for
-// gradients changed there) and at acc.step() of a closed window (a second
-// step of it, refused: nothing steps). Loading the model's weights in the
-// middle of a window after acc.load_state_dict() counts as a change too: load
-// them first (docs/checkpoints.md).
-std::optional<size_t> Accumulator::moved_parameter() const {
-  if (remembered_params_.size() != params_.size()) {
-    return std::nullopt;
-  }
-  for (const auto i : c10::irange(params_.size())) {
-    if (params_[i]._version() != remembered_params_[i]) {
-      return i;
-    }
-  }
-  return std::nullopt;
 }
 
 void Accumulator::check_gradients_untouched(const char* what, bool allow_in_place) const {
@@ -132,17 +101,6 @@ void Accumulator::check_gradients_untouched(
         "gradients only after acc.step() returns True (acc.step() clears them itself), or call "
         "acc.zero_grad() to drop the window");
   }
-  const auto moved = moved_parameter(); // Note [A step of the script's own in the middle of a window]
-  TORCH_CHECK(!moved,
-      "gradaccum: ", what, ": the parameter ", moved ? names_[*moved] : "", " was changed ",
-      window_ready_ ? std::string("after the window closed, before acc.step()")
-                    : c10::str("in the middle of a window (", micro_step_, " of ", options_.steps(),
-                               " micro-steps done)"),
-      ": by the script's own optimizer.step()? acc.step() steps the optimizer itself, once per window, with the "
-      "window's gradient: ", window_ready_ ? "a step of the closed window there and this one step it twice"
-                                           : "a step in between steps a partial sum",
-      ". Remove the script's optimizer.step(), or take the manual path (acc.no_sync() and a plain backward, "
-      "stepping the optimizer yourself). Nothing was stepped: drop the window with acc.zero_grad()");
 }
 
 // Note [Gradients no micro-step counted]
@@ -265,12 +223,6 @@ void Accumulator::fail_for_changed_gradients(const std::vector<GradMark>& now, b
     if (now[i] != remembered_[i]) {
       which = i;
     }
-  }
-  const auto moved = which || uncounted ? std::nullopt : moved_parameter();
-  if (moved) { // Note [A step of the script's own in the middle of a window]
-    failure_detail_ = "on this rank the parameter " + names_[*moved] + " was changed in the middle of the window, by "
-        "the script's own optimizer.step()? acc.step() steps the optimizer once per window; the replicas now differ";
-    return;
   }
   const std::string name = which ? names_[*which] : std::string("a parameter");
   failure_detail_ = uncounted
@@ -396,7 +348,7 @@ void Accumulator::check_window_gradients(const char* what, const std::vector<Gra
     if (reducer_) {
       // Data parallel, the window must still close on every rank together:
       // it is dropped on every rank then, each naming this rank's mistake.
-      if (before != remembered_ || moved_parameter()) {
+      if (before != remembered_) {
         fail_for_changed_gradients(before, /*uncounted=*/false);
       }
     } else {

@@ -314,10 +314,8 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
           "such as another model's loss?), or held a gradient no micro-step counted when it began (a "
           "plain loss.backward() at the window boundary, or .grad left before the Accumulator was "
           "built?), or acc.zero_grad() dropped its part of a window resumed in its middle from a "
-          "rank-independent state, whose gradients hold a share of every rank's sums, or its parameters were "
-          "changed in the middle of the window (the script's own optimizer.step()? then the replicas differ: "
-          "resume every rank from a checkpoint); clear the gradients only after acc.step() returns True, or drop "
-          "a window with acc.zero_grad()";
+          "rank-independent state, whose gradients hold a share of every rank's sums; clear them only "
+          "after acc.step() returns True, or drop a window with acc.zero_grad()";
     case AbortReason::ForeignReducer:
       return who + "'s parameters carry another reducer's gradient hooks (the model is also "
           "wrapped in torch DDP there?)";
@@ -369,8 +367,8 @@ const char* several_phrase(AbortReason why) {
     case AbortReason::ForeignReducer:
       return "carried another reducer's gradient hooks on the parameters (torch DDP?)";
     case AbortReason::GradientsChanged:
-      return "had the accumulated gradients (or the parameters) changed outside the Accumulator in the middle "
-             "of the window, or a gradient no micro-step counted when it began, or dropped its part of a window "
+      return "had the accumulated gradients cleared or changed outside the Accumulator in the middle of the "
+             "window, or a gradient no micro-step counted when it began, or dropped its part of a window "
              "resumed from a rank-independent state";
     case AbortReason::WeightTooLarge:
       return "had a window weight larger than a bf16/fp16 bucket's meta carries exactly";
