@@ -423,6 +423,9 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
       window.unstepped_pending = detail::kLostAfterReduction; // Note [A window not stepped on some ranks]
     }
     end_reduction(/*window_closed=*/true);
+    if (window.entry == detail::Entry::ManualBackward) {
+      fail_manual_after_reduction(failed, result.global_weight > 0); // (acc.backward()'s caller words its own)
+    }
     std::rethrow_exception(failed);
   }
   if (window.entry == detail::Entry::ManualBackward) {
@@ -430,6 +433,28 @@ ReductionResult Reducer::State::complete_window(detail::Reduced reduced) {
   }
   end_reduction(/*window_closed=*/true);
   return result;
+}
+
+void Reducer::State::fail_manual_after_reduction(const std::exception_ptr& failed, bool stepped_elsewhere) {
+  std::string what;
+  try {
+    std::rethrow_exception(failed);
+  } catch (const c10::Error& e) {
+    what = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+    return; // (not ours to word)
+  }
+  if (what.rfind("gradaccum: ", 0) == 0) {
+    return; // worded already
+  }
+  TORCH_CHECK(false, "gradaccum: loss.backward(): every rank reduced the manual path's window, but this rank (rank ",
+      config.rank, ") failed after that: ", what, ". Its gradients were cleared (its own optimizer.step() steps "
+      "nothing)", stepped_elsewhere ? " while the other ranks step theirs: the replicas differ from here on. Resume "
+                                      "every rank from a checkpoint (the next reduction tells every rank, and every "
+                                      "rank drops it)"
+                                    : "; the window was empty on every rank");
 }
 
 void Reducer::State::window_collectives(int64_t joined_ranks, std::optional<detail::RebuildPlan>& rebuild) {

@@ -378,6 +378,10 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   double wire_scale(const Bucket& bucket) const;
   /// Runs every one of them, whatever fails on this rank, then rethrows.
   void window_collectives(int64_t joined_ranks, std::optional<detail::RebuildPlan>& rebuild);
+  /// The manual path's own words for a local failure after its reduction
+  /// (a plain loss.backward() has no Accumulator call to word it); returns
+  /// when it is worded already.
+  void fail_manual_after_reduction(const std::exception_ptr& failed, bool stepped_elsewhere);
   /// A wide bucket keeps its sums: complete_window() zeroes them.
   bool write_back(Bucket& bucket, const std::vector<double>& meta, bool divide, double divisor,
                   bool check_finite);

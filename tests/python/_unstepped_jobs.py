@@ -191,6 +191,35 @@ def scaler_update_fails(rank, world_size):
     return {"errors": errors, "scale": scaler.get_scale()}
 
 
+@job
+def manual_write_back_fails(rank, world_size):
+    """The manual path (no_sync, then a plain backward that reduces): rank 1's
+    write-back of window 0 fails after every rank reduced it (an expanded
+    .grad of a layer the closing backward does not reach cannot be written
+    in place). Its loss.backward() says so in gradaccum's words (review: the
+    bare torch error), rank 0 steps, and window 1 tells both ranks."""
+    import gradaccum
+
+    torch.manual_seed(SEED)
+    model = torch.nn.ModuleDict({"main": torch.nn.Linear(3, 2), "aux": torch.nn.Linear(3, 2)}).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradaccum.Accumulator(model, opt, steps=K)
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    errors = []
+    for w in range(2):
+        try:
+            with acc.no_sync():
+                (model["main"](x) + model["aux"](x)).pow(2).mean().backward()
+            if w == 0 and rank == 1:
+                model["aux"].bias.grad = torch.zeros(1, dtype=torch.float64).expand(2)
+            model["main"](x).pow(2).mean().backward()
+            opt.step()
+        except RuntimeError as e:
+            errors.append((w, str(e)))
+        opt.zero_grad()
+    return {"errors": errors}
+
+
 MID_STEPS = 3
 MID_BATCHES = 15
 

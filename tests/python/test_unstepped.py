@@ -213,6 +213,21 @@ def test_a_scaler_update_that_raised_on_one_rank_is_told_to_every_rank(tmp_path)
     assert results[0]["scale"] == 512.0 and results[1]["scale"] == 256.0  # (apart: what the error tells)
 
 
+def test_a_failure_after_the_manual_paths_reduction_is_worded_and_told(tmp_path):
+    results = du.run_job("manual_write_back_fails", 2, tmp_path, module=M, timeout=120, pg_timeout=30)
+    (first, second) = results[1]["errors"]
+    assert first[0] == 0 and first[1].startswith(
+        "gradaccum: loss.backward(): every rank reduced the manual path's window, but this rank (rank 1) failed "
+        "after that: "), first
+    assert first[1].endswith(". Its gradients were cleared (its own optimizer.step() steps nothing) while the other "
+                             "ranks step theirs: the replicas differ from here on. Resume every rank from a "
+                             "checkpoint (the next reduction tells every rank, and every rank drops it)"), first
+    assert second[0] == 1 and second[1].startswith("gradaccum: loss.backward(): window 1: this rank (rank 1) did not "
+                                                   "step a window every rank had reduced"), second
+    ((w, text),) = results[0]["errors"]
+    assert w == 1 and text.startswith("gradaccum: loss.backward(): window 1: rank 1 did not step a window"), text
+
+
 def test_a_rank_that_drops_a_window_the_others_skip_is_no_error(tmp_path):
     """Window 1's gradient is NaN (rank 0's loss): nonfinite="skip" skips it
     on rank 0, while rank 1's acc.step() raises before that decision (its
