@@ -9,6 +9,8 @@
 #include "consensus/window_header.h"
 #include "precision/precision.h"
 
+#include <gradaccum/detail/testing.h>
+
 #include <c10/util/irange.h>
 
 #include <algorithm>
@@ -17,6 +19,8 @@
 #include <vector>
 
 namespace gradaccum {
+
+std::atomic<int> detail::testing::fail_resend_on_rank{-1};
 
 namespace {
 
@@ -48,6 +52,9 @@ void Reducer::State::resend_if_light(const detail::Verdict& verdict) {
   auto request = window.request;
   std::string local;
   try {
+    int failing = config.rank; // (the tests' seam: gradaccum/detail/testing.h)
+    TORCH_CHECK(!detail::testing::fail_resend_on_rank.compare_exchange_strong(failing, -1),
+                "injected resend failure");
     const double factor = window.expected_weight / weight;
     const bool feedback = window.residual_carry != 0.0;
     for (auto& bucket : buckets.all) {

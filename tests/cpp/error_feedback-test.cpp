@@ -2,10 +2,13 @@
 // [Error feedback across loss scales]): what the optimizer got over the
 // windows plus what the ranks hold back is the float32 wire's sum. And
 // windows far lighter than their fp16 wire's scale, sent again at their own
-// (Note [Re-sending a light window]).
+// (Note [Re-sending a light window]), and dropped on every rank where one
+// rank cannot round it again.
 #include "test_util.h"
 
 #include "catch_torch.h"
+
+#include <gradaccum/detail/testing.h>
 
 using namespace gradaccum;
 using gradaccum::test::CountingGroup;
@@ -188,4 +191,49 @@ TEST_CASE("a window far lighter than its fp16 wire's scale is sent again at its 
   CHECK(relative(ef[0].got[0] + ef[0].held / 2, fp32[0].got[0]) < 1e-6);
   CHECK(ef[0].held.abs().max().item<double>() > 0);
   CHECK(relative(ef[0].got[2], fp32[0].got[2]) < std::ldexp(1.0, -11));
+}
+
+TEST_CASE("a rank that cannot round a light window again drops it on every rank", "[reducer][distributed][errors]") {
+  // Note [Re-sending a light window]: rank 1 fails to round its part for the
+  // second all-reduce (as if out of memory). It sends zeros and the drop's
+  // flag, so the pairing holds: the window is dropped on every rank, each
+  // told, and the next windows train (the full one, and a light one re-sent).
+  const int world = 2;
+  std::vector<std::vector<std::string>> errors(world);
+  std::vector<std::vector<bool>> stepped(world);
+  gradaccum::detail::testing::fail_resend_on_rank = 1;
+  run_ranks(world, [&](int rank, c10::intrusive_ptr<CountingGroup> group) {
+    torch::nn::Linear model{nullptr};
+    {
+      std::lock_guard<std::mutex> lock(gradaccum::test::init_mutex());
+      torch::manual_seed(1);
+      model = torch::nn::Linear(torch::nn::LinearOptions(64, 1).bias(false));
+    }
+    auto noop = [] {};
+    Accumulator acc(model, AccumulatorOptions(kLightSteps).process_group(group).comm_dtype(at::kHalf), noop);
+    int seed = 0;
+    for (const int64_t micro : {int64_t{1}, kLightSteps, int64_t{1}}) {
+      for (int64_t k = 0; k < micro; ++k) {
+        auto g = at::detail::createCPUGenerator(++seed);
+        acc.backward(model->forward(torch::randn({8, 64}, g)).pow(2).mean() * 1e-3);
+      }
+      try {
+        stepped[rank].push_back(micro < kLightSteps ? acc.flush() : acc.step());
+      } catch (const c10::Error& e) {
+        errors[rank].push_back(e.what_without_backtrace());
+        stepped[rank].push_back(false);
+      }
+    }
+  });
+  CHECK(gradaccum::detail::testing::fail_resend_on_rank == -1); // injected
+  for (int rank = 0; rank < world; ++rank) {
+    CHECK(stepped[rank] == std::vector<bool>{false, true, true});
+    REQUIRE(errors[rank].size() == 1);
+  }
+  const std::string what = "could not round its part of the window again for the float16 wire's second all-reduce";
+  INFO(errors[0][0] << "\n" << errors[1][0]);
+  CHECK(errors[0][0].rfind("gradaccum: acc.flush(): window 0 was dropped on every rank: rank 1 " + what, 0) == 0);
+  CHECK(errors[1][0].rfind("gradaccum: acc.flush(): window 0 was dropped on every rank: this rank (rank 1) " + what,
+                           0) == 0);
+  CHECK(errors[1][0].find("injected resend failure") != std::string::npos);
 }

@@ -13,4 +13,9 @@ namespace gradaccum::detail::testing {
 extern std::atomic<int> fail_rebuild_on_rank;
 extern std::atomic<int> failing_rebuild_builds;
 
+/// The rank whose next rounding of a light window for its second all-reduce
+/// fails once, as if out of memory (-1: none). Note [Re-sending a light
+/// window].
+extern std::atomic<int> fail_resend_on_rank;
+
 } // namespace gradaccum::detail::testing
