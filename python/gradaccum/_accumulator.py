@@ -365,12 +365,20 @@ class Accumulator(_Held):
     def step(self) -> bool:
         """At a closed window: clip, check, step the optimizer (and scheduler),
         clear the gradients. Returns whether the optimizer stepped."""
-        return self._c.step()
+        try:
+            return self._c.step()
+        except Exception as error:
+            _checks.note_step_failure(self, error, "acc.step()")
+            raise
 
     def flush(self) -> bool:
         """Closes a partial window (end of data) and steps. Collective when data
         parallel: every rank calls it."""
-        return self._c.flush()
+        try:
+            return self._c.flush()
+        except Exception as error:
+            _checks.note_step_failure(self, error, "acc.flush()")
+            raise
 
     @contextlib.contextmanager
     def join(self) -> Iterator[None]:
