@@ -365,20 +365,12 @@ class Accumulator(_Held):
     def step(self) -> bool:
         """At a closed window: clip, check, step the optimizer (and scheduler),
         clear the gradients. Returns whether the optimizer stepped."""
-        try:
-            return self._c.step()
-        except Exception as error:
-            _checks.note_step_failure(self, error, "acc.step()")
-            raise
+        return self._c.step()
 
     def flush(self) -> bool:
         """Closes a partial window (end of data) and steps. Collective when data
         parallel: every rank calls it."""
-        try:
-            return self._c.flush()
-        except Exception as error:
-            _checks.note_step_failure(self, error, "acc.flush()")
-            raise
+        return self._c.flush()
 
     @contextlib.contextmanager
     def join(self) -> Iterator[None]:

@@ -556,24 +556,3 @@ def check_group(self: Any, what: str) -> None:
             "Accumulator was built without a process group, so it reduces nothing and each rank "
             "would train alone. Build the Accumulator after init_process_group(), or pass "
             "process_group=False to train each rank alone on purpose")
-
-
-def note_step_failure(acc: Any, error: BaseException, call: str) -> None:
-    """An error of the user's objects inside the window's step (the
-    optimizer, the scheduler, a callback: not one of gradaccum's, which say
-    what to do) leaves the window closed on this rank: the error says so, and
-    what a retry does (review: a bare error, and acc.zero_grad() after it
-    split the replicas with nothing said in the job's last window)."""
-    try:
-        if str(error).startswith("gradaccum:") or acc._c.closed or not acc._c.window_ready:
-            return
-        data_parallel = acc._c.stats()["data_parallel"]
-    except Exception:  # noqa: BLE001 - the original error matters, not this note
-        return
-    again = "acc.flush() again (no collective)" if call == "acc.flush()" else "acc.step() again"
-    error.add_note(
-        f"gradaccum: {call}: this error came from inside the window's step (the optimizer, the scheduler or a "
-        f"callback); the window stays closed on this rank. Call {again} to step it (once the optimizer has "
-        "stepped, only the scheduler runs again)" + (
-            ": the other ranks stepped theirs, and acc.zero_grad() here would drop it, so that the replicas "
-            "differ from there" if data_parallel else ", or acc.zero_grad() to drop it"))

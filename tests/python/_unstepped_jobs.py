@@ -60,7 +60,7 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     acc = gradaccum.Accumulator(model, opt, steps=K, scheduler=scheduler, max_grad_norm=max_grad_norm)
     data = windows(world_size)
-    errors, notes, saved = [], [], None
+    errors, saved = [], None
     fail = {"armed": False}
 
     def failing(real, what):
@@ -124,7 +124,6 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
                 acc.flush() if flush_closed and w == 1 else acc.step()
             except (RuntimeError, ValueError) as e:
                 errors.append((w, "step", str(e)))
-                notes.extend(getattr(e, "__notes__", []))
                 if failing_here and fails == "outside":
                     opt.param_groups.pop()
                 if recover == "retry":
@@ -148,8 +147,7 @@ def closed_window_dropped(rank, world_size, *, droppers, then="window", on_error
                 continue
         w += 1
     stats = acc.stats()
-    return {"errors": errors, "notes": notes, "params": du.params(model), "resumed": resumed,
-            "dropped_before": dropped_before,
+    return {"errors": errors, "params": du.params(model), "resumed": resumed, "dropped_before": dropped_before,
             "optimizer_steps": stats["optimizer_steps"], "dropped_windows": stats["dropped_windows"],
             "skipped_steps": stats["skipped_steps"], "reductions": stats["reductions"],
             "lr": opt.param_groups[0]["lr"],

@@ -153,12 +153,6 @@ def test_a_retry_after_the_scheduler_raised_runs_the_scheduler_alone(tmp_path):
     results = run(2, tmp_path, droppers=(1,), fails="scheduler", recover="retry")
     assert results[0]["errors"] == []
     assert results[1]["errors"] == [(1, "step", "scheduler failed on rank 1")]
-    # The error says what a retry does, and what dropping the window would (review: bare).
-    assert results[1]["notes"] == [
-        "gradaccum: acc.step(): this error came from inside the window's step (the optimizer, the scheduler or a "
-        "callback); the window stays closed on this rank. Call acc.step() again to step it (once the optimizer has "
-        "stepped, only the scheduler runs again): the other ranks stepped theirs, and acc.zero_grad() here would "
-        "drop it, so that the replicas differ from there"]
     expected = uj.reference(2)
     for res in results:
         assert not res["resumed"] and res["optimizer_steps"] == uj.WINDOWS
@@ -276,10 +270,8 @@ def test_one_process_retry_after_the_scheduler_raised_steps_the_optimizer_once()
     before = [p.detach().clone() for p in model.parameters()]
     acc.backward(model(x).sum())
     grads = [p.grad.clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="scheduler failed") as failed:
+    with pytest.raises(RuntimeError, match="scheduler failed"):
         acc.step()
-    assert failed.value.__notes__[-1].endswith("(once the optimizer has stepped, only the scheduler runs again), or "
-                                               "acc.zero_grad() to drop it")
     after_one = [p.detach().clone() for p in model.parameters()]
     for b, g, a in zip(before, grads, after_one):
         assert torch.equal(a, b - 0.1 * g)
