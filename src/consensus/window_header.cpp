@@ -162,8 +162,7 @@ Aborters read_aborters(const std::vector<double>& last, int world) {
 // a rare false alarm). The mark is kept through a reduction some rank drops
 // for another reason or mis-pairs (its text would not say it) and cleared by
 // any other, and by acc.load_state_dict() (every rank resumes alike). A rank
-// with no reduction after its mark (the job's last window) tells nobody: its
-// own errors say it (from Python, a note on the step's error).
+// with no reduction after its mark (the job's last window) tells nobody.
 Verdict read_headers(const std::vector<Bucket>& buckets, const AgreementInputs& mine, int rank, int world,
                      int64_t modulus) {
   TORCH_INTERNAL_ASSERT(!buckets.empty(), "gradaccum: a reduction without buckets");

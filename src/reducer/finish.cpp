@@ -449,6 +449,9 @@ void Reducer::State::fail_manual_after_reduction(const std::exception_ptr& faile
   if (what.rfind("gradaccum: ", 0) == 0) {
     return; // worded already
   }
+  while (!what.empty() && (what.back() == '.' || what.back() == '\n')) {
+    what.pop_back(); // (the sentence goes on)
+  }
   TORCH_CHECK(false, "gradaccum: loss.backward(): every rank reduced the manual path's window, but this rank (rank ",
       config.rank, ") failed after that: ", what, ". Its gradients were cleared (its own optimizer.step() steps "
       "nothing)", stepped_elsewhere ? " while the other ranks step theirs: the replicas differ from here on. Resume "
