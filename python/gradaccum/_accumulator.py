@@ -565,9 +565,8 @@ class Accumulator(_Held):
         Accumulator over them) and the process group; later calls raise. Also
         on ``with`` exit. No collective: in the middle of a window the other
         ranks still wait for this rank's reduction (Note [Closed in the middle
-        of a window])."""
-        self._c.close()
-        self._process_group = None
+        of a window]). Counted micro-steps no step took warn, once."""
+        _checks.close(self, warn=True)
 
     @property
     def closed(self) -> bool:
@@ -577,7 +576,7 @@ class Accumulator(_Held):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        _checks.close(self, warn=exc[0] is None)  # (an error leaving the block says what happened)
 
     def __repr__(self) -> str:
         if self.closed:

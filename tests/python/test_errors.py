@@ -682,3 +682,37 @@ def test_split_no_tensor(batch):
     # (an empty list is a list of samples: 0 of them)
     with pytest.raises(ValueError, match="cannot split 0 rows" if batch == [] else "no tensor"):
         gradaccum.split(batch, 1)
+
+
+def test_close_warns_once_of_micro_steps_no_step_took(monkeypatch):
+    """A loop's last partial window without acc.flush() was discarded by
+    close() with nothing said. An error leaving a `with` block says enough."""
+    import warnings
+
+    from gradaccum import _checks
+
+    monkeypatch.setattr(_checks, "_WARNED_UNSTEPPED", False)
+    model = make_model()
+    x, y = make_data()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=3)
+    acc.backward(loss_of(model, x, y))
+    acc.backward(loss_of(model, x, y))
+    with pytest.warns(UserWarning) as caught:
+        acc.close()
+    assert [str(w.message) for w in caught] == [
+        "gradaccum: acc.close(): this Accumulator held 2 counted micro-step(s) of a window no optimizer step took "
+        "(acc.flush() steps a partial window: call it at the end of the data, on every rank); they are discarded. "
+        "Warned once"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc.close()  # closed already: nothing
+        monkeypatch.setattr(_checks, "_WARNED_UNSTEPPED", False)
+        model.zero_grad(set_to_none=True)  # (closed mid-window, .grad kept that window's part)
+        with pytest.raises(KeyError):
+            with gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=3) as other:
+                other.backward(loss_of(model, x, y))
+                raise KeyError("the script's own error")
+        model.zero_grad(set_to_none=True)
+        with gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=1) as done:
+            done.backward(loss_of(model, x, y))
+            assert done.step()  # a boundary: nothing discarded
