@@ -56,7 +56,8 @@ def _close_at_exit() -> None:
       to finish what they release."""
     for acc in list(_LIVE):
         try:
-            acc._c.close()  # (no warning: the script is over, whatever it left)
+            acc._c.close()  # (no close() warning: the script is over, whatever it left)
+            acc._process_group = None  # (the group's last reference may be this one)
         except Exception:  # exiting anyway: nothing left to tell
             pass
     if _gloo_workers_alive():
