@@ -338,7 +338,10 @@ void Reducer::zero_grad() {
       p.mutable_grad() = at::Tensor();
     }
   }
-  for (auto& bucket : s.buckets.lost.empty() ? s.buckets.all : std::vector<Bucket>{}) {
+  if (!s.buckets.lost.empty()) {
+    return; // no buckets to zero (BucketSet::rebuild())
+  }
+  for (auto& bucket : s.buckets.all) {
     if (as_view || bucket.accumulating) {
       bucket.gradients.zero_();
     }
