@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 import torch
 
 from gradaccum import _C, _checks, _run, _scaler_window
-from gradaccum._lifetime import _LIVE, _Held, _optimizer_parameters, _optimizer_step
+from gradaccum._lifetime import _LIVE, _Held, _optimizer_parameters, _optimizer_step, scheduler_step
 from gradaccum._checkpoint import load_state, save_state
 from gradaccum._refusal import _refuse_construction
 from gradaccum import trace as _trace
@@ -154,7 +154,7 @@ class Accumulator(_Held):
             params, names, buffers, process_group=process_group, local_only=local_only, **native,
             # Looked up at each call: an LR scheduler created later wraps optimizer.step.
             optimizer_step=_optimizer_step(self, optimizer) if optimizer is not None else None,
-            scheduler_step=(lambda: scheduler.step()) if scheduler is not None else None,
+            scheduler_step=scheduler_step(scheduler) if scheduler is not None else None,
             optimizer_parameters=_optimizer_parameters(optimizer),
         )
         _LIVE.add(self)

@@ -6,6 +6,7 @@ import atexit
 import os
 import threading
 import time
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
@@ -138,6 +139,35 @@ def _optimizer_parameters(optimizer: Any) -> Optional[Callable[[], List[torch.Te
                 for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
 
     return parameters
+
+
+def scheduler_step(scheduler: Any) -> Callable[[], None]:
+    """The scheduler step acc.step() runs after each real optimizer step. A
+    scheduler the script also steps itself (each epoch, or beside acc.step()
+    in its loop) moves twice as fast, silently: its `last_epoch` (torch's LR
+    schedulers count their steps there) no longer being what this step left
+    warns, once per Accumulator. Loading the scheduler's state between two
+    windows warns the same way; that is the one false alarm."""
+    left: List[Optional[int]] = [None]
+    warned = [False]
+
+    def step() -> None:
+        before = getattr(scheduler, "last_epoch", None)
+        if (not warned[0] and left[0] is not None and isinstance(before, int)
+                and before != left[0]):
+            warned[0] = True
+            warnings.warn(
+                f"gradaccum: acc.step(): the scheduler passed as scheduler= was stepped outside acc.step() "
+                f"(its last_epoch is {before}, where acc.step()'s last step of it left {left[0]}): it moves "
+                f"twice as fast. acc.step() steps it after each optimizer step; drop your own scheduler.step() "
+                f"call, or build the Accumulator without scheduler=. Warned once", stacklevel=3)
+        try:
+            scheduler.step()
+        finally:  # (a step that raised may have counted itself: a retry is not the script's)
+            after = getattr(scheduler, "last_epoch", None)
+            left[0] = after if isinstance(after, int) else None
+
+    return step
 
 
 def _fixed(name: str) -> None:

@@ -325,6 +325,36 @@ def test_scheduler_steps_only_on_optimizer_steps(sched_kind):
     assert_all_close(params_of(model), params_of(ref), rtol=1e-10, atol=1e-12)
 
 
+def test_a_scheduler_the_script_also_steps_warns_once():
+    """scheduler= and the script's own scheduler.step() each window: the
+    schedule runs twice as fast, which acc.step() tells once, naming both
+    counts; the same loop without the script's call says nothing."""
+    def loop(own_step):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        acc = gradaccum.Accumulator(model, opt, steps=2, scheduler=sched)
+        x, y = make_data(12)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for xb, yb in gradaccum.split((x, y), 6):
+                acc.backward(micro_loss(model, xb, yb, "mean")[0])
+                if acc.step() and own_step:
+                    sched.step()
+        acc.close()
+        return sched.last_epoch, [str(w.message) for w in caught if "gradaccum" in str(w.message)]
+
+    assert loop(own_step=False) == (3, [])
+    last_epoch, messages = loop(own_step=True)
+    assert last_epoch == 6
+    assert messages == [
+        "gradaccum: acc.step(): the scheduler passed as scheduler= was stepped outside acc.step() (its "
+        "last_epoch is 2, where acc.step()'s last step of it left 1): it moves twice as fast. acc.step() "
+        "steps it after each optimizer step; drop your own scheduler.step() call, or build the Accumulator "
+        "without scheduler=. Warned once"]
+
+
 # 6. non-finite gradients ------------------------------------------------------------
 
 
