@@ -188,6 +188,12 @@ void Accumulator::close() {
     // The model as without bucket views: .grad None at a window boundary
     // (what the window held was stepped or dropped), its own copy otherwise.
     reducer->release_gradient_views(micro_step_ == 0 && !window_ready_ && !window_failed_ && !parts_open_);
+    // stats() after close() still tells what the run reduced (review: a
+    // stats() logged after a `with` block showed no communication at all).
+    stats_.reducer = reducer->stats();
+    stats_.data_parallel = true;
+    stats_.world_size = reducer->process_group()->getSize();
+    stats_.backend = reducer->process_group()->getBackendName();
   }
   reducer.reset(); // removes the hooks; a reduction in flight completes its pairing
   late_watch_.reset(); // (one process: its hooks)
