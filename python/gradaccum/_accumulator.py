@@ -365,11 +365,15 @@ class Accumulator(_Held):
     def step(self) -> bool:
         """At a closed window: clip, check, step the optimizer (and scheduler),
         clear the gradients. Returns whether the optimizer stepped."""
+        if self._watch_for_group:
+            self._check_group("acc.step()")
         return self._c.step()
 
     def flush(self) -> bool:
         """Closes a partial window (end of data) and steps. Collective when data
         parallel: every rank calls it."""
+        if self._watch_for_group:
+            self._check_group("acc.flush()")
         return self._c.flush()
 
     @contextlib.contextmanager
@@ -396,6 +400,10 @@ class Accumulator(_Held):
         parallel, the other ranks raise an error naming this rank in their next
         reduction (shadows too) instead of waiting for it, and are told to end
         training there."""
+        if self.closed:
+            raise RuntimeError("gradaccum: acc.join(): this Accumulator was closed")
+        if self._watch_for_group:
+            self._check_group("acc.join()")
         try:
             yield
         except GeneratorExit:  # closed unfinished (garbage collected): no exception of the script's

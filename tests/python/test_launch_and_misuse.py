@@ -75,6 +75,16 @@ def test_a_group_created_after_the_accumulator_fails_its_first_backward(tmp_path
         late_model = torch.nn.Linear(2, 1)
         late = gradaccum.Accumulator(late_model, torch.optim.SGD(late_model.parameters(), lr=0.1), steps=2)
         late_weight = late_model.weight.tolist()
+        # A window begun, and one closed, before the group exists: flush(),
+        # step() and join() meet the error too (review: each stepped its own).
+        early_model = torch.nn.Linear(2, 1)
+        begun = gradaccum.Accumulator(early_model, torch.optim.SGD(early_model.parameters(), lr=0.1), steps=2)
+        begun.backward(early_model(torch.ones(1, 2) * (int(rank) + 1)).sum())
+        closed_model = torch.nn.Linear(2, 1)
+        closed = gradaccum.Accumulator(closed_model, torch.optim.SGD(closed_model.parameters(), lr=0.1), steps=1)
+        closed.backward(closed_model(torch.ones(1, 2) * (int(rank) + 1)).sum())
+        early_state = [p.detach().clone() for p in (*early_model.parameters(), *closed_model.parameters())]
+        early_grads = [p.grad.clone() for p in (*early_model.parameters(), *closed_model.parameters())]
         os.environ["WORLD_SIZE"] = world
         dist.init_process_group("gloo")  # ...and a group appears later
         local.backward(m(torch.ones(1, 3)).sum())
@@ -97,12 +107,28 @@ def test_a_group_created_after_the_accumulator_fails_its_first_backward(tmp_path
             except RuntimeError as e:
                 lines.append(f"error {e}")
         lines.append(f"weight {late_model.weight.tolist()} {late_weight}")
-        built = gradaccum.Accumulator(torch.nn.Linear(2, 1), steps=2)
+        for name, call in (("flush", begun.flush), ("join", lambda: begun.join().__enter__()),
+                           ("step", closed.step)):
+            try:
+                call()
+                lines.append(f"{name} passed")
+            except RuntimeError as e:
+                lines.append(f"error {e}")
+        params = (*early_model.parameters(), *closed_model.parameters())
+        lines.append(f"untouched {all(torch.equal(p, q) for p, q in zip(params, early_state))} "
+                     f"{all(torch.equal(p.grad, g) for p, g in zip(params, early_grads))}")
+        built_model = torch.nn.Linear(2, 1)
+        built = gradaccum.Accumulator(built_model, steps=2)
         lines.append(repr(built))
         s = built.stats()
         lines.append(f"{s['data_parallel']} {s['world_size']} {s['backend']}")
+        for _ in range(2):
+            built.backward(built_model(torch.ones(1, 2)).sum())
+        built.zero_grad()
+        built.close()  # stats() after close() keeps what the run reduced (review)
+        s = built.stats()
+        lines.append(f"{s['data_parallel']} {s['world_size']} {s['backend']} {s['collectives']} {s['reductions']}")
         open(f"rank{rank}.txt", "w").write("\\n".join(lines))
-        built.close()
         dist.destroy_process_group()
         """)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -115,9 +141,12 @@ def test_a_group_created_after_the_accumulator_fails_its_first_backward(tmp_path
         assert lines[4] == "error " + LATE_GROUP.replace("acc.backward()", "optimizer.step()")
         weight, before = lines[5][len("weight "):].split("] ")
         assert weight + "]" == before  # nothing stepped
-        assert lines[6] == ("Accumulator(steps=2, reduction='mean', micro_step=0, data_parallel=True, "
-                            "world_size=2, backend='gloo')")
-        assert lines[7] == "True 2 gloo"
+        assert lines[6:10] == ["error " + LATE_GROUP.replace("acc.backward()", call)
+                               for call in ("acc.flush()", "acc.join()", "acc.step()")] + ["untouched True True"]
+        assert lines[10] == ("Accumulator(steps=2, reduction='mean', micro_step=0, data_parallel=True, "
+                             "world_size=2, backend='gloo')")
+        assert lines[11] == "True 2 gloo"
+        assert lines[12] == "True 2 gloo 1 1"
 
 
 @pytest.mark.parametrize("saves,reduction", [([1, 2], "mean"), ([2, 1], "items"), ([1, 2, 2], "sum")])
