@@ -373,3 +373,27 @@ def parts_then_zero_grad(rank, world_size):
             stepped.append(current)
             current = []
     return {"refused": refused, "stepped": stepped, "params": du.params(model)}
+
+
+@job
+def micro_step_after_closed_window(rank, world_size):
+    """Every rank runs one micro-batch more after its window closed, before
+    acc.step(): refused alike, nothing counted. Each then steps the window
+    and runs that micro-batch again, as the refusal says. K=2, 3 windows."""
+    import gradaccum
+
+    model = du.mlp(SEED)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=K)
+    batches = [b for window in windows(world_size)[:3] for b in window[rank]]
+    refused = []
+    for i, batch in enumerate(batches):
+        if i == 2:
+            try:
+                acc.backward(du.micro_loss(model, batch, "mean")[0])
+            except RuntimeError as e:
+                refused.append((str(e), acc.micro_step, acc.window_ready))
+            acc.step()
+        acc.backward(du.micro_loss(model, batch, "mean")[0])
+        if i != 1:
+            acc.step()
+    return {"refused": refused, "params": du.params(model)}

@@ -524,3 +524,18 @@ def test_a_micro_step_open_in_parts_is_not_dropped_by_zero_grad(tmp_path):
     expected = uj.mid_reference(2, [([2], [0, 1, 2]), ([3, 4, 5], [3, 4, 5])])
     for res in results:
         assert_params_close(res["params"], expected)
+
+
+def test_a_micro_step_after_a_closed_window_is_refused_alike_and_the_advice_trains_exactly(tmp_path):
+    """Every rank forgets acc.step() once: each is refused with the same
+    text (which says what to do and what the others do meanwhile; it used to
+    say that the other ranks had stepped, which none had: review), and the
+    advice, acc.step() and the micro-batch again, is the reference."""
+    results = du.run_job("micro_step_after_closed_window", 2, tmp_path, module=M, timeout=120, pg_timeout=30)
+    text = ("gradaccum: acc.backward(): the window closed at the previous micro-step (acc.backward() or acc.run()); "
+            "call acc.step() before the next micro-step, then run this micro-batch again (it was not counted): "
+            "ranks that stepped their window wait for this one in their next reduction (until the group's "
+            "timeout), and acc.zero_grad() would drop the window here, so that the replicas would differ")
+    for res in results:
+        assert res["refused"] == [(text, 0, True)]
+        assert_params_close(res["params"], du.windows_reference(uj.SEED, uj.windows(2)[:3], "mean"))
