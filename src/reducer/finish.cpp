@@ -248,7 +248,8 @@ void Reducer::State::wait_bucket(size_t index) {
       // the window (its buffers may hold a half-reduced sum) and says where.
       std::ostringstream message;
       message << "rank " << config.rank << ": the all-reduce of bucket " << index << " of " << buckets.all.size()
-              << " failed. Likely cause: a peer process left (crashed or was killed), or "
+              << " failed. Likely cause: a peer process left (crashed or was killed), a peer "
+              << "stalled past the group's timeout (asleep, stuck in a hook, in other work), or "
               << "the ranks took different paths (flush() on some ranks only, a different "
               << "number of micro-steps or windows, another collective in between). "
               << "The original error: " << detail::message_of(e);
