@@ -131,6 +131,7 @@ from gradaccum._refusal import _refuse_before_building
 from gradaccum._adapter_options import _adapter_options
 from gradaccum._hf import _float64_causal_lm_loss, keep_float64_causal_lm_loss
 from gradaccum._hf_shards import needs_flush, no_rank_had_data, shard_lengths
+from gradaccum._hf_support import check_supported
 from gradaccum._hf_tokens import TokensSeen
 from gradaccum._loss_share import LossShare
 
@@ -186,30 +187,6 @@ class Trainer(transformers.Trainer):
             self.args = _own_args(self.args)  # Trainer(args=None): its own default arguments
         super().create_accelerator_and_postprocess()
 
-    def _check_supported(self) -> None:
-        args = self.args
-        refused = []
-        if self.is_deepspeed_enabled:
-            refused.append("DeepSpeed")
-        if self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False) or args.fsdp:
-            refused.append("FSDP")
-        if args.n_gpu > 1:
-            refused.append(f"nn.DataParallel over {args.n_gpu} GPUs in one process (launch one process per GPU)")
-        for what, size in (("tensor", self.get_tp_size()), ("context", self.get_cp_size()),
-                           ("sequence", self.get_sp_size())):
-            if size > 1:
-                refused.append(f"{what} parallelism")
-        if getattr(self, "is_distributed_loading_by_transformers", False):
-            refused.append("a model sharded at load time")
-        from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
-        if is_sagemaker_mp_enabled():
-            refused.append("SageMaker model parallelism")
-        if is_torch_xla_available():
-            refused.append("XLA")
-        if refused:
-            raise ValueError("gradaccum: gradaccum.transformers.Trainer does not support " + ", ".join(refused)
-                             + ": it reduces gradients itself, once per window; use transformers.Trainer there")
-
     def _choose_reduction(self) -> str:
         """As the Trainer decides whether to divide a loss by K: a subclass's
         ``loss_is_scaled_for_ga`` (transformers >= 5) says whether its
@@ -236,7 +213,7 @@ class Trainer(transformers.Trainer):
         evaluation (device, autocast, compile; no DDP wrap); the optimizer
         stays a plain torch optimizer (the Accumulator steps it once per
         window); then the Accumulator is built, and restored on resume."""
-        self._check_supported()
+        check_supported(self)
         if self.accumulator is not None:
             self._close_accumulator()
         if self._created_lr_scheduler:

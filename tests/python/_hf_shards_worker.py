@@ -20,6 +20,9 @@ case per --case, each rank's results written to <out>/<case>-<rank>.pt.
   epochs (fewer batches than ranks).
 - ``tokens``: the ``flos`` shards with ``include_num_input_tokens_seen`` (the
   model's main input ``x``: 4 "tokens" a row), logging at every step.
+- ``no_use_cpu``: TrainingArguments without ``use_cpu=True`` on this CPU-only
+  torch: transformers sees one process, so ``train()`` is refused (each
+  rank's error text is written).
 """
 import argparse
 import os
@@ -31,7 +34,7 @@ from transformers import TrainingArguments
 
 B, K, LR = 2, 2, 0.1
 ROWS = {"eval": 16, "save_at_flush": 14, "flos": 26, "split_batches": 15, "bf16_wire": 26, "empty_shard": 2,
-        "tokens": 26}
+        "tokens": 26, "no_use_cpu": 16}
 EPOCHS = {"empty_shard": 3}
 
 
@@ -75,17 +78,28 @@ def run(case, out, stock):
         "bf16_wire": dict(logging_steps=2, save_strategy="no"),
         "empty_shard": dict(save_strategy="no"),
         "tokens": dict(include_num_input_tokens_seen=True, logging_steps=1, save_strategy="no"),
+        "no_use_cpu": dict(save_strategy="no"),
     }[case]
     options = {"accumulator_options": {"comm_dtype": torch.bfloat16}} if case == "bf16_wire" and not stock else {}
     args = TrainingArguments(folder, per_device_train_batch_size=B, gradient_accumulation_steps=K,
                              num_train_epochs=EPOCHS.get(case, 1),
-                             learning_rate=0.0 if case == "bf16_wire" else LR, lr_scheduler_type="constant", optim="sgd", report_to=[], use_cpu=True,
+                             learning_rate=0.0 if case == "bf16_wire" else LR, lr_scheduler_type="constant", optim="sgd", report_to=[],
+                             use_cpu=case != "no_use_cpu",
                              seed=0, train_sampling_strategy="sequential", **extra)
     model = Regression()
     if case == "tokens":
         model.main_input_name = "x"
     trainer = trainer_class(model=model, args=args, train_dataset=Rows(ROWS[case]), data_collator=collate,
                             eval_dataset=Rows(5, seed=2) if case == "eval" else None, **options)
+    if case == "no_use_cpu":
+        try:
+            trainer.train()
+            refused = None
+        except ValueError as error:
+            refused = str(error)
+        torch.save({"refused": refused, "params": [p.detach().clone() for p in model.parameters()]},
+                   os.path.join(out, f"{case}-{os.environ['RANK']}.pt"))
+        return
     output = trainer.train()
     result = {"params": [p.detach().clone() for p in model.parameters()], "global_step": trainer.state.global_step,
               "evals": [log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log],

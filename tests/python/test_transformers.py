@@ -460,7 +460,7 @@ def shards_reference(n, rows_per_batch=None, epochs=1):
 @pytest.fixture(scope="module")
 def shard_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_shards")
-    shards_run(out, "--case", "eval,save_at_flush,flos,split_batches,bf16_wire,empty_shard,tokens")
+    shards_run(out, "--case", "eval,save_at_flush,flos,split_batches,bf16_wire,empty_shard,tokens,no_use_cpu")
     shards_run(out, "--case", "eval", "--stock")
 
     def load(case):
@@ -533,3 +533,19 @@ def test_a_bf16_wire_logs_the_global_loss(shard_runs):
         for got, want in zip(res["losses"], logged):
             assert abs(got - want) <= 1e-12 * want, (got, want)
         assert abs(res["train_loss"] - sum(windows) / 4) <= 1e-12 * res["train_loss"], (res["train_loss"], windows)
+
+
+def test_arguments_that_see_one_process_under_a_group_are_refused_on_every_rank(shard_runs):
+    """Without use_cpu=True on a CPU-only torch, transformers sees one process
+    under torchrun and gives every rank the whole dataset, while the group
+    has 2 ranks (review: the windows were reduced over ranks that each
+    trained everything, and every rank saved). Every rank is refused before
+    anything trains."""
+    text = ("gradaccum: trainer.train(): the process group has 2 ranks, but the TrainingArguments see one process "
+            "(args.world_size=1: on a torch without CUDA, transformers runs data parallel only with use_cpu=True), "
+            "so every rank would train on the whole dataset; pass TrainingArguments(use_cpu=True), or "
+            "accumulator_options={'process_group': False} to train each rank alone on purpose")
+    before = [p.detach() for p in _shards_worker().Regression().parameters()]
+    for res in shard_runs("no_use_cpu"):
+        assert res["refused"] == text
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], before))
