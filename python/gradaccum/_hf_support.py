@@ -35,9 +35,12 @@ def check_supported(trainer: Any) -> None:
             and args.world_size == 1:
         ranks = torch.distributed.get_world_size(group)
         if ranks > 1:  # (alike on every rank: every rank raises)
+            why, fix = (("on a torch without CUDA, transformers runs data parallel only with use_cpu=True",
+                         "pass TrainingArguments(use_cpu=True)")
+                        if not args.use_cpu and not torch.cuda.is_available() else
+                        ("transformers takes its ranks from the launcher's environment: RANK and WORLD_SIZE",
+                         "launch with torchrun or accelerate launch"))
             raise ValueError(
                 f"gradaccum: trainer.train(): the process group has {ranks} ranks, but the TrainingArguments see one "
-                "process (args.world_size=1: on a torch without CUDA, transformers runs data parallel only "
-                "with use_cpu=True), so every rank would train on the whole dataset; pass "
-                "TrainingArguments(use_cpu=True), or accumulator_options={'process_group': False} to train "
-                "each rank alone on purpose")
+                f"process (args.world_size=1: {why}), so every rank would train on the whole dataset; {fix}, or "
+                "accumulator_options={'process_group': False} to train each rank alone on purpose")
