@@ -108,6 +108,12 @@ TEST_CASE("W ranks x K micro-batches equal one process on the global batch", "[r
           // the idle layer got no gradient anywhere: None, as in one process
           if (!as_view) RANK_CHECK_FALSE(net->idle->weight.grad().defined());
           results[rank] = params_of(net);
+          acc.close(); // stats() still tells what the run reduced
+          const auto closed = acc.stats();
+          RANK_CHECK(closed.data_parallel);
+          RANK_CHECK(closed.world_size == world);
+          RANK_CHECK(closed.reducer.collectives == stats.reducer.collectives);
+          RANK_CHECK(closed.reducer.buckets == stats.reducer.buckets);
         });
         for (int r = 0; r < world; ++r) {
           CHECK(max_rel_diff(results[r], expected) <= 1e-10);
