@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 import torch
 
 from gradaccum import _C, _checks, _run, _scaler_window
-from gradaccum._lifetime import _LIVE, _Held, _optimizer_parameters, _optimizer_step, scheduler_step
+from gradaccum._lifetime import _LIVE, _Held, SchedulerStep, _optimizer_parameters, _optimizer_step
 from gradaccum._checkpoint import load_state, save_state
 from gradaccum._refusal import _refuse_construction
 from gradaccum import trace as _trace
@@ -150,11 +150,12 @@ class Accumulator(_Held):
         self._module = model if isinstance(model, torch.nn.Module) else None
         self._process_group = process_group
         self._pre_step_hook: Optional[Callable[[], None]] = None
+        self._scheduler_step = SchedulerStep(scheduler) if scheduler is not None else None
         self._c = _C.Accumulator(
             params, names, buffers, process_group=process_group, local_only=local_only, **native,
             # Looked up at each call: an LR scheduler created later wraps optimizer.step.
             optimizer_step=_optimizer_step(self, optimizer) if optimizer is not None else None,
-            scheduler_step=scheduler_step(scheduler) if scheduler is not None else None,
+            scheduler_step=self._scheduler_step,
             optimizer_parameters=_optimizer_parameters(optimizer),
         )
         _LIVE.add(self)
@@ -552,6 +553,8 @@ class Accumulator(_Held):
         runs before anything changes; the gradients are then copied one at a
         time, where only running out of memory can fail)."""
         load_state(self._c, self.grad_scaler, self.process_group, state_dict)
+        if self._scheduler_step is not None:
+            self._scheduler_step.forget()  # (the scheduler's state is loaded with it)
 
     @property
     def parameter_names(self) -> List[str]:

@@ -141,33 +141,57 @@ def _optimizer_parameters(optimizer: Any) -> Optional[Callable[[], List[torch.Te
     return parameters
 
 
-def scheduler_step(scheduler: Any) -> Callable[[], None]:
+def _step_count(scheduler: Any) -> Any:
+    """A scheduler's step count: torch's LR schedulers keep it in
+    `last_epoch`; a ChainedScheduler's is its schedulers' (a tuple). None
+    where there is none to read (a wrapper of another kind)."""
+    count = getattr(scheduler, "last_epoch", None)
+    if isinstance(count, int):
+        return count
+    inner = getattr(scheduler, "_schedulers", None)
+    if isinstance(inner, (list, tuple)) and inner:
+        counts = tuple(_step_count(s) for s in inner)
+        return None if any(c is None for c in counts) else counts
+    return None
+
+
+def _ahead(now: Any, left: Any) -> bool:
+    if isinstance(now, tuple) and isinstance(left, tuple) and len(now) == len(left):
+        return any(_ahead(a, b) for a, b in zip(now, left))
+    return isinstance(now, int) and isinstance(left, int) and now > left
+
+
+class SchedulerStep:
     """The scheduler step acc.step() runs after each real optimizer step. A
     scheduler the script also steps itself (each epoch, or beside acc.step()
-    in its loop) moves twice as fast, silently: its `last_epoch` (torch's LR
-    schedulers count their steps there) no longer being what this step left
-    warns, once per Accumulator. Loading the scheduler's state between two
-    windows warns the same way; that is the one false alarm."""
-    left: List[Optional[int]] = [None]
-    warned = [False]
+    in its loop) runs ahead of the optimizer's steps, silently: its step
+    count having moved on since this step left it warns, once per
+    Accumulator. A count that went back (the scheduler's state loaded for a
+    rollback) is no step of the script's; acc.load_state_dict() forgets the
+    count, so the resume recipe's loads never warn. Not checked: a scheduler
+    whose count cannot be read (no `last_epoch`)."""
 
-    def step() -> None:
-        before = getattr(scheduler, "last_epoch", None)
-        if (not warned[0] and left[0] is not None and isinstance(before, int)
-                and before != left[0]):
-            warned[0] = True
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.left: Any = None
+        self.warned = False
+
+    def forget(self) -> None:
+        self.left = None
+
+    def __call__(self) -> None:
+        now = _step_count(self.scheduler)
+        if not self.warned and _ahead(now, self.left):
+            self.warned = True
             warnings.warn(
                 f"gradaccum: acc.step(): the scheduler passed as scheduler= was stepped outside acc.step() "
-                f"(its last_epoch is {before}, where acc.step()'s last step of it left {left[0]}): it moves "
-                f"twice as fast. acc.step() steps it after each optimizer step; drop your own scheduler.step() "
-                f"call, or build the Accumulator without scheduler=. Warned once", stacklevel=3)
+                f"(its step count is {now}, where acc.step()'s last step of it left {self.left}): it runs ahead "
+                f"of the optimizer's steps. acc.step() steps it after each optimizer step; drop your own "
+                f"scheduler.step() call, or build the Accumulator without scheduler=. Warned once", stacklevel=3)
         try:
-            scheduler.step()
+            self.scheduler.step()
         finally:  # (a step that raised may have counted itself: a retry is not the script's)
-            after = getattr(scheduler, "last_epoch", None)
-            left[0] = after if isinstance(after, int) else None
-
-    return step
+            self.left = _step_count(self.scheduler)
 
 
 def _fixed(name: str) -> None:

@@ -325,34 +325,46 @@ def test_scheduler_steps_only_on_optimizer_steps(sched_kind):
     assert_all_close(params_of(model), params_of(ref), rtol=1e-10, atol=1e-12)
 
 
-def test_a_scheduler_the_script_also_steps_warns_once():
+@pytest.mark.parametrize("kind", ["step", "chained"])
+def test_a_scheduler_the_script_also_steps_warns_once(kind):
     """scheduler= and the script's own scheduler.step() each window: the
-    schedule runs twice as fast, which acc.step() tells once, naming both
-    counts; the same loop without the script's call says nothing."""
-    def loop(own_step):
+    schedule runs ahead of the optimizer, which acc.step() tells once, naming
+    both counts (a ChainedScheduler's are its schedulers': review). The same
+    loop without the script's call says nothing, nor does a rollback that
+    loads earlier states of the scheduler and the Accumulator (review)."""
+    def loop(mode):
         torch.manual_seed(0)
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        if kind == "chained":
+            sched = torch.optim.lr_scheduler.ChainedScheduler(
+                [sched, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)])
         acc = gradaccum.Accumulator(model, opt, steps=2, scheduler=sched)
         x, y = make_data(12)
+        saved = None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for xb, yb in gradaccum.split((x, y), 6):
+            for i, (xb, yb) in enumerate(gradaccum.split((x, y), 6)):
                 acc.backward(micro_loss(model, xb, yb, "mean")[0])
-                if acc.step() and own_step:
+                if acc.step() and mode == "own_step":
                     sched.step()
+                if mode == "rollback" and i == 1:
+                    saved = (sched.state_dict(), acc.state_dict())
+                if mode == "rollback" and i == 3:
+                    sched.load_state_dict(saved[0])
+                    acc.load_state_dict(saved[1])
         acc.close()
-        return sched.last_epoch, [str(w.message) for w in caught if "gradaccum" in str(w.message)]
+        return [str(w.message) for w in caught if "gradaccum" in str(w.message)]
 
-    assert loop(own_step=False) == (3, [])
-    last_epoch, messages = loop(own_step=True)
-    assert last_epoch == 6
-    assert messages == [
-        "gradaccum: acc.step(): the scheduler passed as scheduler= was stepped outside acc.step() (its "
-        "last_epoch is 2, where acc.step()'s last step of it left 1): it moves twice as fast. acc.step() "
-        "steps it after each optimizer step; drop your own scheduler.step() call, or build the Accumulator "
-        "without scheduler=. Warned once"]
+    assert loop("plain") == []
+    assert loop("rollback") == []
+    counts = ("2", "1") if kind == "step" else ("(2, 2)", "(1, 1)")
+    assert loop("own_step") == [
+        f"gradaccum: acc.step(): the scheduler passed as scheduler= was stepped outside acc.step() (its step "
+        f"count is {counts[0]}, where acc.step()'s last step of it left {counts[1]}): it runs ahead of the "
+        "optimizer's steps. acc.step() steps it after each optimizer step; drop your own scheduler.step() call, "
+        "or build the Accumulator without scheduler=. Warned once"]
 
 
 # 6. non-finite gradients ------------------------------------------------------------
