@@ -412,6 +412,8 @@ class Accumulator(_Held):
         except BaseException:
             self._c.abandon()  # Note [Leaving join() with an exception]
             raise
+        if self._watch_for_group:  # (a group made inside the block: review)
+            self._check_group("acc.join()")
         self._c.join()
 
     def refresh_parameters(self, parameters: Optional[Any] = None) -> None:

@@ -551,7 +551,7 @@ def check_group(self: Any, what: str) -> None:
     """A group made after this Accumulator, which was built without one:
     each rank would train alone (the manual path's no_sync() and own
     optimizer.step() are checked too)."""
-    if self._watch_for_group and _dist_initialized() and _default_world_size() > 1:
+    if self._watch_for_group and not self._c.closed and _dist_initialized() and _default_world_size() > 1:
         raise RuntimeError(
             f"gradaccum: {what}: torch.distributed was initialized after this "
             "Accumulator was built without a process group, so it reduces nothing and each rank "
