@@ -432,8 +432,8 @@ void Accumulator::check_micro_step_state(const char* what) const {
       "gradaccum: ", what, ": the window closed at the previous micro-step (acc.backward() or acc.run()); ",
       reducer_ ? "call acc.step() before the next micro-step, then run this micro-batch again (it was not "
                  "counted): ranks that stepped their window wait for this one in their next reduction (until the "
-                 "group's timeout), and acc.zero_grad() would drop the window here, so that the replicas would "
-                 "differ"
+                 "group's timeout), and acc.zero_grad() would drop the window here, so that this replica would "
+                 "differ from those of the ranks that stepped it"
                : "call acc.step() (or acc.zero_grad() to drop it) before the next micro-step: this micro-batch was "
                  "not counted");
   check_training_not_ended(what, /*flushing=*/false);

@@ -535,7 +535,8 @@ def test_a_micro_step_after_a_closed_window_is_refused_alike_and_the_advice_trai
     text = ("gradaccum: acc.backward(): the window closed at the previous micro-step (acc.backward() or acc.run()); "
             "call acc.step() before the next micro-step, then run this micro-batch again (it was not counted): "
             "ranks that stepped their window wait for this one in their next reduction (until the group's "
-            "timeout), and acc.zero_grad() would drop the window here, so that the replicas would differ")
+            "timeout), and acc.zero_grad() would drop the window here, so that this replica would differ from those "
+            "of the ranks that stepped it")
     for res in results:
         assert res["refused"] == [(text, 0, True)]
         assert_params_close(res["params"], du.windows_reference(uj.SEED, uj.windows(2)[:3], "mean"))
