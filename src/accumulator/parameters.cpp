@@ -55,7 +55,10 @@ std::vector<std::pair<std::string, at::Tensor>> checked_trainable(ModelParameter
         "gradaccum: ", what, ": ", model.names[i], " is not a leaf tensor; pass the model's parameters");
     TORCH_CHECK_VALUE(at::isFloatingType(model.parameters[i].scalar_type()),
         "gradaccum: ", what, ": ", model.names[i], " has dtype ", model.parameters[i].scalar_type(),
-        "; gradients need a floating-point dtype");
+        at::isComplexType(model.parameters[i].scalar_type())
+            ? "; complex trainable parameters are not supported (freeze it, or train its real and imaginary "
+              "parts as real parameters)"
+            : "; gradients need a floating-point dtype");
     TORCH_CHECK_VALUE(model.parameters[i].layout() == at::kStrided,
         "gradaccum: ", what, ": ", model.names[i], " is sparse; sparse parameters are not supported");
   }

@@ -279,7 +279,7 @@ void Accumulator::mark_skipped() {
 bool Accumulator::step_optimizer(const char* call) {
   for (const auto i : c10::irange(params_.size())) {
     TORCH_CHECK(!params_[i].grad().defined() || !params_[i].grad().is_sparse(),
-        "gradaccum: ", call, ": ", names_[i], " has a sparse gradient (nn.Embedding(sparse=True)?); gradaccum "
+        "gradaccum: ", call, ": ", names_[i], " has a sparse gradient (nn.Embedding(sparse=True), or F.embedding(..., sparse=True)?); gradaccum "
         "supports dense gradients only: use sparse=False");
   }
   TORCH_CHECK(!window_scaler_failed_,

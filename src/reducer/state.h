@@ -443,7 +443,8 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   /// hook's path: inline).
   void check_gradient(const at::Tensor& grad, size_t index, const at::Tensor& view) const {
     TORCH_CHECK(!grad.is_sparse(), where(), ": ", config.name(index), " has a sparse gradient "
-        "(nn.Embedding(sparse=True)?); sparse gradients are not supported: use sparse=False");
+        "(nn.Embedding(sparse=True), or F.embedding(..., sparse=True)?); sparse gradients are not supported: use "
+        "sparse=False");
     if (C10_UNLIKELY(grad.scalar_type() != config.dtypes[index] || !grad.sizes().equals(view.sizes()))) {
       TORCH_CHECK(false, where(), ": ", config.name(index), "'s gradient is ", grad.scalar_type(), " ",
           grad.sizes(), ", but the Accumulator was built for a ", config.dtypes[index], " ", view.sizes(),

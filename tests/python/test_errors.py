@@ -568,6 +568,18 @@ def test_a_sparse_parameter_is_refused_at_construction_in_one_process_too():
         gradaccum.Accumulator([sparse], torch.optim.SGD([sparse], lr=0.1), process_group=False)
 
 
+def test_a_complex_trainable_parameter_is_refused_by_name():
+    """Review: the refusal said only that gradients need a floating-point dtype."""
+    model = torch.nn.Linear(2, 1)
+    model.phase = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"^gradaccum: Accumulator\(\): phase has dtype ComplexFloat; complex "
+                                         r"trainable parameters are not supported \(freeze it, or train its real "
+                                         r"and imaginary parts as real parameters\)$"):
+        gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), process_group=False)
+    model.phase.requires_grad_(False)  # frozen: taken
+    gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), process_group=False).close()
+
+
 def test_backward_after_closed_window():
     K = 2
     x, y = make_data(8)
