@@ -3,8 +3,10 @@
 // around acc.backward() in the middle of a window).
 #include <gradaccum/accumulator.h>
 
+#include "detail/grad_version.h"
 #include "detail/late_backward.h"
 
+#include <c10/core/InferenceMode.h>
 #include <c10/util/irange.h>
 
 #include <algorithm>
@@ -389,7 +391,7 @@ std::vector<GradMark> Accumulator::grad_versions() const {
     versions.push_back(g.defined()
         // unsafe_storage(): sparse and opaque tensors have none (nullptr), and never throw.
         ? GradMark{g.unsafeGetTensorImpl(), g.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl(),
-                   g._version()}
+                   detail::grad_version(g)}
         : GradMark{});
   }
   return versions;
@@ -470,6 +472,11 @@ double Accumulator::check_micro_step(
   TORCH_CHECK_VALUE(loss.requires_grad(),
       "gradaccum: ", what, ": loss does not require grad (computed under no_grad, or from "
       "no trainable parameter?)");
+  // (Its backward would make every new .grad an inference tensor, which no
+  // later backward can add to: review.)
+  TORCH_CHECK(!c10::InferenceMode::is_enabled(), "gradaccum: ", what, ": called inside torch.inference_mode(), "
+      "where backward would make .grad inference tensors that no later backward can add to; run the micro-step "
+      "outside it (an evaluation inside it between micro-steps is fine)");
   double weight = 1.0;
   if (options_.reduction() == Reduction::Items) {
     TORCH_CHECK_VALUE(num_items.has_value(),

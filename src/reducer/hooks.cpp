@@ -7,6 +7,7 @@
 
 #include "comm.h"
 #include "detail/grad_accumulator.h"
+#include "detail/grad_version.h"
 #include "detail/late_backward.h"
 
 #include <gradaccum/detail/failed_backward.h>
@@ -71,7 +72,11 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
         state->late.note(index_, state->config.params[index_], inputs);
         return outputs;
       }
-      state->mark_ready(index_);
+      // An undefined gradient (a custom Function's backward returned None
+      // for it) reached nothing: ready, but untouched, so that the window
+      // leaves it None, bucket views or not (review: a view's zeros were
+      // stepped, weight decay moving the parameter).
+      state->mark_ready(index_, !inputs.empty() && inputs[0].defined());
     }
     return outputs;
   }
@@ -244,9 +249,11 @@ void Reducer::State::keep_on_view(size_t index) {
   grad = detail::view_handle(view);
 }
 
-void Reducer::State::mark_ready(size_t index) {
+void Reducer::State::mark_ready(size_t index, bool reached) {
   hook_calls.fetch_add(1, std::memory_order_relaxed);
-  touched[index].store(true, std::memory_order_relaxed);
+  if (reached) {
+    touched[index].store(true, std::memory_order_relaxed);
+  }
   if (!expect_hooks.load(std::memory_order_relaxed) || closed.load()) {
     if (config.options.gradient_as_bucket_view() && !closed.load()) {
       keep_on_view(index);
@@ -474,7 +481,7 @@ ReductionResult Reducer::backward(const at::Tensor& loss, const ReductionRequest
   versions.reserve(s.config.params.size());
   for (const auto& p : s.config.params) {
     const auto& g = p.grad();
-    versions.emplace_back(g.defined() ? g.unsafeGetTensorImpl() : nullptr, g.defined() ? g._version() : -1);
+    versions.emplace_back(g.defined() ? g.unsafeGetTensorImpl() : nullptr, detail::grad_version(g));
   }
 
   // Begin at the root of the graph, in the outermost task (see Note [Where a
@@ -541,7 +548,7 @@ ReductionResult Reducer::State::end_backward(const ReductionRequest& request, in
     for (const auto i : c10::irange(config.params.size())) {
       const auto& g = config.params[i].grad();
       const std::pair<const void*, int64_t> now(g.defined() ? g.unsafeGetTensorImpl() : nullptr,
-                                                g.defined() ? g._version() : -1);
+                                                detail::grad_version(g));
       if (g.defined() && now != versions_before[i]) {
         touched[i].store(true, std::memory_order_relaxed);
       }

@@ -5,6 +5,8 @@
 
 #include "reducer/state.h"
 
+#include "detail/grad_version.h"
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -163,7 +165,7 @@ void Reducer::State::note_manual_written() {
   window.manual_written.resize(config.params.size());
   for (const auto i : c10::irange(config.params.size())) {
     const auto& g = config.params[i].grad();
-    window.manual_written[i] = g.defined() ? std::pair<const void*, int64_t>(g.unsafeGetTensorImpl(), g._version())
+    window.manual_written[i] = g.defined() ? std::pair<const void*, int64_t>(g.unsafeGetTensorImpl(), detail::grad_version(g))
                                            : std::pair<const void*, int64_t>(nullptr, -1);
   }
 }
@@ -176,7 +178,7 @@ std::optional<size_t> Reducer::State::adds_to_manual_written(size_t index) const
   const auto still = [&](size_t i, int64_t versions_on) {
     const auto& g = config.params[i].grad();
     return written[i].first != nullptr && g.defined() && g.unsafeGetTensorImpl() == written[i].first &&
-        g._version() == written[i].second + versions_on;
+        detail::grad_version(g) == written[i].second + versions_on;
   };
   if (still(index, 1)) {
     return index;

@@ -305,7 +305,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   // The autograd glue (hooks.cpp).
   void add_hooks();
   void remove_hooks() noexcept;
-  void mark_ready(size_t index);
+  void mark_ready(size_t index, bool reached);
   /// A no-sync hook with gradient_as_bucket_view: Note [Bucket views in
   /// no-sync micro-steps].
   void keep_on_view(size_t index);

@@ -156,8 +156,39 @@ def misuse(rank, world_size):
                 (p - b).abs().max().item() for p, b in zip(net["idle"].parameters(), idle_before))
             out[f"used/{as_view}/{opt_name}"] = [p.detach().clone() for p in net["used"].parameters()]
             acc.close()
+    # 8. ...and for one a custom Function's backward gives None (review: a
+    # bucket view's zeros were stepped, weight decay moving it).
+    for as_view in (False, True):
+        torch.manual_seed(4)
+        net = nn.ModuleDict({"used": nn.Linear(du.D_IN, 3)}).double()
+        net.scale = nn.Parameter(torch.tensor([2.0], dtype=torch.float64))
+        acc = gradaccum.Accumulator(net, torch.optim.SGD(net.parameters(), lr=0.1, weight_decay=0.5), steps=2,
+                                    gradient_as_bucket_view=as_view)
+        nones = []
+        for w in range(2):
+            for k in range(2):
+                acc.backward(_NoGradFor.apply(net["used"](x + w + k + rank), net.scale).pow(2).mean())
+                if k == 1:
+                    nones.append(net.scale.grad is None)
+                acc.step()
+        out[f"none_from_function/{as_view}"] = (nones, net.scale.item())
+        acc.close()
     dist.barrier()
     return out
+
+
+class _NoGradFor(torch.autograd.Function):
+    """x * w, whose backward gives w no gradient (None)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return grad * w, None
 
 
 # --------------------------------------------------------------------------- #

@@ -397,3 +397,38 @@ def micro_step_after_closed_window(rank, world_size):
         if i != 1:
             acc.step()
     return {"refused": refused, "params": du.params(model)}
+
+
+@job
+def backward_in_inference_mode(rank, world_size):
+    """Rank 1 runs acc.backward() inside torch.inference_mode(): at the first
+    micro-step (refused, not counted: it runs it again outside), then at the
+    window's closing micro-step (the window is dropped on every rank). Before,
+    .grad became inference tensors, every later backward raised torch's error
+    on rank 1 alone, and rank 0 waited for the group's timeout (review)."""
+    import time
+
+    import gradaccum
+
+    model = du.mlp(SEED)
+    acc = gradaccum.Accumulator(model, du.make_optimizer("sgd", model.parameters()), steps=K)
+    batches = [b for window in windows(world_size)[:3] for b in window[rank]]
+    errors, start = [], time.monotonic()
+    for i, batch in enumerate(batches):
+        loss = du.micro_loss(model, batch, "mean")[0]
+        if rank == 1 and i in (0, 3):
+            try:
+                with torch.inference_mode():
+                    acc.backward(loss)
+            except RuntimeError as e:
+                errors.append((i, str(e), acc.micro_step))
+            if i == 0:
+                acc.backward(loss)
+            continue
+        try:
+            acc.backward(loss)
+        except RuntimeError as e:
+            errors.append((i, str(e), acc.micro_step))
+        acc.step()
+    return {"errors": errors, "seconds": time.monotonic() - start, "params": du.params(model),
+            "inference_grads": [p.grad is not None and p.grad.is_inference() for p in model.parameters()]}

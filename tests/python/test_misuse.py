@@ -94,6 +94,12 @@ def test_bucket_views_keep_none_for_parameters_unused_everywhere(misuse, opt_nam
             assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
 
 
+def test_a_gradient_a_custom_function_leaves_none_stays_none_with_bucket_views(misuse):
+    for res in misuse:
+        for as_view in (False, True):
+            assert res[f"none_from_function/{as_view}"] == ([True, True], 2.0)
+
+
 # --------------------------------------------------------------------------- #
 # Habits, in one process
 # --------------------------------------------------------------------------- #

@@ -540,3 +540,21 @@ def test_a_micro_step_after_a_closed_window_is_refused_alike_and_the_advice_trai
     for res in results:
         assert res["refused"] == [(text, 0, True)]
         assert_params_close(res["params"], du.windows_reference(uj.SEED, uj.windows(2)[:3], "mean"))
+
+
+def test_a_backward_inside_inference_mode_is_refused_and_told_to_every_rank(tmp_path):
+    results = du.run_job("backward_in_inference_mode", 2, tmp_path, module=M, timeout=120, pg_timeout=30)
+    inference = ("gradaccum: acc.backward(): called inside torch.inference_mode(), where backward would make .grad "
+                 "inference tensors that no later backward can add to; run the micro-step outside it (an "
+                 "evaluation inside it between micro-steps is fine)")
+    first, closing = results[1]["errors"]
+    assert first == (0, inference + "; this micro-step was not counted: run it again with a valid loss, or call "
+                     "acc.empty_micro_step() in its place, so that this rank's windows stay aligned with the other "
+                     "ranks'", 0)
+    assert closing[0] == 3 and closing[1].startswith(inference + "; window 1 was dropped on every rank")
+    (told,) = results[0]["errors"]
+    assert told[0] == 3 and "window 1 was dropped on every rank" in told[1], told
+    for res in results:
+        assert res["seconds"] < 20 and not any(res["inference_grads"])
+        # windows 0 and 2 stepped, window 1 dropped on both ranks
+        assert_params_close(res["params"], du.windows_reference(uj.SEED, uj.windows(2)[:3], "mean", skip=(1,)))
