@@ -228,7 +228,7 @@ class Accumulator(_Held):
         return loss, items, reported
 
     def backward(self, loss: torch.Tensor, num_items: Union[None, int, float, torch.Tensor] = None,
-                 metrics: Optional[Dict[str, Any]] = None) -> None:
+                 metrics: Optional[Dict[str, Any]] = None, **unexpected: Any) -> None:
         """Backward on one micro-batch's loss; the window's last call synchronises.
 
         With ``reduction="items"``, ``loss`` is summed over items and
@@ -237,13 +237,14 @@ class Accumulator(_Held):
         construction (numbers or one-element tensors, kept on their device),
         summed into ``window_metrics``.
         """
-        if (num_items is None and metrics is None and self.grad_scaler is None and not self._no_sync_depth
-                and not (self._watch_for_group and _dist_initialized()) and isinstance(loss, torch.Tensor)):
+        if (num_items is None and metrics is None and self.grad_scaler is None and not self._no_sync_depth and
+                not unexpected and not (self._watch_for_group and _dist_initialized()) and isinstance(loss, torch.Tensor)):
             # The common case, with nothing for _micro_batch to check or
             # convert: the C++ side's defaults are what it would pass.
             args: Tuple[Any, ...] = (loss,)
         else:
             try:
+                _checks.check_backward_arguments(unexpected)  # (refused as a bad loss is: review)
                 loss, items, reported = self._micro_batch("acc.backward()", loss, num_items)
                 args = (loss, items, reported, _metric_values("acc.backward()", self.metrics, metrics, loss))
             except BaseException as error:  # (a metric's or the scaler's torch error, an interrupt: review)
@@ -394,10 +395,9 @@ class Accumulator(_Held):
         data that exists. Ranks with data pay no extra collective, except, with
         buffers and ``broadcast_buffers``, one small all-reduce in a window
         where some ranks have joined (which rank ran micro-batches: the
-        buffers are broadcast from the lowest of them). Data
-        parallel, every rank ends its data this way (not with ``flush()``: a
-        mix is an error on every rank); the epoch's windows are then closed,
-        no ``flush()`` is needed. An exception leaves the block at once; data
+        buffers are broadcast from the lowest of them). Data parallel, every
+        rank ends its data this way (not with ``flush()``: a mix is an error on
+        every rank); no ``flush()`` is needed. An exception leaves the block at once; data
         parallel, the other ranks raise an error naming this rank in their next
         reduction (shadows too) instead of waiting for it, and are told to end
         training there."""

@@ -547,6 +547,15 @@ def check_micro_step(self: Any, what: str) -> None:
     self._check_group(what)
 
 
+def check_backward_arguments(unexpected: Dict[str, Any]) -> None:
+    """acc.backward()'s keyword arguments other than its own (torch's)."""
+    if unexpected:
+        raise TypeError(
+            f"gradaccum: acc.backward(): unexpected keyword argument(s) {', '.join(map(repr, unexpected))}: each call "
+            "is one micro-step and takes no retain_graph, inputs or create_graph (sum two losses of one micro-batch "
+            "into one call; freeze what should get no gradient and call acc.refresh_parameters())")
+
+
 def check_group(self: Any, what: str) -> None:
     """A group made after this Accumulator, which was built without one:
     each rank would train alone (the manual path's no_sync() and own

@@ -9,6 +9,7 @@
 #include "call_guard.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/irange.h>
 
 #include <algorithm>
@@ -277,6 +278,10 @@ void Accumulator::check_loadable(const AccumulatorState& state) const {
 
 void Accumulator::load_state_dict(const AccumulatorState& state) {
   const CallGuard guard(driver_, driving_, "acc.load_state_dict()");
+  // Inside torch.inference_mode() the loaded .grad would be inference
+  // tensors no backward can add to, and the load half done when that shows
+  // (review): what it makes is made outside it.
+  const c10::InferenceMode not_inference(/*enabled=*/false);
   realign_after_manual_reduction(); // Note [A manual reduction in the middle of a window]
   check_open("acc.load_state_dict()");
   check_no_open_parts("acc.load_state_dict()");

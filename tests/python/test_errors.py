@@ -580,6 +580,39 @@ def test_a_complex_trainable_parameter_is_refused_by_name():
     gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), process_group=False).close()
 
 
+def test_backward_refuses_torchs_keyword_arguments_by_name():
+    """Review: `inputs=` met Python's bare TypeError, outside the refusal
+    that keeps the ranks in step; nothing is counted."""
+    x, y = make_data(4)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    with pytest.raises(TypeError, match=r"^gradaccum: acc.backward\(\): unexpected keyword argument\(s\) 'inputs', "
+                                        r"'retain_graph': each call is one micro-step and takes no retain_graph, "
+                                        r"inputs or create_graph \(sum two losses of one micro-batch into one call; "
+                                        r"freeze what should get no gradient and call acc.refresh_parameters\(\)\)$"):
+        acc.backward(loss_of(model, x, y), inputs=[model[0].weight], retain_graph=True)
+    assert acc.micro_step == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_a_mid_window_state_loaded_inside_inference_mode_trains_on():
+    """Review: loaded inside torch.inference_mode(), .grad became inference
+    tensors (a raw torch error at the next backward, the load half done)."""
+    x, y = make_data(8)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    acc.backward(loss_of(model, x[:4], y[:4]))
+    state = acc.state_dict()
+    with torch.inference_mode():
+        acc.load_state_dict(state)
+    assert acc.micro_step == 1 and not any(p.grad.is_inference() for p in model.parameters())
+    acc.backward(loss_of(model, x[4:], y[4:]))
+    got = [p.grad.clone() for p in model.parameters()]
+    reference = make_model()
+    (loss_of(reference, x[:4], y[:4]) + loss_of(reference, x[4:], y[4:])).div(2).backward()
+    for g, p in zip(got, reference.parameters()):
+        assert torch.allclose(g, p.grad, rtol=1e-12, atol=1e-14)
+
+
 def test_backward_after_closed_window():
     K = 2
     x, y = make_data(8)
