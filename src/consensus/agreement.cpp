@@ -532,9 +532,14 @@ std::string dropped_elsewhere(const std::string& where, const Aborters& who, int
   return text + (all_raise ? " (each raises its own error there)" : "") + consequence(consequence_told, joined);
 }
 
-std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local,
+std::string dropped_here(const std::string& where, int rank, AbortReason why, const std::string& local_error,
                          const std::string& transport, int64_t joined, int64_t left, int64_t unstepped,
                          int64_t interrupted, int64_t others, int64_t other_rank, int world) {
+  // (torch's own texts end in a full stop; ours continue after it: review)
+  std::string local = local_error;
+  while (!local.empty() && (local.back() == '.' || local.back() == ' ' || local.back() == '\n')) {
+    local.pop_back();
+  }
   const auto failed_too = transport.empty() ? "" : ". Dropping it failed too: " + transport;
   if (why == AbortReason::ClosedWindowNotStepped && world > 0 && unstepped == world) {
     // Note [Every rank reads what several aborters did]: every rank failed
