@@ -276,7 +276,7 @@ class Accumulator {
   /// window dropped on every rank, and after load_state_dict() or
   /// refresh_parameters() until a window closes.
   double window_items() const {
-    return window_items_;
+    return window_loss_.items();
   }
 
   /// As Accelerate's `sync_gradients`: true through the window's closing
@@ -515,9 +515,8 @@ class Accumulator {
   /// expect_hooks() (another thread may call them) and while close() and
   /// refresh_parameters() take it away.
   mutable std::mutex reducer_readers_;
-  detail::SharedTensor window_loss_;
+  detail::SharedLoss window_loss_; ///< the last closed window's loss, with its items (window_items())
   detail::SharedTensor window_metrics_; ///< the last closed window's metric sums (window_metrics())
-  double window_items_ = 0;
   /// This window was resumed mid-way from a checkpoint: its loss is unknown.
   bool window_loss_cut_ = false;
   /// This window's sums so far are each rank's share of every rank's, from

@@ -34,4 +34,33 @@ class SharedTensor {
   at::Tensor value_;
 };
 
+/// The last closed window's loss and its items (its weight summed over
+/// ranks), set and read together: a logger thread's stats() never pairs one
+/// window's loss with another's items (review).
+class SharedLoss {
+ public:
+  void set(at::Tensor loss, double items) {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      std::swap(loss_, loss);
+      items_ = items;
+    }
+  }
+  std::pair<at::Tensor, double> get() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return {loss_, items_};
+  }
+  at::Tensor loss() const {
+    return get().first;
+  }
+  double items() const {
+    return get().second;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  at::Tensor loss_;
+  double items_ = 0;
+};
+
 } // namespace gradaccum::detail

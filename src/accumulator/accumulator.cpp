@@ -442,7 +442,7 @@ void Accumulator::reduce_window(const at::Tensor& scaled, double weight) {
       try {
         close_window_loss(last, pending_loss_sum_);
       } catch (...) { // (the error already leaving is the one to tell)
-        window_loss_ = at::Tensor();
+        window_loss_.set(at::Tensor(), last.global_weight);
         window_metrics_ = at::Tensor();
       }
       ++stats_.micro_steps;
@@ -573,10 +573,11 @@ AccumulatorStats Accumulator::stats() const {
   if (loss_scaler_) {
     stats.loss_scale = loss_scaler_->scale();
   }
-  if (const auto loss = window_loss_.get(); loss.defined()) {
+  const auto [loss, items] = window_loss_.get(); // (one window's: another thread may close the next)
+  if (loss.defined()) {
     stats.window_loss = loss.item<double>();
   }
-  stats.window_items = window_items_;
+  stats.window_items = items;
   const std::lock_guard<std::mutex> lock(reducer_readers_);
   if (reducer_) {
     stats.reducer = reducer_->stats();

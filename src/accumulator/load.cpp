@@ -368,9 +368,8 @@ void Accumulator::load_state_dict(const AccumulatorState& state) {
   }
   window_shared_ = reducer_ && (state.rank_independent || state.window_shared) && state.micro_step > 0;
   window_forwards_ = state.micro_step > 0;
-  window_loss_ = at::Tensor();
+  window_loss_.set(at::Tensor(), 0);
   window_metrics_ = at::Tensor();
-  window_items_ = 0;
   stats_.micro_steps = state.micro_steps;
   stats_.optimizer_steps = state.optimizer_steps;
   stats_.skipped_steps = state.skipped_steps;

@@ -79,7 +79,7 @@ void Accumulator::add_micro_loss(const at::Tensor& loss, const at::Tensor& metri
 }
 
 void Accumulator::close_window_loss(const ReductionResult& result, const at::Tensor& like) {
-  window_items_ = result.global_weight;
+  const double items = result.global_weight;
   const bool cut = std::exchange(window_loss_cut_, false);
   window_metrics_ = at::Tensor();
   // On the device of this rank's losses; a rank whose window kept none (all
@@ -99,16 +99,16 @@ void Accumulator::close_window_loss(const ReductionResult& result, const at::Ten
   // No loss for a window of weight 0 (nothing kept anywhere) or one a
   // checkpoint cut (its first part's losses were not saved).
   if (!result.loss_sum || result.global_weight == 0 || cut) {
-    window_loss_ = at::Tensor();
+    window_loss_.set(at::Tensor(), items);
     return;
   }
   const bool divide = options_.reduction() != Reduction::Sum && result.global_weight > 0;
   const double value = *result.loss_sum / (divide ? result.global_weight : 1.0);
-  window_loss_ = on_device(at::scalar_tensor(value, at::TensorOptions().dtype(at::kDouble)));
+  window_loss_.set(on_device(at::scalar_tensor(value, at::TensorOptions().dtype(at::kDouble))), items);
 }
 
 void Accumulator::close_local_window_loss() {
-  window_items_ = window_weight_;
+  const double items = window_weight_;
   const bool cut = std::exchange(window_loss_cut_, false);
   const auto n = static_cast<int64_t>(options_.metrics().size());
   window_metrics_ = at::Tensor();
@@ -117,12 +117,12 @@ void Accumulator::close_local_window_loss() {
                                                  : at::zeros({n}, at::TensorOptions().dtype(at::kDouble));
   }
   if (!window_loss_sum_.defined() || window_weight_ == 0 || cut) {
-    window_loss_ = at::Tensor();
+    window_loss_.set(at::Tensor(), items);
     return;
   }
   const bool divide = options_.reduction() != Reduction::Sum && window_weight_ > 0;
   const auto loss = window_loss_sum_[0];
-  window_loss_ = divide ? loss / window_weight_ : loss.clone();
+  window_loss_.set(divide ? loss / window_weight_ : loss.clone(), items);
 }
 
 void Accumulator::take_reduced_loss(const ReductionResult& result, const at::Tensor& like) noexcept {
@@ -139,9 +139,8 @@ void Accumulator::take_reduced_loss(const ReductionResult& result, const at::Ten
 void Accumulator::forget_window_loss() {
   // A window dropped on every rank closed with nothing applied: what a logger
   // reads next is "no loss", not the window before it's.
-  window_loss_ = at::Tensor();
+  window_loss_.set(at::Tensor(), 0);
   window_metrics_ = at::Tensor();
-  window_items_ = 0;
 }
 
 bool Accumulator::keep_micro_batch(const at::Tensor& value, const at::Tensor& metrics) {
@@ -170,7 +169,7 @@ std::optional<at::Tensor> Accumulator::window_metrics() const {
 }
 
 std::optional<at::Tensor> Accumulator::window_loss() const {
-  const auto loss = window_loss_.get();
+  const auto loss = window_loss_.loss();
   if (!loss.defined()) {
     return std::nullopt;
   }
