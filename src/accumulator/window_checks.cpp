@@ -431,7 +431,8 @@ void Accumulator::check_micro_step_state(const char* what) const {
       "its gradient is not finite (nonfinite=\"raise\"); call acc.zero_grad() to drop it before the next "
       "micro-step");
   TORCH_CHECK(!window_ready_,
-      "gradaccum: ", what, ": the window closed at the previous micro-step (acc.backward() or acc.run()); ",
+      "gradaccum: ", what, ": the window closed at the previous micro-step (acc.backward() or acc.run(), or "
+      "in the state acc.load_state_dict() loaded); ",
       reducer_ ? "call acc.step() before the next micro-step, then run this micro-batch again (it was not "
                  "counted): ranks that stepped their window wait for this one in their next reduction (until the "
                  "group's timeout), and acc.zero_grad() would drop the window here, so that this replica would "

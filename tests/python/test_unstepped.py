@@ -532,7 +532,8 @@ def test_a_micro_step_after_a_closed_window_is_refused_alike_and_the_advice_trai
     say that the other ranks had stepped, which none had: review), and the
     advice, acc.step() and the micro-batch again, is the reference."""
     results = du.run_job("micro_step_after_closed_window", 2, tmp_path, module=M, timeout=120, pg_timeout=30)
-    text = ("gradaccum: acc.backward(): the window closed at the previous micro-step (acc.backward() or acc.run()); "
+    text = ("gradaccum: acc.backward(): the window closed at the previous micro-step (acc.backward() or acc.run(), "
+            "or in the state acc.load_state_dict() loaded); "
             "call acc.step() before the next micro-step, then run this micro-batch again (it was not counted): "
             "ranks that stepped their window wait for this one in their next reduction (until the group's "
             "timeout), and acc.zero_grad() would drop the window here, so that this replica would differ from those "
