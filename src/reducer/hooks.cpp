@@ -73,10 +73,11 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
         return outputs;
       }
       // An undefined gradient (a custom Function's backward returned None
-      // for it) reached nothing: ready, but untouched, so that the window
-      // leaves it None, bucket views or not (review: a view's zeros were
-      // stepped, weight decay moving the parameter).
-      state->mark_ready(index_, !inputs.empty() && inputs[0].defined());
+      // for it) added nothing: ready, but untouched unless that Function
+      // wrote .grad itself (held_gradient()), so that the window leaves it
+      // None, bucket views or not (review: a view's zeros were stepped,
+      // weight decay moving the parameter).
+      state->mark_ready(index_, (!inputs.empty() && inputs[0].defined()) || state->held_gradient(index_));
     }
     return outputs;
   }
@@ -247,6 +248,24 @@ void Reducer::State::keep_on_view(size_t index) {
   }
   view.copy_(grad);
   grad = detail::view_handle(view);
+}
+
+bool Reducer::State::held_gradient(size_t index) {
+  // (Only for a hook called without a gradient: rare, so a host read is fine.)
+  // A .grad that is not its bucket view holds this window's micro-steps or
+  // the script's own, which the checks see, as before; a bucket view holds
+  // zeros unless something wrote it in place (a fused kernel's Function
+  // that accumulates into .grad and returns None: review of the first
+  // version, which dropped that gradient).
+  const auto& grad = config.params[index].grad();
+  if (!grad.defined()) {
+    return false;
+  }
+  const auto& bucket = buckets.of(index);
+  if (bucket.views.empty() || !detail::on_view(grad, bucket.views[buckets.locator[index].second])) {
+    return true;
+  }
+  return grad.ne(0).any().item<bool>(); // (NaN != 0: held)
 }
 
 void Reducer::State::mark_ready(size_t index, bool reached) {

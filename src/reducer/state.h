@@ -306,6 +306,7 @@ struct Reducer::State : std::enable_shared_from_this<Reducer::State> {
   void add_hooks();
   void remove_hooks() noexcept;
   void mark_ready(size_t index, bool reached);
+  bool held_gradient(size_t index);
   /// A no-sync hook with gradient_as_bucket_view: Note [Bucket views in
   /// no-sync micro-steps].
   void keep_on_view(size_t index);

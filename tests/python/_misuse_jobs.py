@@ -173,8 +173,62 @@ def misuse(rank, world_size):
                 acc.step()
         out[f"none_from_function/{as_view}"] = (nones, net.scale.item())
         acc.close()
+    # 9. ...but one a Function writes into .grad itself (a fused kernel's way)
+    # keeps it (review of the first fix, which dropped it with bucket views).
+    for as_view in (False, True):
+        torch.manual_seed(4)
+        net = nn.ModuleDict({"used": nn.Linear(du.D_IN, 3)}).double()
+        net.scale = nn.Parameter(torch.tensor([2.0], dtype=torch.float64))
+        acc = gradaccum.Accumulator(net, None, steps=2, gradient_as_bucket_view=as_view)
+        for k in range(2):
+            acc.backward(_WritesGradOf.apply(net["used"](x + k + rank), net.scale).pow(2).mean())
+        out[f"written_by_function/{as_view}"] = net.scale.grad.clone()
+        out["x"] = x
+        acc.close()
+    # 10. Built and refreshed inside torch.inference_mode(): trains as outside
+    # (review: the refresh's buckets were inference tensors, every window dropped).
+    for inference in (False, True):
+        torch.manual_seed(4)
+        net = nn.Sequential(nn.Linear(du.D_IN, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+        net[0].requires_grad_(False)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        with torch.inference_mode(inference):
+            acc = gradaccum.Accumulator(net, opt, steps=2, gradient_as_bucket_view=True)
+        acc.backward(net(x + rank).pow(2).mean())
+        acc.backward(net(x - rank).pow(2).mean())
+        acc.step()
+        net[0].requires_grad_(True)
+        with torch.inference_mode(inference):
+            acc.refresh_parameters()
+        for w in range(2):
+            acc.backward(net(x + w + rank).pow(2).mean())
+            acc.backward(net(x - w - rank).pow(2).mean())
+            acc.step()
+        out[f"inference_built/{inference}"] = du.params(net)
+        acc.close()
     dist.barrier()
     return out
+
+
+class _WritesGradOf(torch.autograd.Function):
+    """x * w, whose backward adds w's gradient into w.grad itself and gives
+    None for it (as fused kernels that accumulate in place do)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        with torch.no_grad():
+            own = (grad * x).sum().reshape(1)
+            if w.grad is None:
+                w.grad = own
+            else:
+                w.grad.add_(own)
+        return grad * w, None
 
 
 class _NoGradFor(torch.autograd.Function):

@@ -98,6 +98,23 @@ def test_a_gradient_a_custom_function_leaves_none_stays_none_with_bucket_views(m
     for res in misuse:
         for as_view in (False, True):
             assert res[f"none_from_function/{as_view}"] == ([True, True], 2.0)
+    # ...and one it writes into .grad itself is reduced as any other
+    expected = torch.zeros(1, dtype=torch.float64)
+    torch.manual_seed(4)
+    used = nn.Linear(du.D_IN, 3).double()
+    x = misuse[0]["x"]
+    for rank in range(2):
+        for k in range(2):
+            out = used(x + k + rank)
+            expected += (2 * out * out * 2.0 / out.numel()).sum().detach() / 4  # d/dw mean((o w)^2) at w=2
+    for res in misuse:
+        for as_view in (False, True):
+            assert torch.allclose(res[f"written_by_function/{as_view}"], expected, rtol=1e-12, atol=0)
+
+
+def test_an_accumulator_built_and_refreshed_inside_inference_mode_trains_as_outside(misuse):
+    for res in misuse:
+        du.assert_params_close(res["inference_built/True"], res["inference_built/False"], "inference", tol=0)
 
 
 # --------------------------------------------------------------------------- #
