@@ -11,6 +11,7 @@
 #include "rank_check.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/optim/lbfgs.h>
@@ -90,6 +91,9 @@ Accumulator::Accumulator(
       optimizer_step_(std::move(optimizer_step)),
       scheduler_step_(std::move(scheduler_step)),
       optimizer_parameters_(std::move(optimizer_parameters)) {
+  // Buckets, views and .grad made inside torch.inference_mode() would be
+  // tensors no backward can write (review): made outside it.
+  const c10::InferenceMode not_inference(/*enabled=*/false);
   const auto& group = options_.process_group();
   try {
     options_.validate();

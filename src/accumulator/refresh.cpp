@@ -7,6 +7,8 @@
 #include "precision/wide_sums.h"
 #include "rank_check.h"
 
+#include <c10/core/InferenceMode.h>
+
 #include <exception>
 #include <string>
 #include <unordered_set>
@@ -54,6 +56,7 @@ void Accumulator::refresh_parameters(ModelParameters model) {
 // a checkpoint's snapshot), which meets the others' check there.
 void Accumulator::refresh_parameters(ModelParameters model, const std::string& refused_here) {
   const CallGuard guard(driver_, driving_, "acc.refresh_parameters()");
+  const c10::InferenceMode not_inference(/*enabled=*/false); // (as the constructor: review)
   realign_after_manual_reduction("acc.refresh_parameters()"); // Note [A manual reduction in the middle of a window]
   check_open("acc.refresh_parameters()");
   check_no_open_parts("acc.refresh_parameters()");

@@ -2,6 +2,7 @@
 
 #include "consensus/window_header.h"
 
+#include <c10/core/InferenceMode.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -30,6 +31,7 @@ std::vector<std::vector<size_t>> BucketSet::layout(const ReducerConfig& config, 
 }
 
 std::vector<Bucket> BucketSet::build(const ReducerConfig& config, const std::vector<std::vector<size_t>>& layout) {
+  const c10::InferenceMode not_inference(/*enabled=*/false); // (buckets are written by every backward)
   const BucketConfig bucket_config{
       config.rule.accumulate_dtype, config.rule.comm_dtype, config.world, config.rule.error_feedback};
   std::vector<Bucket> built;
