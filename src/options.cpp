@@ -117,7 +117,7 @@ void AccumulatorOptions::validate() const {
         "gradaccum: Accumulator(): invalid accumulate_dtype: ", *accumulate_dtype_, " (float32 or float64)");
     TORCH_CHECK_VALUE(!reducer_.gradient_as_bucket_view(),
         "gradaccum: Accumulator(): accumulate_dtype and gradient_as_bucket_view exclude each other: a bucket of the "
-        "accumulation dtype cannot be a bf16/fp16 parameter's .grad");
+        "accumulation dtype cannot be a parameter's .grad of another dtype (use one or the other)");
   }
   if (comm_dtype_) {
     TORCH_CHECK_VALUE(*comm_dtype_ == at::kBFloat16 || *comm_dtype_ == at::kHalf ||

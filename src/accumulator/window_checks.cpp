@@ -471,13 +471,22 @@ double Accumulator::check_micro_step(
       "gradaccum: ", what, ": loss is on the meta device: it holds no value (a model built on the meta device and "
       "never materialized?)");
   TORCH_CHECK_VALUE(loss.requires_grad(),
-      "gradaccum: ", what, ": loss does not require grad (computed under no_grad, or from "
+      "gradaccum: ", what, ": loss does not require grad (computed under no_grad or inference_mode, or from "
       "no trainable parameter?)");
   // (Its backward would make every new .grad an inference tensor, which no
   // later backward can add to: review.)
   TORCH_CHECK(!c10::InferenceMode::is_enabled(), "gradaccum: ", what, ": called inside torch.inference_mode(), "
       "where backward would make .grad inference tensors that no later backward can add to; run the micro-step "
       "outside it (an evaluation inside it between micro-steps is fine)");
+  for (const auto i : c10::irange(params_.size())) {
+    // One made by the script (inside inference_mode()) takes no backward's
+    // sum nor the reduction's write-back: refused here, before the window
+    // is reduced, not on this rank alone after it (review).
+    const auto& g = params_[i].grad();
+    TORCH_CHECK(!g.defined() || !g.is_inference(), "gradaccum: ", what, ": ", names_[i], "'s .grad is an inference "
+        "tensor (made inside torch.inference_mode()), which no backward or reduction can write; set it to None "
+        "outside inference_mode (or call acc.zero_grad())");
+  }
   double weight = 1.0;
   if (options_.reduction() == Reduction::Items) {
     TORCH_CHECK_VALUE(num_items.has_value(),

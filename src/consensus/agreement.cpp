@@ -330,8 +330,9 @@ std::string abort_phrase(AbortReason why, const std::string& who) {
     case AbortReason::MicroBatchRefused:
       return who + " refused the micro-batch that closes the window: its acc.backward() or acc.run() "
           "rejected its loss, num_items or metrics (a loss that is not a scalar or does not require grad, a "
-          "num_items that is not a number >= 0, ...), found a parameter unfrozen without "
-          "acc.refresh_parameters(), or was called inside acc.no_sync()";
+          "num_items that is not a number >= 0, ...) or its other arguments, found a parameter unfrozen without "
+          "acc.refresh_parameters() or an inference .grad, or was called inside acc.no_sync() or "
+          "torch.inference_mode()";
     case AbortReason::LeftJoin:
       return who + " left its acc.join() block with an exception";
     case AbortReason::RefreshRefused:

@@ -120,7 +120,7 @@ TEST_CASE("a micro-batch refused on one rank drops the window only when it close
         for (auto& p : net->parameters()) results[rank].push_back(p.detach().clone());
       });
       const std::string refused = "1/" + std::string(closing ? "1" : "0") + ": gradaccum: acc.backward(): loss does "
-          "not require grad (computed under no_grad, or from no trainable parameter?)";
+          "not require grad (computed under no_grad or inference_mode, or from no trainable parameter?)";
       REQUIRE(errors[1].size() == 1);
       if (closing) {
         REQUIRE(errors[0].size() == 1);
@@ -128,8 +128,9 @@ TEST_CASE("a micro-batch refused on one rank drops the window only when it close
                               "the micro-batch that closes the window: its acc.backward() or acc.run() rejected its "
                               "loss, num_items or "
                               "metrics (a loss that is not a scalar or does not require grad, a num_items that is not "
-                              "a number >= 0, ...), found a parameter unfrozen without acc.refresh_parameters(), or "
-                              "was called inside acc.no_sync() (its own "
+                              "a number >= 0, ...) or its other arguments, found a parameter unfrozen without "
+                              "acc.refresh_parameters() or an inference .grad, or was called inside acc.no_sync() or "
+                              "torch.inference_mode() (its own "
                               "error is raised there). The window's gradients were "
                               "cleared on every rank and no optimizer step was taken; training can go on from the "
                               "next window");
@@ -137,8 +138,9 @@ TEST_CASE("a micro-batch refused on one rank drops the window only when it close
                               "micro-batch that closes the window: its acc.backward() or acc.run() rejected its loss, "
                               "num_items or "
                               "metrics (a loss that is not a scalar or does not require grad, a num_items that is not "
-                              "a number >= 0, ...), found a parameter unfrozen without acc.refresh_parameters(), or "
-                              "was called inside acc.no_sync(). The "
+                              "a number >= 0, ...) or its other arguments, found a parameter unfrozen without "
+                              "acc.refresh_parameters() or an inference .grad, or was called inside acc.no_sync() or "
+                              "torch.inference_mode(). The "
                               "window's gradients were cleared on every rank and no "
                               "optimizer step was taken; training can go on from the next window");
         CHECK(dropped == std::vector<int64_t>{1, 1});

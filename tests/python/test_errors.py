@@ -613,6 +613,24 @@ def test_a_mid_window_state_loaded_inside_inference_mode_trains_on():
         assert torch.allclose(g, p.grad, rtol=1e-12, atol=1e-14)
 
 
+def test_an_inference_grad_is_refused_before_the_window_is_reduced():
+    """Review: on a parameter no backward reached, the write-back into it
+    failed on that rank alone, after every rank had reduced the window."""
+    x, y = make_data(4)
+    model = make_model()
+    acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=2)
+    with torch.inference_mode():
+        model[2].bias.grad = torch.zeros_like(model[2].bias)
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc.backward\(\): 2.bias's .grad is an inference tensor \(made "
+                                           r"inside torch.inference_mode\(\)\), which no backward or reduction can "
+                                           r"write; set it to None outside inference_mode \(or call acc.zero_grad\(\)\)$"):
+        acc.backward(loss_of(model, x, y))
+    assert acc.micro_step == 0
+    model[2].bias.grad = None
+    acc.backward(loss_of(model, x, y))
+    assert acc.micro_step == 1
+
+
 def test_backward_after_closed_window():
     K = 2
     x, y = make_data(8)

@@ -359,7 +359,7 @@ def test_a_per_rank_state_of_a_window_whose_micro_step_failed_is_refused(tmp_pat
 
 
 REFUSED = {
-    "no_grad": ("ValueError", "gradaccum: acc.backward(): loss does not require grad (computed under no_grad, or from "
+    "no_grad": ("ValueError", "gradaccum: acc.backward(): loss does not require grad (computed under no_grad or inference_mode, or from "
                 "no trainable parameter?)"),
     "not_tensor": ("TypeError", "gradaccum: acc.backward(): loss must be a torch.Tensor, got float"),
     "num_items": ("ValueError", "gradaccum: acc.backward(): num_items is only used with reduction='items' "
@@ -374,7 +374,8 @@ REFUSED = {
 }
 WHY = ("refused the micro-batch that closes the window: its acc.backward() or acc.run() rejected its loss, "
        "num_items or metrics (a loss that is not a scalar or does not require grad, a num_items that is not a number "
-       ">= 0, ...), found a parameter unfrozen without acc.refresh_parameters(), or was called inside acc.no_sync()")
+       ">= 0, ...) or its other arguments, found a parameter unfrozen without acc.refresh_parameters() or an "
+       "inference .grad, or was called inside acc.no_sync() or torch.inference_mode()")
 NOT_COUNTED = ("this micro-step was not counted: run it again with a valid loss, or call acc.empty_micro_step() in "
                "its place, so that this rank's windows stay aligned with the other ranks'")
 THEN = (". The window's gradients were cleared on every rank and no optimizer step was taken; training can go on "
