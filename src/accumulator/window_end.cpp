@@ -8,6 +8,7 @@
 #include "call_guard.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/irange.h>
 
 #include <cmath>
@@ -256,6 +257,11 @@ bool Accumulator::reducer_checks_finite() const {
 }
 
 bool Accumulator::step_window(const char* call) {
+  // The optimizer's state (momentum, Adam's moments), made at its first
+  // step, must not be inference tensors: acc.step() inside an evaluation's
+  // torch.inference_mode() steps with it off (review: every later step on
+  // that rank failed).
+  const c10::InferenceMode not_inference(/*enabled=*/false);
   // A retry after the scheduler raised: the optimizer stepped this window.
   if (!window_optimizer_stepped_ && !step_optimizer(call)) {
     return false;
