@@ -321,6 +321,15 @@ void Accumulator::empty_micro_step() {
   check_no_open_parts(call);
   check_micro_step_state(call);
   refuse_closing_in_no_sync(call);
+  try {
+    check_no_inference_grads(call);
+  } catch (const c10::Error& e) { // as a refused micro-batch (Note [A refused closing micro-batch])
+    const auto dropped = drop_refused_window(call);
+    if (dropped.empty()) {
+      throw;
+    }
+    TORCH_CHECK(false, e.msg(), "; ", dropped);
+  }
   const auto before = grad_versions();
   check_window_gradients(call, before);
   // As a micro-batch nonfinite="skip_micro_batch" leaves out, but not counted

@@ -626,9 +626,34 @@ def test_an_inference_grad_is_refused_before_the_window_is_reduced():
                                            r"write; set it to None outside inference_mode \(or call acc.zero_grad\(\)\)$"):
         acc.backward(loss_of(model, x, y))
     assert acc.micro_step == 0
+    with pytest.raises(RuntimeError, match=r"^gradaccum: acc.empty_micro_step\(\): 2.bias's .grad is an inference "
+                                           r"tensor"):  # (review: it closed a window with it)
+        acc.empty_micro_step()
+    assert acc.micro_step == 0
     model[2].bias.grad = None
     acc.backward(loss_of(model, x, y))
     assert acc.micro_step == 1
+
+
+def test_a_step_inside_inference_mode_builds_the_optimizers_state_outside_it():
+    """Review: the first acc.step() inside an evaluation's inference_mode()
+    made SGD's momentum (Adam's moments) inference tensors; every later
+    step failed. The result equals steps taken outside it."""
+    x, y = make_data(8)
+    results = []
+    for inference in (False, True):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        acc = gradaccum.Accumulator(model, opt, steps=2)
+        for w in range(3):
+            acc.backward(loss_of(model, x[:4] + w, y[:4]))
+            acc.backward(loss_of(model, x[4:] + w, y[4:]))
+            with torch.inference_mode(inference and w == 0):
+                assert acc.step()
+        assert not any(opt.state[p]["momentum_buffer"].is_inference() for p in model.parameters())
+        results.append([p.detach().clone() for p in model.parameters()])
+        acc.close()
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_backward_after_closed_window():
