@@ -116,8 +116,9 @@ void AccumulatorOptions::validate() const {
     TORCH_CHECK_VALUE(*accumulate_dtype_ == at::kFloat || *accumulate_dtype_ == at::kDouble,
         "gradaccum: Accumulator(): invalid accumulate_dtype: ", *accumulate_dtype_, " (float32 or float64)");
     TORCH_CHECK_VALUE(!reducer_.gradient_as_bucket_view(),
-        "gradaccum: Accumulator(): accumulate_dtype and gradient_as_bucket_view exclude each other: a bucket of the "
-        "accumulation dtype cannot be a parameter's .grad of another dtype (use one or the other)");
+        "gradaccum: Accumulator(): accumulate_dtype and gradient_as_bucket_view exclude each other: an "
+        "accumulating bucket keeps the window's sums in its own storage, which .grad cannot be (use one or the "
+        "other)");
   }
   if (comm_dtype_) {
     TORCH_CHECK_VALUE(*comm_dtype_ == at::kBFloat16 || *comm_dtype_ == at::kHalf ||
