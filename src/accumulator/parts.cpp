@@ -1,5 +1,6 @@
 // A micro-step in parts: what acc.run() does with a micro-batch that ran out
-// of memory.
+// of memory; and the micro-steps with no backward of their own: a refused
+// micro-batch, and acc.empty_micro_step().
 #include <gradaccum/accumulator.h>
 
 #include "call_guard.h"
@@ -291,6 +292,34 @@ void Accumulator::refuse_closing_in_no_sync(const char* call) {
   const auto dropped = drop_refused_window(call);
   TORCH_CHECK(dropped.empty(), message, "; ", dropped);
   TORCH_CHECK(false, message);
+}
+
+void Accumulator::empty_micro_step() {
+  const char* call = "acc.empty_micro_step()";
+  const CallGuard guard(driver_, driving_, call, &call_);
+  realign_after_manual_reduction(call); // Note [A manual reduction in the middle of a window]
+  check_no_open_parts(call);
+  check_micro_step_state(call);
+  refuse_closing_in_no_sync(call);
+  try {
+    check_no_inference_grads(call);
+  } catch (const c10::Error& e) { // as a refused micro-batch (Note [A refused closing micro-batch])
+    const auto dropped = drop_refused_window(call);
+    if (dropped.empty()) {
+      throw;
+    }
+    TORCH_CHECK(false, e.msg(), "; ", dropped);
+  }
+  const auto before = grad_versions();
+  check_window_gradients(call, before);
+  // As a micro-batch nonfinite="skip_micro_batch" leaves out, but not counted
+  // as one: weight 0, no backward, the window's loss and metrics unchanged.
+  pending_loss_sum_ = window_loss_sum_;
+  if (!closes_window_next()) {
+    local_micro_step(at::Tensor(), 0, before);
+    return;
+  }
+  close_window(at::Tensor(), 0, before);
 }
 
 } // namespace gradaccum
