@@ -426,7 +426,7 @@ class Accumulator {
   /// Those of `which` whose .grad holds a non-zero (or NaN) value, in order.
   std::vector<size_t> nonzero_gradients(const std::vector<size_t>& which) const;
   double check_micro_step(const at::Tensor& loss, std::optional<double> num_items, const char* what) const;
-  void check_no_inference_grads(const char* what) const;
+  void check_no_inference_grads(const char* what, const std::vector<GradMark>& marks) const;
   void fail_after_peers_ended_epoch();
   void local_micro_step(const at::Tensor& scaled, double weight, const std::vector<GradMark>& before);
   void reduce_window(const at::Tensor& scaled, double weight);

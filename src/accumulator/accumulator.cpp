@@ -281,11 +281,15 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
   // Every check comes before backward: a rejected call changes nothing, but
   // see Note [A refused closing micro-batch].
   refuse_closing_in_no_sync(call); // (drops the window itself)
+  // One look at the gradients serves the checks here and, should backward
+  // fail, the question whether it reached .grad.
+  const auto before = grad_versions();
   double weight = 1.0;
   try {
     weight = check_micro_step(loss, num_items, call);
     check_reported(reported, call);
     check_metrics(metrics, call);
+    check_no_inference_grads(call, before);
   } catch (const c10::Error& e) {
     const auto dropped = drop_refused_window(call);
     if (dropped.empty()) {
@@ -295,9 +299,6 @@ void Accumulator::backward_as(const char* call, const at::Tensor& loss, std::opt
     TORCH_CHECK_VALUE(!value_error, e.msg(), "; ", dropped);
     TORCH_CHECK(false, e.msg(), "; ", dropped);
   }
-  // One look at the gradients serves the mid-window check here and, should
-  // backward fail, the question whether it reached .grad.
-  const auto before = grad_versions();
   check_window_gradients(call, before);
   const bool keep = keep_micro_batch(reported.defined() ? reported : loss, metrics);
   if (!keep) {

@@ -69,6 +69,8 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
   realign_after_manual_reduction(call); // Note [A manual reduction in the middle of a window]
   // Every check comes before backward: a rejected call changes nothing.
   double weight = check_micro_step(loss, num_items, call);
+  const auto before = grad_versions();
+  check_no_inference_grads(call, before);
   window_forwards_ = true; // (a refused part: acc.run() fails the whole micro-step)
   TORCH_CHECK_VALUE(std::isfinite(share) && share > 0 && share <= 1,
       "gradaccum: ", call, ": a part's share of its micro-batch must be in (0, 1], got ", share);
@@ -78,7 +80,6 @@ void Accumulator::backward_part(const at::Tensor& loss, std::optional<double> nu
   // sum and items: a sum over its rows, which adds as it is.
   const bool items = options_.reduction() == Reduction::Items;
   const double scale = options_.reduction() == Reduction::Mean ? share : 1.0;
-  const auto before = grad_versions();
   check_window_gradients(call, before);
   const auto& value = reported.defined() ? reported : loss;
   const bool keep = keep_micro_batch(scale == 1.0 ? value : value.detach() * scale, metrics);
@@ -301,8 +302,9 @@ void Accumulator::empty_micro_step() {
   check_no_open_parts(call);
   check_micro_step_state(call);
   refuse_closing_in_no_sync(call);
+  const auto before = grad_versions();
   try {
-    check_no_inference_grads(call);
+    check_no_inference_grads(call, before);
   } catch (const c10::Error& e) { // as a refused micro-batch (Note [A refused closing micro-batch])
     const auto dropped = drop_refused_window(call);
     if (dropped.empty()) {
@@ -310,7 +312,6 @@ void Accumulator::empty_micro_step() {
     }
     TORCH_CHECK(false, e.msg(), "; ", dropped);
   }
-  const auto before = grad_versions();
   check_window_gradients(call, before);
   // As a micro-batch nonfinite="skip_micro_batch" leaves out, but not counted
   // as one: weight 0, no backward, the window's loss and metrics unchanged.

@@ -458,15 +458,15 @@ void Accumulator::check_training_not_ended(const char* what, bool flushing) cons
       "call acc.join(), which returns at once). Nothing was changed");
 }
 
-void Accumulator::check_no_inference_grads(const char* what) const {
-  for (const auto i : c10::irange(params_.size())) {
-    // One made by the script (inside inference_mode()) takes no backward's
-    // sum nor the reduction's write-back: refused here, before the window
-    // is reduced, not on this rank alone after it (review).
-    const auto& g = params_[i].grad();
-    TORCH_CHECK(!g.defined() || !g.is_inference(), "gradaccum: ", what, ": ", names_[i], "'s .grad is an inference "
-        "tensor (made inside torch.inference_mode()), which no backward or reduction can write; set it to None "
-        "outside inference_mode (or call acc.zero_grad())");
+void Accumulator::check_no_inference_grads(const char* what, const std::vector<GradMark>& marks) const {
+  // `marks`: grad_versions(), which the micro-step takes anyway. A .grad the
+  // script made inside inference_mode() takes no backward's sum nor the
+  // reduction's write-back: refused here, before the window is reduced, not
+  // on this rank alone after it (review).
+  for (const auto i : c10::irange(marks.size())) {
+    TORCH_CHECK(marks[i].version != detail::kInferenceGradVersion, "gradaccum: ", what, ": ", names_[i], "'s .grad "
+        "is an inference tensor (made inside torch.inference_mode()), which no backward or reduction can write; "
+        "set it to None outside inference_mode (or call acc.zero_grad())");
   }
 }
 
@@ -490,7 +490,6 @@ double Accumulator::check_micro_step(
   TORCH_CHECK(!c10::InferenceMode::is_enabled(), "gradaccum: ", what, ": called inside torch.inference_mode(), "
       "where backward would make .grad inference tensors that no later backward can add to; run the micro-step "
       "outside it (an evaluation inside it between micro-steps is fine)");
-  check_no_inference_grads(what);
   double weight = 1.0;
   if (options_.reduction() == Reduction::Items) {
     TORCH_CHECK_VALUE(num_items.has_value(),
