@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 import torch
 
 from gradaccum import _C, _checks, _run, _scaler_window
-from gradaccum._lifetime import _LIVE, _Held, SchedulerStep, _optimizer_parameters, _optimizer_step
+from gradaccum._lifetime import _LIVE, _Held, SchedulerStep, _optimizer_parameters, _optimizer_step, close as _close
 from gradaccum._checkpoint import load_state, save_state
 from gradaccum._refusal import _refuse_construction
 from gradaccum import trace as _trace
@@ -579,7 +579,7 @@ class Accumulator(_Held):
         on ``with`` exit. No collective: in the middle of a window the other
         ranks still wait for this rank's reduction (Note [Closed in the middle
         of a window]). Counted micro-steps no step took warn, once."""
-        _checks.close(self, warn=True)
+        _close(self, warn=True)
 
     @property
     def closed(self) -> bool:
@@ -589,7 +589,7 @@ class Accumulator(_Held):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _checks.close(self, warn=exc[0] is None)  # (an error leaving the block says what happened)
+        _close(self, warn=exc[0] is None)  # (an error leaving the block says what happened)
 
     def __repr__(self) -> str:
         if self.closed:

@@ -5,7 +5,6 @@ import inspect
 import math
 import numbers
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -566,23 +565,3 @@ def check_group(self: Any, what: str) -> None:
             "Accumulator was built without a process group, so it reduces nothing and each rank "
             "would train alone. Build the Accumulator after init_process_group(), or pass "
             "process_group=False to train each rank alone on purpose")
-
-
-_WARNED_UNSTEPPED = False
-
-
-def close(acc: Any, warn: bool) -> None:
-    """acc.close(): a window whose counted micro-steps no optimizer step took
-    is discarded; unless an error is leaving (`warn` False) that warns, once
-    per process (it was silent: a loop's last partial window without
-    acc.flush(), say)."""
-    global _WARNED_UNSTEPPED
-    c = acc._c
-    if warn and not _WARNED_UNSTEPPED and not c.closed and (c.micro_step > 0 or c.window_ready):
-        _WARNED_UNSTEPPED = True
-        what = ("a closed window no optimizer step took (acc.step() steps it); it is" if c.window_ready else
-                f"{c.micro_step} counted micro-step(s) of a window no optimizer step took (acc.flush() steps a "
-                "partial window: call it at the end of the data, on every rank); they are")
-        warnings.warn(f"gradaccum: acc.close(): this Accumulator held {what} discarded. Warned once", stacklevel=3)
-    c.close()
-    acc._process_group = None

@@ -57,8 +57,7 @@ def _close_at_exit() -> None:
       to finish what they release."""
     for acc in list(_LIVE):
         try:
-            acc._c.close()  # (no close() warning: the script is over, whatever it left)
-            acc._process_group = None  # (the group's last reference may be this one)
+            close(acc, warn=False)  # (no warning: the script is over, whatever it left)
         except Exception:  # exiting anyway: nothing left to tell
             pass
     if _gloo_workers_alive():
@@ -279,3 +278,23 @@ class _Held:
         raise TypeError("gradaccum: an Accumulator cannot be pickled or copied (pickle, copy, torch.save): it holds "
                         "a process group and hooks on the model; save acc.state_dict() beside the model's and the "
                         "optimizer's, and load it into a new Accumulator with acc.load_state_dict()")
+
+
+_WARNED_UNSTEPPED = False
+
+
+def close(acc: Any, warn: bool) -> None:
+    """acc.close(): a window whose counted micro-steps no optimizer step took
+    is discarded; unless an error is leaving (`warn` False) that warns, once
+    per process (it was silent: a loop's last partial window without
+    acc.flush(), say)."""
+    global _WARNED_UNSTEPPED
+    c = acc._c
+    if warn and not _WARNED_UNSTEPPED and not c.closed and (c.micro_step > 0 or c.window_ready):
+        _WARNED_UNSTEPPED = True
+        what = ("a closed window no optimizer step took (acc.step() steps it); it is" if c.window_ready else
+                f"{c.micro_step} counted micro-step(s) of a window no optimizer step took (acc.flush() steps a "
+                "partial window: call it at the end of the data, on every rank); they are")
+        warnings.warn(f"gradaccum: acc.close(): this Accumulator held {what} discarded. Warned once", stacklevel=3)
+    c.close()
+    acc._process_group = None  # (the group's last reference may be this one)

@@ -777,9 +777,9 @@ def test_close_warns_once_of_micro_steps_no_step_took(monkeypatch):
     close() with nothing said. An error leaving a `with` block says enough."""
     import warnings
 
-    from gradaccum import _checks
+    from gradaccum import _lifetime
 
-    monkeypatch.setattr(_checks, "_WARNED_UNSTEPPED", False)
+    monkeypatch.setattr(_lifetime, "_WARNED_UNSTEPPED", False)
     model = make_model()
     x, y = make_data()
     acc = gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=3)
@@ -794,7 +794,7 @@ def test_close_warns_once_of_micro_steps_no_step_took(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         acc.close()  # closed already: nothing
-        monkeypatch.setattr(_checks, "_WARNED_UNSTEPPED", False)
+        monkeypatch.setattr(_lifetime, "_WARNED_UNSTEPPED", False)
         model.zero_grad(set_to_none=True)  # (closed mid-window, .grad kept that window's part)
         with pytest.raises(KeyError):
             with gradaccum.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=3) as other:
